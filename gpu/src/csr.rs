@@ -1,0 +1,160 @@
+//! Compressed sparse row matrices.
+use crate::{GpuError, Result};
+
+/// A CSR sparse matrix with optional per-edge values.
+///
+/// Row `i` holds the entries `indices[indptr[i]..indptr[i+1]]`. In Trellis a row is a target
+/// (output) node and its entries are the source rows it aggregates from, in ascending global id.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Csr {
+    n_rows: usize,
+    n_cols: usize,
+    indptr: Vec<usize>,
+    indices: Vec<u32>,
+    values: Option<Vec<f32>>,
+}
+
+/// The transpose of a [`Csr`] plus, for each of its entries, the entry index in the original.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CsrTranspose {
+    /// The transposed matrix (values permuted along if the original had any).
+    pub csr: Csr,
+    /// `perm[k]` = index in the original of the transposed entry `k`.
+    pub perm: Vec<u32>,
+}
+
+impl Csr {
+    /// Builds and validates a CSR matrix.
+    pub fn new(
+        n_rows: usize,
+        n_cols: usize,
+        indptr: Vec<usize>,
+        indices: Vec<u32>,
+        values: Option<Vec<f32>>,
+    ) -> Result<Self> {
+        let bad = |d: String| Err(GpuError::shape("Csr::new", d));
+        if indptr.len() != n_rows + 1 {
+            return bad(format!("indptr has {} entries for {n_rows} rows", indptr.len()));
+        }
+        if indptr[0] != 0 || indptr[n_rows] != indices.len() {
+            return bad("indptr does not span the indices".into());
+        }
+        if indptr.windows(2).any(|w| w[0] > w[1]) {
+            return bad("indptr is not monotone".into());
+        }
+        if let Some(&c) = indices.iter().find(|&&c| c as usize >= n_cols) {
+            return bad(format!("column {c} out of range for {n_cols} columns"));
+        }
+        if let Some(v) = &values {
+            if v.len() != indices.len() {
+                return bad(format!("{} values for {} entries", v.len(), indices.len()));
+            }
+        }
+        Ok(Csr { n_rows, n_cols, indptr, indices, values })
+    }
+
+    /// Builds from (row, col) pairs; entries of each row are sorted by column, duplicates kept.
+    pub fn from_pairs(n_rows: usize, n_cols: usize, pairs: &[(u32, u32)]) -> Result<Self> {
+        let mut counts = vec![0usize; n_rows + 1];
+        for &(r, c) in pairs {
+            if r as usize >= n_rows || c as usize >= n_cols {
+                return Err(GpuError::shape(
+                    "Csr::from_pairs",
+                    format!("entry ({r},{c}) outside {n_rows}x{n_cols}"),
+                ));
+            }
+            counts[r as usize + 1] += 1;
+        }
+        for i in 0..n_rows {
+            counts[i + 1] += counts[i];
+        }
+        let mut fill = counts.clone();
+        let mut indices = vec![0u32; pairs.len()];
+        for &(r, c) in pairs {
+            indices[fill[r as usize]] = c;
+            fill[r as usize] += 1;
+        }
+        for i in 0..n_rows {
+            indices[counts[i]..counts[i + 1]].sort_unstable();
+        }
+        Self::new(n_rows, n_cols, counts, indices, None)
+    }
+
+    /// Number of rows.
+    pub fn n_rows(&self) -> usize {
+        self.n_rows
+    }
+    /// Number of columns.
+    pub fn n_cols(&self) -> usize {
+        self.n_cols
+    }
+    /// Number of stored entries.
+    pub fn nnz(&self) -> usize {
+        self.indices.len()
+    }
+    /// Row pointers (`n_rows + 1`).
+    pub fn indptr(&self) -> &[usize] {
+        &self.indptr
+    }
+    /// Column indices.
+    pub fn indices(&self) -> &[u32] {
+        &self.indices
+    }
+    /// Per-entry values, if any.
+    pub fn values(&self) -> Option<&[f32]> {
+        self.values.as_deref()
+    }
+    /// Replaces the per-entry values.
+    pub fn set_values(&mut self, values: Option<Vec<f32>>) -> Result<()> {
+        if let Some(v) = &values {
+            if v.len() != self.nnz() {
+                return Err(GpuError::shape(
+                    "Csr::set_values",
+                    format!("{} values for {} entries", v.len(), self.nnz()),
+                ));
+            }
+        }
+        self.values = values;
+        Ok(())
+    }
+    /// The entries of row `i`.
+    pub fn row(&self, i: usize) -> &[u32] {
+        &self.indices[self.indptr[i]..self.indptr[i + 1]]
+    }
+    /// Number of entries in row `i`.
+    pub fn degree(&self, i: usize) -> usize {
+        self.indptr[i + 1] - self.indptr[i]
+    }
+    /// Approximate heap bytes held.
+    pub fn heap_bytes(&self) -> usize {
+        self.indptr.len() * 8 + self.indices.len() * 4 + self.values.as_ref().map_or(0, |v| v.len() * 4)
+    }
+
+    /// The transpose; entries of each transposed row come in ascending original-row order,
+    /// so the result is deterministic.
+    pub fn transpose(&self) -> CsrTranspose {
+        let mut counts = vec![0usize; self.n_cols + 1];
+        for &c in &self.indices {
+            counts[c as usize + 1] += 1;
+        }
+        for i in 0..self.n_cols {
+            counts[i + 1] += counts[i];
+        }
+        let mut fill = counts.clone();
+        let mut indices = vec![0u32; self.nnz()];
+        let mut perm = vec![0u32; self.nnz()];
+        for r in 0..self.n_rows {
+            for e in self.indptr[r]..self.indptr[r + 1] {
+                let c = self.indices[e] as usize;
+                indices[fill[c]] = r as u32;
+                perm[fill[c]] = e as u32;
+                fill[c] += 1;
+            }
+        }
+        let values = self.values.as_ref().map(|v| perm.iter().map(|&e| v[e as usize]).collect());
+        CsrTranspose {
+            csr: Csr { n_rows: self.n_cols, n_cols: self.n_rows, indptr: counts, indices, values },
+            perm,
+        }
+    }
+}

@@ -1,0 +1,29 @@
+//! `trellis-gpu` owns devices, streams, tensors and compute kernels.
+//!
+//! One device-neutral API ([`Stream`] methods in [`ops`]) with backends behind it. The CPU
+//! backend ([`cpu`]) is the reference implementation: every kernel is parallel (rayon, inside
+//! the global [`ThreadBudget`]) and deterministic — the same inputs and thread count give
+//! bit-identical outputs, and row-parallel kernels are bit-identical for any thread count.
+//! A CUDA backend will live in its own module behind the `cuda` cargo feature.
+
+pub mod cpu;
+mod csr;
+mod device;
+mod digest;
+mod error;
+pub mod ops;
+pub mod rng;
+mod stream;
+mod tensor;
+
+pub use csr::{Csr, CsrTranspose};
+pub use device::{Device, ThreadBudget};
+pub use digest::{digest_bytes, digest_f32};
+pub use error::GpuError;
+pub use ops::{Activation, AdamConfig, EdgeWeights, LossOutput, SgdConfig};
+pub use rng::{DropoutKey, Philox4x32};
+pub use stream::Stream;
+pub use tensor::{IndexBuffer, Tensor};
+
+/// Result type of this crate.
+pub type Result<T> = std::result::Result<T, GpuError>;

@@ -1,0 +1,337 @@
+//! The device-neutral op API: methods on [`Stream`] that check shapes and dispatch to the
+//! stream's backend. Callers (models, partition actors) use only these.
+use crate::cpu;
+use crate::{Csr, Device, DropoutKey, GpuError, Result, Stream, Tensor};
+
+/// Elementwise nonlinearities.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Activation {
+    Identity,
+    Relu,
+    Elu { alpha: f32 },
+    LeakyRelu { slope: f32 },
+}
+
+impl Activation {
+    /// `act(x)`.
+    #[inline]
+    pub fn apply(self, x: f32) -> f32 {
+        match self {
+            Activation::Identity => x,
+            Activation::Relu => x.max(0.0),
+            Activation::Elu { alpha } => {
+                if x > 0.0 {
+                    x
+                } else {
+                    alpha * x.exp_m1()
+                }
+            }
+            Activation::LeakyRelu { slope } => {
+                if x > 0.0 {
+                    x
+                } else {
+                    slope * x
+                }
+            }
+        }
+    }
+    /// `act'(x)`.
+    #[inline]
+    pub fn derivative(self, x: f32) -> f32 {
+        match self {
+            Activation::Identity => 1.0,
+            Activation::Relu => (x > 0.0) as u8 as f32,
+            Activation::Elu { alpha } => {
+                if x > 0.0 {
+                    1.0
+                } else {
+                    alpha * x.exp()
+                }
+            }
+            Activation::LeakyRelu { slope } => {
+                if x > 0.0 {
+                    1.0
+                } else {
+                    slope
+                }
+            }
+        }
+    }
+}
+
+/// Adam hyper-parameters (L2 weight decay added to the gradient, as `torch.optim.Adam`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct AdamConfig {
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+}
+
+impl Default for AdamConfig {
+    fn default() -> Self {
+        AdamConfig { lr: 0.01, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }
+    }
+}
+
+/// SGD hyper-parameters.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct SgdConfig {
+    pub lr: f32,
+    pub momentum: f32,
+    pub weight_decay: f32,
+}
+
+/// Per-entry weights for [`Stream::spmm`].
+#[derive(Debug, Clone, Copy)]
+pub enum EdgeWeights<'a> {
+    /// Every entry weighs 1.
+    Ones,
+    /// The matrix's own values.
+    Stored,
+    /// `heads` weights per entry, entry-major.
+    PerHead(&'a [f32], usize),
+}
+
+/// Output of [`Stream::softmax_nll`].
+pub type LossOutput = cpu::LossSums;
+
+fn check(op: &'static str, ok: bool, detail: impl FnOnce() -> String) -> Result<()> {
+    if ok {
+        Ok(())
+    } else {
+        Err(GpuError::shape(op, detail()))
+    }
+}
+
+impl Stream {
+    fn cpu_only(&self) -> Result<()> {
+        match self.device() {
+            Device::Cpu => Ok(()),
+            d => Err(GpuError::DeviceUnavailable { device: d.to_string(), reason: "no backend".into() }),
+        }
+    }
+
+    /// `c = alpha * op(a) * op(b) + beta * c`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm(
+        &self,
+        alpha: f32,
+        a: &Tensor,
+        trans_a: bool,
+        b: &Tensor,
+        trans_b: bool,
+        beta: f32,
+        c: &mut Tensor,
+    ) -> Result<()> {
+        self.cpu_only()?;
+        let (m, k) = if trans_a { (a.cols(), a.rows()) } else { a.shape() };
+        let (k2, n) = if trans_b { (b.cols(), b.rows()) } else { b.shape() };
+        check("gemm", k == k2 && c.shape() == (m, n), || {
+            format!("op(a) {m}x{k}, op(b) {k2}x{n}, c {}x{}", c.rows(), c.cols())
+        })?;
+        let threads = self.threads();
+        self.run(|| {
+            cpu::gemm(m, n, k, alpha, a.as_slice(), trans_a, b.as_slice(), trans_b, beta, c.as_mut_slice(), threads)
+        });
+        Ok(())
+    }
+
+    /// `op(a) * op(b)` into a new tensor.
+    pub fn matmul(&self, a: &Tensor, trans_a: bool, b: &Tensor, trans_b: bool) -> Result<Tensor> {
+        let m = if trans_a { a.cols() } else { a.rows() };
+        let n = if trans_b { b.rows() } else { b.cols() };
+        let mut c = Tensor::zeros(m, n);
+        self.gemm(1.0, a, trans_a, b, trans_b, 0.0, &mut c)?;
+        Ok(c)
+    }
+
+    /// `out = A x` with `A` a CSR matrix (rows = outputs) and `heads` column blocks of `x`.
+    pub fn spmm(&self, a: &Csr, w: EdgeWeights<'_>, x: &Tensor, out: &mut Tensor) -> Result<()> {
+        self.cpu_only()?;
+        check("spmm", x.rows() == a.n_cols() && out.shape() == (a.n_rows(), x.cols()), || {
+            format!("A {}x{}, x {}x{}, out {}x{}", a.n_rows(), a.n_cols(), x.rows(), x.cols(), out.rows(), out.cols())
+        })?;
+        let (weights, heads) = match w {
+            EdgeWeights::Ones => (None, 1),
+            EdgeWeights::Stored => {
+                let v = a.values().ok_or_else(|| GpuError::shape("spmm", "matrix has no stored values"))?;
+                (Some(v), 1)
+            }
+            EdgeWeights::PerHead(v, h) => {
+                check("spmm", h >= 1 && v.len() == a.nnz() * h && x.cols() % h == 0, || {
+                    format!("{} weights for {} entries x {h} heads, width {}", v.len(), a.nnz(), x.cols())
+                })?;
+                (Some(v), h)
+            }
+        };
+        self.run(|| cpu::spmm(a, weights, heads, x.as_slice(), x.cols(), out.as_mut_slice()));
+        Ok(())
+    }
+
+    /// Per-entry, per-head dot products `<a[row], b[col]>` (SDDMM).
+    pub fn sddmm_dot(&self, csr: &Csr, heads: usize, a: &Tensor, b: &Tensor) -> Result<Vec<f32>> {
+        self.cpu_only()?;
+        check("sddmm_dot", a.rows() == csr.n_rows() && b.rows() == csr.n_cols() && a.cols() == b.cols() && heads >= 1 && a.cols() % heads == 0, || {
+            format!("csr {}x{}, a {:?}, b {:?}, heads {heads}", csr.n_rows(), csr.n_cols(), a.shape(), b.shape())
+        })?;
+        let mut out = vec![0.0; csr.nnz() * heads];
+        self.run(|| cpu::sddmm_dot(csr, heads, a.as_slice(), b.as_slice(), a.cols(), &mut out));
+        Ok(out)
+    }
+
+    /// Per-entry, per-head sums `left[row] + right[col]`.
+    pub fn sddmm_add(&self, csr: &Csr, left: &Tensor, right: &Tensor) -> Result<Vec<f32>> {
+        self.cpu_only()?;
+        let heads = left.cols();
+        check("sddmm_add", left.rows() == csr.n_rows() && right.rows() == csr.n_cols() && right.cols() == heads, || {
+            format!("csr {}x{}, left {:?}, right {:?}", csr.n_rows(), csr.n_cols(), left.shape(), right.shape())
+        })?;
+        let mut out = vec![0.0; csr.nnz() * heads];
+        self.run(|| cpu::sddmm_add(csr, heads, left.as_slice(), right.as_slice(), &mut out));
+        Ok(out)
+    }
+
+    /// Softmax of per-entry scores over each row, per head.
+    pub fn edge_softmax(&self, csr: &Csr, heads: usize, scores: &[f32]) -> Result<Vec<f32>> {
+        self.cpu_only()?;
+        check("edge_softmax", scores.len() == csr.nnz() * heads, || format!("{} scores", scores.len()))?;
+        let mut out = vec![0.0; scores.len()];
+        self.run(|| cpu::edge_softmax(csr, heads, scores, &mut out));
+        Ok(out)
+    }
+
+    /// Backward of [`Stream::edge_softmax`] given its output `alpha` and the output gradient.
+    pub fn edge_softmax_backward(&self, csr: &Csr, heads: usize, alpha: &[f32], grad: &[f32]) -> Result<Vec<f32>> {
+        self.cpu_only()?;
+        check("edge_softmax_backward", alpha.len() == csr.nnz() * heads && grad.len() == alpha.len(), || {
+            format!("{} alpha, {} grad", alpha.len(), grad.len())
+        })?;
+        let mut out = vec![0.0; alpha.len()];
+        self.run(|| cpu::edge_softmax_backward(csr, heads, alpha, grad, &mut out));
+        Ok(out)
+    }
+
+    /// Rows `idx` of `x` as a new tensor.
+    pub fn gather_rows(&self, x: &Tensor, idx: &[u32]) -> Result<Tensor> {
+        self.cpu_only()?;
+        check("gather_rows", idx.iter().all(|&i| (i as usize) < x.rows()), || format!("index out of {} rows", x.rows()))?;
+        let mut out = Tensor::zeros(idx.len(), x.cols());
+        self.run(|| cpu::gather_rows(x.as_slice(), x.cols(), idx, out.as_mut_slice()));
+        Ok(out)
+    }
+
+    /// `out[idx[r]] += src[r]`.
+    pub fn scatter_add_rows(&self, src: &Tensor, idx: &[u32], out: &mut Tensor) -> Result<()> {
+        self.cpu_only()?;
+        check("scatter_add_rows", src.rows() == idx.len() && src.cols() == out.cols() && idx.iter().all(|&i| (i as usize) < out.rows()), || {
+            format!("src {:?}, {} indices, out {:?}", src.shape(), idx.len(), out.shape())
+        })?;
+        self.run(|| cpu::scatter_add_rows(src.as_slice(), src.cols(), idx, out.as_mut_slice()));
+        Ok(())
+    }
+
+    /// `x[i, :] += bias`.
+    pub fn add_bias(&self, x: &mut Tensor, bias: &Tensor) -> Result<()> {
+        self.cpu_only()?;
+        check("add_bias", bias.len() == x.cols(), || format!("bias {} for width {}", bias.len(), x.cols()))?;
+        self.run(|| cpu::add_bias(x.as_mut_slice(), bias.as_slice()));
+        Ok(())
+    }
+
+    /// `out += column sums of g` (the bias gradient, accumulated).
+    pub fn add_column_sums(&self, g: &Tensor, out: &mut Tensor) -> Result<()> {
+        self.cpu_only()?;
+        check("add_column_sums", out.len() == g.cols(), || format!("out {} for width {}", out.len(), g.cols()))?;
+        let mut sums = vec![0.0; g.cols()];
+        self.run(|| cpu::column_sums(g.as_slice(), g.cols(), &mut sums));
+        out.as_mut_slice().iter_mut().zip(&sums).for_each(|(o, s)| *o += s);
+        Ok(())
+    }
+
+    /// `act(x)` as a new tensor.
+    pub fn activation(&self, act: Activation, x: &Tensor) -> Result<Tensor> {
+        self.cpu_only()?;
+        let mut y = Tensor::zeros(x.rows(), x.cols());
+        self.run(|| cpu::activation(act, x.as_slice(), y.as_mut_slice()));
+        Ok(y)
+    }
+
+    /// `gy * act'(x)` as a new tensor.
+    pub fn activation_backward(&self, act: Activation, x: &Tensor, gy: &Tensor) -> Result<Tensor> {
+        self.cpu_only()?;
+        check("activation_backward", x.shape() == gy.shape(), || format!("{:?} vs {:?}", x.shape(), gy.shape()))?;
+        let mut gx = Tensor::zeros(x.rows(), x.cols());
+        self.run(|| cpu::activation_backward(act, x.as_slice(), gy.as_slice(), gx.as_mut_slice()));
+        Ok(gx)
+    }
+
+    /// Inverted dropout in place, keyed by the rows' global ids (its own backward).
+    pub fn dropout(&self, x: &mut Tensor, gids: &[u32], key: DropoutKey, p: f32) -> Result<()> {
+        self.cpu_only()?;
+        check("dropout", gids.len() == x.rows(), || format!("{} ids for {} rows", gids.len(), x.rows()))?;
+        let w = x.cols();
+        self.run(|| cpu::dropout(x.as_mut_slice(), w, gids, key, p));
+        Ok(())
+    }
+
+    /// Dropout over CSR entries (`heads` values per entry), keyed by the row's global id.
+    pub fn edge_dropout(&self, csr: &Csr, vals: &mut [f32], heads: usize, gids: &[u32], key: DropoutKey, p: f32) -> Result<()> {
+        self.cpu_only()?;
+        check("edge_dropout", gids.len() == csr.n_rows() && vals.len() == csr.nnz() * heads, || {
+            format!("{} ids for {} rows, {} values", gids.len(), csr.n_rows(), vals.len())
+        })?;
+        self.run(|| cpu::edge_dropout(csr.indptr(), vals, heads, gids, key, p));
+        Ok(())
+    }
+
+    /// `y += alpha * x`.
+    pub fn axpy(&self, alpha: f32, x: &Tensor, y: &mut Tensor) -> Result<()> {
+        self.cpu_only()?;
+        check("axpy", x.shape() == y.shape(), || format!("{:?} vs {:?}", x.shape(), y.shape()))?;
+        self.run(|| cpu::axpy(alpha, x.as_slice(), y.as_mut_slice()));
+        Ok(())
+    }
+
+    /// Log-softmax + NLL over `rows`; `grad` receives the gradient of `scale * loss_sum`.
+    pub fn softmax_nll(&self, logits: &Tensor, labels: &[u32], rows: &[u32], scale: f32, grad: &mut Tensor) -> Result<LossOutput> {
+        self.cpu_only()?;
+        let classes = logits.cols();
+        check("softmax_nll", labels.len() == logits.rows() && grad.shape() == logits.shape()
+            && rows.iter().all(|&r| (r as usize) < logits.rows() && (labels[r as usize] as usize) < classes), || {
+            format!("logits {:?}, {} labels, rows or labels out of range", logits.shape(), labels.len())
+        })?;
+        Ok(self.run(|| cpu::softmax_nll(logits.as_slice(), classes, labels, rows, scale, grad.as_mut_slice())))
+    }
+
+    /// Number of `rows` predicted correctly (argmax).
+    pub fn accuracy_count(&self, logits: &Tensor, labels: &[u32], rows: &[u32]) -> Result<usize> {
+        self.cpu_only()?;
+        check("accuracy_count", labels.len() == logits.rows() && rows.iter().all(|&r| (r as usize) < logits.rows()), || {
+            format!("logits {:?}, {} labels", logits.shape(), labels.len())
+        })?;
+        Ok(self.run(|| cpu::accuracy_count(logits.as_slice(), logits.cols(), labels, rows)))
+    }
+
+    /// One Adam step on `param` (`t` from 1).
+    pub fn adam_step(&self, cfg: &AdamConfig, t: u64, param: &mut Tensor, grad: &Tensor, m: &mut Tensor, v: &mut Tensor) -> Result<()> {
+        self.cpu_only()?;
+        check("adam_step", grad.len() == param.len() && m.len() == param.len() && v.len() == param.len(), || "state sizes differ".into())?;
+        self.run(|| cpu::adam_step(cfg, t, param.as_mut_slice(), grad.as_slice(), m.as_mut_slice(), v.as_mut_slice()));
+        Ok(())
+    }
+
+    /// One SGD step on `param`.
+    pub fn sgd_step(&self, cfg: &SgdConfig, param: &mut Tensor, grad: &Tensor, buf: &mut Tensor) -> Result<()> {
+        self.cpu_only()?;
+        check("sgd_step", grad.len() == param.len() && buf.len() == param.len(), || "state sizes differ".into())?;
+        self.run(|| cpu::sgd_step(cfg, param.as_mut_slice(), grad.as_slice(), buf.as_mut_slice()));
+        Ok(())
+    }
+
+    /// Hex digest of the tensors' bytes, in order.
+    pub fn digest(&self, tensors: &[&Tensor]) -> Result<String> {
+        Ok(crate::digest_f32(tensors.iter().map(|t| t.as_slice())))
+    }
+}

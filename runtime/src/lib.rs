@@ -1,0 +1,15 @@
+//! `trellis-runtime` owns graphs, loaders, partitioning, models, trainers and run reports.
+//!
+//! The models are written layer by layer over a [`graph::Block`]: a CSR whose rows are the
+//! nodes a worker computes (its inner nodes) and whose columns are the input rows it reads
+//! (inner nodes, then halo nodes). A single process uses one block over the whole graph; a
+//! partition actor uses its partition's block and fills the halo rows by exchange between layers.
+
+pub mod data;
+mod error;
+
+pub use data::{DataSource, Dataset};
+pub use error::RuntimeError;
+
+/// Result type of this crate.
+pub type Result<T> = std::result::Result<T, RuntimeError>;
