@@ -35,6 +35,29 @@ impl Activation {
             }
         }
     }
+    /// `act'(x)` expressed through the output `y = act(x)`, so backward passes need not keep
+    /// the pre-activation (valid for these monotone activations).
+    #[inline]
+    pub fn derivative_from_output(self, y: f32) -> f32 {
+        match self {
+            Activation::Identity => 1.0,
+            Activation::Relu => (y > 0.0) as u8 as f32,
+            Activation::Elu { alpha } => {
+                if y > 0.0 {
+                    1.0
+                } else {
+                    y + alpha
+                }
+            }
+            Activation::LeakyRelu { slope } => {
+                if y > 0.0 {
+                    1.0
+                } else {
+                    slope
+                }
+            }
+        }
+    }
     /// `act'(x)`.
     #[inline]
     pub fn derivative(self, x: f32) -> f32 {
@@ -135,6 +158,44 @@ impl Stream {
         self.run(|| {
             cpu::gemm(m, n, k, alpha, a.as_slice(), trans_a, b.as_slice(), trans_b, beta, c.as_mut_slice(), threads)
         });
+        Ok(())
+    }
+
+    /// [`Stream::gemm`] over only the first `a_rows` stored rows of `a` (a row prefix, e.g. the
+    /// inner rows of a block's input), so callers need not copy them out.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_prefix(
+        &self,
+        alpha: f32,
+        a: &Tensor,
+        a_rows: usize,
+        trans_a: bool,
+        b: &Tensor,
+        trans_b: bool,
+        beta: f32,
+        c: &mut Tensor,
+    ) -> Result<()> {
+        self.cpu_only()?;
+        check("gemm_prefix", a_rows <= a.rows(), || format!("{a_rows} rows of {}", a.rows()))?;
+        let a_data = &a.as_slice()[..a_rows * a.cols()];
+        let (m, k) = if trans_a { (a.cols(), a_rows) } else { (a_rows, a.cols()) };
+        let (k2, n) = if trans_b { (b.cols(), b.rows()) } else { b.shape() };
+        check("gemm_prefix", k == k2 && c.shape() == (m, n), || {
+            format!("op(a) {m}x{k}, op(b) {k2}x{n}, c {}x{}", c.rows(), c.cols())
+        })?;
+        let threads = self.threads();
+        self.run(|| cpu::gemm(m, n, k, alpha, a_data, trans_a, b.as_slice(), trans_b, beta, c.as_mut_slice(), threads));
+        Ok(())
+    }
+
+    /// `dst[..src.rows()] += src` (adds into a row prefix of `dst`).
+    pub fn add_rows_prefix(&self, src: &Tensor, dst: &mut Tensor) -> Result<()> {
+        self.cpu_only()?;
+        check("add_rows_prefix", src.cols() == dst.cols() && src.rows() <= dst.rows(), || {
+            format!("{:?} into {:?}", src.shape(), dst.shape())
+        })?;
+        let n = src.len();
+        self.run(|| cpu::axpy(1.0, src.as_slice(), &mut dst.as_mut_slice()[..n]));
         Ok(())
     }
 
@@ -265,6 +326,22 @@ impl Stream {
         let mut gx = Tensor::zeros(x.rows(), x.cols());
         self.run(|| cpu::activation_backward(act, x.as_slice(), gy.as_slice(), gx.as_mut_slice()));
         Ok(gx)
+    }
+
+    /// `gy * act'(x)` in place in `gy`, with the derivative taken from the output `y = act(x)`.
+    pub fn activation_backward_from_output(&self, act: Activation, y: &Tensor, gy: &mut Tensor) -> Result<()> {
+        self.cpu_only()?;
+        check("activation_backward_from_output", y.shape() == gy.shape(), || format!("{:?} vs {:?}", y.shape(), gy.shape()))?;
+        if act == Activation::Identity {
+            return Ok(());
+        }
+        use rayon::prelude::*;
+        self.run(|| {
+            gy.as_mut_slice().par_chunks_mut(16_384).zip(y.as_slice().par_chunks(16_384)).for_each(|(g, y)| {
+                g.iter_mut().zip(y).for_each(|(g, &y)| *g *= act.derivative_from_output(y));
+            })
+        });
+        Ok(())
     }
 
     /// Inverted dropout in place, keyed by the rows' global ids (its own backward).

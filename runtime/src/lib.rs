@@ -7,9 +7,13 @@
 
 pub mod data;
 mod error;
+pub mod graph;
+pub mod model;
 
 pub use data::{DataSource, Dataset};
 pub use error::RuntimeError;
+pub use graph::{Aggregation, Block, Graph};
+pub use model::{Model, ModelConfig, ModelKind, Optimizer, OptimizerKind, StepCtx};
 
 /// Result type of this crate.
 pub type Result<T> = std::result::Result<T, RuntimeError>;

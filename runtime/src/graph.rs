@@ -1,0 +1,273 @@
+//! Graphs: the global symmetrised adjacency ([`Graph`]) and the per-worker aggregation
+//! structure ([`Block`]) that layers run over.
+use crate::{Dataset, Result, RuntimeError};
+use rayon::prelude::*;
+use trellis_gpu::{Csr, CsrTranspose};
+
+/// The global graph: row `i` lists the neighbours of node `i` in ascending id, symmetrised,
+/// without self loops or duplicates.
+#[derive(Debug, Clone)]
+pub struct Graph {
+    adj: Csr,
+}
+
+impl Graph {
+    /// Symmetrises the data set's edge list, drops self loops and duplicate edges.
+    pub fn from_dataset(ds: &Dataset) -> Result<Self> {
+        Self::from_edges(ds.num_nodes, &ds.edge_src, &ds.edge_dst)
+    }
+
+    /// Builds the graph from directed edges `src[i] -> dst[i]` over `n` nodes.
+    pub fn from_edges(n: usize, src: &[u32], dst: &[u32]) -> Result<Self> {
+        if src.len() != dst.len() {
+            return Err(RuntimeError::BadData("edge lists differ in length".into()));
+        }
+        if let Some(&v) = src.iter().chain(dst).find(|&&v| v as usize >= n) {
+            return Err(RuntimeError::BadData(format!("edge endpoint {v} out of range for {n} nodes")));
+        }
+        // Counting sort of both directions by row, then sort + dedupe each row in parallel.
+        let mut counts = vec![0usize; n + 1];
+        for (&s, &d) in src.iter().zip(dst) {
+            if s != d {
+                counts[s as usize + 1] += 1;
+                counts[d as usize + 1] += 1;
+            }
+        }
+        for i in 0..n {
+            counts[i + 1] += counts[i];
+        }
+        let mut fill = counts.clone();
+        let mut raw = vec![0u32; counts[n]];
+        for (&s, &d) in src.iter().zip(dst) {
+            if s != d {
+                raw[fill[d as usize]] = s;
+                fill[d as usize] += 1;
+                raw[fill[s as usize]] = d;
+                fill[s as usize] += 1;
+            }
+        }
+        drop(fill);
+        let mut segs = split_segments(&mut raw, &counts);
+        let lens: Vec<usize> = segs
+            .par_iter_mut()
+            .map(|seg| {
+                seg.sort_unstable();
+                let mut w = 0;
+                for r in 0..seg.len() {
+                    if r == 0 || seg[r] != seg[w - 1] {
+                        seg[w] = seg[r];
+                        w += 1;
+                    }
+                }
+                w
+            })
+            .collect();
+        drop(segs);
+        let mut indptr = vec![0usize; n + 1];
+        let mut indices = Vec::with_capacity(lens.iter().sum());
+        for i in 0..n {
+            indices.extend_from_slice(&raw[counts[i]..counts[i] + lens[i]]);
+            indptr[i + 1] = indices.len();
+        }
+        Ok(Graph { adj: Csr::new(n, n, indptr, indices, None)? })
+    }
+
+    /// Number of nodes.
+    pub fn num_nodes(&self) -> usize {
+        self.adj.n_rows()
+    }
+    /// Number of directed entries (twice the undirected edge count).
+    pub fn num_entries(&self) -> usize {
+        self.adj.nnz()
+    }
+    /// Neighbours of node `i`, ascending.
+    pub fn neighbors(&self, i: usize) -> &[u32] {
+        self.adj.row(i)
+    }
+    /// Degree of node `i` (without self loop).
+    pub fn degree(&self, i: usize) -> usize {
+        self.adj.degree(i)
+    }
+    /// The adjacency matrix.
+    pub fn adjacency(&self) -> &Csr {
+        &self.adj
+    }
+}
+
+/// How a layer aggregates neighbour rows; decides the block's entries and weights.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Aggregation {
+    /// GCN: entries `N(i) + {i}`, weights `1 / sqrt((d_i + 1)(d_j + 1))` with global degrees.
+    GcnNorm,
+    /// GraphSAGE mean: entries `N(i)`, weights `1 / d_i` (isolated nodes aggregate to zero).
+    Mean,
+    /// GAT: entries `N(i) + {i}`, weights computed per step by attention.
+    Attention,
+}
+
+/// The aggregation structure of one worker: its output (inner) rows and its input rows.
+///
+/// Input rows are the inner nodes (`gids[..n_out]`, the same order as output rows) followed by
+/// halo nodes (`gids[n_out..]`). Each row's entries come in ascending global id, so sums run in
+/// the same order whether the graph is split or not.
+#[derive(Debug, Clone)]
+pub struct Block {
+    n_out: usize,
+    gids: Vec<u32>,
+    adj: Csr,
+    adj_t: CsrTranspose,
+    agg: Aggregation,
+}
+
+impl Block {
+    /// The block of a single worker that owns the whole graph.
+    pub fn full(graph: &Graph, agg: Aggregation) -> Result<Self> {
+        let all: Vec<u32> = (0..graph.num_nodes() as u32).collect();
+        Self::build(graph, &all, agg)
+    }
+
+    /// The block whose inner nodes are `inner` (distinct global ids, ascending); halo nodes are
+    /// every neighbour outside `inner`, ascending.
+    pub fn build(graph: &Graph, inner: &[u32], agg: Aggregation) -> Result<Self> {
+        let n = graph.num_nodes();
+        let mut local = vec![u32::MAX; n];
+        for (l, &g) in inner.iter().enumerate() {
+            if g as usize >= n || local[g as usize] != u32::MAX {
+                return Err(RuntimeError::BadData(format!("inner node {g} out of range or repeated")));
+            }
+            local[g as usize] = l as u32;
+        }
+        let mut halo: Vec<u32> =
+            inner.iter().flat_map(|&g| graph.neighbors(g as usize)).copied().filter(|&j| local[j as usize] == u32::MAX).collect();
+        halo.par_sort_unstable();
+        halo.dedup();
+        for (k, &g) in halo.iter().enumerate() {
+            local[g as usize] = (inner.len() + k) as u32;
+        }
+        let self_loop = agg != Aggregation::Mean;
+        let mut indptr = vec![0usize; inner.len() + 1];
+        for (r, &g) in inner.iter().enumerate() {
+            indptr[r + 1] = indptr[r] + graph.degree(g as usize) + self_loop as usize;
+        }
+        let nnz = indptr[inner.len()];
+        let mut indices = vec![0u32; nnz];
+        let mut values = vec![0f32; nnz];
+        let mut isegs = split_segments(&mut indices, &indptr);
+        let mut vsegs = split_segments(&mut values, &indptr);
+        isegs.par_iter_mut().zip(vsegs.par_iter_mut()).enumerate().for_each(|(r, (iseg, vseg))| {
+            let g = inner[r] as usize;
+            let di = graph.degree(g) as f32;
+            let nb = graph.neighbors(g);
+            let mut k = 0;
+            let mut push = |j: u32| {
+                iseg[k] = local[j as usize];
+                vseg[k] = match agg {
+                    Aggregation::GcnNorm => 1.0 / ((di + 1.0) * (graph.degree(j as usize) as f32 + 1.0)).sqrt(),
+                    Aggregation::Mean => 1.0 / di,
+                    Aggregation::Attention => 1.0,
+                };
+                k += 1;
+            };
+            let mut self_done = !self_loop;
+            for &j in nb {
+                if !self_done && j as usize > g {
+                    push(g as u32);
+                    self_done = true;
+                }
+                push(j);
+            }
+            if !self_done {
+                push(g as u32);
+            }
+        });
+        drop((isegs, vsegs));
+        let mut gids = inner.to_vec();
+        gids.extend_from_slice(&halo);
+        let adj = Csr::new(inner.len(), gids.len(), indptr, indices, Some(values))?;
+        let adj_t = adj.transpose();
+        Ok(Block { n_out: inner.len(), gids, adj, adj_t, agg })
+    }
+
+    /// Number of output (inner) rows.
+    pub fn n_out(&self) -> usize {
+        self.n_out
+    }
+    /// Number of input rows (inner + halo).
+    pub fn n_in(&self) -> usize {
+        self.gids.len()
+    }
+    /// Global ids of the input rows (inner first, then halo).
+    pub fn gids(&self) -> &[u32] {
+        &self.gids
+    }
+    /// Global ids of the output rows.
+    pub fn inner_gids(&self) -> &[u32] {
+        &self.gids[..self.n_out]
+    }
+    /// Global ids of the halo rows.
+    pub fn halo_gids(&self) -> &[u32] {
+        &self.gids[self.n_out..]
+    }
+    /// `n_out x n_in` aggregation matrix (values per [`Aggregation`]).
+    pub fn adj(&self) -> &Csr {
+        &self.adj
+    }
+    /// Its transpose, for backward passes.
+    pub fn adj_t(&self) -> &CsrTranspose {
+        &self.adj_t
+    }
+    /// The aggregation this block was built for.
+    pub fn aggregation(&self) -> Aggregation {
+        self.agg
+    }
+}
+
+/// Splits `data` into the consecutive segments `data[ptr[i]..ptr[i+1]]`.
+fn split_segments<'a, T>(data: &'a mut [T], ptr: &[usize]) -> Vec<&'a mut [T]> {
+    let mut out = Vec::with_capacity(ptr.len().saturating_sub(1));
+    let mut rest = data;
+    for w in ptr.windows(2) {
+        let (s, r) = rest.split_at_mut(w[1] - w[0]);
+        out.push(s);
+        rest = r;
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn path4() -> Graph {
+        // 0-1, 1-2, 2-3 given in one direction, plus a duplicate and a self loop.
+        Graph::from_edges(4, &[0, 1, 2, 1, 3], &[1, 2, 3, 0, 3]).unwrap()
+    }
+
+    #[test]
+    fn symmetrises_and_dedupes() {
+        let g = path4();
+        assert_eq!(g.neighbors(0), &[1]);
+        assert_eq!(g.neighbors(1), &[0, 2]);
+        assert_eq!(g.neighbors(3), &[2]);
+        assert_eq!(g.num_entries(), 6);
+    }
+
+    #[test]
+    fn gcn_block_has_self_loops_and_norm() {
+        let g = path4();
+        let b = Block::full(&g, Aggregation::GcnNorm).unwrap();
+        assert_eq!(b.adj().row(1), &[0, 1, 2]);
+        let v = b.adj().values().unwrap();
+        // entry (1, 0): 1/sqrt(3 * 2)
+        assert!((v[b.adj().indptr()[1]] - 1.0 / 6f32.sqrt()).abs() < 1e-7);
+    }
+
+    #[test]
+    fn partial_block_orders_halo_and_maps_ids() {
+        let g = path4();
+        let b = Block::build(&g, &[2, 3], Aggregation::Mean).unwrap();
+        assert_eq!(b.gids(), &[2, 3, 1]);
+        assert_eq!(b.adj().row(0), &[2, 1]); // neighbours 1 (halo, local 2) and 3 (local 1)
+        assert_eq!(b.adj().values().unwrap()[0], 0.5);
+    }
+}

@@ -1,0 +1,189 @@
+//! GAT layer (Velickovic et al. 2018, as PyG's `GATConv`): per head `h`,
+//! `alpha_ij = softmax_j(LeakyReLU(a_dst·W x_i + a_src·W x_j))` over `N(i) + {i}`, attention
+//! dropout on `alpha`, `out_i = sum_j alpha_ij W x_j`; heads concatenated (hidden layers) or
+//! averaged (output layer), plus bias, then the activation.
+//!
+//! The per-node attention terms `a·W x` are GEMMs with a block-diagonal `HD x H` matrix that
+//! holds each head's attention vector, so forward and backward reuse the dense kernels.
+use super::{dropout_backward, dropped_input, Init, LayerSpec, Param, StepCtx};
+use crate::graph::Block;
+use crate::Result;
+use trellis_gpu::{Activation, EdgeWeights, Stream, Tensor};
+
+const NEGATIVE_SLOPE: f32 = 0.2;
+const ATTN_SITE: u16 = 1;
+
+pub(crate) fn param_shapes(spec: &LayerSpec) -> Vec<(String, usize, usize, Init)> {
+    let (h, d) = (spec.heads, spec.out_dim);
+    let out_w = if spec.concat { h * d } else { d };
+    vec![
+        ("lin.weight".into(), spec.in_dim, h * d, Init::Glorot),
+        ("att_src".into(), h, d, Init::GlorotFans(h, d)),
+        ("att_dst".into(), h, d, Init::GlorotFans(h, d)),
+        ("bias".into(), 1, out_w, Init::Zeros),
+    ]
+}
+
+pub(crate) struct GatCache {
+    epoch: u32,
+    xd: Tensor,
+    wh: Tensor,
+    /// LeakyReLU of the raw edge scores.
+    e_act: Vec<f32>,
+    /// Attention before and after dropout.
+    alpha: Vec<f32>,
+    alpha_d: Vec<f32>,
+    y: Tensor,
+}
+
+/// The `HD x H` block-diagonal matrix with `att[h]` in column `h`.
+fn block_diag(att: &Tensor) -> Tensor {
+    let (h, d) = att.shape();
+    let mut m = Tensor::zeros(h * d, h);
+    for k in 0..h {
+        for j in 0..d {
+            m.as_mut_slice()[(k * d + j) * h + k] = att.as_slice()[k * d + j];
+        }
+    }
+    m
+}
+
+/// Adds the block-diagonal part of `full` (`HD x H`) into `grad` (`H x D`).
+fn add_block_diag(full: &Tensor, grad: &mut Tensor) {
+    let (h, d) = grad.shape();
+    for k in 0..h {
+        for j in 0..d {
+            grad.as_mut_slice()[k * d + j] += full.as_slice()[(k * d + j) * h + k];
+        }
+    }
+}
+
+/// Entry-major per-head values reordered for the transposed matrix.
+fn permute(perm: &[u32], vals: &[f32], heads: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(vals.len());
+    for &e in perm {
+        out.extend_from_slice(&vals[e as usize * heads..(e as usize + 1) * heads]);
+    }
+    out
+}
+
+fn ones(rows: usize, cols: usize) -> Tensor {
+    let mut t = Tensor::zeros(rows, cols);
+    t.fill(1.0);
+    t
+}
+
+pub(crate) fn forward(
+    s: &Stream,
+    spec: &LayerSpec,
+    seed: u64,
+    p: &[Param],
+    block: &Block,
+    x: &Tensor,
+    ctx: StepCtx,
+) -> Result<(Tensor, GatCache)> {
+    let (heads, d) = (spec.heads, spec.out_dim);
+    let adj = block.adj();
+    let xd = dropped_input(s, spec, seed, block, x, ctx)?;
+    let wh = s.matmul(&xd, false, &p[0].value, false)?;
+    let s_src = s.matmul(&wh, false, &block_diag(&p[1].value), false)?;
+    let mut s_dst = Tensor::zeros(block.n_out(), heads);
+    s.gemm_prefix(1.0, &wh, block.n_out(), false, &block_diag(&p[2].value), false, 0.0, &mut s_dst)?;
+    let mut e_act = s.sddmm_add(adj, &s_dst, &s_src)?;
+    let leaky = Activation::LeakyRelu { slope: NEGATIVE_SLOPE };
+    e_act.iter_mut().for_each(|v| *v = leaky.apply(*v));
+    let alpha = s.edge_softmax(adj, heads, &e_act)?;
+    let mut alpha_d = alpha.clone();
+    if ctx.train && spec.attn_dropout > 0.0 {
+        let key = spec.dropout_key(seed, ctx.epoch, ATTN_SITE);
+        s.edge_dropout(adj, &mut alpha_d, heads, block.inner_gids(), key, spec.attn_dropout)?;
+    }
+    let mut agg = Tensor::zeros(block.n_out(), heads * d);
+    s.spmm(adj, EdgeWeights::PerHead(&alpha_d, heads), &wh, &mut agg)?;
+    let mut h = if spec.concat { agg } else { mean_heads(&agg, heads, d) };
+    s.add_bias(&mut h, &p[3].value)?;
+    let y = s.activation(spec.act, &h)?;
+    Ok((y.clone(), GatCache { epoch: ctx.epoch, xd, wh, e_act, alpha, alpha_d, y }))
+}
+
+fn mean_heads(agg: &Tensor, heads: usize, d: usize) -> Tensor {
+    let mut out = Tensor::zeros(agg.rows(), d);
+    let inv = 1.0 / heads as f32;
+    for i in 0..agg.rows() {
+        let src = agg.row(i);
+        let o = out.row_mut(i);
+        for k in 0..heads {
+            o.iter_mut().zip(&src[k * d..(k + 1) * d]).for_each(|(o, &v)| *o += v);
+        }
+        o.iter_mut().for_each(|v| *v *= inv);
+    }
+    out
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward(
+    s: &Stream,
+    spec: &LayerSpec,
+    seed: u64,
+    p: &mut [Param],
+    block: &Block,
+    c: GatCache,
+    mut g: Tensor,
+    need_input_grad: bool,
+) -> Result<Option<Tensor>> {
+    let (heads, d) = (spec.heads, spec.out_dim);
+    let adj = block.adj();
+    let adj_t = block.adj_t();
+    s.activation_backward_from_output(spec.act, &c.y, &mut g)?;
+    s.add_column_sums(&g, &mut p[3].grad)?;
+    let gout = if spec.concat {
+        g
+    } else {
+        let inv = 1.0 / heads as f32;
+        let mut t = Tensor::zeros(g.rows(), heads * d);
+        for i in 0..g.rows() {
+            let src = g.row(i).to_vec();
+            let o = t.row_mut(i);
+            for k in 0..heads {
+                o[k * d..(k + 1) * d].iter_mut().zip(&src).for_each(|(o, &v)| *o = v * inv);
+            }
+        }
+        t
+    };
+    // out = spmm(alpha_d, wh): gradients w.r.t. the attention and the transformed rows.
+    let mut g_alpha = s.sddmm_dot(adj, heads, &gout, &c.wh)?;
+    let alpha_d_t = permute(&adj_t.perm, &c.alpha_d, heads);
+    let mut gwh = Tensor::zeros(block.n_in(), heads * d);
+    s.spmm(&adj_t.csr, EdgeWeights::PerHead(&alpha_d_t, heads), &gout, &mut gwh)?;
+    drop(gout);
+    if spec.attn_dropout > 0.0 {
+        let key = spec.dropout_key(seed, c.epoch, ATTN_SITE);
+        s.edge_dropout(adj, &mut g_alpha, heads, block.inner_gids(), key, spec.attn_dropout)?;
+    }
+    let mut g_e = s.edge_softmax_backward(adj, heads, &c.alpha, &g_alpha)?;
+    let leaky = Activation::LeakyRelu { slope: NEGATIVE_SLOPE };
+    g_e.iter_mut().zip(&c.e_act).for_each(|(g, &y)| *g *= leaky.derivative_from_output(y));
+    // e = s_dst[row] + s_src[col]: sum the edge gradients per row and per column.
+    let mut g_s_dst = Tensor::zeros(block.n_out(), heads);
+    s.spmm(adj, EdgeWeights::PerHead(&g_e, heads), &ones(block.n_in(), heads), &mut g_s_dst)?;
+    let g_e_t = permute(&adj_t.perm, &g_e, heads);
+    let mut g_s_src = Tensor::zeros(block.n_in(), heads);
+    s.spmm(&adj_t.csr, EdgeWeights::PerHead(&g_e_t, heads), &ones(block.n_out(), heads), &mut g_s_src)?;
+    // s_src = wh A_src, s_dst = wh[:n_out] A_dst.
+    let ga_src = s.matmul(&c.wh, true, &g_s_src, false)?;
+    add_block_diag(&ga_src, &mut p[1].grad);
+    let mut ga_dst = Tensor::zeros(heads * d, heads);
+    s.gemm_prefix(1.0, &c.wh, block.n_out(), true, &g_s_dst, false, 0.0, &mut ga_dst)?;
+    add_block_diag(&ga_dst, &mut p[2].grad);
+    s.gemm(1.0, &g_s_src, false, &block_diag(&p[1].value), true, 1.0, &mut gwh)?;
+    let gwh_dst = s.matmul(&g_s_dst, false, &block_diag(&p[2].value), true)?;
+    s.add_rows_prefix(&gwh_dst, &mut gwh)?;
+    // wh = xd W.
+    s.gemm(1.0, &c.xd, true, &gwh, false, 1.0, &mut p[0].grad)?;
+    if !need_input_grad {
+        return Ok(None);
+    }
+    let mut gx = s.matmul(&gwh, false, &p[0].value, true)?;
+    dropout_backward(s, spec, seed, block, &mut gx, c.epoch)?;
+    Ok(Some(gx))
+}

@@ -1,0 +1,91 @@
+//! GCN layer (Kipf & Welling 2017): `act(Â · dropout(X) · W + b)` with
+//! `Â = D^-1/2 (A + I) D^-1/2` over global degrees (the block's stored values).
+use super::{dropout_backward, dropped_input, Init, LayerSpec, Param, StepCtx};
+use crate::graph::Block;
+use crate::Result;
+use trellis_gpu::{EdgeWeights, Stream, Tensor};
+
+pub(crate) fn param_shapes(spec: &LayerSpec) -> Vec<(String, usize, usize, Init)> {
+    vec![
+        ("weight".into(), spec.in_dim, spec.out_dim, Init::Glorot),
+        ("bias".into(), 1, spec.out_dim, Init::Zeros),
+    ]
+}
+
+pub(crate) struct GcnCache {
+    epoch: u32,
+    /// Transform first (`Â (X W)`) when it narrows the rows to aggregate.
+    transform_first: bool,
+    /// Dropped-out input (transform first) or aggregated input `Â X` (aggregate first).
+    saved: Tensor,
+    /// Layer output after activation.
+    y: Tensor,
+}
+
+pub(crate) fn forward(
+    s: &Stream,
+    spec: &LayerSpec,
+    seed: u64,
+    p: &[Param],
+    block: &Block,
+    x: &Tensor,
+    ctx: StepCtx,
+) -> Result<(Tensor, GcnCache)> {
+    let (w, b) = (&p[0].value, &p[1].value);
+    let xd = dropped_input(s, spec, seed, block, x, ctx)?;
+    let transform_first = spec.out_dim < spec.in_dim;
+    let mut h = Tensor::zeros(block.n_out(), spec.out_dim);
+    let saved = if transform_first {
+        let z = s.matmul(&xd, false, w, false)?;
+        s.spmm(block.adj(), EdgeWeights::Stored, &z, &mut h)?;
+        xd
+    } else {
+        let mut ax = Tensor::zeros(block.n_out(), spec.in_dim);
+        s.spmm(block.adj(), EdgeWeights::Stored, &xd, &mut ax)?;
+        s.gemm(1.0, &ax, false, w, false, 0.0, &mut h)?;
+        ax
+    };
+    s.add_bias(&mut h, b)?;
+    let y = s.activation(spec.act, &h)?;
+    Ok((y.clone(), GcnCache { epoch: ctx.epoch, transform_first, saved, y }))
+}
+
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward(
+    s: &Stream,
+    spec: &LayerSpec,
+    seed: u64,
+    p: &mut [Param],
+    block: &Block,
+    c: GcnCache,
+    mut g: Tensor,
+    need_input_grad: bool,
+) -> Result<Option<Tensor>> {
+    s.activation_backward_from_output(spec.act, &c.y, &mut g)?;
+    drop(c.y);
+    s.add_column_sums(&g, &mut p[1].grad)?;
+    let adj_t = &block.adj_t().csr;
+    let gx = if c.transform_first {
+        // h = Â Z, Z = X W: gZ = Â^T g, gW = X^T gZ, gX = gZ W^T.
+        let mut gz = Tensor::zeros(block.n_in(), spec.out_dim);
+        s.spmm(adj_t, EdgeWeights::Stored, &g, &mut gz)?;
+        s.gemm(1.0, &c.saved, true, &gz, false, 1.0, &mut p[0].grad)?;
+        if !need_input_grad {
+            return Ok(None);
+        }
+        s.matmul(&gz, false, &p[0].value, true)?
+    } else {
+        // h = (Â X) W: gW = (ÂX)^T g, gÂX = g W^T, gX = Â^T gÂX.
+        s.gemm(1.0, &c.saved, true, &g, false, 1.0, &mut p[0].grad)?;
+        if !need_input_grad {
+            return Ok(None);
+        }
+        let gax = s.matmul(&g, false, &p[0].value, true)?;
+        let mut gx = Tensor::zeros(block.n_in(), spec.in_dim);
+        s.spmm(adj_t, EdgeWeights::Stored, &gax, &mut gx)?;
+        gx
+    };
+    let mut gx = gx;
+    dropout_backward(s, spec, seed, block, &mut gx, c.epoch)?;
+    Ok(Some(gx))
+}

@@ -1,0 +1,395 @@
+//! GNN models with hand-written backward passes: GCN, GraphSAGE (mean) and GAT.
+//!
+//! A model is a stack of layers. Each layer maps the input rows of a [`Block`] (inner nodes,
+//! then halo nodes) to its output rows (inner nodes), so the same code runs on a whole graph or
+//! on one partition whose halo rows are filled by exchange between layers. Layers cache what
+//! their backward needs; `backward_layer` returns the gradient for every input row (halo rows
+//! included: a partition sends those back to their owners) and accumulates weight gradients.
+use crate::graph::{Aggregation, Block};
+use crate::{Result, RuntimeError};
+use serde::{Deserialize, Serialize};
+use trellis_gpu::{Activation, DropoutKey, Philox4x32, Stream, Tensor};
+
+mod gat;
+mod gcn;
+mod optim;
+mod sage;
+
+pub use optim::{Optimizer, OptimizerKind};
+
+/// Which architecture.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ModelKind {
+    Gcn,
+    Sage,
+    Gat,
+}
+
+impl std::str::FromStr for ModelKind {
+    type Err = RuntimeError;
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "gcn" => Ok(ModelKind::Gcn),
+            "sage" | "graphsage" => Ok(ModelKind::Sage),
+            "gat" => Ok(ModelKind::Gat),
+            _ => Err(RuntimeError::Config(format!("unknown model `{s}` (expected gcn, sage or gat)"))),
+        }
+    }
+}
+
+impl std::fmt::Display for ModelKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ModelKind::Gcn => "gcn",
+            ModelKind::Sage => "sage",
+            ModelKind::Gat => "gat",
+        })
+    }
+}
+
+impl ModelKind {
+    /// The aggregation this architecture's blocks need.
+    pub fn aggregation(self) -> Aggregation {
+        match self {
+            ModelKind::Gcn => Aggregation::GcnNorm,
+            ModelKind::Sage => Aggregation::Mean,
+            ModelKind::Gat => Aggregation::Attention,
+        }
+    }
+}
+
+/// Architecture and regularisation of a model.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ModelConfig {
+    pub kind: ModelKind,
+    pub in_dim: usize,
+    pub hidden: usize,
+    pub out_dim: usize,
+    /// Number of layers (>= 1).
+    pub layers: usize,
+    /// GAT: attention heads of hidden layers (concatenated).
+    pub heads: usize,
+    /// GAT: attention heads of the output layer (averaged).
+    pub out_heads: usize,
+    /// Feature dropout on every layer's input.
+    pub dropout: f32,
+    /// GAT: dropout on attention coefficients.
+    pub attn_dropout: f32,
+    /// Seed of init and dropout.
+    pub seed: u64,
+}
+
+impl ModelConfig {
+    /// Each paper's Cora settings for `kind` (layers 2; GCN hidden 16, dropout 0.5; GraphSAGE
+    /// hidden 16, dropout 0.5; GAT 8 heads x 8 hidden, 1 output head, dropout 0.6 on features
+    /// and attention).
+    pub fn paper_defaults(kind: ModelKind, in_dim: usize, out_dim: usize, seed: u64) -> Self {
+        let (hidden, heads, dropout, attn) = match kind {
+            ModelKind::Gcn => (16, 1, 0.5, 0.0),
+            ModelKind::Sage => (16, 1, 0.5, 0.0),
+            ModelKind::Gat => (8, 8, 0.6, 0.6),
+        };
+        ModelConfig { kind, in_dim, hidden, out_dim, layers: 2, heads, out_heads: 1, dropout, attn_dropout: attn, seed }
+    }
+
+    fn validate(&self) -> Result<()> {
+        let bad = |m: &str| Err(RuntimeError::Config(m.to_string()));
+        if self.layers == 0 {
+            return bad("a model needs at least one layer");
+        }
+        if self.in_dim == 0 || self.out_dim == 0 || (self.layers > 1 && self.hidden == 0) {
+            return bad("input, hidden and output widths must be > 0");
+        }
+        if self.kind == ModelKind::Gat && (self.heads == 0 || self.out_heads == 0) {
+            return bad("GAT needs at least one head");
+        }
+        if !(0.0..1.0).contains(&self.dropout) || !(0.0..1.0).contains(&self.attn_dropout) {
+            return bad("dropout must be in [0, 1)");
+        }
+        Ok(())
+    }
+}
+
+/// A trainable tensor with its gradient.
+#[derive(Debug, Clone)]
+pub struct Param {
+    pub name: String,
+    pub value: Tensor,
+    pub grad: Tensor,
+}
+
+impl Param {
+    fn new(name: String, value: Tensor) -> Self {
+        let grad = Tensor::zeros(value.rows(), value.cols());
+        Param { name, value, grad }
+    }
+}
+
+/// Per-step context of a forward pass.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StepCtx {
+    /// Epoch number (keys dropout masks).
+    pub epoch: u32,
+    /// Training (dropout on) or evaluation.
+    pub train: bool,
+}
+
+/// What one layer needs for its backward pass.
+pub(crate) enum Cache {
+    Gcn(gcn::GcnCache),
+    Sage(sage::SageCache),
+    Gat(gat::GatCache),
+}
+
+/// Shape of one layer.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LayerSpec {
+    pub index: usize,
+    pub in_dim: usize,
+    pub out_dim: usize,
+    pub heads: usize,
+    /// GAT: concatenate heads (hidden layers) or average them (output layer).
+    pub concat: bool,
+    pub act: Activation,
+    pub dropout: f32,
+    pub attn_dropout: f32,
+    /// Index of this layer's first parameter in the model's list.
+    pub first_param: usize,
+}
+
+impl LayerSpec {
+    pub fn dropout_key(&self, seed: u64, epoch: u32, site: u16) -> DropoutKey {
+        DropoutKey { seed, epoch, layer: self.index as u16, site }
+    }
+}
+
+/// A GNN model: parameters, layer specs and the caches of the current step.
+pub struct Model {
+    cfg: ModelConfig,
+    layers: Vec<LayerSpec>,
+    params: Vec<Param>,
+    caches: Vec<Option<Cache>>,
+}
+
+impl std::fmt::Debug for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Model").field("cfg", &self.cfg).field("params", &self.num_parameters()).finish()
+    }
+}
+
+impl Model {
+    /// Builds a model with parameters initialised from counter-based RNG keyed by the seed.
+    pub fn new(cfg: ModelConfig) -> Result<Self> {
+        cfg.validate()?;
+        let mut layers = Vec::with_capacity(cfg.layers);
+        let mut params = Vec::new();
+        let mut in_dim = cfg.in_dim;
+        for l in 0..cfg.layers {
+            let last = l + 1 == cfg.layers;
+            let (heads, concat, out_dim) = match (cfg.kind, last) {
+                (ModelKind::Gat, false) => (cfg.heads, true, cfg.hidden),
+                (ModelKind::Gat, true) => (cfg.out_heads, false, cfg.out_dim),
+                (_, false) => (1, true, cfg.hidden),
+                (_, true) => (1, true, cfg.out_dim),
+            };
+            let act = match (cfg.kind, last) {
+                (_, true) => Activation::Identity,
+                (ModelKind::Gat, false) => Activation::Elu { alpha: 1.0 },
+                _ => Activation::Relu,
+            };
+            let spec = LayerSpec {
+                index: l,
+                in_dim,
+                out_dim,
+                heads,
+                concat,
+                act,
+                dropout: cfg.dropout,
+                attn_dropout: cfg.attn_dropout,
+                first_param: params.len(),
+            };
+            let shapes: Vec<(String, usize, usize, Init)> = match cfg.kind {
+                ModelKind::Gcn => gcn::param_shapes(&spec),
+                ModelKind::Sage => sage::param_shapes(&spec),
+                ModelKind::Gat => gat::param_shapes(&spec),
+            };
+            for (name, r, c, init) in shapes {
+                let idx = params.len();
+                params.push(Param::new(format!("layers.{l}.{name}"), init.tensor(cfg.seed, idx, r, c)));
+            }
+            layers.push(spec);
+            in_dim = if concat { out_dim * heads } else { out_dim };
+        }
+        let caches = (0..layers.len()).map(|_| None).collect();
+        Ok(Model { cfg, layers, params, caches })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+    /// Number of layers.
+    pub fn num_layers(&self) -> usize {
+        self.layers.len()
+    }
+    /// Input width of layer `l`.
+    pub fn layer_in_dim(&self, l: usize) -> usize {
+        self.layers[l].in_dim
+    }
+    /// Parameters, in a fixed order.
+    pub fn params(&self) -> &[Param] {
+        &self.params
+    }
+    /// Parameters, mutable.
+    pub fn params_mut(&mut self) -> &mut [Param] {
+        &mut self.params
+    }
+    /// Total number of scalar parameters.
+    pub fn num_parameters(&self) -> usize {
+        self.params.iter().map(|p| p.value.len()).sum()
+    }
+    /// Sets all gradients to zero.
+    pub fn zero_grad(&mut self) {
+        self.params.iter_mut().for_each(|p| p.grad.zero_());
+    }
+    /// Drops the caches of the last forward pass.
+    pub fn clear_caches(&mut self) {
+        self.caches.iter_mut().for_each(|c| *c = None);
+    }
+    /// Hex digest of all parameter values, in order.
+    pub fn weights_digest(&self) -> String {
+        trellis_gpu::digest_f32(self.params.iter().map(|p| p.value.as_slice()))
+    }
+
+    /// Runs layer `l` on `x` (one row per input row of `block`) and returns its output rows
+    /// (one per inner node). In training mode the layer keeps what its backward needs.
+    pub fn forward_layer(&mut self, s: &Stream, l: usize, block: &Block, x: &Tensor, ctx: StepCtx) -> Result<Tensor> {
+        let spec = self.layers[l];
+        if x.rows() != block.n_in() || x.cols() != spec.in_dim {
+            return Err(RuntimeError::Config(format!(
+                "layer {l} expects {}x{} input rows, got {}x{}",
+                block.n_in(),
+                spec.in_dim,
+                x.rows(),
+                x.cols()
+            )));
+        }
+        let params = &self.params[spec.first_param..];
+        let seed = self.cfg.seed;
+        let (out, cache) = match self.cfg.kind {
+            ModelKind::Gcn => {
+                let (o, c) = gcn::forward(s, &spec, seed, params, block, x, ctx)?;
+                (o, Cache::Gcn(c))
+            }
+            ModelKind::Sage => {
+                let (o, c) = sage::forward(s, &spec, seed, params, block, x, ctx)?;
+                (o, Cache::Sage(c))
+            }
+            ModelKind::Gat => {
+                let (o, c) = gat::forward(s, &spec, seed, params, block, x, ctx)?;
+                (o, Cache::Gat(c))
+            }
+        };
+        self.caches[l] = if ctx.train { Some(cache) } else { None };
+        Ok(out)
+    }
+
+    /// Backward of layer `l` given the gradient of its output rows. Accumulates the layer's
+    /// weight gradients and, if `need_input_grad`, returns the gradient of every input row.
+    pub fn backward_layer(
+        &mut self,
+        s: &Stream,
+        l: usize,
+        block: &Block,
+        grad_out: Tensor,
+        need_input_grad: bool,
+    ) -> Result<Option<Tensor>> {
+        let spec = self.layers[l];
+        let cache = self.caches[l]
+            .take()
+            .ok_or_else(|| RuntimeError::Config(format!("backward of layer {l} without a training forward")))?;
+        let params = &mut self.params[spec.first_param..];
+        let seed = self.cfg.seed;
+        match cache {
+            Cache::Gcn(c) => gcn::backward(s, &spec, seed, params, block, c, grad_out, need_input_grad),
+            Cache::Sage(c) => sage::backward(s, &spec, seed, params, block, c, grad_out, need_input_grad),
+            Cache::Gat(c) => gat::backward(s, &spec, seed, params, block, c, grad_out, need_input_grad),
+        }
+    }
+
+    /// Forward through all layers on a block that covers the whole graph (no halo).
+    pub fn forward_full(&mut self, s: &Stream, block: &Block, x: &Tensor, ctx: StepCtx) -> Result<Tensor> {
+        let mut h = self.forward_layer(s, 0, block, x, ctx)?;
+        for l in 1..self.num_layers() {
+            h = self.forward_layer(s, l, block, &h, ctx)?;
+        }
+        Ok(h)
+    }
+
+    /// Backward through all layers on a whole-graph block.
+    pub fn backward_full(&mut self, s: &Stream, block: &Block, grad: Tensor) -> Result<()> {
+        let mut g = grad;
+        for l in (0..self.num_layers()).rev() {
+            match self.backward_layer(s, l, block, g, l > 0)? {
+                Some(next) => g = next,
+                None => break,
+            }
+        }
+        Ok(())
+    }
+}
+
+/// How a parameter is initialised.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Init {
+    /// Glorot/Xavier uniform over (fan_in, fan_out) = (rows, cols).
+    Glorot,
+    /// Glorot uniform with explicit fans (GAT attention vectors).
+    GlorotFans(usize, usize),
+    /// U(-1/sqrt(fan_in), 1/sqrt(fan_in)) as torch.nn.Linear.
+    LinearUniform(usize),
+    Zeros,
+}
+
+impl Init {
+    /// A `rows x cols` tensor drawn from Philox keyed by (seed, parameter index, element).
+    fn tensor(self, seed: u64, param: usize, rows: usize, cols: usize) -> Tensor {
+        let bound = match self {
+            Init::Glorot => (6.0 / (rows + cols) as f64).sqrt() as f32,
+            Init::GlorotFans(a, b) => (6.0 / (a + b) as f64).sqrt() as f32,
+            Init::LinearUniform(fan_in) => (1.0 / (fan_in.max(1) as f64)).sqrt() as f32,
+            Init::Zeros => return Tensor::zeros(rows, cols),
+        };
+        let g = Philox4x32::new(seed);
+        let n = rows * cols;
+        let mut v = Vec::with_capacity(n);
+        for b in 0..n.div_ceil(4) {
+            let u = g.block([0x1417_0000, param as u32, b as u32, 0]);
+            for &x in u.iter().take(n - 4 * b) {
+                v.push((2.0 * Philox4x32::to_unit(x) - 1.0) * bound);
+            }
+        }
+        Tensor::from_vec(rows, cols, v).expect("sized above")
+    }
+}
+
+/// The input rows after feature dropout (a copy; the caller's tensor is not changed).
+pub(crate) fn dropped_input(s: &Stream, spec: &LayerSpec, seed: u64, block: &Block, x: &Tensor, ctx: StepCtx) -> Result<Tensor> {
+    let mut xd = x.clone();
+    if ctx.train && spec.dropout > 0.0 {
+        s.dropout(&mut xd, block.gids(), spec.dropout_key(seed, ctx.epoch, 0), spec.dropout)?;
+    }
+    Ok(xd)
+}
+
+/// Applies the input dropout mask of a training step to an input gradient.
+pub(crate) fn dropout_backward(s: &Stream, spec: &LayerSpec, seed: u64, block: &Block, g: &mut Tensor, epoch: u32) -> Result<()> {
+    if spec.dropout > 0.0 {
+        s.dropout(g, block.gids(), spec.dropout_key(seed, epoch, 0), spec.dropout)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod gradcheck;
