@@ -144,48 +144,81 @@ impl Block {
         for (k, &g) in halo.iter().enumerate() {
             local[g as usize] = (inner.len() + k) as u32;
         }
-        let self_loop = agg != Aggregation::Mean;
+        let mut gids = inner.to_vec();
+        gids.extend_from_slice(&halo);
         let mut indptr = vec![0usize; inner.len() + 1];
         for (r, &g) in inner.iter().enumerate() {
-            indptr[r + 1] = indptr[r] + graph.degree(g as usize) + self_loop as usize;
+            indptr[r + 1] = indptr[r] + graph.degree(g as usize);
         }
-        let nnz = indptr[inner.len()];
-        let mut indices = vec![0u32; nnz];
+        let mut indices = vec![0u32; indptr[inner.len()]];
+        split_segments(&mut indices, &indptr).into_par_iter().enumerate().for_each(|(r, seg)| {
+            for (o, &j) in seg.iter_mut().zip(graph.neighbors(inner[r] as usize)) {
+                *o = local[j as usize];
+            }
+        });
+        let degrees: Vec<u32> = gids.iter().map(|&g| graph.degree(g as usize) as u32).collect();
+        Self::from_local(inner.len(), gids, &indptr, &indices, &degrees, agg)
+    }
+
+    /// Builds a block from a worker's local adjacency (what a partition file stores).
+    ///
+    /// `gids` are the global ids of the input rows, the first `n_out` being the inner nodes;
+    /// row `r` of (`indptr`, `indices`) lists the local ids of inner node `r`'s neighbours (no
+    /// self loop) in ascending global id; `degrees[k]` is the global degree of input row `k`.
+    pub fn from_local(
+        n_out: usize,
+        gids: Vec<u32>,
+        indptr: &[usize],
+        indices: &[u32],
+        degrees: &[u32],
+        agg: Aggregation,
+    ) -> Result<Self> {
+        let n_in = gids.len();
+        let bad = |m: String| Err(RuntimeError::BadData(m));
+        if n_out > n_in || indptr.len() != n_out + 1 || degrees.len() != n_in || indptr[n_out] != indices.len() {
+            return bad(format!("local adjacency does not fit {n_out} inner of {n_in} input rows"));
+        }
+        if indices.iter().any(|&j| j as usize >= n_in) || indptr.windows(2).any(|w| w[0] > w[1]) {
+            return bad("local adjacency has an index out of range".into());
+        }
+        let self_loop = agg != Aggregation::Mean;
+        let mut out_ptr = vec![0usize; n_out + 1];
+        for r in 0..n_out {
+            out_ptr[r + 1] = out_ptr[r] + indptr[r + 1] - indptr[r] + self_loop as usize;
+        }
+        let nnz = out_ptr[n_out];
+        let mut out_idx = vec![0u32; nnz];
         let mut values = vec![0f32; nnz];
-        let mut isegs = split_segments(&mut indices, &indptr);
-        let mut vsegs = split_segments(&mut values, &indptr);
-        isegs.par_iter_mut().zip(vsegs.par_iter_mut()).enumerate().for_each(|(r, (iseg, vseg))| {
-            let g = inner[r] as usize;
-            let di = graph.degree(g) as f32;
-            let nb = graph.neighbors(g);
+        let isegs = split_segments(&mut out_idx, &out_ptr);
+        let vsegs = split_segments(&mut values, &out_ptr);
+        isegs.into_par_iter().zip(vsegs).enumerate().for_each(|(r, (iseg, vseg))| {
+            let g = gids[r];
+            let di = degrees[r] as f32;
             let mut k = 0;
             let mut push = |j: u32| {
-                iseg[k] = local[j as usize];
+                iseg[k] = j;
                 vseg[k] = match agg {
-                    Aggregation::GcnNorm => 1.0 / ((di + 1.0) * (graph.degree(j as usize) as f32 + 1.0)).sqrt(),
+                    Aggregation::GcnNorm => 1.0 / ((di + 1.0) * (degrees[j as usize] as f32 + 1.0)).sqrt(),
                     Aggregation::Mean => 1.0 / di,
                     Aggregation::Attention => 1.0,
                 };
                 k += 1;
             };
             let mut self_done = !self_loop;
-            for &j in nb {
-                if !self_done && j as usize > g {
-                    push(g as u32);
+            for &j in &indices[indptr[r]..indptr[r + 1]] {
+                if !self_done && gids[j as usize] > g {
+                    push(r as u32);
                     self_done = true;
                 }
                 push(j);
             }
             if !self_done {
-                push(g as u32);
+                push(r as u32);
             }
         });
-        drop((isegs, vsegs));
-        let mut gids = inner.to_vec();
-        gids.extend_from_slice(&halo);
-        let adj = Csr::new(inner.len(), gids.len(), indptr, indices, Some(values))?;
+        let adj = Csr::new(n_out, n_in, out_ptr, out_idx, Some(values))?;
         let adj_t = adj.transpose();
-        Ok(Block { n_out: inner.len(), gids, adj, adj_t, agg })
+        Ok(Block { n_out, gids, adj, adj_t, agg })
     }
 
     /// Number of output (inner) rows.

@@ -9,6 +9,7 @@ pub mod data;
 mod error;
 pub mod graph;
 pub mod model;
+pub mod progress;
 
 pub use data::{DataSource, Dataset};
 pub use error::RuntimeError;
