@@ -117,6 +117,45 @@ impl Csr {
         self.values = values;
         Ok(())
     }
+    /// Row pointers, column indices and (mutable) values together.
+    pub fn parts_mut(&mut self) -> (&[usize], &[u32], Option<&mut [f32]>) {
+        (&self.indptr, &self.indices, self.values.as_deref_mut())
+    }
+
+    /// The first `n` rows as a new matrix (same columns).
+    pub fn row_prefix(&self, n: usize) -> Csr {
+        let n = n.min(self.n_rows);
+        let end = self.indptr[n];
+        Csr {
+            n_rows: n,
+            n_cols: self.n_cols,
+            indptr: self.indptr[..=n].to_vec(),
+            indices: self.indices[..end].to_vec(),
+            values: self.values.as_ref().map(|v| v[..end].to_vec()),
+        }
+    }
+
+    /// A dense row-major matrix's non-zero entries as CSR (values stored).
+    pub fn from_dense(rows: usize, cols: usize, data: &[f32]) -> Result<Self> {
+        if data.len() != rows * cols {
+            return Err(GpuError::shape("Csr::from_dense", format!("{} values for {rows}x{cols}", data.len())));
+        }
+        let mut indptr = Vec::with_capacity(rows + 1);
+        indptr.push(0);
+        let mut indices = Vec::new();
+        let mut values = Vec::new();
+        for r in 0..rows {
+            for (c, &v) in data[r * cols..(r + 1) * cols].iter().enumerate() {
+                if v != 0.0 {
+                    indices.push(c as u32);
+                    values.push(v);
+                }
+            }
+            indptr.push(indices.len());
+        }
+        Self::new(rows, cols, indptr, indices, Some(values))
+    }
+
     /// The entries of row `i`.
     pub fn row(&self, i: usize) -> &[u32] {
         &self.indices[self.indptr[i]..self.indptr[i + 1]]

@@ -6,6 +6,7 @@
 //! bit-identical outputs, and row-parallel kernels are bit-identical for any thread count.
 //! A CUDA backend will live in its own module behind the `cuda` cargo feature.
 
+pub mod bench;
 pub mod cpu;
 mod csr;
 mod device;

@@ -353,6 +353,19 @@ impl Stream {
         Ok(())
     }
 
+    /// Dropout of a sparse matrix's stored values, with the mask [`Stream::dropout`] applies to
+    /// the dense form (rows keyed by `gids`).
+    pub fn dropout_csr(&self, m: &mut Csr, gids: &[u32], key: DropoutKey, p: f32) -> Result<()> {
+        self.cpu_only()?;
+        check("dropout_csr", gids.len() == m.n_rows() && m.values().is_some(), || {
+            format!("{} ids for {} rows (values stored: {})", gids.len(), m.n_rows(), m.values().is_some())
+        })?;
+        let (indptr, indices, values) = m.parts_mut();
+        let values = values.expect("checked above");
+        self.run(|| cpu::dropout_csr(indptr, indices, values, gids, key, p));
+        Ok(())
+    }
+
     /// Dropout over CSR entries (`heads` values per entry), keyed by the row's global id.
     pub fn edge_dropout(&self, csr: &Csr, vals: &mut [f32], heads: usize, gids: &[u32], key: DropoutKey, p: f32) -> Result<()> {
         self.cpu_only()?;

@@ -63,7 +63,7 @@ pub struct DropoutKey {
 }
 
 impl DropoutKey {
-    /// The counter for row `gid`, column block `block` (4 columns per block).
+    /// The counter for row `gid`, column block `block` (8 columns per block).
     #[inline]
     pub fn counter(&self, gid: u32, block: u32) -> [u32; 4] {
         [self.epoch, ((self.layer as u32) << 16) | self.site as u32, gid, block]

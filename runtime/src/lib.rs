@@ -9,12 +9,17 @@ pub mod data;
 mod error;
 pub mod graph;
 pub mod model;
+pub mod partition;
 pub mod progress;
+pub mod report;
+pub mod train;
 
 pub use data::{DataSource, Dataset};
 pub use error::RuntimeError;
 pub use graph::{Aggregation, Block, Graph};
-pub use model::{Model, ModelConfig, ModelKind, Optimizer, OptimizerKind, StepCtx};
+pub use report::{EpochLog, RunReport};
+pub use train::{TrainConfig, Trainer};
+pub use model::{LayerInput, Model, ModelConfig, ModelKind, Optimizer, OptimizerKind, StepCtx};
 
 /// Result type of this crate.
 pub type Result<T> = std::result::Result<T, RuntimeError>;

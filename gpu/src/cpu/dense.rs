@@ -63,30 +63,26 @@ pub fn activation_backward(act: Activation, x: &[f32], gy: &[f32], gx: &mut [f32
 /// Inverted dropout in place: each element of row `r` (global node id `gids[r]`) is kept with
 /// probability `1 - p` and scaled by `1 / (1 - p)`, else zeroed. The mask is a pure function of
 /// `(key, gid, column)`, so applying it again to a gradient is the backward pass.
+///
+/// One Philox block gives 16-bit draws for 8 consecutive columns (keep probability resolution
+/// 2^-16). A block whose 8 values are all zero is skipped: its mask cannot change them, which
+/// makes dropout on sparse inputs (bag-of-words features) nearly free.
 pub fn dropout(x: &mut [f32], width: usize, gids: &[u32], key: DropoutKey, p: f32) {
     if p <= 0.0 || width == 0 {
         return;
     }
     assert_eq!(x.len(), gids.len() * width, "dropout: one global id per row is needed");
-    let scale = if p < 1.0 { 1.0 / (1.0 - p) } else { 0.0 };
-    let threshold = keep_threshold(p);
-    let g = Philox4x32::new(key.seed);
+    let mask = MaskGen::new(key, p);
     let chunk = row_chunk(gids.len(), width);
     x.par_chunks_mut(chunk * width).enumerate().for_each(|(c, block)| {
         for (r, row) in block.chunks_mut(width).enumerate() {
-            let gid = gids[c * chunk + r];
-            for (b, cols) in row.chunks_mut(4).enumerate() {
-                let u = g.block(key.counter(gid, b as u32));
-                for (v, &u) in cols.iter_mut().zip(&u) {
-                    *v = if u >= threshold { *v * scale } else { 0.0 };
-                }
-            }
+            mask.apply_row(gids[c * chunk + r], row);
         }
     });
 }
 
-/// Dropout over a row's entries (GAT attention dropout): entry `k` of row `r` is kept if the
-/// draw for `(gids[r], k)` passes. `vals` holds `heads` values per entry.
+/// Dropout over a row's entries (GAT attention dropout): value `k` of row `r`'s segment (its
+/// entries times `heads`) is kept if the draw for `(gids[r], k)` passes.
 pub fn edge_dropout(
     indptr: &[usize],
     vals: &mut [f32],
@@ -100,23 +96,88 @@ pub fn edge_dropout(
     }
     assert_eq!(indptr.len(), gids.len() + 1, "edge_dropout: one global id per row is needed");
     assert_eq!(vals.len(), indptr[gids.len()] * heads, "edge_dropout: values length");
-    let scale = if p < 1.0 { 1.0 / (1.0 - p) } else { 0.0 };
-    let threshold = keep_threshold(p);
-    let g = Philox4x32::new(key.seed);
-    // Sequential over rows; the per-row work is tiny and the mask stays a pure function.
-    for (r, &gid) in gids.iter().enumerate() {
-        let seg = &mut vals[indptr[r] * heads..indptr[r + 1] * heads];
-        for (b, cols) in seg.chunks_mut(4).enumerate() {
-            let u = g.block(key.counter(gid, b as u32));
-            for (v, &u) in cols.iter_mut().zip(&u) {
-                *v = if u >= threshold { *v * scale } else { 0.0 };
+    let mask = MaskGen::new(key, p);
+    let mut segs: Vec<&mut [f32]> = Vec::with_capacity(gids.len());
+    let mut rest = vals;
+    for r in 0..gids.len() {
+        let (seg, tail) = rest.split_at_mut((indptr[r + 1] - indptr[r]) * heads);
+        segs.push(seg);
+        rest = tail;
+    }
+    segs.par_chunks_mut(256).enumerate().for_each(|(c, block)| {
+        for (r, seg) in block.iter_mut().enumerate() {
+            mask.apply_row(gids[c * 256 + r], seg);
+        }
+    });
+}
+
+/// Dropout of a sparse matrix's stored values with the same mask as [`dropout`] would apply to
+/// its dense form: entry (row `r`, column `c`) uses the draw for `(gids[r], c)`.
+pub fn dropout_csr(indptr: &[usize], indices: &[u32], vals: &mut [f32], gids: &[u32], key: DropoutKey, p: f32) {
+    if p <= 0.0 {
+        return;
+    }
+    assert_eq!(indptr.len(), gids.len() + 1, "dropout_csr: one global id per row is needed");
+    assert_eq!(vals.len(), indices.len(), "dropout_csr: values length");
+    let mask = MaskGen::new(key, p);
+    let mut segs: Vec<&mut [f32]> = Vec::with_capacity(gids.len());
+    let mut rest = vals;
+    for r in 0..gids.len() {
+        let (seg, tail) = rest.split_at_mut(indptr[r + 1] - indptr[r]);
+        segs.push(seg);
+        rest = tail;
+    }
+    segs.par_chunks_mut(256).enumerate().for_each(|(c, block)| {
+        for (k, seg) in block.iter_mut().enumerate() {
+            let r = c * 256 + k;
+            mask.apply_sparse_row(gids[r], &indices[indptr[r]..indptr[r + 1]], seg);
+        }
+    });
+}
+
+/// Draws and applies keep/drop decisions for one row.
+struct MaskGen {
+    g: Philox4x32,
+    key: DropoutKey,
+    threshold: u32,
+    scale: f32,
+}
+
+impl MaskGen {
+    fn new(key: DropoutKey, p: f32) -> Self {
+        let threshold = (p.clamp(0.0, 1.0) as f64 * 65_536.0).round().min(65_536.0) as u32;
+        let scale = if p < 1.0 { 1.0 / (1.0 - p) } else { 0.0 };
+        MaskGen { g: Philox4x32::new(key.seed), key, threshold, scale }
+    }
+
+    /// Masks the entries of a sparse row (columns ascending) as [`Self::apply_row`] would.
+    fn apply_sparse_row(&self, gid: u32, cols: &[u32], vals: &mut [f32]) {
+        let mut cached = (u32::MAX, [0u32; 4]);
+        for (&c, v) in cols.iter().zip(vals) {
+            let b = c / 8;
+            if cached.0 != b {
+                cached = (b, self.g.block(self.key.counter(gid, b)));
+            }
+            let k = (c % 8) as usize;
+            let draw = (cached.1[k / 2] >> (16 * (k % 2))) & 0xffff;
+            *v = if draw >= self.threshold { *v * self.scale } else { 0.0 };
+        }
+    }
+
+    #[inline]
+    fn apply_row(&self, gid: u32, row: &mut [f32]) {
+        for (b, cols) in row.chunks_mut(8).enumerate() {
+            // Any non-zero bit outside the sign bit means a non-zero value.
+            if cols.iter().fold(0u32, |acc, v| acc | (v.to_bits() << 1)) == 0 {
+                continue;
+            }
+            let u = self.g.block(self.key.counter(gid, b as u32));
+            for (k, v) in cols.iter_mut().enumerate() {
+                let draw = (u[k / 2] >> (16 * (k % 2))) & 0xffff;
+                *v = if draw >= self.threshold { *v * self.scale } else { 0.0 };
             }
         }
     }
-}
-
-fn keep_threshold(p: f32) -> u32 {
-    ((p.clamp(0.0, 1.0) as f64) * 4_294_967_296.0).min(u32::MAX as f64) as u32
 }
 
 /// `y += alpha * x`.

@@ -30,7 +30,12 @@ pub fn gemm(
         return;
     }
     if k == 0 {
-        c.iter_mut().for_each(|x| *x *= beta);
+        // op(a) op(b) is all zeros; as in BLAS, beta = 0 means `c` is not read (NaN-safe).
+        if beta == 0.0 {
+            c.fill(0.0);
+        } else {
+            c.iter_mut().for_each(|x| *x *= beta);
+        }
         return;
     }
     // Row-major strides: element (i, j) of a row-major r x s matrix is at i * s + j.

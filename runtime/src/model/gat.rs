@@ -5,7 +5,7 @@
 //!
 //! The per-node attention terms `a·W x` are GEMMs with a block-diagonal `HD x H` matrix that
 //! holds each head's attention vector, so forward and backward reuse the dense kernels.
-use super::{dropout_backward, dropped_input, Init, LayerSpec, Param, StepCtx};
+use super::{dropout_backward, Init, LayerInput, LayerSpec, Param, StepCtx};
 use crate::graph::Block;
 use crate::Result;
 use trellis_gpu::{Activation, EdgeWeights, Stream, Tensor};
@@ -26,7 +26,7 @@ pub(crate) fn param_shapes(spec: &LayerSpec) -> Vec<(String, usize, usize, Init)
 
 pub(crate) struct GatCache {
     epoch: u32,
-    xd: Tensor,
+    xd: LayerInput,
     wh: Tensor,
     /// LeakyReLU of the raw edge scores.
     e_act: Vec<f32>,
@@ -79,13 +79,13 @@ pub(crate) fn forward(
     seed: u64,
     p: &[Param],
     block: &Block,
-    x: &Tensor,
+    x: &LayerInput,
     ctx: StepCtx,
-) -> Result<(Tensor, GatCache)> {
+) -> Result<(Tensor, Option<GatCache>)> {
     let (heads, d) = (spec.heads, spec.out_dim);
     let adj = block.adj();
-    let xd = dropped_input(s, spec, seed, block, x, ctx)?;
-    let wh = s.matmul(&xd, false, &p[0].value, false)?;
+    let xd = x.dropped(s, spec, seed, block, ctx.epoch, ctx.train)?;
+    let wh = xd.matmul(s, &p[0].value)?;
     let s_src = s.matmul(&wh, false, &block_diag(&p[1].value), false)?;
     let mut s_dst = Tensor::zeros(block.n_out(), heads);
     s.gemm_prefix(1.0, &wh, block.n_out(), false, &block_diag(&p[2].value), false, 0.0, &mut s_dst)?;
@@ -103,7 +103,9 @@ pub(crate) fn forward(
     let mut h = if spec.concat { agg } else { mean_heads(&agg, heads, d) };
     s.add_bias(&mut h, &p[3].value)?;
     let y = s.activation(spec.act, &h)?;
-    Ok((y.clone(), GatCache { epoch: ctx.epoch, xd, wh, e_act, alpha, alpha_d, y }))
+    let cache =
+        ctx.train.then(|| GatCache { epoch: ctx.epoch, xd: xd.into_owned(), wh, e_act, alpha, alpha_d, y: y.clone() });
+    Ok((y, cache))
 }
 
 fn mean_heads(agg: &Tensor, heads: usize, d: usize) -> Tensor {
@@ -179,7 +181,7 @@ pub(crate) fn backward(
     let gwh_dst = s.matmul(&g_s_dst, false, &block_diag(&p[2].value), true)?;
     s.add_rows_prefix(&gwh_dst, &mut gwh)?;
     // wh = xd W.
-    s.gemm(1.0, &c.xd, true, &gwh, false, 1.0, &mut p[0].grad)?;
+    c.xd.t_matmul_acc(s, &gwh, &mut p[0].grad)?;
     if !need_input_grad {
         return Ok(None);
     }

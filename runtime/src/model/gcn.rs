@@ -1,6 +1,6 @@
 //! GCN layer (Kipf & Welling 2017): `act(Â · dropout(X) · W + b)` with
 //! `Â = D^-1/2 (A + I) D^-1/2` over global degrees (the block's stored values).
-use super::{dropout_backward, dropped_input, Init, LayerSpec, Param, StepCtx};
+use super::{dropout_backward, Init, LayerInput, LayerSpec, Param, StepCtx};
 use crate::graph::Block;
 use crate::Result;
 use trellis_gpu::{EdgeWeights, Stream, Tensor};
@@ -12,12 +12,16 @@ pub(crate) fn param_shapes(spec: &LayerSpec) -> Vec<(String, usize, usize, Init)
     ]
 }
 
+/// What backward needs besides the output: the dropped input (when the layer transforms
+/// first, `Â (X W)`) or the aggregated input `Â X` (when it aggregates first).
+pub(crate) enum Saved {
+    Input(LayerInput),
+    Aggregated(Tensor),
+}
+
 pub(crate) struct GcnCache {
     epoch: u32,
-    /// Transform first (`Â (X W)`) when it narrows the rows to aggregate.
-    transform_first: bool,
-    /// Dropped-out input (transform first) or aggregated input `Â X` (aggregate first).
-    saved: Tensor,
+    saved: Saved,
     /// Layer output after activation.
     y: Tensor,
 }
@@ -28,26 +32,30 @@ pub(crate) fn forward(
     seed: u64,
     p: &[Param],
     block: &Block,
-    x: &Tensor,
+    x: &LayerInput,
     ctx: StepCtx,
-) -> Result<(Tensor, GcnCache)> {
+) -> Result<(Tensor, Option<GcnCache>)> {
     let (w, b) = (&p[0].value, &p[1].value);
-    let xd = dropped_input(s, spec, seed, block, x, ctx)?;
-    let transform_first = spec.out_dim < spec.in_dim;
+    let xd = x.dropped(s, spec, seed, block, ctx.epoch, ctx.train)?;
     let mut h = Tensor::zeros(block.n_out(), spec.out_dim);
-    let saved = if transform_first {
-        let z = s.matmul(&xd, false, w, false)?;
-        s.spmm(block.adj(), EdgeWeights::Stored, &z, &mut h)?;
-        xd
-    } else {
-        let mut ax = Tensor::zeros(block.n_out(), spec.in_dim);
-        s.spmm(block.adj(), EdgeWeights::Stored, &xd, &mut ax)?;
-        s.gemm(1.0, &ax, false, w, false, 0.0, &mut h)?;
-        ax
+    // Aggregate over the narrower side: transform first when it shrinks the rows.
+    let saved = match xd.as_ref() {
+        LayerInput::Dense(xt) if spec.out_dim >= spec.in_dim => {
+            let mut ax = Tensor::zeros(block.n_out(), spec.in_dim);
+            s.spmm(block.adj(), EdgeWeights::Stored, xt, &mut ax)?;
+            s.gemm(1.0, &ax, false, w, false, 0.0, &mut h)?;
+            ctx.train.then_some(Saved::Aggregated(ax))
+        }
+        xi => {
+            let z = xi.matmul(s, w)?;
+            s.spmm(block.adj(), EdgeWeights::Stored, &z, &mut h)?;
+            ctx.train.then(|| Saved::Input(xd.into_owned()))
+        }
     };
     s.add_bias(&mut h, b)?;
     let y = s.activation(spec.act, &h)?;
-    Ok((y.clone(), GcnCache { epoch: ctx.epoch, transform_first, saved, y }))
+    let cache = saved.map(|saved| GcnCache { epoch: ctx.epoch, saved, y: y.clone() });
+    Ok((y, cache))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -65,27 +73,29 @@ pub(crate) fn backward(
     drop(c.y);
     s.add_column_sums(&g, &mut p[1].grad)?;
     let adj_t = &block.adj_t().csr;
-    let gx = if c.transform_first {
-        // h = Â Z, Z = X W: gZ = Â^T g, gW = X^T gZ, gX = gZ W^T.
-        let mut gz = Tensor::zeros(block.n_in(), spec.out_dim);
-        s.spmm(adj_t, EdgeWeights::Stored, &g, &mut gz)?;
-        s.gemm(1.0, &c.saved, true, &gz, false, 1.0, &mut p[0].grad)?;
-        if !need_input_grad {
-            return Ok(None);
+    let mut gx = match c.saved {
+        Saved::Input(xd) => {
+            // h = Â Z, Z = X W: gZ = Â^T g, gW = X^T gZ, gX = gZ W^T.
+            let mut gz = Tensor::zeros(block.n_in(), spec.out_dim);
+            s.spmm(adj_t, EdgeWeights::Stored, &g, &mut gz)?;
+            xd.t_matmul_acc(s, &gz, &mut p[0].grad)?;
+            if !need_input_grad {
+                return Ok(None);
+            }
+            s.matmul(&gz, false, &p[0].value, true)?
         }
-        s.matmul(&gz, false, &p[0].value, true)?
-    } else {
-        // h = (Â X) W: gW = (ÂX)^T g, gÂX = g W^T, gX = Â^T gÂX.
-        s.gemm(1.0, &c.saved, true, &g, false, 1.0, &mut p[0].grad)?;
-        if !need_input_grad {
-            return Ok(None);
+        Saved::Aggregated(ax) => {
+            // h = (Â X) W: gW = (ÂX)^T g, gÂX = g W^T, gX = Â^T gÂX.
+            s.gemm(1.0, &ax, true, &g, false, 1.0, &mut p[0].grad)?;
+            if !need_input_grad {
+                return Ok(None);
+            }
+            let gax = s.matmul(&g, false, &p[0].value, true)?;
+            let mut gx = Tensor::zeros(block.n_in(), spec.in_dim);
+            s.spmm(adj_t, EdgeWeights::Stored, &gax, &mut gx)?;
+            gx
         }
-        let gax = s.matmul(&g, false, &p[0].value, true)?;
-        let mut gx = Tensor::zeros(block.n_in(), spec.in_dim);
-        s.spmm(adj_t, EdgeWeights::Stored, &gax, &mut gx)?;
-        gx
     };
-    let mut gx = gx;
     dropout_backward(s, spec, seed, block, &mut gx, c.epoch)?;
     Ok(Some(gx))
 }

@@ -23,12 +23,20 @@ fn small_graph() -> Graph {
     Graph::from_edges(9, &src, &dst).unwrap()
 }
 
-fn loss(model: &mut Model, s: &Stream, l: usize, block: &Block, x: &Tensor, r: &Tensor, ctx: StepCtx) -> f64 {
+fn loss(model: &mut Model, s: &Stream, l: usize, block: &Block, x: &LayerInput, r: &Tensor, ctx: StepCtx) -> f64 {
     let out = model.forward_layer(s, l, block, x, ctx).unwrap();
     out.as_slice().iter().zip(r.as_slice()).map(|(&a, &b)| a as f64 * b as f64).sum()
 }
 
 fn check_layer(kind: ModelKind, layer: usize, dropout: f32) {
+    check_layer_with(kind, layer, dropout, false);
+    if layer == 0 {
+        check_layer_with(kind, layer, dropout, true);
+    }
+}
+
+/// With `sparse`, the input is mostly zeros and held as a sparse matrix.
+fn check_layer_with(kind: ModelKind, layer: usize, dropout: f32, sparse: bool) {
     let s = stream();
     let graph = small_graph();
     // Inner nodes 1,2,3,5,8 (not ascending by degree), the rest become halo.
@@ -40,10 +48,21 @@ fn check_layer(kind: ModelKind, layer: usize, dropout: f32) {
     cfg.dropout = dropout;
     cfg.attn_dropout = dropout;
     let mut model = Model::new(cfg).unwrap();
+    // Non-zero biases, so no pre-activation sits exactly on a ReLU kink.
+    for (k, p) in model.params_mut().iter_mut().enumerate() {
+        if p.name.ends_with("bias") {
+            p.value = rand_tensor(p.value.rows(), p.value.cols(), 100 + k as u64);
+        }
+    }
     let in_dim = model.layer_in_dim(layer);
-    let x = rand_tensor(block.n_in(), in_dim, 3);
+    let mut x = rand_tensor(block.n_in(), in_dim, 3);
+    if sparse {
+        x.as_mut_slice().iter_mut().enumerate().filter(|(i, _)| i % 13 != 0).for_each(|(_, v)| *v = 0.0);
+    }
+    let wrap = |t: &Tensor| if sparse { LayerInput::auto(t.clone()).unwrap() } else { LayerInput::Dense(t.clone()) };
+    assert_eq!(wrap(&x).is_sparse(), sparse);
     let ctx = StepCtx { epoch: 4, train: true };
-    let out = model.forward_layer(&s, layer, &block, &x, ctx).unwrap();
+    let out = model.forward_layer(&s, layer, &block, &wrap(&x), ctx).unwrap();
     let r = rand_tensor(out.rows(), out.cols(), 5);
     model.zero_grad();
     let gx = model.backward_layer(&s, layer, &block, r.clone(), true).unwrap().unwrap();
@@ -51,12 +70,13 @@ fn check_layer(kind: ModelKind, layer: usize, dropout: f32) {
     let eps = 1e-3f32;
     let tol = |a: f64, n: f64| (a - n).abs() <= 2e-2 * n.abs().max(a.abs()) + 2e-3;
     // Input rows.
-    for i in 0..x.len() {
+    // With a sparse input only the stored entries are checked (the others are not inputs).
+    for i in (0..x.len()).filter(|&i| !sparse || x.as_slice()[i] != 0.0) {
         let mut xp = x.clone();
         xp.as_mut_slice()[i] += eps;
-        let lp = loss(&mut model, &s, layer, &block, &xp, &r, ctx);
+        let lp = loss(&mut model, &s, layer, &block, &wrap(&xp), &r, ctx);
         xp.as_mut_slice()[i] -= 2.0 * eps;
-        let lm = loss(&mut model, &s, layer, &block, &xp, &r, ctx);
+        let lm = loss(&mut model, &s, layer, &block, &wrap(&xp), &r, ctx);
         let num = (lp - lm) / (2.0 * eps as f64);
         let ana = gx.as_slice()[i] as f64;
         assert!(tol(ana, num), "{kind} layer {layer} d/dx[{i}]: analytic {ana} vs numeric {num}");
@@ -72,9 +92,9 @@ fn check_layer(kind: ModelKind, layer: usize, dropout: f32) {
         for i in 0..g.len() {
             let orig = model.params()[pi].value.as_slice()[i];
             model.params_mut()[pi].value.as_mut_slice()[i] = orig + eps;
-            let lp = loss(&mut model, &s, layer, &block, &x, &r, ctx);
+            let lp = loss(&mut model, &s, layer, &block, &wrap(&x), &r, ctx);
             model.params_mut()[pi].value.as_mut_slice()[i] = orig - eps;
-            let lm = loss(&mut model, &s, layer, &block, &x, &r, ctx);
+            let lm = loss(&mut model, &s, layer, &block, &wrap(&x), &r, ctx);
             model.params_mut()[pi].value.as_mut_slice()[i] = orig;
             let num = (lp - lm) / (2.0 * eps as f64);
             let ana = g.as_slice()[i] as f64;

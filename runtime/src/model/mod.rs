@@ -12,8 +12,11 @@ use trellis_gpu::{Activation, DropoutKey, Philox4x32, Stream, Tensor};
 
 mod gat;
 mod gcn;
+mod input;
 mod optim;
 mod sage;
+
+pub use input::LayerInput;
 
 pub use optim::{Optimizer, OptimizerKind};
 
@@ -264,7 +267,7 @@ impl Model {
 
     /// Runs layer `l` on `x` (one row per input row of `block`) and returns its output rows
     /// (one per inner node). In training mode the layer keeps what its backward needs.
-    pub fn forward_layer(&mut self, s: &Stream, l: usize, block: &Block, x: &Tensor, ctx: StepCtx) -> Result<Tensor> {
+    pub fn forward_layer(&mut self, s: &Stream, l: usize, block: &Block, x: &LayerInput, ctx: StepCtx) -> Result<Tensor> {
         let spec = self.layers[l];
         if x.rows() != block.n_in() || x.cols() != spec.in_dim {
             return Err(RuntimeError::Config(format!(
@@ -280,18 +283,18 @@ impl Model {
         let (out, cache) = match self.cfg.kind {
             ModelKind::Gcn => {
                 let (o, c) = gcn::forward(s, &spec, seed, params, block, x, ctx)?;
-                (o, Cache::Gcn(c))
+                (o, c.map(Cache::Gcn))
             }
             ModelKind::Sage => {
                 let (o, c) = sage::forward(s, &spec, seed, params, block, x, ctx)?;
-                (o, Cache::Sage(c))
+                (o, c.map(Cache::Sage))
             }
             ModelKind::Gat => {
                 let (o, c) = gat::forward(s, &spec, seed, params, block, x, ctx)?;
-                (o, Cache::Gat(c))
+                (o, c.map(Cache::Gat))
             }
         };
-        self.caches[l] = if ctx.train { Some(cache) } else { None };
+        self.caches[l] = cache;
         Ok(out)
     }
 
@@ -319,10 +322,10 @@ impl Model {
     }
 
     /// Forward through all layers on a block that covers the whole graph (no halo).
-    pub fn forward_full(&mut self, s: &Stream, block: &Block, x: &Tensor, ctx: StepCtx) -> Result<Tensor> {
+    pub fn forward_full(&mut self, s: &Stream, block: &Block, x: &LayerInput, ctx: StepCtx) -> Result<Tensor> {
         let mut h = self.forward_layer(s, 0, block, x, ctx)?;
         for l in 1..self.num_layers() {
-            h = self.forward_layer(s, l, block, &h, ctx)?;
+            h = self.forward_layer(s, l, block, &LayerInput::Dense(h), ctx)?;
         }
         Ok(h)
     }
@@ -372,15 +375,6 @@ impl Init {
         }
         Tensor::from_vec(rows, cols, v).expect("sized above")
     }
-}
-
-/// The input rows after feature dropout (a copy; the caller's tensor is not changed).
-pub(crate) fn dropped_input(s: &Stream, spec: &LayerSpec, seed: u64, block: &Block, x: &Tensor, ctx: StepCtx) -> Result<Tensor> {
-    let mut xd = x.clone();
-    if ctx.train && spec.dropout > 0.0 {
-        s.dropout(&mut xd, block.gids(), spec.dropout_key(seed, ctx.epoch, 0), spec.dropout)?;
-    }
-    Ok(xd)
 }
 
 /// Applies the input dropout mask of a training step to an input gradient.

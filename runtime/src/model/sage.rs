@@ -1,6 +1,8 @@
 //! GraphSAGE layer with the mean aggregator (Hamilton et al. 2017, as PyG's `SAGEConv`):
-//! `act(mean_{j in N(i)} x_j · W_l + x_i · W_r + b)` on dropped-out inputs.
-use super::{dropout_backward, dropped_input, Init, LayerSpec, Param, StepCtx};
+//! `act(mean_{j in N(i)} x_j · W_l + x_i · W_r + b)` on dropped-out inputs, computed as
+//! `Ā (X W_l) + X_inner W_r + b` (the mean is linear, so transforming first is exact and
+//! aggregates the narrower rows).
+use super::{dropout_backward, Init, LayerInput, LayerSpec, Param, StepCtx};
 use crate::graph::Block;
 use crate::Result;
 use trellis_gpu::{EdgeWeights, Stream, Tensor};
@@ -17,9 +19,7 @@ pub(crate) fn param_shapes(spec: &LayerSpec) -> Vec<(String, usize, usize, Init)
 pub(crate) struct SageCache {
     epoch: u32,
     /// Dropped-out input rows.
-    xd: Tensor,
-    /// Mean of neighbour rows.
-    mean: Tensor,
+    xd: LayerInput,
     y: Tensor,
 }
 
@@ -29,17 +29,19 @@ pub(crate) fn forward(
     seed: u64,
     p: &[Param],
     block: &Block,
-    x: &Tensor,
+    x: &LayerInput,
     ctx: StepCtx,
-) -> Result<(Tensor, SageCache)> {
-    let xd = dropped_input(s, spec, seed, block, x, ctx)?;
-    let mut mean = Tensor::zeros(block.n_out(), spec.in_dim);
-    s.spmm(block.adj(), EdgeWeights::Stored, &xd, &mut mean)?;
-    let mut h = s.matmul(&mean, false, &p[0].value, false)?;
-    s.gemm_prefix(1.0, &xd, block.n_out(), false, &p[2].value, false, 1.0, &mut h)?;
+) -> Result<(Tensor, Option<SageCache>)> {
+    let xd = x.dropped(s, spec, seed, block, ctx.epoch, ctx.train)?;
+    let z = xd.matmul(s, &p[0].value)?;
+    let mut h = Tensor::zeros(block.n_out(), spec.out_dim);
+    s.spmm(block.adj(), EdgeWeights::Stored, &z, &mut h)?;
+    drop(z);
+    xd.matmul_prefix_acc(s, block.n_out(), &p[2].value, &mut h)?;
     s.add_bias(&mut h, &p[1].value)?;
     let y = s.activation(spec.act, &h)?;
-    Ok((y.clone(), SageCache { epoch: ctx.epoch, xd, mean, y }))
+    let cache = ctx.train.then(|| SageCache { epoch: ctx.epoch, xd: xd.into_owned(), y: y.clone() });
+    Ok((y, cache))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -55,14 +57,14 @@ pub(crate) fn backward(
 ) -> Result<Option<Tensor>> {
     s.activation_backward_from_output(spec.act, &c.y, &mut g)?;
     s.add_column_sums(&g, &mut p[1].grad)?;
-    s.gemm(1.0, &c.mean, true, &g, false, 1.0, &mut p[0].grad)?;
-    s.gemm_prefix(1.0, &c.xd, block.n_out(), true, &g, false, 1.0, &mut p[2].grad)?;
+    let mut gz = Tensor::zeros(block.n_in(), spec.out_dim);
+    s.spmm(&block.adj_t().csr, EdgeWeights::Stored, &g, &mut gz)?;
+    c.xd.t_matmul_acc(s, &gz, &mut p[0].grad)?;
+    c.xd.t_matmul_acc(s, &g, &mut p[2].grad)?;
     if !need_input_grad {
         return Ok(None);
     }
-    let gmean = s.matmul(&g, false, &p[0].value, true)?;
-    let mut gx = Tensor::zeros(block.n_in(), spec.in_dim);
-    s.spmm(&block.adj_t().csr, EdgeWeights::Stored, &gmean, &mut gx)?;
+    let mut gx = s.matmul(&gz, false, &p[0].value, true)?;
     let gself = s.matmul(&g, false, &p[2].value, true)?;
     s.add_rows_prefix(&gself, &mut gx)?;
     dropout_backward(s, spec, seed, block, &mut gx, c.epoch)?;

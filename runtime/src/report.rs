@@ -1,0 +1,115 @@
+//! Run reports: the JSON record of a training run (schema documented in README.md).
+use crate::{Result, RuntimeError};
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+/// One epoch of a run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EpochLog {
+    pub epoch: u32,
+    /// Mean training loss of the step.
+    pub loss: f64,
+    pub train_acc: f64,
+    pub val_acc: f64,
+    pub test_acc: f64,
+    /// Wall time of the training step (forward, backward, all-reduce, optimizer), ms.
+    pub ms: f64,
+    /// Wall time of the evaluation forward pass, ms.
+    pub eval_ms: f64,
+    /// Time spent computing (max over partitions), ms.
+    pub compute_ms: f64,
+    /// Time spent waiting for halo exchange and all-reduce (max over partitions), ms.
+    pub comm_ms: f64,
+    /// Bytes of halo embeddings and gradients moved between partitions in this epoch.
+    pub halo_bytes: u64,
+}
+
+/// The record of a whole run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunReport {
+    pub model: String,
+    pub dataset: String,
+    pub data_digest: String,
+    pub seed: u64,
+    pub epochs: u32,
+    pub partitions: usize,
+    /// Undirected edges cut by the partitioning (0 for one partition).
+    pub edge_cut: u64,
+    pub threads: usize,
+    /// Test accuracy at the epoch of best validation accuracy.
+    pub test_acc: f64,
+    pub best_val_acc: f64,
+    pub best_epoch: u32,
+    pub epoch_ms_median: f64,
+    pub peak_rss_bytes: u64,
+    /// Hex BLAKE3 digest of the final parameters' bytes.
+    pub weights_digest: String,
+    /// The configuration that reproduces the run.
+    pub config: serde_json::Value,
+    /// `trellis` version that produced the report.
+    pub code_version: String,
+    pub epochs_log: Vec<EpochLog>,
+}
+
+impl RunReport {
+    /// Writes the report as pretty JSON.
+    pub fn write(&self, path: &Path) -> Result<()> {
+        let json = serde_json::to_string_pretty(self).map_err(|e| RuntimeError::bad_file(path, e.to_string()))?;
+        std::fs::write(path, json).map_err(|e| RuntimeError::io(path, e))
+    }
+
+    /// Reads a report.
+    pub fn read(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| RuntimeError::io(path, e))?;
+        serde_json::from_str(&text).map_err(|e| RuntimeError::bad_file(path, format!("not a run report: {e}")))
+    }
+}
+
+/// Median of a list of values (0 when empty).
+pub fn median(values: &[f64]) -> f64 {
+    if values.is_empty() {
+        return 0.0;
+    }
+    let mut v = values.to_vec();
+    v.sort_by(|a, b| a.total_cmp(b));
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        0.5 * (v[n / 2 - 1] + v[n / 2])
+    }
+}
+
+/// Peak resident set size of this process in bytes (VmHWM), 0 where unknown.
+pub fn peak_rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1).and_then(|kb| kb.parse::<u64>().ok()))
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// Tracks the best validation epoch: test accuracy is reported at the epoch of best validation
+/// accuracy (first such epoch on ties).
+#[derive(Debug, Clone, Default)]
+pub struct BestTracker {
+    pub best_val_acc: f64,
+    pub best_epoch: u32,
+    pub test_at_best: f64,
+    seen: bool,
+}
+
+impl BestTracker {
+    /// Records an epoch.
+    pub fn update(&mut self, log: &EpochLog) {
+        if !self.seen || log.val_acc > self.best_val_acc {
+            self.seen = true;
+            self.best_val_acc = log.val_acc;
+            self.best_epoch = log.epoch;
+            self.test_at_best = log.test_acc;
+        }
+    }
+}

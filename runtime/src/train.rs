@@ -1,0 +1,217 @@
+//! The single-process trainer: full-graph training of one model replica on one stream.
+//!
+//! This is the reference the partitioned runtime is compared against: the partition actors run
+//! the same layers on their blocks and must reproduce its losses.
+use crate::model::{LayerInput, StepCtx};
+use crate::report::{self, BestTracker, EpochLog, RunReport};
+use crate::{Block, Dataset, Graph, Model, ModelConfig, ModelKind, Optimizer, OptimizerKind, Result, RuntimeError};
+use serde::{Deserialize, Serialize};
+use std::time::Instant;
+use trellis_gpu::{AdamConfig, Stream, Tensor};
+
+/// Everything that defines a training run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainConfig {
+    pub model: ModelConfig,
+    pub epochs: u32,
+    pub lr: f32,
+    pub weight_decay: f32,
+    /// Row-normalise input features (as the GCN and GAT papers do).
+    pub normalize_features: bool,
+    /// CPU threads for kernels (0 = all CPUs).
+    pub threads: usize,
+}
+
+impl TrainConfig {
+    /// Each paper's Cora settings for `kind` on a data set of the given widths.
+    pub fn paper_defaults(kind: ModelKind, in_dim: usize, classes: usize, seed: u64) -> Self {
+        let lr = match kind {
+            ModelKind::Gat => 0.005,
+            _ => 0.01,
+        };
+        TrainConfig {
+            model: ModelConfig::paper_defaults(kind, in_dim, classes, seed),
+            epochs: 200,
+            lr,
+            weight_decay: 5e-4,
+            normalize_features: true,
+            threads: 0,
+        }
+    }
+
+    /// The optimizer this config asks for.
+    pub fn optimizer(&self) -> OptimizerKind {
+        OptimizerKind::Adam(AdamConfig { lr: self.lr, weight_decay: self.weight_decay, ..AdamConfig::default() })
+    }
+
+    /// Checks ranges.
+    pub fn validate(&self) -> Result<()> {
+        if !(self.lr > 0.0 && self.lr.is_finite()) || !(self.weight_decay >= 0.0 && self.weight_decay.is_finite()) {
+            return Err(RuntimeError::Config("lr must be > 0 and weight decay >= 0".into()));
+        }
+        Ok(())
+    }
+}
+
+/// Node id lists of the three splits, and the labels.
+#[derive(Debug, Clone)]
+pub struct Splits {
+    pub labels: Vec<u32>,
+    pub train: Vec<u32>,
+    pub val: Vec<u32>,
+    pub test: Vec<u32>,
+}
+
+impl Splits {
+    /// From a data set's masks.
+    pub fn from_dataset(ds: &Dataset) -> Self {
+        Splits {
+            labels: ds.labels.clone(),
+            train: Dataset::mask_ids(&ds.train_mask),
+            val: Dataset::mask_ids(&ds.val_mask),
+            test: Dataset::mask_ids(&ds.test_mask),
+        }
+    }
+}
+
+/// Features as the model sees them (row-normalised if asked).
+pub fn input_features(ds: &Dataset, normalize: bool) -> Result<Tensor> {
+    let mut x = ds.features.clone();
+    if normalize && ds.num_features > 0 {
+        for row in x.chunks_mut(ds.num_features) {
+            let s: f32 = row.iter().sum();
+            if s != 0.0 {
+                row.iter_mut().for_each(|v| *v /= s);
+            }
+        }
+    }
+    Ok(Tensor::from_vec(ds.num_nodes, ds.num_features, x)?)
+}
+
+/// Full-graph trainer on one stream.
+pub struct Trainer {
+    cfg: TrainConfig,
+    stream: Stream,
+    block: Block,
+    x: LayerInput,
+    splits: Splits,
+    model: Model,
+    opt: Optimizer,
+    dataset: String,
+    data_digest: String,
+}
+
+impl Trainer {
+    /// Prepares the graph block, features and a freshly initialised model.
+    pub fn new(ds: &Dataset, cfg: TrainConfig) -> Result<Self> {
+        cfg.validate()?;
+        let stream = Stream::cpu(cfg.threads)?;
+        let graph = Graph::from_dataset(ds)?;
+        let block = Block::full(&graph, cfg.model.kind.aggregation())?;
+        drop(graph);
+        let x = LayerInput::auto(input_features(ds, cfg.normalize_features)?)?;
+        let model = Model::new(cfg.model.clone())?;
+        let opt = Optimizer::new(cfg.optimizer(), &model);
+        let splits = Splits::from_dataset(ds);
+        if splits.train.is_empty() {
+            return Err(RuntimeError::BadData("the training mask selects no node".into()));
+        }
+        Ok(Trainer { cfg, stream, block, x, splits, model, opt, dataset: ds.name.clone(), data_digest: ds.digest() })
+    }
+
+    /// The model being trained.
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    /// One training step plus evaluation; `epoch` counts from 1.
+    pub fn epoch(&mut self, epoch: u32) -> Result<EpochLog> {
+        let s = &self.stream;
+        let t0 = Instant::now();
+        self.model.zero_grad();
+        let logits = self.model.forward_full(s, &self.block, &self.x, StepCtx { epoch, train: true })?;
+        let mut grad = Tensor::zeros(logits.rows(), logits.cols());
+        let scale = 1.0 / self.splits.train.len() as f32;
+        let loss = s.softmax_nll(&logits, &self.splits.labels, &self.splits.train, scale, &mut grad)?;
+        drop(logits);
+        self.model.backward_full(s, &self.block, grad)?;
+        self.opt.step(s, &mut self.model)?;
+        let ms = t0.elapsed().as_secs_f64() * 1e3;
+        let t1 = Instant::now();
+        let (train_acc, val_acc, test_acc) = self.evaluate(epoch)?;
+        let eval_ms = t1.elapsed().as_secs_f64() * 1e3;
+        Ok(EpochLog {
+            epoch,
+            loss: loss.loss_sum / loss.count as f64,
+            train_acc,
+            val_acc,
+            test_acc,
+            ms,
+            eval_ms,
+            compute_ms: ms,
+            comm_ms: 0.0,
+            halo_bytes: 0,
+        })
+    }
+
+    /// Accuracy on the three splits with dropout off.
+    pub fn evaluate(&mut self, epoch: u32) -> Result<(f64, f64, f64)> {
+        let s = &self.stream;
+        let logits = self.model.forward_full(s, &self.block, &self.x, StepCtx { epoch, train: false })?;
+        let acc = |ids: &[u32]| -> Result<f64> {
+            Ok(if ids.is_empty() { 0.0 } else { s.accuracy_count(&logits, &self.splits.labels, ids)? as f64 / ids.len() as f64 })
+        };
+        Ok((acc(&self.splits.train)?, acc(&self.splits.val)?, acc(&self.splits.test)?))
+    }
+
+    /// Trains for the configured epochs, calling `on_epoch` after each, and returns the report.
+    pub fn run(&mut self, mut on_epoch: impl FnMut(&EpochLog)) -> Result<RunReport> {
+        let mut logs = Vec::with_capacity(self.cfg.epochs as usize);
+        let mut best = BestTracker::default();
+        for epoch in 1..=self.cfg.epochs {
+            let log = self.epoch(epoch)?;
+            if !log.loss.is_finite() {
+                return Err(RuntimeError::BadData(format!("training diverged: loss {} at epoch {epoch}", log.loss)));
+            }
+            best.update(&log);
+            on_epoch(&log);
+            logs.push(log);
+        }
+        Ok(build_report(&self.cfg, &self.dataset, &self.data_digest, 1, 0, self.stream.threads(), &best, logs, self.model.weights_digest()))
+    }
+}
+
+/// Assembles a run report from the epoch logs.
+#[allow(clippy::too_many_arguments)]
+pub fn build_report(
+    cfg: &TrainConfig,
+    dataset: &str,
+    data_digest: &str,
+    partitions: usize,
+    edge_cut: u64,
+    threads: usize,
+    best: &BestTracker,
+    logs: Vec<EpochLog>,
+    weights_digest: String,
+) -> RunReport {
+    let ms: Vec<f64> = logs.iter().map(|l| l.ms).collect();
+    RunReport {
+        model: cfg.model.kind.to_string(),
+        dataset: dataset.to_string(),
+        data_digest: data_digest.to_string(),
+        seed: cfg.model.seed,
+        epochs: cfg.epochs,
+        partitions,
+        edge_cut,
+        threads,
+        test_acc: best.test_at_best,
+        best_val_acc: best.best_val_acc,
+        best_epoch: best.best_epoch,
+        epoch_ms_median: report::median(&ms),
+        peak_rss_bytes: report::peak_rss_bytes(),
+        weights_digest,
+        config: serde_json::to_value(cfg).unwrap_or(serde_json::Value::Null),
+        code_version: env!("CARGO_PKG_VERSION").to_string(),
+        epochs_log: logs,
+    }
+}
