@@ -2,9 +2,13 @@
 //!
 //! This facade re-exports the workspace crates:
 //! - [`gpu`]: devices, streams, tensors and kernels (CPU reference backend);
-//! - [`runtime`]: data loaders, graphs, partitioning, models, trainers and run reports.
+//! - [`runtime`]: data loaders, graphs, partitioning, models, trainers and run reports;
+//! - [`actors`]: partition actors, supervisors, the coordinator and the topology API;
+//! - [`transport`]: halo-exchange messages and transports.
 
+pub use trellis_actors as actors;
 pub use trellis_gpu as gpu;
 pub use trellis_runtime as runtime;
+pub use trellis_transport as transport;
 
 pub mod cli;

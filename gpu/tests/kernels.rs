@@ -286,7 +286,7 @@ fn spmm_per_head() {
     let mut rng = Rng::new(11);
     let csr = random_csr(&mut rng, 29, 41, 9);
     for heads in [1usize, 2, 8] {
-        for d in [1usize, 7, 8, 9, 33] {
+        for d in [1usize, 2, 4, 7, 8, 9, 16, 32, 33, 64, 65] {
             let width = heads * d;
             let x = rng.tensor(41, width);
             let w = rng.vec(csr.nnz() * heads, -1.0, 1.0);
@@ -294,6 +294,44 @@ fn spmm_per_head() {
             s().spmm(&csr, EdgeWeights::PerHead(&w, heads), &x, &mut out).unwrap();
             let (want, mag) = ref_spmm(&csr, Some((&w, heads)), x.as_slice(), width);
             assert_close(&format!("spmm heads {heads} d {d}"), out.as_slice(), &want, &mag, 1e-5, 1e-6);
+        }
+    }
+}
+
+/// The documented summation: each output element from 0, in CSR order, `acc += w * x` in f32.
+#[test]
+fn spmm_bits_follow_csr_order() {
+    let mut rng = Rng::new(13);
+    let csr = random_csr(&mut rng, 40, 30, 12);
+    for (heads, d) in [(1usize, 1usize), (1, 33), (1, 130), (2, 8), (4, 16), (8, 2), (3, 7), (2, 64), (2, 70)] {
+        let width = heads * d;
+        let x = rng.tensor(30, width);
+        let w = rng.vec(csr.nnz() * heads, -1.0, 1.0);
+        let cases = [
+            (EdgeWeights::Ones, None),
+            (EdgeWeights::Stored, Some((csr.values().unwrap(), 1))),
+            (EdgeWeights::PerHead(&w, heads), Some((&w[..], heads))),
+        ];
+        for (ew, wref) in cases {
+            if heads > 1 && wref.is_some_and(|(_, h)| h == 1) {
+                continue;
+            }
+            let mut out = Tensor::zeros(40, width);
+            s().spmm(&csr, ew, &x, &mut out).unwrap();
+            let mut want = vec![0.0f32; 40 * width];
+            for i in 0..40 {
+                for e in csr.indptr()[i]..csr.indptr()[i + 1] {
+                    let j = csr.indices()[e] as usize;
+                    for c in 0..width {
+                        let v = x.row(j)[c];
+                        match wref {
+                            None => want[i * width + c] += v,
+                            Some((w, h)) => want[i * width + c] += w[e * h + c / (width / h)] * v,
+                        }
+                    }
+                }
+            }
+            assert_bits_eq(&format!("spmm order heads {heads} d {d} {ew:?}"), out.as_slice(), &want);
         }
     }
 }
@@ -499,7 +537,7 @@ fn scatter_add_rows_repeated_indices() {
 fn add_bias_and_column_sums() {
     let mut rng = Rng::new(42);
     for &width in &WIDTHS {
-        for rows in [0usize, 1, 37] {
+        for rows in [0usize, 1, 37, 2500] {
             let x = rng.tensor(rows, width);
             let bias = rng.tensor(1, width);
             let mut y = x.clone();

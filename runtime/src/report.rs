@@ -48,6 +48,9 @@ pub struct RunReport {
     pub config: serde_json::Value,
     /// `trellis` version that produced the report.
     pub code_version: String,
+    /// Recoveries performed during the run (empty without faults).
+    #[serde(default)]
+    pub recoveries: serde_json::Value,
     pub epochs_log: Vec<EpochLog>,
 }
 

@@ -77,15 +77,24 @@ impl Splits {
 /// Features as the model sees them (row-normalised if asked).
 pub fn input_features(ds: &Dataset, normalize: bool) -> Result<Tensor> {
     let mut x = ds.features.clone();
-    if normalize && ds.num_features > 0 {
-        for row in x.chunks_mut(ds.num_features) {
-            let s: f32 = row.iter().sum();
-            if s != 0.0 {
-                row.iter_mut().for_each(|v| *v /= s);
-            }
-        }
+    if normalize {
+        normalize_rows(&mut x, ds.num_features);
     }
     Ok(Tensor::from_vec(ds.num_nodes, ds.num_features, x)?)
+}
+
+/// Row-normalises a row-major matrix in place: each row is divided by its sum (rows summing to
+/// zero stay as they are), as Kipf & Welling and PyG's `NormalizeFeatures` do.
+pub fn normalize_rows(x: &mut [f32], width: usize) {
+    if width == 0 {
+        return;
+    }
+    for row in x.chunks_mut(width) {
+        let s: f32 = row.iter().sum();
+        if s != 0.0 {
+            row.iter_mut().for_each(|v| *v /= s);
+        }
+    }
 }
 
 /// Full-graph trainer on one stream.
@@ -212,6 +221,7 @@ pub fn build_report(
         weights_digest,
         config: serde_json::to_value(cfg).unwrap_or(serde_json::Value::Null),
         code_version: env!("CARGO_PKG_VERSION").to_string(),
+        recoveries: serde_json::Value::Array(Vec::new()),
         epochs_log: logs,
     }
 }

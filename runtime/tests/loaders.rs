@@ -41,7 +41,12 @@ fn y_of(d: &Dataset) -> Array1<i64> {
 }
 fn ei_of(d: &Dataset) -> Array2<i64> {
     let e = d.edge_src.len();
-    let v: Vec<i64> = d.edge_src.iter().chain(&d.edge_dst).map(|&v| v as i64).collect();
+    let v: Vec<i64> = d
+        .edge_src
+        .iter()
+        .chain(&d.edge_dst)
+        .map(|&v| v as i64)
+        .collect();
     Array2::from_shape_vec((2, e), v).unwrap()
 }
 fn mask(m: &[bool]) -> Array1<bool> {
@@ -81,7 +86,11 @@ fn raw_npy(descr: &str, shape: &str, payload: &[u8]) -> Vec<u8> {
     out
 }
 
-fn write_array<T: WritableElement, D: ndarray::Dimension>(dir: &Path, file: &str, a: &ndarray::Array<T, D>) {
+fn write_array<T: WritableElement, D: ndarray::Dimension>(
+    dir: &Path,
+    file: &str,
+    a: &ndarray::Array<T, D>,
+) {
     write_npy(dir.join(file), a).unwrap();
 }
 
@@ -97,7 +106,10 @@ fn load_err(src: &DataSource) -> String {
 fn assert_mentions(msg: &str, words: &[&str]) {
     let low = msg.to_lowercase();
     for w in words {
-        assert!(low.contains(&w.to_lowercase()), "error `{msg}` does not mention `{w}`");
+        assert!(
+            low.contains(&w.to_lowercase()),
+            "error `{msg}` does not mention `{w}`"
+        );
     }
 }
 
@@ -129,19 +141,42 @@ fn write_ogb(root: &Path, name: &str, d: &Dataset, with_count: bool) -> PathBuf 
     let feat: String = d
         .features
         .chunks(f)
-        .map(|r| r.iter().map(|v| v.to_string()).collect::<Vec<_>>().join(",") + "\n")
+        .map(|r| {
+            r.iter()
+                .map(|v| v.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+                + "\n"
+        })
         .collect();
     gz(&raw.join("node-feat.csv.gz"), &feat);
     gz(&raw.join("node-label.csv.gz"), &lines(&d.labels));
-    let edges: String = d.edge_src.iter().zip(&d.edge_dst).map(|(s, t)| format!("{s},{t}\n")).collect();
+    let edges: String = d
+        .edge_src
+        .iter()
+        .zip(&d.edge_dst)
+        .map(|(s, t)| format!("{s},{t}\n"))
+        .collect();
     gz(&raw.join("edge.csv.gz"), &edges);
     if with_count {
-        gz(&raw.join("num-node-list.csv.gz"), &format!("{}\n", d.num_nodes));
+        gz(
+            &raw.join("num-node-list.csv.gz"),
+            &format!("{}\n", d.num_nodes),
+        );
     }
     let split = dir.join("split").join("random");
-    gz(&split.join("train.csv.gz"), &lines(Dataset::mask_ids(&d.train_mask)));
-    gz(&split.join("valid.csv.gz"), &lines(Dataset::mask_ids(&d.val_mask)));
-    gz(&split.join("test.csv.gz"), &lines(Dataset::mask_ids(&d.test_mask)));
+    gz(
+        &split.join("train.csv.gz"),
+        &lines(Dataset::mask_ids(&d.train_mask)),
+    );
+    gz(
+        &split.join("valid.csv.gz"),
+        &lines(Dataset::mask_ids(&d.val_mask)),
+    );
+    gz(
+        &split.join("test.csv.gz"),
+        &lines(Dataset::mask_ids(&d.test_mask)),
+    );
     dir
 }
 
@@ -170,7 +205,13 @@ fn npy_dir_round_trip() {
     let src = DataSource::parse(dir.to_str().unwrap()).unwrap();
     assert_eq!(src, DataSource::NpyDir(dir.clone()));
     let got = src.load().unwrap();
-    assert_eq!(got, Dataset { name: "tiny-set".into(), ..d });
+    assert_eq!(
+        got,
+        Dataset {
+            name: "tiny-set".into(),
+            ..d
+        }
+    );
 }
 
 #[test]
@@ -188,7 +229,13 @@ fn npy_accepts_int32_labels_float64_features_and_fortran_order() {
     let ei32 = ei_of(&d).mapv(|v| v as i32);
     write_array(&dir, "edge_index.npy", &ei32);
     let got = DataSource::NpyDir(dir).load().unwrap();
-    assert_eq!(got, Dataset { name: "alt".into(), ..d.clone() });
+    assert_eq!(
+        got,
+        Dataset {
+            name: "alt".into(),
+            ..d.clone()
+        }
+    );
 
     // y as [N, 1].
     let tmp = tempfile::tempdir().unwrap();
@@ -214,13 +261,19 @@ fn npz_round_trip_numpy_names_and_bare_compressed_names() {
     w.finish().unwrap();
     let src = DataSource::parse(path.to_str().unwrap()).unwrap();
     assert_eq!(src, DataSource::Npz(path.clone()));
-    assert_eq!(src.load().unwrap(), Dataset { name: "graph".into(), ..d.clone() });
+    assert_eq!(
+        src.load().unwrap(),
+        Dataset {
+            name: "graph".into(),
+            ..d.clone()
+        }
+    );
 
     // Bare entry names, deflate-compressed (numpy.savez_compressed style).
     let path = tmp.path().join("bare.npz");
     let mut z = zip::ZipWriter::new(fs::File::create(&path).unwrap());
-    let opts =
-        zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Deflated);
+    let opts = zip::write::SimpleFileOptions::default()
+        .compression_method(zip::CompressionMethod::Deflated);
     let entries: Vec<(&str, Vec<u8>)> = vec![
         ("x", npy_bytes(&x_of(&d))),
         ("y", npy_bytes(&y_of(&d))),
@@ -234,7 +287,13 @@ fn npz_round_trip_numpy_names_and_bare_compressed_names() {
         z.write_all(&bytes).unwrap();
     }
     z.finish().unwrap();
-    assert_eq!(DataSource::Npz(path).load().unwrap(), Dataset { name: "bare".into(), ..d });
+    assert_eq!(
+        DataSource::Npz(path).load().unwrap(),
+        Dataset {
+            name: "bare".into(),
+            ..d
+        }
+    );
 }
 
 #[test]
@@ -245,13 +304,26 @@ fn cora_when_present() {
         return;
     }
     let t = Instant::now();
-    let d = DataSource::parse(dir.to_str().unwrap()).unwrap().load().unwrap();
+    let d = DataSource::parse(dir.to_str().unwrap())
+        .unwrap()
+        .load()
+        .unwrap();
     println!("cora loaded in {:.1} ms", t.elapsed().as_secs_f64() * 1e3);
     assert_eq!(d.name, "cora");
-    assert_eq!((d.num_nodes, d.num_features, d.num_classes), (2708, 1433, 7));
+    assert_eq!(
+        (d.num_nodes, d.num_features, d.num_classes),
+        (2708, 1433, 7)
+    );
     assert_eq!(d.edge_src.len(), 10556);
     let count = |m: &[bool]| m.iter().filter(|&&b| b).count();
-    assert_eq!((count(&d.train_mask), count(&d.val_mask), count(&d.test_mask)), (140, 500, 1000));
+    assert_eq!(
+        (
+            count(&d.train_mask),
+            count(&d.val_mask),
+            count(&d.test_mask)
+        ),
+        (140, 500, 1000)
+    );
     // Raw bag-of-words features: 0/1, not normalised.
     assert!(d.features.iter().all(|&v| v == 0.0 || v == 1.0));
 }
@@ -261,51 +333,119 @@ fn cora_when_present() {
 
 #[test]
 fn npy_missing_files() {
-    for file in ["x.npy", "y.npy", "edge_index.npy", "train_mask.npy", "val_mask.npy", "test_mask.npy"] {
-        npy_case(|d| fs::remove_file(d.join(file)).unwrap(), &[file, "no such file"]);
+    for file in [
+        "x.npy",
+        "y.npy",
+        "edge_index.npy",
+        "train_mask.npy",
+        "val_mask.npy",
+        "test_mask.npy",
+    ] {
+        npy_case(
+            |d| fs::remove_file(d.join(file)).unwrap(),
+            &[file, "no such file"],
+        );
     }
-    let msg = load_err(&DataSource::NpyDir(PathBuf::from("/nonexistent/trellis-data")));
+    let msg = load_err(&DataSource::NpyDir(PathBuf::from(
+        "/nonexistent/trellis-data",
+    )));
     assert_mentions(&msg, &["trellis-data", "no such"]);
-    let err = DataSource::parse("/nonexistent/trellis-data").unwrap_err().to_string();
+    let err = DataSource::parse("/nonexistent/trellis-data")
+        .unwrap_err()
+        .to_string();
     assert_mentions(&err, &["trellis-data"]);
 }
 
 #[test]
 fn npy_wrong_dtypes() {
     let d = small();
-    npy_case(|p| write_array(p, "x.npy", &x_of(&d).mapv(|v| v as i64)), &["x.npy", "dtype int64", "float32"]);
-    npy_case(|p| write_array(p, "x.npy", &x_of(&d).mapv(|v| v as u8)), &["x.npy", "dtype"]);
-    npy_case(|p| write_array(p, "edge_index.npy", &ei_of(&d).mapv(|v| v as f32)), &["edge_index.npy", "dtype float32"]);
-    npy_case(|p| write_array(p, "y.npy", &y_of(&d).mapv(|v| v as f64)), &["y.npy", "dtype float64"]);
-    npy_case(|p| write_array(p, "train_mask.npy", &y_of(&d)), &["train_mask.npy", "dtype int64", "bool"]);
-    npy_case(|p| fs::write(p.join("x.npy"), raw_npy("<U3", "(6, 3)", &[0; 18 * 12])).unwrap(), &["x.npy", "dtype"]);
+    npy_case(
+        |p| write_array(p, "x.npy", &x_of(&d).mapv(|v| v as i64)),
+        &["x.npy", "dtype int64", "float32"],
+    );
+    npy_case(
+        |p| write_array(p, "x.npy", &x_of(&d).mapv(|v| v as u8)),
+        &["x.npy", "dtype"],
+    );
+    npy_case(
+        |p| write_array(p, "edge_index.npy", &ei_of(&d).mapv(|v| v as f32)),
+        &["edge_index.npy", "dtype float32"],
+    );
+    npy_case(
+        |p| write_array(p, "y.npy", &y_of(&d).mapv(|v| v as f64)),
+        &["y.npy", "dtype float64"],
+    );
+    npy_case(
+        |p| write_array(p, "train_mask.npy", &y_of(&d)),
+        &["train_mask.npy", "dtype int64", "bool"],
+    );
+    npy_case(
+        |p| fs::write(p.join("x.npy"), raw_npy("<U3", "(6, 3)", &[0; 18 * 12])).unwrap(),
+        &["x.npy", "dtype"],
+    );
 }
 
 #[test]
 fn npy_wrong_shapes() {
     let d = small();
-    npy_case(|p| write_array(p, "x.npy", &Array1::<f32>::zeros(18)), &["x.npy", "shape", "2-D"]);
-    npy_case(|p| write_array(p, "x.npy", &ndarray::Array3::<f32>::zeros((6, 3, 1))), &["x.npy", "shape"]);
-    npy_case(|p| write_array(p, "x.npy", &Array2::<f32>::zeros((0, 3))), &["x.npy", "empty"]);
-    npy_case(|p| write_array(p, "edge_index.npy", &Array2::<i64>::zeros((3, 4))), &["edge_index.npy", "shape", "[2, num_edges]"]);
-    npy_case(|p| write_array(p, "edge_index.npy", &ei_of(&d).reversed_axes().to_owned()), &["edge_index.npy", "shape"]);
-    npy_case(|p| write_array(p, "edge_index.npy", &Array1::<i64>::zeros(14)), &["edge_index.npy", "shape"]);
-    npy_case(|p| write_array(p, "y.npy", &Array2::<i64>::zeros((6, 2))), &["y.npy", "shape"]);
-    npy_case(|p| write_array(p, "val_mask.npy", &Array2::<bool>::from_elem((6, 1), false)), &["val_mask.npy", "shape"]);
+    npy_case(
+        |p| write_array(p, "x.npy", &Array1::<f32>::zeros(18)),
+        &["x.npy", "shape", "2-D"],
+    );
+    npy_case(
+        |p| write_array(p, "x.npy", &ndarray::Array3::<f32>::zeros((6, 3, 1))),
+        &["x.npy", "shape"],
+    );
+    npy_case(
+        |p| write_array(p, "x.npy", &Array2::<f32>::zeros((0, 3))),
+        &["x.npy", "empty"],
+    );
+    npy_case(
+        |p| write_array(p, "edge_index.npy", &Array2::<i64>::zeros((3, 4))),
+        &["edge_index.npy", "shape", "[2, num_edges]"],
+    );
+    npy_case(
+        |p| write_array(p, "edge_index.npy", &ei_of(&d).reversed_axes().to_owned()),
+        &["edge_index.npy", "shape"],
+    );
+    npy_case(
+        |p| write_array(p, "edge_index.npy", &Array1::<i64>::zeros(14)),
+        &["edge_index.npy", "shape"],
+    );
+    npy_case(
+        |p| write_array(p, "y.npy", &Array2::<i64>::zeros((6, 2))),
+        &["y.npy", "shape"],
+    );
+    npy_case(
+        |p| write_array(p, "val_mask.npy", &Array2::<bool>::from_elem((6, 1), false)),
+        &["val_mask.npy", "shape"],
+    );
 }
 
 #[test]
 fn npy_node_counts_differ() {
-    npy_case(|p| write_array(p, "y.npy", &Array1::<i64>::zeros(5)), &["y.npy", "mismatch", "5 labels", "6 rows"]);
-    npy_case(|p| write_array(p, "train_mask.npy", &Array1::from_elem(7, false)), &["train_mask.npy", "mismatch"]);
-    npy_case(|p| write_array(p, "test_mask.npy", &Array1::from_elem(2, true)), &["test_mask.npy", "mismatch"]);
+    npy_case(
+        |p| write_array(p, "y.npy", &Array1::<i64>::zeros(5)),
+        &["y.npy", "mismatch", "5 labels", "6 rows"],
+    );
+    npy_case(
+        |p| write_array(p, "train_mask.npy", &Array1::from_elem(7, false)),
+        &["train_mask.npy", "mismatch"],
+    );
+    npy_case(
+        |p| write_array(p, "test_mask.npy", &Array1::from_elem(2, true)),
+        &["test_mask.npy", "mismatch"],
+    );
 }
 
 #[test]
 fn npy_bad_labels() {
     let mut y = y_of(&small());
     y[3] = -1;
-    npy_case(|p| write_array(p, "y.npy", &y), &["y.npy", "negative label -1", "node 3"]);
+    npy_case(
+        |p| write_array(p, "y.npy", &y),
+        &["y.npy", "negative label -1", "node 3"],
+    );
     let mut y = y_of(&small());
     y[2] = 1 << 40;
     npy_case(|p| write_array(p, "y.npy", &y), &["y.npy", "out of range"]);
@@ -315,13 +455,22 @@ fn npy_bad_labels() {
 fn npy_bad_edge_ids() {
     let mut ei = ei_of(&small());
     ei[[1, 2]] = -4;
-    npy_case(|p| write_array(p, "edge_index.npy", &ei), &["edge_index.npy", "negative node id -4", "[1, 2]"]);
+    npy_case(
+        |p| write_array(p, "edge_index.npy", &ei),
+        &["edge_index.npy", "negative node id -4", "[1, 2]"],
+    );
     let mut ei = ei_of(&small());
     ei[[0, 5]] = 6;
-    npy_case(|p| write_array(p, "edge_index.npy", &ei), &["edge_index.npy", "out of range", "6 nodes"]);
+    npy_case(
+        |p| write_array(p, "edge_index.npy", &ei),
+        &["edge_index.npy", "out of range", "6 nodes"],
+    );
     let mut ei = ei_of(&small()).mapv(|v| v as i32);
     ei[[0, 0]] = i32::MAX;
-    npy_case(|p| write_array(p, "edge_index.npy", &ei), &["edge_index.npy", "out of range"]);
+    npy_case(
+        |p| write_array(p, "edge_index.npy", &ei),
+        &["edge_index.npy", "out of range"],
+    );
 }
 
 #[test]
@@ -329,7 +478,10 @@ fn npy_non_finite_features() {
     for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
         let mut x = x_of(&small());
         x[[4, 1]] = bad;
-        npy_case(|p| write_array(p, "x.npy", &x), &["x.npy", "non-finite", "node 4", "feature 1"]);
+        npy_case(
+            |p| write_array(p, "x.npy", &x),
+            &["x.npy", "non-finite", "node 4", "feature 1"],
+        );
     }
     // A float64 value beyond float32 range.
     let mut x = x_of(&small()).mapv(|v| v as f64);
@@ -341,8 +493,14 @@ fn npy_non_finite_features() {
 fn npy_truncated_and_corrupt_files() {
     // Cut the data.
     npy_case(|p| cut_tail(&p.join("x.npy"), 5), &["x.npy", "truncated"]);
-    npy_case(|p| cut_tail(&p.join("edge_index.npy"), 8), &["edge_index.npy", "truncated"]);
-    npy_case(|p| cut_tail(&p.join("test_mask.npy"), 1), &["test_mask.npy", "truncated"]);
+    npy_case(
+        |p| cut_tail(&p.join("edge_index.npy"), 8),
+        &["edge_index.npy", "truncated"],
+    );
+    npy_case(
+        |p| cut_tail(&p.join("test_mask.npy"), 1),
+        &["test_mask.npy", "truncated"],
+    );
     // Cut inside the header.
     npy_case(
         |p| {
@@ -351,7 +509,10 @@ fn npy_truncated_and_corrupt_files() {
         },
         &["y.npy", "truncated"],
     );
-    npy_case(|p| fs::write(p.join("y.npy"), b"").unwrap(), &["y.npy", "truncated"]);
+    npy_case(
+        |p| fs::write(p.join("y.npy"), b"").unwrap(),
+        &["y.npy", "truncated"],
+    );
     // Extra bytes after the data.
     npy_case(
         |p| {
@@ -362,21 +523,45 @@ fn npy_truncated_and_corrupt_files() {
         &["x.npy", "extra bytes"],
     );
     // Not an .npy file at all.
-    npy_case(|p| fs::write(p.join("x.npy"), b"hello, this is not numpy data at all").unwrap(), &["x.npy", "not a valid .npy"]);
+    npy_case(
+        |p| fs::write(p.join("x.npy"), b"hello, this is not numpy data at all").unwrap(),
+        &["x.npy", "not a valid .npy"],
+    );
     // A header whose shape claims far more data than the file holds: no giant allocation.
     npy_case(
-        |p| fs::write(p.join("x.npy"), raw_npy("<f4", "(4000000000000, 3)", &[0; 72])).unwrap(),
+        |p| {
+            fs::write(
+                p.join("x.npy"),
+                raw_npy("<f4", "(4000000000000, 3)", &[0; 72]),
+            )
+            .unwrap()
+        },
         &["x.npy", "truncated"],
     );
     npy_case(
-        |p| fs::write(p.join("x.npy"), raw_npy("<f4", "(18446744073709551615, 18446744073709551615)", &[])).unwrap(),
+        |p| {
+            fs::write(
+                p.join("x.npy"),
+                raw_npy("<f4", "(18446744073709551615, 18446744073709551615)", &[]),
+            )
+            .unwrap()
+        },
         &["x.npy", "too large"],
     );
     // A malformed header dictionary.
-    npy_case(|p| fs::write(p.join("x.npy"), raw_npy("<f4", "(6, 3", &[0; 72])).unwrap(), &["x.npy", "not a valid .npy"]);
+    npy_case(
+        |p| fs::write(p.join("x.npy"), raw_npy("<f4", "(6, 3", &[0; 72])).unwrap(),
+        &["x.npy", "not a valid .npy"],
+    );
     // A bool mask holding a byte that is not 0 or 1.
     npy_case(
-        |p| fs::write(p.join("val_mask.npy"), raw_npy("|b1", "(6,)", &[0, 1, 2, 0, 0, 0])).unwrap(),
+        |p| {
+            fs::write(
+                p.join("val_mask.npy"),
+                raw_npy("|b1", "(6,)", &[0, 1, 2, 0, 0, 0]),
+            )
+            .unwrap()
+        },
         &["val_mask.npy", "invalid data"],
     );
     // A directory where a file should be.
@@ -394,7 +579,8 @@ fn npy_truncated_and_corrupt_files() {
 
 fn write_npz(path: &Path, d: &Dataset, skip: &str, replace: Option<(&str, Vec<u8>)>) {
     let mut z = zip::ZipWriter::new(fs::File::create(path).unwrap());
-    let opts = zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Stored);
+    let opts =
+        zip::write::SimpleFileOptions::default().compression_method(zip::CompressionMethod::Stored);
     let entries: Vec<(&str, Vec<u8>)> = vec![
         ("x", npy_bytes(&x_of(d))),
         ("y", npy_bytes(&y_of(d))),
@@ -428,27 +614,50 @@ fn npz_bad_input() {
     assert_mentions(&msg, &["absent.npz", "no such file"]);
 
     write_npz(&p, &d, "y", None);
-    assert_mentions(&load_err(&DataSource::Npz(p.clone())), &["data.npz", "y.npy", "missing array"]);
+    assert_mentions(
+        &load_err(&DataSource::Npz(p.clone())),
+        &["data.npz", "y.npy", "missing array"],
+    );
 
-    write_npz(&p, &d, "", Some(("x", npy_bytes(&x_of(&d).mapv(|v| v as i64)))));
-    assert_mentions(&load_err(&DataSource::Npz(p.clone())), &["data.npz:x.npy", "dtype int64"]);
+    write_npz(
+        &p,
+        &d,
+        "",
+        Some(("x", npy_bytes(&x_of(&d).mapv(|v| v as i64)))),
+    );
+    assert_mentions(
+        &load_err(&DataSource::Npz(p.clone())),
+        &["data.npz:x.npy", "dtype int64"],
+    );
 
     let mut ei = ei_of(&d);
     ei[[0, 0]] = 99;
     write_npz(&p, &d, "", Some(("edge_index", npy_bytes(&ei))));
-    assert_mentions(&load_err(&DataSource::Npz(p.clone())), &["data.npz:edge_index.npy", "out of range"]);
+    assert_mentions(
+        &load_err(&DataSource::Npz(p.clone())),
+        &["data.npz:edge_index.npy", "out of range"],
+    );
 
     let mut b = npy_bytes(&x_of(&d));
     b.truncate(b.len() - 3);
     write_npz(&p, &d, "", Some(("x", b)));
-    assert_mentions(&load_err(&DataSource::Npz(p.clone())), &["data.npz:x.npy", "truncated"]);
+    assert_mentions(
+        &load_err(&DataSource::Npz(p.clone())),
+        &["data.npz:x.npy", "truncated"],
+    );
 
     // The archive itself cut short or not a zip at all.
     write_npz(&p, &d, "", None);
     cut_tail(&p, 30);
-    assert_mentions(&load_err(&DataSource::Npz(p.clone())), &["data.npz", "not a valid .npz"]);
+    assert_mentions(
+        &load_err(&DataSource::Npz(p.clone())),
+        &["data.npz", "not a valid .npz"],
+    );
     fs::write(&p, b"definitely not a zip archive").unwrap();
-    assert_mentions(&load_err(&DataSource::Npz(p.clone())), &["data.npz", "not a valid .npz"]);
+    assert_mentions(
+        &load_err(&DataSource::Npz(p.clone())),
+        &["data.npz", "not a valid .npz"],
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -459,11 +668,22 @@ fn ogb_round_trip() {
     let tmp = tempfile::tempdir().unwrap();
     let d = small();
     for with_count in [true, false] {
-        let dir = write_ogb(tmp.path(), &format!("ogbn_small_{with_count}"), &d, with_count);
+        let dir = write_ogb(
+            tmp.path(),
+            &format!("ogbn_small_{with_count}"),
+            &d,
+            with_count,
+        );
         let src = DataSource::parse(dir.to_str().unwrap()).unwrap();
         assert_eq!(src, DataSource::Ogb(dir.clone()));
         let got = src.load().unwrap();
-        assert_eq!(got, Dataset { name: format!("ogbn_small_{with_count}"), ..d.clone() });
+        assert_eq!(
+            got,
+            Dataset {
+                name: format!("ogbn_small_{with_count}"),
+                ..d.clone()
+            }
+        );
     }
 }
 
@@ -473,7 +693,10 @@ fn ogb_nan_labels_are_unlabeled_and_crlf_is_accepted() {
     let d = small();
     let dir = write_ogb(tmp.path(), "ogbn_nan", &d, true);
     // Node 1 (train) and node 2 (val) unlabeled; drop them from the splits.
-    gz(&dir.join("raw/node-label.csv.gz"), "0\r\nnan\r\nNaN\r\n0\r\n1\r\n2.0\r\n");
+    gz(
+        &dir.join("raw/node-label.csv.gz"),
+        "0\r\nnan\r\nNaN\r\n0\r\n1\r\n2.0\r\n",
+    );
     gz(&dir.join("split/random/train.csv.gz"), "0\n");
     gz(&dir.join("split/random/valid.csv.gz"), "3\n");
     let got = DataSource::Ogb(dir.clone()).load().unwrap();
@@ -482,19 +705,28 @@ fn ogb_nan_labels_are_unlabeled_and_crlf_is_accepted() {
     assert_eq!(Dataset::mask_ids(&got.val_mask), vec![3]);
     // An unlabeled node listed in a split is an error.
     gz(&dir.join("split/random/valid.csv.gz"), "3\n2\n");
-    assert_mentions(&load_err(&DataSource::Ogb(dir)), &["valid.csv.gz", "line 2", "node 2 has no label"]);
+    assert_mentions(
+        &load_err(&DataSource::Ogb(dir)),
+        &["valid.csv.gz", "line 2", "node 2 has no label"],
+    );
 }
 
 #[test]
 fn ogb_large_input_spans_blocks() {
-    // More than one decompression block (32 MiB) of features, to exercise the block seams.
+    // More than one decompression block (8 MiB) of features, to exercise the block seams.
     let tmp = tempfile::tempdir().unwrap();
-    let spec = SyntheticSpec { nodes: 60_000, degree: 6, features: 64, classes: 5, seed: 3 };
+    let spec = SyntheticSpec {
+        nodes: 25_000,
+        degree: 6,
+        features: 64,
+        classes: 5,
+        seed: 3,
+    };
     let d = DataSource::Synthetic(spec).load().unwrap();
     let dir = write_ogb(tmp.path(), "ogbn_big", &d, false);
     let t = Instant::now();
     let got = DataSource::Ogb(dir).load().unwrap();
-    println!("ogb 60k x 64 loaded in {:.2} s", t.elapsed().as_secs_f64());
+    println!("ogb 25k x 64 loaded in {:.2} s", t.elapsed().as_secs_f64());
     assert_eq!(got.features, d.features); // f32 Display round-trips exactly
     assert_eq!(got.labels, d.labels);
     assert_eq!((got.edge_src, got.edge_dst), (d.edge_src, d.edge_dst));
@@ -511,17 +743,41 @@ fn ogb_missing_files() {
         "split/random/valid.csv.gz",
         "split/random/test.csv.gz",
     ] {
-        ogb_case(|d| fs::remove_file(d.join(file)).unwrap(), &[file.rsplit('/').next().unwrap(), "no such file"]);
+        ogb_case(
+            |d| fs::remove_file(d.join(file)).unwrap(),
+            &[file.rsplit('/').next().unwrap(), "no such file"],
+        );
     }
-    ogb_case(|d| fs::remove_dir_all(d.join("split/random")).unwrap(), &["split", "no split folder"]);
-    ogb_case(|d| fs::create_dir_all(d.join("split/other")).unwrap(), &["split", "several split folders", "other", "random"]);
+    ogb_case(
+        |d| fs::remove_dir_all(d.join("split/random")).unwrap(),
+        &["split", "no split folder"],
+    );
+    ogb_case(
+        |d| fs::create_dir_all(d.join("split/other")).unwrap(),
+        &["split", "several split folders", "other", "random"],
+    );
 }
 
 #[test]
 fn ogb_corrupt_gzip() {
-    ogb_case(|d| fs::write(d.join("raw/edge.csv.gz"), b"0,1\n1,2\n").unwrap(), &["edge.csv.gz", "gzip"]);
-    ogb_case(|d| fs::write(d.join("raw/node-feat.csv.gz"), [0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 0, 3, 1, 2, 3, 4, 5, 6, 7, 8]).unwrap(), &["node-feat.csv.gz", "gzip"]);
-    ogb_case(|d| cut_tail(&d.join("raw/node-label.csv.gz"), 6), &["node-label.csv.gz", "gzip"]);
+    ogb_case(
+        |d| fs::write(d.join("raw/edge.csv.gz"), b"0,1\n1,2\n").unwrap(),
+        &["edge.csv.gz", "gzip"],
+    );
+    ogb_case(
+        |d| {
+            fs::write(
+                d.join("raw/node-feat.csv.gz"),
+                [0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 0, 3, 1, 2, 3, 4, 5, 6, 7, 8],
+            )
+            .unwrap()
+        },
+        &["node-feat.csv.gz", "gzip"],
+    );
+    ogb_case(
+        |d| cut_tail(&d.join("raw/node-label.csv.gz"), 6),
+        &["node-label.csv.gz", "gzip"],
+    );
     ogb_case(
         |d| {
             let p = d.join("raw/node-feat.csv.gz");
@@ -541,7 +797,10 @@ fn ogb_corrupt_gzip() {
         },
         &["edge.csv.gz", "gzip"],
     );
-    ogb_case(|d| fs::write(d.join("split/random/test.csv.gz"), b"").unwrap_or(()), &[]);
+    ogb_case(
+        |d| fs::write(d.join("split/random/test.csv.gz"), b"").unwrap_or(()),
+        &[],
+    );
 }
 
 #[test]
@@ -550,14 +809,40 @@ fn ogb_malformed_lines() {
     let good_feat = "0,0,0\n1,1,1\n2,2,2\n3,3,3\n4,4,4\n5,5,5\n";
     let with = |text: &'static str, file: &'static str| move |d: &Path| gz(&d.join(file), text);
 
-    ogb_case(with("0,0,0\n1,1\n2,2,2\n3,3,3\n4,4,4\n5,5,5\n", feat_path), &["node-feat.csv.gz", "line 2", "expected 3"]);
-    ogb_case(with("0,0,0\n1,1,1,1\n2,2,2\n3,3,3\n4,4,4\n5,5,5\n", feat_path), &["node-feat.csv.gz", "line 2", "expected 3"]);
-    ogb_case(with("0,0,0\n1,1,1\n2,abc,2\n3,3,3\n4,4,4\n5,5,5\n", feat_path), &["node-feat.csv.gz", "line 3", "malformed number `abc`", "column 2"]);
-    ogb_case(with("0,0,0\n1,1,1\n2,2,2\n3,nan,3\n4,4,4\n5,5,5\n", feat_path), &["node-feat.csv.gz", "line 4", "non-finite"]);
-    ogb_case(with("0,0,0\n1,1,1\n2,2,2\n3,3,3\n4,4,inf\n5,5,5\n", feat_path), &["node-feat.csv.gz", "line 5", "non-finite"]);
-    ogb_case(with("0,0,0\n1,1,1\n\n2,2,2\n3,3,3\n4,4,4\n5,5,5\n", feat_path), &["node-feat.csv.gz", "line 3", "empty line"]);
+    ogb_case(
+        with("0,0,0\n1,1\n2,2,2\n3,3,3\n4,4,4\n5,5,5\n", feat_path),
+        &["node-feat.csv.gz", "line 2", "expected 3"],
+    );
+    ogb_case(
+        with("0,0,0\n1,1,1,1\n2,2,2\n3,3,3\n4,4,4\n5,5,5\n", feat_path),
+        &["node-feat.csv.gz", "line 2", "expected 3"],
+    );
+    ogb_case(
+        with("0,0,0\n1,1,1\n2,abc,2\n3,3,3\n4,4,4\n5,5,5\n", feat_path),
+        &[
+            "node-feat.csv.gz",
+            "line 3",
+            "malformed number `abc`",
+            "column 2",
+        ],
+    );
+    ogb_case(
+        with("0,0,0\n1,1,1\n2,2,2\n3,nan,3\n4,4,4\n5,5,5\n", feat_path),
+        &["node-feat.csv.gz", "line 4", "non-finite"],
+    );
+    ogb_case(
+        with("0,0,0\n1,1,1\n2,2,2\n3,3,3\n4,4,inf\n5,5,5\n", feat_path),
+        &["node-feat.csv.gz", "line 5", "non-finite"],
+    );
+    ogb_case(
+        with("0,0,0\n1,1,1\n\n2,2,2\n3,3,3\n4,4,4\n5,5,5\n", feat_path),
+        &["node-feat.csv.gz", "line 3", "empty line"],
+    );
     ogb_case(with("", feat_path), &["node-feat.csv.gz", "empty"]);
-    ogb_case(with("0,0,0\n1,1,1\n2,2,2\n", feat_path), &["node-feat.csv.gz", "mismatch", "3 rows", "says 6"]);
+    ogb_case(
+        with("0,0,0\n1,1,1\n2,2,2\n", feat_path),
+        &["node-feat.csv.gz", "mismatch", "3 rows", "says 6"],
+    );
     ogb_case(
         |d| {
             fs::remove_file(d.join("raw/num-node-list.csv.gz")).unwrap();
@@ -568,27 +853,82 @@ fn ogb_malformed_lines() {
     let _ = good_feat;
 
     let label = "raw/node-label.csv.gz";
-    ogb_case(with("0\n1\n-2\n0\n1\n2\n", label), &["node-label.csv.gz", "line 3", "negative label -2"]);
-    ogb_case(with("0\n1\n2\n0\ncat\n2\n", label), &["node-label.csv.gz", "line 5", "malformed label"]);
-    ogb_case(with("0\n1\n2\n0\n1\n99999999999\n", label), &["node-label.csv.gz", "line 6", "out of range"]);
-    ogb_case(with("0,1\n1,0\n2,0\n0,1\n1,1\n2,0\n", label), &["node-label.csv.gz", "line 1", "multi-label"]);
-    ogb_case(with("0\n1\n2\n0\n1\n", label), &["node-label.csv.gz", "mismatch"]);
+    ogb_case(
+        with("0\n1\n-2\n0\n1\n2\n", label),
+        &["node-label.csv.gz", "line 3", "negative label -2"],
+    );
+    ogb_case(
+        with("0\n1\n2\n0\ncat\n2\n", label),
+        &["node-label.csv.gz", "line 5", "malformed label"],
+    );
+    ogb_case(
+        with("0\n1\n2\n0\n1\n99999999999\n", label),
+        &["node-label.csv.gz", "line 6", "out of range"],
+    );
+    ogb_case(
+        with("0,1\n1,0\n2,0\n0,1\n1,1\n2,0\n", label),
+        &["node-label.csv.gz", "line 1", "multi-label"],
+    );
+    ogb_case(
+        with("0\n1\n2\n0\n1\n", label),
+        &["node-label.csv.gz", "mismatch"],
+    );
 
     let edge = "raw/edge.csv.gz";
-    ogb_case(with("0,1\n1,2\n2;3\n", edge), &["edge.csv.gz", "line 3", "malformed"]);
-    ogb_case(with("0,1\n1,2,3\n", edge), &["edge.csv.gz", "line 2", "malformed"]);
-    ogb_case(with("0,1\nx,2\n", edge), &["edge.csv.gz", "line 2", "malformed node id `x`"]);
-    ogb_case(with("0,1\n1,-1\n", edge), &["edge.csv.gz", "line 2", "negative node id -1"]);
-    ogb_case(with("0,1\n1,2\n6,0\n", edge), &["edge.csv.gz", "line 3", "out of range", "6 nodes"]);
-    ogb_case(with("0,1\n1,2\n3,4\n5,0\n0,1\n1,2\n1.5,2\n", edge), &["edge.csv.gz", "line 7", "malformed"]);
+    ogb_case(
+        with("0,1\n1,2\n2;3\n", edge),
+        &["edge.csv.gz", "line 3", "malformed"],
+    );
+    ogb_case(
+        with("0,1\n1,2,3\n", edge),
+        &["edge.csv.gz", "line 2", "malformed"],
+    );
+    ogb_case(
+        with("0,1\nx,2\n", edge),
+        &["edge.csv.gz", "line 2", "malformed node id `x`"],
+    );
+    ogb_case(
+        with("0,1\n1,-1\n", edge),
+        &["edge.csv.gz", "line 2", "negative node id -1"],
+    );
+    ogb_case(
+        with("0,1\n1,2\n6,0\n", edge),
+        &["edge.csv.gz", "line 3", "out of range", "6 nodes"],
+    );
+    ogb_case(
+        with("0,1\n1,2\n3,4\n5,0\n0,1\n1,2\n1.5,2\n", edge),
+        &["edge.csv.gz", "line 7", "malformed"],
+    );
 
-    ogb_case(with("0\n1\n17\n", "split/random/train.csv.gz"), &["train.csv.gz", "line 3", "out of range"]);
-    ogb_case(with("0\n-1\n", "split/random/test.csv.gz"), &["test.csv.gz", "line 2", "negative"]);
-    ogb_case(with("2\nfoo\n", "split/random/valid.csv.gz"), &["valid.csv.gz", "line 2", "malformed"]);
+    ogb_case(
+        with("0\n1\n17\n", "split/random/train.csv.gz"),
+        &["train.csv.gz", "line 3", "out of range"],
+    );
+    ogb_case(
+        with("0\n-1\n", "split/random/test.csv.gz"),
+        &["test.csv.gz", "line 2", "negative"],
+    );
+    ogb_case(
+        with("2\nfoo\n", "split/random/valid.csv.gz"),
+        &["valid.csv.gz", "line 2", "malformed"],
+    );
 
-    ogb_case(with("", "raw/num-node-list.csv.gz"), &["num-node-list.csv.gz", "empty"]);
-    ogb_case(with("6\n4\n", "raw/num-node-list.csv.gz"), &["num-node-list.csv.gz", "graphs"]);
-    ogb_case(with("six\n", "raw/num-node-list.csv.gz"), &["num-node-list.csv.gz", "line 1", "malformed"]);
+    ogb_case(
+        with("", "raw/num-node-list.csv.gz"),
+        &["num-node-list.csv.gz", "empty"],
+    );
+    ogb_case(
+        with("6\n4\n", "raw/num-node-list.csv.gz"),
+        &["num-node-list.csv.gz", "graphs"],
+    );
+    ogb_case(
+        with("six\n", "raw/num-node-list.csv.gz"),
+        &["num-node-list.csv.gz", "line 1", "malformed"],
+    );
+    ogb_case(
+        with("-6\n", "raw/num-node-list.csv.gz"),
+        &["num-node-list.csv.gz", "line 1", "negative node count"],
+    );
 
     // Not UTF-8.
     ogb_case(
@@ -620,16 +960,27 @@ fn synthetic_is_deterministic_for_a_seed_and_thread_count_independent() {
     assert_eq!(a, b);
     assert_eq!(a.digest(), b.digest());
     for threads in [1, 3] {
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
         let c = pool.install(|| DataSource::Synthetic(s.clone()).load().unwrap());
         assert_eq!(a, c, "{threads} threads");
     }
-    let other = DataSource::Synthetic(SyntheticSpec { seed: 43, ..s.clone() }).load().unwrap();
+    let other = DataSource::Synthetic(SyntheticSpec {
+        seed: 43,
+        ..s.clone()
+    })
+    .load()
+    .unwrap();
     assert_ne!(a.digest(), other.digest());
     assert_ne!(a.labels, other.labels);
     assert_ne!(a.features, other.features);
     assert_ne!(a.edge_dst, other.edge_dst);
-    assert_eq!(a.name, "synthetic:nodes=5000,degree=9,features=16,classes=5,seed=42");
+    assert_eq!(
+        a.name,
+        "synthetic:nodes=5000,degree=9,features=16,classes=5,seed=42"
+    );
 }
 
 #[test]
@@ -642,12 +993,20 @@ fn synthetic_structure() {
     assert_eq!(d.edge_src.len(), 20000 * 5);
     assert!(d.edge_src.iter().zip(&d.edge_dst).all(|(s, t)| s != t));
     // Homophily: about 0.8 + 0.2 / C of edges join equal labels (less the label noise).
-    let same = d.edge_src.iter().zip(&d.edge_dst).filter(|(&s, &t)| d.labels[s as usize] == d.labels[t as usize]).count();
+    let same = d
+        .edge_src
+        .iter()
+        .zip(&d.edge_dst)
+        .filter(|(&s, &t)| d.labels[s as usize] == d.labels[t as usize])
+        .count();
     let h = same as f64 / d.edge_src.len() as f64;
     assert!((0.6..0.8).contains(&h), "homophily {h}");
     // Masks: disjoint, covering, about 10/10/80.
     for i in 0..d.num_nodes {
-        assert_eq!(d.train_mask[i] as u8 + d.val_mask[i] as u8 + d.test_mask[i] as u8, 1);
+        assert_eq!(
+            d.train_mask[i] as u8 + d.val_mask[i] as u8 + d.test_mask[i] as u8,
+            1
+        );
     }
     let frac = |m: &[bool]| m.iter().filter(|&&b| b).count() as f64 / n;
     assert!((frac(&d.train_mask) - 0.1).abs() < 0.01);
@@ -655,7 +1014,12 @@ fn synthetic_structure() {
     // Every class is used, roughly uniformly.
     let mut counts = vec![0usize; 8];
     d.labels.iter().for_each(|&c| counts[c as usize] += 1);
-    assert!(counts.iter().all(|&k| (k as f64 - n / 8.0).abs() < n / 8.0 * 0.1), "{counts:?}");
+    assert!(
+        counts
+            .iter()
+            .all(|&k| (k as f64 - n / 8.0).abs() < n / 8.0 * 0.1),
+        "{counts:?}"
+    );
     // Features are finite and non-negative, so row normalisation is well defined.
     assert!(d.features.iter().all(|&v| v.is_finite() && v >= 0.0));
 }
@@ -663,32 +1027,63 @@ fn synthetic_structure() {
 #[test]
 fn synthetic_edge_cases() {
     // Odd degree: half the nodes take one extra out-edge.
-    let d = DataSource::Synthetic(spec("synthetic:nodes=10000,degree=5,features=4,classes=3")).load().unwrap();
+    let d = DataSource::Synthetic(spec("synthetic:nodes=10000,degree=5,features=4,classes=3"))
+        .load()
+        .unwrap();
     let e = d.edge_src.len() as f64 / 10000.0;
     assert!((e - 2.5).abs() < 0.05, "{e}");
     // One node: no edges; two nodes: every edge joins them.
-    let d = DataSource::Synthetic(spec("synthetic:nodes=1,degree=4,features=2,classes=2")).load().unwrap();
+    let d = DataSource::Synthetic(spec("synthetic:nodes=1,degree=4,features=2,classes=2"))
+        .load()
+        .unwrap();
     assert!(d.edge_src.is_empty());
-    let d = DataSource::Synthetic(spec("synthetic:nodes=2,degree=6,features=2,classes=5")).load().unwrap();
+    let d = DataSource::Synthetic(spec("synthetic:nodes=2,degree=6,features=2,classes=5"))
+        .load()
+        .unwrap();
     assert_eq!(d.edge_src.len(), 6);
     assert!(d.edge_src.iter().zip(&d.edge_dst).all(|(s, t)| s != t));
     // Degree 0: no edges; more classes than nodes.
-    let d = DataSource::Synthetic(spec("synthetic:nodes=3,degree=0,features=1,classes=10")).load().unwrap();
+    let d = DataSource::Synthetic(spec("synthetic:nodes=3,degree=0,features=1,classes=10"))
+        .load()
+        .unwrap();
     assert!(d.edge_src.is_empty());
     assert_eq!(d.num_classes, 10);
     // Fields set directly (not parsed) are checked too.
-    let bad = SyntheticSpec { nodes: 0, ..SyntheticSpec::default() };
+    let bad = SyntheticSpec {
+        nodes: 0,
+        ..SyntheticSpec::default()
+    };
     assert!(DataSource::Synthetic(bad).load().is_err());
-    let bad = SyntheticSpec { classes: 1 << 20, ..SyntheticSpec::default() };
-    assert_mentions(&DataSource::Synthetic(bad).load().unwrap_err().to_string(), &["classes"]);
-    let huge = SyntheticSpec { nodes: 1 << 31, features: 1 << 31, ..SyntheticSpec::default() };
-    assert_mentions(&DataSource::Synthetic(huge).load().unwrap_err().to_string(), &["too large"]);
+    let bad = SyntheticSpec {
+        classes: 1 << 20,
+        ..SyntheticSpec::default()
+    };
+    assert_mentions(
+        &DataSource::Synthetic(bad).load().unwrap_err().to_string(),
+        &["classes"],
+    );
+    let huge = SyntheticSpec {
+        nodes: 1 << 31,
+        features: 1 << 31,
+        ..SyntheticSpec::default()
+    };
+    assert_mentions(
+        &DataSource::Synthetic(huge).load().unwrap_err().to_string(),
+        &["too large"],
+    );
 }
 
 #[test]
 fn synthetic_spec_parser() {
     let s = spec("synthetic:seed=9,classes=3");
-    assert_eq!(s, SyntheticSpec { seed: 9, classes: 3, ..SyntheticSpec::default() });
+    assert_eq!(
+        s,
+        SyntheticSpec {
+            seed: 9,
+            classes: 3,
+            ..SyntheticSpec::default()
+        }
+    );
     assert_eq!(spec("synthetic"), SyntheticSpec::default());
     assert_eq!(spec(&s.to_spec_string()), s);
     for (bad, word) in [
@@ -710,8 +1105,14 @@ fn synthetic_spec_parser() {
 /// class mean. Returns (features-only accuracy, propagated accuracy) on the test mask.
 fn proxy_accuracy(d: &Dataset) -> (f64, f64) {
     let (n, f) = (d.num_nodes, d.num_features);
+    // Row normalisation, as the trainer does by default.
     let mut x = d.clone();
-    x.normalize_features();
+    for row in x.features.chunks_mut(f) {
+        let s: f32 = row.iter().sum();
+        if s != 0.0 {
+            row.iter_mut().for_each(|v| *v /= s);
+        }
+    }
     let mut deg = vec![1.0f32; n];
     for (&s, &t) in d.edge_src.iter().zip(&d.edge_dst) {
         deg[s as usize] += 1.0;
@@ -726,7 +1127,9 @@ fn proxy_accuracy(d: &Dataset) -> (f64, f64) {
                 out[t * f + j] += h[s * f + j];
             }
         }
-        out.iter_mut().enumerate().for_each(|(k, v)| *v /= deg[k / f]);
+        out.iter_mut()
+            .enumerate()
+            .for_each(|(k, v)| *v /= deg[k / f]);
         out
     };
     let nearest_mean = |h: &[f32]| {
@@ -752,7 +1155,11 @@ fn proxy_accuracy(d: &Dataset) -> (f64, f64) {
             .filter(|&&i| {
                 let i = i as usize;
                 let best = (0..c)
-                    .map(|y| (0..f).map(|j| (h[i * f + j] as f64 - mean[y * f + j]).powi(2)).sum::<f64>())
+                    .map(|y| {
+                        (0..f)
+                            .map(|j| (h[i * f + j] as f64 - mean[y * f + j]).powi(2))
+                            .sum::<f64>()
+                    })
                     .enumerate()
                     .min_by(|a, b| a.1.total_cmp(&b.1))
                     .unwrap()
@@ -769,11 +1176,19 @@ fn proxy_accuracy(d: &Dataset) -> (f64, f64) {
 
 #[test]
 fn synthetic_is_learnable_but_not_trivial() {
-    let d = DataSource::Synthetic(SyntheticSpec::default()).load().unwrap();
+    let d = DataSource::Synthetic(SyntheticSpec::default())
+        .load()
+        .unwrap();
     let (feat, graph) = proxy_accuracy(&d);
-    println!("default spec: features-only {feat:.3}, propagated {graph:.3} (chance {:.3})", 1.0 / d.num_classes as f64);
+    println!(
+        "default spec: features-only {feat:.3}, propagated {graph:.3} (chance {:.3})",
+        1.0 / d.num_classes as f64
+    );
     assert!(feat > 1.5 / d.num_classes as f64, "{feat}");
-    assert!(graph > feat + 0.1 && (0.6..0.95).contains(&graph), "{graph}");
+    assert!(
+        graph > feat + 0.05 && (0.6..0.95).contains(&graph),
+        "{graph}"
+    );
 }
 
 /// Prints the proxy accuracy for several specs (run with `--ignored --nocapture`).
@@ -790,7 +1205,10 @@ fn synthetic_difficulty_survey() {
     ] {
         let d = DataSource::parse(s).unwrap().load().unwrap();
         let (feat, graph) = proxy_accuracy(&d);
-        println!("{s}: features-only {feat:.3}, propagated {graph:.3}, chance {:.3}", 1.0 / d.num_classes as f64);
+        println!(
+            "{s}: features-only {feat:.3}, propagated {graph:.3}, chance {:.3}",
+            1.0 / d.num_classes as f64
+        );
     }
 }
 
@@ -801,7 +1219,10 @@ fn synthetic_difficulty_survey() {
 fn synthetic_million_nodes_timing() {
     let s = spec("synthetic:nodes=1000000,degree=20,features=128,classes=16,seed=1");
     for threads in [2, rayon::current_num_threads()] {
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
         let t = Instant::now();
         let d = pool.install(|| DataSource::Synthetic(s.clone()).load().unwrap());
         println!(

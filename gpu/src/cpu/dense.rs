@@ -19,22 +19,42 @@ pub fn add_bias(x: &mut [f32], bias: &[f32]) {
     });
 }
 
-/// Column sums of a `rows x width` matrix (the bias gradient), summed in row order.
+/// Rows per partial sum in [`column_sums`]: a constant, so the summation order (and the bits)
+/// never depend on the thread count.
+pub const COLUMN_SUM_BLOCK_ROWS: usize = 1024;
+
+/// Column sums of a `rows x width` matrix (the bias gradient). Each block of
+/// [`COLUMN_SUM_BLOCK_ROWS`] rows is summed in row order (in parallel across blocks), then the
+/// block sums are added in block order; up to one block this is plain row order.
 pub fn column_sums(g: &[f32], width: usize, out: &mut [f32]) {
     assert_eq!(out.len(), width, "column_sums: out has the wrong length");
     if width == 0 {
         return;
     }
     assert_eq!(g.len() % width, 0, "column_sums: width mismatch");
-    const BLOCK: usize = 16;
-    out.par_chunks_mut(BLOCK).enumerate().for_each(|(b, o)| {
-        let lo = b * BLOCK;
-        let hi = lo + o.len();
-        o.iter_mut().for_each(|v| *v = 0.0);
-        for row in g.chunks(width) {
-            o.iter_mut().zip(&row[lo..hi]).for_each(|(v, &x)| *v += x);
+    let sum_rows = |rows: &[f32], acc: &mut [f32]| {
+        acc.fill(0.0);
+        for row in rows.chunks_exact(width) {
+            acc.iter_mut().zip(row).for_each(|(v, &x)| *v += x);
         }
-    });
+    };
+    let block = COLUMN_SUM_BLOCK_ROWS * width;
+    if g.len() <= block {
+        sum_rows(g, out);
+        return;
+    }
+    let partials: Vec<Vec<f32>> = g
+        .par_chunks(block)
+        .map(|rows| {
+            let mut acc = vec![0.0; width];
+            sum_rows(rows, &mut acc);
+            acc
+        })
+        .collect();
+    out.copy_from_slice(&partials[0]);
+    for p in &partials[1..] {
+        out.iter_mut().zip(p).for_each(|(v, &x)| *v += x);
+    }
 }
 
 /// `y = act(x)` elementwise.

@@ -144,21 +144,6 @@ impl Dataset {
         }
         h.finalize().to_hex().to_string()
     }
-
-    /// Row-normalises features in place (each row sums to 1; all-zero rows stay zero), as
-    /// Kipf & Welling and PyG's `NormalizeFeatures` do.
-    pub fn normalize_features(&mut self) {
-        let f = self.num_features;
-        if f == 0 {
-            return;
-        }
-        for row in self.features.chunks_mut(f) {
-            let s: f32 = row.iter().sum();
-            if s != 0.0 {
-                row.iter_mut().for_each(|x| *x /= s);
-            }
-        }
-    }
 }
 
 /// Path helper for loaders: `dir/name`.

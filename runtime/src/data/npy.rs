@@ -21,7 +21,10 @@ pub(crate) const MAX_CLASSES: u64 = 1 << 16;
 /// Loads `edge_index.npy`, `x.npy`, `y.npy` and the three masks from `dir`.
 pub fn load_dir(dir: &Path) -> Result<Dataset> {
     if !dir.is_dir() {
-        return Err(RuntimeError::io(dir, io::Error::new(io::ErrorKind::NotFound, "no such directory")));
+        return Err(RuntimeError::io(
+            dir,
+            io::Error::new(io::ErrorKind::NotFound, "no such directory"),
+        ));
     }
     let mut store = Store::Dir(dir.to_path_buf());
     load_from(&mut store, dataset_name(dir, false))
@@ -30,15 +33,21 @@ pub fn load_dir(dir: &Path) -> Result<Dataset> {
 /// Loads the same keys from one `.npz` archive.
 pub fn load_npz(path: &Path) -> Result<Dataset> {
     let file = File::open(path).map_err(|e| RuntimeError::io(path, e))?;
-    let zip = zip::ZipArchive::new(BufReader::new(file))
-        .map_err(|e| RuntimeError::bad_file(path, format!("not a valid .npz (zip) archive: {e}")))?;
-    let mut store = Store::Npz { path: path.to_path_buf(), zip };
+    let zip = zip::ZipArchive::new(BufReader::new(file)).map_err(|e| {
+        RuntimeError::bad_file(path, format!("not a valid .npz (zip) archive: {e}"))
+    })?;
+    let mut store = Store::Npz {
+        path: path.to_path_buf(),
+        zip,
+    };
     load_from(&mut store, dataset_name(path, true))
 }
 
 /// The folder name, or the archive's file stem.
 pub(crate) fn dataset_name(path: &Path, stem: bool) -> String {
-    let pick = |p: &Path| if stem { p.file_stem() } else { p.file_name() }.map(|s| s.to_string_lossy().into_owned());
+    let pick = |p: &Path| {
+        if stem { p.file_stem() } else { p.file_name() }.map(|s| s.to_string_lossy().into_owned())
+    };
     pick(path)
         .or_else(|| path.canonicalize().ok().and_then(|p| pick(&p)))
         .unwrap_or_else(|| "dataset".to_string())
@@ -51,22 +60,34 @@ fn load_from(store: &mut Store, name: String) -> Result<Dataset> {
     if x.shape.len() != 2 {
         return Err(RuntimeError::bad_file(
             &xp,
-            format!("wrong shape {:?}: expected a 2-D array [num_nodes, num_features]", x.shape),
+            format!(
+                "wrong shape {:?}: expected a 2-D array [num_nodes, num_features]",
+                x.shape
+            ),
         ));
     }
     let (n, f) = (x.shape[0], x.shape[1]);
     if n == 0 || f == 0 {
-        return Err(RuntimeError::bad_file(&xp, format!("empty array of shape {:?}: no nodes or no features", x.shape)));
+        return Err(RuntimeError::bad_file(
+            &xp,
+            format!(
+                "empty array of shape {:?}: no nodes or no features",
+                x.shape
+            ),
+        ));
     }
     if n > u32::MAX as usize {
-        return Err(RuntimeError::bad_file(&xp, format!("{n} nodes exceed the limit of {} nodes", u32::MAX)));
+        return Err(RuntimeError::bad_file(
+            &xp,
+            format!("{n} nodes exceed the limit of {} nodes", u32::MAX),
+        ));
     }
     let features: Vec<f32> = match x.data {
         Data::F32(v) => v,
         Data::F64(v) => v.into_par_iter().map(|a| a as f32).collect(),
         other => return Err(wrong_dtype(&xp, &other, "float32 (or float64)")),
     };
-    if let Some(i) = features.par_iter().position_first(|v| !v.is_finite()) {
+    if let Some(i) = first_where(&features, |v| !v.is_finite()) {
         return Err(RuntimeError::bad_file(
             &xp,
             format!("non-finite feature value {} (NaN or infinity, or beyond float32 range) at node {}, feature {}", features[i], i / f, i % f),
@@ -76,13 +97,14 @@ fn load_from(store: &mut Store, name: String) -> Result<Dataset> {
     // Labels: [N] (or [N, 1]) int64 (or int32).
     let y = store.read("y")?;
     let yp = store.label("y");
-    let y_ok = match y.shape.as_slice() {
-        [_] => true,
-        [_, 1] => true,
-        _ => false,
-    };
-    if !y_ok {
-        return Err(RuntimeError::bad_file(&yp, format!("wrong shape {:?}: expected a 1-D array [num_nodes]", y.shape)));
+    if !matches!(y.shape.as_slice(), [_] | [_, 1]) {
+        return Err(RuntimeError::bad_file(
+            &yp,
+            format!(
+                "wrong shape {:?}: expected a 1-D array [num_nodes]",
+                y.shape
+            ),
+        ));
     }
     let raw_labels: Vec<i64> = match y.data {
         Data::I64(v) => v,
@@ -92,12 +114,22 @@ fn load_from(store: &mut Store, name: String) -> Result<Dataset> {
     if raw_labels.len() != n {
         return Err(RuntimeError::bad_file(
             &yp,
-            format!("node count mismatch: {} labels but x.npy has {n} rows", raw_labels.len()),
+            format!(
+                "node count mismatch: {} labels but x.npy has {n} rows",
+                raw_labels.len()
+            ),
         ));
     }
-    if let Some(i) = raw_labels.iter().position(|&c| c < 0 || c as u64 >= MAX_CLASSES) {
+    if let Some(i) = raw_labels
+        .iter()
+        .position(|&c| c < 0 || c as u64 >= MAX_CLASSES)
+    {
         let c = raw_labels[i];
-        let what = if c < 0 { "negative label" } else { "label out of range" };
+        let what = if c < 0 {
+            "negative label"
+        } else {
+            "label out of range"
+        };
         return Err(RuntimeError::bad_file(
             &yp,
             format!("{what} {c} at node {i} (labels must be in [0, {MAX_CLASSES}))"),
@@ -111,7 +143,10 @@ fn load_from(store: &mut Store, name: String) -> Result<Dataset> {
     let ei = store.read("edge_index")?;
     let ep = store.label("edge_index");
     if ei.shape.len() != 2 || ei.shape[0] != 2 {
-        return Err(RuntimeError::bad_file(&ep, format!("wrong shape {:?}: expected [2, num_edges]", ei.shape)));
+        return Err(RuntimeError::bad_file(
+            &ep,
+            format!("wrong shape {:?}: expected [2, num_edges]", ei.shape),
+        ));
     }
     let e = ei.shape[1];
     let ids: Vec<i64> = match ei.data {
@@ -119,12 +154,20 @@ fn load_from(store: &mut Store, name: String) -> Result<Dataset> {
         Data::I32(v) => v.into_par_iter().map(i64::from).collect(),
         other => return Err(wrong_dtype(&ep, &other, "int64 (or int32)")),
     };
-    if let Some(i) = ids.par_iter().position_first(|&v| v < 0 || v as u64 >= n as u64) {
+    if let Some(i) = first_where(&ids, |&v| v < 0 || v as u64 >= n as u64) {
         let v = ids[i];
-        let what = if v < 0 { "negative node id" } else { "node id out of range" };
+        let what = if v < 0 {
+            "negative node id"
+        } else {
+            "node id out of range"
+        };
         return Err(RuntimeError::bad_file(
             &ep,
-            format!("{what} {v} at edge_index[{}, {}] for {n} nodes", i / e.max(1), i % e.max(1)),
+            format!(
+                "{what} {v} at edge_index[{}, {}] for {n} nodes",
+                i / e.max(1),
+                i % e.max(1)
+            ),
         ));
     }
     let edge_src: Vec<u32> = ids[..e].par_iter().map(|&v| v as u32).collect();
@@ -136,14 +179,26 @@ fn load_from(store: &mut Store, name: String) -> Result<Dataset> {
         let m = store.read(key)?;
         let mp = store.label(key);
         if m.shape.len() != 1 {
-            return Err(RuntimeError::bad_file(&mp, format!("wrong shape {:?}: expected a 1-D array [num_nodes]", m.shape)));
+            return Err(RuntimeError::bad_file(
+                &mp,
+                format!(
+                    "wrong shape {:?}: expected a 1-D array [num_nodes]",
+                    m.shape
+                ),
+            ));
         }
         let v = match m.data {
             Data::Bool(v) => v,
             other => return Err(wrong_dtype(&mp, &other, "bool")),
         };
         if v.len() != n {
-            return Err(RuntimeError::bad_file(&mp, format!("node count mismatch: {} entries but x.npy has {n} rows", v.len())));
+            return Err(RuntimeError::bad_file(
+                &mp,
+                format!(
+                    "node count mismatch: {} entries but x.npy has {n} rows",
+                    v.len()
+                ),
+            ));
         }
         masks.push(v);
     }
@@ -166,8 +221,19 @@ fn load_from(store: &mut Store, name: String) -> Result<Dataset> {
     })
 }
 
+/// The index of the first element satisfying `bad`, scanning in parallel chunks.
+pub(crate) fn first_where<T: Sync>(v: &[T], bad: impl Fn(&T) -> bool + Sync) -> Option<usize> {
+    const CHUNK: usize = 1 << 16;
+    let k = v.par_chunks(CHUNK).position_first(|c| c.iter().any(&bad))?;
+    let off = k * CHUNK;
+    v[off..].iter().position(&bad).map(|i| off + i)
+}
+
 fn wrong_dtype(path: &Path, got: &Data, want: &str) -> RuntimeError {
-    RuntimeError::bad_file(path, format!("wrong dtype {}: expected {want}", got.dtype_name()))
+    RuntimeError::bad_file(
+        path,
+        format!("wrong dtype {}: expected {want}", got.dtype_name()),
+    )
 }
 
 /// A flat array in logical (C) order and its shape.
@@ -230,7 +296,10 @@ impl Kind {
 /// Where arrays come from.
 enum Store {
     Dir(PathBuf),
-    Npz { path: PathBuf, zip: zip::ZipArchive<BufReader<File>> },
+    Npz {
+        path: PathBuf,
+        zip: zip::ZipArchive<BufReader<File>>,
+    },
 }
 
 impl Store {
@@ -249,20 +318,39 @@ impl Store {
             Store::Dir(d) => {
                 let path = file_in(d, &format!("{key}.npy"));
                 let file = File::open(&path).map_err(|e| RuntimeError::io(&path, e))?;
-                let total = file.metadata().map_err(|e| RuntimeError::io(&path, e))?.len();
-                read_npy(BufReader::with_capacity(1 << 20, file), total, &label, false)
+                let total = file
+                    .metadata()
+                    .map_err(|e| RuntimeError::io(&path, e))?
+                    .len();
+                read_npy(
+                    BufReader::with_capacity(1 << 20, file),
+                    total,
+                    &label,
+                    false,
+                )
             }
             Store::Npz { path, zip } => {
-                let name = if zip.index_for_name(key).is_some() { key.to_string() } else { format!("{key}.npy") };
+                let name = if zip.index_for_name(key).is_some() {
+                    key.to_string()
+                } else {
+                    format!("{key}.npy")
+                };
                 let entry = match zip.by_name(&name) {
                     Ok(entry) => entry,
                     Err(zip::result::ZipError::FileNotFound) => {
                         return Err(RuntimeError::bad_file(
                             &label,
-                            format!("missing array: the archive has no `{key}` or `{key}.npy` entry"),
+                            format!(
+                                "missing array: the archive has no `{key}` or `{key}.npy` entry"
+                            ),
                         ))
                     }
-                    Err(e) => return Err(RuntimeError::bad_file(&*path, format!("corrupt .npz archive: {e}"))),
+                    Err(e) => {
+                        return Err(RuntimeError::bad_file(
+                            &*path,
+                            format!("corrupt .npz archive: {e}"),
+                        ))
+                    }
                 };
                 let total = entry.size();
                 read_npy(entry, total, &label, true)
@@ -289,7 +377,10 @@ impl<R: Read> Read for Counting<R> {
 /// archive any other error means a corrupt entry.
 fn read_error(path: &Path, e: io::Error, in_archive: bool) -> RuntimeError {
     if e.kind() == io::ErrorKind::UnexpectedEof {
-        RuntimeError::bad_file(path, "truncated: the file ends before all the data its header declares")
+        RuntimeError::bad_file(
+            path,
+            "truncated: the file ends before all the data its header declares",
+        )
     } else if in_archive {
         RuntimeError::bad_file(path, format!("corrupt archive entry: {e}"))
     } else {
@@ -299,26 +390,46 @@ fn read_error(path: &Path, e: io::Error, in_archive: bool) -> RuntimeError {
 
 /// Parses one `.npy` stream of `total` bytes.
 fn read_npy<R: Read>(reader: R, total: u64, path: &Path, in_archive: bool) -> Result<Array> {
-    let mut r = Counting { inner: reader, count: 0 };
+    let mut r = Counting {
+        inner: reader,
+        count: 0,
+    };
     let header = Header::from_reader(&mut r).map_err(|e| match e {
         ReadHeaderError::Io(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
             RuntimeError::bad_file(path, "truncated: the file ends inside the .npy header")
         }
         ReadHeaderError::Io(e) => read_error(path, e, in_archive),
-        ReadHeaderError::Parse(e) => RuntimeError::bad_file(path, format!("not a valid .npy file: {e}")),
+        ReadHeaderError::Parse(e) => {
+            RuntimeError::bad_file(path, format!("not a valid .npy file: {e}"))
+        }
     })?;
-    let kind = header.type_descriptor.as_string().and_then(|d| Kind::of(d)).ok_or_else(|| {
-        RuntimeError::bad_file(
-            path,
-            format!("unsupported dtype {}: expected int64, int32, float32, float64 or bool", header.type_descriptor),
-        )
-    })?;
+    let kind = header
+        .type_descriptor
+        .as_string()
+        .and_then(|d| Kind::of(d))
+        .ok_or_else(|| {
+            RuntimeError::bad_file(
+                path,
+                format!(
+                    "unsupported dtype {}: expected int64, int32, float32, float64 or bool",
+                    header.type_descriptor
+                ),
+            )
+        })?;
     let len = header
         .shape
         .iter()
         .try_fold(1u64, |acc, &d| acc.checked_mul(d as u64))
-        .filter(|&l| l.checked_mul(kind.size()).is_some_and(|b| b <= isize::MAX as u64))
-        .ok_or_else(|| RuntimeError::bad_file(path, format!("corrupt header: shape {:?} is too large", header.shape)))?;
+        .filter(|&l| {
+            l.checked_mul(kind.size())
+                .is_some_and(|b| b <= isize::MAX as u64)
+        })
+        .ok_or_else(|| {
+            RuntimeError::bad_file(
+                path,
+                format!("corrupt header: shape {:?} is too large", header.shape),
+            )
+        })?;
     let need = len * kind.size();
     let have = total.saturating_sub(r.count);
     if have < need {
@@ -330,7 +441,11 @@ fn read_npy<R: Read>(reader: R, total: u64, path: &Path, in_archive: bool) -> Re
     if have > need {
         return Err(RuntimeError::bad_file(
             path,
-            format!("{} extra bytes after the data of shape {:?} (corrupt file)", have - need, header.shape),
+            format!(
+                "{} extra bytes after the data of shape {:?} (corrupt file)",
+                have - need,
+                header.shape
+            ),
         ));
     }
     let len = len as usize;
@@ -342,7 +457,10 @@ fn read_npy<R: Read>(reader: R, total: u64, path: &Path, in_archive: bool) -> Re
         Kind::F64 => Data::F64(typed(&mut r, h, len, path, in_archive)?),
         Kind::Bool => Data::Bool(typed(&mut r, h, len, path, in_archive)?),
     };
-    Ok(Array { shape: header.shape, data })
+    Ok(Array {
+        shape: header.shape,
+        data,
+    })
 }
 
 /// Reads `len` elements and returns them in C order.
@@ -355,11 +473,17 @@ fn typed<T: ReadableElement + Clone, R: Read>(
 ) -> Result<Vec<T>> {
     let v = T::read_to_end_exact_vec(r, &header.type_descriptor, len).map_err(|e| match e {
         ReadDataError::Io(e) => read_error(path, e, in_archive),
-        ReadDataError::MissingData => {
-            RuntimeError::bad_file(path, "truncated: the file ends before all the data its header declares")
+        ReadDataError::MissingData => RuntimeError::bad_file(
+            path,
+            "truncated: the file ends before all the data its header declares",
+        ),
+        ReadDataError::ExtraBytes(k) => RuntimeError::bad_file(
+            path,
+            format!("{k} extra bytes after the data (corrupt file)"),
+        ),
+        ReadDataError::WrongDescriptor(d) => {
+            RuntimeError::bad_file(path, format!("unsupported dtype {d}"))
         }
-        ReadDataError::ExtraBytes(k) => RuntimeError::bad_file(path, format!("{k} extra bytes after the data (corrupt file)")),
-        ReadDataError::WrongDescriptor(d) => RuntimeError::bad_file(path, format!("unsupported dtype {d}")),
         ReadDataError::ParseData(e) => RuntimeError::bad_file(path, format!("invalid data: {e}")),
     })?;
     if !header.layout.is_fortran() || header.shape.len() < 2 {

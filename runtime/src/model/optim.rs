@@ -44,6 +44,12 @@ impl Optimizer {
         &self.state
     }
 
+    /// Replaces the step count and moment buffers (restoring a replica).
+    pub fn restore(&mut self, steps: u64, state: Vec<(Tensor, Tensor)>) {
+        self.t = steps;
+        self.state = state;
+    }
+
     /// Applies one step with the gradients currently held by the model.
     pub fn step(&mut self, s: &Stream, model: &mut Model) -> Result<()> {
         self.t += 1;

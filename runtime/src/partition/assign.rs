@@ -92,12 +92,15 @@ fn metis(graph: &Graph, ds: &Dataset, parts: usize, seed: u64) -> Result<Vec<u32
     };
     {
         let _guard = METIS_LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        let spin = crate::progress::spinner("metis");
+        spin.enable_steady_tick(std::time::Duration::from_millis(200));
         metis::Graph::new(ncon as Idx, parts as Idx, &xadj, &adjncy)
             .map_err(|e| metis_err(e.into()))?
             .set_vwgt(&vwgt)
             .set_option(metis::option::Seed((seed % Idx::MAX as u64) as Idx))
             .part_kway(&mut part)
             .map_err(metis_err)?;
+        spin.finish_and_clear();
     }
     if let Some(&bad) = part.iter().find(|&&q| q < 0 || q as usize >= parts) {
         return Err(RuntimeError::BadData(format!(

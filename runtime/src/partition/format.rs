@@ -118,13 +118,29 @@ pub struct PartitionData {
     pub send: Vec<SendList>,
 }
 
-/// Reinterprets archived little-endian primitives as native ones (same size and alignment on
-/// the little-endian hosts this module compiles for).
-pub(crate) fn native<A, T>(s: &[A]) -> &[T] {
+/// An archived little-endian primitive with the native type it stands for.
+pub(crate) trait LittleEndian {
+    type Native;
+}
+impl LittleEndian for rkyv::rend::u32_le {
+    type Native = u32;
+}
+impl LittleEndian for rkyv::rend::u64_le {
+    type Native = u64;
+}
+impl LittleEndian for rkyv::rend::f32_le {
+    type Native = f32;
+}
+
+/// Reinterprets archived little-endian primitives as native ones, zero-copy.
+pub(crate) fn native<A: LittleEndian>(s: &[A]) -> &[A::Native] {
     const {
-        assert!(size_of::<A>() == size_of::<T>() && align_of::<A>() >= align_of::<T>());
+        assert!(
+            size_of::<A>() == size_of::<A::Native>() && align_of::<A>() >= align_of::<A::Native>()
+        );
     }
-    // SAFETY: `A` is rkyv's `*_le` wrapper of `T`: same size, at least its alignment, and on a
-    // little-endian host the same bit pattern; every bit pattern is a valid `T`.
-    unsafe { std::slice::from_raw_parts(s.as_ptr().cast::<T>(), s.len()) }
+    // SAFETY: `A` is rkyv's `*_le` wrapper of `A::Native`: same size, at least its alignment,
+    // and on a little-endian host (the only kind this module compiles for) the same bits;
+    // every bit pattern is a valid u32, u64 or f32.
+    unsafe { std::slice::from_raw_parts(s.as_ptr().cast::<A::Native>(), s.len()) }
 }

@@ -1,0 +1,44 @@
+//! Typed errors of the actor runtime; each names the partition involved.
+use thiserror::Error;
+
+/// Errors of partition actors, supervisors and the coordinator.
+#[derive(Debug, Error)]
+pub enum ActorError {
+    /// A partition's computation panicked; its supervisor restarts it.
+    #[error("partition {part} panicked: {message}")]
+    Panicked { part: u32, message: String },
+    /// A partition's computation failed.
+    #[error("partition {part}: {source}")]
+    Compute {
+        part: u32,
+        #[source]
+        source: trellis_runtime::RuntimeError,
+    },
+    /// A partition did not answer before its deadline.
+    #[error("partition {part} did not answer within {ms} ms ({what})")]
+    Timeout { part: u32, ms: u64, what: String },
+    /// A partition's mailbox is closed (the actor stopped and was not restarted).
+    #[error("partition {part} is unreachable: {detail}")]
+    Unreachable { part: u32, detail: String },
+    /// A message did not fit the protocol state (wrong run, stale epoch, ...).
+    #[error("partition {part}: protocol violation: {detail}")]
+    Protocol { part: u32, detail: String },
+    /// Replicas disagree after an optimizer step.
+    #[error("replicas diverged at epoch {epoch}: partition {part} has digest {got}, partition 0 has {want}")]
+    Diverged { epoch: u32, part: u32, got: String, want: String },
+    /// The restart budget of a partition is spent.
+    #[error("partition {part} failed {restarts} times within the restart window; giving up: {last}")]
+    RestartsExhausted { part: u32, restarts: u32, last: String },
+    /// Setting up the topology failed.
+    #[error(transparent)]
+    Runtime(#[from] trellis_runtime::RuntimeError),
+    /// A stream or kernel could not be set up.
+    #[error(transparent)]
+    Gpu(#[from] trellis_gpu::GpuError),
+    /// The run was cancelled (Ctrl-C or `TrainingRun::cancel`).
+    #[error("the run was cancelled")]
+    Cancelled,
+    /// The actor system could not be started or stopped.
+    #[error("actor system: {0}")]
+    System(String),
+}

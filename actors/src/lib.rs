@@ -1,0 +1,24 @@
+//! `trellis-actors` owns the actors of a training topology.
+//!
+//! - [`PartitionActor`](partition::PartitionActor): one per graph partition, on its own arbiter
+//!   (thread) with its own compute [`Stream`](trellis_gpu::Stream); owns the partition's block,
+//!   features, model replica and optimizer state.
+//! - the node supervisor ([`supervisor`]): starts partition actors under actix's `Supervisor`,
+//!   turns kernel panics into restarts from the node's [`ReplicaStore`](replica::ReplicaStore).
+//! - the [`Coordinator`](coordinator::Coordinator): drives the epoch protocol (ARCHITECTURE.md).
+//! - [`Topology`]/[`TrainingRun`]: the Rust API for programs that spawn training topologies.
+
+mod coordinator;
+mod error;
+mod messages;
+mod partition;
+pub mod replica;
+mod state;
+mod supervisor;
+mod topology;
+
+pub use coordinator::Coordinator;
+pub use error::ActorError;
+pub use messages::{Outcome, StepReply};
+pub use state::PartitionState;
+pub use topology::{FaultPlan, RunEvent, Topology, TrainingRun};

@@ -1,0 +1,64 @@
+//! Messages between the coordinator and partition actors. Every request carries
+//! (run, epoch, layer, phase) so handling is idempotent and stale requests are recognised.
+use crate::ActorError;
+use actix::Message;
+use std::sync::Arc;
+use trellis_transport::{HaloBlock, Phase, RunId};
+
+/// Run one layer of a pass on a partition.
+#[derive(Debug, Clone, Copy, Message)]
+#[rtype(result = "Result<StepReply, ActorError>")]
+pub struct Step {
+    pub run: RunId,
+    pub epoch: u32,
+    pub layer: u16,
+    /// `Forward` / `Eval`: forward of `layer`; `Backward`: backward of `layer`.
+    pub phase: Phase,
+}
+
+/// Apply the all-reduced gradients with the optimizer, then snapshot the replica.
+#[derive(Debug, Clone, Message)]
+#[rtype(result = "Result<String, ActorError>")]
+pub struct ApplyStep {
+    pub run: RunId,
+    pub epoch: u32,
+    /// The sum over partitions of every parameter's gradient, concatenated in parameter order.
+    pub grads: Arc<[f32]>,
+}
+
+/// Forget everything about `epoch` in progress (caches, halo blocks, pending requests): the
+/// epoch is about to be replayed after a recovery.
+#[derive(Debug, Clone, Copy, Message)]
+#[rtype(result = "()")]
+pub struct ResetEpoch {
+    pub epoch: u32,
+}
+
+/// A halo block delivered by the transport.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct Halo(pub HaloBlock);
+
+/// What a step produced.
+#[derive(Debug, Clone)]
+pub enum Outcome {
+    /// A layer finished; its halo rows were sent.
+    LayerDone,
+    /// The training forward finished: sums over this partition's training nodes.
+    Loss { loss_sum: f64, count: usize, correct: usize },
+    /// The backward finished: this partition's weight gradients, concatenated.
+    Grads(Arc<[f32]>),
+    /// The evaluation forward finished: correct predictions per split.
+    Eval { train: usize, val: usize, test: usize },
+}
+
+/// A partition's answer to a [`Step`].
+#[derive(Debug, Clone)]
+pub struct StepReply {
+    pub part: u32,
+    /// Time this partition spent computing the step.
+    pub compute_ms: f64,
+    /// Halo payload bytes this partition sent during the step.
+    pub halo_bytes: u64,
+    pub outcome: Outcome,
+}

@@ -1,0 +1,39 @@
+//! The node's replica store: the latest committed state of each partition's model replica and
+//! optimizer, kept in memory so a restarted actor resumes from it without a checkpoint file.
+use dashmap::DashMap;
+use std::sync::Arc;
+use trellis_gpu::Tensor;
+
+/// A partition's dynamic state after an optimizer step.
+#[derive(Debug, Clone)]
+pub struct Snapshot {
+    /// Epochs completed (the step number).
+    pub epoch: u32,
+    pub params: Vec<Tensor>,
+    /// Optimizer moments, in parameter order.
+    pub opt_state: Vec<(Tensor, Tensor)>,
+    pub opt_steps: u64,
+    /// Digest of `params` when the snapshot was taken.
+    pub digest: String,
+}
+
+/// Snapshots by partition id, shared by the actors of one node.
+#[derive(Debug, Default)]
+pub struct ReplicaStore {
+    snaps: DashMap<u32, Arc<Snapshot>>,
+}
+
+impl ReplicaStore {
+    /// An empty store.
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// Stores `part`'s latest snapshot.
+    pub fn put(&self, part: u32, snap: Snapshot) {
+        self.snaps.insert(part, Arc::new(snap));
+    }
+    /// `part`'s latest snapshot.
+    pub fn get(&self, part: u32) -> Option<Arc<Snapshot>> {
+        self.snaps.get(&part).map(|s| s.clone())
+    }
+}

@@ -1,0 +1,34 @@
+//! `trellis-transport` owns the messages partitions exchange and the transports that move them.
+//!
+//! Every data message carries a [`MsgHeader`] — (run, epoch, layer, phase, from, to) — so a
+//! receiver can drop stale or misrouted messages and handle duplicates idempotently. A
+//! [`Transport`] moves [`HaloBlock`]s between partitions; [`InProcessTransport`] does so between
+//! actors of one process without copying the block (the buffer is shared). The QUIC transport
+//! between processes implements the same trait.
+
+mod inproc;
+mod message;
+
+pub use inproc::InProcessTransport;
+pub use message::{HaloBlock, MsgHeader, PartId, Phase, RunId, SharedBuf};
+
+use thiserror::Error;
+
+/// Errors of the transports.
+#[derive(Debug, Error)]
+pub enum TransportError {
+    /// No route is registered for the destination partition.
+    #[error("no route to partition {0}")]
+    UnknownPartition(PartId),
+    /// The destination exists but no longer accepts messages (it stopped).
+    #[error("partition {0} is not accepting messages")]
+    Closed(PartId),
+}
+
+/// Moves halo blocks from one partition to another.
+pub trait Transport: Send + Sync {
+    /// Sends `block` to `block.header.to`. Returns once the transport owns the block.
+    fn send(&self, block: HaloBlock) -> Result<(), TransportError>;
+    /// Payload bytes sent through this transport so far.
+    fn bytes_sent(&self) -> u64;
+}

@@ -1,0 +1,61 @@
+//! Message types shared by every transport.
+use std::fmt;
+use std::sync::Arc;
+
+/// A partition id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PartId(pub u32);
+
+impl fmt::Display for PartId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// Identifies one training run; messages of other runs are dropped.
+pub type RunId = uuid::Uuid;
+
+/// Which pass a message belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Phase {
+    /// Training forward: halo rows of a layer's output.
+    Forward,
+    /// Training backward: gradients of halo rows, sent back to their owners.
+    Backward,
+    /// Evaluation forward (no dropout).
+    Eval,
+}
+
+/// Addressing and sequencing of a message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MsgHeader {
+    pub run: RunId,
+    pub epoch: u32,
+    /// The layer whose output (forward) or input gradient (backward) the payload holds.
+    pub layer: u16,
+    pub phase: Phase,
+    pub from: PartId,
+    pub to: PartId,
+}
+
+/// A shared, immutable f32 buffer: moving it between actors never copies the rows.
+pub type SharedBuf = Arc<[f32]>;
+
+/// Rows of embeddings (forward) or gradients (backward) for the receiver's halo exchange.
+///
+/// The rows are in the order both sides agreed on when the graph was partitioned: the
+/// sender's send list to the receiver (ascending global id).
+#[derive(Debug, Clone)]
+pub struct HaloBlock {
+    pub header: MsgHeader,
+    pub rows: u32,
+    pub cols: u32,
+    pub data: SharedBuf,
+}
+
+impl HaloBlock {
+    /// Payload size in bytes.
+    pub fn payload_bytes(&self) -> u64 {
+        self.data.len() as u64 * 4
+    }
+}
