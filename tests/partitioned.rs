@@ -7,7 +7,10 @@ use trellis::runtime::train::TrainConfig;
 use trellis::runtime::{DataSource, Dataset, ModelKind, RunReport, Trainer};
 
 fn synthetic() -> Dataset {
-    DataSource::parse("synthetic:nodes=1500,degree=8,features=24,classes=4,seed=3").unwrap().load().unwrap()
+    DataSource::parse("synthetic:nodes=1500,degree=8,features=24,classes=4,seed=3")
+        .unwrap()
+        .load()
+        .unwrap()
 }
 
 fn cora() -> Option<Dataset> {
@@ -16,7 +19,12 @@ fn cora() -> Option<Dataset> {
         eprintln!("skipping Cora: {} not found", p.display());
         return None;
     }
-    Some(DataSource::parse(p.to_str().unwrap()).unwrap().load().unwrap())
+    Some(
+        DataSource::parse(p.to_str().unwrap())
+            .unwrap()
+            .load()
+            .unwrap(),
+    )
 }
 
 fn config(ds: &Dataset, kind: ModelKind, epochs: u32) -> TrainConfig {
@@ -41,7 +49,11 @@ fn partitioned(ds: &Dataset, cfg: &TrainConfig, parts: usize) -> RunReport {
 }
 
 fn max_rel_loss_diff(a: &RunReport, b: &RunReport) -> f64 {
-    a.epochs_log.iter().zip(&b.epochs_log).map(|(x, y)| (x.loss - y.loss).abs() / x.loss.abs().max(1e-12)).fold(0.0, f64::max)
+    a.epochs_log
+        .iter()
+        .zip(&b.epochs_log)
+        .map(|(x, y)| (x.loss - y.loss).abs() / x.loss.abs().max(1e-12))
+        .fold(0.0, f64::max)
 }
 
 fn check_exact(ds: &Dataset, kind: ModelKind, epochs: u32, parts: &[usize]) {
@@ -50,10 +62,16 @@ fn check_exact(ds: &Dataset, kind: ModelKind, epochs: u32, parts: &[usize]) {
     for &p in parts {
         let rep = partitioned(ds, &cfg, p);
         let d = max_rel_loss_diff(&single, &rep);
-        eprintln!("{kind} on {} with P={p}: max relative loss difference {d:.3e}", ds.name);
+        eprintln!(
+            "{kind} on {} with P={p}: max relative loss difference {d:.3e}",
+            ds.name
+        );
         assert!(d <= 1e-5, "{kind} P={p}: loss differs by {d:e}");
         assert_eq!(rep.partitions, p);
-        assert_eq!(rep.test_acc, single.test_acc, "{kind} P={p}: test accuracy differs");
+        assert_eq!(
+            rep.test_acc, single.test_acc,
+            "{kind} P={p}: test accuracy differs"
+        );
         assert_eq!(rep.epochs_log.len(), single.epochs_log.len());
     }
 }
@@ -88,6 +106,11 @@ fn fixed_partition_count_gives_identical_digests() {
     let a = partitioned(&ds, &cfg, 4);
     let b = partitioned(&ds, &cfg, 4);
     assert_eq!(a.weights_digest, b.weights_digest);
-    let losses = |r: &RunReport| r.epochs_log.iter().map(|l| l.loss.to_bits()).collect::<Vec<_>>();
+    let losses = |r: &RunReport| {
+        r.epochs_log
+            .iter()
+            .map(|l| l.loss.to_bits())
+            .collect::<Vec<_>>()
+    };
     assert_eq!(losses(&a), losses(&b));
 }

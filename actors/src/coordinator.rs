@@ -48,7 +48,13 @@ struct StepStats {
 }
 
 impl Coordinator {
-    pub fn new(run: RunId, addrs: Vec<Addr<PartitionActor>>, cfg: &TrainConfig, deadline: Duration, cancel: Arc<AtomicBool>) -> Self {
+    pub fn new(
+        run: RunId,
+        addrs: Vec<Addr<PartitionActor>>,
+        cfg: &TrainConfig,
+        deadline: Duration,
+        cancel: Arc<AtomicBool>,
+    ) -> Self {
         Coordinator {
             run,
             addrs,
@@ -62,9 +68,15 @@ impl Coordinator {
     }
 
     /// Runs epoch `epoch` (training step, then evaluation). `totals` are the global split sizes.
-    pub async fn epoch(&mut self, epoch: u32, totals: (usize, usize, usize)) -> Result<(EpochLog, String), ActorError> {
+    pub async fn epoch(
+        &mut self,
+        epoch: u32,
+        totals: (usize, usize, usize),
+    ) -> Result<(EpochLog, String), ActorError> {
         let t0 = Instant::now();
-        let stats = self.retrying(epoch, |c| Box::pin(c.train_step(epoch))).await?;
+        let stats = self
+            .retrying(epoch, |c| Box::pin(c.train_step(epoch)))
+            .await?;
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         let t1 = Instant::now();
         let (train, val, test) = self.retrying(epoch, |c| Box::pin(c.eval(epoch))).await?;
@@ -91,8 +103,14 @@ impl Coordinator {
     async fn retrying<T>(
         &mut self,
         epoch: u32,
-        mut unit: impl for<'a> FnMut(&'a mut Self) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<T, ActorError>> + 'a>>,
+        mut unit: impl for<'a> FnMut(
+            &'a mut Self,
+        ) -> std::pin::Pin<
+            Box<dyn std::future::Future<Output = Result<T, ActorError>> + 'a>,
+        >,
     ) -> Result<T, ActorError> {
+        // Failures seen while running this unit, waiting for the unit to complete once.
+        let mut open: Vec<(u32, f64, Instant)> = Vec::new();
         loop {
             let started = Instant::now();
             match unit(self).await {
@@ -100,28 +118,36 @@ impl Coordinator {
                     let detected_ms = started.elapsed().as_secs_f64() * 1e3;
                     self.restarts_used += 1;
                     if self.restarts_used > self.max_restarts {
-                        return Err(ActorError::RestartsExhausted { part, restarts: self.restarts_used - 1, last: message });
+                        return Err(ActorError::RestartsExhausted {
+                            part,
+                            restarts: self.restarts_used - 1,
+                            last: message,
+                        });
                     }
-                    let t = Instant::now();
+                    open.push((part, detected_ms, Instant::now()));
                     for a in &self.addrs {
-                        a.send(ResetEpoch { epoch }).await.map_err(|e| ActorError::Unreachable { part, detail: e.to_string() })?;
-                    }
-                    let out = Box::pin(unit(self)).await;
-                    let resumed_ms = t.elapsed().as_secs_f64() * 1e3;
-                    self.recoveries.push(Recovery {
-                        kind: "actor-panic".into(),
-                        partition: part,
-                        epoch,
-                        detected_ms,
-                        resumed_ms,
-                        steps_replayed: 1,
-                    });
-                    match out {
-                        Err(ActorError::Panicked { .. }) => continue,
-                        other => return other,
+                        a.send(ResetEpoch { epoch }).await.map_err(|e| {
+                            ActorError::Unreachable {
+                                part,
+                                detail: e.to_string(),
+                            }
+                        })?;
                     }
                 }
-                other => return other,
+                other => {
+                    let replayed = open.len() as u32;
+                    for (part, detected_ms, at) in open.drain(..) {
+                        self.recoveries.push(Recovery {
+                            kind: "actor-panic".into(),
+                            partition: part,
+                            epoch,
+                            detected_ms,
+                            resumed_ms: at.elapsed().as_secs_f64() * 1e3,
+                            steps_replayed: replayed,
+                        });
+                    }
+                    return other;
+                }
             }
         }
     }
@@ -135,7 +161,12 @@ impl Coordinator {
             for r in self.broadcast(epoch, l, Phase::Forward).await? {
                 compute_ms[r.part as usize] += r.compute_ms;
                 halo_bytes += r.halo_bytes;
-                if let Outcome::Loss { loss_sum: s, count: c, .. } = r.outcome {
+                if let Outcome::Loss {
+                    loss_sum: s,
+                    count: c,
+                    ..
+                } = r.outcome
+                {
                     loss_sum += s;
                     count += c;
                 }
@@ -154,7 +185,10 @@ impl Coordinator {
         // All-reduce in a fixed order: partition 0, 1, ..., so the sum never depends on timing.
         let mut sum: Vec<f32> = Vec::new();
         for (q, g) in grads.iter().enumerate() {
-            let g = g.as_ref().ok_or_else(|| ActorError::Protocol { part: q as u32, detail: "no gradients".into() })?;
+            let g = g.as_ref().ok_or_else(|| ActorError::Protocol {
+                part: q as u32,
+                detail: "no gradients".into(),
+            })?;
             if sum.is_empty() {
                 sum = g.to_vec();
             } else {
@@ -162,17 +196,38 @@ impl Coordinator {
             }
         }
         let grads: Arc<[f32]> = Arc::from(sum);
-        let futs: Vec<_> = self.addrs.iter().map(|a| a.send(ApplyStep { run: self.run, epoch, grads: grads.clone() })).collect();
+        let futs: Vec<_> = self
+            .addrs
+            .iter()
+            .map(|a| {
+                a.send(ApplyStep {
+                    run: self.run,
+                    epoch,
+                    grads: grads.clone(),
+                })
+            })
+            .collect();
         let mut digest = String::new();
         for (q, f) in futs.into_iter().enumerate() {
             let d = self.await_reply(q as u32, "optimizer step", f).await??;
             if q == 0 {
                 digest = d;
             } else if d != digest {
-                return Err(ActorError::Diverged { epoch, part: q as u32, got: d, want: digest });
+                return Err(ActorError::Diverged {
+                    epoch,
+                    part: q as u32,
+                    got: d,
+                    want: digest,
+                });
             }
         }
-        Ok(StepStats { loss_sum, count, compute_ms, halo_bytes, digest })
+        Ok(StepStats {
+            loss_sum,
+            count,
+            compute_ms,
+            halo_bytes,
+            digest,
+        })
     }
 
     async fn eval(&mut self, epoch: u32) -> Result<(usize, usize, usize), ActorError> {
@@ -189,11 +244,21 @@ impl Coordinator {
 
     /// Sends one step to every partition and waits for all replies; a panic is reported after
     /// every other partition has answered, so the epoch can be reset cleanly.
-    async fn broadcast(&self, epoch: u32, layer: u16, phase: Phase) -> Result<Vec<StepReply>, ActorError> {
+    async fn broadcast(
+        &self,
+        epoch: u32,
+        layer: u16,
+        phase: Phase,
+    ) -> Result<Vec<StepReply>, ActorError> {
         if self.cancel.load(Ordering::SeqCst) {
             return Err(ActorError::Cancelled);
         }
-        let step = Step { run: self.run, epoch, layer, phase };
+        let step = Step {
+            run: self.run,
+            epoch,
+            layer,
+            phase,
+        };
         let futs: Vec<_> = self.addrs.iter().map(|a| a.send(step)).collect();
         let mut replies = Vec::with_capacity(futs.len());
         let mut first_err = None;
@@ -224,8 +289,15 @@ impl Coordinator {
     ) -> Result<T, ActorError> {
         match tokio::time::timeout(self.deadline, f).await {
             Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(ActorError::Unreachable { part, detail: format!("{what}: {e}") }),
-            Err(_) => Err(ActorError::Timeout { part, ms: self.deadline.as_millis() as u64, what: what.to_string() }),
+            Ok(Err(e)) => Err(ActorError::Unreachable {
+                part,
+                detail: format!("{what}: {e}"),
+            }),
+            Err(_) => Err(ActorError::Timeout {
+                part,
+                ms: self.deadline.as_millis() as u64,
+                what: what.to_string(),
+            }),
         }
     }
 }

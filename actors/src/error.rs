@@ -25,10 +25,21 @@ pub enum ActorError {
     Protocol { part: u32, detail: String },
     /// Replicas disagree after an optimizer step.
     #[error("replicas diverged at epoch {epoch}: partition {part} has digest {got}, partition 0 has {want}")]
-    Diverged { epoch: u32, part: u32, got: String, want: String },
+    Diverged {
+        epoch: u32,
+        part: u32,
+        got: String,
+        want: String,
+    },
     /// The restart budget of a partition is spent.
-    #[error("partition {part} failed {restarts} times within the restart window; giving up: {last}")]
-    RestartsExhausted { part: u32, restarts: u32, last: String },
+    #[error(
+        "partition {part} failed {restarts} times within the restart window; giving up: {last}"
+    )]
+    RestartsExhausted {
+        part: u32,
+        restarts: u32,
+        last: String,
+    },
     /// Setting up the topology failed.
     #[error(transparent)]
     Runtime(#[from] trellis_runtime::RuntimeError),

@@ -45,11 +45,19 @@ pub enum Outcome {
     /// A layer finished; its halo rows were sent.
     LayerDone,
     /// The training forward finished: sums over this partition's training nodes.
-    Loss { loss_sum: f64, count: usize, correct: usize },
+    Loss {
+        loss_sum: f64,
+        count: usize,
+        correct: usize,
+    },
     /// The backward finished: this partition's weight gradients, concatenated.
     Grads(Arc<[f32]>),
     /// The evaluation forward finished: correct predictions per split.
-    Eval { train: usize, val: usize, test: usize },
+    Eval {
+        train: usize,
+        val: usize,
+        test: usize,
+    },
 }
 
 /// A partition's answer to a [`Step`].

@@ -43,12 +43,23 @@ impl PartitionActor {
     ) -> Self {
         let part = state.part();
         replicas.put(part.0, state.snapshot());
-        PartitionActor { part, run, state, transport, replicas, faults, inbox: Inbox::new(), pending: None }
+        PartitionActor {
+            part,
+            run,
+            state,
+            transport,
+            replicas,
+            faults,
+            inbox: Inbox::new(),
+            pending: None,
+        }
     }
 
     /// Runs the parked step if all its halo blocks are here.
     fn try_progress(&mut self, ctx: &mut Context<Self>) {
-        let Some((step, _)) = &self.pending else { return };
+        let Some((step, _)) = &self.pending else {
+            return;
+        };
         let step = *step;
         let need = self.state.expected_senders(step.phase, step.layer);
         let key = input_key(&step);
@@ -63,8 +74,12 @@ impl PartitionActor {
         let result = catch_unwind(AssertUnwindSafe(|| {
             faults.maybe_panic(part.0, step.epoch, step.layer, step.phase);
             timed(|| match step.phase {
-                Phase::Forward | Phase::Eval => self.state.forward(step.run, step.epoch, step.layer, step.phase, &blocks),
-                Phase::Backward => self.state.backward(step.run, step.epoch, step.layer, &blocks),
+                Phase::Forward | Phase::Eval => self
+                    .state
+                    .forward(step.run, step.epoch, step.layer, step.phase, &blocks),
+                Phase::Backward => self
+                    .state
+                    .backward(step.run, step.epoch, step.layer, &blocks),
             })
         }));
         match result {
@@ -73,18 +88,32 @@ impl PartitionActor {
                 for b in out {
                     halo_bytes += b.payload_bytes();
                     if let Err(e) = self.transport.send(b) {
-                        let _ = reply.send(Err(ActorError::Unreachable { part: part.0, detail: e.to_string() }));
+                        let _ = reply.send(Err(ActorError::Unreachable {
+                            part: part.0,
+                            detail: e.to_string(),
+                        }));
                         return;
                     }
                 }
-                let _ = reply.send(Ok(StepReply { part: part.0, compute_ms, halo_bytes, outcome }));
+                let _ = reply.send(Ok(StepReply {
+                    part: part.0,
+                    compute_ms,
+                    halo_bytes,
+                    outcome,
+                }));
             }
             Ok((Err(e), _)) => {
-                let _ = reply.send(Err(ActorError::Compute { part: part.0, source: e }));
+                let _ = reply.send(Err(ActorError::Compute {
+                    part: part.0,
+                    source: e,
+                }));
             }
             Err(panic) => {
                 let message = panic_message(panic);
-                let _ = reply.send(Err(ActorError::Panicked { part: part.0, message }));
+                let _ = reply.send(Err(ActorError::Panicked {
+                    part: part.0,
+                    message,
+                }));
                 // Stopping makes actix's Supervisor call `restarting` and start us again.
                 ctx.stop();
             }
@@ -134,15 +163,28 @@ impl Handler<Step> for PartitionActor {
     fn handle(&mut self, step: Step, ctx: &mut Context<Self>) -> Self::Result {
         let part = self.part.0;
         if step.run != self.run {
-            return Box::pin(async move { Err(ActorError::Protocol { part, detail: "request of another run".into() }) });
+            return Box::pin(async move {
+                Err(ActorError::Protocol {
+                    part,
+                    detail: "request of another run".into(),
+                })
+            });
         }
         let (tx, rx) = oneshot::channel();
         if let Some((_, old)) = self.pending.replace((step, tx)) {
-            let _ = old.send(Err(ActorError::Protocol { part, detail: "superseded by a newer request".into() }));
+            let _ = old.send(Err(ActorError::Protocol {
+                part,
+                detail: "superseded by a newer request".into(),
+            }));
         }
         self.try_progress(ctx);
         Box::pin(async move {
-            rx.await.unwrap_or_else(|_| Err(ActorError::Unreachable { part, detail: "the actor restarted".into() }))
+            rx.await.unwrap_or_else(|_| {
+                Err(ActorError::Unreachable {
+                    part,
+                    detail: "the actor restarted".into(),
+                })
+            })
         })
     }
 }
@@ -155,12 +197,19 @@ impl Handler<Halo> for PartitionActor {
         // Drop blocks of other runs or of steps already committed (stale after a recovery);
         // an epoch's evaluation runs after its optimizer step.
         let done = self.state.epoch_done();
-        let stale = if h.phase == Phase::Eval { h.epoch < done } else { h.epoch <= done };
+        let stale = if h.phase == Phase::Eval {
+            h.epoch < done
+        } else {
+            h.epoch <= done
+        };
         if h.run != self.run || h.to != self.part || stale {
             return;
         }
         // Idempotent: a duplicate replaces an identical block.
-        self.inbox.entry((h.epoch, h.phase, h.layer)).or_default().insert(h.from, block);
+        self.inbox
+            .entry((h.epoch, h.phase, h.layer))
+            .or_default()
+            .insert(h.from, block);
         self.try_progress(ctx);
     }
 }
@@ -171,13 +220,19 @@ impl Handler<ApplyStep> for PartitionActor {
     fn handle(&mut self, msg: ApplyStep, _ctx: &mut Context<Self>) -> Self::Result {
         let part = self.part.0;
         if msg.run != self.run {
-            return Err(ActorError::Protocol { part, detail: "step of another run".into() });
+            return Err(ActorError::Protocol {
+                part,
+                detail: "step of another run".into(),
+            });
         }
         if msg.epoch <= self.state.epoch_done() {
             // Already applied (a retried request): idempotent.
             return Ok(self.state.model().weights_digest());
         }
-        let digest = self.state.apply(msg.epoch, &msg.grads).map_err(|source| ActorError::Compute { part, source })?;
+        let digest = self
+            .state
+            .apply(msg.epoch, &msg.grads)
+            .map_err(|source| ActorError::Compute { part, source })?;
         self.replicas.put(part, self.state.snapshot());
         self.inbox.retain(|k, _| k.0 > msg.epoch);
         Ok(digest)
@@ -190,7 +245,10 @@ impl Handler<ResetEpoch> for PartitionActor {
     fn handle(&mut self, msg: ResetEpoch, _ctx: &mut Context<Self>) {
         self.inbox.retain(|k, _| k.0 != msg.epoch);
         if let Some((_, reply)) = self.pending.take() {
-            let _ = reply.send(Err(ActorError::Protocol { part: self.part.0, detail: "epoch reset".into() }));
+            let _ = reply.send(Err(ActorError::Protocol {
+                part: self.part.0,
+                detail: "epoch reset".into(),
+            }));
         }
         self.state.reset_epoch();
     }

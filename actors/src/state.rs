@@ -56,12 +56,21 @@ impl std::fmt::Debug for PartitionState {
 }
 
 fn ids(mask: &[bool]) -> Vec<u32> {
-    mask.iter().enumerate().filter(|(_, &m)| m).map(|(i, _)| i as u32).collect()
+    mask.iter()
+        .enumerate()
+        .filter(|(_, &m)| m)
+        .map(|(i, _)| i as u32)
+        .collect()
 }
 
 impl PartitionState {
     /// Builds the state of the partition stored in `file`.
-    pub fn new(file: &PartitionFile, cfg: &TrainConfig, counts: GlobalCounts, stream: Stream) -> Result<Self> {
+    pub fn new(
+        file: &PartitionFile,
+        cfg: &TrainConfig,
+        counts: GlobalCounts,
+        stream: Stream,
+    ) -> Result<Self> {
         let part = PartId(file.part() as u32);
         let block = block(file, cfg.model.kind.aggregation())?;
         let f = file.num_features();
@@ -70,13 +79,19 @@ impl PartitionState {
             normalize_rows(&mut feats, f);
         }
         let x = LayerInput::auto(Tensor::from_vec(block.n_in(), f, feats)?)?;
-        let send = file.send_lists().map(|(q, rows)| (PartId(q as u32), rows.to_vec())).collect();
+        let send = file
+            .send_lists()
+            .map(|(q, rows)| (PartId(q as u32), rows.to_vec()))
+            .collect();
         let mut by_owner: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
         let n_inner = block.n_out() as u32;
         for (k, &owner) in file.halo_owner().iter().enumerate() {
             by_owner.entry(owner).or_default().push(n_inner + k as u32);
         }
-        let recv = by_owner.into_iter().map(|(q, rows)| (PartId(q), rows)).collect();
+        let recv = by_owner
+            .into_iter()
+            .map(|(q, rows)| (PartId(q), rows))
+            .collect();
         let model = Model::new(cfg.model.clone())?;
         let opt = Optimizer::new(cfg.optimizer(), &model);
         Ok(PartitionState {
@@ -120,7 +135,9 @@ impl PartitionState {
     pub fn expected_senders(&self, phase: Phase, layer: u16) -> Vec<PartId> {
         let last = self.num_layers() as u16 - 1;
         match phase {
-            Phase::Forward | Phase::Eval if layer > 0 => self.recv.iter().map(|(q, _)| *q).collect(),
+            Phase::Forward | Phase::Eval if layer > 0 => {
+                self.recv.iter().map(|(q, _)| *q).collect()
+            }
             Phase::Backward if layer < last => self.send.iter().map(|(q, _)| *q).collect(),
             _ => Vec::new(),
         }
@@ -137,13 +154,26 @@ impl PartitionState {
         blocks: &BTreeMap<PartId, HaloBlock>,
     ) -> Result<(Outcome, Vec<HaloBlock>)> {
         let l = layer as usize;
-        let ctx = StepCtx { epoch, train: phase == Phase::Forward };
+        let ctx = StepCtx {
+            epoch,
+            train: phase == Phase::Forward,
+        };
         let y = if l == 0 {
-            self.model.forward_layer(&self.stream, 0, &self.block, &self.x, ctx)?
+            self.model
+                .forward_layer(&self.stream, 0, &self.block, &self.x, ctx)?
         } else {
-            let own = self.own_out.take().ok_or_else(|| proto(self.part, "forward without the previous layer's output"))?;
+            let own = self
+                .own_out
+                .take()
+                .ok_or_else(|| proto(self.part, "forward without the previous layer's output"))?;
             let input = self.assemble_halo(own, blocks)?;
-            self.model.forward_layer(&self.stream, l, &self.block, &LayerInput::Dense(input), ctx)?
+            self.model.forward_layer(
+                &self.stream,
+                l,
+                &self.block,
+                &LayerInput::Dense(input),
+                ctx,
+            )?
         };
         if l + 1 < self.num_layers() {
             let out = self.blocks_from_rows(run, epoch, layer, phase, &y, &self.send)?;
@@ -156,7 +186,14 @@ impl PartitionState {
             let scale = 1.0 / self.counts.train.max(1) as f32;
             let loss = s.softmax_nll(&y, &self.labels, &self.train, scale, &mut grad)?;
             self.grad_inner = Some(grad);
-            Ok((Outcome::Loss { loss_sum: loss.loss_sum, count: loss.count, correct: loss.correct }, Vec::new()))
+            Ok((
+                Outcome::Loss {
+                    loss_sum: loss.loss_sum,
+                    count: loss.count,
+                    correct: loss.correct,
+                },
+                Vec::new(),
+            ))
         } else {
             let train = s.accuracy_count(&y, &self.labels, &self.train)?;
             let val = s.accuracy_count(&y, &self.labels, &self.val)?;
@@ -175,7 +212,10 @@ impl PartitionState {
         blocks: &BTreeMap<PartId, HaloBlock>,
     ) -> Result<(Outcome, Vec<HaloBlock>)> {
         let l = layer as usize;
-        let mut g = self.grad_inner.take().ok_or_else(|| proto(self.part, "backward without an output gradient"))?;
+        let mut g = self
+            .grad_inner
+            .take()
+            .ok_or_else(|| proto(self.part, "backward without an output gradient"))?;
         // Received gradients are added in ascending sender order: deterministic for fixed P.
         for (q, rows) in &self.send {
             if let Some(b) = blocks.get(q) {
@@ -183,10 +223,13 @@ impl PartitionState {
                 self.stream.scatter_add_rows(&t, rows, &mut g)?;
             }
         }
-        let gx = self.model.backward_layer(&self.stream, l, &self.block, g, l > 0)?;
+        let gx = self
+            .model
+            .backward_layer(&self.stream, l, &self.block, g, l > 0)?;
         match gx {
             Some(mut gx) => {
-                let out = self.blocks_from_rows(run, epoch, layer, Phase::Backward, &gx, &self.recv)?;
+                let out =
+                    self.blocks_from_rows(run, epoch, layer, Phase::Backward, &gx, &self.recv)?;
                 gx.truncate_rows(self.block.n_out());
                 self.grad_inner = Some(gx);
                 Ok((Outcome::LayerDone, out))
@@ -204,7 +247,14 @@ impl PartitionState {
     /// Applies the all-reduced gradients and returns the new weights' digest.
     pub fn apply(&mut self, epoch: u32, grads: &[f32]) -> Result<String> {
         if grads.len() != self.model.num_parameters() {
-            return Err(proto(self.part, &format!("{} gradients for {} parameters", grads.len(), self.model.num_parameters())));
+            return Err(proto(
+                self.part,
+                &format!(
+                    "{} gradients for {} parameters",
+                    grads.len(),
+                    self.model.num_parameters()
+                ),
+            ));
         }
         let mut off = 0;
         for p in self.model.params_mut() {
@@ -230,7 +280,12 @@ impl PartitionState {
     pub fn snapshot(&self) -> Snapshot {
         Snapshot {
             epoch: self.epoch_done,
-            params: self.model.params().iter().map(|p| p.value.clone()).collect(),
+            params: self
+                .model
+                .params()
+                .iter()
+                .map(|p| p.value.clone())
+                .collect(),
             opt_state: self.opt.state().to_vec(),
             opt_steps: self.opt.steps(),
             digest: self.model.weights_digest(),
@@ -256,10 +311,14 @@ impl PartitionState {
         let halo = self.block.n_in() - self.block.n_out();
         input.append_rows(&vec![0.0; halo * width])?;
         for (q, rows) in &self.recv {
-            let b = blocks.get(q).ok_or_else(|| proto(self.part, &format!("missing halo block from partition {q}")))?;
+            let b = blocks.get(q).ok_or_else(|| {
+                proto(self.part, &format!("missing halo block from partition {q}"))
+            })?;
             check_block(b, rows.len(), width, self.part)?;
             for (k, &r) in rows.iter().enumerate() {
-                input.row_mut(r as usize).copy_from_slice(&b.data[k * width..(k + 1) * width]);
+                input
+                    .row_mut(r as usize)
+                    .copy_from_slice(&b.data[k * width..(k + 1) * width]);
             }
         }
         Ok(input)
@@ -279,8 +338,20 @@ impl PartitionState {
             .iter()
             .map(|(q, rows)| {
                 let rows_t = self.stream.gather_rows(t, rows)?;
-                let header = MsgHeader { run, epoch, layer, phase, from: self.part, to: *q };
-                Ok(HaloBlock { header, rows: rows.len() as u32, cols: t.cols() as u32, data: Arc::from(rows_t.into_vec()) })
+                let header = MsgHeader {
+                    run,
+                    epoch,
+                    layer,
+                    phase,
+                    from: self.part,
+                    to: *q,
+                };
+                Ok(HaloBlock {
+                    header,
+                    rows: rows.len() as u32,
+                    cols: t.cols() as u32,
+                    data: Arc::from(rows_t.into_vec()),
+                })
             })
             .collect()
     }
@@ -291,7 +362,10 @@ fn check_block(b: &HaloBlock, rows: usize, cols: usize, me: PartId) -> Result<()
     if b.rows as usize != rows || b.cols as usize != cols || b.data.len() != rows * cols {
         return Err(proto(
             me,
-            &format!("halo block from partition {} is {}x{}, expected {rows}x{cols}", b.header.from, b.rows, b.cols),
+            &format!(
+                "halo block from partition {} is {}x{}, expected {rows}x{cols}",
+                b.header.from, b.rows, b.cols
+            ),
         ));
     }
     Ok(())

@@ -46,7 +46,11 @@ impl NodeSupervisor {
             arbiters.push(arb);
             addrs.push(addr);
         }
-        NodeSupervisor { arbiters, addrs, transport }
+        NodeSupervisor {
+            arbiters,
+            addrs,
+            transport,
+        }
     }
 
     /// Addresses of the partition actors, by partition id.

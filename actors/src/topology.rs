@@ -36,7 +36,10 @@ impl FaultPlan {
 
     /// Panic partition `part` in the `phase` pass of `layer` in `epoch`.
     pub fn panic_at(self, part: u32, epoch: u32, layer: u16, phase: Phase) -> Self {
-        self.panics.lock().expect("fault plan lock").push((part, epoch, layer, phase, false));
+        self.panics
+            .lock()
+            .expect("fault plan lock")
+            .push((part, epoch, layer, phase, false));
         self
     }
 
@@ -100,7 +103,14 @@ impl Topology {
     pub fn open(dir: impl AsRef<Path>, cfg: TrainConfig) -> Result<Self, ActorError> {
         let set = PartitionSet::open(dir)?;
         let dataset = set.book().dataset.clone();
-        Ok(Topology { set, cfg, faults: Arc::new(FaultPlan::none()), deadline: Duration::from_secs(300), dataset, _tmp: None })
+        Ok(Topology {
+            set,
+            cfg,
+            faults: Arc::new(FaultPlan::none()),
+            deadline: Duration::from_secs(300),
+            dataset,
+            _tmp: None,
+        })
     }
 
     /// Partitions `ds` into `parts` with `method` into `dir` (a fresh temporary folder when
@@ -115,7 +125,8 @@ impl Topology {
         let (dir, tmp) = match dir {
             Some(d) => (d.to_path_buf(), None),
             None => {
-                let d = std::env::temp_dir().join(format!("trellis-parts-{}", uuid::Uuid::new_v4()));
+                let d =
+                    std::env::temp_dir().join(format!("trellis-parts-{}", uuid::Uuid::new_v4()));
                 (d.clone(), Some(TempDir(d)))
             }
         };
@@ -145,7 +156,11 @@ impl Topology {
     /// Loads every partition, starts the actor system on its own thread and begins training.
     pub fn spawn(self) -> Result<TrainingRun, ActorError> {
         let book = self.set.book().clone();
-        let counts = GlobalCounts { train: book.train_nodes, val: book.val_nodes, test: book.test_nodes };
+        let counts = GlobalCounts {
+            train: book.train_nodes,
+            val: book.val_nodes,
+            test: book.test_nodes,
+        };
         let budget = ThreadBudget::global(self.cfg.threads)?;
         let mut states = Vec::with_capacity(self.set.parts());
         for p in 0..self.set.parts() {
@@ -172,7 +187,8 @@ impl Topology {
                     let transport = Arc::new(InProcessTransport::new());
                     let replicas = Arc::new(ReplicaStore::new());
                     let node = NodeSupervisor::start(states, run, transport, replicas, faults);
-                    let mut coord = Coordinator::new(run, node.addrs().to_vec(), &cfg, deadline, cancel2);
+                    let mut coord =
+                        Coordinator::new(run, node.addrs().to_vec(), &cfg, deadline, cancel2);
                     let totals = (counts.train, counts.val, counts.test);
                     let mut logs = Vec::new();
                     let mut best = BestTracker::default();
@@ -198,8 +214,19 @@ impl Topology {
                     }
                     node.shutdown();
                     outcome.map(|_| {
-                        let mut report = build_report(&cfg, &dataset, &book.data_digest, book.parts, book.edge_cut as u64, threads, &best, logs, digest);
-                        report.recoveries = serde_json::to_value(&coord.recoveries).unwrap_or_default();
+                        let mut report = build_report(
+                            &cfg,
+                            &dataset,
+                            &book.data_digest,
+                            book.parts,
+                            book.edge_cut as u64,
+                            threads,
+                            &best,
+                            logs,
+                            digest,
+                        );
+                        report.recoveries =
+                            serde_json::to_value(&coord.recoveries).unwrap_or_default();
                         report
                     })
                 });
@@ -207,7 +234,11 @@ impl Topology {
                 result
             })
             .map_err(|e| ActorError::System(e.to_string()))?;
-        Ok(TrainingRun { events: rx, cancel, thread: Some(thread) })
+        Ok(TrainingRun {
+            events: rx,
+            cancel,
+            thread: Some(thread),
+        })
     }
 }
 
@@ -237,7 +268,8 @@ impl TrainingRun {
     /// Waits for the end of the run; every actor and thread has stopped when this returns.
     pub fn wait(mut self) -> Result<RunReport, ActorError> {
         let t = self.thread.take().expect("joined once");
-        t.join().map_err(|_| ActorError::System("the coordinator thread panicked".into()))?
+        t.join()
+            .map_err(|_| ActorError::System("the coordinator thread panicked".into()))?
     }
 }
 

@@ -23,21 +23,23 @@ pub fn triad_bandwidth_gbs(bytes: usize, budget: &ThreadBudget) -> f64 {
         let mut a = vec![0.0f32; n];
         let mut b = vec![0.0f32; n];
         let mut c = vec![0.0f32; n];
-        b.par_chunks_mut(chunk).zip(c.par_chunks_mut(chunk)).for_each(|(b, c)| {
-            b.fill(1.0);
-            c.fill(2.0);
-        });
+        b.par_chunks_mut(chunk)
+            .zip(c.par_chunks_mut(chunk))
+            .for_each(|(b, c)| {
+                b.fill(1.0);
+                c.fill(2.0);
+            });
         let s = black_box(3.0f32);
         let mut best = Duration::MAX;
         for rep in 0..=REPEATS {
             let t = Instant::now();
-            a.par_chunks_mut(chunk).zip(b.par_chunks(chunk).zip(c.par_chunks(chunk))).for_each(
-                |(a, (b, c))| {
+            a.par_chunks_mut(chunk)
+                .zip(b.par_chunks(chunk).zip(c.par_chunks(chunk)))
+                .for_each(|(a, (b, c))| {
                     for ((a, &b), &c) in a.iter_mut().zip(b).zip(c) {
                         *a = b + s * c;
                     }
-                },
-            );
+                });
             black_box(&mut a);
             if rep > 0 {
                 best = best.min(t.elapsed());
@@ -87,13 +89,18 @@ pub fn spmm_gbs(stream: &Stream, csr: &Csr, weights: EdgeWeights<'_>, x: &Tensor
 /// stored values `1 / degree` (mean aggregation). A pure function of `seed`.
 pub fn random_csr(n_rows: usize, n_cols: usize, avg_degree: usize, seed: u64) -> Result<Csr> {
     let g = Philox4x32::new(seed);
-    let draw = |row: usize, k: usize| g.block([row as u32, (row as u64 >> 32) as u32, k as u32, 0x5eed]);
+    let draw =
+        |row: usize, k: usize| g.block([row as u32, (row as u64 >> 32) as u32, k as u32, 0x5eed]);
     let mut indptr = Vec::with_capacity(n_rows + 1);
     let mut indices = Vec::with_capacity(n_rows * avg_degree);
     indptr.push(0);
     for i in 0..n_rows {
         let u = draw(i, usize::MAX);
-        let deg = if n_cols == 0 { 0 } else { (u[0] as u64 * (2 * avg_degree as u64 + 1) >> 32) as usize };
+        let deg = if n_cols == 0 {
+            0
+        } else {
+            ((u[0] as u64 * (2 * avg_degree as u64 + 1)) >> 32) as usize
+        };
         let start = indices.len();
         for k in 0..deg.div_ceil(4) {
             for &v in &draw(i, k) {
@@ -119,15 +126,17 @@ pub fn random_tensor(rows: usize, cols: usize, seed: u64) -> Tensor {
     let g = Philox4x32::new(seed);
     let n = rows * cols;
     let mut data = vec![0.0f32; n];
-    data.par_chunks_mut(1 << 14).enumerate().for_each(|(c, chunk)| {
-        for (b, vals) in chunk.chunks_mut(4).enumerate() {
-            let i = (c << 12) + b; // 4-value block index: (1 << 14) / 4 blocks per chunk
-            let u = g.block([i as u32, (i as u64 >> 32) as u32, 0, 0x7e45]);
-            for (v, &u) in vals.iter_mut().zip(&u) {
-                *v = Philox4x32::to_unit(u) * 2.0 - 1.0;
+    data.par_chunks_mut(1 << 14)
+        .enumerate()
+        .for_each(|(c, chunk)| {
+            for (b, vals) in chunk.chunks_mut(4).enumerate() {
+                let i = (c << 12) + b; // 4-value block index: (1 << 14) / 4 blocks per chunk
+                let u = g.block([i as u32, (i as u64 >> 32) as u32, 0, 0x7e45]);
+                for (v, &u) in vals.iter_mut().zip(&u) {
+                    *v = Philox4x32::to_unit(u) * 2.0 - 1.0;
+                }
             }
-        }
-    });
+        });
     Tensor::from_vec(rows, cols, data).expect("length is rows * cols")
 }
 
@@ -158,7 +167,10 @@ mod tests {
             assert!(a.row(i).windows(2).all(|w| w[0] <= w[1]));
         }
         assert_eq!(random_tensor(3, 5, 1), random_tensor(3, 5, 1));
-        assert!(random_tensor(30, 50, 1).as_slice().iter().all(|v| (-1.0..1.0).contains(v)));
+        assert!(random_tensor(30, 50, 1)
+            .as_slice()
+            .iter()
+            .all(|v| (-1.0..1.0).contains(v)));
     }
 
     #[test]
@@ -166,8 +178,14 @@ mod tests {
         let csr = random_csr(10, 10, 3, 1).unwrap();
         let (r, e) = (10, csr.nnz());
         let w = 8;
-        assert_eq!(spmm_bytes(&csr, &EdgeWeights::Ones, w), (r + 1) * 8 + e * 4 + e * w * 4 + r * w * 4);
-        assert_eq!(spmm_bytes(&csr, &EdgeWeights::Stored, w), (r + 1) * 8 + e * 8 + e * w * 4 + r * w * 4);
+        assert_eq!(
+            spmm_bytes(&csr, &EdgeWeights::Ones, w),
+            (r + 1) * 8 + e * 4 + e * w * 4 + r * w * 4
+        );
+        assert_eq!(
+            spmm_bytes(&csr, &EdgeWeights::Stored, w),
+            (r + 1) * 8 + e * 8 + e * w * 4 + r * w * 4
+        );
         let hw = vec![0.0; e * 2];
         assert_eq!(
             spmm_bytes(&csr, &EdgeWeights::PerHead(&hw, 2), w),

@@ -34,7 +34,10 @@ impl Csr {
     ) -> Result<Self> {
         let bad = |d: String| Err(GpuError::shape("Csr::new", d));
         if indptr.len() != n_rows + 1 {
-            return bad(format!("indptr has {} entries for {n_rows} rows", indptr.len()));
+            return bad(format!(
+                "indptr has {} entries for {n_rows} rows",
+                indptr.len()
+            ));
         }
         if indptr[0] != 0 || indptr[n_rows] != indices.len() {
             return bad("indptr does not span the indices".into());
@@ -50,7 +53,13 @@ impl Csr {
                 return bad(format!("{} values for {} entries", v.len(), indices.len()));
             }
         }
-        Ok(Csr { n_rows, n_cols, indptr, indices, values })
+        Ok(Csr {
+            n_rows,
+            n_cols,
+            indptr,
+            indices,
+            values,
+        })
     }
 
     /// Builds from (row, col) pairs; entries of each row are sorted by column, duplicates kept.
@@ -138,7 +147,10 @@ impl Csr {
     /// A dense row-major matrix's non-zero entries as CSR (values stored).
     pub fn from_dense(rows: usize, cols: usize, data: &[f32]) -> Result<Self> {
         if data.len() != rows * cols {
-            return Err(GpuError::shape("Csr::from_dense", format!("{} values for {rows}x{cols}", data.len())));
+            return Err(GpuError::shape(
+                "Csr::from_dense",
+                format!("{} values for {rows}x{cols}", data.len()),
+            ));
         }
         let mut indptr = Vec::with_capacity(rows + 1);
         indptr.push(0);
@@ -166,7 +178,9 @@ impl Csr {
     }
     /// Approximate heap bytes held.
     pub fn heap_bytes(&self) -> usize {
-        self.indptr.len() * 8 + self.indices.len() * 4 + self.values.as_ref().map_or(0, |v| v.len() * 4)
+        self.indptr.len() * 8
+            + self.indices.len() * 4
+            + self.values.as_ref().map_or(0, |v| v.len() * 4)
     }
 
     /// The transpose; entries of each transposed row come in ascending original-row order,
@@ -190,9 +204,18 @@ impl Csr {
                 fill[c] += 1;
             }
         }
-        let values = self.values.as_ref().map(|v| perm.iter().map(|&e| v[e as usize]).collect());
+        let values = self
+            .values
+            .as_ref()
+            .map(|v| perm.iter().map(|&e| v[e as usize]).collect());
         CsrTranspose {
-            csr: Csr { n_rows: self.n_cols, n_cols: self.n_rows, indptr: counts, indices, values },
+            csr: Csr {
+                n_rows: self.n_cols,
+                n_cols: self.n_rows,
+                indptr: counts,
+                indices,
+                values,
+            },
             perm,
         }
     }

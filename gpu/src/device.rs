@@ -70,7 +70,9 @@ impl ThreadBudget {
             .thread_name(|i| format!("trellis-cpu-{i}"))
             .build()
             .map_err(|e| GpuError::ThreadPool(e.to_string()))?;
-        Ok(ThreadBudget { pool: Arc::new(pool) })
+        Ok(ThreadBudget {
+            pool: Arc::new(pool),
+        })
     }
 
     /// The process-wide budget; the first call fixes its size (0 = number of CPUs).
@@ -95,10 +97,14 @@ impl ThreadBudget {
 
 impl fmt::Debug for ThreadBudget {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ThreadBudget").field("threads", &self.threads()).finish()
+        f.debug_struct("ThreadBudget")
+            .field("threads", &self.threads())
+            .finish()
     }
 }
 
 fn num_cpus() -> usize {
-    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
 }

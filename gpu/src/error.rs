@@ -17,6 +17,9 @@ pub enum GpuError {
 
 impl GpuError {
     pub(crate) fn shape(op: &'static str, detail: impl Into<String>) -> Self {
-        GpuError::Shape { op, detail: detail.into() }
+        GpuError::Shape {
+            op,
+            detail: detail.into(),
+        }
     }
 }

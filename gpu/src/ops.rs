@@ -94,7 +94,13 @@ pub struct AdamConfig {
 
 impl Default for AdamConfig {
     fn default() -> Self {
-        AdamConfig { lr: 0.01, beta1: 0.9, beta2: 0.999, eps: 1e-8, weight_decay: 0.0 }
+        AdamConfig {
+            lr: 0.01,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        }
     }
 }
 
@@ -132,7 +138,10 @@ impl Stream {
     fn cpu_only(&self) -> Result<()> {
         match self.device() {
             Device::Cpu => Ok(()),
-            d => Err(GpuError::DeviceUnavailable { device: d.to_string(), reason: "no backend".into() }),
+            d => Err(GpuError::DeviceUnavailable {
+                device: d.to_string(),
+                reason: "no backend".into(),
+            }),
         }
     }
 
@@ -149,14 +158,34 @@ impl Stream {
         c: &mut Tensor,
     ) -> Result<()> {
         self.cpu_only()?;
-        let (m, k) = if trans_a { (a.cols(), a.rows()) } else { a.shape() };
-        let (k2, n) = if trans_b { (b.cols(), b.rows()) } else { b.shape() };
+        let (m, k) = if trans_a {
+            (a.cols(), a.rows())
+        } else {
+            a.shape()
+        };
+        let (k2, n) = if trans_b {
+            (b.cols(), b.rows())
+        } else {
+            b.shape()
+        };
         check("gemm", k == k2 && c.shape() == (m, n), || {
             format!("op(a) {m}x{k}, op(b) {k2}x{n}, c {}x{}", c.rows(), c.cols())
         })?;
         let threads = self.threads();
         self.run(|| {
-            cpu::gemm(m, n, k, alpha, a.as_slice(), trans_a, b.as_slice(), trans_b, beta, c.as_mut_slice(), threads)
+            cpu::gemm(
+                m,
+                n,
+                k,
+                alpha,
+                a.as_slice(),
+                trans_a,
+                b.as_slice(),
+                trans_b,
+                beta,
+                c.as_mut_slice(),
+                threads,
+            )
         });
         Ok(())
     }
@@ -176,24 +205,50 @@ impl Stream {
         c: &mut Tensor,
     ) -> Result<()> {
         self.cpu_only()?;
-        check("gemm_prefix", a_rows <= a.rows(), || format!("{a_rows} rows of {}", a.rows()))?;
+        check("gemm_prefix", a_rows <= a.rows(), || {
+            format!("{a_rows} rows of {}", a.rows())
+        })?;
         let a_data = &a.as_slice()[..a_rows * a.cols()];
-        let (m, k) = if trans_a { (a.cols(), a_rows) } else { (a_rows, a.cols()) };
-        let (k2, n) = if trans_b { (b.cols(), b.rows()) } else { b.shape() };
+        let (m, k) = if trans_a {
+            (a.cols(), a_rows)
+        } else {
+            (a_rows, a.cols())
+        };
+        let (k2, n) = if trans_b {
+            (b.cols(), b.rows())
+        } else {
+            b.shape()
+        };
         check("gemm_prefix", k == k2 && c.shape() == (m, n), || {
             format!("op(a) {m}x{k}, op(b) {k2}x{n}, c {}x{}", c.rows(), c.cols())
         })?;
         let threads = self.threads();
-        self.run(|| cpu::gemm(m, n, k, alpha, a_data, trans_a, b.as_slice(), trans_b, beta, c.as_mut_slice(), threads));
+        self.run(|| {
+            cpu::gemm(
+                m,
+                n,
+                k,
+                alpha,
+                a_data,
+                trans_a,
+                b.as_slice(),
+                trans_b,
+                beta,
+                c.as_mut_slice(),
+                threads,
+            )
+        });
         Ok(())
     }
 
     /// `dst[..src.rows()] += src` (adds into a row prefix of `dst`).
     pub fn add_rows_prefix(&self, src: &Tensor, dst: &mut Tensor) -> Result<()> {
         self.cpu_only()?;
-        check("add_rows_prefix", src.cols() == dst.cols() && src.rows() <= dst.rows(), || {
-            format!("{:?} into {:?}", src.shape(), dst.shape())
-        })?;
+        check(
+            "add_rows_prefix",
+            src.cols() == dst.cols() && src.rows() <= dst.rows(),
+            || format!("{:?} into {:?}", src.shape(), dst.shape()),
+        )?;
         let n = src.len();
         self.run(|| cpu::axpy(1.0, src.as_slice(), &mut dst.as_mut_slice()[..n]));
         Ok(())
@@ -211,32 +266,78 @@ impl Stream {
     /// `out = A x` with `A` a CSR matrix (rows = outputs) and `heads` column blocks of `x`.
     pub fn spmm(&self, a: &Csr, w: EdgeWeights<'_>, x: &Tensor, out: &mut Tensor) -> Result<()> {
         self.cpu_only()?;
-        check("spmm", x.rows() == a.n_cols() && out.shape() == (a.n_rows(), x.cols()), || {
-            format!("A {}x{}, x {}x{}, out {}x{}", a.n_rows(), a.n_cols(), x.rows(), x.cols(), out.rows(), out.cols())
-        })?;
+        check(
+            "spmm",
+            x.rows() == a.n_cols() && out.shape() == (a.n_rows(), x.cols()),
+            || {
+                format!(
+                    "A {}x{}, x {}x{}, out {}x{}",
+                    a.n_rows(),
+                    a.n_cols(),
+                    x.rows(),
+                    x.cols(),
+                    out.rows(),
+                    out.cols()
+                )
+            },
+        )?;
         let (weights, heads) = match w {
             EdgeWeights::Ones => (None, 1),
             EdgeWeights::Stored => {
-                let v = a.values().ok_or_else(|| GpuError::shape("spmm", "matrix has no stored values"))?;
+                let v = a
+                    .values()
+                    .ok_or_else(|| GpuError::shape("spmm", "matrix has no stored values"))?;
                 (Some(v), 1)
             }
             EdgeWeights::PerHead(v, h) => {
-                check("spmm", h >= 1 && v.len() == a.nnz() * h && x.cols() % h == 0, || {
-                    format!("{} weights for {} entries x {h} heads, width {}", v.len(), a.nnz(), x.cols())
-                })?;
+                check(
+                    "spmm",
+                    h >= 1 && v.len() == a.nnz() * h && x.cols() % h == 0,
+                    || {
+                        format!(
+                            "{} weights for {} entries x {h} heads, width {}",
+                            v.len(),
+                            a.nnz(),
+                            x.cols()
+                        )
+                    },
+                )?;
                 (Some(v), h)
             }
         };
-        self.run(|| cpu::spmm(a, weights, heads, x.as_slice(), x.cols(), out.as_mut_slice()));
+        self.run(|| {
+            cpu::spmm(
+                a,
+                weights,
+                heads,
+                x.as_slice(),
+                x.cols(),
+                out.as_mut_slice(),
+            )
+        });
         Ok(())
     }
 
     /// Per-entry, per-head dot products `<a[row], b[col]>` (SDDMM).
     pub fn sddmm_dot(&self, csr: &Csr, heads: usize, a: &Tensor, b: &Tensor) -> Result<Vec<f32>> {
         self.cpu_only()?;
-        check("sddmm_dot", a.rows() == csr.n_rows() && b.rows() == csr.n_cols() && a.cols() == b.cols() && heads >= 1 && a.cols() % heads == 0, || {
-            format!("csr {}x{}, a {:?}, b {:?}, heads {heads}", csr.n_rows(), csr.n_cols(), a.shape(), b.shape())
-        })?;
+        check(
+            "sddmm_dot",
+            a.rows() == csr.n_rows()
+                && b.rows() == csr.n_cols()
+                && a.cols() == b.cols()
+                && heads >= 1
+                && a.cols() % heads == 0,
+            || {
+                format!(
+                    "csr {}x{}, a {:?}, b {:?}, heads {heads}",
+                    csr.n_rows(),
+                    csr.n_cols(),
+                    a.shape(),
+                    b.shape()
+                )
+            },
+        )?;
         let mut out = vec![0.0; csr.nnz() * heads];
         self.run(|| cpu::sddmm_dot(csr, heads, a.as_slice(), b.as_slice(), a.cols(), &mut out));
         Ok(out)
@@ -246,9 +347,19 @@ impl Stream {
     pub fn sddmm_add(&self, csr: &Csr, left: &Tensor, right: &Tensor) -> Result<Vec<f32>> {
         self.cpu_only()?;
         let heads = left.cols();
-        check("sddmm_add", left.rows() == csr.n_rows() && right.rows() == csr.n_cols() && right.cols() == heads, || {
-            format!("csr {}x{}, left {:?}, right {:?}", csr.n_rows(), csr.n_cols(), left.shape(), right.shape())
-        })?;
+        check(
+            "sddmm_add",
+            left.rows() == csr.n_rows() && right.rows() == csr.n_cols() && right.cols() == heads,
+            || {
+                format!(
+                    "csr {}x{}, left {:?}, right {:?}",
+                    csr.n_rows(),
+                    csr.n_cols(),
+                    left.shape(),
+                    right.shape()
+                )
+            },
+        )?;
         let mut out = vec![0.0; csr.nnz() * heads];
         self.run(|| cpu::sddmm_add(csr, heads, left.as_slice(), right.as_slice(), &mut out));
         Ok(out)
@@ -257,18 +368,28 @@ impl Stream {
     /// Softmax of per-entry scores over each row, per head.
     pub fn edge_softmax(&self, csr: &Csr, heads: usize, scores: &[f32]) -> Result<Vec<f32>> {
         self.cpu_only()?;
-        check("edge_softmax", scores.len() == csr.nnz() * heads, || format!("{} scores", scores.len()))?;
+        check("edge_softmax", scores.len() == csr.nnz() * heads, || {
+            format!("{} scores", scores.len())
+        })?;
         let mut out = vec![0.0; scores.len()];
         self.run(|| cpu::edge_softmax(csr, heads, scores, &mut out));
         Ok(out)
     }
 
     /// Backward of [`Stream::edge_softmax`] given its output `alpha` and the output gradient.
-    pub fn edge_softmax_backward(&self, csr: &Csr, heads: usize, alpha: &[f32], grad: &[f32]) -> Result<Vec<f32>> {
+    pub fn edge_softmax_backward(
+        &self,
+        csr: &Csr,
+        heads: usize,
+        alpha: &[f32],
+        grad: &[f32],
+    ) -> Result<Vec<f32>> {
         self.cpu_only()?;
-        check("edge_softmax_backward", alpha.len() == csr.nnz() * heads && grad.len() == alpha.len(), || {
-            format!("{} alpha, {} grad", alpha.len(), grad.len())
-        })?;
+        check(
+            "edge_softmax_backward",
+            alpha.len() == csr.nnz() * heads && grad.len() == alpha.len(),
+            || format!("{} alpha, {} grad", alpha.len(), grad.len()),
+        )?;
         let mut out = vec![0.0; alpha.len()];
         self.run(|| cpu::edge_softmax_backward(csr, heads, alpha, grad, &mut out));
         Ok(out)
@@ -277,7 +398,11 @@ impl Stream {
     /// Rows `idx` of `x` as a new tensor.
     pub fn gather_rows(&self, x: &Tensor, idx: &[u32]) -> Result<Tensor> {
         self.cpu_only()?;
-        check("gather_rows", idx.iter().all(|&i| (i as usize) < x.rows()), || format!("index out of {} rows", x.rows()))?;
+        check(
+            "gather_rows",
+            idx.iter().all(|&i| (i as usize) < x.rows()),
+            || format!("index out of {} rows", x.rows()),
+        )?;
         let mut out = Tensor::zeros(idx.len(), x.cols());
         self.run(|| cpu::gather_rows(x.as_slice(), x.cols(), idx, out.as_mut_slice()));
         Ok(out)
@@ -286,9 +411,20 @@ impl Stream {
     /// `out[idx[r]] += src[r]`.
     pub fn scatter_add_rows(&self, src: &Tensor, idx: &[u32], out: &mut Tensor) -> Result<()> {
         self.cpu_only()?;
-        check("scatter_add_rows", src.rows() == idx.len() && src.cols() == out.cols() && idx.iter().all(|&i| (i as usize) < out.rows()), || {
-            format!("src {:?}, {} indices, out {:?}", src.shape(), idx.len(), out.shape())
-        })?;
+        check(
+            "scatter_add_rows",
+            src.rows() == idx.len()
+                && src.cols() == out.cols()
+                && idx.iter().all(|&i| (i as usize) < out.rows()),
+            || {
+                format!(
+                    "src {:?}, {} indices, out {:?}",
+                    src.shape(),
+                    idx.len(),
+                    out.shape()
+                )
+            },
+        )?;
         self.run(|| cpu::scatter_add_rows(src.as_slice(), src.cols(), idx, out.as_mut_slice()));
         Ok(())
     }
@@ -296,7 +432,9 @@ impl Stream {
     /// `x[i, :] += bias`.
     pub fn add_bias(&self, x: &mut Tensor, bias: &Tensor) -> Result<()> {
         self.cpu_only()?;
-        check("add_bias", bias.len() == x.cols(), || format!("bias {} for width {}", bias.len(), x.cols()))?;
+        check("add_bias", bias.len() == x.cols(), || {
+            format!("bias {} for width {}", bias.len(), x.cols())
+        })?;
         self.run(|| cpu::add_bias(x.as_mut_slice(), bias.as_slice()));
         Ok(())
     }
@@ -304,10 +442,15 @@ impl Stream {
     /// `out += column sums of g` (the bias gradient, accumulated).
     pub fn add_column_sums(&self, g: &Tensor, out: &mut Tensor) -> Result<()> {
         self.cpu_only()?;
-        check("add_column_sums", out.len() == g.cols(), || format!("out {} for width {}", out.len(), g.cols()))?;
+        check("add_column_sums", out.len() == g.cols(), || {
+            format!("out {} for width {}", out.len(), g.cols())
+        })?;
         let mut sums = vec![0.0; g.cols()];
         self.run(|| cpu::column_sums(g.as_slice(), g.cols(), &mut sums));
-        out.as_mut_slice().iter_mut().zip(&sums).for_each(|(o, s)| *o += s);
+        out.as_mut_slice()
+            .iter_mut()
+            .zip(&sums)
+            .for_each(|(o, s)| *o += s);
         Ok(())
     }
 
@@ -322,24 +465,40 @@ impl Stream {
     /// `gy * act'(x)` as a new tensor.
     pub fn activation_backward(&self, act: Activation, x: &Tensor, gy: &Tensor) -> Result<Tensor> {
         self.cpu_only()?;
-        check("activation_backward", x.shape() == gy.shape(), || format!("{:?} vs {:?}", x.shape(), gy.shape()))?;
+        check("activation_backward", x.shape() == gy.shape(), || {
+            format!("{:?} vs {:?}", x.shape(), gy.shape())
+        })?;
         let mut gx = Tensor::zeros(x.rows(), x.cols());
         self.run(|| cpu::activation_backward(act, x.as_slice(), gy.as_slice(), gx.as_mut_slice()));
         Ok(gx)
     }
 
     /// `gy * act'(x)` in place in `gy`, with the derivative taken from the output `y = act(x)`.
-    pub fn activation_backward_from_output(&self, act: Activation, y: &Tensor, gy: &mut Tensor) -> Result<()> {
+    pub fn activation_backward_from_output(
+        &self,
+        act: Activation,
+        y: &Tensor,
+        gy: &mut Tensor,
+    ) -> Result<()> {
         self.cpu_only()?;
-        check("activation_backward_from_output", y.shape() == gy.shape(), || format!("{:?} vs {:?}", y.shape(), gy.shape()))?;
+        check(
+            "activation_backward_from_output",
+            y.shape() == gy.shape(),
+            || format!("{:?} vs {:?}", y.shape(), gy.shape()),
+        )?;
         if act == Activation::Identity {
             return Ok(());
         }
         use rayon::prelude::*;
         self.run(|| {
-            gy.as_mut_slice().par_chunks_mut(16_384).zip(y.as_slice().par_chunks(16_384)).for_each(|(g, y)| {
-                g.iter_mut().zip(y).for_each(|(g, &y)| *g *= act.derivative_from_output(y));
-            })
+            gy.as_mut_slice()
+                .par_chunks_mut(16_384)
+                .zip(y.as_slice().par_chunks(16_384))
+                .for_each(|(g, y)| {
+                    g.iter_mut()
+                        .zip(y)
+                        .for_each(|(g, &y)| *g *= act.derivative_from_output(y));
+                })
         });
         Ok(())
     }
@@ -347,7 +506,9 @@ impl Stream {
     /// Inverted dropout in place, keyed by the rows' global ids (its own backward).
     pub fn dropout(&self, x: &mut Tensor, gids: &[u32], key: DropoutKey, p: f32) -> Result<()> {
         self.cpu_only()?;
-        check("dropout", gids.len() == x.rows(), || format!("{} ids for {} rows", gids.len(), x.rows()))?;
+        check("dropout", gids.len() == x.rows(), || {
+            format!("{} ids for {} rows", gids.len(), x.rows())
+        })?;
         let w = x.cols();
         self.run(|| cpu::dropout(x.as_mut_slice(), w, gids, key, p));
         Ok(())
@@ -357,9 +518,18 @@ impl Stream {
     /// the dense form (rows keyed by `gids`).
     pub fn dropout_csr(&self, m: &mut Csr, gids: &[u32], key: DropoutKey, p: f32) -> Result<()> {
         self.cpu_only()?;
-        check("dropout_csr", gids.len() == m.n_rows() && m.values().is_some(), || {
-            format!("{} ids for {} rows (values stored: {})", gids.len(), m.n_rows(), m.values().is_some())
-        })?;
+        check(
+            "dropout_csr",
+            gids.len() == m.n_rows() && m.values().is_some(),
+            || {
+                format!(
+                    "{} ids for {} rows (values stored: {})",
+                    gids.len(),
+                    m.n_rows(),
+                    m.values().is_some()
+                )
+            },
+        )?;
         let (indptr, indices, values) = m.parts_mut();
         let values = values.expect("checked above");
         self.run(|| cpu::dropout_csr(indptr, indices, values, gids, key, p));
@@ -367,11 +537,28 @@ impl Stream {
     }
 
     /// Dropout over CSR entries (`heads` values per entry), keyed by the row's global id.
-    pub fn edge_dropout(&self, csr: &Csr, vals: &mut [f32], heads: usize, gids: &[u32], key: DropoutKey, p: f32) -> Result<()> {
+    pub fn edge_dropout(
+        &self,
+        csr: &Csr,
+        vals: &mut [f32],
+        heads: usize,
+        gids: &[u32],
+        key: DropoutKey,
+        p: f32,
+    ) -> Result<()> {
         self.cpu_only()?;
-        check("edge_dropout", gids.len() == csr.n_rows() && vals.len() == csr.nnz() * heads, || {
-            format!("{} ids for {} rows, {} values", gids.len(), csr.n_rows(), vals.len())
-        })?;
+        check(
+            "edge_dropout",
+            gids.len() == csr.n_rows() && vals.len() == csr.nnz() * heads,
+            || {
+                format!(
+                    "{} ids for {} rows, {} values",
+                    gids.len(),
+                    csr.n_rows(),
+                    vals.len()
+                )
+            },
+        )?;
         self.run(|| cpu::edge_dropout(csr.indptr(), vals, heads, gids, key, p));
         Ok(())
     }
@@ -379,44 +566,113 @@ impl Stream {
     /// `y += alpha * x`.
     pub fn axpy(&self, alpha: f32, x: &Tensor, y: &mut Tensor) -> Result<()> {
         self.cpu_only()?;
-        check("axpy", x.shape() == y.shape(), || format!("{:?} vs {:?}", x.shape(), y.shape()))?;
+        check("axpy", x.shape() == y.shape(), || {
+            format!("{:?} vs {:?}", x.shape(), y.shape())
+        })?;
         self.run(|| cpu::axpy(alpha, x.as_slice(), y.as_mut_slice()));
         Ok(())
     }
 
     /// Log-softmax + NLL over `rows`; `grad` receives the gradient of `scale * loss_sum`.
-    pub fn softmax_nll(&self, logits: &Tensor, labels: &[u32], rows: &[u32], scale: f32, grad: &mut Tensor) -> Result<LossOutput> {
+    pub fn softmax_nll(
+        &self,
+        logits: &Tensor,
+        labels: &[u32],
+        rows: &[u32],
+        scale: f32,
+        grad: &mut Tensor,
+    ) -> Result<LossOutput> {
         self.cpu_only()?;
         let classes = logits.cols();
-        check("softmax_nll", labels.len() == logits.rows() && grad.shape() == logits.shape()
-            && rows.iter().all(|&r| (r as usize) < logits.rows() && (labels[r as usize] as usize) < classes), || {
-            format!("logits {:?}, {} labels, rows or labels out of range", logits.shape(), labels.len())
-        })?;
-        Ok(self.run(|| cpu::softmax_nll(logits.as_slice(), classes, labels, rows, scale, grad.as_mut_slice())))
+        check(
+            "softmax_nll",
+            labels.len() == logits.rows()
+                && grad.shape() == logits.shape()
+                && rows.iter().all(|&r| {
+                    (r as usize) < logits.rows() && (labels[r as usize] as usize) < classes
+                }),
+            || {
+                format!(
+                    "logits {:?}, {} labels, rows or labels out of range",
+                    logits.shape(),
+                    labels.len()
+                )
+            },
+        )?;
+        Ok(self.run(|| {
+            cpu::softmax_nll(
+                logits.as_slice(),
+                classes,
+                labels,
+                rows,
+                scale,
+                grad.as_mut_slice(),
+            )
+        }))
     }
 
     /// Number of `rows` predicted correctly (argmax).
     pub fn accuracy_count(&self, logits: &Tensor, labels: &[u32], rows: &[u32]) -> Result<usize> {
         self.cpu_only()?;
-        check("accuracy_count", labels.len() == logits.rows() && rows.iter().all(|&r| (r as usize) < logits.rows()), || {
-            format!("logits {:?}, {} labels", logits.shape(), labels.len())
-        })?;
+        check(
+            "accuracy_count",
+            labels.len() == logits.rows() && rows.iter().all(|&r| (r as usize) < logits.rows()),
+            || format!("logits {:?}, {} labels", logits.shape(), labels.len()),
+        )?;
         Ok(self.run(|| cpu::accuracy_count(logits.as_slice(), logits.cols(), labels, rows)))
     }
 
     /// One Adam step on `param` (`t` from 1).
-    pub fn adam_step(&self, cfg: &AdamConfig, t: u64, param: &mut Tensor, grad: &Tensor, m: &mut Tensor, v: &mut Tensor) -> Result<()> {
+    pub fn adam_step(
+        &self,
+        cfg: &AdamConfig,
+        t: u64,
+        param: &mut Tensor,
+        grad: &Tensor,
+        m: &mut Tensor,
+        v: &mut Tensor,
+    ) -> Result<()> {
         self.cpu_only()?;
-        check("adam_step", grad.len() == param.len() && m.len() == param.len() && v.len() == param.len(), || "state sizes differ".into())?;
-        self.run(|| cpu::adam_step(cfg, t, param.as_mut_slice(), grad.as_slice(), m.as_mut_slice(), v.as_mut_slice()));
+        check(
+            "adam_step",
+            grad.len() == param.len() && m.len() == param.len() && v.len() == param.len(),
+            || "state sizes differ".into(),
+        )?;
+        self.run(|| {
+            cpu::adam_step(
+                cfg,
+                t,
+                param.as_mut_slice(),
+                grad.as_slice(),
+                m.as_mut_slice(),
+                v.as_mut_slice(),
+            )
+        });
         Ok(())
     }
 
     /// One SGD step on `param`.
-    pub fn sgd_step(&self, cfg: &SgdConfig, param: &mut Tensor, grad: &Tensor, buf: &mut Tensor) -> Result<()> {
+    pub fn sgd_step(
+        &self,
+        cfg: &SgdConfig,
+        param: &mut Tensor,
+        grad: &Tensor,
+        buf: &mut Tensor,
+    ) -> Result<()> {
         self.cpu_only()?;
-        check("sgd_step", grad.len() == param.len() && buf.len() == param.len(), || "state sizes differ".into())?;
-        self.run(|| cpu::sgd_step(cfg, param.as_mut_slice(), grad.as_slice(), buf.as_mut_slice()));
+        check(
+            "sgd_step",
+            grad.len() == param.len() && buf.len() == param.len(),
+            || "state sizes differ".into(),
+        )?;
+        self.run(|| {
+            cpu::sgd_step(
+                cfg,
+                param.as_mut_slice(),
+                grad.as_slice(),
+                buf.as_mut_slice(),
+            )
+        });
         Ok(())
     }
 

@@ -19,7 +19,9 @@ const W1: u32 = 0xBB67_AE85;
 impl Philox4x32 {
     /// A generator keyed by a 64-bit seed.
     pub fn new(seed: u64) -> Self {
-        Philox4x32 { key: [seed as u32, (seed >> 32) as u32] }
+        Philox4x32 {
+            key: [seed as u32, (seed >> 32) as u32],
+        }
     }
 
     /// Four random u32 for a 128-bit counter.
@@ -66,7 +68,12 @@ impl DropoutKey {
     /// The counter for row `gid`, column block `block` (8 columns per block).
     #[inline]
     pub fn counter(&self, gid: u32, block: u32) -> [u32; 4] {
-        [self.epoch, ((self.layer as u32) << 16) | self.site as u32, gid, block]
+        [
+            self.epoch,
+            ((self.layer as u32) << 16) | self.site as u32,
+            gid,
+            block,
+        ]
     }
 }
 
@@ -78,13 +85,20 @@ mod tests {
     #[test]
     fn philox_known_answers() {
         let g = Philox4x32 { key: [0, 0] };
-        assert_eq!(g.block([0, 0, 0, 0]), [0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8]);
-        let g = Philox4x32 { key: [0xffffffff, 0xffffffff] };
+        assert_eq!(
+            g.block([0, 0, 0, 0]),
+            [0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8]
+        );
+        let g = Philox4x32 {
+            key: [0xffffffff, 0xffffffff],
+        };
         assert_eq!(
             g.block([0xffffffff; 4]),
             [0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd]
         );
-        let g = Philox4x32 { key: [0xa4093822, 0x299f31d0] };
+        let g = Philox4x32 {
+            key: [0xa4093822, 0x299f31d0],
+        };
         assert_eq!(
             g.block([0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344]),
             [0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1]

@@ -21,7 +21,11 @@ impl Stream {
     /// A new stream on `device` that runs CPU work inside `budget`.
     pub fn new(device: Device, budget: ThreadBudget) -> Result<Self> {
         device.check_available()?;
-        Ok(Stream { id: NEXT_ID.fetch_add(1, Ordering::Relaxed), device, budget })
+        Ok(Stream {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            device,
+            budget,
+        })
     }
 
     /// A CPU stream on the process-wide budget (`threads` fixes its size on first use).

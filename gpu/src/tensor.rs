@@ -18,7 +18,11 @@ impl std::fmt::Debug for Tensor {
 impl Tensor {
     /// A zero-filled tensor.
     pub fn zeros(rows: usize, cols: usize) -> Self {
-        Tensor { rows, cols, data: vec![0.0; rows * cols] }
+        Tensor {
+            rows,
+            cols,
+            data: vec![0.0; rows * cols],
+        }
     }
 
     /// A tensor over `data` (row-major); fails if the length is not `rows * cols`.

@@ -4,8 +4,8 @@
 //! gemm gives the same bits call after call at a fixed thread count.
 use std::sync::OnceLock;
 use trellis_gpu::{
-    digest_bytes, Activation, AdamConfig, Csr, Device, DropoutKey, EdgeWeights, Philox4x32, SgdConfig,
-    Stream, Tensor, ThreadBudget,
+    digest_bytes, Activation, AdamConfig, Csr, Device, DropoutKey, EdgeWeights, Philox4x32,
+    SgdConfig, Stream, Tensor, ThreadBudget,
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -25,7 +25,12 @@ struct Rng {
 
 impl Rng {
     fn new(seed: u64) -> Self {
-        Rng { g: Philox4x32::new(seed), ctr: 0, buf: [0; 4], pos: 4 }
+        Rng {
+            g: Philox4x32::new(seed),
+            ctr: 0,
+            buf: [0; 4],
+            pos: 4,
+        }
     }
     fn next_u32(&mut self) -> u32 {
         if self.pos == 4 {
@@ -96,7 +101,10 @@ fn assert_close(what: &str, got: &[f32], want: &[f64], mag: &[f64], rel: f64, ab
     assert_eq!(got.len(), want.len(), "{what}: length");
     for (i, ((&g, &w), &m)) in got.iter().zip(want).zip(mag).enumerate() {
         let err = (g as f64 - w).abs();
-        assert!(err <= rel * m + abs, "{what}: element {i}: got {g}, want {w} (err {err:e}, mag {m})");
+        assert!(
+            err <= rel * m + abs,
+            "{what}: element {i}: got {g}, want {w} (err {err:e}, mag {m})"
+        );
     }
 }
 
@@ -115,7 +123,12 @@ fn assert_bits_eq(what: &str, a: &[f32], b: &[f32]) {
 }
 
 fn key(seed: u64) -> DropoutKey {
-    DropoutKey { seed, epoch: 3, layer: 1, site: 0 }
+    DropoutKey {
+        seed,
+        epoch: 3,
+        layer: 1,
+        site: 0,
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -147,7 +160,11 @@ fn ref_gemm(
                 s += at(i, p) * bt(p, j);
                 sm += (at(i, p) * bt(p, j)).abs();
             }
-            let cij = if beta == 0.0 { 0.0 } else { beta as f64 * c[i * n + j] as f64 };
+            let cij = if beta == 0.0 {
+                0.0
+            } else {
+                beta as f64 * c[i * n + j] as f64
+            };
             out[i * n + j] = alpha as f64 * s + cij;
             mag[i * n + j] = (alpha as f64).abs() * sm + cij.abs();
         }
@@ -173,8 +190,16 @@ fn gemm_all_transposes_alpha_beta() {
     for &(m, n, k) in &shapes {
         for ta in [false, true] {
             for tb in [false, true] {
-                let a = if ta { rng.tensor(k, m) } else { rng.tensor(m, k) };
-                let b = if tb { rng.tensor(n, k) } else { rng.tensor(k, n) };
+                let a = if ta {
+                    rng.tensor(k, m)
+                } else {
+                    rng.tensor(m, k)
+                };
+                let b = if tb {
+                    rng.tensor(n, k)
+                } else {
+                    rng.tensor(k, n)
+                };
                 for &(alpha, beta) in &coefs {
                     let mut c = rng.tensor(m, n);
                     if beta == 0.0 {
@@ -183,9 +208,20 @@ fn gemm_all_transposes_alpha_beta() {
                     }
                     let c0 = c.as_slice().to_vec();
                     s().gemm(alpha, &a, ta, &b, tb, beta, &mut c).unwrap();
-                    let (want, mag) =
-                        ref_gemm(m, n, k, alpha, a.as_slice(), ta, b.as_slice(), tb, beta, &c0);
-                    let what = format!("gemm {m}x{n}x{k} ta={ta} tb={tb} alpha={alpha} beta={beta}");
+                    let (want, mag) = ref_gemm(
+                        m,
+                        n,
+                        k,
+                        alpha,
+                        a.as_slice(),
+                        ta,
+                        b.as_slice(),
+                        tb,
+                        beta,
+                        &c0,
+                    );
+                    let what =
+                        format!("gemm {m}x{n}x{k} ta={ta} tb={tb} alpha={alpha} beta={beta}");
                     assert_close(&what, c.as_slice(), &want, &mag, 3e-5, 1e-6);
                 }
             }
@@ -201,7 +237,18 @@ fn matmul_and_gemm_shape_errors() {
     // a^T b: 3x4.
     let c = s().matmul(&a, true, &b, false).unwrap();
     assert_eq!(c.shape(), (3, 4));
-    let (want, mag) = ref_gemm(3, 4, 5, 1.0, a.as_slice(), true, b.as_slice(), false, 0.0, &[0.0; 12]);
+    let (want, mag) = ref_gemm(
+        3,
+        4,
+        5,
+        1.0,
+        a.as_slice(),
+        true,
+        b.as_slice(),
+        false,
+        0.0,
+        &[0.0; 12],
+    );
     assert_close("matmul", c.as_slice(), &want, &mag, 3e-5, 1e-6);
     assert!(s().matmul(&a, false, &b, false).is_err());
     let mut bad = Tensor::zeros(3, 5);
@@ -209,12 +256,98 @@ fn matmul_and_gemm_shape_errors() {
 }
 
 #[test]
+fn gemm_prefix_and_add_rows_prefix() {
+    let mut rng = Rng::new(4);
+    // a: 40 stored rows, of which the first 27 take part.
+    let a = rng.tensor(40, 9);
+    let b = rng.tensor(9, 5);
+    let bt = rng.tensor(27, 5);
+    let (want, mag) = ref_gemm(
+        27,
+        5,
+        9,
+        1.0,
+        &a.as_slice()[..27 * 9],
+        false,
+        b.as_slice(),
+        false,
+        0.0,
+        &[0.0; 27 * 5],
+    );
+    let mut c = Tensor::zeros(27, 5);
+    s().gemm_prefix(1.0, &a, 27, false, &b, false, 0.0, &mut c)
+        .unwrap();
+    assert_close("gemm_prefix", c.as_slice(), &want, &mag, 3e-5, 1e-6);
+    // Transposed prefix: (a[..27])^T bt = 9x5.
+    let mut c = rng.tensor(9, 5);
+    let c0 = c.as_slice().to_vec();
+    s().gemm_prefix(0.5, &a, 27, true, &bt, false, 2.0, &mut c)
+        .unwrap();
+    let (want, mag) = ref_gemm(
+        9,
+        5,
+        27,
+        0.5,
+        &a.as_slice()[..27 * 9],
+        true,
+        bt.as_slice(),
+        false,
+        2.0,
+        &c0,
+    );
+    assert_close(
+        "gemm_prefix transposed",
+        c.as_slice(),
+        &want,
+        &mag,
+        3e-5,
+        1e-6,
+    );
+    assert!(s()
+        .gemm_prefix(
+            1.0,
+            &a,
+            41,
+            false,
+            &b,
+            false,
+            0.0,
+            &mut Tensor::zeros(41, 5)
+        )
+        .is_err());
+
+    let src = rng.tensor(6, 9);
+    let mut dst = rng.tensor(10, 9);
+    let want: Vec<f32> = (0..90)
+        .map(|i| {
+            if i < 54 {
+                dst.as_slice()[i] + src.as_slice()[i]
+            } else {
+                dst.as_slice()[i]
+            }
+        })
+        .collect();
+    s().add_rows_prefix(&src, &mut dst).unwrap();
+    assert_bits_eq("add_rows_prefix", dst.as_slice(), &want);
+    assert!(s().add_rows_prefix(&rng.tensor(11, 9), &mut dst).is_err());
+    assert!(s().add_rows_prefix(&rng.tensor(2, 8), &mut dst).is_err());
+}
+
+#[test]
 fn gemm_repeatable_at_fixed_thread_count() {
     let mut rng = Rng::new(3);
     let (m, n, k) = (96, 80, 72); // above the parallel threshold
     for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
-        let a = if ta { rng.tensor(k, m) } else { rng.tensor(m, k) };
-        let b = if tb { rng.tensor(n, k) } else { rng.tensor(k, n) };
+        let a = if ta {
+            rng.tensor(k, m)
+        } else {
+            rng.tensor(m, k)
+        };
+        let b = if tb {
+            rng.tensor(n, k)
+        } else {
+            rng.tensor(k, n)
+        };
         let c0 = rng.tensor(m, n);
         for st in streams() {
             let run = || {
@@ -235,7 +368,12 @@ fn gemm_repeatable_at_fixed_thread_count() {
 // ---------------------------------------------------------------------------------------------
 
 /// Reference `A x` with `heads` weights per entry (or ones), plus magnitudes.
-fn ref_spmm(csr: &Csr, w: Option<(&[f32], usize)>, x: &[f32], width: usize) -> (Vec<f64>, Vec<f64>) {
+fn ref_spmm(
+    csr: &Csr,
+    w: Option<(&[f32], usize)>,
+    x: &[f32],
+    width: usize,
+) -> (Vec<f64>, Vec<f64>) {
     let heads = w.map_or(1, |w| w.1);
     let d = width / heads;
     let mut out = vec![0.0; csr.n_rows() * width];
@@ -260,21 +398,36 @@ fn spmm_ones_and_stored_all_widths_rectangular() {
     for &(rows, cols) in &[(37usize, 23usize), (12, 40), (1, 1), (0, 5), (6, 1)] {
         let csr = random_csr(&mut rng, rows, cols, 7);
         if cols > 1 {
-            assert!(csr.indices().iter().all(|&c| c as usize != cols - 1), "a column without edges");
+            assert!(
+                csr.indices().iter().all(|&c| c as usize != cols - 1),
+                "a column without edges"
+            );
         }
         for &width in &WIDTHS {
             let x = rng.tensor(cols, width);
             for stored in [false, true] {
                 let mut out = Tensor::zeros(rows, width);
                 out.fill(f32::NAN); // spmm overwrites
-                let w = if stored { EdgeWeights::Stored } else { EdgeWeights::Ones };
+                let w = if stored {
+                    EdgeWeights::Stored
+                } else {
+                    EdgeWeights::Ones
+                };
                 s().spmm(&csr, w, &x, &mut out).unwrap();
-                let (want, mag) = ref_spmm(&csr, stored.then(|| (csr.values().unwrap(), 1)), x.as_slice(), width);
+                let (want, mag) = ref_spmm(
+                    &csr,
+                    stored.then(|| (csr.values().unwrap(), 1)),
+                    x.as_slice(),
+                    width,
+                );
                 let what = format!("spmm {rows}x{cols} width {width} stored={stored}");
                 assert_close(&what, out.as_slice(), &want, &mag, 1e-5, 1e-6);
                 // Empty rows are exactly zero.
                 for i in (0..rows).step_by(5) {
-                    assert!(out.row(i).iter().all(|&v| v == 0.0), "{what}: empty row {i}");
+                    assert!(
+                        out.row(i).iter().all(|&v| v == 0.0),
+                        "{what}: empty row {i}"
+                    );
                 }
             }
         }
@@ -291,9 +444,17 @@ fn spmm_per_head() {
             let x = rng.tensor(41, width);
             let w = rng.vec(csr.nnz() * heads, -1.0, 1.0);
             let mut out = Tensor::zeros(29, width);
-            s().spmm(&csr, EdgeWeights::PerHead(&w, heads), &x, &mut out).unwrap();
+            s().spmm(&csr, EdgeWeights::PerHead(&w, heads), &x, &mut out)
+                .unwrap();
             let (want, mag) = ref_spmm(&csr, Some((&w, heads)), x.as_slice(), width);
-            assert_close(&format!("spmm heads {heads} d {d}"), out.as_slice(), &want, &mag, 1e-5, 1e-6);
+            assert_close(
+                &format!("spmm heads {heads} d {d}"),
+                out.as_slice(),
+                &want,
+                &mag,
+                1e-5,
+                1e-6,
+            );
         }
     }
 }
@@ -303,7 +464,17 @@ fn spmm_per_head() {
 fn spmm_bits_follow_csr_order() {
     let mut rng = Rng::new(13);
     let csr = random_csr(&mut rng, 40, 30, 12);
-    for (heads, d) in [(1usize, 1usize), (1, 33), (1, 130), (2, 8), (4, 16), (8, 2), (3, 7), (2, 64), (2, 70)] {
+    for (heads, d) in [
+        (1usize, 1usize),
+        (1, 33),
+        (1, 130),
+        (2, 8),
+        (4, 16),
+        (8, 2),
+        (3, 7),
+        (2, 64),
+        (2, 70),
+    ] {
         let width = heads * d;
         let x = rng.tensor(30, width);
         let w = rng.vec(csr.nnz() * heads, -1.0, 1.0);
@@ -331,7 +502,11 @@ fn spmm_bits_follow_csr_order() {
                     }
                 }
             }
-            assert_bits_eq(&format!("spmm order heads {heads} d {d} {ew:?}"), out.as_slice(), &want);
+            assert_bits_eq(
+                &format!("spmm order heads {heads} d {d} {ew:?}"),
+                out.as_slice(),
+                &want,
+            );
         }
     }
 }
@@ -342,11 +517,21 @@ fn spmm_shape_errors() {
     let mut csr = random_csr(&mut rng, 6, 4, 3);
     let x = rng.tensor(4, 8);
     let mut out = Tensor::zeros(6, 8);
-    assert!(s().spmm(&csr, EdgeWeights::Ones, &rng.tensor(5, 8), &mut out).is_err());
-    assert!(s().spmm(&csr, EdgeWeights::Ones, &x, &mut Tensor::zeros(6, 7)).is_err());
+    assert!(s()
+        .spmm(&csr, EdgeWeights::Ones, &rng.tensor(5, 8), &mut out)
+        .is_err());
+    assert!(s()
+        .spmm(&csr, EdgeWeights::Ones, &x, &mut Tensor::zeros(6, 7))
+        .is_err());
     let w = vec![1.0; csr.nnz() * 3];
-    assert!(s().spmm(&csr, EdgeWeights::PerHead(&w, 3), &x, &mut out).is_err(), "8 % 3 != 0");
-    assert!(s().spmm(&csr, EdgeWeights::PerHead(&w[1..], 2), &x, &mut out).is_err());
+    assert!(
+        s().spmm(&csr, EdgeWeights::PerHead(&w, 3), &x, &mut out)
+            .is_err(),
+        "8 % 3 != 0"
+    );
+    assert!(s()
+        .spmm(&csr, EdgeWeights::PerHead(&w[1..], 2), &x, &mut out)
+        .is_err());
     csr.set_values(None).unwrap();
     assert!(s().spmm(&csr, EdgeWeights::Stored, &x, &mut out).is_err());
 }
@@ -360,7 +545,15 @@ fn sddmm_dot_all_widths_and_heads() {
     let mut rng = Rng::new(20);
     let csr = random_csr(&mut rng, 23, 31, 6);
     let mut cases: Vec<(usize, usize)> = WIDTHS.iter().map(|&w| (w, 1)).collect();
-    cases.extend([(2, 2), (14, 2), (66, 2), (8, 8), (64, 8), (264, 8), (520, 8)]);
+    cases.extend([
+        (2, 2),
+        (14, 2),
+        (66, 2),
+        (8, 8),
+        (64, 8),
+        (264, 8),
+        (520, 8),
+    ]);
     for (width, heads) in cases {
         let a = rng.tensor(23, width);
         let b = rng.tensor(31, width);
@@ -382,10 +575,21 @@ fn sddmm_dot_all_widths_and_heads() {
                 }
             }
         }
-        assert_close(&format!("sddmm_dot width {width} heads {heads}"), &got, &want, &mag, 2e-5, 1e-6);
+        assert_close(
+            &format!("sddmm_dot width {width} heads {heads}"),
+            &got,
+            &want,
+            &mag,
+            2e-5,
+            1e-6,
+        );
     }
-    assert!(s().sddmm_dot(&csr, 3, &rng.tensor(23, 8), &rng.tensor(31, 8)).is_err());
-    assert!(s().sddmm_dot(&csr, 1, &rng.tensor(22, 8), &rng.tensor(31, 8)).is_err());
+    assert!(s()
+        .sddmm_dot(&csr, 3, &rng.tensor(23, 8), &rng.tensor(31, 8))
+        .is_err());
+    assert!(s()
+        .sddmm_dot(&csr, 1, &rng.tensor(22, 8), &rng.tensor(31, 8))
+        .is_err());
 }
 
 #[test]
@@ -406,7 +610,9 @@ fn sddmm_add_heads() {
         }
         assert_bits_eq(&format!("sddmm_add heads {heads}"), &got, &want);
     }
-    assert!(s().sddmm_add(&csr, &rng.tensor(19, 2), &rng.tensor(27, 3)).is_err());
+    assert!(s()
+        .sddmm_add(&csr, &rng.tensor(19, 2), &rng.tensor(27, 3))
+        .is_err());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -419,7 +625,9 @@ fn ref_edge_softmax(csr: &Csr, heads: usize, s: &[f64]) -> Vec<f64> {
     for i in 0..csr.n_rows() {
         let (e0, e1) = (csr.indptr()[i], csr.indptr()[i + 1]);
         for h in 0..heads {
-            let mx = (e0..e1).map(|e| s[e * heads + h]).fold(f64::NEG_INFINITY, f64::max);
+            let mx = (e0..e1)
+                .map(|e| s[e * heads + h])
+                .fold(f64::NEG_INFINITY, f64::max);
             let sum: f64 = (e0..e1).map(|e| (s[e * heads + h] - mx).exp()).sum();
             for e in e0..e1 {
                 out[e * heads + h] = (s[e * heads + h] - mx).exp() / sum;
@@ -439,13 +647,20 @@ fn edge_softmax_matches_reference_and_rows_sum_to_one() {
             let alpha = s().edge_softmax(&csr, heads, &scores).unwrap();
             let s64: Vec<f64> = scores.iter().map(|&v| v as f64).collect();
             let want = ref_edge_softmax(&csr, heads, &s64);
-            assert_close_plain(&format!("edge_softmax heads {heads} range {range}"), &alpha, &want, 2e-6);
+            assert_close_plain(
+                &format!("edge_softmax heads {heads} range {range}"),
+                &alpha,
+                &want,
+                2e-6,
+            );
             for i in 0..csr.n_rows() {
                 if csr.degree(i) == 0 {
                     continue;
                 }
                 for h in 0..heads {
-                    let sum: f64 = (csr.indptr()[i]..csr.indptr()[i + 1]).map(|e| alpha[e * heads + h] as f64).sum();
+                    let sum: f64 = (csr.indptr()[i]..csr.indptr()[i + 1])
+                        .map(|e| alpha[e * heads + h] as f64)
+                        .sum();
                     assert!((sum - 1.0).abs() < 1e-5, "row {i} head {h} sums to {sum}");
                 }
             }
@@ -465,7 +680,11 @@ fn edge_softmax_backward_matches_finite_differences() {
         let got = s().edge_softmax_backward(&csr, heads, &alpha, &g).unwrap();
         // L(s) = sum_e g_e * softmax(s)_e, differentiated by central differences in f64.
         let loss = |s64: &[f64]| -> f64 {
-            ref_edge_softmax(&csr, heads, s64).iter().zip(&g).map(|(a, &g)| a * g as f64).sum()
+            ref_edge_softmax(&csr, heads, s64)
+                .iter()
+                .zip(&g)
+                .map(|(a, &g)| a * g as f64)
+                .sum()
         };
         let mut s64: Vec<f64> = scores.iter().map(|&v| v as f64).collect();
         let h = 1e-6;
@@ -479,7 +698,12 @@ fn edge_softmax_backward_matches_finite_differences() {
             s64[e] = v;
             fd[e] = (lp - lm) / (2.0 * h);
         }
-        assert_close_plain(&format!("edge_softmax_backward heads {heads}"), &got, &fd, 1e-5);
+        assert_close_plain(
+            &format!("edge_softmax_backward heads {heads}"),
+            &got,
+            &fd,
+            1e-5,
+        );
     }
 }
 
@@ -526,11 +750,19 @@ fn scatter_add_rows_repeated_indices() {
             }
         }
         s().scatter_add_rows(&src, &idx, &mut out).unwrap();
-        assert_bits_eq(&format!("scatter_add {n}->{rows} width {width}"), out.as_slice(), &want);
+        assert_bits_eq(
+            &format!("scatter_add {n}->{rows} width {width}"),
+            out.as_slice(),
+            &want,
+        );
     }
     let mut out = Tensor::zeros(2, 3);
-    assert!(s().scatter_add_rows(&rng.tensor(1, 3), &[2], &mut out).is_err());
-    assert!(s().scatter_add_rows(&rng.tensor(2, 3), &[0], &mut out).is_err());
+    assert!(s()
+        .scatter_add_rows(&rng.tensor(1, 3), &[2], &mut out)
+        .is_err());
+    assert!(s()
+        .scatter_add_rows(&rng.tensor(2, 3), &[0], &mut out)
+        .is_err());
 }
 
 #[test]
@@ -542,7 +774,9 @@ fn add_bias_and_column_sums() {
             let bias = rng.tensor(1, width);
             let mut y = x.clone();
             s().add_bias(&mut y, &bias).unwrap();
-            let want: Vec<f32> = (0..rows * width).map(|i| x.as_slice()[i] + bias.as_slice()[i % width]).collect();
+            let want: Vec<f32> = (0..rows * width)
+                .map(|i| x.as_slice()[i] + bias.as_slice()[i % width])
+                .collect();
             assert_bits_eq("add_bias", y.as_slice(), &want);
 
             let mut acc = rng.tensor(1, width);
@@ -560,7 +794,14 @@ fn add_bias_and_column_sums() {
                 want[c] += acc0.as_slice()[c] as f64;
                 mag[c] += (acc0.as_slice()[c] as f64).abs();
             }
-            assert_close(&format!("column sums {rows}x{width}"), acc.as_slice(), &want, &mag, 1e-5, 1e-6);
+            assert_close(
+                &format!("column sums {rows}x{width}"),
+                acc.as_slice(),
+                &want,
+                &mag,
+                1e-5,
+                1e-6,
+            );
         }
     }
     let mut x = rng.tensor(3, 4);
@@ -585,8 +826,20 @@ fn activations_and_backward() {
             match act {
                 Activation::Identity => v,
                 Activation::Relu => v.max(0.0),
-                Activation::Elu { alpha } => if v > 0.0 { v } else { alpha as f64 * (v.exp() - 1.0) },
-                Activation::LeakyRelu { slope } => if v > 0.0 { v } else { slope as f64 * v },
+                Activation::Elu { alpha } => {
+                    if v > 0.0 {
+                        v
+                    } else {
+                        alpha as f64 * (v.exp() - 1.0)
+                    }
+                }
+                Activation::LeakyRelu { slope } => {
+                    if v > 0.0 {
+                        v
+                    } else {
+                        slope as f64 * v
+                    }
+                }
             }
         };
         let y = s().activation(act, &x).unwrap();
@@ -603,7 +856,36 @@ fn activations_and_backward() {
             .collect();
         assert_close_plain(&format!("{act:?} backward"), gx.as_slice(), &want, 1e-5);
     }
-    assert!(s().activation_backward(Activation::Relu, &x, &rng.tensor(67, 3)).is_err());
+    assert!(s()
+        .activation_backward(Activation::Relu, &x, &rng.tensor(67, 3))
+        .is_err());
+}
+
+#[test]
+fn activation_backward_from_output_matches_backward() {
+    let mut rng = Rng::new(45);
+    let x = Tensor::from_vec(5, 41, rng.vec(205, -3.0, 3.0)).unwrap();
+    let gy = rng.tensor(5, 41);
+    for act in [
+        Activation::Identity,
+        Activation::Relu,
+        Activation::Elu { alpha: 1.0 },
+        Activation::Elu { alpha: 0.3 },
+        Activation::LeakyRelu { slope: 0.2 },
+    ] {
+        let y = s().activation(act, &x).unwrap();
+        let want = s().activation_backward(act, &x, &gy).unwrap();
+        let mut g = gy.clone();
+        s().activation_backward_from_output(act, &y, &mut g)
+            .unwrap();
+        // ELU's derivative from the output, y + alpha, rounds differently from alpha * exp(x).
+        let want64: Vec<f64> = want.as_slice().iter().map(|&v| v as f64).collect();
+        assert_close_plain(&format!("{act:?} from output"), g.as_slice(), &want64, 1e-6);
+    }
+    let mut g = rng.tensor(41, 5);
+    assert!(s()
+        .activation_backward_from_output(Activation::Relu, &x, &mut g)
+        .is_err());
 }
 
 #[test]
@@ -612,11 +894,18 @@ fn axpy_exact() {
     for &width in &WIDTHS {
         let x = rng.tensor(70, width);
         let mut y = rng.tensor(70, width);
-        let want: Vec<f32> = y.as_slice().iter().zip(x.as_slice()).map(|(&y, &x)| y + -0.375 * x).collect();
+        let want: Vec<f32> = y
+            .as_slice()
+            .iter()
+            .zip(x.as_slice())
+            .map(|(&y, &x)| y + -0.375 * x)
+            .collect();
         s().axpy(-0.375, &x, &mut y).unwrap();
         assert_bits_eq("axpy", y.as_slice(), &want);
     }
-    assert!(s().axpy(1.0, &rng.tensor(2, 3), &mut rng.tensor(3, 2)).is_err());
+    assert!(s()
+        .axpy(1.0, &rng.tensor(2, 3), &mut rng.tensor(3, 2))
+        .is_err());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -643,11 +932,18 @@ fn dropout_fraction_and_scale() {
             for (&a, &b) in x.as_slice().iter().zip(y.as_slice()) {
                 if b != 0.0 {
                     kept += 1;
-                    assert_eq!(b.to_bits(), (a * scale).to_bits(), "kept values are scaled by 1/(1-p)");
+                    assert_eq!(
+                        b.to_bits(),
+                        (a * scale).to_bits(),
+                        "kept values are scaled by 1/(1-p)"
+                    );
                 }
             }
             let frac = kept as f64 / x.len() as f64;
-            assert!((frac - (1.0 - p as f64)).abs() < 0.02, "p {p} width {width}: kept {frac}");
+            assert!(
+                (frac - (1.0 - p as f64)).abs() < 0.02,
+                "p {p} width {width}: kept {frac}"
+            );
         }
     }
     // p = 0 is the identity, p = 1 drops everything.
@@ -708,7 +1004,8 @@ fn dropout_mask_depends_only_on_key_gid_col() {
     }
     // Different gids give different masks.
     let mut e = ones(5, 33);
-    s().dropout(&mut e, &[6, 10, 1001, 6, 78], key(1), p).unwrap();
+    s().dropout(&mut e, &[6, 10, 1001, 6, 78], key(1), p)
+        .unwrap();
     assert_ne!(e, a);
     let _ = rng.next_u32();
 }
@@ -753,7 +1050,8 @@ fn edge_dropout_masks() {
         let gids: Vec<u32> = (0..300u32).map(|r| r * 2 + 1).collect();
         let x: Vec<f32> = rng.vec(csr.nnz() * heads, 0.5, 1.5);
         let mut y = x.clone();
-        s().edge_dropout(&csr, &mut y, heads, &gids, key(3), p).unwrap();
+        s().edge_dropout(&csr, &mut y, heads, &gids, key(3), p)
+            .unwrap();
         let scale = 1.0 / (1.0 - p);
         let kept = y.iter().filter(|&&v| v != 0.0).count();
         for (&a, &b) in x.iter().zip(&y) {
@@ -763,9 +1061,13 @@ fn edge_dropout_masks() {
         assert!((frac - 0.6).abs() < 0.03, "heads {heads}: kept {frac}");
         // Its own backward: applying it again multiplies by the same mask.
         let mut yy = y.clone();
-        s().edge_dropout(&csr, &mut yy, heads, &gids, key(3), p).unwrap();
+        s().edge_dropout(&csr, &mut yy, heads, &gids, key(3), p)
+            .unwrap();
         for (&b, &bb) in y.iter().zip(&yy) {
-            assert_eq!(bb.to_bits(), (b * if b == 0.0 { 0.0 } else { scale }).to_bits());
+            assert_eq!(
+                bb.to_bits(),
+                (b * if b == 0.0 { 0.0 } else { scale }).to_bits()
+            );
         }
     }
     // The mask of a row depends on its gid and entry position, not on where the row sits.
@@ -773,10 +1075,45 @@ fn edge_dropout_masks() {
     let b = Csr::from_pairs(2, 4, &[(1, 0), (1, 1), (1, 3)]).unwrap();
     let mut va = vec![1.0f32; 5 * 2];
     let mut vb = vec![1.0f32; 3 * 2];
-    s().edge_dropout(&a, &mut va, 2, &[7, 8, 9], key(4), 0.5).unwrap();
-    s().edge_dropout(&b, &mut vb, 2, &[3, 7], key(4), 0.5).unwrap();
+    s().edge_dropout(&a, &mut va, 2, &[7, 8, 9], key(4), 0.5)
+        .unwrap();
+    s().edge_dropout(&b, &mut vb, 2, &[3, 7], key(4), 0.5)
+        .unwrap();
     assert_bits_eq("edge mask by gid", &va[..6], &vb);
-    assert!(s().edge_dropout(&a, &mut va, 2, &[7, 8], key(4), 0.5).is_err());
+    assert!(s()
+        .edge_dropout(&a, &mut va, 2, &[7, 8], key(4), 0.5)
+        .is_err());
+}
+
+#[test]
+fn dropout_csr_matches_dense_dropout() {
+    let mut rng = Rng::new(54);
+    for &width in &[1usize, 7, 9, 33, 257] {
+        let rows = 23;
+        // A sparse-ish dense matrix (about a third non-zero, some rows empty).
+        let mut dense = vec![0.0f32; rows * width];
+        for (i, v) in dense.iter_mut().enumerate() {
+            if (i / width) % 7 != 3 && rng.below(3) == 0 {
+                *v = rng.uniform(0.5, 1.5);
+            }
+        }
+        let gids: Vec<u32> = (0..rows as u32).map(|r| 40 - r).collect();
+        let mut csr = Csr::from_dense(rows, width, &dense).unwrap();
+        s().dropout_csr(&mut csr, &gids, key(6), 0.35).unwrap();
+        let mut t = Tensor::from_vec(rows, width, dense).unwrap();
+        s().dropout(&mut t, &gids, key(6), 0.35).unwrap();
+        let mut back = vec![0.0f32; rows * width];
+        for i in 0..rows {
+            for e in csr.indptr()[i]..csr.indptr()[i + 1] {
+                back[i * width + csr.indices()[e] as usize] = csr.values().unwrap()[e];
+            }
+        }
+        assert_bits_eq(&format!("dropout_csr width {width}"), &back, t.as_slice());
+    }
+    let mut no_values = Csr::from_pairs(2, 2, &[(0, 1)]).unwrap();
+    assert!(s()
+        .dropout_csr(&mut no_values, &[0, 1], key(6), 0.5)
+        .is_err());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -793,7 +1130,9 @@ fn softmax_nll_and_accuracy() {
         let rows: Vec<u32> = (0..n as u32).filter(|r| r % 3 != 1).rev().collect();
         let scale = 1.0 / rows.len() as f32;
         let mut grad = rng.tensor(n, classes); // overwritten
-        let out = s().softmax_nll(&logits, &labels, &rows, scale, &mut grad).unwrap();
+        let out = s()
+            .softmax_nll(&logits, &labels, &rows, scale, &mut grad)
+            .unwrap();
 
         let mut loss = 0.0f64;
         let mut correct = 0usize;
@@ -809,17 +1148,33 @@ fn softmax_nll_and_accuracy() {
             let arg = (0..classes).fold(0, |b, c| if z[c] > z[b] { c } else { b });
             correct += (arg == y) as usize;
             for c in 0..classes {
-                want_grad[r * classes + c] = scale as f64 * ((z[c] - lse).exp() - (c == y) as u8 as f64);
+                want_grad[r * classes + c] =
+                    scale as f64 * ((z[c] - lse).exp() - (c == y) as u8 as f64);
             }
         }
-        assert!((out.loss_sum - loss).abs() <= 1e-5 * (1.0 + loss.abs()), "loss {} vs {loss}", out.loss_sum);
+        assert!(
+            (out.loss_sum - loss).abs() <= 1e-5 * (1.0 + loss.abs()),
+            "loss {} vs {loss}",
+            out.loss_sum
+        );
         assert_eq!(out.correct, correct);
         assert_eq!(out.count, rows.len());
-        assert_close_plain(&format!("nll grad classes {classes}"), grad.as_slice(), &want_grad, 1e-6);
+        assert_close_plain(
+            &format!("nll grad classes {classes}"),
+            grad.as_slice(),
+            &want_grad,
+            1e-6,
+        );
         for r in (1..n).step_by(3) {
-            assert!(grad.row(r).iter().all(|&g| g == 0.0), "unselected rows get zero gradient");
+            assert!(
+                grad.row(r).iter().all(|&g| g == 0.0),
+                "unselected rows get zero gradient"
+            );
         }
-        assert_eq!(s().accuracy_count(&logits, &labels, &rows).unwrap(), correct);
+        assert_eq!(
+            s().accuracy_count(&logits, &labels, &rows).unwrap(),
+            correct
+        );
         // Rows of the gradient sum to zero.
         for &r in &rows {
             let sum: f64 = grad.row(r as usize).iter().map(|&v| v as f64).sum();
@@ -832,8 +1187,12 @@ fn softmax_nll_and_accuracy() {
     assert_eq!(s().accuracy_count(&logits, &[1, 2], &[0, 1]).unwrap(), 0);
     // Out-of-range labels or rows are errors, not panics.
     let mut g = Tensor::zeros(2, 3);
-    assert!(s().softmax_nll(&logits, &[0, 3], &[1], 1.0, &mut g).is_err());
-    assert!(s().softmax_nll(&logits, &[0, 1], &[2], 1.0, &mut g).is_err());
+    assert!(s()
+        .softmax_nll(&logits, &[0, 3], &[1], 1.0, &mut g)
+        .is_err());
+    assert!(s()
+        .softmax_nll(&logits, &[0, 1], &[2], 1.0, &mut g)
+        .is_err());
     assert!(s().accuracy_count(&logits, &[0, 1], &[2]).is_err());
 }
 
@@ -841,9 +1200,15 @@ fn softmax_nll_and_accuracy() {
 fn softmax_nll_large_logits_are_stable() {
     let logits = Tensor::from_vec(2, 3, vec![1000.0, -1000.0, 999.0, -5e4, -5e4, -5e4]).unwrap();
     let mut g = Tensor::zeros(2, 3);
-    let out = s().softmax_nll(&logits, &[2, 1], &[0, 1], 1.0, &mut g).unwrap();
+    let out = s()
+        .softmax_nll(&logits, &[2, 1], &[0, 1], 1.0, &mut g)
+        .unwrap();
     let want = (1.0 + (-1.0f64).exp()).ln() + 1.0 + 3.0f64.ln();
-    assert!((out.loss_sum - want).abs() < 1e-9, "{} vs {want}", out.loss_sum);
+    assert!(
+        (out.loss_sum - want).abs() < 1e-9,
+        "{} vs {want}",
+        out.loss_sum
+    );
     assert!(g.as_slice().iter().all(|v| v.is_finite()));
 }
 
@@ -855,12 +1220,22 @@ fn softmax_nll_repeated_rows_count_twice() {
     let labels = [1u32, 4, 0, 2];
     let mut g1 = Tensor::zeros(4, 5);
     let mut g2 = Tensor::zeros(4, 5);
-    let once = s().softmax_nll(&logits, &labels, &[2], 1.0, &mut g1).unwrap();
-    let twice = s().softmax_nll(&logits, &labels, &[2, 3, 2], 1.0, &mut g2).unwrap();
+    let once = s()
+        .softmax_nll(&logits, &labels, &[2], 1.0, &mut g1)
+        .unwrap();
+    let twice = s()
+        .softmax_nll(&logits, &labels, &[2, 3, 2], 1.0, &mut g2)
+        .unwrap();
     let mut g3 = Tensor::zeros(4, 5);
-    let only3 = s().softmax_nll(&logits, &labels, &[3], 1.0, &mut g3).unwrap();
+    let only3 = s()
+        .softmax_nll(&logits, &labels, &[3], 1.0, &mut g3)
+        .unwrap();
     let want = once.loss_sum + once.loss_sum + only3.loss_sum;
-    assert!((twice.loss_sum - want).abs() < 1e-12, "{} vs {want}", twice.loss_sum);
+    assert!(
+        (twice.loss_sum - want).abs() < 1e-12,
+        "{} vs {want}",
+        twice.loss_sum
+    );
     assert_eq!(twice.count, 3);
     for c in 0..5 {
         assert_eq!(g2.row(2)[c], 2.0 * g1.row(2)[c]);
@@ -898,16 +1273,39 @@ fn adam_matches_torch_reference() {
     let mut rng = Rng::new(70);
     let cfgs = [
         AdamConfig::default(),
-        AdamConfig { lr: 0.05, beta1: 0.8, beta2: 0.99, eps: 0.1, weight_decay: 0.0 },
-        AdamConfig { lr: 0.003, weight_decay: 5e-4, ..AdamConfig::default() },
-        AdamConfig { lr: 0.02, weight_decay: 0.1, eps: 1e-3, ..AdamConfig::default() },
+        AdamConfig {
+            lr: 0.05,
+            beta1: 0.8,
+            beta2: 0.99,
+            eps: 0.1,
+            weight_decay: 0.0,
+        },
+        AdamConfig {
+            lr: 0.003,
+            weight_decay: 5e-4,
+            ..AdamConfig::default()
+        },
+        AdamConfig {
+            lr: 0.02,
+            weight_decay: 0.1,
+            eps: 1e-3,
+            ..AdamConfig::default()
+        },
     ];
     for cfg in cfgs {
         let n = 4099; // not a multiple of any chunk
         let mut p = rng.tensor(1, n);
         let mut m = Tensor::zeros(1, n);
         let mut v = Tensor::zeros(1, n);
-        let mut refs: Vec<RefAdam> = p.as_slice().iter().map(|&p| RefAdam { p: p as f64, m: 0.0, v: 0.0 }).collect();
+        let mut refs: Vec<RefAdam> = p
+            .as_slice()
+            .iter()
+            .map(|&p| RefAdam {
+                p: p as f64,
+                m: 0.0,
+                v: 0.0,
+            })
+            .collect();
         for t in 1..=6u64 {
             let g = Tensor::from_vec(1, n, rng.vec(n, -0.5, 0.5)).unwrap();
             let g0 = g.clone();
@@ -927,17 +1325,42 @@ fn adam_matches_torch_reference() {
     let mut p = Tensor::zeros(1, 3);
     let mut m = Tensor::zeros(1, 3);
     let mut v = Tensor::zeros(1, 2);
-    assert!(s().adam_step(&AdamConfig::default(), 1, &mut p, &Tensor::zeros(1, 3), &mut m, &mut v).is_err());
+    assert!(s()
+        .adam_step(
+            &AdamConfig::default(),
+            1,
+            &mut p,
+            &Tensor::zeros(1, 3),
+            &mut m,
+            &mut v
+        )
+        .is_err());
 }
 
 #[test]
 fn sgd_matches_torch_reference() {
     let mut rng = Rng::new(71);
     let cfgs = [
-        SgdConfig { lr: 0.1, momentum: 0.0, weight_decay: 0.0 },
-        SgdConfig { lr: 0.1, momentum: 0.9, weight_decay: 0.0 },
-        SgdConfig { lr: 0.05, momentum: 0.9, weight_decay: 5e-4 },
-        SgdConfig { lr: 0.2, momentum: 0.0, weight_decay: 0.01 },
+        SgdConfig {
+            lr: 0.1,
+            momentum: 0.0,
+            weight_decay: 0.0,
+        },
+        SgdConfig {
+            lr: 0.1,
+            momentum: 0.9,
+            weight_decay: 0.0,
+        },
+        SgdConfig {
+            lr: 0.05,
+            momentum: 0.9,
+            weight_decay: 5e-4,
+        },
+        SgdConfig {
+            lr: 0.2,
+            momentum: 0.0,
+            weight_decay: 0.01,
+        },
     ];
     for cfg in cfgs {
         let n = 5000;
@@ -965,7 +1388,14 @@ fn sgd_matches_torch_reference() {
         assert_close_plain(&format!("sgd {cfg:?}"), p.as_slice(), &rp, 2e-6);
     }
     let mut p = Tensor::zeros(1, 3);
-    assert!(s().sgd_step(&SgdConfig::default(), &mut p, &Tensor::zeros(1, 3), &mut Tensor::zeros(1, 4)).is_err());
+    assert!(s()
+        .sgd_step(
+            &SgdConfig::default(),
+            &mut p,
+            &Tensor::zeros(1, 3),
+            &mut Tensor::zeros(1, 4)
+        )
+        .is_err());
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -978,9 +1408,17 @@ fn digest_is_stable() {
     let b = Tensor::from_vec(1, 3, vec![1e-30, f32::MAX, -0.0]).unwrap();
     let d = s().digest(&[&a, &b]).unwrap();
     // A fixed value: digests recorded by earlier runs must stay comparable.
-    assert_eq!(d, "778e021094ede7e2ab73acf5f3be13c7c8b5c1cd4f147cd76b449247c8f6218b");
+    assert_eq!(
+        d,
+        "778e021094ede7e2ab73acf5f3be13c7c8b5c1cd4f147cd76b449247c8f6218b"
+    );
     // Over the little-endian bytes, in order, without separators.
-    let bytes: Vec<u8> = a.as_slice().iter().chain(b.as_slice()).flat_map(|x| x.to_le_bytes()).collect();
+    let bytes: Vec<u8> = a
+        .as_slice()
+        .iter()
+        .chain(b.as_slice())
+        .flat_map(|x| x.to_le_bytes())
+        .collect();
     assert_eq!(d, digest_bytes(&bytes));
     for st in streams() {
         assert_eq!(st.digest(&[&a, &b]).unwrap(), d);
@@ -1001,7 +1439,11 @@ fn digest_is_stable() {
 fn same_bits_across_threads(what: &str, f: impl Fn(&Stream) -> Vec<f32>) {
     let outs: Vec<Vec<f32>> = streams().iter().map(&f).collect();
     for (o, st) in outs.iter().zip(streams()).skip(1) {
-        assert_bits_eq(&format!("{what} ({} threads vs 1)", st.threads()), o, &outs[0]);
+        assert_bits_eq(
+            &format!("{what} ({} threads vs 1)", st.threads()),
+            o,
+            &outs[0],
+        );
     }
 }
 
@@ -1025,7 +1467,8 @@ fn row_parallel_kernels_are_bit_identical_across_thread_counts() {
     });
     same_bits_across_threads("spmm per head", |st| {
         let mut out = Tensor::zeros(rows, width);
-        st.spmm(&csr, EdgeWeights::PerHead(&w, heads), &x, &mut out).unwrap();
+        st.spmm(&csr, EdgeWeights::PerHead(&w, heads), &x, &mut out)
+            .unwrap();
         out.into_vec()
     });
     let a = rng.tensor(rows, width);
@@ -1034,13 +1477,17 @@ fn row_parallel_kernels_are_bit_identical_across_thread_counts() {
     let r = rng.tensor(cols, heads);
     same_bits_across_threads("sddmm_add", |st| st.sddmm_add(&csr, &l, &r).unwrap());
     let scores = rng.vec(csr.nnz() * heads, -3.0, 3.0);
-    same_bits_across_threads("edge_softmax", |st| st.edge_softmax(&csr, heads, &scores).unwrap());
+    same_bits_across_threads("edge_softmax", |st| {
+        st.edge_softmax(&csr, heads, &scores).unwrap()
+    });
     let alpha = s().edge_softmax(&csr, heads, &scores).unwrap();
     same_bits_across_threads("edge_softmax_backward", |st| {
         st.edge_softmax_backward(&csr, heads, &alpha, &w).unwrap()
     });
     let idx = rng.indices(20_000, cols);
-    same_bits_across_threads("gather_rows", |st| st.gather_rows(&x, &idx).unwrap().into_vec());
+    same_bits_across_threads("gather_rows", |st| {
+        st.gather_rows(&x, &idx).unwrap().into_vec()
+    });
     for (n, width) in [(400usize, 257usize), (3000, 24), (2000, 65)] {
         let src = rng.tensor(n, width);
         let idx = rng.indices(n, 50);
@@ -1069,7 +1516,8 @@ fn row_parallel_kernels_are_bit_identical_across_thread_counts() {
     let gids_rows: Vec<u32> = (0..rows as u32).collect();
     same_bits_across_threads("edge_dropout", |st| {
         let mut v = w.clone();
-        st.edge_dropout(&csr, &mut v, heads, &gids_rows, key(8), 0.3).unwrap();
+        st.edge_dropout(&csr, &mut v, heads, &gids_rows, key(8), 0.3)
+            .unwrap();
         v
     });
     let logits = rng.tensor(5000, 7);
@@ -1077,7 +1525,9 @@ fn row_parallel_kernels_are_bit_identical_across_thread_counts() {
     let sel: Vec<u32> = (0..5000u32).filter(|i| i % 4 != 0).collect();
     same_bits_across_threads("softmax_nll", |st| {
         let mut g = Tensor::zeros(5000, 7);
-        let out = st.softmax_nll(&logits, &labels, &sel, 0.001, &mut g).unwrap();
+        let out = st
+            .softmax_nll(&logits, &labels, &sel, 0.001, &mut g)
+            .unwrap();
         let mut v = g.into_vec();
         v.push(out.loss_sum as f32);
         v.push(out.correct as f32);
@@ -1085,27 +1535,60 @@ fn row_parallel_kernels_are_bit_identical_across_thread_counts() {
         v.push(f32::from_bits(out.loss_sum.to_bits() as u32));
         v
     });
-    let counts: Vec<usize> = streams().iter().map(|st| st.accuracy_count(&logits, &labels, &sel).unwrap()).collect();
+    let counts: Vec<usize> = streams()
+        .iter()
+        .map(|st| st.accuracy_count(&logits, &labels, &sel).unwrap())
+        .collect();
     assert!(counts.iter().all(|&c| c == counts[0]));
     let big2 = rng.tensor(3000, 33);
-    same_bits_across_threads("activation", |st| st.activation(Activation::Elu { alpha: 1.0 }, &big).unwrap().into_vec());
+    same_bits_across_threads("activation", |st| {
+        st.activation(Activation::Elu { alpha: 1.0 }, &big)
+            .unwrap()
+            .into_vec()
+    });
     same_bits_across_threads("axpy", |st| {
         let mut y = big2.clone();
         st.axpy(0.3, &big, &mut y).unwrap();
         y.into_vec()
     });
     same_bits_across_threads("adam", |st| {
-        let (mut p, mut m, mut v) = (big2.clone(), Tensor::zeros(3000, 33), Tensor::zeros(3000, 33));
-        let cfg = AdamConfig { weight_decay: 0.01, ..AdamConfig::default() };
+        let (mut p, mut m, mut v) = (
+            big2.clone(),
+            Tensor::zeros(3000, 33),
+            Tensor::zeros(3000, 33),
+        );
+        let cfg = AdamConfig {
+            weight_decay: 0.01,
+            ..AdamConfig::default()
+        };
         st.adam_step(&cfg, 1, &mut p, &big, &mut m, &mut v).unwrap();
         st.adam_step(&cfg, 2, &mut p, &big, &mut m, &mut v).unwrap();
         p.into_vec()
     });
     same_bits_across_threads("sgd", |st| {
         let (mut p, mut b) = (big2.clone(), Tensor::zeros(3000, 33));
-        let cfg = SgdConfig { lr: 0.1, momentum: 0.9, weight_decay: 0.01 };
+        let cfg = SgdConfig {
+            lr: 0.1,
+            momentum: 0.9,
+            weight_decay: 0.01,
+        };
         st.sgd_step(&cfg, &mut p, &big, &mut b).unwrap();
         st.sgd_step(&cfg, &mut p, &big, &mut b).unwrap();
         p.into_vec()
     });
+}
+
+#[test]
+#[should_panic(expected = "steps count from 1")]
+fn adam_step_zero_panics_instead_of_producing_nan() {
+    let mut p = Tensor::zeros(1, 3);
+    let (mut m, mut v) = (Tensor::zeros(1, 3), Tensor::zeros(1, 3));
+    let _ = s().adam_step(
+        &AdamConfig::default(),
+        0,
+        &mut p,
+        &Tensor::zeros(1, 3),
+        &mut m,
+        &mut v,
+    );
 }

@@ -29,10 +29,16 @@ pub enum RuntimeError {
 impl RuntimeError {
     /// An I/O error on `path`.
     pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
-        RuntimeError::Io { path: path.into(), source }
+        RuntimeError::Io {
+            path: path.into(),
+            source,
+        }
     }
     /// A content error in `path`.
     pub fn bad_file(path: impl Into<PathBuf>, detail: impl Into<String>) -> Self {
-        RuntimeError::BadFile { path: path.into(), detail: detail.into() }
+        RuntimeError::BadFile {
+            path: path.into(),
+            detail: detail.into(),
+        }
     }
 }

@@ -23,7 +23,9 @@ impl Graph {
             return Err(RuntimeError::BadData("edge lists differ in length".into()));
         }
         if let Some(&v) = src.iter().chain(dst).find(|&&v| v as usize >= n) {
-            return Err(RuntimeError::BadData(format!("edge endpoint {v} out of range for {n} nodes")));
+            return Err(RuntimeError::BadData(format!(
+                "edge endpoint {v} out of range for {n} nodes"
+            )));
         }
         // Counting sort of both directions by row, then sort + dedupe each row in parallel.
         let mut counts = vec![0usize; n + 1];
@@ -69,7 +71,9 @@ impl Graph {
             indices.extend_from_slice(&raw[counts[i]..counts[i] + lens[i]]);
             indptr[i + 1] = indices.len();
         }
-        Ok(Graph { adj: Csr::new(n, n, indptr, indices, None)? })
+        Ok(Graph {
+            adj: Csr::new(n, n, indptr, indices, None)?,
+        })
     }
 
     /// Number of nodes.
@@ -133,12 +137,18 @@ impl Block {
         let mut local = vec![u32::MAX; n];
         for (l, &g) in inner.iter().enumerate() {
             if g as usize >= n || local[g as usize] != u32::MAX {
-                return Err(RuntimeError::BadData(format!("inner node {g} out of range or repeated")));
+                return Err(RuntimeError::BadData(format!(
+                    "inner node {g} out of range or repeated"
+                )));
             }
             local[g as usize] = l as u32;
         }
-        let mut halo: Vec<u32> =
-            inner.iter().flat_map(|&g| graph.neighbors(g as usize)).copied().filter(|&j| local[j as usize] == u32::MAX).collect();
+        let mut halo: Vec<u32> = inner
+            .iter()
+            .flat_map(|&g| graph.neighbors(g as usize))
+            .copied()
+            .filter(|&j| local[j as usize] == u32::MAX)
+            .collect();
         halo.par_sort_unstable();
         halo.dedup();
         for (k, &g) in halo.iter().enumerate() {
@@ -151,12 +161,18 @@ impl Block {
             indptr[r + 1] = indptr[r] + graph.degree(g as usize);
         }
         let mut indices = vec![0u32; indptr[inner.len()]];
-        split_segments(&mut indices, &indptr).into_par_iter().enumerate().for_each(|(r, seg)| {
-            for (o, &j) in seg.iter_mut().zip(graph.neighbors(inner[r] as usize)) {
-                *o = local[j as usize];
-            }
-        });
-        let degrees: Vec<u32> = gids.iter().map(|&g| graph.degree(g as usize) as u32).collect();
+        split_segments(&mut indices, &indptr)
+            .into_par_iter()
+            .enumerate()
+            .for_each(|(r, seg)| {
+                for (o, &j) in seg.iter_mut().zip(graph.neighbors(inner[r] as usize)) {
+                    *o = local[j as usize];
+                }
+            });
+        let degrees: Vec<u32> = gids
+            .iter()
+            .map(|&g| graph.degree(g as usize) as u32)
+            .collect();
         Self::from_local(inner.len(), gids, &indptr, &indices, &degrees, agg)
     }
 
@@ -175,8 +191,14 @@ impl Block {
     ) -> Result<Self> {
         let n_in = gids.len();
         let bad = |m: String| Err(RuntimeError::BadData(m));
-        if n_out > n_in || indptr.len() != n_out + 1 || degrees.len() != n_in || indptr[n_out] != indices.len() {
-            return bad(format!("local adjacency does not fit {n_out} inner of {n_in} input rows"));
+        if n_out > n_in
+            || indptr.len() != n_out + 1
+            || degrees.len() != n_in
+            || indptr[n_out] != indices.len()
+        {
+            return bad(format!(
+                "local adjacency does not fit {n_out} inner of {n_in} input rows"
+            ));
         }
         if indices.iter().any(|&j| j as usize >= n_in) || indptr.windows(2).any(|w| w[0] > w[1]) {
             return bad("local adjacency has an index out of range".into());
@@ -191,34 +213,46 @@ impl Block {
         let mut values = vec![0f32; nnz];
         let isegs = split_segments(&mut out_idx, &out_ptr);
         let vsegs = split_segments(&mut values, &out_ptr);
-        isegs.into_par_iter().zip(vsegs).enumerate().for_each(|(r, (iseg, vseg))| {
-            let g = gids[r];
-            let di = degrees[r] as f32;
-            let mut k = 0;
-            let mut push = |j: u32| {
-                iseg[k] = j;
-                vseg[k] = match agg {
-                    Aggregation::GcnNorm => 1.0 / ((di + 1.0) * (degrees[j as usize] as f32 + 1.0)).sqrt(),
-                    Aggregation::Mean => 1.0 / di,
-                    Aggregation::Attention => 1.0,
+        isegs
+            .into_par_iter()
+            .zip(vsegs)
+            .enumerate()
+            .for_each(|(r, (iseg, vseg))| {
+                let g = gids[r];
+                let di = degrees[r] as f32;
+                let mut k = 0;
+                let mut push = |j: u32| {
+                    iseg[k] = j;
+                    vseg[k] = match agg {
+                        Aggregation::GcnNorm => {
+                            1.0 / ((di + 1.0) * (degrees[j as usize] as f32 + 1.0)).sqrt()
+                        }
+                        Aggregation::Mean => 1.0 / di,
+                        Aggregation::Attention => 1.0,
+                    };
+                    k += 1;
                 };
-                k += 1;
-            };
-            let mut self_done = !self_loop;
-            for &j in &indices[indptr[r]..indptr[r + 1]] {
-                if !self_done && gids[j as usize] > g {
-                    push(r as u32);
-                    self_done = true;
+                let mut self_done = !self_loop;
+                for &j in &indices[indptr[r]..indptr[r + 1]] {
+                    if !self_done && gids[j as usize] > g {
+                        push(r as u32);
+                        self_done = true;
+                    }
+                    push(j);
                 }
-                push(j);
-            }
-            if !self_done {
-                push(r as u32);
-            }
-        });
+                if !self_done {
+                    push(r as u32);
+                }
+            });
         let adj = Csr::new(n_out, n_in, out_ptr, out_idx, Some(values))?;
         let adj_t = adj.transpose();
-        Ok(Block { n_out, gids, adj, adj_t, agg })
+        Ok(Block {
+            n_out,
+            gids,
+            adj,
+            adj_t,
+            agg,
+        })
     }
 
     /// Number of output (inner) rows.

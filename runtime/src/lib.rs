@@ -17,9 +17,9 @@ pub mod train;
 pub use data::{DataSource, Dataset};
 pub use error::RuntimeError;
 pub use graph::{Aggregation, Block, Graph};
+pub use model::{LayerInput, Model, ModelConfig, ModelKind, Optimizer, OptimizerKind, StepCtx};
 pub use report::{EpochLog, RunReport};
 pub use train::{TrainConfig, Trainer};
-pub use model::{LayerInput, Model, ModelConfig, ModelKind, Optimizer, OptimizerKind, StepCtx};
 
 /// Result type of this crate.
 pub type Result<T> = std::result::Result<T, RuntimeError>;

@@ -6,9 +6,11 @@ use std::io::IsTerminal;
 pub fn bar(len: u64, what: &str) -> ProgressBar {
     let pb = ProgressBar::with_draw_target(Some(len), draw_target());
     pb.set_style(
-        ProgressStyle::with_template("{msg:>12} [{bar:40}] {pos}/{len} {elapsed_precise} eta {eta}")
-            .expect("static template")
-            .progress_chars("=> "),
+        ProgressStyle::with_template(
+            "{msg:>12} [{bar:40}] {pos}/{len} {elapsed_precise} eta {eta}",
+        )
+        .expect("static template")
+        .progress_chars("=> "),
     );
     pb.set_message(what.to_string());
     pb

@@ -57,14 +57,16 @@ pub struct RunReport {
 impl RunReport {
     /// Writes the report as pretty JSON.
     pub fn write(&self, path: &Path) -> Result<()> {
-        let json = serde_json::to_string_pretty(self).map_err(|e| RuntimeError::bad_file(path, e.to_string()))?;
+        let json = serde_json::to_string_pretty(self)
+            .map_err(|e| RuntimeError::bad_file(path, e.to_string()))?;
         std::fs::write(path, json).map_err(|e| RuntimeError::io(path, e))
     }
 
     /// Reads a report.
     pub fn read(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| RuntimeError::io(path, e))?;
-        serde_json::from_str(&text).map_err(|e| RuntimeError::bad_file(path, format!("not a run report: {e}")))
+        serde_json::from_str(&text)
+            .map_err(|e| RuntimeError::bad_file(path, format!("not a run report: {e}")))
     }
 }
 
@@ -88,9 +90,11 @@ pub fn peak_rss_bytes() -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
         .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
-                .and_then(|l| l.split_whitespace().nth(1).and_then(|kb| kb.parse::<u64>().ok()))
+            s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| {
+                l.split_whitespace()
+                    .nth(1)
+                    .and_then(|kb| kb.parse::<u64>().ok())
+            })
         })
         .map_or(0, |kb| kb * 1024)
 }

@@ -4,7 +4,10 @@
 //! the same layers on their blocks and must reproduce its losses.
 use crate::model::{LayerInput, StepCtx};
 use crate::report::{self, BestTracker, EpochLog, RunReport};
-use crate::{Block, Dataset, Graph, Model, ModelConfig, ModelKind, Optimizer, OptimizerKind, Result, RuntimeError};
+use crate::{
+    Block, Dataset, Graph, Model, ModelConfig, ModelKind, Optimizer, OptimizerKind, Result,
+    RuntimeError,
+};
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
 use trellis_gpu::{AdamConfig, Stream, Tensor};
@@ -41,13 +44,21 @@ impl TrainConfig {
 
     /// The optimizer this config asks for.
     pub fn optimizer(&self) -> OptimizerKind {
-        OptimizerKind::Adam(AdamConfig { lr: self.lr, weight_decay: self.weight_decay, ..AdamConfig::default() })
+        OptimizerKind::Adam(AdamConfig {
+            lr: self.lr,
+            weight_decay: self.weight_decay,
+            ..AdamConfig::default()
+        })
     }
 
     /// Checks ranges.
     pub fn validate(&self) -> Result<()> {
-        if !(self.lr > 0.0 && self.lr.is_finite()) || !(self.weight_decay >= 0.0 && self.weight_decay.is_finite()) {
-            return Err(RuntimeError::Config("lr must be > 0 and weight decay >= 0".into()));
+        if !(self.lr > 0.0 && self.lr.is_finite())
+            || !(self.weight_decay >= 0.0 && self.weight_decay.is_finite())
+        {
+            return Err(RuntimeError::Config(
+                "lr must be > 0 and weight decay >= 0".into(),
+            ));
         }
         Ok(())
     }
@@ -123,9 +134,21 @@ impl Trainer {
         let opt = Optimizer::new(cfg.optimizer(), &model);
         let splits = Splits::from_dataset(ds);
         if splits.train.is_empty() {
-            return Err(RuntimeError::BadData("the training mask selects no node".into()));
+            return Err(RuntimeError::BadData(
+                "the training mask selects no node".into(),
+            ));
         }
-        Ok(Trainer { cfg, stream, block, x, splits, model, opt, dataset: ds.name.clone(), data_digest: ds.digest() })
+        Ok(Trainer {
+            cfg,
+            stream,
+            block,
+            x,
+            splits,
+            model,
+            opt,
+            dataset: ds.name.clone(),
+            data_digest: ds.digest(),
+        })
     }
 
     /// The model being trained.
@@ -138,10 +161,18 @@ impl Trainer {
         let s = &self.stream;
         let t0 = Instant::now();
         self.model.zero_grad();
-        let logits = self.model.forward_full(s, &self.block, &self.x, StepCtx { epoch, train: true })?;
+        let logits =
+            self.model
+                .forward_full(s, &self.block, &self.x, StepCtx { epoch, train: true })?;
         let mut grad = Tensor::zeros(logits.rows(), logits.cols());
         let scale = 1.0 / self.splits.train.len() as f32;
-        let loss = s.softmax_nll(&logits, &self.splits.labels, &self.splits.train, scale, &mut grad)?;
+        let loss = s.softmax_nll(
+            &logits,
+            &self.splits.labels,
+            &self.splits.train,
+            scale,
+            &mut grad,
+        )?;
         drop(logits);
         self.model.backward_full(s, &self.block, grad)?;
         self.opt.step(s, &mut self.model)?;
@@ -166,11 +197,27 @@ impl Trainer {
     /// Accuracy on the three splits with dropout off.
     pub fn evaluate(&mut self, epoch: u32) -> Result<(f64, f64, f64)> {
         let s = &self.stream;
-        let logits = self.model.forward_full(s, &self.block, &self.x, StepCtx { epoch, train: false })?;
+        let logits = self.model.forward_full(
+            s,
+            &self.block,
+            &self.x,
+            StepCtx {
+                epoch,
+                train: false,
+            },
+        )?;
         let acc = |ids: &[u32]| -> Result<f64> {
-            Ok(if ids.is_empty() { 0.0 } else { s.accuracy_count(&logits, &self.splits.labels, ids)? as f64 / ids.len() as f64 })
+            Ok(if ids.is_empty() {
+                0.0
+            } else {
+                s.accuracy_count(&logits, &self.splits.labels, ids)? as f64 / ids.len() as f64
+            })
         };
-        Ok((acc(&self.splits.train)?, acc(&self.splits.val)?, acc(&self.splits.test)?))
+        Ok((
+            acc(&self.splits.train)?,
+            acc(&self.splits.val)?,
+            acc(&self.splits.test)?,
+        ))
     }
 
     /// Trains for the configured epochs, calling `on_epoch` after each, and returns the report.
@@ -180,13 +227,26 @@ impl Trainer {
         for epoch in 1..=self.cfg.epochs {
             let log = self.epoch(epoch)?;
             if !log.loss.is_finite() {
-                return Err(RuntimeError::BadData(format!("training diverged: loss {} at epoch {epoch}", log.loss)));
+                return Err(RuntimeError::BadData(format!(
+                    "training diverged: loss {} at epoch {epoch}",
+                    log.loss
+                )));
             }
             best.update(&log);
             on_epoch(&log);
             logs.push(log);
         }
-        Ok(build_report(&self.cfg, &self.dataset, &self.data_digest, 1, 0, self.stream.threads(), &best, logs, self.model.weights_digest()))
+        Ok(build_report(
+            &self.cfg,
+            &self.dataset,
+            &self.data_digest,
+            1,
+            0,
+            self.stream.threads(),
+            &best,
+            logs,
+            self.model.weights_digest(),
+        ))
     }
 }
 

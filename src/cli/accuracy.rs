@@ -39,6 +39,9 @@ pub fn run(a: AccuracyArgs) -> Result<()> {
                 seed,
                 threads: a.threads,
                 no_normalize_features: false,
+                partitions: 1,
+                partition_method: trellis_runtime::partition::PartitionMethod::Metis,
+                partition_dir: None,
                 report: None,
                 verbose: false,
             };

@@ -3,6 +3,9 @@ use anyhow::Result;
 use clap::{Parser, Subcommand};
 
 mod accuracy;
+mod bench;
+mod demo;
+mod partition;
 mod train;
 
 pub use train::TrainArgs;
@@ -17,16 +20,26 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Train a model and write a run report.
+    /// Train a model (single process, or P partition actors with --partitions) and report.
     Train(TrainArgs),
+    /// Split a data set into partition files plus a partition book.
+    Partition(partition::PartitionArgs),
     /// Mean test accuracy over several seeds for each model (the README table).
     Accuracy(accuracy::AccuracyArgs),
+    /// Measure epoch time, SpMM bandwidth and this machine's memory bandwidth side by side.
+    Bench(bench::BenchArgs),
+    /// Train on a built-in synthetic graph, single-process and partitioned with an injected
+    /// fault, and show that both end with the same weights.
+    Demo(demo::DemoArgs),
 }
 
 /// Runs a parsed command line.
 pub fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Train(a) => train::run(a),
+        Command::Partition(a) => partition::run(a),
         Command::Accuracy(a) => accuracy::run(a),
+        Command::Bench(a) => bench::run(a),
+        Command::Demo(a) => demo::run(a),
     }
 }

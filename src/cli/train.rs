@@ -2,6 +2,8 @@
 use anyhow::{Context, Result};
 use clap::Args;
 use std::path::PathBuf;
+use trellis_actors::{RunEvent, Topology};
+use trellis_runtime::partition::PartitionMethod;
 use trellis_runtime::{progress, DataSource, Dataset, ModelKind, RunReport, TrainConfig, Trainer};
 
 /// Options of `trellis train`. Unset hyper-parameters take the paper's Cora settings.
@@ -34,6 +36,15 @@ pub struct TrainArgs {
     /// Do not row-normalise the input features.
     #[arg(long)]
     pub no_normalize_features: bool,
+    /// Train with this many partition actors (halo exchange between them); 1 = single process.
+    #[arg(long, default_value_t = 1)]
+    pub partitions: usize,
+    /// How to partition: metis or random.
+    #[arg(long, default_value = "metis")]
+    pub partition_method: PartitionMethod,
+    /// Use (or write) partition files in this folder instead of a temporary one.
+    #[arg(long)]
+    pub partition_dir: Option<PathBuf>,
     /// Where to write the JSON run report.
     #[arg(long)]
     pub report: Option<PathBuf>,
@@ -45,7 +56,8 @@ pub struct TrainArgs {
 impl TrainArgs {
     /// The training configuration for a loaded data set.
     pub fn config(&self, ds: &Dataset) -> Result<TrainConfig> {
-        let mut cfg = TrainConfig::paper_defaults(self.model, ds.num_features, ds.num_classes, self.seed);
+        let mut cfg =
+            TrainConfig::paper_defaults(self.model, ds.num_features, ds.num_classes, self.seed);
         if let Some(e) = self.epochs {
             cfg.epochs = e;
         }
@@ -101,10 +113,62 @@ pub fn train_single(ds: &Dataset, cfg: TrainConfig, verbose: bool) -> Result<Run
     Ok(report)
 }
 
+/// Trains with `parts` partition actors through the topology API and returns the report.
+pub fn train_partitioned(
+    ds: &Dataset,
+    cfg: TrainConfig,
+    parts: usize,
+    method: PartitionMethod,
+    dir: Option<&std::path::Path>,
+    verbose: bool,
+) -> Result<RunReport> {
+    let epochs = cfg.epochs as u64;
+    let topo = Topology::partition(ds, parts, method, dir, cfg)?;
+    let run = topo.spawn()?;
+    let cancel = run.canceller();
+    // Ctrl-C stops the run after the step in progress; actors and threads are joined.
+    let _ = ctrlc::set_handler(move || cancel.store(true, std::sync::atomic::Ordering::SeqCst));
+    let pb = progress::bar(epochs, "training");
+    for ev in run.events() {
+        match ev {
+            RunEvent::Epoch(log) => {
+                pb.inc(1);
+                if verbose {
+                    pb.suspend(|| {
+                        println!(
+                            "epoch {:>4}  loss {:.4}  val {:.3}  test {:.3}  {:.1} ms (compute {:.1}, comm {:.1}, halo {} KiB)",
+                            log.epoch, log.loss, log.val_acc, log.test_acc, log.ms, log.compute_ms, log.comm_ms, log.halo_bytes / 1024
+                        )
+                    });
+                }
+            }
+            RunEvent::Recovered(r) => pb.suspend(|| {
+                println!(
+                    "recovered: {} of partition {} in epoch {}: detected after {:.1} ms, resumed after {:.1} ms, {} step replayed",
+                    r.kind, r.partition, r.epoch, r.detected_ms, r.resumed_ms, r.steps_replayed
+                )
+            }),
+        }
+    }
+    pb.finish_and_clear();
+    Ok(run.wait()?)
+}
+
 pub fn run(a: TrainArgs) -> Result<()> {
     let ds = load_data(&a.data)?;
     let cfg = a.config(&ds)?;
-    let report = train_single(&ds, cfg, a.verbose)?;
+    let report = if a.partitions > 1 || a.partition_dir.is_some() {
+        train_partitioned(
+            &ds,
+            cfg,
+            a.partitions.max(1),
+            a.partition_method,
+            a.partition_dir.as_deref(),
+            a.verbose,
+        )?
+    } else {
+        train_single(&ds, cfg, a.verbose)?
+    };
     print_summary(&report);
     if let Some(path) = &a.report {
         report.write(path)?;

@@ -35,8 +35,13 @@ impl InProcessTransport {
 impl Transport for InProcessTransport {
     fn send(&self, block: HaloBlock) -> Result<(), TransportError> {
         let to = block.header.to;
-        let deliver = self.routes.get(&to).map(|d| d.clone()).ok_or(TransportError::UnknownPartition(to))?;
-        self.bytes.fetch_add(block.payload_bytes(), Ordering::Relaxed);
+        let deliver = self
+            .routes
+            .get(&to)
+            .map(|d| d.clone())
+            .ok_or(TransportError::UnknownPartition(to))?;
+        self.bytes
+            .fetch_add(block.payload_bytes(), Ordering::Relaxed);
         if deliver(block) {
             Ok(())
         } else {
@@ -64,7 +69,12 @@ mod tests {
             from: PartId(0),
             to: PartId(to),
         };
-        HaloBlock { header, rows: 1, cols: data.len() as u32, data }
+        HaloBlock {
+            header,
+            rows: 1,
+            cols: data.len() as u32,
+            data,
+        }
     }
 
     #[test]
@@ -72,14 +82,20 @@ mod tests {
         let t = InProcessTransport::new();
         let got: Arc<Mutex<Vec<HaloBlock>>> = Arc::default();
         let sink = got.clone();
-        t.register(PartId(1), Arc::new(move |b| {
-            sink.lock().unwrap().push(b);
-            true
-        }));
+        t.register(
+            PartId(1),
+            Arc::new(move |b| {
+                sink.lock().unwrap().push(b);
+                true
+            }),
+        );
         let data: Arc<[f32]> = Arc::from(vec![1.0, 2.0, 3.0]);
         t.send(block(1, data.clone())).unwrap();
         let got = got.lock().unwrap();
-        assert!(Arc::ptr_eq(&got[0].data, &data), "the buffer must be shared, not copied");
+        assert!(
+            Arc::ptr_eq(&got[0].data, &data),
+            "the buffer must be shared, not copied"
+        );
         assert_eq!(t.bytes_sent(), 12);
     }
 
@@ -87,8 +103,14 @@ mod tests {
     fn unknown_and_closed_partitions_are_errors() {
         let t = InProcessTransport::new();
         let data: Arc<[f32]> = Arc::from(vec![0.0]);
-        assert!(matches!(t.send(block(3, data.clone())), Err(TransportError::UnknownPartition(PartId(3)))));
+        assert!(matches!(
+            t.send(block(3, data.clone())),
+            Err(TransportError::UnknownPartition(PartId(3)))
+        ));
         t.register(PartId(3), Arc::new(|_| false));
-        assert!(matches!(t.send(block(3, data)), Err(TransportError::Closed(PartId(3)))));
+        assert!(matches!(
+            t.send(block(3, data)),
+            Err(TransportError::Closed(PartId(3)))
+        ));
     }
 }

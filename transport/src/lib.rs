@@ -9,6 +9,7 @@
 mod inproc;
 mod message;
 
+pub use inproc::Deliver;
 pub use inproc::InProcessTransport;
 pub use message::{HaloBlock, MsgHeader, PartId, Phase, RunId, SharedBuf};
 
@@ -23,6 +24,9 @@ pub enum TransportError {
     /// The destination exists but no longer accepts messages (it stopped).
     #[error("partition {0} is not accepting messages")]
     Closed(PartId),
+    /// A remote node failed: unreachable, refused, timed out or gone. Names the peer.
+    #[error("peer node {node}: {reason}")]
+    Peer { node: u32, reason: String },
 }
 
 /// Moves halo blocks from one partition to another.
@@ -32,3 +36,8 @@ pub trait Transport: Send + Sync {
     /// Payload bytes sent through this transport so far.
     fn bytes_sent(&self) -> u64;
 }
+
+pub mod bench;
+pub mod certs;
+pub mod quic;
+pub mod wire;

@@ -60,11 +60,13 @@ pub fn column_sums(g: &[f32], width: usize, out: &mut [f32]) {
 /// `y = act(x)` elementwise.
 pub fn activation(act: Activation, x: &[f32], y: &mut [f32]) {
     assert_eq!(x.len(), y.len(), "activation: length mismatch");
-    y.par_chunks_mut(16_384).zip(x.par_chunks(16_384)).for_each(|(y, x)| {
-        for (o, &v) in y.iter_mut().zip(x) {
-            *o = act.apply(v);
-        }
-    });
+    y.par_chunks_mut(16_384)
+        .zip(x.par_chunks(16_384))
+        .for_each(|(y, x)| {
+            for (o, &v) in y.iter_mut().zip(x) {
+                *o = act.apply(v);
+            }
+        });
 }
 
 /// `gx = gy * act'(x)` elementwise (derivative taken at the pre-activation input `x`).
@@ -91,14 +93,20 @@ pub fn dropout(x: &mut [f32], width: usize, gids: &[u32], key: DropoutKey, p: f3
     if p <= 0.0 || width == 0 {
         return;
     }
-    assert_eq!(x.len(), gids.len() * width, "dropout: one global id per row is needed");
+    assert_eq!(
+        x.len(),
+        gids.len() * width,
+        "dropout: one global id per row is needed"
+    );
     let mask = MaskGen::new(key, p);
     let chunk = row_chunk(gids.len(), width);
-    x.par_chunks_mut(chunk * width).enumerate().for_each(|(c, block)| {
-        for (r, row) in block.chunks_mut(width).enumerate() {
-            mask.apply_row(gids[c * chunk + r], row);
-        }
-    });
+    x.par_chunks_mut(chunk * width)
+        .enumerate()
+        .for_each(|(c, block)| {
+            for (r, row) in block.chunks_mut(width).enumerate() {
+                mask.apply_row(gids[c * chunk + r], row);
+            }
+        });
 }
 
 /// Dropout over a row's entries (GAT attention dropout): value `k` of row `r`'s segment (its
@@ -114,8 +122,16 @@ pub fn edge_dropout(
     if p <= 0.0 {
         return;
     }
-    assert_eq!(indptr.len(), gids.len() + 1, "edge_dropout: one global id per row is needed");
-    assert_eq!(vals.len(), indptr[gids.len()] * heads, "edge_dropout: values length");
+    assert_eq!(
+        indptr.len(),
+        gids.len() + 1,
+        "edge_dropout: one global id per row is needed"
+    );
+    assert_eq!(
+        vals.len(),
+        indptr[gids.len()] * heads,
+        "edge_dropout: values length"
+    );
     let mask = MaskGen::new(key, p);
     let mut segs: Vec<&mut [f32]> = Vec::with_capacity(gids.len());
     let mut rest = vals;
@@ -133,11 +149,22 @@ pub fn edge_dropout(
 
 /// Dropout of a sparse matrix's stored values with the same mask as [`dropout`] would apply to
 /// its dense form: entry (row `r`, column `c`) uses the draw for `(gids[r], c)`.
-pub fn dropout_csr(indptr: &[usize], indices: &[u32], vals: &mut [f32], gids: &[u32], key: DropoutKey, p: f32) {
+pub fn dropout_csr(
+    indptr: &[usize],
+    indices: &[u32],
+    vals: &mut [f32],
+    gids: &[u32],
+    key: DropoutKey,
+    p: f32,
+) {
     if p <= 0.0 {
         return;
     }
-    assert_eq!(indptr.len(), gids.len() + 1, "dropout_csr: one global id per row is needed");
+    assert_eq!(
+        indptr.len(),
+        gids.len() + 1,
+        "dropout_csr: one global id per row is needed"
+    );
     assert_eq!(vals.len(), indices.len(), "dropout_csr: values length");
     let mask = MaskGen::new(key, p);
     let mut segs: Vec<&mut [f32]> = Vec::with_capacity(gids.len());
@@ -167,7 +194,12 @@ impl MaskGen {
     fn new(key: DropoutKey, p: f32) -> Self {
         let threshold = (p.clamp(0.0, 1.0) as f64 * 65_536.0).round().min(65_536.0) as u32;
         let scale = if p < 1.0 { 1.0 / (1.0 - p) } else { 0.0 };
-        MaskGen { g: Philox4x32::new(key.seed), key, threshold, scale }
+        MaskGen {
+            g: Philox4x32::new(key.seed),
+            key,
+            threshold,
+            scale,
+        }
     }
 
     /// Masks the entries of a sparse row (columns ascending) as [`Self::apply_row`] would.
@@ -180,7 +212,11 @@ impl MaskGen {
             }
             let k = (c % 8) as usize;
             let draw = (cached.1[k / 2] >> (16 * (k % 2))) & 0xffff;
-            *v = if draw >= self.threshold { *v * self.scale } else { 0.0 };
+            *v = if draw >= self.threshold {
+                *v * self.scale
+            } else {
+                0.0
+            };
         }
     }
 
@@ -194,7 +230,11 @@ impl MaskGen {
             let u = self.g.block(self.key.counter(gid, b as u32));
             for (k, v) in cols.iter_mut().enumerate() {
                 let draw = (u[k / 2] >> (16 * (k % 2))) & 0xffff;
-                *v = if draw >= self.threshold { *v * self.scale } else { 0.0 };
+                *v = if draw >= self.threshold {
+                    *v * self.scale
+                } else {
+                    0.0
+                };
             }
         }
     }
@@ -203,7 +243,9 @@ impl MaskGen {
 /// `y += alpha * x`.
 pub fn axpy(alpha: f32, x: &[f32], y: &mut [f32]) {
     assert_eq!(x.len(), y.len(), "axpy: length mismatch");
-    y.par_chunks_mut(16_384).zip(x.par_chunks(16_384)).for_each(|(y, x)| {
-        y.iter_mut().zip(x).for_each(|(y, &x)| *y += alpha * x);
-    });
+    y.par_chunks_mut(16_384)
+        .zip(x.par_chunks(16_384))
+        .for_each(|(y, x)| {
+            y.iter_mut().zip(x).for_each(|(y, &x)| *y += alpha * x);
+        });
 }

@@ -39,8 +39,16 @@ pub fn gemm(
         return;
     }
     // Row-major strides: element (i, j) of a row-major r x s matrix is at i * s + j.
-    let (a_rs, a_cs) = if trans_a { (1, m as isize) } else { (k as isize, 1) };
-    let (b_rs, b_cs) = if trans_b { (1, k as isize) } else { (n as isize, 1) };
+    let (a_rs, a_cs) = if trans_a {
+        (1, m as isize)
+    } else {
+        (k as isize, 1)
+    };
+    let (b_rs, b_cs) = if trans_b {
+        (1, k as isize)
+    } else {
+        (n as isize, 1)
+    };
     let par = if threads > 1 && m * n * k >= 64 * 64 * 64 {
         gemm::Parallelism::Rayon(threads)
     } else {

@@ -28,12 +28,27 @@ pub fn softmax_nll(
     scale: f32,
     grad: &mut [f32],
 ) -> LossSums {
-    assert_eq!(logits.len(), labels.len() * classes, "softmax_nll: logits/labels mismatch");
-    assert_eq!(grad.len(), logits.len(), "softmax_nll: grad has the wrong length");
+    assert_eq!(
+        logits.len(),
+        labels.len() * classes,
+        "softmax_nll: logits/labels mismatch"
+    );
+    assert_eq!(
+        grad.len(),
+        logits.len(),
+        "softmax_nll: grad has the wrong length"
+    );
     let n = labels.len();
     if n == 0 || classes == 0 {
-        assert!(rows.is_empty(), "softmax_nll: rows selected from an empty set of logits");
-        return LossSums { loss_sum: 0.0, correct: 0, count: 0 };
+        assert!(
+            rows.is_empty(),
+            "softmax_nll: rows selected from an empty set of logits"
+        );
+        return LossSums {
+            loss_sum: 0.0,
+            correct: 0,
+            count: 0,
+        };
     }
     // How often each row is selected (panics on an out-of-range row before any write).
     let mut times = vec![0u32; n];
@@ -44,7 +59,11 @@ pub fn softmax_nll(
     let mut row_hit = vec![false; n];
     let chunk = row_chunk(n, classes);
     grad.par_chunks_mut(chunk * classes)
-        .zip(row_loss.par_chunks_mut(chunk).zip(row_hit.par_chunks_mut(chunk)))
+        .zip(
+            row_loss
+                .par_chunks_mut(chunk)
+                .zip(row_hit.par_chunks_mut(chunk)),
+        )
         .enumerate()
         .for_each(|(c, (g, (loss, hit)))| {
             for (k, grow) in g.chunks_mut(classes).enumerate() {
@@ -56,7 +75,10 @@ pub fn softmax_nll(
                 let z = &logits[r * classes..(r + 1) * classes];
                 let (lse, arg) = log_sum_exp(z);
                 let y = labels[r] as usize;
-                assert!(y < classes, "softmax_nll: label {y} out of {classes} classes");
+                assert!(
+                    y < classes,
+                    "softmax_nll: label {y} out of {classes} classes"
+                );
                 loss[k] = lse - z[y] as f64;
                 hit[k] = arg == y;
                 let s = scale * times[r] as f32;
@@ -68,7 +90,11 @@ pub fn softmax_nll(
         });
     let loss_sum = rows.iter().map(|&r| row_loss[r as usize]).sum();
     let correct = rows.iter().filter(|&&r| row_hit[r as usize]).count();
-    LossSums { loss_sum, correct, count: rows.len() }
+    LossSums {
+        loss_sum,
+        correct,
+        count: rows.len(),
+    }
 }
 
 /// Number of `rows` whose argmax of `logits` equals the label (ties go to the lowest index).

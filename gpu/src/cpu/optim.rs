@@ -3,8 +3,20 @@ use crate::ops::{AdamConfig, SgdConfig};
 use rayon::prelude::*;
 
 /// One Adam step (`t` counts from 1). `grad` is not modified.
-pub fn adam_step(cfg: &AdamConfig, t: u64, param: &mut [f32], grad: &[f32], m: &mut [f32], v: &mut [f32]) {
-    assert!(param.len() == grad.len() && m.len() == grad.len() && v.len() == grad.len(), "adam: length mismatch");
+pub fn adam_step(
+    cfg: &AdamConfig,
+    t: u64,
+    param: &mut [f32],
+    grad: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+) {
+    assert!(
+        param.len() == grad.len() && m.len() == grad.len() && v.len() == grad.len(),
+        "adam: length mismatch"
+    );
+    // t = 0 would divide by a zero bias correction and silently turn every parameter into NaN.
+    assert!(t >= 1, "adam: steps count from 1");
     let bc1 = 1.0 - (cfg.beta1 as f64).powi(t as i32);
     let bc2 = 1.0 - (cfg.beta2 as f64).powi(t as i32);
     let step = (cfg.lr as f64 / bc1) as f32;
@@ -27,7 +39,10 @@ pub fn adam_step(cfg: &AdamConfig, t: u64, param: &mut [f32], grad: &[f32], m: &
 
 /// One SGD step with optional momentum (`buf` holds the momentum buffer).
 pub fn sgd_step(cfg: &SgdConfig, param: &mut [f32], grad: &[f32], buf: &mut [f32]) {
-    assert!(param.len() == grad.len() && buf.len() == grad.len(), "sgd: length mismatch");
+    assert!(
+        param.len() == grad.len() && buf.len() == grad.len(),
+        "sgd: length mismatch"
+    );
     let (lr, mu, wd) = (cfg.lr, cfg.momentum, cfg.weight_decay);
     param
         .par_chunks_mut(4096)

@@ -1,7 +1,10 @@
 //! Sparse kernels over CSR: SpMM, SDDMM, edge softmax, row gather and scatter-add.
 //!
-//! All are row-parallel with a sequential inner loop per output row, so results are
-//! bit-identical for any thread count.
+//! Every output element is summed sequentially, in a fixed order, by one task (the kernels are
+//! row-parallel, scatter-add is column-block parallel), so results are bit-identical for any
+//! thread count. The hot loops are also compiled for AVX2 and picked at run time; both builds
+//! perform the same operations in the same order (never a fused multiply-add), so the bits do
+//! not depend on the CPU's SIMD width either.
 use super::row_chunk;
 use crate::Csr;
 use rayon::prelude::*;
@@ -13,29 +16,60 @@ use rayon::prelude::*;
 /// Every output element is summed from 0 in CSR order by one task, with a separate multiply
 /// and add (never a fused multiply-add), so the bits do not depend on the thread count nor on
 /// the SIMD width the CPU offers.
-pub fn spmm(csr: &Csr, weights: Option<&[f32]>, heads: usize, x: &[f32], width: usize, out: &mut [f32]) {
-    assert!(heads >= 1 && width % heads == 0, "spmm: width {width} not divisible by {heads} heads");
-    assert_eq!(x.len(), csr.n_cols() * width, "spmm: x has the wrong length");
-    assert_eq!(out.len(), csr.n_rows() * width, "spmm: out has the wrong length");
+pub fn spmm(
+    csr: &Csr,
+    weights: Option<&[f32]>,
+    heads: usize,
+    x: &[f32],
+    width: usize,
+    out: &mut [f32],
+) {
+    assert!(
+        heads >= 1 && width % heads == 0,
+        "spmm: width {width} not divisible by {heads} heads"
+    );
+    assert_eq!(
+        x.len(),
+        csr.n_cols() * width,
+        "spmm: x has the wrong length"
+    );
+    assert_eq!(
+        out.len(),
+        csr.n_rows() * width,
+        "spmm: out has the wrong length"
+    );
     if let Some(w) = weights {
-        assert_eq!(w.len(), csr.nnz() * heads, "spmm: weights have the wrong length");
+        assert_eq!(
+            w.len(),
+            csr.nnz() * heads,
+            "spmm: weights have the wrong length"
+        );
     }
     if width == 0 {
         return;
     }
-    let args = SpmmArgs { indptr: csr.indptr(), indices: csr.indices(), weights, heads, x, width };
+    let args = SpmmArgs {
+        indptr: csr.indptr(),
+        indices: csr.indices(),
+        weights,
+        heads,
+        x,
+        width,
+    };
     let chunk = row_chunk(csr.n_rows(), width);
     #[cfg(target_arch = "x86_64")]
     let avx2 = std::arch::is_x86_feature_detected!("avx2");
-    out.par_chunks_mut(chunk * width).enumerate().for_each(|(c, block)| {
-        #[cfg(target_arch = "x86_64")]
-        if avx2 {
-            // SAFETY: the CPU supports AVX2 (checked just above).
-            unsafe { spmm_rows_avx2(&args, c * chunk, block) };
-            return;
-        }
-        spmm_rows(&args, c * chunk, block);
-    });
+    out.par_chunks_mut(chunk * width)
+        .enumerate()
+        .for_each(|(c, block)| {
+            #[cfg(target_arch = "x86_64")]
+            if avx2 {
+                // SAFETY: the CPU supports AVX2 (checked just above).
+                unsafe { spmm_rows_avx2(&args, c * chunk, block) };
+                return;
+            }
+            spmm_rows(&args, c * chunk, block);
+        });
 }
 
 /// The operands of one [`spmm`].
@@ -78,7 +112,11 @@ fn spmm_rows(a: &SpmmArgs<'_>, first: usize, block: &mut [f32]) {
     }
     let width = a.width;
     // Without per-head weights the whole row is one segment.
-    let (segs, d) = if a.weights.is_some() && a.heads > 1 { (a.heads, width / a.heads) } else { (1, width) };
+    let (segs, d) = if a.weights.is_some() && a.heads > 1 {
+        (a.heads, width / a.heads)
+    } else {
+        (1, width)
+    };
     for (r, orow) in block.chunks_exact_mut(width).enumerate() {
         let (e0, e1) = (a.indptr[first + r], a.indptr[first + r + 1]);
         prefetch_ahead(a, e0, e1);
@@ -140,12 +178,22 @@ fn spmm_rows_heads<const D: usize>(a: &SpmmArgs<'_>, first: usize, block: &mut [
 #[inline(always)]
 fn prefetch_ahead(a: &SpmmArgs<'_>, e0: usize, e1: usize) {
     let nnz = a.indices.len();
-    prefetch_rows(a.x, a.width, &a.indices[(e0 + SPMM_PREFETCH).min(nnz)..(e1 + SPMM_PREFETCH).min(nnz)]);
+    prefetch_rows(
+        a.x,
+        a.width,
+        &a.indices[(e0 + SPMM_PREFETCH).min(nnz)..(e1 + SPMM_PREFETCH).min(nnz)],
+    );
 }
 
 /// Like [`tile`], over `T / D` whole heads starting at column `col0` (a multiple of `D`).
 #[inline(always)]
-fn tile_heads<const D: usize, const T: usize>(a: &SpmmArgs<'_>, e0: usize, e1: usize, col0: usize, out: &mut [f32]) {
+fn tile_heads<const D: usize, const T: usize>(
+    a: &SpmmArgs<'_>,
+    e0: usize,
+    e1: usize,
+    col0: usize,
+    out: &mut [f32],
+) {
     let w = a.weights.expect("per-head tiles need weights");
     let (heads, h0) = (a.heads, col0 / D);
     let mut acc = [0.0f32; T];
@@ -163,7 +211,14 @@ fn tile_heads<const D: usize, const T: usize>(a: &SpmmArgs<'_>, e0: usize, e1: u
 
 /// `out[t] = sum_{e in e0..e1} w[e, h] * x[col(e), col0 + t]` for `t < T`, summed in entry order.
 #[inline(always)]
-fn tile<const T: usize>(a: &SpmmArgs<'_>, e0: usize, e1: usize, h: usize, col0: usize, out: &mut [f32]) {
+fn tile<const T: usize>(
+    a: &SpmmArgs<'_>,
+    e0: usize,
+    e1: usize,
+    h: usize,
+    col0: usize,
+    out: &mut [f32],
+) {
     let mut acc = [0.0f32; T];
     let idx = &a.indices[e0..e1];
     match a.weights {
@@ -193,7 +248,10 @@ fn tile<const T: usize>(a: &SpmmArgs<'_>, e0: usize, e1: usize, h: usize, col0: 
 #[inline(always)]
 fn prefetch_rows(x: &[f32], width: usize, idx: &[u32]) {
     for &j in idx {
-        prefetch_span(x[j as usize * width..(j as usize + 1) * width].as_ptr(), width);
+        prefetch_span(
+            x[j as usize * width..(j as usize + 1) * width].as_ptr(),
+            width,
+        );
     }
 }
 
@@ -203,10 +261,25 @@ fn prefetch_rows(x: &[f32], width: usize, idx: &[u32]) {
 /// Each dot product is summed by [`dot`]'s fixed order (eight interleaved partial sums), one
 /// task per row: the bits do not depend on the thread count nor on the CPU's SIMD width.
 pub fn sddmm_dot(csr: &Csr, heads: usize, a: &[f32], b: &[f32], width: usize, out: &mut [f32]) {
-    assert!(heads >= 1 && width % heads == 0, "sddmm: width not divisible by heads");
-    assert_eq!(a.len(), csr.n_rows() * width, "sddmm: a has the wrong length");
-    assert_eq!(b.len(), csr.n_cols() * width, "sddmm: b has the wrong length");
-    assert_eq!(out.len(), csr.nnz() * heads, "sddmm: out has the wrong length");
+    assert!(
+        heads >= 1 && width % heads == 0,
+        "sddmm: width not divisible by heads"
+    );
+    assert_eq!(
+        a.len(),
+        csr.n_rows() * width,
+        "sddmm: a has the wrong length"
+    );
+    assert_eq!(
+        b.len(),
+        csr.n_cols() * width,
+        "sddmm: b has the wrong length"
+    );
+    assert_eq!(
+        out.len(),
+        csr.nnz() * heads,
+        "sddmm: out has the wrong length"
+    );
     let d = width / heads;
     let indices = csr.indices();
     #[cfg(target_arch = "x86_64")]
@@ -215,7 +288,11 @@ pub fn sddmm_dot(csr: &Csr, heads: usize, a: &[f32], b: &[f32], width: usize, ou
         let arow = &a[i * width..(i + 1) * width];
         let cols = &indices[e0..e0 + seg.len() / heads];
         let nnz = indices.len();
-        prefetch_rows(b, width, &indices[(e0 + SPMM_PREFETCH).min(nnz)..(e0 + cols.len() + SPMM_PREFETCH).min(nnz)]);
+        prefetch_rows(
+            b,
+            width,
+            &indices[(e0 + SPMM_PREFETCH).min(nnz)..(e0 + cols.len() + SPMM_PREFETCH).min(nnz)],
+        );
         #[cfg(target_arch = "x86_64")]
         if avx2 {
             // SAFETY: the CPU supports AVX2 (checked above).
@@ -230,13 +307,21 @@ pub fn sddmm_dot(csr: &Csr, heads: usize, a: &[f32], b: &[f32], width: usize, ou
 /// same bits).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn sddmm_dot_row_avx2(arow: &[f32], b: &[f32], cols: &[u32], heads: usize, d: usize, seg: &mut [f32]) {
+unsafe fn sddmm_dot_row_avx2(
+    arow: &[f32],
+    b: &[f32],
+    cols: &[u32],
+    heads: usize,
+    d: usize,
+    seg: &mut [f32],
+) {
     let width = arow.len();
     for (k, &j) in cols.iter().enumerate() {
         let brow = &b[j as usize * width..(j as usize + 1) * width];
         for h in 0..heads {
             // SAFETY: AVX2 is enabled on this function.
-            seg[k * heads + h] = unsafe { dot_avx2(&arow[h * d..(h + 1) * d], &brow[h * d..(h + 1) * d]) };
+            seg[k * heads + h] =
+                unsafe { dot_avx2(&arow[h * d..(h + 1) * d], &brow[h * d..(h + 1) * d]) };
         }
     }
 }
@@ -253,7 +338,12 @@ unsafe fn dot_avx2(x: &[f32], y: &[f32]) -> f32 {
     let mut i = 0;
     while i < whole {
         // SAFETY: `i + 8 <= n`, so both 8-float loads are in bounds.
-        let (xv, yv) = unsafe { (_mm256_loadu_ps(x.as_ptr().add(i)), _mm256_loadu_ps(y.as_ptr().add(i))) };
+        let (xv, yv) = unsafe {
+            (
+                _mm256_loadu_ps(x.as_ptr().add(i)),
+                _mm256_loadu_ps(y.as_ptr().add(i)),
+            )
+        };
         acc = _mm256_add_ps(acc, _mm256_mul_ps(xv, yv));
         i += 8;
     }
@@ -292,7 +382,12 @@ fn dot(x: &[f32], y: &[f32]) -> f32 {
             acc[l] += xs[l] * ys[l];
         }
     }
-    let m = [acc[0] + acc[4], acc[1] + acc[5], acc[2] + acc[6], acc[3] + acc[7]];
+    let m = [
+        acc[0] + acc[4],
+        acc[1] + acc[5],
+        acc[2] + acc[6],
+        acc[3] + acc[7],
+    ];
     let mut s = (m[0] + m[2]) + (m[1] + m[3]);
     for (&p, &q) in xt.iter().zip(yt) {
         s += p * q;
@@ -303,9 +398,21 @@ fn dot(x: &[f32], y: &[f32]) -> f32 {
 /// Edge scores from per-node terms: `out[e, h] = left[row(e), h] + right[col(e), h]`
 /// (GAT's `a_l . Wh_i + a_r . Wh_j`). `left` is `n_rows x heads`, `right` is `n_cols x heads`.
 pub fn sddmm_add(csr: &Csr, heads: usize, left: &[f32], right: &[f32], out: &mut [f32]) {
-    assert_eq!(left.len(), csr.n_rows() * heads, "sddmm_add: left has the wrong length");
-    assert_eq!(right.len(), csr.n_cols() * heads, "sddmm_add: right has the wrong length");
-    assert_eq!(out.len(), csr.nnz() * heads, "sddmm_add: out has the wrong length");
+    assert_eq!(
+        left.len(),
+        csr.n_rows() * heads,
+        "sddmm_add: left has the wrong length"
+    );
+    assert_eq!(
+        right.len(),
+        csr.n_cols() * heads,
+        "sddmm_add: right has the wrong length"
+    );
+    assert_eq!(
+        out.len(),
+        csr.nnz() * heads,
+        "sddmm_add: out has the wrong length"
+    );
     let indptr = csr.indptr();
     let indices = csr.indices();
     for_each_row_edges(csr, heads, out, |i, _, seg| {
@@ -320,8 +427,16 @@ pub fn sddmm_add(csr: &Csr, heads: usize, left: &[f32], right: &[f32], out: &mut
 
 /// Softmax of edge scores over each row's entries, per head. Rows with no entry produce nothing.
 pub fn edge_softmax(csr: &Csr, heads: usize, scores: &[f32], out: &mut [f32]) {
-    assert_eq!(scores.len(), csr.nnz() * heads, "edge_softmax: scores have the wrong length");
-    assert_eq!(out.len(), scores.len(), "edge_softmax: out has the wrong length");
+    assert_eq!(
+        scores.len(),
+        csr.nnz() * heads,
+        "edge_softmax: scores have the wrong length"
+    );
+    assert_eq!(
+        out.len(),
+        scores.len(),
+        "edge_softmax: out has the wrong length"
+    );
     for_each_row_edges(csr, heads, out, |_, e0, seg| {
         let deg = seg.len() / heads.max(1);
         let src = &scores[e0 * heads..e0 * heads + seg.len()];
@@ -345,9 +460,23 @@ pub fn edge_softmax(csr: &Csr, heads: usize, scores: &[f32], out: &mut [f32]) {
 }
 
 /// Backward of [`edge_softmax`]: `gs[e] = alpha[e] * (g[e] - sum_{e' in row} alpha[e'] g[e'])`.
-pub fn edge_softmax_backward(csr: &Csr, heads: usize, alpha: &[f32], grad: &[f32], out: &mut [f32]) {
-    assert_eq!(alpha.len(), csr.nnz() * heads, "edge_softmax_backward: alpha length");
-    assert_eq!(grad.len(), alpha.len(), "edge_softmax_backward: grad length");
+pub fn edge_softmax_backward(
+    csr: &Csr,
+    heads: usize,
+    alpha: &[f32],
+    grad: &[f32],
+    out: &mut [f32],
+) {
+    assert_eq!(
+        alpha.len(),
+        csr.nnz() * heads,
+        "edge_softmax_backward: alpha length"
+    );
+    assert_eq!(
+        grad.len(),
+        alpha.len(),
+        "edge_softmax_backward: grad length"
+    );
     assert_eq!(out.len(), alpha.len(), "edge_softmax_backward: out length");
     for_each_row_edges(csr, heads, out, |_, e0, seg| {
         let deg = seg.len() / heads.max(1);
@@ -384,40 +513,58 @@ fn for_each_row_edges(
         rest = r;
     }
     let chunk = row_chunk(csr.n_rows(), 8 * heads);
-    segs.par_chunks_mut(chunk).enumerate().for_each(|(c, block)| {
-        for (r, seg) in block.iter_mut().enumerate() {
-            let i = c * chunk + r;
-            f(i, indptr[i], seg);
-        }
-    });
+    segs.par_chunks_mut(chunk)
+        .enumerate()
+        .for_each(|(c, block)| {
+            for (r, seg) in block.iter_mut().enumerate() {
+                let i = c * chunk + r;
+                f(i, indptr[i], seg);
+            }
+        });
 }
 
 /// `out[r] = x[idx[r]]` for every r: gathers rows of a `? x width` matrix.
 pub fn gather_rows(x: &[f32], width: usize, idx: &[u32], out: &mut [f32]) {
-    assert_eq!(out.len(), idx.len() * width, "gather_rows: out has the wrong length");
+    assert_eq!(
+        out.len(),
+        idx.len() * width,
+        "gather_rows: out has the wrong length"
+    );
     if width == 0 {
         return;
     }
     let rows = x.len() / width;
-    assert!(idx.iter().all(|&i| (i as usize) < rows), "gather_rows: index out of range");
+    assert!(
+        idx.iter().all(|&i| (i as usize) < rows),
+        "gather_rows: index out of range"
+    );
     let chunk = row_chunk(idx.len(), width);
-    out.par_chunks_mut(chunk * width).enumerate().for_each(|(c, block)| {
-        for (r, orow) in block.chunks_mut(width).enumerate() {
-            let i = idx[c * chunk + r] as usize;
-            orow.copy_from_slice(&x[i * width..(i + 1) * width]);
-        }
-    });
+    out.par_chunks_mut(chunk * width)
+        .enumerate()
+        .for_each(|(c, block)| {
+            for (r, orow) in block.chunks_mut(width).enumerate() {
+                let i = idx[c * chunk + r] as usize;
+                orow.copy_from_slice(&x[i * width..(i + 1) * width]);
+            }
+        });
 }
 
 /// `out[idx[r]] += src[r]` for every r, in ascending r for each target row (deterministic).
 /// Parallel over column blocks, so any thread count gives the same bits.
 pub fn scatter_add_rows(src: &[f32], width: usize, idx: &[u32], out: &mut [f32]) {
-    assert_eq!(src.len(), idx.len() * width, "scatter_add_rows: src has the wrong length");
+    assert_eq!(
+        src.len(),
+        idx.len() * width,
+        "scatter_add_rows: src has the wrong length"
+    );
     if width == 0 {
         return;
     }
     let rows = out.len() / width;
-    assert!(idx.iter().all(|&i| (i as usize) < rows), "scatter_add_rows: index out of range");
+    assert!(
+        idx.iter().all(|&i| (i as usize) < rows),
+        "scatter_add_rows: index out of range"
+    );
     const BLOCK: usize = 64;
     const AHEAD: usize = 8;
     let nblocks = width.div_ceil(BLOCK);
@@ -453,7 +600,9 @@ pub fn scatter_add_rows(src: &[f32], width: usize, idx: &[u32], out: &mut [f32])
             // columns `lo..lo + n` belong to this task's block only: no two tasks touch one element
             // (the short-lived slice covers exactly this task's columns of row `t`).
             let o = unsafe { std::slice::from_raw_parts_mut(base.0.add(start), n) };
-            o.iter_mut().zip(&src[r * width + lo..r * width + lo + n]).for_each(|(o, &v)| *o += v);
+            o.iter_mut()
+                .zip(&src[r * width + lo..r * width + lo + n])
+                .for_each(|(o, &v)| *o += v);
         }
     });
 }
@@ -487,19 +636,44 @@ mod tests {
             return;
         }
         let csr = random_csr(60, 50, 9, 3).unwrap();
-        for (heads, d) in [(1usize, 1usize), (1, 7), (1, 8), (1, 65), (1, 130), (2, 16), (8, 8), (8, 2), (3, 33), (4, 32)] {
+        for (heads, d) in [
+            (1usize, 1usize),
+            (1, 7),
+            (1, 8),
+            (1, 65),
+            (1, 130),
+            (2, 16),
+            (8, 8),
+            (8, 2),
+            (3, 33),
+            (4, 32),
+        ] {
             let width = heads * d;
             let x = random_tensor(50, width, 1);
             let w = random_tensor(1, csr.nnz() * heads, 2).into_vec();
             for weights in [None, csr.values(), Some(&w[..])] {
-                let h = if weights.is_some_and(|v| v.len() == csr.nnz() * heads) { heads } else { 1 };
-                let args = SpmmArgs { indptr: csr.indptr(), indices: csr.indices(), weights, heads: h, x: x.as_slice(), width };
+                let h = if weights.is_some_and(|v| v.len() == csr.nnz() * heads) {
+                    heads
+                } else {
+                    1
+                };
+                let args = SpmmArgs {
+                    indptr: csr.indptr(),
+                    indices: csr.indices(),
+                    weights,
+                    heads: h,
+                    x: x.as_slice(),
+                    width,
+                };
                 let mut a = vec![0.0f32; 60 * width];
                 let mut b = vec![1.0f32; 60 * width];
                 spmm_rows(&args, 0, &mut a);
                 // SAFETY: AVX2 was detected above.
                 unsafe { spmm_rows_avx2(&args, 0, &mut b) };
-                assert!(a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()), "spmm heads {heads} d {d}");
+                assert!(
+                    a.iter().zip(&b).all(|(p, q)| p.to_bits() == q.to_bits()),
+                    "spmm heads {heads} d {d}"
+                );
             }
             let arow = random_tensor(1, width, 3).into_vec();
             let cols = csr.indices();
@@ -508,7 +682,10 @@ mod tests {
             sddmm_dot_row(&arow, x.as_slice(), cols, heads, d, &mut p);
             // SAFETY: AVX2 was detected above.
             unsafe { sddmm_dot_row_avx2(&arow, x.as_slice(), cols, heads, d, &mut q) };
-            assert!(p.iter().zip(&q).all(|(p, q)| p.to_bits() == q.to_bits()), "sddmm heads {heads} d {d}");
+            assert!(
+                p.iter().zip(&q).all(|(p, q)| p.to_bits() == q.to_bits()),
+                "sddmm heads {heads} d {d}"
+            );
         }
     }
 

@@ -58,7 +58,10 @@ impl DataSource {
             return Ok(DataSource::Npz(p));
         }
         if !p.exists() {
-            return Err(RuntimeError::io(&p, std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or directory")));
+            return Err(RuntimeError::io(
+                &p,
+                std::io::Error::new(std::io::ErrorKind::NotFound, "no such file or directory"),
+            ));
         }
         if p.join("raw").is_dir() && p.join("split").is_dir() {
             return Ok(DataSource::Ogb(p));
@@ -66,7 +69,10 @@ impl DataSource {
         if p.is_dir() {
             return Ok(DataSource::NpyDir(p));
         }
-        Err(RuntimeError::bad_file(&p, "not a data folder (.npy files or OGB layout) nor an .npz archive"))
+        Err(RuntimeError::bad_file(
+            &p,
+            "not a data folder (.npy files or OGB layout) nor an .npz archive",
+        ))
     }
 
     /// Loads and validates the data set.
@@ -88,12 +94,20 @@ impl Dataset {
         let n = self.num_nodes;
         let bad = |m: String| Err(RuntimeError::BadData(m));
         if self.features.len() != n * self.num_features {
-            return bad(format!("{} feature values for {n} nodes x {} features", self.features.len(), self.num_features));
+            return bad(format!(
+                "{} feature values for {n} nodes x {} features",
+                self.features.len(),
+                self.num_features
+            ));
         }
         if self.labels.len() != n {
             return bad(format!("{} labels for {n} nodes", self.labels.len()));
         }
-        for (name, m) in [("train", &self.train_mask), ("val", &self.val_mask), ("test", &self.test_mask)] {
+        for (name, m) in [
+            ("train", &self.train_mask),
+            ("val", &self.val_mask),
+            ("test", &self.test_mask),
+        ] {
             if m.len() != n {
                 return bad(format!("{name} mask has {} entries for {n} nodes", m.len()));
             }
@@ -101,11 +115,23 @@ impl Dataset {
         if self.edge_src.len() != self.edge_dst.len() {
             return bad("edge source and target lists differ in length".into());
         }
-        if let Some(&v) = self.edge_src.iter().chain(&self.edge_dst).find(|&&v| v as usize >= n) {
+        if let Some(&v) = self
+            .edge_src
+            .iter()
+            .chain(&self.edge_dst)
+            .find(|&&v| v as usize >= n)
+        {
             return bad(format!("edge endpoint {v} out of range for {n} nodes"));
         }
-        if let Some(&c) = self.labels.iter().find(|&&c| c as usize >= self.num_classes) {
-            return bad(format!("label {c} out of range for {} classes", self.num_classes));
+        if let Some(&c) = self
+            .labels
+            .iter()
+            .find(|&&c| c as usize >= self.num_classes)
+        {
+            return bad(format!(
+                "label {c} out of range for {} classes",
+                self.num_classes
+            ));
         }
         if self.features.iter().any(|x| !x.is_finite()) {
             return bad("features contain NaN or infinity".into());
@@ -115,7 +141,11 @@ impl Dataset {
 
     /// Node ids where `mask` is true.
     pub fn mask_ids(mask: &[bool]) -> Vec<u32> {
-        mask.iter().enumerate().filter(|(_, &m)| m).map(|(i, _)| i as u32).collect()
+        mask.iter()
+            .enumerate()
+            .filter(|(_, &m)| m)
+            .map(|(i, _)| i as u32)
+            .collect()
     }
 
     /// A digest of the data set's contents (features, labels, edges, masks).

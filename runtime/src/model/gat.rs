@@ -88,23 +88,52 @@ pub(crate) fn forward(
     let wh = xd.matmul(s, &p[0].value)?;
     let s_src = s.matmul(&wh, false, &block_diag(&p[1].value), false)?;
     let mut s_dst = Tensor::zeros(block.n_out(), heads);
-    s.gemm_prefix(1.0, &wh, block.n_out(), false, &block_diag(&p[2].value), false, 0.0, &mut s_dst)?;
+    s.gemm_prefix(
+        1.0,
+        &wh,
+        block.n_out(),
+        false,
+        &block_diag(&p[2].value),
+        false,
+        0.0,
+        &mut s_dst,
+    )?;
     let mut e_act = s.sddmm_add(adj, &s_dst, &s_src)?;
-    let leaky = Activation::LeakyRelu { slope: NEGATIVE_SLOPE };
+    let leaky = Activation::LeakyRelu {
+        slope: NEGATIVE_SLOPE,
+    };
     e_act.iter_mut().for_each(|v| *v = leaky.apply(*v));
     let alpha = s.edge_softmax(adj, heads, &e_act)?;
     let mut alpha_d = alpha.clone();
     if ctx.train && spec.attn_dropout > 0.0 {
         let key = spec.dropout_key(seed, ctx.epoch, ATTN_SITE);
-        s.edge_dropout(adj, &mut alpha_d, heads, block.inner_gids(), key, spec.attn_dropout)?;
+        s.edge_dropout(
+            adj,
+            &mut alpha_d,
+            heads,
+            block.inner_gids(),
+            key,
+            spec.attn_dropout,
+        )?;
     }
     let mut agg = Tensor::zeros(block.n_out(), heads * d);
     s.spmm(adj, EdgeWeights::PerHead(&alpha_d, heads), &wh, &mut agg)?;
-    let mut h = if spec.concat { agg } else { mean_heads(&agg, heads, d) };
+    let mut h = if spec.concat {
+        agg
+    } else {
+        mean_heads(&agg, heads, d)
+    };
     s.add_bias(&mut h, &p[3].value)?;
     let y = s.activation(spec.act, &h)?;
-    let cache =
-        ctx.train.then(|| GatCache { epoch: ctx.epoch, xd: xd.into_owned(), wh, e_act, alpha, alpha_d, y: y.clone() });
+    let cache = ctx.train.then(|| GatCache {
+        epoch: ctx.epoch,
+        xd: xd.into_owned(),
+        wh,
+        e_act,
+        alpha,
+        alpha_d,
+        y: y.clone(),
+    });
     Ok((y, cache))
 }
 
@@ -115,7 +144,9 @@ fn mean_heads(agg: &Tensor, heads: usize, d: usize) -> Tensor {
         let src = agg.row(i);
         let o = out.row_mut(i);
         for k in 0..heads {
-            o.iter_mut().zip(&src[k * d..(k + 1) * d]).for_each(|(o, &v)| *o += v);
+            o.iter_mut()
+                .zip(&src[k * d..(k + 1) * d])
+                .for_each(|(o, &v)| *o += v);
         }
         o.iter_mut().for_each(|v| *v *= inv);
     }
@@ -147,7 +178,10 @@ pub(crate) fn backward(
             let src = g.row(i).to_vec();
             let o = t.row_mut(i);
             for k in 0..heads {
-                o[k * d..(k + 1) * d].iter_mut().zip(&src).for_each(|(o, &v)| *o = v * inv);
+                o[k * d..(k + 1) * d]
+                    .iter_mut()
+                    .zip(&src)
+                    .for_each(|(o, &v)| *o = v * inv);
             }
         }
         t
@@ -156,28 +190,71 @@ pub(crate) fn backward(
     let mut g_alpha = s.sddmm_dot(adj, heads, &gout, &c.wh)?;
     let alpha_d_t = permute(&adj_t.perm, &c.alpha_d, heads);
     let mut gwh = Tensor::zeros(block.n_in(), heads * d);
-    s.spmm(&adj_t.csr, EdgeWeights::PerHead(&alpha_d_t, heads), &gout, &mut gwh)?;
+    s.spmm(
+        &adj_t.csr,
+        EdgeWeights::PerHead(&alpha_d_t, heads),
+        &gout,
+        &mut gwh,
+    )?;
     drop(gout);
     if spec.attn_dropout > 0.0 {
         let key = spec.dropout_key(seed, c.epoch, ATTN_SITE);
-        s.edge_dropout(adj, &mut g_alpha, heads, block.inner_gids(), key, spec.attn_dropout)?;
+        s.edge_dropout(
+            adj,
+            &mut g_alpha,
+            heads,
+            block.inner_gids(),
+            key,
+            spec.attn_dropout,
+        )?;
     }
     let mut g_e = s.edge_softmax_backward(adj, heads, &c.alpha, &g_alpha)?;
-    let leaky = Activation::LeakyRelu { slope: NEGATIVE_SLOPE };
-    g_e.iter_mut().zip(&c.e_act).for_each(|(g, &y)| *g *= leaky.derivative_from_output(y));
+    let leaky = Activation::LeakyRelu {
+        slope: NEGATIVE_SLOPE,
+    };
+    g_e.iter_mut()
+        .zip(&c.e_act)
+        .for_each(|(g, &y)| *g *= leaky.derivative_from_output(y));
     // e = s_dst[row] + s_src[col]: sum the edge gradients per row and per column.
     let mut g_s_dst = Tensor::zeros(block.n_out(), heads);
-    s.spmm(adj, EdgeWeights::PerHead(&g_e, heads), &ones(block.n_in(), heads), &mut g_s_dst)?;
+    s.spmm(
+        adj,
+        EdgeWeights::PerHead(&g_e, heads),
+        &ones(block.n_in(), heads),
+        &mut g_s_dst,
+    )?;
     let g_e_t = permute(&adj_t.perm, &g_e, heads);
     let mut g_s_src = Tensor::zeros(block.n_in(), heads);
-    s.spmm(&adj_t.csr, EdgeWeights::PerHead(&g_e_t, heads), &ones(block.n_out(), heads), &mut g_s_src)?;
+    s.spmm(
+        &adj_t.csr,
+        EdgeWeights::PerHead(&g_e_t, heads),
+        &ones(block.n_out(), heads),
+        &mut g_s_src,
+    )?;
     // s_src = wh A_src, s_dst = wh[:n_out] A_dst.
     let ga_src = s.matmul(&c.wh, true, &g_s_src, false)?;
     add_block_diag(&ga_src, &mut p[1].grad);
     let mut ga_dst = Tensor::zeros(heads * d, heads);
-    s.gemm_prefix(1.0, &c.wh, block.n_out(), true, &g_s_dst, false, 0.0, &mut ga_dst)?;
+    s.gemm_prefix(
+        1.0,
+        &c.wh,
+        block.n_out(),
+        true,
+        &g_s_dst,
+        false,
+        0.0,
+        &mut ga_dst,
+    )?;
     add_block_diag(&ga_dst, &mut p[2].grad);
-    s.gemm(1.0, &g_s_src, false, &block_diag(&p[1].value), true, 1.0, &mut gwh)?;
+    s.gemm(
+        1.0,
+        &g_s_src,
+        false,
+        &block_diag(&p[1].value),
+        true,
+        1.0,
+        &mut gwh,
+    )?;
     let gwh_dst = s.matmul(&g_s_dst, false, &block_diag(&p[2].value), true)?;
     s.add_rows_prefix(&gwh_dst, &mut gwh)?;
     // wh = xd W.

@@ -54,7 +54,11 @@ pub(crate) fn forward(
     };
     s.add_bias(&mut h, b)?;
     let y = s.activation(spec.act, &h)?;
-    let cache = saved.map(|saved| GcnCache { epoch: ctx.epoch, saved, y: y.clone() });
+    let cache = saved.map(|saved| GcnCache {
+        epoch: ctx.epoch,
+        saved,
+        y: y.clone(),
+    });
     Ok((y, cache))
 }
 

@@ -12,7 +12,9 @@ fn stream() -> Stream {
 
 fn rand_tensor(rows: usize, cols: usize, seed: u64) -> Tensor {
     let g = Philox4x32::new(seed);
-    let v = (0..rows * cols).map(|i| 2.0 * Philox4x32::to_unit(g.block([i as u32, 7, 0, 0])[0]) - 1.0).collect();
+    let v = (0..rows * cols)
+        .map(|i| 2.0 * Philox4x32::to_unit(g.block([i as u32, 7, 0, 0])[0]) - 1.0)
+        .collect();
     Tensor::from_vec(rows, cols, v).unwrap()
 }
 
@@ -23,9 +25,21 @@ fn small_graph() -> Graph {
     Graph::from_edges(9, &src, &dst).unwrap()
 }
 
-fn loss(model: &mut Model, s: &Stream, l: usize, block: &Block, x: &LayerInput, r: &Tensor, ctx: StepCtx) -> f64 {
+fn loss(
+    model: &mut Model,
+    s: &Stream,
+    l: usize,
+    block: &Block,
+    x: &LayerInput,
+    r: &Tensor,
+    ctx: StepCtx,
+) -> f64 {
     let out = model.forward_layer(s, l, block, x, ctx).unwrap();
-    out.as_slice().iter().zip(r.as_slice()).map(|(&a, &b)| a as f64 * b as f64).sum()
+    out.as_slice()
+        .iter()
+        .zip(r.as_slice())
+        .map(|(&a, &b)| a as f64 * b as f64)
+        .sum()
 }
 
 fn check_layer(kind: ModelKind, layer: usize, dropout: f32) {
@@ -57,15 +71,33 @@ fn check_layer_with(kind: ModelKind, layer: usize, dropout: f32, sparse: bool) {
     let in_dim = model.layer_in_dim(layer);
     let mut x = rand_tensor(block.n_in(), in_dim, 3);
     if sparse {
-        x.as_mut_slice().iter_mut().enumerate().filter(|(i, _)| i % 13 != 0).for_each(|(_, v)| *v = 0.0);
+        x.as_mut_slice()
+            .iter_mut()
+            .enumerate()
+            .filter(|(i, _)| i % 13 != 0)
+            .for_each(|(_, v)| *v = 0.0);
     }
-    let wrap = |t: &Tensor| if sparse { LayerInput::auto(t.clone()).unwrap() } else { LayerInput::Dense(t.clone()) };
+    let wrap = |t: &Tensor| {
+        if sparse {
+            LayerInput::auto(t.clone()).unwrap()
+        } else {
+            LayerInput::Dense(t.clone())
+        }
+    };
     assert_eq!(wrap(&x).is_sparse(), sparse);
-    let ctx = StepCtx { epoch: 4, train: true };
-    let out = model.forward_layer(&s, layer, &block, &wrap(&x), ctx).unwrap();
+    let ctx = StepCtx {
+        epoch: 4,
+        train: true,
+    };
+    let out = model
+        .forward_layer(&s, layer, &block, &wrap(&x), ctx)
+        .unwrap();
     let r = rand_tensor(out.rows(), out.cols(), 5);
     model.zero_grad();
-    let gx = model.backward_layer(&s, layer, &block, r.clone(), true).unwrap().unwrap();
+    let gx = model
+        .backward_layer(&s, layer, &block, r.clone(), true)
+        .unwrap()
+        .unwrap();
 
     let eps = 1e-3f32;
     let tol = |a: f64, n: f64| (a - n).abs() <= 2e-2 * n.abs().max(a.abs()) + 2e-3;
@@ -79,10 +111,17 @@ fn check_layer_with(kind: ModelKind, layer: usize, dropout: f32, sparse: bool) {
         let lm = loss(&mut model, &s, layer, &block, &wrap(&xp), &r, ctx);
         let num = (lp - lm) / (2.0 * eps as f64);
         let ana = gx.as_slice()[i] as f64;
-        assert!(tol(ana, num), "{kind} layer {layer} d/dx[{i}]: analytic {ana} vs numeric {num}");
+        assert!(
+            tol(ana, num),
+            "{kind} layer {layer} d/dx[{i}]: analytic {ana} vs numeric {num}"
+        );
     }
     // Parameters of this layer.
-    let grads: Vec<(String, Tensor)> = model.params().iter().map(|p| (p.name.clone(), p.grad.clone())).collect();
+    let grads: Vec<(String, Tensor)> = model
+        .params()
+        .iter()
+        .map(|p| (p.name.clone(), p.grad.clone()))
+        .collect();
     let prefix = format!("layers.{layer}.");
     let mut checked = 0;
     for (pi, (name, g)) in grads.iter().enumerate() {
@@ -98,7 +137,10 @@ fn check_layer_with(kind: ModelKind, layer: usize, dropout: f32, sparse: bool) {
             model.params_mut()[pi].value.as_mut_slice()[i] = orig;
             let num = (lp - lm) / (2.0 * eps as f64);
             let ana = g.as_slice()[i] as f64;
-            assert!(tol(ana, num), "{kind} layer {layer} d/d{name}[{i}]: analytic {ana} vs numeric {num}");
+            assert!(
+                tol(ana, num),
+                "{kind} layer {layer} d/d{name}[{i}]: analytic {ana} vs numeric {num}"
+            );
             checked += 1;
         }
     }

@@ -97,7 +97,13 @@ impl LayerInput {
     }
 
     /// `out += X[..n] W` (the first `n` rows).
-    pub(crate) fn matmul_prefix_acc(&self, s: &Stream, n: usize, w: &Tensor, out: &mut Tensor) -> Result<()> {
+    pub(crate) fn matmul_prefix_acc(
+        &self,
+        s: &Stream,
+        n: usize,
+        w: &Tensor,
+        out: &mut Tensor,
+    ) -> Result<()> {
         match self {
             LayerInput::Dense(x) => Ok(s.gemm_prefix(1.0, x, n, false, w, false, 1.0, out)?),
             LayerInput::Sparse(_) => {

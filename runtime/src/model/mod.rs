@@ -36,7 +36,9 @@ impl std::str::FromStr for ModelKind {
             "gcn" => Ok(ModelKind::Gcn),
             "sage" | "graphsage" => Ok(ModelKind::Sage),
             "gat" => Ok(ModelKind::Gat),
-            _ => Err(RuntimeError::Config(format!("unknown model `{s}` (expected gcn, sage or gat)"))),
+            _ => Err(RuntimeError::Config(format!(
+                "unknown model `{s}` (expected gcn, sage or gat)"
+            ))),
         }
     }
 }
@@ -93,7 +95,18 @@ impl ModelConfig {
             ModelKind::Sage => (16, 1, 0.5, 0.0),
             ModelKind::Gat => (8, 8, 0.6, 0.6),
         };
-        ModelConfig { kind, in_dim, hidden, out_dim, layers: 2, heads, out_heads: 1, dropout, attn_dropout: attn, seed }
+        ModelConfig {
+            kind,
+            in_dim,
+            hidden,
+            out_dim,
+            layers: 2,
+            heads,
+            out_heads: 1,
+            dropout,
+            attn_dropout: attn,
+            seed,
+        }
     }
 
     fn validate(&self) -> Result<()> {
@@ -163,7 +176,12 @@ pub(crate) struct LayerSpec {
 
 impl LayerSpec {
     pub fn dropout_key(&self, seed: u64, epoch: u32, site: u16) -> DropoutKey {
-        DropoutKey { seed, epoch, layer: self.index as u16, site }
+        DropoutKey {
+            seed,
+            epoch,
+            layer: self.index as u16,
+            site,
+        }
     }
 }
 
@@ -177,7 +195,10 @@ pub struct Model {
 
 impl std::fmt::Debug for Model {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Model").field("cfg", &self.cfg).field("params", &self.num_parameters()).finish()
+        f.debug_struct("Model")
+            .field("cfg", &self.cfg)
+            .field("params", &self.num_parameters())
+            .finish()
     }
 }
 
@@ -219,13 +240,21 @@ impl Model {
             };
             for (name, r, c, init) in shapes {
                 let idx = params.len();
-                params.push(Param::new(format!("layers.{l}.{name}"), init.tensor(cfg.seed, idx, r, c)));
+                params.push(Param::new(
+                    format!("layers.{l}.{name}"),
+                    init.tensor(cfg.seed, idx, r, c),
+                ));
             }
             layers.push(spec);
             in_dim = if concat { out_dim * heads } else { out_dim };
         }
         let caches = (0..layers.len()).map(|_| None).collect();
-        Ok(Model { cfg, layers, params, caches })
+        Ok(Model {
+            cfg,
+            layers,
+            params,
+            caches,
+        })
     }
 
     /// The configuration.
@@ -267,7 +296,14 @@ impl Model {
 
     /// Runs layer `l` on `x` (one row per input row of `block`) and returns its output rows
     /// (one per inner node). In training mode the layer keeps what its backward needs.
-    pub fn forward_layer(&mut self, s: &Stream, l: usize, block: &Block, x: &LayerInput, ctx: StepCtx) -> Result<Tensor> {
+    pub fn forward_layer(
+        &mut self,
+        s: &Stream,
+        l: usize,
+        block: &Block,
+        x: &LayerInput,
+        ctx: StepCtx,
+    ) -> Result<Tensor> {
         let spec = self.layers[l];
         if x.rows() != block.n_in() || x.cols() != spec.in_dim {
             return Err(RuntimeError::Config(format!(
@@ -309,20 +345,32 @@ impl Model {
         need_input_grad: bool,
     ) -> Result<Option<Tensor>> {
         let spec = self.layers[l];
-        let cache = self.caches[l]
-            .take()
-            .ok_or_else(|| RuntimeError::Config(format!("backward of layer {l} without a training forward")))?;
+        let cache = self.caches[l].take().ok_or_else(|| {
+            RuntimeError::Config(format!("backward of layer {l} without a training forward"))
+        })?;
         let params = &mut self.params[spec.first_param..];
         let seed = self.cfg.seed;
         match cache {
-            Cache::Gcn(c) => gcn::backward(s, &spec, seed, params, block, c, grad_out, need_input_grad),
-            Cache::Sage(c) => sage::backward(s, &spec, seed, params, block, c, grad_out, need_input_grad),
-            Cache::Gat(c) => gat::backward(s, &spec, seed, params, block, c, grad_out, need_input_grad),
+            Cache::Gcn(c) => {
+                gcn::backward(s, &spec, seed, params, block, c, grad_out, need_input_grad)
+            }
+            Cache::Sage(c) => {
+                sage::backward(s, &spec, seed, params, block, c, grad_out, need_input_grad)
+            }
+            Cache::Gat(c) => {
+                gat::backward(s, &spec, seed, params, block, c, grad_out, need_input_grad)
+            }
         }
     }
 
     /// Forward through all layers on a block that covers the whole graph (no halo).
-    pub fn forward_full(&mut self, s: &Stream, block: &Block, x: &LayerInput, ctx: StepCtx) -> Result<Tensor> {
+    pub fn forward_full(
+        &mut self,
+        s: &Stream,
+        block: &Block,
+        x: &LayerInput,
+        ctx: StepCtx,
+    ) -> Result<Tensor> {
         let mut h = self.forward_layer(s, 0, block, x, ctx)?;
         for l in 1..self.num_layers() {
             h = self.forward_layer(s, l, block, &LayerInput::Dense(h), ctx)?;
@@ -378,9 +426,21 @@ impl Init {
 }
 
 /// Applies the input dropout mask of a training step to an input gradient.
-pub(crate) fn dropout_backward(s: &Stream, spec: &LayerSpec, seed: u64, block: &Block, g: &mut Tensor, epoch: u32) -> Result<()> {
+pub(crate) fn dropout_backward(
+    s: &Stream,
+    spec: &LayerSpec,
+    seed: u64,
+    block: &Block,
+    g: &mut Tensor,
+    epoch: u32,
+) -> Result<()> {
     if spec.dropout > 0.0 {
-        s.dropout(g, block.gids(), spec.dropout_key(seed, epoch, 0), spec.dropout)?;
+        s.dropout(
+            g,
+            block.gids(),
+            spec.dropout_key(seed, epoch, 0),
+            spec.dropout,
+        )?;
     }
     Ok(())
 }

@@ -27,7 +27,11 @@ impl Optimizer {
             .iter()
             .map(|p| {
                 let (r, c) = p.value.shape();
-                let second = if matches!(kind, OptimizerKind::Adam(_)) { Tensor::zeros(r, c) } else { Tensor::zeros(0, 0) };
+                let second = if matches!(kind, OptimizerKind::Adam(_)) {
+                    Tensor::zeros(r, c)
+                } else {
+                    Tensor::zeros(0, 0)
+                };
                 (Tensor::zeros(r, c), second)
             })
             .collect();
@@ -55,7 +59,9 @@ impl Optimizer {
         self.t += 1;
         for (p, (m, v)) in model.params_mut().iter_mut().zip(self.state.iter_mut()) {
             match &self.kind {
-                OptimizerKind::Adam(cfg) => s.adam_step(cfg, self.t, &mut p.value, &p.grad, m, v)?,
+                OptimizerKind::Adam(cfg) => {
+                    s.adam_step(cfg, self.t, &mut p.value, &p.grad, m, v)?
+                }
                 OptimizerKind::Sgd(cfg) => s.sgd_step(cfg, &mut p.value, &p.grad, m)?,
             }
         }

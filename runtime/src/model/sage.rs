@@ -40,7 +40,11 @@ pub(crate) fn forward(
     xd.matmul_prefix_acc(s, block.n_out(), &p[2].value, &mut h)?;
     s.add_bias(&mut h, &p[1].value)?;
     let y = s.activation(spec.act, &h)?;
-    let cache = ctx.train.then(|| SageCache { epoch: ctx.epoch, xd: xd.into_owned(), y: y.clone() });
+    let cache = ctx.train.then(|| SageCache {
+        epoch: ctx.epoch,
+        xd: xd.into_owned(),
+        y: y.clone(),
+    });
     Ok((y, cache))
 }
 

@@ -1,0 +1,63 @@
+//! `trellis bench`: epoch time next to the kernels' achieved bandwidth and this machine's
+//! measured memory bandwidth (a STREAM triad), all in one run.
+use super::train::{load_data, train_single};
+use anyhow::Result;
+use clap::Args;
+use trellis_gpu::{bench, EdgeWeights, Stream};
+use trellis_runtime::{Aggregation, Block, Graph, ModelKind, TrainConfig};
+
+#[derive(Debug, Clone, Args)]
+pub struct BenchArgs {
+    /// The data set to time an epoch on.
+    #[arg(
+        long,
+        default_value = "synthetic:nodes=100000,degree=20,features=128,classes=16,seed=0"
+    )]
+    pub data: String,
+    #[arg(long, default_value = "gcn")]
+    pub model: ModelKind,
+    #[arg(long, default_value_t = 256)]
+    pub hidden: usize,
+    #[arg(long, default_value_t = 5)]
+    pub epochs: u32,
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+}
+
+pub fn run(a: BenchArgs) -> Result<()> {
+    let ds = load_data(&a.data)?;
+    let stream = Stream::cpu(a.threads)?;
+    let triad = bench::triad_bandwidth_gbs(256 << 20, stream.budget());
+    let graph = Graph::from_dataset(&ds)?;
+    let block = Block::full(&graph, Aggregation::GcnNorm)?;
+    drop(graph);
+    let x = bench::random_tensor(block.n_in(), a.hidden, 1);
+    let spmm = bench::spmm_gbs(&stream, block.adj(), EdgeWeights::Stored, &x)?;
+    let mut cfg = TrainConfig::paper_defaults(a.model, ds.num_features, ds.num_classes, 0);
+    cfg.model.hidden = a.hidden;
+    cfg.epochs = a.epochs;
+    cfg.threads = a.threads;
+    let report = train_single(&ds, cfg, false)?;
+    println!(
+        "data            {} ({} nodes, {} adjacency entries with self loops)",
+        ds.name,
+        block.n_in(),
+        block.adj().nnz()
+    );
+    println!("threads         {}", stream.threads());
+    println!("memory (triad)  {triad:.1} GB/s   <- the physical limit on this machine");
+    println!(
+        "SpMM width {:<4} {spmm:.1} GB/s   ({:.0}% of triad)",
+        a.hidden,
+        100.0 * spmm / triad
+    );
+    println!(
+        "{} epoch       {:.1} ms median over {} epochs (hidden {}), peak RSS {:.1} MiB",
+        a.model,
+        report.epoch_ms_median,
+        a.epochs,
+        a.hidden,
+        report.peak_rss_bytes as f64 / (1 << 20) as f64
+    );
+    Ok(())
+}

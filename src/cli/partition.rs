@@ -1,0 +1,56 @@
+//! `trellis partition`.
+use super::train::load_data;
+use anyhow::Result;
+use clap::Args;
+use std::path::PathBuf;
+use trellis_runtime::partition::{partition, PartitionMethod};
+use trellis_runtime::report::peak_rss_bytes;
+
+#[derive(Debug, Clone, Args)]
+pub struct PartitionArgs {
+    /// The data set (same forms as `train --data`).
+    #[arg(long)]
+    pub data: String,
+    /// Number of parts.
+    #[arg(long)]
+    pub parts: usize,
+    /// metis or random.
+    #[arg(long, default_value = "metis")]
+    pub method: PartitionMethod,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Output folder (created).
+    #[arg(long)]
+    pub out: PathBuf,
+}
+
+pub fn run(a: PartitionArgs) -> Result<()> {
+    let ds = load_data(&a.data)?;
+    let book = partition(&ds, a.parts, a.method, a.seed, &a.out)?;
+    println!(
+        "{} parts of {} ({} nodes, {} edges) by {} in {} ms: edge cut {} ({:.1}%), balance nodes {:.3} edges {:.3} train {:.3}, peak RSS {:.1} MiB",
+        book.parts,
+        book.dataset,
+        book.num_nodes,
+        book.num_edges,
+        book.method,
+        book.partition_ms,
+        book.edge_cut,
+        100.0 * book.edge_cut as f64 / book.num_edges.max(1) as f64,
+        book.balance.nodes,
+        book.balance.edges,
+        book.balance.train,
+        peak_rss_bytes() as f64 / (1 << 20) as f64
+    );
+    for p in &book.partitions {
+        println!(
+            "  part {}: {} inner, {} halo, {} edges, {} train -> {}",
+            p.part, p.inner_nodes, p.halo_nodes, p.edges, p.train_nodes, p.file
+        );
+    }
+    println!(
+        "partition book written to {}",
+        a.out.join("partition.json").display()
+    );
+    Ok(())
+}

@@ -1,0 +1,98 @@
+//! Supervision: a partition whose kernel panics is restarted by its supervisor from the node's
+//! replica store, the interrupted epoch is replayed, and the run ends with the same weights as
+//! the run without faults.
+use trellis::actors::{ActorError, FaultPlan, Topology};
+use trellis::runtime::partition::PartitionMethod;
+use trellis::runtime::train::TrainConfig;
+use trellis::runtime::{DataSource, Dataset, ModelKind, RunReport};
+use trellis::transport::Phase;
+
+fn data() -> Dataset {
+    DataSource::parse("synthetic:nodes=1200,degree=8,features=16,classes=4,seed=5")
+        .unwrap()
+        .load()
+        .unwrap()
+}
+
+fn cfg(ds: &Dataset, kind: ModelKind) -> TrainConfig {
+    let mut cfg = TrainConfig::paper_defaults(kind, ds.num_features, ds.num_classes, 1);
+    cfg.epochs = 6;
+    cfg.threads = 2;
+    cfg
+}
+
+fn run(ds: &Dataset, cfg: &TrainConfig, faults: FaultPlan) -> Result<RunReport, ActorError> {
+    Topology::partition(ds, 3, PartitionMethod::Metis, None, cfg.clone())?
+        .with_faults(faults)
+        .spawn()?
+        .wait()
+}
+
+fn recoveries(r: &RunReport) -> usize {
+    r.recoveries.as_array().map_or(0, |a| a.len())
+}
+
+#[test]
+fn panics_in_every_phase_recover_to_identical_weights() {
+    let ds = data();
+    for kind in [ModelKind::Gcn, ModelKind::Gat] {
+        let cfg = cfg(&ds, kind);
+        let clean = run(&ds, &cfg, FaultPlan::none()).unwrap();
+        assert_eq!(recoveries(&clean), 0);
+        for (phase, layer) in [
+            (Phase::Forward, 0),
+            (Phase::Forward, 1),
+            (Phase::Backward, 1),
+            (Phase::Backward, 0),
+            (Phase::Eval, 1),
+        ] {
+            let faults = FaultPlan::none().panic_at(2, 3, layer, phase);
+            let faulty = run(&ds, &cfg, faults).unwrap();
+            assert_eq!(
+                faulty.weights_digest, clean.weights_digest,
+                "{kind}: fault in {phase:?} layer {layer}"
+            );
+            assert_eq!(recoveries(&faulty), 1, "{kind}: {phase:?} layer {layer}");
+            let losses = |r: &RunReport| {
+                r.epochs_log
+                    .iter()
+                    .map(|l| l.loss.to_bits())
+                    .collect::<Vec<_>>()
+            };
+            assert_eq!(losses(&faulty), losses(&clean));
+            assert_eq!(faulty.test_acc, clean.test_acc);
+        }
+    }
+}
+
+#[test]
+fn two_failures_in_a_row_and_a_failure_during_replay() {
+    let ds = data();
+    let cfg = cfg(&ds, ModelKind::Sage);
+    let clean = run(&ds, &cfg, FaultPlan::none()).unwrap();
+    // Epoch 2 fails on partition 0; its replay then fails on partition 1; epoch 3 fails again.
+    let faults = FaultPlan::none()
+        .panic_at(0, 2, 0, Phase::Forward)
+        .panic_at(1, 2, 1, Phase::Backward)
+        .panic_at(1, 3, 0, Phase::Backward);
+    let faulty = run(&ds, &cfg, faults).unwrap();
+    assert_eq!(faulty.weights_digest, clean.weights_digest);
+    assert_eq!(recoveries(&faulty), 3);
+}
+
+#[test]
+fn restart_budget_exhausted_is_a_clear_error() {
+    let ds = data();
+    let cfg = cfg(&ds, ModelKind::Gcn);
+    let mut faults = FaultPlan::none();
+    for e in 1..=5 {
+        faults = faults.panic_at(1, e, 0, Phase::Forward);
+    }
+    let err = run(&ds, &cfg, faults).unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        matches!(err, ActorError::RestartsExhausted { part: 1, .. }),
+        "{msg}"
+    );
+    assert!(msg.contains("partition 1"), "{msg}");
+}

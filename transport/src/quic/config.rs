@@ -1,0 +1,120 @@
+//! [`QuicConfig`]: deadlines, flow-control windows and limits of a QUIC node.
+//!
+//! Tuning, measured with `bench_throughput` on loopback (2 shared vCPUs, sender and receiver in
+//! one process; see `crate::bench` for the numbers and what each change did):
+//! the defaults below raise the stream and connection windows above quinn's 1.25 MB (which caps
+//! a stream at window / RTT), let MTU discovery climb to the path's real maximum (on loopback
+//! 64 KiB, so each packet costs one encryption and one syscall per ~64 KiB instead of ~1.4 KiB),
+//! keep a few streams in flight per peer, and enlarge the UDP socket buffers.
+use crate::wire::Limits;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// Settings of a [`super::QuicNode`].
+#[derive(Debug, Clone)]
+pub struct QuicConfig {
+    /// UDP address to listen on (port 0: an ephemeral port).
+    pub bind: SocketAddr,
+    /// A connection with no packet from the peer for this long is dead (negotiated: the lower
+    /// of both ends' values applies).
+    pub idle_timeout: Duration,
+    /// Keep-alive interval on idle connections; must be well below `idle_timeout`.
+    pub keep_alive: Duration,
+    /// Deadline for dialling a peer, its TLS handshake and the hello exchange.
+    pub connect_timeout: Duration,
+    /// Deadline for one message to be sent and acknowledged, and for one frame to be received.
+    pub send_timeout: Duration,
+    /// Receive window of one stream, bytes.
+    pub stream_window: u64,
+    /// Receive window of one connection (all its streams), bytes: the most a peer can have in
+    /// flight towards this node.
+    pub conn_window: u64,
+    /// Unacknowledged bytes this node keeps in flight to one peer.
+    pub send_window: u64,
+    /// Incoming unidirectional streams a peer may have open at once.
+    pub max_streams: u32,
+    /// Halo streams this node keeps in flight to one peer.
+    pub send_streams: usize,
+    /// Frame size limits.
+    pub limits: Limits,
+    /// Bytes of halo bodies being received from one peer at once; a frame waits for budget
+    /// before its buffer is allocated. At least `limits.max_body`.
+    pub recv_budget: u64,
+    /// Bytes of blocks queued for one peer and not yet sent; `send` fails beyond.
+    pub max_queued: u64,
+    /// Largest UDP payload MTU discovery may try (probes with don't-fragment; 1200..=65527).
+    pub max_udp_payload: u16,
+    /// After a suspected MTU black hole (bursts of lost large packets, which congestion on a
+    /// busy host also causes), wait this long before probing larger packets again.
+    pub mtu_black_hole_cooldown: Duration,
+    /// Use UDP segmentation offload (GSO) where the OS supports it.
+    pub gso: bool,
+    /// SO_SNDBUF / SO_RCVBUF of the UDP socket (the kernel caps it at net.core.*mem_max);
+    /// 0 keeps the OS default.
+    pub socket_buffer: usize,
+}
+
+impl Default for QuicConfig {
+    fn default() -> Self {
+        QuicConfig {
+            bind: SocketAddr::from(([0, 0, 0, 0], 0)),
+            idle_timeout: Duration::from_secs(10),
+            keep_alive: Duration::from_secs(2),
+            connect_timeout: Duration::from_secs(5),
+            send_timeout: Duration::from_secs(30),
+            stream_window: 16 << 20,
+            conn_window: 64 << 20,
+            send_window: 64 << 20,
+            max_streams: 64,
+            send_streams: 4,
+            limits: Limits::default(),
+            recv_budget: 1 << 30,
+            max_queued: 4 << 30,
+            max_udp_payload: 65527,
+            mtu_black_hole_cooldown: Duration::from_secs(60),
+            gso: true,
+            socket_buffer: 8 << 20,
+        }
+    }
+}
+
+impl QuicConfig {
+    /// Defaults, listening on `bind`.
+    pub fn with_bind(bind: SocketAddr) -> Self {
+        QuicConfig {
+            bind,
+            ..Self::default()
+        }
+    }
+
+    /// Defaults on 127.0.0.1 with an ephemeral port, short deadlines: for tests.
+    pub fn loopback() -> Self {
+        QuicConfig {
+            bind: SocketAddr::from(([127, 0, 0, 1], 0)),
+            idle_timeout: Duration::from_secs(3),
+            keep_alive: Duration::from_millis(500),
+            connect_timeout: Duration::from_secs(3),
+            send_timeout: Duration::from_secs(10),
+            ..Self::default()
+        }
+    }
+
+    /// quinn 0.11's own transport defaults (1.25 MB stream window, unbounded connection
+    /// window, 10 MB send window, 1452-byte MTU ceiling, OS socket buffers), for comparison.
+    pub fn quinn_defaults() -> Self {
+        QuicConfig {
+            stream_window: 1_250_000,
+            conn_window: (1 << 62) - 1,
+            send_window: 10_000_000,
+            max_streams: 100,
+            max_udp_payload: 1452,
+            socket_buffer: 0,
+            ..Self::default()
+        }
+    }
+
+    pub(crate) fn recv_budget_kib(&self) -> u32 {
+        let bytes = self.recv_budget.max(self.limits.max_body);
+        (bytes.div_ceil(1024)).min(u32::MAX as u64 >> 4) as u32
+    }
+}

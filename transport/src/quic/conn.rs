@@ -1,0 +1,234 @@
+//! Connections: dialling, accepting, the hello exchange, and watching a connection die.
+use super::error::StopCode;
+use super::node::{bump, Core, Peer, Shared};
+use super::tls::cert_is_for_node;
+use super::QuicError;
+use crate::certs::node_server_name;
+use crate::wire::{encode_to_vec, Frame, FrameDecoder, Limits, PROTOCOL_VERSION};
+use quinn::{Connection, ConnectionError, RecvStream};
+use rustls::pki_types::CertificateDer;
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+use tokio::time::timeout;
+
+const HELLO_LIMITS: Limits = Limits {
+    max_meta: 1024,
+    max_body: 0,
+};
+
+/// Reads one small frame (a hello) from `r`.
+async fn read_frame(r: &mut RecvStream) -> Result<Frame, String> {
+    let mut dec = FrameDecoder::new(HELLO_LIMITS);
+    loop {
+        if let Some(f) = dec.poll_frame() {
+            return f.map_err(|e| e.to_string());
+        }
+        match r
+            .read_chunk(dec.want().max(1), true)
+            .await
+            .map_err(|e| e.to_string())?
+        {
+            Some(c) => dec.handle_bytes(&c.bytes),
+            None => {
+                dec.handle_eof().map_err(|e| e.to_string())?;
+                return Err("stream ended before the hello".into());
+            }
+        }
+    }
+}
+
+fn hello(me: u32) -> Vec<u8> {
+    encode_to_vec(&Frame::Hello {
+        node: me,
+        protocol: PROTOCOL_VERSION,
+    })
+}
+
+/// Why a connection ended, in words.
+pub(crate) fn describe(e: &ConnectionError, core: &Core) -> String {
+    match e {
+        ConnectionError::TimedOut => format!(
+            "no answer within the idle timeout ({:?})",
+            core.cfg.idle_timeout
+        ),
+        e => e.to_string(),
+    }
+}
+
+impl Shared {
+    /// The live connection to `peer`, dialling it (within the connect timeout) if needed.
+    pub(crate) async fn connection(
+        self: &Arc<Self>,
+        peer: &Arc<Peer>,
+    ) -> Result<Connection, QuicError> {
+        if let Some(c) = peer.live_conn() {
+            return Ok(c);
+        }
+        let _dialling = peer.dial.lock().await;
+        if let Some(c) = peer.live_conn() {
+            return Ok(c);
+        }
+        let (node, addr, after) = (peer.node, peer.addr(), self.core.cfg.connect_timeout);
+        let conn = match timeout(after, self.dial(node, addr)).await {
+            Err(_) => return Err(QuicError::ConnectTimeout { node, addr, after }),
+            Ok(r) => r?,
+        };
+        adopt(&self.core, peer, conn.clone());
+        Ok(conn)
+    }
+
+    async fn dial(&self, node: u32, addr: SocketAddr) -> Result<Connection, QuicError> {
+        let err = |reason: String| QuicError::Connect { node, addr, reason };
+        let connecting = self
+            .endpoint
+            .connect_with(self.client.clone(), addr, &node_server_name(node))
+            .map_err(|e| err(e.to_string()))?;
+        let conn = connecting
+            .await
+            .map_err(|e| err(describe(&e, &self.core)))?;
+        let (mut s, mut r) = conn
+            .open_bi()
+            .await
+            .map_err(|e| err(describe(&e, &self.core)))?;
+        s.write_all(&hello(self.core.me))
+            .await
+            .map_err(|e| err(e.to_string()))?;
+        let _ = s.finish();
+        match read_frame(&mut r).await.map_err(err)? {
+            Frame::Hello { node: n, protocol } if n == node && protocol == PROTOCOL_VERSION => {
+                Ok(conn)
+            }
+            Frame::Hello { node: n, protocol } => {
+                conn.close(StopCode::Refused.varint(), b"unexpected hello");
+                Err(err(format!(
+                    "answered as node {n} speaking protocol {protocol}"
+                )))
+            }
+            other => Err(err(format!("answered {other:?} instead of a hello"))),
+        }
+    }
+}
+
+/// Accepts connections until the endpoint closes.
+pub(crate) async fn accept_loop(shared: Weak<Shared>, endpoint: quinn::Endpoint) {
+    while let Some(incoming) = endpoint.accept().await {
+        let Some(s) = shared.upgrade() else { break };
+        let core = s.core.clone();
+        core.rt
+            .spawn(handle_incoming(shared.clone(), core.clone(), incoming));
+    }
+}
+
+fn refuse(core: &Core, from: SocketAddr, reason: &str) {
+    bump(&core.counters.refused_handshakes, 1);
+    tracing::warn!(%from, "refused connection from {from}: {reason}");
+}
+
+async fn handle_incoming(shared: Weak<Shared>, core: Arc<Core>, incoming: quinn::Incoming) {
+    let from = incoming.remote_address();
+    let handshake = async {
+        let conn = incoming
+            .await
+            .map_err(|e| format!("TLS handshake failed: {}", describe(&e, &core)))?;
+        let (mut s, mut r) = conn.accept_bi().await.map_err(|e| describe(&e, &core))?;
+        let (node, protocol) = match read_frame(&mut r).await? {
+            Frame::Hello { node, protocol } => (node, protocol),
+            other => return Err(format!("first message {other:?} is not a hello")),
+        };
+        let refused = |why: String| {
+            conn.close(StopCode::Refused.varint(), why.as_bytes());
+            Err(why)
+        };
+        if protocol != PROTOCOL_VERSION {
+            return refused(format!(
+                "node {node} speaks protocol {protocol}, this node {PROTOCOL_VERSION}"
+            ));
+        }
+        let certs = conn
+            .peer_identity()
+            .and_then(|id| id.downcast::<Vec<CertificateDer<'static>>>().ok());
+        if !certs
+            .as_ref()
+            .and_then(|c| c.first())
+            .is_some_and(|c| cert_is_for_node(c, node))
+        {
+            return refused(format!(
+                "claims to be node {node} but its certificate is not for {}",
+                node_server_name(node)
+            ));
+        }
+        s.write_all(&hello(core.me))
+            .await
+            .map_err(|e| e.to_string())?;
+        let _ = s.finish();
+        Ok((node, conn))
+    };
+    let (node, conn) = match timeout(core.cfg.connect_timeout, handshake).await {
+        Err(_) => {
+            return refuse(
+                &core,
+                from,
+                &format!("no hello within {:?}", core.cfg.connect_timeout),
+            )
+        }
+        Ok(Err(reason)) => return refuse(&core, from, &reason),
+        Ok(Ok(v)) => v,
+    };
+    let Some(shared) = shared.upgrade() else {
+        return;
+    };
+    match shared.peer(node, Some(from)) {
+        Ok(peer) => {
+            tracing::debug!(peer = node, %from, "accepted connection");
+            adopt(&core, &peer, conn);
+        }
+        Err(e) => conn.close(StopCode::Shutdown.varint(), e.to_string().as_bytes()),
+    }
+}
+
+/// Makes `conn` `peer`'s connection (unless it has a live one), serves its incoming streams
+/// and watches it close.
+pub(crate) fn adopt(core: &Arc<Core>, peer: &Arc<Peer>, conn: Connection) {
+    {
+        let mut current = peer.conn.lock().expect("poisoned");
+        if current.as_ref().is_none_or(|c| c.close_reason().is_some()) {
+            *current = Some(conn.clone());
+        }
+    }
+    core.rt
+        .spawn(super::recv::serve(core.clone(), peer.clone(), conn.clone()));
+    core.rt.spawn(watch(core.clone(), peer.clone(), conn));
+}
+
+async fn watch(core: Arc<Core>, peer: Arc<Peer>, conn: Connection) {
+    let err = conn.closed().await;
+    let was_current = {
+        let mut current = peer.conn.lock().expect("poisoned");
+        let same = current
+            .as_ref()
+            .is_some_and(|c| c.stable_id() == conn.stable_id());
+        if same {
+            *current = None;
+        }
+        same
+    };
+    let graceful = match &err {
+        ConnectionError::LocallyClosed => true,
+        ConnectionError::ApplicationClosed(c) => c.error_code == StopCode::Shutdown.varint(),
+        _ => false,
+    };
+    if graceful || !was_current || core.closing.load(Ordering::Relaxed) {
+        tracing::debug!(peer = peer.node, "connection closed: {err}");
+        return;
+    }
+    let reason = describe(&err, &core);
+    core.fail(
+        &peer,
+        QuicError::PeerLost {
+            node: peer.node,
+            addr: peer.addr(),
+            reason,
+        },
+    );
+}

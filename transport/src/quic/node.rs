@@ -1,0 +1,446 @@
+//! [`QuicNode`]: the endpoint, its peers and the public node API.
+use super::tls::quinn_configs;
+use super::{QuicConfig, QuicError};
+use crate::certs::NodeIdentity;
+use crate::wire::Rejection;
+use crate::{HaloBlock, MsgHeader};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+use tokio::runtime::Handle;
+use tokio::sync::{broadcast, mpsc, Notify, Semaphore};
+
+/// A node id (the `N` of `node-N.trellis`).
+pub type NodeId = u32;
+
+/// What a node does with what it receives. Called on the node's runtime threads.
+pub trait Inbound: Send + Sync + 'static {
+    /// Admission check of a halo block, before its body is received.
+    fn admit(&self, from: NodeId, header: &MsgHeader) -> Result<(), Rejection>;
+    /// A complete, admitted block; `block.data` is the buffer it was received into.
+    fn halo(&self, from: NodeId, block: HaloBlock);
+    /// A control message.
+    fn control(&self, from: NodeId, bytes: Vec<u8>);
+}
+
+/// Counters of a node.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct QuicStats {
+    /// Connections refused: failed TLS handshake (no or foreign certificate), bad hello.
+    pub refused_handshakes: u64,
+    /// Streams dropped for a malformed frame.
+    pub bad_frames: u64,
+    /// Halo blocks refused by the admission check (unknown partition or run, stale epoch).
+    pub rejected_blocks: u64,
+    pub blocks_received: u64,
+    pub bytes_received: u64,
+    pub blocks_sent: u64,
+    pub bytes_sent: u64,
+    /// Blocks this node sent that the receiving node refused, as far as the sender learnt it:
+    /// a refusal arriving after the whole block was acknowledged (small blocks) is only
+    /// counted and logged by the receiver.
+    pub rejected_by_peer: u64,
+}
+
+#[derive(Default)]
+pub(crate) struct Counters {
+    pub refused_handshakes: AtomicU64,
+    pub bad_frames: AtomicU64,
+    pub rejected_blocks: AtomicU64,
+    pub blocks_received: AtomicU64,
+    pub bytes_received: AtomicU64,
+    pub blocks_sent: AtomicU64,
+    pub bytes_sent: AtomicU64,
+    pub rejected_by_peer: AtomicU64,
+}
+
+pub(crate) fn bump(c: &AtomicU64, n: u64) {
+    c.fetch_add(n, Ordering::Relaxed);
+}
+
+/// A message queued for a peer.
+pub(crate) enum Outgoing {
+    Halo(HaloBlock),
+    Control(Vec<u8>),
+    Pong(u64),
+}
+
+impl Outgoing {
+    pub fn bytes(&self) -> u64 {
+        match self {
+            Outgoing::Halo(b) => b.payload_bytes(),
+            Outgoing::Control(b) => b.len() as u64,
+            Outgoing::Pong(_) => 0,
+        }
+    }
+}
+
+/// What the long-lived tasks share (no endpoint, no peer table: no reference cycle).
+pub(crate) struct Core {
+    pub cfg: QuicConfig,
+    pub me: NodeId,
+    pub inbound: Arc<dyn Inbound>,
+    pub counters: Counters,
+    pub failures: broadcast::Sender<QuicError>,
+    pub rt: Handle,
+    pub closing: AtomicBool,
+}
+
+/// One peer node: its send queue, connection and failure state.
+pub(crate) struct Peer {
+    pub node: NodeId,
+    pub addr: Mutex<SocketAddr>,
+    pub tx: mpsc::UnboundedSender<Outgoing>,
+    /// Bytes queued and not yet handed to a stream.
+    pub queued: AtomicU64,
+    /// Messages queued or in flight.
+    pub pending: AtomicU64,
+    pub changed: Notify,
+    pub failed: Mutex<Option<QuicError>>,
+    pub conn: Mutex<Option<quinn::Connection>>,
+    pub dial: tokio::sync::Mutex<()>,
+    /// Receive budget in KiB.
+    pub budget: Arc<Semaphore>,
+}
+
+impl Peer {
+    pub fn addr(&self) -> SocketAddr {
+        *self.addr.lock().expect("poisoned")
+    }
+
+    pub fn failure(&self) -> Option<QuicError> {
+        self.failed.lock().expect("poisoned").clone()
+    }
+
+    pub fn live_conn(&self) -> Option<quinn::Connection> {
+        self.conn
+            .lock()
+            .expect("poisoned")
+            .clone()
+            .filter(|c| c.close_reason().is_none())
+    }
+
+    /// A message left the queue for good (sent, refused or dropped).
+    pub fn settle(&self) {
+        self.pending.fetch_sub(1, Ordering::SeqCst);
+        self.changed.notify_waiters();
+    }
+}
+
+impl Core {
+    /// Marks `peer` failed (first error wins), logs and broadcasts it.
+    pub fn fail(&self, peer: &Peer, err: QuicError) {
+        {
+            let mut f = peer.failed.lock().expect("poisoned");
+            if f.is_some() || self.closing.load(Ordering::Relaxed) {
+                return;
+            }
+            *f = Some(err.clone());
+        }
+        tracing::warn!(peer = peer.node, "{err}");
+        let _ = self.failures.send(err);
+        peer.changed.notify_waiters();
+    }
+}
+
+pub(crate) struct Shared {
+    pub core: Arc<Core>,
+    pub endpoint: quinn::Endpoint,
+    pub client: quinn::ClientConfig,
+    pub addrs: RwLock<HashMap<NodeId, SocketAddr>>,
+    pub peers: Mutex<HashMap<NodeId, Arc<Peer>>>,
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        self.core.closing.store(true, Ordering::Relaxed);
+        self.endpoint
+            .close(super::StopCode::Shutdown.varint(), b"shutdown");
+    }
+}
+
+impl Shared {
+    /// The peer entry of `node`, created (with its writer task) on first use. `seen_at` is the
+    /// address of an incoming connection, used when no address was configured.
+    pub fn peer(
+        self: &Arc<Self>,
+        node: NodeId,
+        seen_at: Option<SocketAddr>,
+    ) -> Result<Arc<Peer>, QuicError> {
+        if self.core.closing.load(Ordering::Relaxed) {
+            return Err(QuicError::Shutdown { node });
+        }
+        let mut peers = self.peers.lock().expect("poisoned");
+        if let Some(p) = peers.get(&node) {
+            return Ok(p.clone());
+        }
+        let known = self.addrs.read().expect("poisoned").get(&node).copied();
+        let addr = known.or(seen_at).ok_or(QuicError::UnknownNode { node })?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let peer = Arc::new(Peer {
+            node,
+            addr: Mutex::new(addr),
+            tx,
+            queued: AtomicU64::new(0),
+            pending: AtomicU64::new(0),
+            changed: Notify::new(),
+            failed: Mutex::new(None),
+            conn: Mutex::new(None),
+            dial: tokio::sync::Mutex::new(()),
+            budget: Arc::new(Semaphore::new(self.core.cfg.recv_budget_kib() as usize)),
+        });
+        peers.insert(node, peer.clone());
+        self.core
+            .rt
+            .spawn(super::send::writer(Arc::downgrade(self), peer.clone(), rx));
+        Ok(peer)
+    }
+
+    fn enqueue(self: &Arc<Self>, node: NodeId, msg: Outgoing) -> Result<(), QuicError> {
+        let peer = self.peer(node, None)?;
+        if let Some(e) = peer.failure() {
+            return Err(e);
+        }
+        let bytes = msg.bytes();
+        let queued = peer.queued.fetch_add(bytes, Ordering::SeqCst) + bytes;
+        let max = self.core.cfg.max_queued;
+        if queued > max && queued != bytes {
+            peer.queued.fetch_sub(bytes, Ordering::SeqCst);
+            return Err(QuicError::QueueFull {
+                node,
+                queued: queued - bytes,
+                max,
+            });
+        }
+        peer.pending.fetch_add(1, Ordering::SeqCst);
+        if peer.tx.send(msg).is_err() {
+            peer.queued.fetch_sub(bytes, Ordering::SeqCst);
+            peer.settle();
+            return Err(QuicError::Shutdown { node });
+        }
+        Ok(())
+    }
+}
+
+/// A QUIC endpoint with one connection per peer node. Cheap to clone; the endpoint closes
+/// when the last clone is dropped or on [`QuicNode::close`].
+#[derive(Clone)]
+pub struct QuicNode {
+    shared: Arc<Shared>,
+}
+
+impl QuicNode {
+    /// Binds `cfg.bind` as node `id.node`. Must be called inside a tokio runtime (multi-threaded
+    /// recommended): the node's tasks run there.
+    pub fn bind(
+        cfg: QuicConfig,
+        id: &NodeIdentity,
+        inbound: Arc<dyn Inbound>,
+    ) -> Result<Self, QuicError> {
+        let rt = Handle::try_current()
+            .map_err(|_| QuicError::Endpoint("bind needs a tokio runtime".into()))?;
+        let _guard = rt.enter();
+        let (server, client) = quinn_configs(&cfg, id)?;
+        let endpoint_err = |e: std::io::Error| QuicError::Endpoint(format!("{}: {e}", cfg.bind));
+        let socket = std::net::UdpSocket::bind(cfg.bind).map_err(endpoint_err)?;
+        if cfg.socket_buffer > 0 {
+            let sock = socket2::SockRef::from(&socket);
+            let _ = sock.set_recv_buffer_size(cfg.socket_buffer);
+            let _ = sock.set_send_buffer_size(cfg.socket_buffer);
+        }
+        let mut ecfg = quinn::EndpointConfig::default();
+        ecfg.max_udp_payload_size(cfg.max_udp_payload.clamp(1200, 65527))
+            .map_err(|e| QuicError::Endpoint(e.to_string()))?;
+        let endpoint =
+            quinn::Endpoint::new(ecfg, Some(server), socket, Arc::new(quinn::TokioRuntime))
+                .map_err(endpoint_err)?;
+        let core = Arc::new(Core {
+            me: id.node,
+            inbound,
+            counters: Counters::default(),
+            failures: broadcast::channel(64).0,
+            rt: rt.clone(),
+            closing: AtomicBool::new(false),
+            cfg,
+        });
+        let shared = Arc::new(Shared {
+            core,
+            endpoint: endpoint.clone(),
+            client,
+            addrs: RwLock::default(),
+            peers: Mutex::default(),
+        });
+        rt.spawn(super::conn::accept_loop(Arc::downgrade(&shared), endpoint));
+        Ok(QuicNode { shared })
+    }
+
+    /// This node's id.
+    pub fn id(&self) -> NodeId {
+        self.shared.core.me
+    }
+
+    /// The bound UDP address.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.shared
+            .endpoint
+            .local_addr()
+            .expect("a bound endpoint has an address")
+    }
+
+    /// The node's settings.
+    pub fn config(&self) -> &QuicConfig {
+        &self.shared.core.cfg
+    }
+
+    /// Records (or updates) the address of node `node`.
+    pub fn add_peer(&self, node: NodeId, addr: SocketAddr) {
+        self.shared
+            .addrs
+            .write()
+            .expect("poisoned")
+            .insert(node, addr);
+        if let Some(p) = self.shared.peers.lock().expect("poisoned").get(&node) {
+            *p.addr.lock().expect("poisoned") = addr;
+        }
+    }
+
+    /// Dials `node` now (if not connected), within the connect timeout.
+    pub async fn connect(&self, node: NodeId) -> Result<(), QuicError> {
+        let peer = self.shared.peer(node, None)?;
+        self.shared.connection(&peer).await.map(|_| ())
+    }
+
+    /// Queues `block` for `node`; returns at once. Errors if the peer already failed, the
+    /// block exceeds the frame limit or the peer's queue is full.
+    pub fn send_halo(&self, node: NodeId, block: HaloBlock) -> Result<(), QuicError> {
+        let (bytes, max) = (block.payload_bytes(), self.shared.core.cfg.limits.max_body);
+        if bytes > max {
+            return Err(QuicError::TooLarge { node, bytes, max });
+        }
+        self.shared.enqueue(node, Outgoing::Halo(block))
+    }
+
+    /// Queues a control message for `node`. Control messages to one node arrive in order.
+    pub fn send_control(&self, node: NodeId, bytes: Vec<u8>) -> Result<(), QuicError> {
+        let (len, max) = (
+            bytes.len() as u64 + 64,
+            self.shared.core.cfg.limits.max_meta as u64,
+        );
+        if len > max {
+            return Err(QuicError::TooLarge {
+                node,
+                bytes: len,
+                max,
+            });
+        }
+        self.shared.enqueue(node, Outgoing::Control(bytes))
+    }
+
+    /// Waits until every queued message is delivered (acknowledged), a peer fails, or `within`
+    /// passes.
+    pub async fn flush(&self, within: Duration) -> Result<(), QuicError> {
+        let peers: Vec<Arc<Peer>> = self
+            .shared
+            .peers
+            .lock()
+            .expect("poisoned")
+            .values()
+            .cloned()
+            .collect();
+        let deadline = tokio::time::Instant::now() + within;
+        for peer in peers {
+            loop {
+                let notified = peer.changed.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
+                if let Some(e) = peer.failure() {
+                    return Err(e);
+                }
+                let pending = peer.pending.load(Ordering::SeqCst);
+                if pending == 0 {
+                    break;
+                }
+                if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                    return Err(QuicError::FlushTimeout {
+                        node: peer.node,
+                        pending,
+                        after: within,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Peer failures, as they happen.
+    pub fn failures(&self) -> broadcast::Receiver<QuicError> {
+        self.shared.core.failures.subscribe()
+    }
+
+    /// The failure recorded for `node`, if any.
+    pub fn peer_failure(&self, node: NodeId) -> Option<QuicError> {
+        self.shared
+            .peers
+            .lock()
+            .expect("poisoned")
+            .get(&node)
+            .and_then(|p| p.failure())
+    }
+
+    /// Forgets `node`'s failure so that later sends dial it again (e.g. after it restarted).
+    pub fn reset_peer(&self, node: NodeId) {
+        if let Some(p) = self.shared.peers.lock().expect("poisoned").get(&node) {
+            *p.failed.lock().expect("poisoned") = None;
+        }
+    }
+
+    /// Nodes with a live connection.
+    pub fn connected_peers(&self) -> Vec<NodeId> {
+        let peers = self.shared.peers.lock().expect("poisoned");
+        let mut v: Vec<NodeId> = peers
+            .values()
+            .filter(|p| p.live_conn().is_some())
+            .map(|p| p.node)
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// quinn's statistics of the live connection to `node` (path MTU, RTT, congestion window,
+    /// lost packets...).
+    pub fn connection_stats(&self, node: NodeId) -> Option<quinn::ConnectionStats> {
+        let peers = self.shared.peers.lock().expect("poisoned");
+        peers
+            .get(&node)
+            .and_then(|p| p.live_conn())
+            .map(|c| c.stats())
+    }
+
+    /// The node's counters.
+    pub fn stats(&self) -> QuicStats {
+        let c = &self.shared.core.counters;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        QuicStats {
+            refused_handshakes: l(&c.refused_handshakes),
+            bad_frames: l(&c.bad_frames),
+            rejected_blocks: l(&c.rejected_blocks),
+            blocks_received: l(&c.blocks_received),
+            bytes_received: l(&c.bytes_received),
+            blocks_sent: l(&c.blocks_sent),
+            bytes_sent: l(&c.bytes_sent),
+            rejected_by_peer: l(&c.rejected_by_peer),
+        }
+    }
+
+    /// Closes every connection gracefully and waits (at most a second) for the peers to know.
+    pub async fn close(&self) {
+        self.shared.core.closing.store(true, Ordering::Relaxed);
+        self.shared
+            .endpoint
+            .close(super::StopCode::Shutdown.varint(), b"shutdown");
+        let _ =
+            tokio::time::timeout(Duration::from_secs(1), self.shared.endpoint.wait_idle()).await;
+    }
+}

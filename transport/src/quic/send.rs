@@ -1,0 +1,191 @@
+//! The send side: one writer task per peer. Halo blocks go out on their own unidirectional
+//! streams, up to `send_streams` at once, their buffers handed to quinn without a copy;
+//! control messages share one ordered stream per connection.
+use super::error::StopCode;
+use super::node::{bump, Core, Outgoing, Peer, Shared};
+use super::QuicError;
+use crate::wire::{encode_head, encode_to_vec, halo_body, Envelope, Frame};
+use crate::HaloBlock;
+use bytes::Bytes;
+use quinn::{Connection, SendStream, WriteError};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+use tokio::sync::{mpsc, Semaphore};
+use tokio::time::timeout;
+
+fn write_error(core: &Core, peer: &Peer, e: WriteError) -> QuicError {
+    match e {
+        WriteError::ConnectionLost(c) => QuicError::PeerLost {
+            node: peer.node,
+            addr: peer.addr(),
+            reason: super::conn::describe(&c, core),
+        },
+        e => QuicError::Send {
+            node: peer.node,
+            addr: peer.addr(),
+            reason: e.to_string(),
+        },
+    }
+}
+
+/// Sends what is queued for `peer` until the queue closes.
+pub(crate) async fn writer(
+    shared: Weak<Shared>,
+    peer: Arc<Peer>,
+    mut rx: mpsc::UnboundedReceiver<Outgoing>,
+) {
+    let mut slots: Option<Arc<Semaphore>> = None;
+    let mut control: Option<(usize, SendStream)> = None;
+    while let Some(msg) = rx.recv().await {
+        let bytes = msg.bytes();
+        let Some(s) = shared.upgrade() else { break };
+        let core = s.core.clone();
+        let slots = slots
+            .get_or_insert_with(|| Arc::new(Semaphore::new(core.cfg.send_streams.max(1))))
+            .clone();
+        if peer.failure().is_some() {
+            peer.queued.fetch_sub(bytes, Ordering::SeqCst);
+            peer.settle();
+            continue;
+        }
+        let conn = match s.connection(&peer).await {
+            Ok(c) => c,
+            Err(e) => {
+                core.fail(&peer, e);
+                peer.queued.fetch_sub(bytes, Ordering::SeqCst);
+                peer.settle();
+                continue;
+            }
+        };
+        drop(s);
+        match msg {
+            Outgoing::Halo(block) => {
+                let permit = slots.acquire_owned().await.expect("never closed");
+                peer.queued.fetch_sub(bytes, Ordering::SeqCst);
+                let (core, peer) = (core.clone(), peer.clone());
+                core.rt.clone().spawn(async move {
+                    if let Err(e) = send_halo(&core, &peer, &conn, block).await {
+                        core.fail(&peer, e);
+                    }
+                    drop(permit);
+                    peer.settle();
+                });
+            }
+            Outgoing::Control(b) => {
+                peer.queued.fetch_sub(bytes, Ordering::SeqCst);
+                let r = send_small(&core, &peer, &conn, &mut control, Frame::Control(b)).await;
+                if let Err(e) = r {
+                    core.fail(&peer, e);
+                }
+                peer.settle();
+            }
+            Outgoing::Pong(n) => {
+                let _ = send_small(&core, &peer, &conn, &mut control, Frame::Pong(n)).await;
+                peer.settle();
+            }
+        }
+    }
+}
+
+/// Writes a small frame on the connection's control stream (opened on first use).
+async fn send_small(
+    core: &Core,
+    peer: &Peer,
+    conn: &Connection,
+    control: &mut Option<(usize, SendStream)>,
+    frame: Frame,
+) -> Result<(), QuicError> {
+    let after = core.cfg.send_timeout;
+    let data = encode_to_vec(&frame);
+    let work = async {
+        if control
+            .as_ref()
+            .is_none_or(|(id, _)| *id != conn.stable_id())
+        {
+            let s = conn
+                .open_uni()
+                .await
+                .map_err(|e| write_error(core, peer, WriteError::ConnectionLost(e)))?;
+            *control = Some((conn.stable_id(), s));
+        }
+        let (_, s) = control.as_mut().expect("just opened");
+        s.write_all(&data)
+            .await
+            .map_err(|e| write_error(core, peer, e))
+    };
+    match timeout(after, work).await {
+        Ok(r) => r,
+        Err(_) => {
+            *control = None;
+            Err(QuicError::SendTimeout {
+                node: peer.node,
+                addr: peer.addr(),
+                what: "a control message".into(),
+                after,
+            })
+        }
+    }
+}
+
+/// Sends one block on a new stream and waits until the peer acknowledged all of it (or
+/// refused it), within the send timeout.
+async fn send_halo(
+    core: &Core,
+    peer: &Peer,
+    conn: &Connection,
+    block: HaloBlock,
+) -> Result<(), QuicError> {
+    let (to, bytes, after) = (
+        block.header.to,
+        block.payload_bytes(),
+        core.cfg.send_timeout,
+    );
+    let mut chunks = [
+        Bytes::from(encode_head(&Envelope::halo(&block), bytes)),
+        halo_body(&block.data),
+    ];
+    drop(block);
+    let work = async {
+        let mut s = conn
+            .open_uni()
+            .await
+            .map_err(|e| write_error(core, peer, WriteError::ConnectionLost(e)))?;
+        s.write_all_chunks(&mut chunks)
+            .await
+            .map_err(|e| write_error(core, peer, e))?;
+        let _ = s.finish();
+        s.stopped().await.map_err(|e| QuicError::Send {
+            node: peer.node,
+            addr: peer.addr(),
+            reason: e.to_string(),
+        })
+    };
+    match timeout(after, work).await {
+        Err(_) => {
+            let what = format!("a {bytes}-byte block for partition {to}");
+            Err(QuicError::SendTimeout {
+                node: peer.node,
+                addr: peer.addr(),
+                what,
+                after,
+            })
+        }
+        Ok(Err(e)) => Err(e),
+        Ok(Ok(None)) => {
+            bump(&core.counters.blocks_sent, 1);
+            bump(&core.counters.bytes_sent, bytes);
+            Ok(())
+        }
+        Ok(Ok(Some(code))) => {
+            bump(&core.counters.rejected_by_peer, 1);
+            let why = StopCode::from_code(code.into_inner())
+                .map_or(format!("code {code}"), |c| format!("{c:?}"));
+            tracing::warn!(
+                peer = peer.node,
+                "node {} refused a block for partition {to}: {why}",
+                peer.node
+            );
+            Ok(())
+        }
+    }
+}

@@ -1,0 +1,144 @@
+//! The rkyv-archived envelope and the decoded [`Frame`] it turns into once validated.
+use super::header::WireError;
+use crate::{HaloBlock, MsgHeader, PartId, Phase, RunId};
+use rkyv::{Archive, Deserialize, Serialize};
+
+/// What travels in a frame's meta section, archived with rkyv.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub enum Envelope {
+    /// First message of a connection, both ways: who I am and what I speak.
+    Hello {
+        node: u32,
+        protocol: u16,
+    },
+    /// Liveness probe; answered with a [`Envelope::Pong`] carrying the same nonce.
+    Ping {
+        nonce: u64,
+    },
+    Pong {
+        nonce: u64,
+    },
+    /// Opaque bytes for the cluster layer (coordinator requests and replies).
+    Control(Vec<u8>),
+    /// A halo block's header; `rows * cols` little-endian f32 follow as the frame's body.
+    Halo {
+        run: [u8; 16],
+        epoch: u32,
+        layer: u16,
+        phase: u8,
+        from: u32,
+        to: u32,
+        rows: u32,
+        cols: u32,
+    },
+}
+
+/// A decoded, validated frame.
+#[derive(Debug, Clone)]
+pub enum Frame {
+    Hello {
+        node: u32,
+        protocol: u16,
+    },
+    Ping(u64),
+    Pong(u64),
+    Control(Vec<u8>),
+    /// The block's `data` is the buffer the body was received into.
+    Halo(HaloBlock),
+}
+
+pub(crate) fn phase_code(p: Phase) -> u8 {
+    match p {
+        Phase::Forward => 0,
+        Phase::Backward => 1,
+        Phase::Eval => 2,
+    }
+}
+
+fn phase_from(code: u8) -> Result<Phase, WireError> {
+    match code {
+        0 => Ok(Phase::Forward),
+        1 => Ok(Phase::Backward),
+        2 => Ok(Phase::Eval),
+        c => Err(WireError::Phase(c)),
+    }
+}
+
+impl Envelope {
+    /// The envelope announcing `block` (its body is sent separately).
+    pub fn halo(block: &HaloBlock) -> Self {
+        let h = &block.header;
+        Envelope::Halo {
+            run: *h.run.as_bytes(),
+            epoch: h.epoch,
+            layer: h.layer,
+            phase: phase_code(h.phase),
+            from: h.from.0,
+            to: h.to.0,
+            rows: block.rows,
+            cols: block.cols,
+        }
+    }
+
+    /// The envelope of a frame without body; `None` for a halo (see [`Envelope::halo`]).
+    pub fn of(frame: &Frame) -> Self {
+        match frame {
+            Frame::Hello { node, protocol } => Envelope::Hello {
+                node: *node,
+                protocol: *protocol,
+            },
+            Frame::Ping(n) => Envelope::Ping { nonce: *n },
+            Frame::Pong(n) => Envelope::Pong { nonce: *n },
+            Frame::Control(b) => Envelope::Control(b.clone()),
+            Frame::Halo(b) => Envelope::halo(b),
+        }
+    }
+}
+
+/// Checks `meta` with bytecheck and returns the archived envelope.
+pub(crate) fn access(meta: &[u8]) -> Result<&ArchivedEnvelope, WireError> {
+    rkyv::access::<ArchivedEnvelope, rkyv::rancor::Error>(meta)
+        .map_err(|e| WireError::Invalid(e.to_string()))
+}
+
+/// A halo envelope's header and shape, checked.
+pub(crate) fn halo_parts(
+    env: &ArchivedEnvelope,
+) -> Result<Option<(MsgHeader, u32, u32)>, WireError> {
+    let ArchivedEnvelope::Halo {
+        run,
+        epoch,
+        layer,
+        phase,
+        from,
+        to,
+        rows,
+        cols,
+    } = env
+    else {
+        return Ok(None);
+    };
+    let header = MsgHeader {
+        run: RunId::from_bytes(*run),
+        epoch: epoch.to_native(),
+        layer: layer.to_native(),
+        phase: phase_from(*phase)?,
+        from: PartId(from.to_native()),
+        to: PartId(to.to_native()),
+    };
+    Ok(Some((header, rows.to_native(), cols.to_native())))
+}
+
+/// A non-halo envelope as a frame.
+pub(crate) fn small_frame(env: &ArchivedEnvelope) -> Frame {
+    match env {
+        ArchivedEnvelope::Hello { node, protocol } => Frame::Hello {
+            node: node.to_native(),
+            protocol: protocol.to_native(),
+        },
+        ArchivedEnvelope::Ping { nonce } => Frame::Ping(nonce.to_native()),
+        ArchivedEnvelope::Pong { nonce } => Frame::Pong(nonce.to_native()),
+        ArchivedEnvelope::Control(b) => Frame::Control(b.as_slice().to_vec()),
+        ArchivedEnvelope::Halo { .. } => unreachable!("halo envelopes carry a body"),
+    }
+}

@@ -1,0 +1,209 @@
+//! Fuzzing the frame decoder: random bytes and mutated valid frames never panic, and the result
+//! does not depend on how the bytes are chunked. `fuzz-corpus/` holds regression inputs: files
+//! named `ok-*` must decode without error, `err-*` must yield an error. Add every input a fuzz
+//! run finds there (see `write_seed_corpus` to regenerate the seeds).
+mod common;
+
+use common::block;
+use proptest::prelude::*;
+use proptest::test_runner::FileFailurePersistence;
+use std::path::PathBuf;
+use trellis_transport::wire::*;
+
+const LIMITS: Limits = Limits {
+    max_meta: 1 << 16,
+    max_body: 1 << 20,
+};
+
+/// Decodes `bytes` fed in pieces cut at `cuts`; a summary of every frame and error.
+fn decode(bytes: &[u8], cuts: &[usize]) -> Vec<String> {
+    let mut dec = FrameDecoder::new(LIMITS);
+    let mut out = Vec::new();
+    let mut start = 0;
+    let mut points: Vec<usize> = cuts.iter().map(|c| c % (bytes.len() + 1)).collect();
+    points.sort_unstable();
+    for p in points.into_iter().chain([bytes.len()]) {
+        dec.handle_bytes(&bytes[start..p.max(start)]);
+        start = p.max(start);
+        out.extend(std::iter::from_fn(|| dec.poll_frame()).map(|r| summary(&r)));
+    }
+    if let Err(e) = dec.handle_eof() {
+        out.push(format!("eof: {e}"));
+    }
+    out
+}
+
+fn summary(r: &Result<Frame, WireError>) -> String {
+    match r {
+        Ok(Frame::Halo(b)) => {
+            let bits: Vec<u32> = b.data.iter().map(|x| x.to_bits()).collect();
+            format!("halo {:?} {}x{} {:?}", b.header, b.rows, b.cols, bits)
+        }
+        Ok(f) => format!("{f:?}"),
+        // bytecheck messages carry addresses: compare the kind only.
+        Err(WireError::Invalid(_)) => "error: invalid envelope".into(),
+        Err(e) => format!("error: {e}"),
+    }
+}
+
+fn valid_frames() -> Vec<(&'static str, Vec<u8>)> {
+    vec![
+        (
+            "hello",
+            encode_to_vec(&Frame::Hello {
+                node: 7,
+                protocol: PROTOCOL_VERSION,
+            }),
+        ),
+        ("ping", encode_to_vec(&Frame::Ping(9))),
+        (
+            "control",
+            encode_to_vec(&Frame::Control(b"epoch 3 done".to_vec())),
+        ),
+        ("halo", encode_to_vec(&Frame::Halo(block(1, 2, 3, 4, 5)))),
+        (
+            "halo-empty",
+            encode_to_vec(&Frame::Halo(block(1, 2, 3, 0, 5))),
+        ),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig {
+        cases: 2000,
+        failure_persistence: Some(Box::new(FileFailurePersistence::Direct("fuzz-corpus/proptest-regressions.txt"))),
+        ..ProptestConfig::default()
+    })]
+
+    #[test]
+    fn random_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512), cuts in proptest::collection::vec(any::<usize>(), 0..8)) {
+        let whole = decode(&bytes, &[]);
+        prop_assert_eq!(whole, decode(&bytes, &cuts));
+    }
+
+    #[test]
+    fn random_bytes_after_a_valid_header_never_panic(kind in 0u8..4, meta in proptest::collection::vec(any::<u8>(), 0..256), body in 0u64..512) {
+        let mut bytes = FrameHeader { kind: FrameKind::Halo, meta_len: meta.len() as u32, body_len: body }.encode().to_vec();
+        bytes[6] = kind;
+        bytes.extend_from_slice(&meta);
+        let _ = decode(&bytes, &[]);
+    }
+
+    #[test]
+    fn mutated_frames_never_panic(which in 0usize..5, flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..6), cut in any::<usize>(), cuts in proptest::collection::vec(any::<usize>(), 0..6)) {
+        let mut bytes = valid_frames()[which].1.clone();
+        for (at, x) in flips {
+            let n = bytes.len();
+            bytes[at % n] ^= x;
+        }
+        bytes.truncate(cut % (bytes.len() + 1) + 1);
+        let whole = decode(&bytes, &[]);
+        prop_assert_eq!(whole, decode(&bytes, &cuts));
+    }
+}
+
+fn corpus_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fuzz-corpus")
+}
+
+#[test]
+fn replay_regression_corpus() {
+    let mut n = 0;
+    for entry in std::fs::read_dir(corpus_dir()).expect("fuzz-corpus/ exists") {
+        let path = entry.unwrap().path();
+        if path.extension().is_none_or(|e| e != "bin") {
+            continue;
+        }
+        let name = path.file_name().unwrap().to_string_lossy().to_string();
+        let bytes = std::fs::read(&path).unwrap();
+        let whole = decode(&bytes, &[]);
+        let cuts: Vec<usize> = (0..bytes.len()).collect();
+        assert_eq!(
+            whole,
+            decode(&bytes, &cuts),
+            "{name}: chunking changed the result"
+        );
+        let failed = whole
+            .iter()
+            .any(|s| s.starts_with("error") || s.starts_with("eof"));
+        if name.starts_with("ok-") {
+            assert!(!failed && !whole.is_empty(), "{name}: {whole:?}");
+        } else if name.starts_with("err-") {
+            assert!(failed, "{name} decoded without error: {whole:?}");
+        }
+        n += 1;
+    }
+    assert!(n >= 10, "the corpus has only {n} inputs");
+}
+
+/// Regenerates the seed inputs: `cargo test -p trellis-transport --test fuzz -- --ignored`.
+#[test]
+#[ignore]
+fn write_seed_corpus() {
+    let dir = corpus_dir();
+    std::fs::create_dir_all(&dir).unwrap();
+    let mut seeds: Vec<(String, Vec<u8>)> = Vec::new();
+    for (name, bytes) in valid_frames() {
+        seeds.push((format!("ok-{name}"), bytes.clone()));
+        seeds.push((
+            format!("err-truncated-{name}"),
+            bytes[..bytes.len() - 1].to_vec(),
+        ));
+        let mut v = bytes.clone();
+        v[4] = 0x7f;
+        seeds.push((format!("err-version-{name}"), v));
+    }
+    seeds.push((
+        "ok-stream-of-all".into(),
+        valid_frames().into_iter().flat_map(|(_, b)| b).collect(),
+    ));
+    seeds.push((
+        "err-garbage-http".into(),
+        b"GET / HTTP/1.1\r\n\r\n".to_vec(),
+    ));
+    seeds.push(("err-garbage-zeros".into(), vec![0; 64]));
+    seeds.push(("err-truncated-header".into(), MAGIC.to_vec()));
+    let huge = FrameHeader {
+        kind: FrameKind::Halo,
+        meta_len: 64,
+        body_len: u64::MAX & !3,
+    }
+    .encode()
+    .to_vec();
+    seeds.push(("err-oversized-body".into(), huge));
+    let huge_meta = FrameHeader {
+        kind: FrameKind::Message,
+        meta_len: u32::MAX,
+        body_len: 0,
+    }
+    .encode()
+    .to_vec();
+    seeds.push(("err-oversized-meta".into(), huge_meta));
+    let mut bad_meta = FrameHeader {
+        kind: FrameKind::Message,
+        meta_len: 24,
+        body_len: 0,
+    }
+    .encode()
+    .to_vec();
+    bad_meta.extend_from_slice(&[0xa5; 24]);
+    seeds.push(("err-bytecheck".into(), bad_meta));
+    let b = block(0, 1, 1, 3, 4);
+    let mut mismatch = encode_head(&Envelope::halo(&b), 16);
+    mismatch.extend_from_slice(&[0; 16]);
+    seeds.push(("err-body-mismatch".into(), mismatch));
+    let env = Envelope::Halo {
+        run: [1; 16],
+        epoch: 1,
+        layer: 0,
+        phase: 200,
+        from: 0,
+        to: 1,
+        rows: 0,
+        cols: 0,
+    };
+    seeds.push(("err-phase".into(), encode_head(&env, 0)));
+    for (name, bytes) in seeds {
+        std::fs::write(dir.join(format!("{name}.bin")), bytes).unwrap();
+    }
+}

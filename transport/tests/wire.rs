@@ -1,0 +1,303 @@
+//! The frame format and decoder: round trips, chunking, and every kind of bad input.
+mod common;
+
+use common::{block, header, run_id};
+use trellis_transport::wire::*;
+use trellis_transport::PartId;
+
+fn decode_all(bytes: &[u8], limits: Limits) -> Vec<Result<Frame, WireError>> {
+    let mut dec = FrameDecoder::new(limits);
+    dec.handle_bytes(bytes);
+    let mut out: Vec<_> = std::iter::from_fn(|| dec.poll_frame()).collect();
+    if let Err(e) = dec.handle_eof() {
+        out.push(Err(e));
+    }
+    out
+}
+
+fn one_error(bytes: &[u8], limits: Limits) -> WireError {
+    let out = decode_all(bytes, limits);
+    assert_eq!(out.len(), 1, "expected exactly one error, got {out:?}");
+    out.into_iter().next().unwrap().unwrap_err()
+}
+
+fn samples() -> Vec<Frame> {
+    vec![
+        Frame::Hello {
+            node: 3,
+            protocol: PROTOCOL_VERSION,
+        },
+        Frame::Ping(42),
+        Frame::Pong(u64::MAX),
+        Frame::Control(b"coordinator: start epoch 4".to_vec()),
+        Frame::Control(Vec::new()),
+        Frame::Halo(block(1, 2, 5, 3, 4)),
+        Frame::Halo(block(1, 2, 5, 0, 16)),
+    ]
+}
+
+fn same(a: &Frame, b: &Frame) -> bool {
+    match (a, b) {
+        (Frame::Halo(x), Frame::Halo(y)) => {
+            x.header == y.header && x.rows == y.rows && x.cols == y.cols && x.data[..] == y.data[..]
+        }
+        _ => format!("{a:?}") == format!("{b:?}"),
+    }
+}
+
+#[test]
+fn round_trip_every_kind() {
+    for f in samples() {
+        let bytes = encode_to_vec(&f);
+        let out = decode_all(&bytes, Limits::default());
+        assert_eq!(out.len(), 1);
+        let got = out[0].as_ref().unwrap();
+        assert!(same(&f, got), "{f:?} came back as {got:?}");
+    }
+}
+
+#[test]
+fn byte_by_byte_and_back_to_back() {
+    let frames = samples();
+    let stream: Vec<u8> = frames.iter().flat_map(encode_to_vec).collect();
+    let mut dec = FrameDecoder::new(Limits::default());
+    let mut got = Vec::new();
+    for b in &stream {
+        dec.handle_bytes(std::slice::from_ref(b));
+        got.extend(std::iter::from_fn(|| dec.poll_frame()));
+    }
+    assert!(dec.is_idle());
+    dec.handle_eof().unwrap();
+    assert_eq!(got.len(), frames.len());
+    for (f, g) in frames.iter().zip(&got) {
+        assert!(same(f, g.as_ref().unwrap()));
+    }
+}
+
+#[test]
+fn want_stops_at_section_boundaries() {
+    let bytes = encode_to_vec(&Frame::Halo(block(0, 1, 1, 8, 8)));
+    let mut dec = FrameDecoder::new(Limits::default());
+    assert_eq!(dec.want(), HEADER_LEN);
+    dec.handle_bytes(&bytes[..HEADER_LEN]);
+    let h = *dec.header().expect("header decoded");
+    assert_eq!((h.kind, h.body_len), (FrameKind::Halo, 256));
+    assert_eq!(dec.want(), h.meta_len as usize);
+    let meta_end = HEADER_LEN + h.meta_len as usize;
+    dec.handle_bytes(&bytes[HEADER_LEN..meta_end]);
+    assert_eq!(dec.pending_halo(), Some(&header(0, 1, 1)));
+    assert_eq!(dec.want(), 256);
+    dec.handle_bytes(&bytes[meta_end..]);
+    assert!(matches!(dec.poll_frame(), Some(Ok(Frame::Halo(_)))));
+}
+
+#[test]
+fn the_body_lands_in_the_blocks_only_buffer() {
+    let sent = block(4, 9, 2, 1024, 64);
+    let bytes = encode_to_vec(&Frame::Halo(sent.clone()));
+    let mut dec = FrameDecoder::new(Limits::default());
+    for chunk in bytes.chunks(1000) {
+        dec.handle_bytes(chunk);
+    }
+    let Some(Ok(Frame::Halo(got))) = dec.poll_frame() else {
+        panic!("no block")
+    };
+    assert_eq!(
+        std::sync::Arc::strong_count(&got.data),
+        1,
+        "the decoder keeps no other reference"
+    );
+    assert_eq!(got.data.len(), 1024 * 64);
+    assert_eq!(got.data[..], sent.data[..]);
+}
+
+#[test]
+fn every_truncation_is_an_error() {
+    for f in samples() {
+        let bytes = encode_to_vec(&f);
+        for cut in 1..bytes.len() {
+            match one_error(&bytes[..cut], Limits::default()) {
+                WireError::Truncated { have, need, .. } => assert!(have < need),
+                e => panic!("cut at {cut}: {e:?}"),
+            }
+        }
+        assert!(
+            decode_all(&[], Limits::default()).is_empty(),
+            "an empty stream is fine"
+        );
+    }
+}
+
+#[test]
+fn oversized_frames_are_refused_before_allocation() {
+    let limits = Limits {
+        max_meta: 1024,
+        max_body: 4096,
+    };
+    let big = encode_to_vec(&Frame::Halo(block(0, 1, 1, 2, 1024)));
+    assert_eq!(
+        one_error(&big, limits),
+        WireError::BodyTooLarge {
+            len: 8192,
+            max: 4096
+        }
+    );
+    let control = encode_to_vec(&Frame::Control(vec![0; 2000]));
+    assert!(matches!(
+        one_error(&control, limits),
+        WireError::MetaTooLarge { max: 1024, .. }
+    ));
+    // A header announcing 2^64-4 bytes: refused from the header alone.
+    let mut h = FrameHeader {
+        kind: FrameKind::Halo,
+        meta_len: 40,
+        body_len: u64::MAX - 3,
+    }
+    .encode()
+    .to_vec();
+    h.extend_from_slice(&[0; 8]);
+    assert!(matches!(
+        one_error(&h, Limits::default()),
+        WireError::BodyTooLarge { .. }
+    ));
+}
+
+#[test]
+fn garbage_and_wrong_versions_are_refused() {
+    assert_eq!(
+        one_error(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", Limits::default()),
+        WireError::BadMagic(*b"GET ")
+    );
+    let mut bytes = encode_to_vec(&Frame::Ping(1));
+    bytes[4..6].copy_from_slice(&2u16.to_le_bytes());
+    assert_eq!(
+        one_error(&bytes, Limits::default()),
+        WireError::Version { got: 2 }
+    );
+    let mut bytes = encode_to_vec(&Frame::Ping(1));
+    bytes[6] = 9;
+    assert_eq!(one_error(&bytes, Limits::default()), WireError::Kind(9));
+    let mut bytes = encode_to_vec(&Frame::Ping(1));
+    bytes[7] = 1;
+    assert_eq!(one_error(&bytes, Limits::default()), WireError::Flags(1));
+    // A valid header followed by an envelope that fails bytecheck.
+    let mut bytes = FrameHeader {
+        kind: FrameKind::Message,
+        meta_len: 16,
+        body_len: 0,
+    }
+    .encode()
+    .to_vec();
+    bytes.extend_from_slice(&[0xff; 16]);
+    assert!(matches!(
+        one_error(&bytes, Limits::default()),
+        WireError::Invalid(_)
+    ));
+}
+
+#[test]
+fn inconsistent_frames_are_refused() {
+    // The halo envelope says 3x4 f32 but the header announces 12 bytes.
+    let b = block(0, 1, 1, 3, 4);
+    let mut bytes = encode_head(&Envelope::halo(&b), 12);
+    bytes.extend_from_slice(&[0; 12]);
+    assert_eq!(
+        one_error(&bytes, Limits::default()),
+        WireError::BodyMismatch {
+            rows: 3,
+            cols: 4,
+            body_len: 12
+        }
+    );
+    // A halo envelope in a frame of kind Message.
+    let mut bytes = encode_head(&Envelope::halo(&block(0, 1, 1, 0, 0)), 0);
+    bytes[6] = FrameKind::Message as u8;
+    assert!(matches!(
+        one_error(&bytes, Limits::default()),
+        WireError::BodyMismatch { .. }
+    ));
+    // A ping in a frame of kind Halo.
+    let mut bytes = encode_to_vec(&Frame::Ping(1));
+    bytes[6] = FrameKind::Halo as u8;
+    assert!(matches!(
+        one_error(&bytes, Limits::default()),
+        WireError::BodyShape { .. }
+    ));
+    // An unknown phase.
+    let env = Envelope::Halo {
+        run: [0; 16],
+        epoch: 0,
+        layer: 0,
+        phase: 7,
+        from: 0,
+        to: 1,
+        rows: 0,
+        cols: 0,
+    };
+    assert_eq!(
+        one_error(&encode_head(&env, 0), Limits::default()),
+        WireError::Phase(7)
+    );
+}
+
+#[test]
+fn a_failed_decoder_ignores_the_rest() {
+    let mut dec = FrameDecoder::new(Limits::default());
+    dec.handle_bytes(b"garbage!garbage!garbage!");
+    dec.handle_bytes(&encode_to_vec(&Frame::Ping(1)));
+    assert!(matches!(
+        dec.poll_frame(),
+        Some(Err(WireError::BadMagic(_)))
+    ));
+    assert!(dec.poll_frame().is_none());
+    assert!(dec.is_failed());
+    assert!(dec.handle_eof().is_ok());
+}
+
+#[test]
+fn filter_rejects_unknown_partitions_runs_and_stale_epochs() {
+    let mut f = RecvFilter::new();
+    f.add_partition(PartId(2));
+    assert_eq!(
+        f.check(&header(1, 2, 5)),
+        Err(Rejection::UnknownRun(run_id()))
+    );
+    f.set_epoch(run_id(), 5);
+    assert_eq!(
+        f.check(&header(1, 3, 5)),
+        Err(Rejection::UnknownPartition(PartId(3)))
+    );
+    assert_eq!(
+        f.check(&header(1, 2, 4)),
+        Err(Rejection::StaleEpoch {
+            part: PartId(2),
+            epoch: 4,
+            current: 5
+        })
+    );
+    assert_eq!(f.check(&header(1, 2, 5)), Ok(()));
+    assert_eq!(
+        f.check(&header(1, 2, 6)),
+        Ok(()),
+        "a peer already in the next epoch is fine"
+    );
+    f.set_epoch(run_id(), 3);
+    assert_eq!(
+        f.check(&header(1, 2, 4)),
+        Ok(()),
+        "restored to an earlier epoch"
+    );
+    f.remove_partition(PartId(2));
+    assert!(f.check(&header(1, 2, 4)).is_err());
+    f.end_run(run_id());
+    let s = f.stats();
+    assert_eq!(
+        (
+            s.accepted,
+            s.unknown_partition,
+            s.unknown_run,
+            s.stale_epoch
+        ),
+        (3, 2, 1, 1)
+    );
+}
