@@ -2,6 +2,7 @@
 //! and I/O: the actor feeds it requests and halo blocks and sends what it returns.
 use crate::messages::Outcome;
 use crate::replica::Snapshot;
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
@@ -160,7 +161,7 @@ impl PartitionState {
         };
         let y = if l == 0 {
             self.model
-                .forward_layer(&self.stream, 0, &self.block, &self.x, ctx)?
+                .forward_layer(&self.stream, 0, &self.block, Cow::Borrowed(&self.x), ctx)?
         } else {
             let own = self
                 .own_out
@@ -171,7 +172,7 @@ impl PartitionState {
                 &self.stream,
                 l,
                 &self.block,
-                &LayerInput::Dense(input),
+                Cow::Owned(LayerInput::Dense(input)),
                 ctx,
             )?
         };

@@ -462,6 +462,21 @@ impl Stream {
         Ok(y)
     }
 
+    /// `x = act(x)` in place.
+    pub fn activate(&self, act: Activation, x: &mut Tensor) -> Result<()> {
+        self.cpu_only()?;
+        if act == Activation::Identity {
+            return Ok(());
+        }
+        use rayon::prelude::*;
+        self.run(|| {
+            x.as_mut_slice()
+                .par_chunks_mut(16_384)
+                .for_each(|c| c.iter_mut().for_each(|v| *v = act.apply(*v)))
+        });
+        Ok(())
+    }
+
     /// `gy * act'(x)` as a new tensor.
     pub fn activation_backward(&self, act: Activation, x: &Tensor, gy: &Tensor) -> Result<Tensor> {
         self.cpu_only()?;
@@ -498,6 +513,44 @@ impl Stream {
                     g.iter_mut()
                         .zip(y)
                         .for_each(|(g, &y)| *g *= act.derivative_from_output(y));
+                })
+        });
+        Ok(())
+    }
+
+    /// One bit per element of `y`, set where `y > 0` (what ReLU's backward needs: 1/32 of `y`).
+    pub fn positive_bits(&self, y: &Tensor) -> Result<Vec<u64>> {
+        self.cpu_only()?;
+        use rayon::prelude::*;
+        Ok(self.run(|| {
+            y.as_slice()
+                .par_chunks(64)
+                .map(|c| {
+                    c.iter()
+                        .enumerate()
+                        .fold(0u64, |acc, (k, &v)| acc | (((v > 0.0) as u64) << k))
+                })
+                .collect()
+        }))
+    }
+
+    /// Zeroes the elements of `g` whose bit in `bits` (from [`Stream::positive_bits`]) is clear.
+    pub fn mask_by_bits(&self, bits: &[u64], g: &mut Tensor) -> Result<()> {
+        self.cpu_only()?;
+        check("mask_by_bits", bits.len() == g.len().div_ceil(64), || {
+            format!("{} words for {} elements", bits.len(), g.len())
+        })?;
+        use rayon::prelude::*;
+        self.run(|| {
+            g.as_mut_slice()
+                .par_chunks_mut(64)
+                .zip(bits.par_iter())
+                .for_each(|(c, &b)| {
+                    c.iter_mut().enumerate().for_each(|(k, v)| {
+                        if b >> k & 1 == 0 {
+                            *v = 0.0;
+                        }
+                    })
                 })
         });
         Ok(())

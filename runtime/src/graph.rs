@@ -2,7 +2,8 @@
 //! structure ([`Block`]) that layers run over.
 use crate::{Dataset, Result, RuntimeError};
 use rayon::prelude::*;
-use trellis_gpu::{Csr, CsrTranspose};
+use std::sync::OnceLock;
+use trellis_gpu::Csr;
 
 /// The global graph: row `i` lists the neighbours of node `i` in ascending id, symmetrised,
 /// without self loops or duplicates.
@@ -119,7 +120,11 @@ pub struct Block {
     n_out: usize,
     gids: Vec<u32>,
     adj: Csr,
-    adj_t: CsrTranspose,
+    /// Transposed matrix (unless `symmetric`) and the entry permutation, built on first use.
+    adj_t: OnceLock<(Option<Csr>, Vec<u32>)>,
+    /// The matrix equals its transpose (a whole graph with symmetric weights): backward passes
+    /// reuse it instead of holding a second copy.
+    symmetric: bool,
     agg: Aggregation,
 }
 
@@ -245,12 +250,15 @@ impl Block {
                 }
             });
         let adj = Csr::new(n_out, n_in, out_ptr, out_idx, Some(values))?;
-        let adj_t = adj.transpose();
+        // Without halo rows the structure is the symmetrised graph; GCN and attention weights are
+        // symmetric too (GCN's 1/sqrt(d_i d_j) commutes), the mean's 1/d_i is not.
+        let symmetric = n_out == n_in && agg != Aggregation::Mean;
         Ok(Block {
             n_out,
             gids,
             adj,
-            adj_t,
+            adj_t: OnceLock::new(),
+            symmetric,
             agg,
         })
     }
@@ -279,9 +287,22 @@ impl Block {
     pub fn adj(&self) -> &Csr {
         &self.adj
     }
-    /// Its transpose, for backward passes.
-    pub fn adj_t(&self) -> &CsrTranspose {
-        &self.adj_t
+    /// Its transpose, for backward passes (the matrix itself when symmetric).
+    pub fn adj_t(&self) -> &Csr {
+        let (t, _) = self.transpose_parts();
+        t.as_ref().unwrap_or(&self.adj)
+    }
+
+    /// For each entry of [`Block::adj_t`], the index of the same entry in [`Block::adj`].
+    pub fn adj_t_perm(&self) -> &[u32] {
+        &self.transpose_parts().1
+    }
+
+    fn transpose_parts(&self) -> &(Option<Csr>, Vec<u32>) {
+        self.adj_t.get_or_init(|| {
+            let t = self.adj.transpose();
+            (if self.symmetric { None } else { Some(t.csr) }, t.perm)
+        })
     }
     /// The aggregation this block was built for.
     pub fn aggregation(&self) -> Aggregation {

@@ -87,7 +87,10 @@ impl Splits {
 
 /// Features as the model sees them (row-normalised if asked).
 pub fn input_features(ds: &Dataset, normalize: bool) -> Result<Tensor> {
-    let mut x = ds.features.clone();
+    input_tensor(ds, ds.features.clone(), normalize)
+}
+
+fn input_tensor(ds: &Dataset, mut x: Vec<f32>, normalize: bool) -> Result<Tensor> {
     if normalize {
         normalize_rows(&mut x, ds.num_features);
     }
@@ -122,17 +125,24 @@ pub struct Trainer {
 }
 
 impl Trainer {
-    /// Prepares the graph block, features and a freshly initialised model.
+    /// Prepares the graph block, features and a freshly initialised model (copies the features).
     pub fn new(ds: &Dataset, cfg: TrainConfig) -> Result<Self> {
+        Self::from_dataset(ds.clone(), cfg)
+    }
+
+    /// As [`Trainer::new`], taking the data set so its features are not held twice.
+    pub fn from_dataset(mut ds: Dataset, cfg: TrainConfig) -> Result<Self> {
         cfg.validate()?;
+        let data_digest = ds.digest();
+        let features = std::mem::take(&mut ds.features);
         let stream = Stream::cpu(cfg.threads)?;
-        let graph = Graph::from_dataset(ds)?;
+        let graph = Graph::from_dataset(&ds)?;
         let block = Block::full(&graph, cfg.model.kind.aggregation())?;
         drop(graph);
-        let x = LayerInput::auto(input_features(ds, cfg.normalize_features)?)?;
+        let x = LayerInput::auto(input_tensor(&ds, features, cfg.normalize_features)?)?;
         let model = Model::new(cfg.model.clone())?;
         let opt = Optimizer::new(cfg.optimizer(), &model);
-        let splits = Splits::from_dataset(ds);
+        let splits = Splits::from_dataset(&ds);
         if splits.train.is_empty() {
             return Err(RuntimeError::BadData(
                 "the training mask selects no node".into(),
@@ -147,7 +157,7 @@ impl Trainer {
             model,
             opt,
             dataset: ds.name.clone(),
-            data_digest: ds.digest(),
+            data_digest,
         })
     }
 

@@ -28,22 +28,23 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let ds = load_data(&a.data)?;
     let stream = Stream::cpu(a.threads)?;
     let triad = bench::triad_bandwidth_gbs(256 << 20, stream.budget());
-    let graph = Graph::from_dataset(&ds)?;
-    let block = Block::full(&graph, Aggregation::GcnNorm)?;
-    drop(graph);
-    let x = bench::random_tensor(block.n_in(), a.hidden, 1);
-    let spmm = bench::spmm_gbs(&stream, block.adj(), EdgeWeights::Stored, &x)?;
+    let (spmm, n, nnz) = {
+        let graph = Graph::from_dataset(&ds)?;
+        let block = Block::full(&graph, Aggregation::GcnNorm)?;
+        let x = bench::random_tensor(block.n_in(), a.hidden, 1);
+        (
+            bench::spmm_gbs(&stream, block.adj(), EdgeWeights::Stored, &x)?,
+            block.n_in(),
+            block.adj().nnz(),
+        )
+    };
+    let name = ds.name.clone();
     let mut cfg = TrainConfig::paper_defaults(a.model, ds.num_features, ds.num_classes, 0);
     cfg.model.hidden = a.hidden;
     cfg.epochs = a.epochs;
     cfg.threads = a.threads;
-    let report = train_single(&ds, cfg, false)?;
-    println!(
-        "data            {} ({} nodes, {} adjacency entries with self loops)",
-        ds.name,
-        block.n_in(),
-        block.adj().nnz()
-    );
+    let report = train_single(ds, cfg, false)?;
+    println!("data            {name} ({n} nodes, {nnz} adjacency entries with self loops)");
     println!("threads         {}", stream.threads());
     println!("memory (triad)  {triad:.1} GB/s   <- the physical limit on this machine");
     println!(

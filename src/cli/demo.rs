@@ -37,7 +37,7 @@ pub fn run(a: DemoArgs) -> Result<()> {
     cfg.epochs = a.epochs;
 
     println!("\n1. single process");
-    let single = train_single(&ds, cfg.clone(), false)?;
+    let single = train_single(ds.clone(), cfg.clone(), false)?;
     print_summary(&single);
 
     println!("\n2. {} partition actors (METIS), no faults", a.partitions);

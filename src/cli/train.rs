@@ -95,9 +95,9 @@ pub fn load_data(spec: &str) -> Result<Dataset> {
 }
 
 /// Trains single-process and returns the report.
-pub fn train_single(ds: &Dataset, cfg: TrainConfig, verbose: bool) -> Result<RunReport> {
+pub fn train_single(ds: Dataset, cfg: TrainConfig, verbose: bool) -> Result<RunReport> {
     let pb = progress::bar(cfg.epochs as u64, "training");
-    let mut trainer = Trainer::new(ds, cfg)?;
+    let mut trainer = Trainer::from_dataset(ds, cfg)?;
     let report = trainer.run(|log| {
         pb.inc(1);
         if verbose {
@@ -167,7 +167,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
             a.verbose,
         )?
     } else {
-        train_single(&ds, cfg, a.verbose)?
+        train_single(ds, cfg, a.verbose)?
     };
     print_summary(&report);
     if let Some(path) = &a.report {

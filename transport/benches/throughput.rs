@@ -10,20 +10,41 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(512);
+    let baselines = std::env::var("TRELLIS_BENCH_QUIC_ONLY").is_err();
     let base = BenchOptions {
+        baselines,
         bytes_per_size: mib << 20,
         ..BenchOptions::default()
     };
     let mut tuned = QuicConfig::default();
     let env = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u64>().ok());
-    if let Some(v) = env("Q_MTU") { tuned.max_udp_payload = v as u16; }
-    if let Some(v) = env("Q_COOL_MS") { tuned.mtu_black_hole_cooldown = std::time::Duration::from_millis(v); }
-    if let Some(v) = env("Q_STREAMS") { tuned.send_streams = v as usize; }
-    if let Some(v) = env("Q_SWIN") { tuned.stream_window = v << 20; }
-    if let Some(v) = env("Q_CWIN") { tuned.conn_window = v << 20; }
-    if let Some(v) = env("Q_SENDWIN") { tuned.send_window = v << 20; }
-    if let Some(v) = env("Q_SOCKBUF") { tuned.socket_buffer = (v << 20) as usize; }
-    if let Some(v) = env("Q_GSO") { tuned.gso = v == 1; }
+    if let Some(v) = env("Q_MTU") {
+        tuned.max_udp_payload = v as u16;
+    }
+    if let Some(v) = env("Q_COOL_MS") {
+        tuned.mtu_black_hole_cooldown = std::time::Duration::from_millis(v);
+    }
+    if let Some(v) = env("Q_STREAMS") {
+        tuned.send_streams = v as usize;
+    }
+    if let Some(v) = env("Q_SWIN") {
+        tuned.stream_window = v << 20;
+    }
+    if let Some(v) = env("Q_CWIN") {
+        tuned.conn_window = v << 20;
+    }
+    if let Some(v) = env("Q_SENDWIN") {
+        tuned.send_window = v << 20;
+    }
+    if let Some(v) = env("Q_SOCKBUF") {
+        tuned.socket_buffer = (v << 20) as usize;
+    }
+    if let Some(v) = env("Q_KNOWN") {
+        tuned.known_mtu = Some(v as u16);
+    }
+    if let Some(v) = env("Q_GSO") {
+        tuned.gso = v == 1;
+    }
     let mut variants: Vec<(&str, QuicConfig)> = vec![("tuned (defaults)", tuned)];
     if std::env::var("TRELLIS_BENCH_VARIANTS").is_ok_and(|v| v == "1") {
         let d = QuicConfig::default();

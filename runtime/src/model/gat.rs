@@ -5,9 +5,10 @@
 //!
 //! The per-node attention terms `a·W x` are GEMMs with a block-diagonal `HD x H` matrix that
 //! holds each head's attention vector, so forward and backward reuse the dense kernels.
-use super::{dropout_backward, Init, LayerInput, LayerSpec, Param, StepCtx};
+use super::{dropout_backward, ActSaved, Init, LayerInput, LayerSpec, Param, StepCtx};
 use crate::graph::Block;
 use crate::Result;
+use std::borrow::Cow;
 use trellis_gpu::{Activation, EdgeWeights, Stream, Tensor};
 
 const NEGATIVE_SLOPE: f32 = 0.2;
@@ -33,7 +34,7 @@ pub(crate) struct GatCache {
     /// Attention before and after dropout.
     alpha: Vec<f32>,
     alpha_d: Vec<f32>,
-    y: Tensor,
+    act: ActSaved,
 }
 
 /// The `HD x H` block-diagonal matrix with `att[h]` in column `h`.
@@ -79,12 +80,12 @@ pub(crate) fn forward(
     seed: u64,
     p: &[Param],
     block: &Block,
-    x: &LayerInput,
+    x: Cow<'_, LayerInput>,
     ctx: StepCtx,
 ) -> Result<(Tensor, Option<GatCache>)> {
     let (heads, d) = (spec.heads, spec.out_dim);
     let adj = block.adj();
-    let xd = x.dropped(s, spec, seed, block, ctx.epoch, ctx.train)?;
+    let xd = LayerInput::dropped(x, s, spec, seed, block, ctx)?;
     let wh = xd.matmul(s, &p[0].value)?;
     let s_src = s.matmul(&wh, false, &block_diag(&p[1].value), false)?;
     let mut s_dst = Tensor::zeros(block.n_out(), heads);
@@ -124,7 +125,13 @@ pub(crate) fn forward(
         mean_heads(&agg, heads, d)
     };
     s.add_bias(&mut h, &p[3].value)?;
-    let y = s.activation(spec.act, &h)?;
+    s.activate(spec.act, &mut h)?;
+    let y = h;
+    let act = if ctx.train {
+        Some(ActSaved::save(s, spec.act, &y)?)
+    } else {
+        None
+    };
     let cache = ctx.train.then(|| GatCache {
         epoch: ctx.epoch,
         xd: xd.into_owned(),
@@ -132,7 +139,7 @@ pub(crate) fn forward(
         e_act,
         alpha,
         alpha_d,
-        y: y.clone(),
+        act: act.expect("saved in training"),
     });
     Ok((y, cache))
 }
@@ -166,8 +173,8 @@ pub(crate) fn backward(
 ) -> Result<Option<Tensor>> {
     let (heads, d) = (spec.heads, spec.out_dim);
     let adj = block.adj();
-    let adj_t = block.adj_t();
-    s.activation_backward_from_output(spec.act, &c.y, &mut g)?;
+    let (adj_t, perm) = (block.adj_t(), block.adj_t_perm());
+    c.act.backward(s, spec.act, &mut g)?;
     s.add_column_sums(&g, &mut p[3].grad)?;
     let gout = if spec.concat {
         g
@@ -188,10 +195,10 @@ pub(crate) fn backward(
     };
     // out = spmm(alpha_d, wh): gradients w.r.t. the attention and the transformed rows.
     let mut g_alpha = s.sddmm_dot(adj, heads, &gout, &c.wh)?;
-    let alpha_d_t = permute(&adj_t.perm, &c.alpha_d, heads);
+    let alpha_d_t = permute(perm, &c.alpha_d, heads);
     let mut gwh = Tensor::zeros(block.n_in(), heads * d);
     s.spmm(
-        &adj_t.csr,
+        adj_t,
         EdgeWeights::PerHead(&alpha_d_t, heads),
         &gout,
         &mut gwh,
@@ -223,10 +230,10 @@ pub(crate) fn backward(
         &ones(block.n_in(), heads),
         &mut g_s_dst,
     )?;
-    let g_e_t = permute(&adj_t.perm, &g_e, heads);
+    let g_e_t = permute(perm, &g_e, heads);
     let mut g_s_src = Tensor::zeros(block.n_in(), heads);
     s.spmm(
-        &adj_t.csr,
+        adj_t,
         EdgeWeights::PerHead(&g_e_t, heads),
         &ones(block.n_out(), heads),
         &mut g_s_src,

@@ -1,8 +1,9 @@
 //! GCN layer (Kipf & Welling 2017): `act(Â · dropout(X) · W + b)` with
 //! `Â = D^-1/2 (A + I) D^-1/2` over global degrees (the block's stored values).
-use super::{dropout_backward, Init, LayerInput, LayerSpec, Param, StepCtx};
+use super::{dropout_backward, ActSaved, Init, LayerInput, LayerSpec, Param, StepCtx};
 use crate::graph::Block;
 use crate::Result;
+use std::borrow::Cow;
 use trellis_gpu::{EdgeWeights, Stream, Tensor};
 
 pub(crate) fn param_shapes(spec: &LayerSpec) -> Vec<(String, usize, usize, Init)> {
@@ -22,8 +23,8 @@ pub(crate) enum Saved {
 pub(crate) struct GcnCache {
     epoch: u32,
     saved: Saved,
-    /// Layer output after activation.
-    y: Tensor,
+    /// What the activation's backward needs.
+    act: ActSaved,
 }
 
 pub(crate) fn forward(
@@ -32,11 +33,11 @@ pub(crate) fn forward(
     seed: u64,
     p: &[Param],
     block: &Block,
-    x: &LayerInput,
+    x: Cow<'_, LayerInput>,
     ctx: StepCtx,
 ) -> Result<(Tensor, Option<GcnCache>)> {
     let (w, b) = (&p[0].value, &p[1].value);
-    let xd = x.dropped(s, spec, seed, block, ctx.epoch, ctx.train)?;
+    let xd = LayerInput::dropped(x, s, spec, seed, block, ctx)?;
     let mut h = Tensor::zeros(block.n_out(), spec.out_dim);
     // Aggregate over the narrower side: transform first when it shrinks the rows.
     let saved = match xd.as_ref() {
@@ -53,11 +54,17 @@ pub(crate) fn forward(
         }
     };
     s.add_bias(&mut h, b)?;
-    let y = s.activation(spec.act, &h)?;
-    let cache = saved.map(|saved| GcnCache {
+    s.activate(spec.act, &mut h)?;
+    let y = h;
+    let act = if ctx.train {
+        Some(ActSaved::save(s, spec.act, &y)?)
+    } else {
+        None
+    };
+    let cache = saved.zip(act).map(|(saved, act)| GcnCache {
         epoch: ctx.epoch,
         saved,
-        y: y.clone(),
+        act,
     });
     Ok((y, cache))
 }
@@ -73,10 +80,9 @@ pub(crate) fn backward(
     mut g: Tensor,
     need_input_grad: bool,
 ) -> Result<Option<Tensor>> {
-    s.activation_backward_from_output(spec.act, &c.y, &mut g)?;
-    drop(c.y);
+    c.act.backward(s, spec.act, &mut g)?;
     s.add_column_sums(&g, &mut p[1].grad)?;
-    let adj_t = &block.adj_t().csr;
+    let adj_t = block.adj_t();
     let mut gx = match c.saved {
         Saved::Input(xd) => {
             // h = Â Z, Z = X W: gZ = Â^T g, gW = X^T gZ, gX = gZ W^T.

@@ -5,6 +5,7 @@
 //! every input row (halo rows included, on a block that covers only part of the graph).
 use super::*;
 use crate::graph::{Block, Graph};
+use std::borrow::Cow;
 
 fn stream() -> Stream {
     Stream::cpu(2).unwrap()
@@ -34,7 +35,9 @@ fn loss(
     r: &Tensor,
     ctx: StepCtx,
 ) -> f64 {
-    let out = model.forward_layer(s, l, block, x, ctx).unwrap();
+    let out = model
+        .forward_layer(s, l, block, Cow::Borrowed(x), ctx)
+        .unwrap();
     out.as_slice()
         .iter()
         .zip(r.as_slice())
@@ -90,7 +93,7 @@ fn check_layer_with(kind: ModelKind, layer: usize, dropout: f32, sparse: bool) {
         train: true,
     };
     let out = model
-        .forward_layer(&s, layer, &block, &wrap(&x), ctx)
+        .forward_layer(&s, layer, &block, Cow::Owned(wrap(&x)), ctx)
         .unwrap();
     let r = rand_tensor(out.rows(), out.cols(), 5);
     model.zero_grad();

@@ -2,7 +2,7 @@
 //! (bag-of-words data such as Cora is ~1% non-zero, where sparse products and dropout over the
 //! stored values alone are many times faster than their dense forms, with the same results up
 //! to summation order).
-use super::LayerSpec;
+use super::{LayerSpec, StepCtx};
 use crate::graph::Block;
 use crate::Result;
 use std::borrow::Cow;
@@ -62,21 +62,21 @@ impl LayerInput {
         matches!(self, LayerInput::Sparse(_))
     }
 
-    /// The rows after the layer's feature dropout (borrowed when no dropout applies).
+    /// The rows after the layer's feature dropout: in place when `x` is owned, on a copy when
+    /// it is borrowed, and `x` itself when no dropout applies.
     pub(crate) fn dropped<'a>(
-        &'a self,
+        x: Cow<'a, LayerInput>,
         s: &Stream,
         spec: &LayerSpec,
         seed: u64,
         block: &Block,
-        epoch: u32,
-        train: bool,
+        ctx: StepCtx,
     ) -> Result<Cow<'a, LayerInput>> {
-        if !train || spec.dropout <= 0.0 {
-            return Ok(Cow::Borrowed(self));
+        if !ctx.train || spec.dropout <= 0.0 {
+            return Ok(x);
         }
-        let key = spec.dropout_key(seed, epoch, 0);
-        let mut out = self.clone();
+        let key = spec.dropout_key(seed, ctx.epoch, 0);
+        let mut out = x.into_owned();
         match &mut out {
             LayerInput::Dense(t) => s.dropout(t, block.gids(), key, spec.dropout)?,
             LayerInput::Sparse(sp) => s.dropout_csr(&mut sp.m, block.gids(), key, spec.dropout)?,

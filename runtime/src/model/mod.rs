@@ -8,6 +8,7 @@
 use crate::graph::{Aggregation, Block};
 use crate::{Result, RuntimeError};
 use serde::{Deserialize, Serialize};
+use std::borrow::Cow;
 use trellis_gpu::{Activation, DropoutKey, Philox4x32, Stream, Tensor};
 
 mod gat;
@@ -295,13 +296,14 @@ impl Model {
     }
 
     /// Runs layer `l` on `x` (one row per input row of `block`) and returns its output rows
-    /// (one per inner node). In training mode the layer keeps what its backward needs.
+    /// (one per inner node). An owned input is reused for the layer's dropout (no copy).
+    /// In training mode the layer keeps what its backward needs.
     pub fn forward_layer(
         &mut self,
         s: &Stream,
         l: usize,
         block: &Block,
-        x: &LayerInput,
+        x: Cow<'_, LayerInput>,
         ctx: StepCtx,
     ) -> Result<Tensor> {
         let spec = self.layers[l];
@@ -371,9 +373,9 @@ impl Model {
         x: &LayerInput,
         ctx: StepCtx,
     ) -> Result<Tensor> {
-        let mut h = self.forward_layer(s, 0, block, x, ctx)?;
+        let mut h = self.forward_layer(s, 0, block, Cow::Borrowed(x), ctx)?;
         for l in 1..self.num_layers() {
-            h = self.forward_layer(s, l, block, &LayerInput::Dense(h), ctx)?;
+            h = self.forward_layer(s, l, block, Cow::Owned(LayerInput::Dense(h)), ctx)?;
         }
         Ok(h)
     }
@@ -388,6 +390,33 @@ impl Model {
             }
         }
         Ok(())
+    }
+}
+
+/// What a layer keeps of its output for the activation's backward: nothing for the identity,
+/// one bit per element for ReLU, the output itself otherwise.
+pub(crate) enum ActSaved {
+    Nothing,
+    Positive(Vec<u64>),
+    Output(Tensor),
+}
+
+impl ActSaved {
+    pub(crate) fn save(s: &Stream, act: Activation, y: &Tensor) -> Result<Self> {
+        Ok(match act {
+            Activation::Identity => ActSaved::Nothing,
+            Activation::Relu => ActSaved::Positive(s.positive_bits(y)?),
+            _ => ActSaved::Output(y.clone()),
+        })
+    }
+
+    /// `g *= act'(x)` for the saved output.
+    pub(crate) fn backward(&self, s: &Stream, act: Activation, g: &mut Tensor) -> Result<()> {
+        match self {
+            ActSaved::Nothing => Ok(()),
+            ActSaved::Positive(bits) => Ok(s.mask_by_bits(bits, g)?),
+            ActSaved::Output(y) => Ok(s.activation_backward_from_output(act, y, g)?),
+        }
     }
 }
 

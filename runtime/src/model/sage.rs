@@ -2,9 +2,10 @@
 //! `act(mean_{j in N(i)} x_j · W_l + x_i · W_r + b)` on dropped-out inputs, computed as
 //! `Ā (X W_l) + X_inner W_r + b` (the mean is linear, so transforming first is exact and
 //! aggregates the narrower rows).
-use super::{dropout_backward, Init, LayerInput, LayerSpec, Param, StepCtx};
+use super::{dropout_backward, ActSaved, Init, LayerInput, LayerSpec, Param, StepCtx};
 use crate::graph::Block;
 use crate::Result;
+use std::borrow::Cow;
 use trellis_gpu::{EdgeWeights, Stream, Tensor};
 
 pub(crate) fn param_shapes(spec: &LayerSpec) -> Vec<(String, usize, usize, Init)> {
@@ -20,7 +21,7 @@ pub(crate) struct SageCache {
     epoch: u32,
     /// Dropped-out input rows.
     xd: LayerInput,
-    y: Tensor,
+    act: ActSaved,
 }
 
 pub(crate) fn forward(
@@ -29,21 +30,27 @@ pub(crate) fn forward(
     seed: u64,
     p: &[Param],
     block: &Block,
-    x: &LayerInput,
+    x: Cow<'_, LayerInput>,
     ctx: StepCtx,
 ) -> Result<(Tensor, Option<SageCache>)> {
-    let xd = x.dropped(s, spec, seed, block, ctx.epoch, ctx.train)?;
+    let xd = LayerInput::dropped(x, s, spec, seed, block, ctx)?;
     let z = xd.matmul(s, &p[0].value)?;
     let mut h = Tensor::zeros(block.n_out(), spec.out_dim);
     s.spmm(block.adj(), EdgeWeights::Stored, &z, &mut h)?;
     drop(z);
     xd.matmul_prefix_acc(s, block.n_out(), &p[2].value, &mut h)?;
     s.add_bias(&mut h, &p[1].value)?;
-    let y = s.activation(spec.act, &h)?;
+    s.activate(spec.act, &mut h)?;
+    let y = h;
+    let act = if ctx.train {
+        Some(ActSaved::save(s, spec.act, &y)?)
+    } else {
+        None
+    };
     let cache = ctx.train.then(|| SageCache {
         epoch: ctx.epoch,
         xd: xd.into_owned(),
-        y: y.clone(),
+        act: act.expect("saved in training"),
     });
     Ok((y, cache))
 }
@@ -59,10 +66,10 @@ pub(crate) fn backward(
     mut g: Tensor,
     need_input_grad: bool,
 ) -> Result<Option<Tensor>> {
-    s.activation_backward_from_output(spec.act, &c.y, &mut g)?;
+    c.act.backward(s, spec.act, &mut g)?;
     s.add_column_sums(&g, &mut p[1].grad)?;
     let mut gz = Tensor::zeros(block.n_in(), spec.out_dim);
-    s.spmm(&block.adj_t().csr, EdgeWeights::Stored, &g, &mut gz)?;
+    s.spmm(block.adj_t(), EdgeWeights::Stored, &g, &mut gz)?;
     c.xd.t_matmul_acc(s, &gz, &mut p[0].grad)?;
     c.xd.t_matmul_acc(s, &g, &mut p[2].grad)?;
     if !need_input_grad {

@@ -40,6 +40,9 @@ pub struct BenchOptions {
     pub min_blocks: usize,
     /// Worker threads of the benchmark's tokio runtime.
     pub threads: usize,
+    /// Also measure TLS over TCP and plain TCP (off: QUIC alone, e.g. to profile it; the
+    /// baseline columns are then NaN).
+    pub baselines: bool,
     /// The QUIC node settings (bind address and timeouts are overridden for loopback).
     pub quic: QuicConfig,
 }
@@ -50,6 +53,7 @@ impl Default for BenchOptions {
             bytes_per_size: 512 << 20,
             min_blocks: 4,
             threads: 2,
+            baselines: true,
             quic: QuicConfig::default(),
         }
     }
@@ -122,8 +126,11 @@ pub fn bench_throughput(
             let total = (blocks * size) as f64;
             let mbps = |d: Duration| total / d.as_secs_f64() / 1e6;
             let quic_mbps = mbps(quic.run(floats.clone(), blocks).await?);
-            let tls_tcp_mbps = mbps(tcp::tcp(bytes.clone(), blocks, Some(&ca)).await?);
-            let tcp_mbps = mbps(tcp::tcp(bytes, blocks, None).await?);
+            let (mut tls_tcp_mbps, mut tcp_mbps) = (f64::NAN, f64::NAN);
+            if opts.baselines {
+                tls_tcp_mbps = mbps(tcp::tcp(bytes.clone(), blocks, Some(&ca)).await?);
+                tcp_mbps = mbps(tcp::tcp(bytes, blocks, None).await?);
+            }
             rows.push(ThroughputRow {
                 block_bytes: size,
                 blocks,

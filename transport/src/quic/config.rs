@@ -44,6 +44,10 @@ pub struct QuicConfig {
     pub max_queued: u64,
     /// Largest UDP payload MTU discovery may try (probes with don't-fragment; 1200..=65527).
     pub max_udp_payload: u16,
+    /// UDP payload the network is known to carry (loopback: 65 KB; jumbo-frame fabrics: 8972):
+    /// packets start at that size and never fall below it. `None`: start at 1200 bytes and
+    /// discover. A value the path cannot carry breaks every connection.
+    pub known_mtu: Option<u16>,
     /// After a suspected MTU black hole (bursts of lost large packets, which congestion on a
     /// busy host also causes), wait this long before probing larger packets again.
     pub mtu_black_hole_cooldown: Duration,
@@ -71,6 +75,7 @@ impl Default for QuicConfig {
             recv_budget: 1 << 30,
             max_queued: 4 << 30,
             max_udp_payload: 65527,
+            known_mtu: None,
             mtu_black_hole_cooldown: Duration::from_secs(60),
             gso: true,
             socket_buffer: 8 << 20,

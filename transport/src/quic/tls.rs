@@ -98,8 +98,13 @@ pub fn transport_config(cfg: &QuicConfig) -> Result<quinn::TransportConfig, Quic
         .max_concurrent_bidi_streams(4u32.into())
         .enable_segmentation_offload(cfg.gso);
     let mut mtu = quinn::MtuDiscoveryConfig::default();
-    mtu.upper_bound(cfg.max_udp_payload.max(1200)).black_hole_cooldown(cfg.mtu_black_hole_cooldown);
+    mtu.upper_bound(cfg.max_udp_payload.max(1200))
+        .black_hole_cooldown(cfg.mtu_black_hole_cooldown);
     t.mtu_discovery_config(Some(mtu));
+    if let Some(known) = cfg.known_mtu {
+        let known = known.clamp(1200, cfg.max_udp_payload.max(1200));
+        t.initial_mtu(known);
+    }
     Ok(t)
 }
 
