@@ -21,10 +21,13 @@ use trellis_runtime::train::{build_report, TrainConfig};
 use trellis_runtime::{Dataset, EpochLog, RunReport};
 use trellis_transport::{InProcessTransport, Phase};
 
+/// A planned panic: (partition, epoch, layer, phase, fired).
+type PlannedPanic = (u32, u32, u16, Phase, bool);
+
 /// Faults to inject (tests and `--chaos`): each fires once.
 #[derive(Debug, Default)]
 pub struct FaultPlan {
-    panics: Mutex<Vec<(u32, u32, u16, Phase, bool)>>,
+    panics: Mutex<Vec<PlannedPanic>>,
     restores: Mutex<Vec<(u32, bool)>>,
 }
 
@@ -130,7 +133,17 @@ impl Topology {
                 (d.clone(), Some(TempDir(d)))
             }
         };
-        partition(ds, parts, method, cfg.model.seed, &dir)?;
+        // Reuse a folder that already holds this exact partitioning of this data set.
+        let reusable = PartitionSet::open(&dir).is_ok_and(|set| {
+            let b = set.book();
+            b.parts == parts
+                && b.method == method
+                && b.seed == cfg.model.seed
+                && b.data_digest == ds.digest()
+        });
+        if !reusable {
+            partition(ds, parts, method, cfg.model.seed, &dir)?;
+        }
         let mut t = Self::open(&dir, cfg)?;
         t._tmp = tmp;
         Ok(t)

@@ -53,9 +53,9 @@ impl TrainConfig {
 
     /// Checks ranges.
     pub fn validate(&self) -> Result<()> {
-        if !(self.lr > 0.0 && self.lr.is_finite())
-            || !(self.weight_decay >= 0.0 && self.weight_decay.is_finite())
-        {
+        let lr_ok = self.lr > 0.0 && self.lr.is_finite();
+        let wd_ok = self.weight_decay >= 0.0 && self.weight_decay.is_finite();
+        if !lr_ok || !wd_ok {
             return Err(RuntimeError::Config(
                 "lr must be > 0 and weight decay >= 0".into(),
             ));

@@ -103,7 +103,7 @@ pub fn transport_config(cfg: &QuicConfig) -> Result<quinn::TransportConfig, Quic
     t.mtu_discovery_config(Some(mtu));
     if let Some(known) = cfg.known_mtu {
         let known = known.clamp(1200, cfg.max_udp_payload.max(1200));
-        t.initial_mtu(known);
+        t.initial_mtu(known).min_mtu(known);
     }
     Ok(t)
 }

@@ -1,0 +1,192 @@
+//! The `trellis` binary as a user runs it: reports, determinism, partitioning, the demo, and
+//! clear errors with a non-zero exit on bad input.
+use std::path::Path;
+use std::process::{Command, Output};
+
+const DATA: &str = "synthetic:nodes=600,degree=6,features=12,classes=3,seed=4";
+
+fn trellis(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_trellis"))
+        .args(args)
+        .output()
+        .expect("run trellis")
+}
+
+fn ok(args: &[&str]) -> String {
+    let out = trellis(args);
+    assert!(
+        out.status.success(),
+        "trellis {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn report(path: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+#[test]
+fn train_writes_a_complete_report_and_is_deterministic() {
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (dir.path().join("a.json"), dir.path().join("b.json"));
+    for p in [&a, &b] {
+        ok(&[
+            "train",
+            "--data",
+            DATA,
+            "--model",
+            "gat",
+            "--epochs",
+            "4",
+            "--report",
+            p.to_str().unwrap(),
+        ]);
+    }
+    let (ra, rb) = (report(&a), report(&b));
+    for key in [
+        "model",
+        "dataset",
+        "seed",
+        "epochs",
+        "partitions",
+        "test_acc",
+        "best_val_acc",
+        "best_epoch",
+        "epoch_ms_median",
+        "peak_rss_bytes",
+        "weights_digest",
+        "epochs_log",
+        "data_digest",
+        "config",
+        "code_version",
+    ] {
+        assert!(ra.get(key).is_some(), "report lacks {key}");
+    }
+    assert_eq!(ra["model"], "gat");
+    assert_eq!(ra["partitions"], 1);
+    assert_eq!(ra["epochs_log"].as_array().unwrap().len(), 4);
+    for key in ["epoch", "loss", "train_acc", "val_acc", "ms"] {
+        assert!(
+            ra["epochs_log"][0].get(key).is_some(),
+            "epoch log lacks {key}"
+        );
+    }
+    assert_eq!(
+        ra["weights_digest"], rb["weights_digest"],
+        "same config and seed, different weights"
+    );
+    assert_eq!(ra["weights_digest"].as_str().unwrap().len(), 64);
+}
+
+#[test]
+fn partition_then_train_partitioned() {
+    let dir = tempfile::tempdir().unwrap();
+    let parts = dir.path().join("parts");
+    let out = ok(&[
+        "partition",
+        "--data",
+        DATA,
+        "--parts",
+        "3",
+        "--method",
+        "metis",
+        "--out",
+        parts.to_str().unwrap(),
+    ]);
+    assert!(out.contains("edge cut"), "{out}");
+    let book = report(&parts.join("partition.json"));
+    assert_eq!(book["parts"], 3);
+    let rep = dir.path().join("r.json");
+    ok(&[
+        "train",
+        "--data",
+        DATA,
+        "--epochs",
+        "3",
+        "--partitions",
+        "3",
+        "--partition-dir",
+        parts.to_str().unwrap(),
+        "--report",
+        rep.to_str().unwrap(),
+    ]);
+    let r = report(&rep);
+    assert_eq!(r["partitions"], 3);
+    assert_eq!(r["edge_cut"], book["edge_cut"]);
+    let e = &r["epochs_log"][0];
+    assert!(e["halo_bytes"].as_u64().unwrap() > 0);
+    assert!(e["compute_ms"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn demo_verifies_recovery() {
+    let out = ok(&["demo", "--data", DATA, "--epochs", "4", "--partitions", "3"]);
+    assert!(
+        out.contains("recovery verified: identical weights"),
+        "{out}"
+    );
+}
+
+#[test]
+fn bad_input_is_a_clear_error_not_a_panic() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("nowhere");
+    let cases: Vec<(Vec<String>, &str)> = vec![
+        (
+            vec![
+                "train".into(),
+                "--data".into(),
+                missing.display().to_string(),
+            ],
+            "nowhere",
+        ),
+        (
+            vec![
+                "train".into(),
+                "--data".into(),
+                "synthetic:nodes=abc".into(),
+            ],
+            "abc",
+        ),
+        (
+            vec![
+                "train".into(),
+                "--data".into(),
+                DATA.into(),
+                "--model".into(),
+                "mlp".into(),
+            ],
+            "mlp",
+        ),
+        (
+            vec![
+                "train".into(),
+                "--data".into(),
+                DATA.into(),
+                "--lr=-1".into(),
+            ],
+            "lr",
+        ),
+    ];
+    // A folder whose x.npy is garbage.
+    let bad = dir.path().join("bad");
+    std::fs::create_dir(&bad).unwrap();
+    std::fs::write(bad.join("x.npy"), b"not a numpy file").unwrap();
+    let mut cases = cases;
+    cases.push((
+        vec!["train".into(), "--data".into(), bad.display().to_string()],
+        "npy",
+    ));
+    for (args, needle) in cases {
+        let args: Vec<&str> = args.iter().map(|s| s.as_str()).collect();
+        let out = trellis(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        assert!(
+            err.contains(needle),
+            "{args:?}: error does not mention {needle}: {err}"
+        );
+        assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
+    }
+}
