@@ -200,9 +200,6 @@ impl QuicPair {
         a.add_peer(2, b.local_addr());
         a.route(PartId(1), 2);
         a.connect(2).await?;
-        // Let MTU discovery finish on an idle path: its probes lost to a flood of data would
-        // make it settle on small packets.
-        tokio::time::sleep(Duration::from_millis(300)).await;
         let pair = QuicPair {
             a,
             b,

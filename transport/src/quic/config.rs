@@ -77,7 +77,7 @@ impl Default for QuicConfig {
             max_udp_payload: 65527,
             known_mtu: None,
             mtu_black_hole_cooldown: Duration::from_secs(60),
-            gso: true,
+            gso: false,
             socket_buffer: 8 << 20,
         }
     }
