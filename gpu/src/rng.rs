@@ -46,6 +46,32 @@ impl Philox4x32 {
         c
     }
 
+    /// Eight blocks at once, structure-of-arrays: lane `i` of the result is
+    /// `block([c[0][i], c[1][i], c[2][i], c[3][i]])`. Written lane-wise so the compiler
+    /// vectorises it (32x32->64-bit multiplies); callers compile it for AVX2 where available.
+    #[inline(always)]
+    pub fn block8(&self, ctr: [[u32; 8]; 4]) -> [[u32; 8]; 4] {
+        let mut c = ctr;
+        let mut k = self.key;
+        for round in 0..10 {
+            if round > 0 {
+                k[0] = k[0].wrapping_add(W0);
+                k[1] = k[1].wrapping_add(W1);
+            }
+            let mut n = [[0u32; 8]; 4];
+            for i in 0..8 {
+                let p0 = (M0 as u64) * (c[0][i] as u64);
+                let p1 = (M1 as u64) * (c[2][i] as u64);
+                n[0][i] = ((p1 >> 32) as u32) ^ c[1][i] ^ k[0];
+                n[1][i] = p1 as u32;
+                n[2][i] = ((p0 >> 32) as u32) ^ c[3][i] ^ k[1];
+                n[3][i] = p0 as u32;
+            }
+            c = n;
+        }
+        c
+    }
+
     /// A uniform f32 in [0, 1) from one u32.
     #[inline]
     pub fn to_unit(u: u32) -> f32 {
@@ -103,6 +129,23 @@ mod tests {
             g.block([0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344]),
             [0xd16cfe09, 0x94fdcceb, 0x5001e420, 0x24126ea1]
         );
+    }
+
+    #[test]
+    fn eight_lanes_equal_eight_blocks() {
+        let g = Philox4x32::new(0x1234_5678_9abc_def0);
+        let mut ctr = [[0u32; 8]; 4];
+        for i in 0..8 {
+            ctr[0][i] = 3;
+            ctr[1][i] = 0x0001_0002;
+            ctr[2][i] = 77 + i as u32 * 1000;
+            ctr[3][i] = i as u32 * 7;
+        }
+        let out = g.block8(ctr);
+        for i in 0..8 {
+            let one = g.block([ctr[0][i], ctr[1][i], ctr[2][i], ctr[3][i]]);
+            assert_eq!(one, [out[0][i], out[1][i], out[2][i], out[3][i]]);
+        }
     }
 
     #[test]

@@ -889,6 +889,35 @@ fn activation_backward_from_output_matches_backward() {
 }
 
 #[test]
+fn activate_in_place_and_relu_bit_masks() {
+    let mut rng = Rng::new(46);
+    for &width in &WIDTHS {
+        let x = Tensor::from_vec(9, width, rng.vec(9 * width, -2.0, 2.0)).unwrap();
+        for act in [
+            Activation::Identity,
+            Activation::Relu,
+            Activation::Elu { alpha: 0.5 },
+        ] {
+            let mut y = x.clone();
+            s().activate(act, &mut y).unwrap();
+            assert_eq!(y, s().activation(act, &x).unwrap(), "{act:?} in place");
+        }
+        // ReLU backward through one bit per element.
+        let y = s().activation(Activation::Relu, &x).unwrap();
+        let bits = s().positive_bits(&y).unwrap();
+        assert_eq!(bits.len(), y.len().div_ceil(64));
+        let gy = rng.tensor(9, width);
+        let mut g = gy.clone();
+        s().mask_by_bits(&bits, &mut g).unwrap();
+        let want = s().activation_backward(Activation::Relu, &x, &gy).unwrap();
+        assert_eq!(g, want, "mask_by_bits width {width}");
+        assert!(s().mask_by_bits(&bits[1..], &mut g).is_err());
+    }
+    let mut g = Tensor::zeros(1, 65);
+    assert!(s().mask_by_bits(&[0], &mut g).is_err());
+}
+
+#[test]
 fn axpy_exact() {
     let mut rng = Rng::new(44);
     for &width in &WIDTHS {

@@ -289,6 +289,9 @@ impl Block {
     }
     /// Its transpose, for backward passes (the matrix itself when symmetric).
     pub fn adj_t(&self) -> &Csr {
+        if self.symmetric {
+            return &self.adj;
+        }
         let (t, _) = self.transpose_parts();
         t.as_ref().unwrap_or(&self.adj)
     }

@@ -8,6 +8,9 @@ use trellis_runtime::{Aggregation, Block, Graph, ModelKind, TrainConfig};
 
 #[derive(Debug, Clone, Args)]
 pub struct BenchArgs {
+    /// `transport`: QUIC vs TLS-over-TCP vs plain TCP on loopback instead of the compute bench.
+    #[command(subcommand)]
+    pub what: Option<BenchWhat>,
     /// The data set to time an epoch on.
     #[arg(
         long,
@@ -24,7 +27,21 @@ pub struct BenchArgs {
     pub threads: usize,
 }
 
+#[derive(Debug, Clone, clap::Subcommand)]
+pub enum BenchWhat {
+    /// Bulk transfer of halo-sized blocks (1-64 MiB): QUIC vs TLS over TCP vs plain TCP.
+    Transport,
+}
+
 pub fn run(a: BenchArgs) -> Result<()> {
+    if let Some(BenchWhat::Transport) = a.what {
+        use trellis_transport::bench::{
+            bench_throughput, format_table, BenchOptions, DEFAULT_SIZES,
+        };
+        let rows = bench_throughput(&DEFAULT_SIZES, &BenchOptions::default())?;
+        print!("{}", format_table(&rows));
+        return Ok(());
+    }
     let ds = load_data(&a.data)?;
     let stream = Stream::cpu(a.threads)?;
     let triad = bench::triad_bandwidth_gbs(256 << 20, stream.budget());

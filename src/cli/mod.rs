@@ -4,6 +4,7 @@ use clap::{Parser, Subcommand};
 
 mod accuracy;
 mod bench;
+mod cert;
 mod demo;
 mod partition;
 mod train;
@@ -28,6 +29,8 @@ pub enum Command {
     Accuracy(accuracy::AccuracyArgs),
     /// Measure epoch time, SpMM bandwidth and this machine's memory bandwidth side by side.
     Bench(bench::BenchArgs),
+    /// Create the cluster CA and per-node certificates for QUIC with mutual TLS.
+    Cert(cert::CertArgs),
     /// Train on a built-in synthetic graph, single-process and partitioned with an injected
     /// fault, and show that both end with the same weights.
     Demo(demo::DemoArgs),
@@ -41,5 +44,6 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Accuracy(a) => accuracy::run(a),
         Command::Bench(a) => bench::run(a),
         Command::Demo(a) => demo::run(a),
+        Command::Cert(a) => cert::run(a),
     }
 }

@@ -1,6 +1,10 @@
 //! `cargo bench -p trellis-transport --bench throughput`: the transport throughput table
-//! (QUIC vs TLS over TCP vs plain TCP). `TRELLIS_BENCH_MIB=N` sets the MiB moved per size;
-//! `TRELLIS_BENCH_VARIANTS=1` also measures the tuning variants recorded in `bench/mod.rs`.
+//! (QUIC vs TLS over TCP vs plain TCP) for 1, 4, 16 and 64 MiB blocks.
+//!
+//! Environment: `TRELLIS_BENCH_MIB=N` MiB moved per size and transport (default 512);
+//! `TRELLIS_BENCH_VARIANTS=1` also measures the tuning variants recorded in `src/bench/mod.rs`;
+//! `TRELLIS_BENCH_QUIC_ONLY=1` skips the TCP baselines (for profiling);
+//! `TRELLIS_BENCH_DEBUG=1` prints quinn's path statistics after each table.
 use std::time::Instant;
 use trellis_transport::bench::{bench_throughput, format_table, BenchOptions, DEFAULT_SIZES};
 use trellis_transport::quic::QuicConfig;
@@ -10,57 +14,28 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(512);
-    let baselines = std::env::var("TRELLIS_BENCH_QUIC_ONLY").is_err();
     let base = BenchOptions {
-        baselines,
         bytes_per_size: mib << 20,
+        baselines: std::env::var_os("TRELLIS_BENCH_QUIC_ONLY").is_none(),
         ..BenchOptions::default()
     };
-    let mut tuned = QuicConfig::default();
-    let env = |k: &str| std::env::var(k).ok().and_then(|v| v.parse::<u64>().ok());
-    if let Some(v) = env("Q_MTU") {
-        tuned.max_udp_payload = v as u16;
-    }
-    if let Some(v) = env("Q_COOL_MS") {
-        tuned.mtu_black_hole_cooldown = std::time::Duration::from_millis(v);
-    }
-    if let Some(v) = env("Q_STREAMS") {
-        tuned.send_streams = v as usize;
-    }
-    if let Some(v) = env("Q_SWIN") {
-        tuned.stream_window = v << 20;
-    }
-    if let Some(v) = env("Q_CWIN") {
-        tuned.conn_window = v << 20;
-    }
-    if let Some(v) = env("Q_SENDWIN") {
-        tuned.send_window = v << 20;
-    }
-    if let Some(v) = env("Q_SOCKBUF") {
-        tuned.socket_buffer = (v << 20) as usize;
-    }
-    if let Some(v) = env("Q_KNOWN") {
-        tuned.known_mtu = Some(v as u16);
-    }
-    if let Some(v) = env("Q_GSO") {
-        tuned.gso = v == 1;
-    }
-    let mut variants: Vec<(&str, QuicConfig)> = vec![("tuned (defaults)", tuned)];
+    let d = QuicConfig::default();
+    let mut variants: Vec<(&str, QuicConfig)> = vec![("tuned (defaults)", d.clone())];
     if std::env::var("TRELLIS_BENCH_VARIANTS").is_ok_and(|v| v == "1") {
-        let d = QuicConfig::default();
         variants.extend([
             ("quinn 0.11 defaults", QuicConfig::quinn_defaults()),
             (
-                "tuned, 1452-byte MTU",
+                "tuned, 1452-byte MTU with GSO",
                 QuicConfig {
                     max_udp_payload: 1452,
+                    gso: true,
                     ..d.clone()
                 },
             ),
             (
-                "tuned, GSO off",
+                "tuned, GSO on",
                 QuicConfig {
-                    gso: false,
+                    gso: true,
                     ..d.clone()
                 },
             ),
@@ -72,6 +47,13 @@ fn main() {
                 },
             ),
             (
+                "tuned, 8 streams in flight",
+                QuicConfig {
+                    send_streams: 8,
+                    ..d.clone()
+                },
+            ),
+            (
                 "tuned, quinn's 1.25 MB stream window",
                 QuicConfig {
                     stream_window: 1_250_000,
@@ -79,7 +61,16 @@ fn main() {
                 },
             ),
             (
-                "tuned, default socket buffers",
+                "tuned, 16 MiB stream / 64 MiB connection windows",
+                QuicConfig {
+                    stream_window: 16 << 20,
+                    conn_window: 64 << 20,
+                    send_window: 64 << 20,
+                    ..d.clone()
+                },
+            ),
+            (
+                "tuned, OS socket buffers",
                 QuicConfig {
                     socket_buffer: 0,
                     ..d.clone()

@@ -5,6 +5,7 @@
 mod common;
 
 use common::block;
+use proptest::collection::vec;
 use proptest::prelude::*;
 use proptest::test_runner::FileFailurePersistence;
 use std::path::PathBuf;
@@ -71,26 +72,38 @@ fn valid_frames() -> Vec<(&'static str, Vec<u8>)> {
 proptest! {
     #![proptest_config(ProptestConfig {
         cases: 2000,
-        failure_persistence: Some(Box::new(FileFailurePersistence::Direct("fuzz-corpus/proptest-regressions.txt"))),
+        failure_persistence: Some(Box::new(FileFailurePersistence::Direct(
+            "fuzz-corpus/proptest-regressions.txt",
+        ))),
         ..ProptestConfig::default()
     })]
 
     #[test]
-    fn random_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..512), cuts in proptest::collection::vec(any::<usize>(), 0..8)) {
+    fn random_bytes_never_panic(bytes in vec(any::<u8>(), 0..512), cuts in vec(any::<usize>(), 0..8)) {
         let whole = decode(&bytes, &[]);
         prop_assert_eq!(whole, decode(&bytes, &cuts));
     }
 
     #[test]
-    fn random_bytes_after_a_valid_header_never_panic(kind in 0u8..4, meta in proptest::collection::vec(any::<u8>(), 0..256), body in 0u64..512) {
-        let mut bytes = FrameHeader { kind: FrameKind::Halo, meta_len: meta.len() as u32, body_len: body }.encode().to_vec();
+    fn random_bytes_after_a_valid_header_never_panic(
+        kind in 0u8..4,
+        meta in vec(any::<u8>(), 0..256),
+        body in 0u64..512,
+    ) {
+        let header = FrameHeader { kind: FrameKind::Halo, meta_len: meta.len() as u32, body_len: body };
+        let mut bytes = header.encode().to_vec();
         bytes[6] = kind;
         bytes.extend_from_slice(&meta);
         let _ = decode(&bytes, &[]);
     }
 
     #[test]
-    fn mutated_frames_never_panic(which in 0usize..5, flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..6), cut in any::<usize>(), cuts in proptest::collection::vec(any::<usize>(), 0..6)) {
+    fn mutated_frames_never_panic(
+        which in 0usize..5,
+        flips in vec((any::<usize>(), any::<u8>()), 1..6),
+        cut in any::<usize>(),
+        cuts in vec(any::<usize>(), 0..6),
+    ) {
         let mut bytes = valid_frames()[which].1.clone();
         for (at, x) in flips {
             let n = bytes.len();
@@ -166,7 +179,7 @@ fn write_seed_corpus() {
     let huge = FrameHeader {
         kind: FrameKind::Halo,
         meta_len: 64,
-        body_len: u64::MAX & !3,
+        body_len: !3u64,
     }
     .encode()
     .to_vec();
