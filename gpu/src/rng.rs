@@ -134,13 +134,12 @@ mod tests {
     #[test]
     fn eight_lanes_equal_eight_blocks() {
         let g = Philox4x32::new(0x1234_5678_9abc_def0);
-        let mut ctr = [[0u32; 8]; 4];
-        for i in 0..8 {
-            ctr[0][i] = 3;
-            ctr[1][i] = 0x0001_0002;
-            ctr[2][i] = 77 + i as u32 * 1000;
-            ctr[3][i] = i as u32 * 7;
-        }
+        let ctr = [
+            [3; 8],
+            [0x0001_0002; 8],
+            std::array::from_fn(|i| 77 + i as u32 * 1000),
+            std::array::from_fn(|i| i as u32 * 7),
+        ];
         let out = g.block8(ctr);
         for i in 0..8 {
             let one = g.block([ctr[0][i], ctr[1][i], ctr[2][i], ctr[3][i]]);

@@ -249,13 +249,12 @@ impl MaskGen {
                 continue;
             }
             let first = self.key.counter(gid, 8 * gi as u32);
-            let mut ctr = [[0u32; 8]; 4];
-            for i in 0..8 {
-                ctr[0][i] = first[0];
-                ctr[1][i] = first[1];
-                ctr[2][i] = first[2];
-                ctr[3][i] = first[3] + i as u32;
-            }
+            let ctr = [
+                [first[0]; 8],
+                [first[1]; 8],
+                [first[2]; 8],
+                std::array::from_fn(|i| first[3] + i as u32),
+            ];
             let u = self.g.block8(ctr);
             for (k, v) in cols.iter_mut().enumerate() {
                 let (blk, lane) = (k / 8, k % 8);
