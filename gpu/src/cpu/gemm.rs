@@ -1,9 +1,26 @@
-//! Dense matrix multiply through the `gemm` crate.
+//! Dense matrix multiply through the `gemm` crate, built with its `x86-v4` feature so that it
+//! has AVX-512 kernels (picked at run time; AVX2+FMA or SSE kernels on other CPUs).
 //!
-//! `gemm` was chosen over `matrixmultiply` and `faer` by measurement on this machine kind (see
-//! `benches/kernels.rs`): it reaches the highest f32 throughput here and takes arbitrary strides,
-//! so transposes cost nothing. For a fixed thread count its results are bit-identical run to run
-//! (the k-loop order does not depend on scheduling).
+//! Chosen over `matrixmultiply` by measurement on the 2-vCPU AVX-512 (Sapphire Rapids class)
+//! dev machine: `cargo bench -p trellis-gpu --bench kernels -- gemm` runs both side by side.
+//! Best of 10 samples, GFLOP/s. The 1-thread columns are from that bench; the shared machine's
+//! second vCPU was mostly busy with other builds during it, so the 2-thread columns are from a
+//! one-off harness run in a quiet window (`Stream::gemm` against `matrixmultiply` over fixed
+//! 2048-row tiles, 64x64 tiles for `X^T dY`, on the same 2-thread rayon budget):
+//!
+//! | shape                                       | gemm 1t | matrixmultiply 1t | gemm 2t | matrixmultiply 2t |
+//! |---------------------------------------------|--------:|------------------:|--------:|------------------:|
+//! | `X W`: 100000x128 * 128x256                 |     131 |               123 |     268 |               250 |
+//! | `X W`: 100000x256 * 256x16                  |      44 |                41 |     143 |               122 |
+//! | `dY W^T`: 100000x256 * (128x256)^T          |     131 |               110 |     276 |               227 |
+//! | `X^T dY`: (100000x128)^T * 100000x256       |     123 |               120 |     212 |               178 |
+//!
+//! The feature matters: without `x86-v4` the `gemm` crate has only AVX2 kernels and
+//! `matrixmultiply` (which detects AVX-512 itself) beat it on three of these shapes, by 1.5-2.2x
+//! in the same run (1 thread: 35 vs 77, 30 vs 25, 67 vs 104, 67 vs 118 GFLOP/s, under load).
+//! `gemm` also takes arbitrary strides, so transposes cost nothing, and splits the work over
+//! the caller's rayon budget. For a fixed thread count its results are bit-identical run to run
+//! (the k-loop order does not depend on scheduling); across thread counts this is not promised.
 
 /// `c = alpha * op(a) * op(b) + beta * c`, all row-major.
 ///

@@ -258,8 +258,10 @@ fn prefetch_rows(x: &[f32], width: usize, idx: &[u32]) {
 /// Sampled dense-dense product: `out[e, h] = <a[row(e), h-block], b[col(e), h-block]>`.
 /// `a` is `n_rows x width`, `b` is `n_cols x width`, `out` has `nnz * heads` entries.
 ///
-/// Each dot product is summed by [`dot`]'s fixed order (eight interleaved partial sums), one
-/// task per row: the bits do not depend on the thread count nor on the CPU's SIMD width.
+/// Each dot product is summed in a fixed order, one task per row, so the bits do not depend on
+/// the thread count nor on the CPU's SIMD width: eight partial sums, lane `l` adding the
+/// products `t = l, l + 8, ...` of the whole 8-blocks, combined as
+/// `((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))`, then the tail products in order.
 pub fn sddmm_dot(csr: &Csr, heads: usize, a: &[f32], b: &[f32], width: usize, out: &mut [f32]) {
     assert!(
         heads >= 1 && width % heads == 0,
