@@ -157,37 +157,7 @@ impl Stream {
         beta: f32,
         c: &mut Tensor,
     ) -> Result<()> {
-        self.cpu_only()?;
-        let (m, k) = if trans_a {
-            (a.cols(), a.rows())
-        } else {
-            a.shape()
-        };
-        let (k2, n) = if trans_b {
-            (b.cols(), b.rows())
-        } else {
-            b.shape()
-        };
-        check("gemm", k == k2 && c.shape() == (m, n), || {
-            format!("op(a) {m}x{k}, op(b) {k2}x{n}, c {}x{}", c.rows(), c.cols())
-        })?;
-        let threads = self.threads();
-        self.run(|| {
-            cpu::gemm(
-                m,
-                n,
-                k,
-                alpha,
-                a.as_slice(),
-                trans_a,
-                b.as_slice(),
-                trans_b,
-                beta,
-                c.as_mut_slice(),
-                threads,
-            )
-        });
-        Ok(())
+        self.gemm_prefix(alpha, a, a.rows(), trans_a, b, trans_b, beta, c)
     }
 
     /// [`Stream::gemm`] over only the first `a_rows` stored rows of `a` (a row prefix, e.g. the

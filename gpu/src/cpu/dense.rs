@@ -133,13 +133,7 @@ pub fn edge_dropout(
         "edge_dropout: values length"
     );
     let mask = MaskGen::new(key, p);
-    let mut segs: Vec<&mut [f32]> = Vec::with_capacity(gids.len());
-    let mut rest = vals;
-    for r in 0..gids.len() {
-        let (seg, tail) = rest.split_at_mut((indptr[r + 1] - indptr[r]) * heads);
-        segs.push(seg);
-        rest = tail;
-    }
+    let mut segs = super::split_rows(vals, indptr, heads);
     segs.par_chunks_mut(256).enumerate().for_each(|(c, block)| {
         for (r, seg) in block.iter_mut().enumerate() {
             mask.apply_row(gids[c * 256 + r], seg);
@@ -167,13 +161,7 @@ pub fn dropout_csr(
     );
     assert_eq!(vals.len(), indices.len(), "dropout_csr: values length");
     let mask = MaskGen::new(key, p);
-    let mut segs: Vec<&mut [f32]> = Vec::with_capacity(gids.len());
-    let mut rest = vals;
-    for r in 0..gids.len() {
-        let (seg, tail) = rest.split_at_mut(indptr[r + 1] - indptr[r]);
-        segs.push(seg);
-        rest = tail;
-    }
+    let mut segs = super::split_rows(vals, indptr, 1);
     segs.par_chunks_mut(256).enumerate().for_each(|(c, block)| {
         for (k, seg) in block.iter_mut().enumerate() {
             let r = c * 256 + k;

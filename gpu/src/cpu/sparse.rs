@@ -507,13 +507,7 @@ fn for_each_row_edges(
 ) {
     let indptr = csr.indptr();
     // Split `out` into per-row segments, then process blocks of rows in parallel.
-    let mut segs: Vec<&mut [f32]> = Vec::with_capacity(csr.n_rows());
-    let mut rest = out;
-    for i in 0..csr.n_rows() {
-        let (s, r) = rest.split_at_mut((indptr[i + 1] - indptr[i]) * heads);
-        segs.push(s);
-        rest = r;
-    }
+    let mut segs = super::split_rows(out, indptr, heads);
     let chunk = row_chunk(csr.n_rows(), 8 * heads);
     segs.par_chunks_mut(chunk)
         .enumerate()
