@@ -46,6 +46,54 @@ impl FaultPlan {
         self
     }
 
+    /// Parses a `--chaos` spec: faults separated by `,`, each `panic:part=P:epoch=E` with
+    /// optional `:layer=L` (default 0) and `:phase=forward|backward|eval` (default forward).
+    /// Fault kinds that need several nodes (`kill-node`, `cut-link`, `delay`, `corrupt`) are
+    /// refused with an error saying so.
+    pub fn parse(spec: &str) -> Result<Self, ActorError> {
+        let bad = |m: String| {
+            ActorError::Runtime(trellis_runtime::RuntimeError::Config(format!(
+                "--chaos: {m}"
+            )))
+        };
+        let mut plan = FaultPlan::none();
+        for fault in spec.split(',').filter(|f| !f.is_empty()) {
+            let mut fields = fault.split(':');
+            let kind = fields.next().unwrap_or_default();
+            if kind != "panic" {
+                return Err(bad(format!("fault kind `{kind}` is not supported in a single-process run (supported: panic)")));
+            }
+            let (mut part, mut epoch, mut layer, mut phase) = (None, None, 0u16, Phase::Forward);
+            for kv in fields {
+                let (k, v) = kv
+                    .split_once('=')
+                    .ok_or_else(|| bad(format!("`{kv}` is not key=value")))?;
+                let num = |v: &str| {
+                    v.parse::<u32>()
+                        .map_err(|_| bad(format!("`{v}` is not a number for {k}")))
+                };
+                match k {
+                    "part" => part = Some(num(v)?),
+                    "epoch" => epoch = Some(num(v)?),
+                    "layer" => layer = num(v)? as u16,
+                    "phase" => {
+                        phase = match v {
+                            "forward" => Phase::Forward,
+                            "backward" => Phase::Backward,
+                            "eval" => Phase::Eval,
+                            _ => return Err(bad(format!("unknown phase `{v}`"))),
+                        }
+                    }
+                    _ => return Err(bad(format!("unknown key `{k}` in `{fault}`"))),
+                }
+            }
+            let part = part.ok_or_else(|| bad(format!("`{fault}` needs part=P")))?;
+            let epoch = epoch.ok_or_else(|| bad(format!("`{fault}` needs epoch=E")))?;
+            plan = plan.panic_at(part, epoch, layer, phase);
+        }
+        Ok(plan)
+    }
+
     /// Panics if a planned fault matches and has not fired yet.
     pub(crate) fn maybe_panic(&self, part: u32, epoch: u32, layer: u16, phase: Phase) {
         let mut fire = false;
@@ -71,6 +119,35 @@ impl FaultPlan {
     /// (partition, restored digest matched) of every restore so far.
     pub fn restores(&self) -> Vec<(u32, bool)> {
         self.restores.lock().map(|v| v.clone()).unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chaos_specs_parse_or_fail_clearly() {
+        let plan =
+            FaultPlan::parse("panic:part=1:epoch=3,panic:part=0:epoch=5:layer=1:phase=backward")
+                .unwrap();
+        let p = plan.panics.lock().unwrap().clone();
+        assert_eq!(
+            p,
+            vec![
+                (1, 3, 0, Phase::Forward, false),
+                (0, 5, 1, Phase::Backward, false)
+            ]
+        );
+        for (spec, needle) in [
+            ("kill-node:node=1:epoch=2", "kill-node"),
+            ("panic:part=1", "epoch"),
+            ("panic:part=x:epoch=1", "`x`"),
+            ("panic:part=1:epoch=1:phase=up", "phase"),
+        ] {
+            let e = FaultPlan::parse(spec).unwrap_err().to_string();
+            assert!(e.contains(needle), "{spec}: {e}");
+        }
     }
 }
 

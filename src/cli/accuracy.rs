@@ -42,6 +42,7 @@ pub fn run(a: AccuracyArgs) -> Result<()> {
                 partitions: 1,
                 partition_method: trellis_runtime::partition::PartitionMethod::Metis,
                 partition_dir: None,
+                chaos: None,
                 report: None,
                 verbose: false,
             };

@@ -2,7 +2,7 @@
 use anyhow::{Context, Result};
 use clap::Args;
 use std::path::PathBuf;
-use trellis_actors::{RunEvent, Topology};
+use trellis_actors::{FaultPlan, RunEvent, Topology};
 use trellis_runtime::partition::PartitionMethod;
 use trellis_runtime::{progress, DataSource, Dataset, ModelKind, RunReport, TrainConfig, Trainer};
 
@@ -45,6 +45,10 @@ pub struct TrainArgs {
     /// Use (or write) partition files in this folder instead of a temporary one.
     #[arg(long)]
     pub partition_dir: Option<PathBuf>,
+    /// Inject faults into a partitioned run, e.g. `panic:part=1:epoch=5[:layer=L][:phase=backward]`
+    /// (comma separated). The run recovers and ends with the fault-free weights.
+    #[arg(long)]
+    pub chaos: Option<String>,
     /// Where to write the JSON run report.
     #[arg(long)]
     pub report: Option<PathBuf>,
@@ -120,10 +124,12 @@ pub fn train_partitioned(
     parts: usize,
     method: PartitionMethod,
     dir: Option<&std::path::Path>,
+    chaos: Option<&str>,
     verbose: bool,
 ) -> Result<RunReport> {
     let epochs = cfg.epochs as u64;
-    let topo = Topology::partition(ds, parts, method, dir, cfg)?;
+    let faults = chaos.map(FaultPlan::parse).transpose()?.unwrap_or_default();
+    let topo = Topology::partition(ds, parts, method, dir, cfg)?.with_faults(faults);
     let run = topo.spawn()?;
     let cancel = run.canceller();
     // Ctrl-C stops the run after the step in progress; actors and threads are joined.
@@ -157,13 +163,14 @@ pub fn train_partitioned(
 pub fn run(a: TrainArgs) -> Result<()> {
     let ds = load_data(&a.data)?;
     let cfg = a.config(&ds)?;
-    let report = if a.partitions > 1 || a.partition_dir.is_some() {
+    let report = if a.partitions > 1 || a.partition_dir.is_some() || a.chaos.is_some() {
         train_partitioned(
             &ds,
             cfg,
             a.partitions.max(1),
             a.partition_method,
             a.partition_dir.as_deref(),
+            a.chaos.as_deref(),
             a.verbose,
         )?
     } else {
