@@ -220,8 +220,8 @@ impl PartitionState {
         // Received gradients are added in ascending sender order: deterministic for fixed P.
         for (q, rows) in &self.send {
             if let Some(b) = blocks.get(q) {
-                let t = block_tensor(b, rows.len(), g.cols(), self.part)?;
-                self.stream.scatter_add_rows(&t, rows, &mut g)?;
+                check_block(b, rows.len(), g.cols(), self.part)?;
+                self.stream.scatter_add_slice(&b.data, rows, &mut g)?;
             }
         }
         let gx = self
@@ -308,9 +308,10 @@ impl PartitionState {
     /// `[own rows; halo rows from the blocks]` as one input tensor.
     fn assemble_halo(&self, own: Tensor, blocks: &BTreeMap<PartId, HaloBlock>) -> Result<Tensor> {
         let width = own.cols();
-        let mut input = own;
-        let halo = self.block.n_in() - self.block.n_out();
-        input.append_rows(&vec![0.0; halo * width])?;
+        // One allocation for [own rows; halo rows]; every halo row is overwritten below.
+        let mut input = Tensor::zeros(self.block.n_in(), width);
+        input.as_mut_slice()[..own.len()].copy_from_slice(own.as_slice());
+        drop(own);
         for (q, rows) in &self.recv {
             let b = blocks.get(q).ok_or_else(|| {
                 proto(self.part, &format!("missing halo block from partition {q}"))
@@ -338,7 +339,7 @@ impl PartitionState {
         lists
             .iter()
             .map(|(q, rows)| {
-                let rows_t = self.stream.gather_rows(t, rows)?;
+                let data = gather_shared(t, rows);
                 let header = MsgHeader {
                     run,
                     epoch,
@@ -351,7 +352,7 @@ impl PartitionState {
                     header,
                     rows: rows.len() as u32,
                     cols: t.cols() as u32,
-                    data: Arc::from(rows_t.into_vec()),
+                    data,
                 })
             })
             .collect()
@@ -372,10 +373,18 @@ fn check_block(b: &HaloBlock, rows: usize, cols: usize, me: PartId) -> Result<()
     Ok(())
 }
 
-/// A received block as a tensor (one copy into a tensor buffer, for the kernels).
-fn block_tensor(b: &HaloBlock, rows: usize, cols: usize, me: PartId) -> Result<Tensor> {
-    check_block(b, rows, cols, me)?;
-    Ok(Tensor::from_vec(rows, cols, b.data.to_vec())?)
+/// Rows `rows` of `t` gathered straight into a shared buffer (one allocation, one copy).
+fn gather_shared(t: &Tensor, rows: &[u32]) -> Arc<[f32]> {
+    let w = t.cols();
+    let mut buf = Arc::<[f32]>::new_uninit_slice(rows.len() * w);
+    let dst = Arc::get_mut(&mut buf).expect("a new Arc is unique");
+    for (k, &r) in rows.iter().enumerate() {
+        for (d, &v) in dst[k * w..(k + 1) * w].iter_mut().zip(t.row(r as usize)) {
+            d.write(v);
+        }
+    }
+    // SAFETY: the loop above wrote every element: `rows.len()` rows of `w` values each.
+    unsafe { buf.assume_init() }
 }
 
 fn proto(part: PartId, detail: &str) -> RuntimeError {

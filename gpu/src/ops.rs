@@ -380,22 +380,30 @@ impl Stream {
 
     /// `out[idx[r]] += src[r]`.
     pub fn scatter_add_rows(&self, src: &Tensor, idx: &[u32], out: &mut Tensor) -> Result<()> {
+        check("scatter_add_rows", src.cols() == out.cols(), || {
+            format!("src {:?} into out {:?}", src.shape(), out.shape())
+        })?;
+        self.scatter_add_slice(src.as_slice(), idx, out)
+    }
+
+    /// `out[idx[r]] += src[r]` with `src` a row-major slice of `idx.len()` rows (a received
+    /// buffer, added without first copying it into a tensor).
+    pub fn scatter_add_slice(&self, src: &[f32], idx: &[u32], out: &mut Tensor) -> Result<()> {
         self.cpu_only()?;
+        let w = out.cols();
         check(
-            "scatter_add_rows",
-            src.rows() == idx.len()
-                && src.cols() == out.cols()
-                && idx.iter().all(|&i| (i as usize) < out.rows()),
+            "scatter_add_slice",
+            src.len() == idx.len() * w && idx.iter().all(|&i| (i as usize) < out.rows()),
             || {
                 format!(
-                    "src {:?}, {} indices, out {:?}",
-                    src.shape(),
+                    "{} values, {} indices, out {:?}",
+                    src.len(),
                     idx.len(),
                     out.shape()
                 )
             },
         )?;
-        self.run(|| cpu::scatter_add_rows(src.as_slice(), src.cols(), idx, out.as_mut_slice()));
+        self.run(|| cpu::scatter_add_rows(src, w, idx, out.as_mut_slice()));
         Ok(())
     }
 
