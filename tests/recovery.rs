@@ -96,3 +96,31 @@ fn restart_budget_exhausted_is_a_clear_error() {
     );
     assert!(msg.contains("partition 1"), "{msg}");
 }
+
+#[test]
+fn a_partition_that_stops_answering_fails_the_run_by_name_without_hanging() {
+    use std::time::{Duration, Instant};
+    let ds = data();
+    let cfg = cfg(&ds, ModelKind::Gcn);
+    let faults = FaultPlan::none().stall_at(2, 2, Duration::from_secs(3));
+    let t = Instant::now();
+    let err = Topology::partition(&ds, 3, PartitionMethod::Metis, None, cfg)
+        .unwrap()
+        .with_faults(faults)
+        .with_deadline(Duration::from_millis(500))
+        .spawn()
+        .unwrap()
+        .wait()
+        .unwrap_err();
+    let msg = err.to_string();
+    assert!(matches!(err, ActorError::Timeout { part: 2, .. }), "{msg}");
+    assert!(
+        msg.contains("partition 2") && msg.contains("500 ms"),
+        "{msg}"
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(20),
+        "took {:?}",
+        t.elapsed()
+    );
+}

@@ -28,6 +28,8 @@ type PlannedPanic = (u32, u32, u16, Phase, bool);
 #[derive(Debug, Default)]
 pub struct FaultPlan {
     panics: Mutex<Vec<PlannedPanic>>,
+    /// Stalls: (partition, epoch, how long), fired once in that epoch's first step.
+    stalls: Mutex<Vec<(u32, u32, Duration, bool)>>,
     restores: Mutex<Vec<(u32, bool)>>,
 }
 
@@ -94,8 +96,30 @@ impl FaultPlan {
         Ok(plan)
     }
 
-    /// Panics if a planned fault matches and has not fired yet.
+    /// Make partition `part` stop answering for `for_` in its first step of `epoch` (a hung
+    /// kernel); the coordinator's deadline must turn it into an error.
+    pub fn stall_at(self, part: u32, epoch: u32, for_: Duration) -> Self {
+        self.stalls
+            .lock()
+            .expect("fault plan lock")
+            .push((part, epoch, for_, false));
+        self
+    }
+
+    /// Panics (or stalls) if a planned fault matches and has not fired yet.
     pub(crate) fn maybe_panic(&self, part: u32, epoch: u32, layer: u16, phase: Phase) {
+        let mut stall = None;
+        if let Ok(mut v) = self.stalls.lock() {
+            for f in v.iter_mut() {
+                if !f.3 && (f.0, f.1) == (part, epoch) {
+                    f.3 = true;
+                    stall = Some(f.2);
+                }
+            }
+        }
+        if let Some(d) = stall {
+            std::thread::sleep(d);
+        }
         let mut fire = false;
         if let Ok(mut v) = self.panics.lock() {
             for f in v.iter_mut() {
