@@ -1,13 +1,14 @@
 //! The coordinator: drives the epoch protocol over the partition actors (ARCHITECTURE.md,
 //! "Epoch protocol"), sums weight gradients in a fixed order, checks that every replica holds
 //! the same weights after each step, and replays an epoch after a partition was restarted.
+use crate::handle::PartHandle;
 use crate::messages::{ApplyStep, Outcome, ResetEpoch, Step, StepReply};
-use crate::partition::PartitionActor;
 use crate::ActorError;
-use actix::Addr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use crate::topology::RunEvent;
+use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
+use trellis_runtime::report::BestTracker;
 use trellis_runtime::train::TrainConfig;
 use trellis_runtime::EpochLog;
 use trellis_transport::{Phase, RunId};
@@ -28,7 +29,7 @@ pub struct Recovery {
 /// Drives epochs over a set of partition actors.
 pub struct Coordinator {
     run: RunId,
-    addrs: Vec<Addr<PartitionActor>>,
+    parts: Vec<PartHandle>,
     num_layers: u16,
     deadline: Duration,
     max_restarts: u32,
@@ -36,6 +37,16 @@ pub struct Coordinator {
     /// Restarts so far (the budget is for the whole run).
     restarts_used: u32,
     pub recoveries: Vec<Recovery>,
+    /// Called with each epoch before its first step (e.g. to advance a transport's stale-epoch
+    /// filter).
+    on_epoch: Option<Box<dyn Fn(u32)>>,
+}
+
+/// What a run of epochs produced.
+pub struct EpochsDone {
+    pub logs: Vec<EpochLog>,
+    pub best: BestTracker,
+    pub digest: String,
 }
 
 /// Result of one training step (forward, backward, all-reduce, optimizer) on every partition.
@@ -48,23 +59,58 @@ struct StepStats {
 }
 
 impl Coordinator {
+    /// `parts[q]` must be partition `q`.
     pub fn new(
         run: RunId,
-        addrs: Vec<Addr<PartitionActor>>,
+        parts: Vec<PartHandle>,
         cfg: &TrainConfig,
         deadline: Duration,
         cancel: Arc<AtomicBool>,
     ) -> Self {
+        debug_assert!(parts.iter().enumerate().all(|(q, h)| h.part() == q as u32));
         Coordinator {
             run,
-            addrs,
+            parts,
             num_layers: cfg.model.layers as u16,
             deadline,
             max_restarts: 3,
             cancel,
             restarts_used: 0,
             recoveries: Vec::new(),
+            on_epoch: None,
         }
+    }
+
+    /// Calls `f(epoch)` before each epoch's first step.
+    pub fn with_epoch_hook(mut self, f: impl Fn(u32) + 'static) -> Self {
+        self.on_epoch = Some(Box::new(f));
+        self
+    }
+
+    /// Runs epochs `1..=epochs`, sending each epoch's log and every recovery to `events`.
+    pub async fn run_epochs(
+        &mut self,
+        epochs: u32,
+        totals: (usize, usize, usize),
+        events: &mpsc::Sender<RunEvent>,
+    ) -> Result<EpochsDone, ActorError> {
+        let mut done = EpochsDone {
+            logs: Vec::new(),
+            best: BestTracker::default(),
+            digest: String::new(),
+        };
+        for epoch in 1..=epochs {
+            let seen = self.recoveries.len();
+            let (log, digest) = self.epoch(epoch, totals).await?;
+            for r in &self.recoveries[seen..] {
+                let _ = events.send(RunEvent::Recovered(r.clone()));
+            }
+            done.best.update(&log);
+            let _ = events.send(RunEvent::Epoch(log.clone()));
+            done.logs.push(log);
+            done.digest = digest;
+        }
+        Ok(done)
     }
 
     /// Runs epoch `epoch` (training step, then evaluation). `totals` are the global split sizes.
@@ -73,6 +119,9 @@ impl Coordinator {
         epoch: u32,
         totals: (usize, usize, usize),
     ) -> Result<(EpochLog, String), ActorError> {
+        if let Some(f) = &self.on_epoch {
+            f(epoch);
+        }
         let t0 = Instant::now();
         let stats = self
             .retrying(epoch, |c| Box::pin(c.train_step(epoch)))
@@ -125,13 +174,10 @@ impl Coordinator {
                         });
                     }
                     open.push((part, detected_ms, Instant::now()));
-                    for a in &self.addrs {
-                        a.send(ResetEpoch { epoch }).await.map_err(|e| {
-                            ActorError::Unreachable {
-                                part,
-                                detail: e.to_string(),
-                            }
-                        })?;
+                    for h in &self.parts {
+                        let what = format!("reset of epoch {epoch}");
+                        self.await_reply(h.part(), &what, h.reset(ResetEpoch { epoch }))
+                            .await?;
                     }
                 }
                 other => {
@@ -153,7 +199,7 @@ impl Coordinator {
     }
 
     async fn train_step(&mut self, epoch: u32) -> Result<StepStats, ActorError> {
-        let p = self.addrs.len();
+        let p = self.parts.len();
         let mut compute_ms = vec![0.0; p];
         let mut halo_bytes = 0;
         let (mut loss_sum, mut count) = (0.0, 0);
@@ -197,10 +243,10 @@ impl Coordinator {
         }
         let grads: Arc<[f32]> = Arc::from(sum);
         let futs: Vec<_> = self
-            .addrs
+            .parts
             .iter()
-            .map(|a| {
-                a.send(ApplyStep {
+            .map(|h| {
+                h.apply(ApplyStep {
                     run: self.run,
                     epoch,
                     grads: grads.clone(),
@@ -209,7 +255,7 @@ impl Coordinator {
             .collect();
         let mut digest = String::new();
         for (q, f) in futs.into_iter().enumerate() {
-            let d = self.await_reply(q as u32, "optimizer step", f).await??;
+            let d = self.await_reply(q as u32, "optimizer step", f).await?;
             if q == 0 {
                 digest = d;
             } else if d != digest {
@@ -259,12 +305,12 @@ impl Coordinator {
             layer,
             phase,
         };
-        let futs: Vec<_> = self.addrs.iter().map(|a| a.send(step)).collect();
+        let futs: Vec<_> = self.parts.iter().map(|h| h.step(step)).collect();
         let mut replies = Vec::with_capacity(futs.len());
         let mut first_err = None;
         for (q, f) in futs.into_iter().enumerate() {
             let what = format!("{phase:?} layer {layer} of epoch {epoch}");
-            match self.await_reply(q as u32, &what, f).await.and_then(|r| r) {
+            match self.await_reply(q as u32, &what, f).await {
                 Ok(r) => replies.push(r),
                 Err(e) => {
                     // Prefer reporting a panic (recoverable) over its consequences elsewhere.
@@ -285,14 +331,10 @@ impl Coordinator {
         &self,
         part: u32,
         what: &str,
-        f: impl std::future::Future<Output = Result<T, actix::MailboxError>>,
+        f: impl std::future::Future<Output = Result<T, ActorError>>,
     ) -> Result<T, ActorError> {
         match tokio::time::timeout(self.deadline, f).await {
-            Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(ActorError::Unreachable {
-                part,
-                detail: format!("{what}: {e}"),
-            }),
+            Ok(r) => r,
             Err(_) => Err(ActorError::Timeout {
                 part,
                 ms: self.deadline.as_millis() as u64,

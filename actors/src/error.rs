@@ -46,6 +46,19 @@ pub enum ActorError {
     /// A stream or kernel could not be set up.
     #[error(transparent)]
     Gpu(#[from] trellis_gpu::GpuError),
+    /// A partition on another node failed (the message is that node's error).
+    #[error("partition {part} on node {node}: {message}")]
+    Remote {
+        node: u32,
+        part: u32,
+        message: String,
+    },
+    /// A node of the cluster failed, stopped answering, or broke the protocol.
+    #[error("node {node}: {detail}")]
+    Node { node: u32, detail: String },
+    /// The cluster file or the cluster's setup is wrong.
+    #[error("cluster: {0}")]
+    Cluster(String),
     /// The run was cancelled (Ctrl-C or `TrainingRun::cancel`).
     #[error("the run was cancelled")]
     Cancelled,

@@ -7,9 +7,12 @@
 //!   turns kernel panics into restarts from the node's [`ReplicaStore`](replica::ReplicaStore).
 //! - the [`Coordinator`](coordinator::Coordinator): drives the epoch protocol (ARCHITECTURE.md).
 //! - [`Topology`]/[`TrainingRun`]: the Rust API for programs that spawn training topologies.
+//! - [`cluster`]: multi-process clusters over QUIC (`trellis node`, `trellis launch`).
 
+pub mod cluster;
 mod coordinator;
 mod error;
+mod handle;
 mod messages;
 mod partition;
 pub mod replica;
@@ -17,7 +20,8 @@ mod state;
 mod supervisor;
 mod topology;
 
-pub use coordinator::Coordinator;
+pub use coordinator::{Coordinator, Recovery};
+pub use handle::PartHandle;
 pub use error::ActorError;
 pub use messages::{Outcome, StepReply};
 pub use state::PartitionState;

@@ -6,13 +6,14 @@ use crate::state::PartitionState;
 use crate::topology::FaultPlan;
 use actix::prelude::*;
 use std::sync::Arc;
-use trellis_transport::{InProcessTransport, PartId, RunId};
+use trellis_transport::{PartId, RunId, Transport};
 
 /// The partition actors of one node.
 pub struct NodeSupervisor {
     arbiters: Vec<Arbiter>,
     addrs: Vec<Addr<PartitionActor>>,
-    transport: Arc<InProcessTransport>,
+    parts: Vec<PartId>,
+    transport: Arc<dyn Transport>,
 }
 
 impl NodeSupervisor {
@@ -21,18 +22,19 @@ impl NodeSupervisor {
     pub fn start(
         states: Vec<PartitionState>,
         run: RunId,
-        transport: Arc<InProcessTransport>,
+        transport: Arc<dyn Transport>,
         replicas: Arc<ReplicaStore>,
         faults: Arc<FaultPlan>,
     ) -> Self {
         let mut arbiters = Vec::new();
         let mut addrs = Vec::new();
+        let mut parts = Vec::new();
         for state in states {
             let part = state.part();
             let arb = Arbiter::new();
             let (t, r, f) = (transport.clone(), replicas.clone(), faults.clone());
             let addr = Supervisor::start_in_arbiter(&arb.handle(), move |_| {
-                PartitionActor::new(state, run, t as Arc<dyn trellis_transport::Transport>, r, f)
+                PartitionActor::new(state, run, t, r, f)
             });
             let deliver_to = addr.clone();
             transport.register(
@@ -45,23 +47,30 @@ impl NodeSupervisor {
             );
             arbiters.push(arb);
             addrs.push(addr);
+            parts.push(part);
         }
         NodeSupervisor {
             arbiters,
             addrs,
+            parts,
             transport,
         }
     }
 
-    /// Addresses of the partition actors, by partition id.
+    /// Addresses of the partition actors, in the order their states were given.
     pub fn addrs(&self) -> &[Addr<PartitionActor>] {
         &self.addrs
     }
 
+    /// The partitions this supervisor hosts, in the order of [`NodeSupervisor::addrs`].
+    pub fn parts(&self) -> &[PartId] {
+        &self.parts
+    }
+
     /// Stops every actor and joins every arbiter thread.
     pub fn shutdown(self) {
-        for p in 0..self.addrs.len() {
-            self.transport.unregister(PartId(p as u32));
+        for &p in &self.parts {
+            self.transport.unregister(p);
         }
         drop(self.addrs);
         for arb in self.arbiters {

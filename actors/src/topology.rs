@@ -5,6 +5,7 @@
 //!
 //! [`spawn`]: Topology::spawn
 use crate::coordinator::{Coordinator, Recovery};
+use crate::handle::PartHandle;
 use crate::replica::ReplicaStore;
 use crate::state::{GlobalCounts, PartitionState};
 use crate::supervisor::NodeSupervisor;
@@ -15,8 +16,7 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 use trellis_gpu::{Device, Stream, ThreadBudget};
-use trellis_runtime::partition::{partition, PartitionMethod, PartitionSet};
-use trellis_runtime::report::BestTracker;
+use trellis_runtime::partition::{open_or_partition, PartitionMethod, PartitionSet};
 use trellis_runtime::train::{build_report, TrainConfig};
 use trellis_runtime::{Dataset, EpochLog, RunReport};
 use trellis_transport::{InProcessTransport, Phase};
@@ -234,17 +234,7 @@ impl Topology {
                 (d.clone(), Some(TempDir(d)))
             }
         };
-        // Reuse a folder that already holds this exact partitioning of this data set.
-        let reusable = PartitionSet::open(&dir).is_ok_and(|set| {
-            let b = set.book();
-            b.parts == parts
-                && b.method == method
-                && b.seed == cfg.model.seed
-                && b.data_digest == ds.digest()
-        });
-        if !reusable {
-            partition(ds, parts, method, cfg.model.seed, &dir)?;
-        }
+        open_or_partition(ds, parts, method, cfg.model.seed, &dir)?;
         let mut t = Self::open(&dir, cfg)?;
         t._tmp = tmp;
         Ok(t)
@@ -301,33 +291,12 @@ impl Topology {
                     let transport = Arc::new(InProcessTransport::new());
                     let replicas = Arc::new(ReplicaStore::new());
                     let node = NodeSupervisor::start(states, run, transport, replicas, faults);
-                    let mut coord =
-                        Coordinator::new(run, node.addrs().to_vec(), &cfg, deadline, cancel2);
+                    let handles = local_handles(&node);
+                    let mut coord = Coordinator::new(run, handles, &cfg, deadline, cancel2);
                     let totals = (counts.train, counts.val, counts.test);
-                    let mut logs = Vec::new();
-                    let mut best = BestTracker::default();
-                    let mut digest = String::new();
-                    let mut outcome = Ok(());
-                    for epoch in 1..=cfg.epochs {
-                        let seen = coord.recoveries.len();
-                        match coord.epoch(epoch, totals).await {
-                            Ok((log, d)) => {
-                                for r in &coord.recoveries[seen..] {
-                                    let _ = tx.send(RunEvent::Recovered(r.clone()));
-                                }
-                                best.update(&log);
-                                let _ = tx.send(RunEvent::Epoch(log.clone()));
-                                logs.push(log);
-                                digest = d;
-                            }
-                            Err(e) => {
-                                outcome = Err(e);
-                                break;
-                            }
-                        }
-                    }
+                    let outcome = coord.run_epochs(cfg.epochs, totals, &tx).await;
                     node.shutdown();
-                    outcome.map(|_| {
+                    outcome.map(|done| {
                         let mut report = build_report(
                             &cfg,
                             &dataset,
@@ -335,9 +304,9 @@ impl Topology {
                             book.parts,
                             book.edge_cut as u64,
                             threads,
-                            &best,
-                            logs,
-                            digest,
+                            &done.best,
+                            done.logs,
+                            done.digest,
                         );
                         report.recoveries =
                             serde_json::to_value(&coord.recoveries).unwrap_or_default();
@@ -356,6 +325,21 @@ impl Topology {
     }
 }
 
+/// Handles of the actors of `node`, by partition id.
+pub(crate) fn local_handles(node: &NodeSupervisor) -> Vec<PartHandle> {
+    let mut v: Vec<PartHandle> = node
+        .parts()
+        .iter()
+        .zip(node.addrs())
+        .map(|(p, a)| PartHandle::Local {
+            part: p.0,
+            addr: a.clone(),
+        })
+        .collect();
+    v.sort_by_key(|h| h.part());
+    v
+}
+
 /// A running topology.
 pub struct TrainingRun {
     events: mpsc::Receiver<RunEvent>,
@@ -364,6 +348,18 @@ pub struct TrainingRun {
 }
 
 impl TrainingRun {
+    pub(crate) fn new(
+        events: mpsc::Receiver<RunEvent>,
+        cancel: Arc<AtomicBool>,
+        thread: JoinHandle<Result<RunReport, ActorError>>,
+    ) -> Self {
+        TrainingRun {
+            events,
+            cancel,
+            thread: Some(thread),
+        }
+    }
+
     /// Per-epoch events; the channel closes when the run ends.
     pub fn events(&self) -> &mpsc::Receiver<RunEvent> {
         &self.events

@@ -18,7 +18,7 @@ pub use data::{DataSource, Dataset};
 pub use error::RuntimeError;
 pub use graph::{Aggregation, Block, Graph};
 pub use model::{LayerInput, Model, ModelConfig, ModelKind, Optimizer, OptimizerKind, StepCtx};
-pub use report::{EpochLog, RunReport};
+pub use report::{EpochLog, NodeTraffic, RunReport};
 pub use train::{TrainConfig, Trainer};
 
 /// Result type of this crate.

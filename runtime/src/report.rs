@@ -51,7 +51,22 @@ pub struct RunReport {
     /// Recoveries performed during the run (empty without faults).
     #[serde(default)]
     pub recoveries: serde_json::Value,
+    /// The nodes of a multi-process run and what each moved over QUIC (empty in one process).
+    #[serde(default)]
+    pub nodes: Vec<NodeTraffic>,
     pub epochs_log: Vec<EpochLog>,
+}
+
+/// One node of a cluster run: where it ran, what it hosted, and its QUIC traffic.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NodeTraffic {
+    pub node: u32,
+    pub addr: String,
+    pub partitions: Vec<u32>,
+    /// Halo payload and control bytes this node sent to other nodes.
+    pub bytes_sent: u64,
+    /// Halo payload and control bytes this node received from other nodes.
+    pub bytes_received: u64,
 }
 
 impl RunReport {

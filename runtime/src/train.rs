@@ -292,6 +292,7 @@ pub fn build_report(
         config: serde_json::to_value(cfg).unwrap_or(serde_json::Value::Null),
         code_version: env!("CARGO_PKG_VERSION").to_string(),
         recoveries: serde_json::Value::Array(Vec::new()),
+        nodes: Vec::new(),
         epochs_log: logs,
     }
 }

@@ -6,6 +6,8 @@ mod accuracy;
 mod bench;
 mod cert;
 mod demo;
+mod launch;
+mod node;
 mod partition;
 mod train;
 
@@ -31,6 +33,10 @@ pub enum Command {
     Bench(bench::BenchArgs),
     /// Create the cluster CA and per-node certificates for QUIC with mutual TLS.
     Cert(cert::CertArgs),
+    /// Run one node of a multi-process cluster (QUIC with mutual TLS) from a cluster file.
+    Node(node::NodeArgs),
+    /// Start a local cluster of K node processes on loopback, with fresh certificates.
+    Launch(launch::LaunchArgs),
     /// Train on a built-in synthetic graph, single-process and partitioned with an injected
     /// fault, and show that both end with the same weights.
     Demo(demo::DemoArgs),
@@ -45,5 +51,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Bench(a) => bench::run(a),
         Command::Demo(a) => demo::run(a),
         Command::Cert(a) => cert::run(a),
+        Command::Node(a) => node::run(a),
+        Command::Launch(a) => launch::run(a),
     }
 }

@@ -2,7 +2,7 @@
 use anyhow::{Context, Result};
 use clap::Args;
 use std::path::PathBuf;
-use trellis_actors::{FaultPlan, RunEvent, Topology};
+use trellis_actors::{FaultPlan, RunEvent, Topology, TrainingRun};
 use trellis_runtime::partition::PartitionMethod;
 use trellis_runtime::{progress, DataSource, Dataset, ModelKind, RunReport, TrainConfig, Trainer};
 
@@ -60,8 +60,12 @@ pub struct TrainArgs {
 impl TrainArgs {
     /// The training configuration for a loaded data set.
     pub fn config(&self, ds: &Dataset) -> Result<TrainConfig> {
-        let mut cfg =
-            TrainConfig::paper_defaults(self.model, ds.num_features, ds.num_classes, self.seed);
+        self.config_for(ds.num_features, ds.num_classes)
+    }
+
+    /// The training configuration for `features` inputs and `classes` outputs.
+    pub fn config_for(&self, features: usize, classes: usize) -> Result<TrainConfig> {
+        let mut cfg = TrainConfig::paper_defaults(self.model, features, classes, self.seed);
         if let Some(e) = self.epochs {
             cfg.epochs = e;
         }
@@ -131,6 +135,12 @@ pub fn train_partitioned(
     let faults = chaos.map(FaultPlan::parse).transpose()?.unwrap_or_default();
     let topo = Topology::partition(ds, parts, method, dir, cfg)?.with_faults(faults);
     let run = topo.spawn()?;
+    follow(run, epochs, verbose)
+}
+
+/// Shows a run's progress (a bar on a terminal, per-epoch lines with `verbose`, every
+/// recovery), stops it on Ctrl-C, and returns its report.
+pub fn follow(run: TrainingRun, epochs: u64, verbose: bool) -> Result<RunReport> {
     let cancel = run.canceller();
     // Ctrl-C stops the run after the step in progress; actors and threads are joined.
     let _ = ctrlc::set_handler(move || cancel.store(true, std::sync::atomic::Ordering::SeqCst));
@@ -200,4 +210,14 @@ pub fn print_summary(r: &RunReport) {
         r.peak_rss_bytes as f64 / (1 << 20) as f64,
         r.weights_digest
     );
+    for n in &r.nodes {
+        println!(
+            "node {} at {}: partitions {:?}, sent {:.1} MiB, received {:.1} MiB",
+            n.node,
+            n.addr,
+            n.partitions,
+            n.bytes_sent as f64 / (1 << 20) as f64,
+            n.bytes_received as f64 / (1 << 20) as f64
+        );
+    }
 }

@@ -21,15 +21,6 @@ impl InProcessTransport {
         Self::default()
     }
 
-    /// Registers (or replaces, after a restart) the delivery function of `part`.
-    pub fn register(&self, part: PartId, deliver: Deliver) {
-        self.routes.insert(part, deliver);
-    }
-
-    /// Removes `part`'s route.
-    pub fn unregister(&self, part: PartId) {
-        self.routes.remove(&part);
-    }
 }
 
 impl Transport for InProcessTransport {
@@ -51,6 +42,14 @@ impl Transport for InProcessTransport {
 
     fn bytes_sent(&self) -> u64 {
         self.bytes.load(Ordering::Relaxed)
+    }
+
+    fn register(&self, part: PartId, deliver: Deliver) {
+        self.routes.insert(part, deliver);
+    }
+
+    fn unregister(&self, part: PartId) {
+        self.routes.remove(&part);
     }
 }
 

@@ -35,6 +35,10 @@ pub trait Transport: Send + Sync {
     fn send(&self, block: HaloBlock) -> Result<(), TransportError>;
     /// Payload bytes sent through this transport so far.
     fn bytes_sent(&self) -> u64;
+    /// Registers (or replaces, after a restart) the delivery function of local partition `part`.
+    fn register(&self, part: PartId, deliver: Deliver);
+    /// Removes local partition `part`: blocks for it are refused from now on.
+    fn unregister(&self, part: PartId);
 }
 
 pub mod bench;

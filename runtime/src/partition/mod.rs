@@ -60,6 +60,25 @@ impl fmt::Display for PartitionMethod {
     }
 }
 
+/// Opens `dir` if it already holds this exact partitioning of `ds` (same parts, method, seed
+/// and data digest), else partitions `ds` into it.
+pub fn open_or_partition(
+    ds: &Dataset,
+    parts: usize,
+    method: PartitionMethod,
+    seed: u64,
+    dir: &Path,
+) -> Result<PartitionSet> {
+    let reusable = PartitionSet::open(dir).is_ok_and(|set| {
+        let b = set.book();
+        b.parts == parts && b.method == method && b.seed == seed && b.data_digest == ds.digest()
+    });
+    if !reusable {
+        partition(ds, parts, method, seed, dir)?;
+    }
+    PartitionSet::open(dir)
+}
+
 /// Builds the graph, assigns parts and writes them to `out_dir`; the book's timings cover
 /// the assignment and the writing.
 pub fn partition(

@@ -94,26 +94,6 @@ impl QuicTransport {
         self.routes.insert(part, node);
     }
 
-    /// Registers (or replaces) the delivery function of local partition `part`.
-    pub fn register(&self, part: PartId, deliver: Deliver) {
-        self.dispatch.local.insert(part, deliver);
-        self.dispatch
-            .filter
-            .lock()
-            .expect("poisoned")
-            .add_partition(part);
-    }
-
-    /// Removes local partition `part`: blocks for it are refused from now on.
-    pub fn unregister(&self, part: PartId) {
-        self.dispatch.local.remove(&part);
-        self.dispatch
-            .filter
-            .lock()
-            .expect("poisoned")
-            .remove_partition(part);
-    }
-
     /// Sets `run`'s current epoch: blocks of older epochs are refused. A run's blocks are
     /// refused until this is called for it.
     pub fn set_epoch(&self, run: RunId, epoch: u32) {
@@ -188,5 +168,23 @@ impl Transport for QuicTransport {
 
     fn bytes_sent(&self) -> u64 {
         self.bytes.load(Ordering::Relaxed)
+    }
+
+    fn register(&self, part: PartId, deliver: Deliver) {
+        self.dispatch.local.insert(part, deliver);
+        self.dispatch
+            .filter
+            .lock()
+            .expect("poisoned")
+            .add_partition(part);
+    }
+
+    fn unregister(&self, part: PartId) {
+        self.dispatch.local.remove(&part);
+        self.dispatch
+            .filter
+            .lock()
+            .expect("poisoned")
+            .remove_partition(part);
     }
 }

@@ -1,0 +1,255 @@
+//! The cluster file (TOML): the nodes (id, address), where partition files and certificates
+//! live, the partition placement (explicit or `auto`), and the failure-detection settings.
+//!
+//! ```toml
+//! certs = "certs"            # ca.pem, node-N.pem, node-N.key (trellis cert init / issue)
+//! partitions = "parts"       # partition folder (trellis partition --out)
+//! coordinator = 0            # the node that drives training
+//! heartbeat_ms = 500         # QUIC keep-alive on idle connections
+//! idle_timeout_ms = 3000     # a peer silent this long is dead
+//! [[node]]
+//! id = 0
+//! addr = "10.0.0.1:7000"
+//! [[node]]
+//! id = 1
+//! addr = "10.0.0.2:7000"
+//! parts = [2, 3]             # optional: explicit placement (then on every node)
+//! partitions = "/scratch/p"  # optional: this node's own partition folder
+//! ```
+//! Relative paths are relative to the cluster file. Port 0 picks an ephemeral port (the node
+//! then tells the coordinator where it listens).
+use crate::ActorError;
+use serde::Deserialize;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use trellis_transport::quic::QuicConfig;
+
+/// A parsed, validated cluster file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClusterFile {
+    pub certs: PathBuf,
+    pub partitions: PathBuf,
+    #[serde(default)]
+    pub coordinator: u32,
+    #[serde(default = "default_heartbeat")]
+    pub heartbeat_ms: u64,
+    #[serde(default = "default_idle")]
+    pub idle_timeout_ms: u64,
+    /// How long the coordinator waits for one step of one partition.
+    #[serde(default = "default_deadline")]
+    pub step_deadline_ms: u64,
+    /// How long the coordinator waits for every node to join (and nodes for the setup).
+    #[serde(default = "default_join")]
+    pub join_timeout_ms: u64,
+    #[serde(rename = "node")]
+    pub nodes: Vec<NodeEntry>,
+}
+
+/// One `[[node]]` entry.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeEntry {
+    pub id: u32,
+    pub addr: SocketAddr,
+    /// Partitions this node hosts (explicit placement).
+    #[serde(default)]
+    pub parts: Option<Vec<u32>>,
+    /// This node's partition folder, if not the cluster's.
+    #[serde(default)]
+    pub partitions: Option<PathBuf>,
+}
+
+fn default_heartbeat() -> u64 {
+    500
+}
+fn default_idle() -> u64 {
+    3000
+}
+fn default_deadline() -> u64 {
+    120_000
+}
+fn default_join() -> u64 {
+    60_000
+}
+
+fn bad(path: &Path, m: impl std::fmt::Display) -> ActorError {
+    ActorError::Cluster(format!("{}: {m}", path.display()))
+}
+
+impl ClusterFile {
+    /// Reads and validates `path`; relative paths become relative to its folder.
+    pub fn load(path: &Path) -> Result<Self, ActorError> {
+        let text = std::fs::read_to_string(path).map_err(|e| bad(path, e))?;
+        let mut c = Self::parse(&text).map_err(|e| bad(path, e))?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        c.certs = base.join(&c.certs);
+        c.partitions = base.join(&c.partitions);
+        for n in &mut c.nodes {
+            if let Some(p) = &n.partitions {
+                n.partitions = Some(base.join(p));
+            }
+        }
+        Ok(c)
+    }
+
+    /// Parses and validates TOML text.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        let c: ClusterFile = toml::from_str(text).map_err(|e| e.to_string())?;
+        if c.nodes.is_empty() {
+            return Err("no [[node]] entries".into());
+        }
+        let mut ids: Vec<u32> = c.nodes.iter().map(|n| n.id).collect();
+        ids.sort_unstable();
+        if ids.windows(2).any(|w| w[0] == w[1]) {
+            return Err("two [[node]] entries have the same id".into());
+        }
+        if !ids.contains(&c.coordinator) {
+            return Err(format!("coordinator = {} is not a [[node]] id", c.coordinator));
+        }
+        let explicit = c.nodes.iter().filter(|n| n.parts.is_some()).count();
+        if explicit != 0 && explicit != c.nodes.len() {
+            return Err("either every [[node]] lists `parts` or none does (auto placement)".into());
+        }
+        if c.heartbeat_ms == 0 || c.heartbeat_ms >= c.idle_timeout_ms {
+            return Err(format!(
+                "heartbeat_ms ({}) must be above 0 and below idle_timeout_ms ({})",
+                c.heartbeat_ms, c.idle_timeout_ms
+            ));
+        }
+        Ok(c)
+    }
+
+    /// The entry of node `id`.
+    pub fn node(&self, id: u32) -> Result<&NodeEntry, ActorError> {
+        self.nodes
+            .iter()
+            .find(|n| n.id == id)
+            .ok_or_else(|| ActorError::Cluster(format!("node {id} is not in the cluster file")))
+    }
+
+    /// Node ids other than the coordinator, ascending.
+    pub fn workers(&self) -> Vec<u32> {
+        let mut v: Vec<u32> = self
+            .nodes
+            .iter()
+            .map(|n| n.id)
+            .filter(|&n| n != self.coordinator)
+            .collect();
+        v.sort_unstable();
+        v
+    }
+
+    /// The partition folder of node `id`.
+    pub fn partitions_of(&self, id: u32) -> PathBuf {
+        self.nodes
+            .iter()
+            .find(|n| n.id == id)
+            .and_then(|n| n.partitions.clone())
+            .unwrap_or_else(|| self.partitions.clone())
+    }
+
+    /// `placement[p]`: the node hosting partition `p` of `parts`. Auto placement gives node i
+    /// (in ascending id order) a contiguous range of partitions, sizes differing by at most 1.
+    pub fn placement(&self, parts: usize) -> Result<Vec<u32>, ActorError> {
+        let mut ids: Vec<u32> = self.nodes.iter().map(|n| n.id).collect();
+        ids.sort_unstable();
+        if self.nodes[0].parts.is_none() {
+            if parts < ids.len() {
+                return Err(ActorError::Cluster(format!(
+                    "{parts} partitions cannot fill {} nodes",
+                    ids.len()
+                )));
+            }
+            return Ok((0..parts)
+                .map(|p| ids[p * ids.len() / parts])
+                .collect());
+        }
+        let mut placement = vec![None; parts];
+        for n in &self.nodes {
+            for &p in n.parts.as_deref().unwrap_or_default() {
+                let slot = placement.get_mut(p as usize).ok_or_else(|| {
+                    ActorError::Cluster(format!(
+                        "node {} lists partition {p}, but there are only {parts}",
+                        n.id
+                    ))
+                })?;
+                if let Some(other) = slot.replace(n.id) {
+                    return Err(ActorError::Cluster(format!(
+                        "partition {p} is placed on both node {other} and node {}",
+                        n.id
+                    )));
+                }
+            }
+        }
+        placement
+            .into_iter()
+            .enumerate()
+            .map(|(p, n)| {
+                n.ok_or_else(|| ActorError::Cluster(format!("partition {p} is placed on no node")))
+            })
+            .collect()
+    }
+
+    /// The QUIC settings of node `id`: its address, keep-alive and idle timeout.
+    pub fn quic(&self, id: u32) -> Result<QuicConfig, ActorError> {
+        let n = self.node(id)?;
+        Ok(QuicConfig {
+            idle_timeout: Duration::from_millis(self.idle_timeout_ms),
+            keep_alive: Duration::from_millis(self.heartbeat_ms),
+            connect_timeout: Duration::from_millis(self.idle_timeout_ms.max(1000)),
+            ..QuicConfig::with_bind(n.addr)
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BASE: &str = "certs = \"c\"\npartitions = \"p\"\n";
+
+    fn nodes(extra: &[&str]) -> String {
+        let mut s = BASE.to_string();
+        for (i, e) in extra.iter().enumerate() {
+            s += &format!("[[node]]\nid = {i}\naddr = \"127.0.0.1:0\"\n{e}\n");
+        }
+        s
+    }
+
+    #[test]
+    fn auto_placement_is_contiguous_and_balanced() {
+        let c = ClusterFile::parse(&nodes(&["", "", ""])).unwrap();
+        assert_eq!(c.placement(6).unwrap(), vec![0, 0, 1, 1, 2, 2]);
+        assert_eq!(c.placement(4).unwrap(), vec![0, 0, 1, 2]);
+        assert!(c.placement(2).is_err());
+        assert_eq!(c.workers(), vec![1, 2]);
+    }
+
+    #[test]
+    fn explicit_placement_is_checked() {
+        let c = ClusterFile::parse(&nodes(&["parts = [1]", "parts = [0, 2]"])).unwrap();
+        assert_eq!(c.placement(3).unwrap(), vec![1, 0, 1]);
+        let e = c.placement(4).unwrap_err().to_string();
+        assert!(e.contains("partition 3 is placed on no node"), "{e}");
+        let c = ClusterFile::parse(&nodes(&["parts = [0]", "parts = [0]"])).unwrap();
+        assert!(c.placement(1).unwrap_err().to_string().contains("both"));
+    }
+
+    #[test]
+    fn bad_files_say_what_is_wrong() {
+        for (text, needle) in [
+            (BASE.to_string(), "node"),
+            (nodes(&["", "parts = [0]"]), "every [[node]]"),
+            (nodes(&["colour = 1"]), "colour"),
+            (format!("{BASE}coordinator = 5\n{}", &nodes(&[""])[BASE.len()..]), "coordinator"),
+            ("certs = 1".to_string(), "certs"),
+        ] {
+            let e = ClusterFile::parse(&text).unwrap_err();
+            assert!(e.contains(needle), "{text}: {e}");
+        }
+        let e = ClusterFile::load(Path::new("/nonexistent/cluster.toml")).unwrap_err();
+        assert!(e.to_string().contains("/nonexistent/cluster.toml"));
+    }
+}

@@ -1,0 +1,293 @@
+//! The coordinator node: waits for every node to join, places the partitions, sends each
+//! node its setup (shipping partition files on request), hosts its own partitions, drives
+//! the epochs over local and remote partitions alike, and ends the run on every node.
+use super::config::ClusterFile;
+use super::files::serve_part;
+use super::node::{host_partitions, ControlInbox, NodeEndpoint};
+use super::proto::{ControlMsg, Setup};
+use super::remote::{ControlClient, RemotePart};
+use crate::coordinator::Coordinator;
+use crate::handle::PartHandle;
+use crate::topology::{local_handles, RunEvent, TrainingRun};
+use crate::ActorError;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc as tmpsc;
+use trellis_runtime::partition::PartitionSet;
+use trellis_runtime::train::build_report;
+use trellis_runtime::{NodeTraffic, RunReport, TrainConfig};
+
+/// A training job for a cluster.
+pub struct ClusterJob {
+    pub cluster: ClusterFile,
+    /// The coordinator's own id.
+    pub id: u32,
+    pub set: PartitionSet,
+    pub cfg: TrainConfig,
+    /// `--chaos` spec (partition panics), applied on every node.
+    pub chaos: String,
+    /// Write the bound address here once listening (for launchers).
+    pub addr_file: Option<PathBuf>,
+}
+
+impl ClusterJob {
+    /// Binds the coordinator's endpoint and starts the run on its own thread: the same
+    /// [`TrainingRun`] API as a single-process topology.
+    pub fn spawn(self) -> Result<TrainingRun, ActorError> {
+        crate::topology::FaultPlan::parse(&self.chaos)?;
+        let (endpoint, inbox) =
+            NodeEndpoint::bind(&self.cluster, self.id, self.addr_file.as_deref())?;
+        let (tx, rx) = mpsc::channel();
+        let cancel = Arc::new(AtomicBool::new(false));
+        let cancel2 = cancel.clone();
+        let thread = std::thread::Builder::new()
+            .name("trellis-coordinator".into())
+            .spawn(move || {
+                let sys = actix::System::new();
+                let result = sys.block_on(drive(self, &endpoint, inbox, tx, cancel2));
+                drop(sys);
+                drop(endpoint);
+                result
+            })
+            .map_err(|e| ActorError::System(e.to_string()))?;
+        Ok(TrainingRun::new(rx, cancel, thread))
+    }
+}
+
+async fn drive(
+    job: ClusterJob,
+    ep: &NodeEndpoint,
+    mut inbox: ControlInbox,
+    events: mpsc::Sender<RunEvent>,
+    cancel: Arc<AtomicBool>,
+) -> Result<RunReport, ActorError> {
+    let cluster = &job.cluster;
+    let book = job.set.book().clone();
+    let placement = cluster.placement(book.parts)?;
+    let workers = cluster.workers();
+    let run = uuid::Uuid::new_v4();
+
+    // 1. Every other node joins and says where it listens.
+    let mut addrs = BTreeMap::new();
+    addrs.insert(ep.id, ep.addr().to_string());
+    let join = Duration::from_millis(cluster.join_timeout_ms);
+    let joined_by = Instant::now() + join;
+    while addrs.len() < workers.len() + 1 {
+        let left = joined_by.saturating_duration_since(Instant::now());
+        match inbox.next(None, left).await {
+            Ok((from, ControlMsg::Join { addr })) if workers.contains(&from) => {
+                addrs.insert(from, addr);
+            }
+            Ok((from, other)) => tracing::warn!(peer = from, "ignored {other:?} while joining"),
+            Err(e) => {
+                let missing: Vec<u32> = workers
+                    .iter()
+                    .copied()
+                    .filter(|n| !addrs.contains_key(n))
+                    .collect();
+                return Err(ActorError::Cluster(format!(
+                    "nodes {missing:?} did not join within {} ms ({e})",
+                    join.as_millis()
+                )));
+            }
+        }
+    }
+
+    // 2. Setup: each node loads (or fetches) its partitions and starts their actors.
+    let setup = Setup {
+        run: *run.as_bytes(),
+        config_json: serde_json::to_string(&job.cfg).expect("a config serialises"),
+        book_json: serde_json::to_string(&book).expect("a book serialises"),
+        placement: placement.clone(),
+        peers: addrs.iter().map(|(n, a)| (*n, a.clone())).collect(),
+        deadline_ms: cluster.step_deadline_ms,
+        chaos: job.chaos.clone(),
+    };
+    for &w in &workers {
+        let addr = addrs[&w]
+            .parse()
+            .map_err(|e| ActorError::Node { node: w, detail: format!("bad address: {e}") })?;
+        ep.transport.add_peer(w, addr);
+        ep.send(w, &ControlMsg::Setup(setup.clone()))?;
+    }
+    let mine: Vec<u32> = (0..book.parts as u32)
+        .filter(|&p| placement[p as usize] == ep.id)
+        .collect();
+    let faults = Arc::new(crate::topology::FaultPlan::parse(&job.chaos)?);
+    let local = host_partitions(
+        &job.set,
+        &mine,
+        &placement,
+        ep.id,
+        &job.cfg,
+        run,
+        ep.transport.clone(),
+        faults,
+    )?;
+    let mut ready = BTreeSet::new();
+    let setup_by = Instant::now() + join.max(Duration::from_secs(120));
+    while ready.len() < workers.len() {
+        let left = setup_by.saturating_duration_since(Instant::now());
+        let step = inbox.next(None, left).await;
+        let failed = match step {
+            Ok((from, ControlMsg::Ready { .. })) => {
+                ready.insert(from);
+                None
+            }
+            Ok((from, ControlMsg::FetchPart { part })) => {
+                match book.partitions.get(part as usize) {
+                    Some(info) if placement[part as usize] == from => serve_part(
+                        ep.transport.clone(),
+                        from,
+                        job.set.dir().to_path_buf(),
+                        info.clone(),
+                    ),
+                    _ => tracing::warn!(peer = from, "node {from} asked for partition {part}"),
+                }
+                None
+            }
+            Ok((from, ControlMsg::SetupFailed { error })) => Some(ActorError::Node {
+                node: from,
+                detail: format!("setup failed: {error}"),
+            }),
+            Ok((from, other)) => {
+                tracing::warn!(peer = from, "ignored {other:?} during setup");
+                None
+            }
+            Err(e) => Some(e),
+        };
+        if let Some(e) = failed {
+            abort(ep, &workers, &e).await;
+            local.shutdown();
+            return Err(e);
+        }
+    }
+
+    // 3. Train: replies and failures are dispatched to the waiting requests.
+    let client = ControlClient::new(ep.transport.clone());
+    let (bye_tx, mut byes) = tmpsc::unbounded_channel();
+    let dispatcher = actix::spawn(dispatch(inbox, client.clone(), bye_tx));
+    let mut handles = local_handles(&local);
+    for (p, &node) in placement.iter().enumerate() {
+        if node != ep.id {
+            handles.push(PartHandle::Remote(RemotePart::new(
+                client.clone(),
+                node,
+                p as u32,
+            )));
+        }
+    }
+    handles.sort_by_key(|h| h.part());
+    let deadline = Duration::from_millis(cluster.step_deadline_ms);
+    let transport = ep.transport.clone();
+    let mut coord = Coordinator::new(run, handles, &job.cfg, deadline, cancel)
+        .with_epoch_hook(move |e| transport.set_epoch(run, e));
+    let totals = (book.train_nodes, book.val_nodes, book.test_nodes);
+    let outcome = coord.run_epochs(job.cfg.epochs, totals, &events).await;
+
+    // 4. End the run everywhere and collect each node's traffic.
+    let mut nodes = Vec::new();
+    match &outcome {
+        Ok(_) => {
+            for &w in &workers {
+                let _ = ep.send(w, &ControlMsg::Finish);
+            }
+            let by = tokio::time::Instant::now() + Duration::from_secs(10);
+            while nodes.len() < workers.len() {
+                match tokio::time::timeout_at(by, byes.recv()).await {
+                    Ok(Some((node, sent, received))) => nodes.push(NodeTraffic {
+                        node,
+                        addr: addrs.get(&node).cloned().unwrap_or_default(),
+                        partitions: parts_of(&placement, node),
+                        bytes_sent: sent,
+                        bytes_received: received,
+                    }),
+                    _ => break,
+                }
+            }
+        }
+        Err(e) => abort(ep, &workers, e).await,
+    }
+    local.shutdown();
+    dispatcher.abort();
+    ep.transport.end_run(run);
+    let stats = ep.transport.stats();
+    nodes.push(NodeTraffic {
+        node: ep.id,
+        addr: ep.addr().to_string(),
+        partitions: mine,
+        bytes_sent: stats.bytes_sent,
+        bytes_received: stats.bytes_received,
+    });
+    nodes.sort_by_key(|n| n.node);
+    ep.flush(Duration::from_secs(2)).await;
+    let done = outcome?;
+    let mut report = build_report(
+        &job.cfg,
+        &book.dataset,
+        &book.data_digest,
+        book.parts,
+        book.edge_cut as u64,
+        trellis_gpu::ThreadBudget::global(job.cfg.threads)?.threads(),
+        &done.best,
+        done.logs,
+        done.digest,
+    );
+    report.recoveries = serde_json::to_value(&coord.recoveries).unwrap_or_default();
+    report.nodes = nodes;
+    Ok(report)
+}
+
+fn parts_of(placement: &[u32], node: u32) -> Vec<u32> {
+    (0..placement.len() as u32)
+        .filter(|&p| placement[p as usize] == node)
+        .collect()
+}
+
+/// Tells every node the run failed (best effort, bounded).
+async fn abort(ep: &NodeEndpoint, workers: &[u32], e: &ActorError) {
+    for &w in workers {
+        let _ = ep.send(
+            w,
+            &ControlMsg::Abort {
+                reason: e.to_string(),
+            },
+        );
+    }
+    ep.flush(Duration::from_secs(1)).await;
+}
+
+/// Routes what arrives during training: replies to their requests, node failures to the
+/// requests waiting on those nodes, `Bye`s to the end of the run.
+async fn dispatch(
+    mut inbox: ControlInbox,
+    client: Arc<ControlClient>,
+    byes: tmpsc::UnboundedSender<(u32, u64, u64)>,
+) {
+    loop {
+        match inbox.next(None, Duration::from_secs(3600)).await {
+            Ok((from, ControlMsg::Reply { id, body })) => client.on_reply(from, id, body),
+            Ok((
+                from,
+                ControlMsg::Bye {
+                    bytes_sent,
+                    bytes_received,
+                },
+            )) => {
+                let _ = byes.send((from, bytes_sent, bytes_received));
+            }
+            Ok((from, other)) => tracing::warn!(peer = from, "ignored {other:?}"),
+            Err(ActorError::Node { node, detail }) if node != u32::MAX => {
+                client.fail_node(node, detail)
+            }
+            Err(ActorError::Node { .. }) => {}
+            Err(e) => {
+                tracing::warn!("control dispatch ends: {e}");
+                return;
+            }
+        }
+    }
+}

@@ -1,0 +1,24 @@
+//! Multi-process clusters: nodes (one process each, one per machine in production) connected
+//! by the QUIC transport. The coordinator node drives the same epoch protocol as a
+//! single-process topology; partitions on other nodes are reached through control messages
+//! ([`proto`]), and halo blocks go straight from node to node.
+//!
+//! * [`config`]: the cluster file (nodes, placement, certificates, timeouts).
+//! * [`proto`]: the control messages (rkyv, validated), free of I/O.
+//! * [`node`]: a node's QUIC endpoint and its hosted partitions.
+//! * [`worker`]: a node that serves the coordinator.
+//! * [`coord`]: the coordinator node.
+//! * [`remote`]: the coordinator's handles on remote partitions.
+//! * [`files`]: shipping partition files to nodes that lack them.
+pub mod config;
+pub mod coord;
+pub mod files;
+pub mod node;
+pub mod proto;
+pub mod remote;
+pub mod worker;
+
+pub use config::ClusterFile;
+pub use coord::ClusterJob;
+pub use remote::RemotePart;
+pub use worker::run_worker;

@@ -1,0 +1,190 @@
+//! What every node process has: a QUIC endpoint on its own tokio runtime, the control-message
+//! receiver, and the partitions it hosts (loaded from files, started under a node supervisor).
+use super::config::ClusterFile;
+use super::proto::ControlMsg;
+use crate::replica::ReplicaStore;
+use crate::state::{GlobalCounts, PartitionState};
+use crate::supervisor::NodeSupervisor;
+use crate::topology::FaultPlan;
+use crate::ActorError;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::broadcast;
+use trellis_gpu::{Device, Stream, ThreadBudget};
+use trellis_runtime::partition::PartitionSet;
+use trellis_runtime::TrainConfig;
+use trellis_transport::certs::NodeIdentity;
+use trellis_transport::quic::{ControlRx, QuicError, QuicTransport};
+use trellis_transport::{RunId, Transport};
+
+/// A node's endpoint. Dropping it closes the connections and stops the QUIC runtime.
+pub struct NodeEndpoint {
+    pub id: u32,
+    pub transport: Arc<QuicTransport>,
+    rt: Option<tokio::runtime::Runtime>,
+}
+
+/// What arrives at a node: control messages and peer failures.
+pub struct ControlInbox {
+    control: ControlRx,
+    failures: broadcast::Receiver<QuicError>,
+}
+
+impl NodeEndpoint {
+    /// Binds node `id` of `cluster` with its certificate; writes the bound address to
+    /// `addr_file` (write-then-rename) when given.
+    pub fn bind(
+        cluster: &ClusterFile,
+        id: u32,
+        addr_file: Option<&Path>,
+    ) -> Result<(Self, ControlInbox), ActorError> {
+        let identity = NodeIdentity::load(&cluster.certs, id)
+            .map_err(|e| ActorError::Cluster(format!("node {id}: {e}")))?;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("trellis-quic")
+            .enable_all()
+            .build()
+            .map_err(|e| ActorError::System(e.to_string()))?;
+        let cfg = cluster.quic(id)?;
+        let bind = cfg.bind;
+        let (transport, control) = {
+            let _guard = rt.enter();
+            QuicTransport::bind(cfg, &identity)
+                .map_err(|e| ActorError::Cluster(format!("node {id} cannot listen on {bind}: {e}")))?
+        };
+        let failures = transport.failures();
+        if let Some(path) = addr_file {
+            let tmp = path.with_extension("tmp");
+            std::fs::write(&tmp, transport.local_addr().to_string())
+                .and_then(|_| std::fs::rename(&tmp, path))
+                .map_err(|e| ActorError::Cluster(format!("{}: {e}", path.display())))?;
+        }
+        let endpoint = NodeEndpoint {
+            id,
+            transport: Arc::new(transport),
+            rt: Some(rt),
+        };
+        Ok((endpoint, ControlInbox { control, failures }))
+    }
+
+    /// Where this node listens.
+    pub fn addr(&self) -> SocketAddr {
+        self.transport.local_addr()
+    }
+
+    /// Queues a control message for `node`.
+    pub fn send(&self, node: u32, msg: &ControlMsg) -> Result<(), ActorError> {
+        self.transport
+            .send_control(node, msg.encode())
+            .map_err(|e| ActorError::Node {
+                node,
+                detail: e.to_string(),
+            })
+    }
+
+    /// Waits (at most `within`) until everything queued is acknowledged.
+    pub async fn flush(&self, within: Duration) {
+        if let Err(e) = self.transport.flush(within).await {
+            tracing::warn!("flush: {e}");
+        }
+    }
+}
+
+impl ControlInbox {
+    /// The next control message, or an error when `watch` fails (a failure of another peer
+    /// is logged and skipped) or nothing arrives within `within`. Undecodable messages are
+    /// logged and skipped: a bad peer cannot stop the node.
+    pub async fn next(
+        &mut self,
+        watch: Option<u32>,
+        within: Duration,
+    ) -> Result<(u32, ControlMsg), ActorError> {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            tokio::select! {
+                m = self.control.recv() => match m {
+                    Some((from, bytes)) => match ControlMsg::decode(&bytes) {
+                        Ok(msg) => return Ok((from, msg)),
+                        Err(e) => tracing::warn!(peer = from, "node {from}: {e}; dropped"),
+                    },
+                    None => return Err(ActorError::System("the control channel closed".into())),
+                },
+                f = self.failures.recv() => match f {
+                    Ok(e) => match e.node() {
+                        Some(n) if Some(n) == watch || watch.is_none() => {
+                            return Err(ActorError::Node { node: n, detail: e.to_string() })
+                        }
+                        _ => tracing::warn!("{e}"),
+                    },
+                    Err(broadcast::error::RecvError::Lagged(_)) => {}
+                    Err(broadcast::error::RecvError::Closed) => {
+                        return Err(ActorError::System("the QUIC node closed".into()))
+                    }
+                },
+                _ = tokio::time::sleep_until(deadline) => {
+                    let who = watch.map_or("any node".to_string(), |n| format!("node {n}"));
+                    return Err(ActorError::Node {
+                        node: watch.unwrap_or(u32::MAX),
+                        detail: format!("no message from {who} within {} ms", within.as_millis()),
+                    });
+                }
+            }
+        }
+    }
+}
+
+impl Drop for NodeEndpoint {
+    /// Must run outside any async runtime (it blocks on closing the connections).
+    fn drop(&mut self) {
+        if let Some(rt) = self.rt.take() {
+            let t = self.transport.clone();
+            rt.block_on(async move { t.close().await });
+            rt.shutdown_timeout(Duration::from_secs(1));
+        }
+    }
+}
+
+/// Loads partitions `parts` of `set` and starts their actors (inside an actix system), wired
+/// to `transport`; partitions elsewhere are routed through it by `placement`.
+#[allow(clippy::too_many_arguments)]
+pub fn host_partitions(
+    set: &PartitionSet,
+    parts: &[u32],
+    placement: &[u32],
+    me: u32,
+    cfg: &TrainConfig,
+    run: RunId,
+    transport: Arc<QuicTransport>,
+    faults: Arc<FaultPlan>,
+) -> Result<NodeSupervisor, ActorError> {
+    let book = set.book();
+    let counts = GlobalCounts {
+        train: book.train_nodes,
+        val: book.val_nodes,
+        test: book.test_nodes,
+    };
+    let budget = ThreadBudget::global(cfg.threads)?;
+    let mut states = Vec::with_capacity(parts.len());
+    for &p in parts {
+        let file = set.open_part(p as usize)?;
+        let stream = Stream::new(Device::Cpu, budget.clone())?;
+        states.push(PartitionState::new(&file, cfg, counts, stream)?);
+    }
+    for (p, &node) in placement.iter().enumerate() {
+        if node != me {
+            transport.route(trellis_transport::PartId(p as u32), node);
+        }
+    }
+    transport.set_epoch(run, 0);
+    let replicas = Arc::new(ReplicaStore::new());
+    Ok(NodeSupervisor::start(
+        states,
+        run,
+        transport as Arc<dyn Transport>,
+        replicas,
+        faults,
+    ))
+}

@@ -1,0 +1,327 @@
+//! The cluster's control protocol: the messages between the coordinator node and the other
+//! nodes, as rkyv archives carried in the transport's `Control` frames. Free of I/O: encode,
+//! decode (validated with bytecheck before use) and the conversions from and to the actor
+//! messages are all here and unit-tested without sockets.
+use crate::messages::{Outcome, StepReply};
+use crate::ActorError;
+use rkyv::{Archive, Deserialize, Serialize};
+use std::sync::Arc;
+use trellis_transport::Phase;
+
+/// One control message.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub enum ControlMsg {
+    /// Node -> coordinator, first message: this node is up and listens on `addr`.
+    Join { addr: String },
+    /// Coordinator -> node: host these partitions of this run.
+    Setup(Setup),
+    /// Node -> coordinator: the partitions of the setup are loaded and their actors started.
+    Ready { parts: Vec<u32> },
+    /// Node -> coordinator: the setup failed (the node exits).
+    SetupFailed { error: String },
+    /// Node -> coordinator: send me partition file `part` (I lack it or mine does not match).
+    FetchPart { part: u32 },
+    /// Coordinator -> node: bytes `offset..offset+data.len()` of partition file `part`.
+    PartChunk {
+        part: u32,
+        offset: u64,
+        total: u64,
+        data: Vec<u8>,
+    },
+    /// Coordinator -> node: a request for one hosted partition.
+    Request { id: u64, part: u32, req: Request },
+    /// Node -> coordinator: the answer to request `id`.
+    Reply { id: u64, body: ReplyBody },
+    /// Coordinator -> node: the run ended; stop the actors, answer `Bye` and exit.
+    Finish,
+    /// Node -> coordinator: last words, with this node's traffic.
+    Bye {
+        bytes_sent: u64,
+        bytes_received: u64,
+    },
+    /// Coordinator -> node: the run failed; stop and exit with this reason.
+    Abort { reason: String },
+}
+
+/// What a node needs to host its partitions.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct Setup {
+    pub run: [u8; 16],
+    /// The `TrainConfig`, as JSON.
+    pub config_json: String,
+    /// The partition book (manifest), as JSON: file names, sizes and digests.
+    pub book_json: String,
+    /// `placement[p]`: the node hosting partition `p`.
+    pub placement: Vec<u32>,
+    /// Every node's address: (node, "ip:port").
+    pub peers: Vec<(u32, String)>,
+    /// Deadline of one step, ms.
+    pub deadline_ms: u64,
+    /// Fault plan for this node (`--chaos` panics of its partitions), as the spec string.
+    pub chaos: String,
+}
+
+/// A request for one partition.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub enum Request {
+    Step { epoch: u32, layer: u16, phase: u8 },
+    Apply { epoch: u32, grads: Vec<f32> },
+    Reset { epoch: u32 },
+}
+
+/// The answer to a [`Request`].
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub enum ReplyBody {
+    Step {
+        compute_ms: f64,
+        halo_bytes: u64,
+        outcome: WireOutcome,
+    },
+    Applied { digest: String },
+    Reset,
+    /// The partition panicked (its node's supervisor restarts it).
+    Panicked { message: String },
+    /// Any other failure, as text.
+    Failed { message: String },
+}
+
+/// [`Outcome`] on the wire.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub enum WireOutcome {
+    LayerDone,
+    Loss {
+        loss_sum: f64,
+        count: u64,
+        correct: u64,
+    },
+    Grads(Vec<f32>),
+    Eval { train: u64, val: u64, test: u64 },
+}
+
+/// Why control bytes could not be decoded.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("bad control message: {0}")]
+pub struct DecodeError(pub String);
+
+impl ControlMsg {
+    /// The archived bytes.
+    pub fn encode(&self) -> Vec<u8> {
+        rkyv::to_bytes::<rkyv::rancor::Error>(self)
+            .map(|b| b.into_vec())
+            .expect("serialising plain data into a growable buffer cannot fail")
+    }
+
+    /// Validates and decodes archived bytes (any byte string: never panics).
+    pub fn decode(bytes: &[u8]) -> Result<Self, DecodeError> {
+        // rkyv needs its input aligned; received buffers carry no such guarantee.
+        let mut aligned = rkyv::util::AlignedVec::<16>::with_capacity(bytes.len());
+        aligned.extend_from_slice(bytes);
+        rkyv::from_bytes::<ControlMsg, rkyv::rancor::Error>(&aligned)
+            .map_err(|e| DecodeError(e.to_string()))
+    }
+}
+
+pub fn phase_code(p: Phase) -> u8 {
+    match p {
+        Phase::Forward => 0,
+        Phase::Backward => 1,
+        Phase::Eval => 2,
+    }
+}
+
+pub fn phase_from(code: u8) -> Option<Phase> {
+    match code {
+        0 => Some(Phase::Forward),
+        1 => Some(Phase::Backward),
+        2 => Some(Phase::Eval),
+        _ => None,
+    }
+}
+
+impl From<&Outcome> for WireOutcome {
+    fn from(o: &Outcome) -> Self {
+        match o {
+            Outcome::LayerDone => WireOutcome::LayerDone,
+            Outcome::Loss {
+                loss_sum,
+                count,
+                correct,
+            } => WireOutcome::Loss {
+                loss_sum: *loss_sum,
+                count: *count as u64,
+                correct: *correct as u64,
+            },
+            Outcome::Grads(g) => WireOutcome::Grads(g.to_vec()),
+            Outcome::Eval { train, val, test } => WireOutcome::Eval {
+                train: *train as u64,
+                val: *val as u64,
+                test: *test as u64,
+            },
+        }
+    }
+}
+
+impl From<WireOutcome> for Outcome {
+    fn from(o: WireOutcome) -> Self {
+        match o {
+            WireOutcome::LayerDone => Outcome::LayerDone,
+            WireOutcome::Loss {
+                loss_sum,
+                count,
+                correct,
+            } => Outcome::Loss {
+                loss_sum,
+                count: count as usize,
+                correct: correct as usize,
+            },
+            WireOutcome::Grads(g) => Outcome::Grads(Arc::from(g)),
+            WireOutcome::Eval { train, val, test } => Outcome::Eval {
+                train: train as usize,
+                val: val as usize,
+                test: test as usize,
+            },
+        }
+    }
+}
+
+impl ReplyBody {
+    /// The reply carrying `r`'s result.
+    pub fn of_step(r: Result<StepReply, ActorError>) -> Self {
+        match r {
+            Ok(s) => ReplyBody::Step {
+                compute_ms: s.compute_ms,
+                halo_bytes: s.halo_bytes,
+                outcome: WireOutcome::from(&s.outcome),
+            },
+            Err(e) => Self::of_error(e),
+        }
+    }
+
+    /// The reply reporting `e`.
+    pub fn of_error(e: ActorError) -> Self {
+        match e {
+            ActorError::Panicked { message, .. } => ReplyBody::Panicked { message },
+            other => ReplyBody::Failed {
+                message: other.to_string(),
+            },
+        }
+    }
+
+    /// The error this reply reports for partition `part` on `node`, if it reports one.
+    pub fn error(&self, node: u32, part: u32) -> Option<ActorError> {
+        match self {
+            ReplyBody::Panicked { message } => Some(ActorError::Panicked {
+                part,
+                message: message.clone(),
+            }),
+            ReplyBody::Failed { message } => Some(ActorError::Remote {
+                node,
+                part,
+                message: message.clone(),
+            }),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_message_round_trips() {
+        let msgs = vec![
+            ControlMsg::Join {
+                addr: "127.0.0.1:4000".into(),
+            },
+            ControlMsg::Setup(Setup {
+                run: [7; 16],
+                config_json: "{}".into(),
+                book_json: "{\"parts\":2}".into(),
+                placement: vec![0, 1, 1],
+                peers: vec![(0, "127.0.0.1:1".into()), (1, "[::1]:2".into())],
+                deadline_ms: 5000,
+                chaos: String::new(),
+            }),
+            ControlMsg::Request {
+                id: 9,
+                part: 2,
+                req: Request::Apply {
+                    epoch: 3,
+                    grads: vec![1.0, -0.5, f32::MIN_POSITIVE],
+                },
+            },
+            ControlMsg::Reply {
+                id: 9,
+                body: ReplyBody::Step {
+                    compute_ms: 1.5,
+                    halo_bytes: 42,
+                    outcome: WireOutcome::Loss {
+                        loss_sum: 0.25,
+                        count: 3,
+                        correct: 1,
+                    },
+                },
+            },
+            ControlMsg::PartChunk {
+                part: 1,
+                offset: 8,
+                total: 11,
+                data: vec![1, 2, 3],
+            },
+            ControlMsg::Finish,
+            ControlMsg::Bye {
+                bytes_sent: 1,
+                bytes_received: 2,
+            },
+        ];
+        for m in msgs {
+            assert_eq!(ControlMsg::decode(&m.encode()).unwrap(), m);
+        }
+    }
+
+    #[test]
+    fn garbage_and_truncation_are_errors_not_panics() {
+        let good = ControlMsg::Request {
+            id: 1,
+            part: 0,
+            req: Request::Step {
+                epoch: 1,
+                layer: 0,
+                phase: 0,
+            },
+        }
+        .encode();
+        for cut in 0..good.len() {
+            let _ = ControlMsg::decode(&good[..cut]);
+        }
+        let mut state = 0x9e37_79b9_u32;
+        for len in [0usize, 1, 7, 64, 300] {
+            let bytes: Vec<u8> = (0..len)
+                .map(|_| {
+                    state ^= state << 13;
+                    state ^= state >> 17;
+                    state ^= state << 5;
+                    state as u8
+                })
+                .collect();
+            let _ = ControlMsg::decode(&bytes);
+        }
+        assert!(ControlMsg::decode(&good[..good.len() / 2]).is_err());
+    }
+
+    #[test]
+    fn remote_panics_stay_panics() {
+        let body = ReplyBody::of_error(ActorError::Panicked {
+            part: 3,
+            message: "boom".into(),
+        });
+        assert!(matches!(
+            body.error(1, 3),
+            Some(ActorError::Panicked { part: 3, .. })
+        ));
+        let body = ReplyBody::of_error(ActorError::Cancelled);
+        let e = body.error(2, 5).unwrap().to_string();
+        assert!(e.contains("node 2") && e.contains("partition 5"), "{e}");
+    }
+}

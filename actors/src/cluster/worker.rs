@@ -1,0 +1,308 @@
+//! A node that is not the coordinator: joins the coordinator, receives its setup (fetching
+//! partition files it lacks), hosts its partition actors, and serves the coordinator's
+//! requests until `Finish` (or `Abort`, or the coordinator's loss).
+use super::config::ClusterFile;
+use super::files::PartDownload;
+use super::node::{host_partitions, ControlInbox, NodeEndpoint};
+use super::proto::{phase_from, ControlMsg, ReplyBody, Request, Setup};
+use crate::messages::{ApplyStep, ResetEpoch, Step};
+use crate::partition::PartitionActor;
+use crate::supervisor::NodeSupervisor;
+use crate::topology::FaultPlan;
+use crate::ActorError;
+use actix::Addr;
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+use trellis_runtime::partition::{PartitionBook, PartitionSet};
+use trellis_runtime::{NodeTraffic, TrainConfig};
+use trellis_transport::RunId;
+
+/// Runs node `id` of `cluster` until the coordinator ends the run. Returns this node's
+/// traffic; errors name the node or file at fault.
+pub fn run_worker(
+    cluster: &ClusterFile,
+    id: u32,
+    addr_file: Option<&Path>,
+    threads: Option<usize>,
+) -> Result<NodeTraffic, ActorError> {
+    let coord = cluster.coordinator;
+    if id == coord {
+        return Err(ActorError::Cluster(format!(
+            "node {id} is the coordinator; start it with training options"
+        )));
+    }
+    let (endpoint, inbox) = NodeEndpoint::bind(cluster, id, addr_file)?;
+    endpoint
+        .transport
+        .add_peer(coord, cluster.node(coord)?.addr);
+    let sys = actix::System::new();
+    let result = sys.block_on(serve(cluster, &endpoint, inbox, threads));
+    drop(sys);
+    drop(endpoint);
+    result
+}
+
+async fn serve(
+    cluster: &ClusterFile,
+    ep: &NodeEndpoint,
+    mut inbox: ControlInbox,
+    threads: Option<usize>,
+) -> Result<NodeTraffic, ActorError> {
+    let coord = cluster.coordinator;
+    let join = Duration::from_millis(cluster.join_timeout_ms);
+    ep.send(
+        coord,
+        &ControlMsg::Join {
+            addr: ep.addr().to_string(),
+        },
+    )?;
+    let setup = loop {
+        match inbox.next(Some(coord), join).await? {
+            (from, ControlMsg::Setup(s)) if from == coord => break s,
+            (_, ControlMsg::Abort { reason }) => return Err(aborted(coord, reason)),
+            (from, other) => tracing::warn!(peer = from, "ignored {other:?} before setup"),
+        }
+    };
+    let (node, run, parts) = match setup_node(cluster, ep, &mut inbox, &setup, threads).await {
+        Ok(v) => v,
+        Err(e) => {
+            let _ = ep.send(
+                coord,
+                &ControlMsg::SetupFailed {
+                    error: e.to_string(),
+                },
+            );
+            ep.flush(Duration::from_secs(2)).await;
+            return Err(e);
+        }
+    };
+    ep.send(coord, &ControlMsg::Ready { parts: parts.clone() })?;
+    let addrs: HashMap<u32, Addr<PartitionActor>> = node
+        .parts()
+        .iter()
+        .map(|p| p.0)
+        .zip(node.addrs().iter().cloned())
+        .collect();
+    // A step takes at most the deadline; allow two before calling the coordinator silent.
+    let quiet = Duration::from_millis(setup.deadline_ms.saturating_mul(2).max(10_000));
+    let mut epoch = 0u32;
+    let outcome = loop {
+        match inbox.next(Some(coord), quiet).await {
+            Ok((from, ControlMsg::Request { id, part, req })) if from == coord => {
+                if let Request::Step { epoch: e, .. } = req {
+                    if e > epoch {
+                        epoch = e;
+                        ep.transport.set_epoch(run, e);
+                    }
+                }
+                match addrs.get(&part) {
+                    Some(addr) => answer(ep, coord, id, run, addr.clone(), req),
+                    None => ep.send(
+                        coord,
+                        &ControlMsg::Reply {
+                            id,
+                            body: ReplyBody::Failed {
+                                message: format!("partition {part} is not hosted on node {}", ep.id),
+                            },
+                        },
+                    )?,
+                }
+            }
+            Ok((_, ControlMsg::Finish)) => break Ok(()),
+            Ok((_, ControlMsg::Abort { reason })) => break Err(aborted(coord, reason)),
+            Ok((from, other)) => tracing::warn!(peer = from, "ignored {other:?}"),
+            Err(e) => break Err(e),
+        }
+    };
+    node.shutdown();
+    ep.transport.end_run(run);
+    let stats = ep.transport.stats();
+    let traffic = NodeTraffic {
+        node: ep.id,
+        addr: ep.addr().to_string(),
+        partitions: parts,
+        bytes_sent: stats.bytes_sent,
+        bytes_received: stats.bytes_received,
+    };
+    if outcome.is_ok() {
+        ep.send(
+            coord,
+            &ControlMsg::Bye {
+                bytes_sent: traffic.bytes_sent,
+                bytes_received: traffic.bytes_received,
+            },
+        )?;
+        ep.flush(Duration::from_secs(5)).await;
+    }
+    outcome.map(|_| traffic)
+}
+
+fn aborted(coord: u32, reason: String) -> ActorError {
+    ActorError::Node {
+        node: coord,
+        detail: format!("the coordinator aborted the run: {reason}"),
+    }
+}
+
+/// Forwards one request to a local actor and sends the answer back when it comes.
+fn answer(
+    ep: &NodeEndpoint,
+    coord: u32,
+    id: u64,
+    run: RunId,
+    addr: Addr<PartitionActor>,
+    req: Request,
+) {
+    let transport = ep.transport.clone();
+    actix::spawn(async move {
+        let mailbox = |e: actix::MailboxError| ReplyBody::Failed {
+            message: format!("partition mailbox: {e}"),
+        };
+        let body = match req {
+            Request::Step {
+                epoch,
+                layer,
+                phase,
+            } => match phase_from(phase) {
+                Some(phase) => {
+                    let step = Step {
+                        run,
+                        epoch,
+                        layer,
+                        phase,
+                    };
+                    match addr.send(step).await {
+                        Ok(r) => ReplyBody::of_step(r),
+                        Err(e) => mailbox(e),
+                    }
+                }
+                None => ReplyBody::Failed {
+                    message: format!("unknown phase code {phase}"),
+                },
+            },
+            Request::Apply { epoch, grads } => {
+                let msg = ApplyStep {
+                    run,
+                    epoch,
+                    grads: Arc::from(grads),
+                };
+                match addr.send(msg).await {
+                    Ok(Ok(digest)) => ReplyBody::Applied { digest },
+                    Ok(Err(e)) => ReplyBody::of_error(e),
+                    Err(e) => mailbox(e),
+                }
+            }
+            Request::Reset { epoch } => match addr.send(ResetEpoch { epoch }).await {
+                Ok(()) => ReplyBody::Reset,
+                Err(e) => mailbox(e),
+            },
+        };
+        let msg = ControlMsg::Reply { id, body }.encode();
+        if let Err(e) = transport.send_control(coord, msg) {
+            tracing::warn!("cannot answer the coordinator: {e}");
+        }
+    });
+}
+
+/// Makes sure this node's partition files are present and match the book (fetching those
+/// that are not), then starts their actors.
+async fn setup_node(
+    cluster: &ClusterFile,
+    ep: &NodeEndpoint,
+    inbox: &mut ControlInbox,
+    setup: &Setup,
+    threads: Option<usize>,
+) -> Result<(NodeSupervisor, RunId, Vec<u32>), ActorError> {
+    let coord = cluster.coordinator;
+    let mut cfg: TrainConfig = serde_json::from_str(&setup.config_json)
+        .map_err(|e| ActorError::Cluster(format!("setup: bad training config: {e}")))?;
+    if let Some(t) = threads {
+        cfg.threads = t;
+    }
+    let book: PartitionBook = serde_json::from_str(&setup.book_json)
+        .map_err(|e| ActorError::Cluster(format!("setup: bad partition book: {e}")))?;
+    if setup.placement.len() != book.parts {
+        return Err(ActorError::Cluster(format!(
+            "setup: placement of {} partitions for a book of {}",
+            setup.placement.len(),
+            book.parts
+        )));
+    }
+    for (n, addr) in &setup.peers {
+        let addr = addr
+            .parse()
+            .map_err(|e| ActorError::Cluster(format!("setup: node {n} address {addr}: {e}")))?;
+        if *n != ep.id {
+            ep.transport.add_peer(*n, addr);
+        }
+    }
+    let mine: Vec<u32> = (0..book.parts as u32)
+        .filter(|&p| setup.placement[p as usize] == ep.id)
+        .collect();
+    let dir = cluster.partitions_of(ep.id);
+    let set = ensure_files(&dir, &book, &mine, ep, inbox, coord).await?;
+    let run = uuid::Uuid::from_bytes(setup.run);
+    let faults = Arc::new(FaultPlan::parse(&setup.chaos)?);
+    let node = host_partitions(
+        &set,
+        &mine,
+        &setup.placement,
+        ep.id,
+        &cfg,
+        run,
+        ep.transport.clone(),
+        faults,
+    )?;
+    Ok((node, run, mine))
+}
+
+/// Opens `dir` as the partition set of `book`, fetching from the coordinator every file of
+/// `parts` that is missing or does not match the book.
+async fn ensure_files(
+    dir: &PathBuf,
+    book: &PartitionBook,
+    parts: &[u32],
+    ep: &NodeEndpoint,
+    inbox: &mut ControlInbox,
+    coord: u32,
+) -> Result<PartitionSet, ActorError> {
+    let same_book = PartitionBook::read(dir).is_ok_and(|b| b == *book);
+    if !same_book {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| ActorError::Cluster(format!("{}: {e}", dir.display())))?;
+        book.write(dir)?;
+    }
+    let set = PartitionSet::open(dir)?;
+    let mut downloads = BTreeMap::new();
+    for &p in parts {
+        if let Err(e) = set.open_part(p as usize) {
+            tracing::info!("partition {p}: {e}; fetching it from node {coord}");
+            downloads.insert(p, PartDownload::start(dir, &book.partitions[p as usize])?);
+            ep.send(coord, &ControlMsg::FetchPart { part: p })?;
+        }
+    }
+    let within = Duration::from_secs(120);
+    while !downloads.is_empty() {
+        match inbox.next(Some(coord), within).await? {
+            (_, ControlMsg::PartChunk {
+                part,
+                offset,
+                total,
+                data,
+            }) => {
+                let d = downloads.get_mut(&part).ok_or_else(|| {
+                    ActorError::Cluster(format!("received partition {part}, which was not asked for"))
+                })?;
+                if d.chunk(offset, total, &data)? {
+                    downloads.remove(&part);
+                }
+            }
+            (_, ControlMsg::Abort { reason }) => return Err(aborted(coord, reason)),
+            (from, other) => tracing::warn!(peer = from, "ignored {other:?} during setup"),
+        }
+    }
+    // Re-open so every file is checked against the book (size and digest) before use.
+    Ok(PartitionSet::open(dir)?)
+}

@@ -1,0 +1,224 @@
+//! `trellis launch --nodes K ...`: a local cluster in one command. Creates a fresh cluster CA
+//! and node certificates, writes a cluster file on loopback with ephemeral ports, starts K
+//! `trellis node` processes (the coordinator first, the others once it listens), and waits
+//! for them. Every child dies with the launcher (PR_SET_PDEATHSIG) and is killed and reaped
+//! when any node fails or on Ctrl-C.
+use super::train::TrainArgs;
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use trellis_transport::certs::ClusterCa;
+
+#[derive(Debug, Clone, Args)]
+pub struct LaunchArgs {
+    /// Number of node processes (node 0 coordinates).
+    #[arg(long, default_value_t = 3)]
+    pub nodes: u32,
+    /// Keep the cluster's files (certificates, cluster file, partitions) in this folder
+    /// instead of a temporary one.
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
+    /// QUIC keep-alive (heartbeat) interval, ms.
+    #[arg(long, default_value_t = 500)]
+    pub heartbeat_ms: u64,
+    /// A peer silent this long is dead, ms.
+    #[arg(long, default_value_t = 3000)]
+    pub idle_timeout_ms: u64,
+    /// Training options, passed to the coordinator node.
+    #[command(flatten)]
+    pub train: TrainArgs,
+}
+
+/// Options of `launch` itself, which are not passed on to the coordinator.
+const OWN_OPTIONS: [&str; 4] = ["--nodes", "--dir", "--heartbeat-ms", "--idle-timeout-ms"];
+
+pub fn run(a: LaunchArgs) -> Result<()> {
+    if a.nodes == 0 {
+        bail!("--nodes must be at least 1");
+    }
+    let (dir, _tmp) = match &a.dir {
+        Some(d) => (d.clone(), None),
+        None => {
+            let t = tempfile::Builder::new().prefix("trellis-launch-").tempdir()?;
+            (t.path().to_path_buf(), Some(t))
+        }
+    };
+    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    let certs = dir.join("certs");
+    std::fs::create_dir_all(&certs)?;
+    let ca = ClusterCa::generate()?;
+    std::fs::write(certs.join(trellis_transport::certs::CA_CERT), ca.cert_pem())?;
+    for n in 0..a.nodes {
+        for f in [format!("node-{n}.pem"), format!("node-{n}.key")] {
+            let _ = std::fs::remove_file(certs.join(f));
+        }
+        ca.issue(&certs, n)?;
+    }
+    let cluster = dir.join("cluster.toml");
+    std::fs::write(&cluster, cluster_file(&a, "127.0.0.1:0"))?;
+    let forwarded = forwarded_args();
+    let exe = std::env::current_exe()?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let stop2 = stop.clone();
+    let _ = ctrlc::set_handler(move || stop2.store(true, Ordering::SeqCst));
+
+    let mut nodes = Nodes::default();
+    let addr_file = dir.join("node-0.addr");
+    let _ = std::fs::remove_file(&addr_file);
+    let mut coord = node_command(&exe, &cluster, 0);
+    coord.arg("--addr-file").arg(&addr_file).args(&forwarded);
+    nodes.spawn(0, coord)?;
+    // The coordinator loads and partitions the data before it listens.
+    let coord_addr = loop {
+        if let Ok(a) = std::fs::read_to_string(&addr_file) {
+            break a;
+        }
+        nodes.check_running(&stop)?;
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    std::fs::write(&cluster, cluster_file(&a, coord_addr.trim()))?;
+    for n in 1..a.nodes {
+        nodes.spawn(n, node_command(&exe, &cluster, n))?;
+    }
+    nodes.wait_all(&stop)
+}
+
+fn node_command(exe: &Path, cluster: &Path, id: u32) -> Command {
+    let mut c = Command::new(exe);
+    c.arg("node")
+        .arg("--cluster")
+        .arg(cluster)
+        .arg("--id")
+        .arg(id.to_string());
+    die_with_parent(&mut c);
+    c
+}
+
+/// The cluster file of `a.nodes` loopback nodes; node 0 at `coord_addr`, the others on
+/// ephemeral ports (they tell the coordinator theirs).
+fn cluster_file(a: &LaunchArgs, coord_addr: &str) -> String {
+    let mut s = format!(
+        "certs = \"certs\"\npartitions = \"parts\"\ncoordinator = 0\nheartbeat_ms = {}\nidle_timeout_ms = {}\n",
+        a.heartbeat_ms, a.idle_timeout_ms
+    );
+    for n in 0..a.nodes {
+        let addr = if n == 0 { coord_addr } else { "127.0.0.1:0" };
+        s += &format!("\n[[node]]\nid = {n}\naddr = \"{addr}\"\n");
+    }
+    s
+}
+
+/// This command line's training options, without `launch`'s own.
+fn forwarded_args() -> Vec<String> {
+    let mut out = Vec::new();
+    let mut args = std::env::args().skip(1).skip_while(|a| a != "launch").skip(1);
+    while let Some(arg) = args.next() {
+        let name = arg.split('=').next().unwrap_or_default();
+        if OWN_OPTIONS.contains(&name) {
+            if !arg.contains('=') {
+                args.next();
+            }
+            continue;
+        }
+        out.push(arg);
+    }
+    out
+}
+
+#[cfg(target_os = "linux")]
+fn die_with_parent(c: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: the closure runs in the forked child before exec and only calls prctl, which
+    // is async-signal-safe; it touches no memory of the parent.
+    unsafe {
+        c.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn die_with_parent(_c: &mut Command) {}
+
+/// The node processes; killed and reaped on drop.
+#[derive(Default)]
+struct Nodes {
+    children: Vec<(u32, Child)>,
+}
+
+impl Nodes {
+    fn spawn(&mut self, id: u32, mut c: Command) -> Result<()> {
+        let child = c
+            .spawn()
+            .with_context(|| format!("cannot start node {id}"))?;
+        self.children.push((id, child));
+        Ok(())
+    }
+
+    /// Fails if a node exited with an error, or on Ctrl-C.
+    fn check_running(&mut self, stop: &AtomicBool) -> Result<()> {
+        if stop.load(Ordering::SeqCst) {
+            bail!("interrupted");
+        }
+        for (id, child) in &mut self.children {
+            if let Some(status) = child.try_wait()? {
+                if !status.success() {
+                    bail!("node {id} failed ({})", describe(status));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits for every node: done when the coordinator and then all others exit cleanly.
+    fn wait_all(&mut self, stop: &AtomicBool) -> Result<()> {
+        let mut coordinator_done: Option<Instant> = None;
+        loop {
+            self.check_running(stop)?;
+            let mut running = 0;
+            for (id, child) in &mut self.children {
+                match child.try_wait()? {
+                    Some(_) if *id == 0 => {
+                        coordinator_done.get_or_insert_with(Instant::now);
+                    }
+                    Some(_) => {}
+                    None => running += 1,
+                }
+            }
+            if running == 0 {
+                return Ok(());
+            }
+            if coordinator_done.is_some_and(|t| t.elapsed() > Duration::from_secs(15)) {
+                bail!("{running} node(s) did not exit within 15 s of the coordinator");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for Nodes {
+    fn drop(&mut self) {
+        for (_, child) in &mut self.children {
+            if let Ok(None) = child.try_wait() {
+                let _ = child.kill();
+            }
+            let _ = child.wait();
+        }
+    }
+}
+
+fn describe(s: ExitStatus) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match (s.code(), s.signal()) {
+        (Some(c), _) => format!("exit code {c}"),
+        (None, Some(sig)) => format!("killed by signal {sig}"),
+        _ => s.to_string(),
+    }
+}

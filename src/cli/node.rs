@@ -1,0 +1,71 @@
+//! `trellis node`: runs one node of a cluster described by a cluster file. The coordinator
+//! node takes the training options (`--data`, `--model`, ...), partitions the data into the
+//! cluster's partition folder if it does not hold a matching partitioning yet, and drives the
+//! run; every other node only needs `--cluster` and `--id`.
+use super::train::{follow, load_data, print_summary, TrainArgs};
+use anyhow::{Context, Result};
+use clap::Args;
+use std::path::PathBuf;
+use trellis_actors::cluster::{run_worker, ClusterFile, ClusterJob};
+use trellis_runtime::partition::open_or_partition;
+
+#[derive(Debug, Clone, Args)]
+pub struct NodeArgs {
+    /// The cluster file (TOML): nodes, placement, certificates, partition folder, timeouts.
+    #[arg(long)]
+    pub cluster: PathBuf,
+    /// This node's id in the cluster file.
+    #[arg(long)]
+    pub id: u32,
+    /// Write the address this node listens on to this file (for launchers; ephemeral ports).
+    #[arg(long)]
+    pub addr_file: Option<PathBuf>,
+    /// Training options (used by the coordinator node; `--partitions` defaults to 2 per node).
+    #[command(flatten)]
+    pub train: TrainArgs,
+}
+
+pub fn run(a: NodeArgs) -> Result<()> {
+    let cluster = ClusterFile::load(&a.cluster)?;
+    if a.id != cluster.coordinator {
+        cluster.node(a.id)?;
+        let threads = (a.train.threads != 0).then_some(a.train.threads);
+        let traffic = run_worker(&cluster, a.id, a.addr_file.as_deref(), threads)?;
+        println!(
+            "node {} done: partitions {:?}, sent {} bytes, received {} bytes",
+            traffic.node, traffic.partitions, traffic.bytes_sent, traffic.bytes_received
+        );
+        return Ok(());
+    }
+    let t = &a.train;
+    let parts = if t.partitions > 1 {
+        t.partitions
+    } else {
+        2 * cluster.nodes.len()
+    };
+    let ds = load_data(&t.data)?;
+    let cfg = t.config(&ds)?;
+    let dir = t
+        .partition_dir
+        .clone()
+        .unwrap_or_else(|| cluster.partitions_of(a.id));
+    let set = open_or_partition(&ds, parts, t.partition_method, cfg.model.seed, &dir)
+        .with_context(|| format!("cannot partition into {}", dir.display()))?;
+    drop(ds);
+    let epochs = cfg.epochs as u64;
+    let job = ClusterJob {
+        cluster,
+        id: a.id,
+        set,
+        cfg,
+        chaos: t.chaos.clone().unwrap_or_default(),
+        addr_file: a.addr_file,
+    };
+    let report = follow(job.spawn()?, epochs, t.verbose)?;
+    print_summary(&report);
+    if let Some(path) = &t.report {
+        report.write(path)?;
+        println!("report written to {}", path.display());
+    }
+    Ok(())
+}
