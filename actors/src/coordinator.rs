@@ -3,9 +3,9 @@
 //! the same weights after each step, and replays an epoch after a partition was restarted.
 use crate::handle::PartHandle;
 use crate::messages::{ApplyStep, Outcome, ResetEpoch, Step, StepReply};
+use crate::topology::RunEvent;
 use crate::ActorError;
 use std::sync::atomic::{AtomicBool, Ordering};
-use crate::topology::RunEvent;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 use trellis_runtime::report::BestTracker;

@@ -16,7 +16,10 @@ pub type Pending<T> = Pin<Box<dyn Future<Output = Result<T, ActorError>>>>;
 #[derive(Clone)]
 pub enum PartHandle {
     /// An actor of this process.
-    Local { part: u32, addr: Addr<PartitionActor> },
+    Local {
+        part: u32,
+        addr: Addr<PartitionActor>,
+    },
     /// An actor on another node, reached through control messages over QUIC.
     Remote(RemotePart),
 }

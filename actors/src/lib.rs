@@ -21,8 +21,8 @@ mod supervisor;
 mod topology;
 
 pub use coordinator::{Coordinator, Recovery};
-pub use handle::PartHandle;
 pub use error::ActorError;
+pub use handle::PartHandle;
 pub use messages::{Outcome, StepReply};
 pub use state::PartitionState;
 pub use topology::{FaultPlan, RunEvent, Topology, TrainingRun};

@@ -43,7 +43,9 @@ pub fn run(a: LaunchArgs) -> Result<()> {
     let (dir, _tmp) = match &a.dir {
         Some(d) => (d.clone(), None),
         None => {
-            let t = tempfile::Builder::new().prefix("trellis-launch-").tempdir()?;
+            let t = tempfile::Builder::new()
+                .prefix("trellis-launch-")
+                .tempdir()?;
             (t.path().to_path_buf(), Some(t))
         }
     };
@@ -115,7 +117,10 @@ fn cluster_file(a: &LaunchArgs, coord_addr: &str) -> String {
 /// This command line's training options, without `launch`'s own.
 fn forwarded_args() -> Vec<String> {
     let mut out = Vec::new();
-    let mut args = std::env::args().skip(1).skip_while(|a| a != "launch").skip(1);
+    let mut args = std::env::args()
+        .skip(1)
+        .skip_while(|a| a != "launch")
+        .skip(1);
     while let Some(arg) = args.next() {
         let name = arg.split('=').next().unwrap_or_default();
         if OWN_OPTIONS.contains(&name) {

@@ -20,7 +20,6 @@ impl InProcessTransport {
     pub fn new() -> Self {
         Self::default()
     }
-
 }
 
 impl Transport for InProcessTransport {

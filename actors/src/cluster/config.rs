@@ -106,7 +106,10 @@ impl ClusterFile {
             return Err("two [[node]] entries have the same id".into());
         }
         if !ids.contains(&c.coordinator) {
-            return Err(format!("coordinator = {} is not a [[node]] id", c.coordinator));
+            return Err(format!(
+                "coordinator = {} is not a [[node]] id",
+                c.coordinator
+            ));
         }
         let explicit = c.nodes.iter().filter(|n| n.parts.is_some()).count();
         if explicit != 0 && explicit != c.nodes.len() {
@@ -162,9 +165,7 @@ impl ClusterFile {
                     ids.len()
                 )));
             }
-            return Ok((0..parts)
-                .map(|p| ids[p * ids.len() / parts])
-                .collect());
+            return Ok((0..parts).map(|p| ids[p * ids.len() / parts]).collect());
         }
         let mut placement = vec![None; parts];
         for n in &self.nodes {
@@ -243,7 +244,10 @@ mod tests {
             (BASE.to_string(), "node"),
             (nodes(&["", "parts = [0]"]), "every [[node]]"),
             (nodes(&["colour = 1"]), "colour"),
-            (format!("{BASE}coordinator = 5\n{}", &nodes(&[""])[BASE.len()..]), "coordinator"),
+            (
+                format!("{BASE}coordinator = 5\n{}", &nodes(&[""])[BASE.len()..]),
+                "coordinator",
+            ),
             ("certs = 1".to_string(), "certs"),
         ] {
             let e = ClusterFile::parse(&text).unwrap_err();

@@ -107,9 +107,10 @@ async fn drive(
         chaos: job.chaos.clone(),
     };
     for &w in &workers {
-        let addr = addrs[&w]
-            .parse()
-            .map_err(|e| ActorError::Node { node: w, detail: format!("bad address: {e}") })?;
+        let addr = addrs[&w].parse().map_err(|e| ActorError::Node {
+            node: w,
+            detail: format!("bad address: {e}"),
+        })?;
         ep.transport.add_peer(w, addr);
         ep.send(w, &ControlMsg::Setup(setup.clone()))?;
     }

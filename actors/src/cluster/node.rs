@@ -30,6 +30,7 @@ pub struct NodeEndpoint {
 pub struct ControlInbox {
     control: ControlRx,
     failures: broadcast::Receiver<QuicError>,
+    departures: broadcast::Receiver<u32>,
 }
 
 impl NodeEndpoint {
@@ -52,10 +53,12 @@ impl NodeEndpoint {
         let bind = cfg.bind;
         let (transport, control) = {
             let _guard = rt.enter();
-            QuicTransport::bind(cfg, &identity)
-                .map_err(|e| ActorError::Cluster(format!("node {id} cannot listen on {bind}: {e}")))?
+            QuicTransport::bind(cfg, &identity).map_err(|e| {
+                ActorError::Cluster(format!("node {id} cannot listen on {bind}: {e}"))
+            })?
         };
         let failures = transport.failures();
+        let departures = transport.departures();
         if let Some(path) = addr_file {
             let tmp = path.with_extension("tmp");
             std::fs::write(&tmp, transport.local_addr().to_string())
@@ -67,7 +70,14 @@ impl NodeEndpoint {
             transport: Arc::new(transport),
             rt: Some(rt),
         };
-        Ok((endpoint, ControlInbox { control, failures }))
+        Ok((
+            endpoint,
+            ControlInbox {
+                control,
+                failures,
+                departures,
+            },
+        ))
     }
 
     /// Where this node listens.
@@ -87,7 +97,7 @@ impl NodeEndpoint {
 
     /// Waits (at most `within`) until everything queued is acknowledged.
     pub async fn flush(&self, within: Duration) {
-        if let Err(e) = self.transport.flush(within).await {
+        if let Err(e) = self.transport.flush_live(within).await {
             tracing::warn!("flush: {e}");
         }
     }
@@ -123,6 +133,15 @@ impl ControlInbox {
                     Err(broadcast::error::RecvError::Closed) => {
                         return Err(ActorError::System("the QUIC node closed".into()))
                     }
+                },
+                d = self.departures.recv() => match d {
+                    Ok(n) if Some(n) == watch => {
+                        return Err(ActorError::Node { node: n, detail: "shut down and closed the connection".into() })
+                    }
+                    Err(broadcast::error::RecvError::Closed) => {
+                        return Err(ActorError::System("the QUIC node closed".into()))
+                    }
+                    _ => {}
                 },
                 _ = tokio::time::sleep_until(deadline) => {
                     let who = watch.map_or("any node".to_string(), |n| format!("node {n}"));

@@ -77,12 +77,18 @@ pub enum ReplyBody {
         halo_bytes: u64,
         outcome: WireOutcome,
     },
-    Applied { digest: String },
+    Applied {
+        digest: String,
+    },
     Reset,
     /// The partition panicked (its node's supervisor restarts it).
-    Panicked { message: String },
+    Panicked {
+        message: String,
+    },
     /// Any other failure, as text.
-    Failed { message: String },
+    Failed {
+        message: String,
+    },
 }
 
 /// [`Outcome`] on the wire.
@@ -95,7 +101,11 @@ pub enum WireOutcome {
         correct: u64,
     },
     Grads(Vec<f32>),
-    Eval { train: u64, val: u64, test: u64 },
+    Eval {
+        train: u64,
+        val: u64,
+        test: u64,
+    },
 }
 
 /// Why control bytes could not be decoded.

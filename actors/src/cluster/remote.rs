@@ -76,7 +76,10 @@ impl ControlClient {
                     let _ = tx.send(Ok(body));
                 }
             }
-            _ => tracing::warn!(peer = from, "dropped an unexpected reply {id} from node {from}"),
+            _ => tracing::warn!(
+                peer = from,
+                "dropped an unexpected reply {id} from node {from}"
+            ),
         }
     }
 
@@ -123,7 +126,11 @@ impl RemotePart {
     }
 
     async fn call(&self, req: Request) -> Result<ReplyBody, ActorError> {
-        let body = self.client.clone().request(self.node, self.part, req).await?;
+        let body = self
+            .client
+            .clone()
+            .request(self.node, self.part, req)
+            .await?;
         match body.error(self.node, self.part) {
             Some(e) => Err(e),
             None => Ok(body),

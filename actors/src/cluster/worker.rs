@@ -78,7 +78,12 @@ async fn serve(
             return Err(e);
         }
     };
-    ep.send(coord, &ControlMsg::Ready { parts: parts.clone() })?;
+    ep.send(
+        coord,
+        &ControlMsg::Ready {
+            parts: parts.clone(),
+        },
+    )?;
     let addrs: HashMap<u32, Addr<PartitionActor>> = node
         .parts()
         .iter()
@@ -104,7 +109,10 @@ async fn serve(
                         &ControlMsg::Reply {
                             id,
                             body: ReplyBody::Failed {
-                                message: format!("partition {part} is not hosted on node {}", ep.id),
+                                message: format!(
+                                    "partition {part} is not hosted on node {}",
+                                    ep.id
+                                ),
                             },
                         },
                     )?,
@@ -135,6 +143,9 @@ async fn serve(
             },
         )?;
         ep.flush(Duration::from_secs(5)).await;
+        // Closing now could drop the Bye before it is acknowledged: the coordinator hangs up
+        // first, once it has every node's Bye.
+        while inbox.next(Some(coord), Duration::from_secs(5)).await.is_ok() {}
     }
     outcome.map(|_| traffic)
 }
@@ -286,14 +297,19 @@ async fn ensure_files(
     let within = Duration::from_secs(120);
     while !downloads.is_empty() {
         match inbox.next(Some(coord), within).await? {
-            (_, ControlMsg::PartChunk {
-                part,
-                offset,
-                total,
-                data,
-            }) => {
+            (
+                _,
+                ControlMsg::PartChunk {
+                    part,
+                    offset,
+                    total,
+                    data,
+                },
+            ) => {
                 let d = downloads.get_mut(&part).ok_or_else(|| {
-                    ActorError::Cluster(format!("received partition {part}, which was not asked for"))
+                    ActorError::Cluster(format!(
+                        "received partition {part}, which was not asked for"
+                    ))
                 })?;
                 if d.chunk(offset, total, &data)? {
                     downloads.remove(&part);

@@ -220,6 +220,9 @@ async fn watch(core: Arc<Core>, peer: Arc<Peer>, conn: Connection) {
     };
     if graceful || !was_current || core.closing.load(Ordering::Relaxed) {
         tracing::debug!(peer = peer.node, "connection closed: {err}");
+        if was_current && matches!(err, ConnectionError::ApplicationClosed(_)) {
+            let _ = core.departures.send(peer.node);
+        }
         return;
     }
     let reason = describe(&err, &core);

@@ -84,6 +84,8 @@ pub(crate) struct Core {
     pub inbound: Arc<dyn Inbound>,
     pub counters: Counters,
     pub failures: broadcast::Sender<QuicError>,
+    /// Peers that closed their connection on purpose (shut down).
+    pub departures: broadcast::Sender<NodeId>,
     pub rt: Handle,
     pub closing: AtomicBool,
 }
@@ -261,6 +263,7 @@ impl QuicNode {
             inbound,
             counters: Counters::default(),
             failures: broadcast::channel(64).0,
+            departures: broadcast::channel(64).0,
             rt: rt.clone(),
             closing: AtomicBool::new(false),
             cfg,
@@ -341,6 +344,16 @@ impl QuicNode {
     /// Waits until every queued message is delivered (acknowledged), a peer fails, or `within`
     /// passes.
     pub async fn flush(&self, within: Duration) -> Result<(), QuicError> {
+        self.flush_peers(within, false).await
+    }
+
+    /// As [`QuicNode::flush`], but peers that already failed are skipped instead of ending
+    /// the wait: for a last message to the survivors after a failure.
+    pub async fn flush_live(&self, within: Duration) -> Result<(), QuicError> {
+        self.flush_peers(within, true).await
+    }
+
+    async fn flush_peers(&self, within: Duration, skip_failed: bool) -> Result<(), QuicError> {
         let peers: Vec<Arc<Peer>> = self
             .shared
             .peers
@@ -356,6 +369,9 @@ impl QuicNode {
                 tokio::pin!(notified);
                 notified.as_mut().enable();
                 if let Some(e) = peer.failure() {
+                    if skip_failed {
+                        break;
+                    }
                     return Err(e);
                 }
                 let pending = peer.pending.load(Ordering::SeqCst);
@@ -377,6 +393,11 @@ impl QuicNode {
     /// Peer failures, as they happen.
     pub fn failures(&self) -> broadcast::Receiver<QuicError> {
         self.shared.core.failures.subscribe()
+    }
+
+    /// Peers that closed their connection gracefully (they shut down), as it happens.
+    pub fn departures(&self) -> broadcast::Receiver<NodeId> {
+        self.shared.core.departures.subscribe()
     }
 
     /// The failure recorded for `node`, if any.

@@ -124,6 +124,16 @@ impl QuicTransport {
         self.node.flush(within).await
     }
 
+    /// Waits like [`QuicTransport::flush`], skipping peers that already failed.
+    pub async fn flush_live(&self, within: Duration) -> Result<(), QuicError> {
+        self.node.flush_live(within).await
+    }
+
+    /// Peers that shut down and closed their connection gracefully.
+    pub fn departures(&self) -> broadcast::Receiver<NodeId> {
+        self.node.departures()
+    }
+
     /// Peer failures, as they happen (each names the node).
     pub fn failures(&self) -> broadcast::Receiver<QuicError> {
         self.node.failures()

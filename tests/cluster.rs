@@ -1,0 +1,315 @@
+//! Multi-process clusters as a user runs them: real `trellis node` / `trellis launch`
+//! processes on 127.0.0.1 with ephemeral ports. Every process a test starts is killed and
+//! reaped when the test ends (also when it fails), and every wait is bounded.
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+const DATA: &str = "synthetic:nodes=1500,degree=8,features=24,classes=4,seed=3";
+
+/// A started process, killed and reaped on drop.
+struct Proc {
+    name: String,
+    child: Child,
+}
+
+impl Proc {
+    fn start(name: &str, args: &[&str]) -> Proc {
+        let child = Command::new(env!("CARGO_BIN_EXE_trellis"))
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start trellis");
+        Proc {
+            name: name.into(),
+            child,
+        }
+    }
+
+    /// Waits at most `limit` for the exit; returns the status, stdout and stderr.
+    fn finish(mut self, limit: Duration) -> (ExitStatus, String, String) {
+        let t = Instant::now();
+        let status = loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                break s;
+            }
+            assert!(
+                t.elapsed() < limit,
+                "{} did not exit within {limit:?}",
+                self.name
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let mut out = String::new();
+        let mut err = String::new();
+        use std::io::Read;
+        if let Some(mut s) = self.child.stdout.take() {
+            s.read_to_string(&mut out).unwrap();
+        }
+        if let Some(mut s) = self.child.stderr.take() {
+            s.read_to_string(&mut err).unwrap();
+        }
+        (status, out, err)
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn run_ok(name: &str, args: &[&str], limit: Duration) -> String {
+    let (status, out, err) = Proc::start(name, args).finish(limit);
+    assert!(status.success(), "{name} failed ({status}): {err}\n{out}");
+    out
+}
+
+fn report(path: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+fn losses(r: &serde_json::Value) -> Vec<f64> {
+    r["epochs_log"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| e["loss"].as_f64().unwrap())
+        .collect()
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+#[test]
+fn three_node_cluster_matches_single_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let single = dir.path().join("single.json");
+    let inproc = dir.path().join("inproc.json");
+    let common = ["--data", DATA, "--epochs", "6", "--seed", "2"];
+    let limit = Duration::from_secs(120);
+    let mut args = vec!["train", "--report", s(&single)];
+    args.extend(common);
+    run_ok("single", &args, limit);
+    let mut args = vec!["train", "--partitions", "6", "--report", s(&inproc)];
+    args.extend(common);
+    run_ok("in-process", &args, limit);
+    let (single, inproc) = (report(&single), report(&inproc));
+
+    let mut digests = Vec::new();
+    for i in 0..2 {
+        let out = dir.path().join(format!("cluster{i}.json"));
+        let cdir = dir.path().join(format!("cluster{i}"));
+        let mut args = vec![
+            "launch",
+            "--nodes",
+            "3",
+            "--dir",
+            s(&cdir),
+            "--partitions",
+            "6",
+            "--report",
+            s(&out),
+        ];
+        args.extend(common);
+        run_ok("launch", &args, limit);
+        let r = report(&out);
+        assert_eq!(r["partitions"], 6);
+        let nodes = r["nodes"].as_array().unwrap();
+        assert_eq!(nodes.len(), 3, "{r}");
+        for (i, n) in nodes.iter().enumerate() {
+            assert_eq!(n["node"], i as u64);
+            assert_eq!(n["partitions"].as_array().unwrap().len(), 2);
+            assert!(n["bytes_sent"].as_u64().unwrap() > 0, "{n}");
+            assert!(n["bytes_received"].as_u64().unwrap() > 0, "{n}");
+        }
+        // Same per-epoch loss as one process (1e-5 relative) and the same test accuracy.
+        let (a, b) = (losses(&r), losses(&single));
+        assert_eq!(a.len(), b.len());
+        for (x, y) in a.iter().zip(&b) {
+            assert!(((x - y) / y).abs() <= 1e-5, "loss {x} vs {y}");
+        }
+        assert_eq!(r["test_acc"], single["test_acc"]);
+        // The same partitions in one process compute exactly the same weights.
+        assert_eq!(r["weights_digest"], inproc["weights_digest"]);
+        digests.push(r["weights_digest"].clone());
+    }
+    assert_eq!(digests[0], digests[1], "a fixed placement is deterministic");
+}
+
+/// Certificates plus a cluster file for nodes `0..n`; returns the folder.
+fn cluster_dir(n: u32) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let certs = dir.path().join("certs");
+    trellis_transport::certs::init(&certs).unwrap();
+    for i in 0..n {
+        trellis_transport::certs::issue(&certs, i).unwrap();
+    }
+    dir
+}
+
+fn write_cluster(
+    dir: &Path,
+    name: &str,
+    coord_addr: &str,
+    n: u32,
+    extra: &[(u32, &str)],
+) -> PathBuf {
+    let mut t = "certs = \"certs\"\npartitions = \"parts\"\nheartbeat_ms = 200\nidle_timeout_ms = 1500\nstep_deadline_ms = 20000\njoin_timeout_ms = 20000\n".to_string();
+    for i in 0..n {
+        let addr = if i == 0 { coord_addr } else { "127.0.0.1:0" };
+        t += &format!("[[node]]\nid = {i}\naddr = \"{addr}\"\n");
+        for (node, line) in extra {
+            if *node == i {
+                t += &format!("{line}\n");
+            }
+        }
+    }
+    let path = dir.join(name);
+    std::fs::write(&path, t).unwrap();
+    path
+}
+
+/// Starts the coordinator (node 0) with `train` options; returns it and its address.
+fn start_coordinator(dir: &Path, n: u32, extra: &[(u32, &str)], train: &[&str]) -> (Proc, String) {
+    let c0 = write_cluster(dir, "c0.toml", "127.0.0.1:0", n, extra);
+    let addr_file = dir.join("node0.addr");
+    let mut args = vec![
+        "node",
+        "--cluster",
+        s(&c0),
+        "--id",
+        "0",
+        "--addr-file",
+        s(&addr_file),
+    ];
+    args.extend(train);
+    let coord = Proc::start("coordinator", &args);
+    let t = Instant::now();
+    let addr = loop {
+        if let Ok(a) = std::fs::read_to_string(&addr_file) {
+            break a;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "coordinator never listened"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    (coord, addr)
+}
+
+#[test]
+fn a_node_without_partition_files_receives_them_from_the_coordinator() {
+    let dir = cluster_dir(2);
+    let extra = [(1, "partitions = \"node1-parts\"")];
+    let train = ["--data", DATA, "--partitions", "4", "--epochs", "3"];
+    let (coord, addr) = start_coordinator(dir.path(), 2, &extra, &train);
+    let c1 = write_cluster(dir.path(), "c1.toml", &addr, 2, &extra);
+    let worker = Proc::start("node 1", &["node", "--cluster", s(&c1), "--id", "1"]);
+    let (status, out, err) = coord.finish(Duration::from_secs(120));
+    assert!(status.success(), "{err}\n{out}");
+    let (status, wout, werr) = worker.finish(Duration::from_secs(20));
+    assert!(status.success(), "{werr}\n{wout}");
+    // Node 1 hosts partitions 2 and 3; it had none and now holds exact copies.
+    for p in [2, 3] {
+        let name = format!("part-{p}.rkyv");
+        let a = std::fs::read(dir.path().join("parts").join(&name));
+        let b = std::fs::read(dir.path().join("node1-parts").join(&name));
+        assert!(
+            a.is_ok() && a.ok() == b.ok(),
+            "{name} was not shipped intact"
+        );
+    }
+    assert!(!dir.path().join("node1-parts/part-0.rkyv").exists());
+}
+
+#[test]
+fn a_node_that_stops_answering_fails_the_run_naming_it_and_nothing_hangs() {
+    let dir = cluster_dir(3);
+    let train = [
+        "--data",
+        DATA,
+        "--partitions",
+        "3",
+        "--epochs",
+        "100000",
+        "--verbose",
+    ];
+    let (mut coord, addr) = start_coordinator(dir.path(), 3, &[], &train);
+    let c1 = write_cluster(dir.path(), "c1.toml", &addr, 3, &[]);
+    let w1 = Proc::start("node 1", &["node", "--cluster", s(&c1), "--id", "1"]);
+    let w2 = Proc::start("node 2", &["node", "--cluster", s(&c1), "--id", "2"]);
+    // Wait for training to be under way, then freeze node 2.
+    let stdout = coord.child.stdout.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let t = Instant::now();
+    loop {
+        let line = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("the cluster trains");
+        if line.starts_with("epoch    3") {
+            break;
+        }
+    }
+    // SIGSTOP: the process stays, its sockets stay open, it just stops answering; only the
+    // idle timeout (1.5 s here) can tell. The guard kills it at the end.
+    let rc = unsafe { libc::kill(w2.child.id() as i32, libc::SIGSTOP) };
+    assert_eq!(rc, 0);
+    let killed = Instant::now();
+    let (status, _, err) = coord.finish(Duration::from_secs(30));
+    assert!(!status.success());
+    assert!(
+        err.contains("node 2"),
+        "the error names the lost node: {err}"
+    );
+    assert!(
+        killed.elapsed() < Duration::from_secs(15),
+        "detected after {:?}",
+        killed.elapsed()
+    );
+    let (status, _, werr) = w1.finish(Duration::from_secs(20));
+    assert!(!status.success(), "node 1 learns that the run failed");
+    assert!(
+        werr.contains("aborted") || werr.contains("node 0"),
+        "{werr}"
+    );
+    eprintln!(
+        "lost node detected in {:?} (run took {:?})",
+        killed.elapsed(),
+        t.elapsed()
+    );
+}
+
+#[test]
+fn bad_cluster_files_and_ids_are_clear_errors() {
+    let dir = cluster_dir(1);
+    let missing = dir.path().join("missing.toml");
+    let (status, _, err) = Proc::start("node", &["node", "--cluster", s(&missing), "--id", "0"])
+        .finish(Duration::from_secs(20));
+    assert!(!status.success());
+    assert!(err.contains("missing.toml"), "{err}");
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(&bad, "certs = \"certs\"\npartitions = \"p\"\n").unwrap();
+    let (status, _, err) = Proc::start("node", &["node", "--cluster", s(&bad), "--id", "0"])
+        .finish(Duration::from_secs(20));
+    assert!(!status.success());
+    assert!(err.contains("bad.toml") && err.contains("node"), "{err}");
+    let good = write_cluster(dir.path(), "c.toml", "127.0.0.1:0", 1, &[]);
+    let (status, _, err) = Proc::start("node", &["node", "--cluster", s(&good), "--id", "7"])
+        .finish(Duration::from_secs(20));
+    assert!(!status.success());
+    assert!(err.contains("node 7 is not in the cluster file"), "{err}");
+}
