@@ -287,7 +287,7 @@ fn a_node_that_stops_answering_fails_the_run_naming_it_and_nothing_hangs() {
         "{werr}"
     );
     eprintln!(
-        "lost node detected in {:?} (run took {:?})",
+        "silent node detected in {:?} (run took {:?})",
         killed.elapsed(),
         t.elapsed()
     );
