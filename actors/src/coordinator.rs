@@ -1,10 +1,16 @@
-//! The coordinator: drives the epoch protocol over the partition actors (ARCHITECTURE.md,
-//! "Epoch protocol"), sums weight gradients in a fixed order, checks that every replica holds
-//! the same weights after each step, and replays an epoch after a partition was restarted.
+//! The coordinator: drives the epoch protocol over the partitions (ARCHITECTURE.md, "Epoch
+//! protocol"), sums weight gradients in a fixed order, checks that every replica holds the
+//! same weights after each step, and recovers: after a partition panic (its supervisor
+//! restarted it) or the loss of a node (its partitions are re-placed through a
+//! [`NodeRecovery`]), it resets the epoch everywhere and replays the interrupted unit.
 use crate::handle::PartHandle;
 use crate::messages::{ApplyStep, Outcome, ResetEpoch, Step, StepReply};
 use crate::topology::RunEvent;
 use crate::ActorError;
+use futures_util::stream::{FuturesUnordered, StreamExt};
+use std::future::Future;
+use std::pin::Pin;
+use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
@@ -16,17 +22,50 @@ use trellis_transport::{Phase, RunId};
 /// A recovery the coordinator performed.
 #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct Recovery {
+    /// `actor-panic` or `node-loss`.
     pub kind: String,
     pub partition: u32,
+    /// The node lost (node-loss recoveries).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<u32>,
+    /// Partitions re-placed, with the node each now runs on (node-loss recoveries).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub replaced: Vec<(u32, u32)>,
+    /// Whether the state the partition resumed from had the digest recorded when it was
+    /// replicated (`None` when not reported).
+    #[serde(default)]
+    pub digest_ok: Option<bool>,
     pub epoch: u32,
-    /// From the failed step's start to the failure report, ms.
+    /// From the failed unit's start to the failure report, ms.
     pub detected_ms: f64,
-    /// From the failure report to the replayed step completing, ms.
+    /// From the failure report to the replayed unit completing, ms.
     pub resumed_ms: f64,
     pub steps_replayed: u32,
 }
 
-/// Drives epochs over a set of partition actors.
+/// What re-placing a lost node's partitions produced.
+pub struct Replaced {
+    /// New handles of the re-placed partitions.
+    pub handles: Vec<PartHandle>,
+    /// (partition, node it now runs on).
+    pub moves: Vec<(u32, u32)>,
+    /// Whether every adopted state matched the committed digest.
+    pub digest_ok: bool,
+}
+
+/// Re-places the partitions of a lost node (cluster runs).
+pub trait NodeRecovery {
+    /// Node `node` is lost; the last committed step is `epoch` with weights `digest` (empty
+    /// before the first step). Re-places its partitions on nodes holding their replicas.
+    fn node_lost(
+        &self,
+        node: u32,
+        epoch: u32,
+        digest: String,
+    ) -> Pin<Box<dyn Future<Output = Result<Replaced, ActorError>>>>;
+}
+
+/// Drives epochs over a set of partitions.
 pub struct Coordinator {
     run: RunId,
     parts: Vec<PartHandle>,
@@ -40,6 +79,9 @@ pub struct Coordinator {
     /// Called with each epoch before its first step (e.g. to advance a transport's stale-epoch
     /// filter).
     on_epoch: Option<Box<dyn Fn(u32)>>,
+    node_recovery: Option<Rc<dyn NodeRecovery>>,
+    /// The last committed step and its weights digest.
+    committed: (u32, String),
 }
 
 /// What a run of epochs produced.
@@ -49,13 +91,24 @@ pub struct EpochsDone {
     pub digest: String,
 }
 
-/// Result of one training step (forward, backward, all-reduce, optimizer) on every partition.
-struct StepStats {
+/// Forward and backward of one training step, summed over partitions.
+struct GradStats {
     loss_sum: f64,
     count: usize,
     compute_ms: Vec<f64>,
     halo_bytes: u64,
-    digest: String,
+    grads: Arc<[f32]>,
+}
+
+/// A failure being recovered from, until the interrupted unit completes.
+struct OpenRecovery {
+    kind: &'static str,
+    part: u32,
+    node: Option<u32>,
+    moves: Vec<(u32, u32)>,
+    digest_ok: Option<bool>,
+    detected_ms: f64,
+    at: Instant,
 }
 
 impl Coordinator {
@@ -78,12 +131,20 @@ impl Coordinator {
             restarts_used: 0,
             recoveries: Vec::new(),
             on_epoch: None,
+            node_recovery: None,
+            committed: (0, String::new()),
         }
     }
 
     /// Calls `f(epoch)` before each epoch's first step.
     pub fn with_epoch_hook(mut self, f: impl Fn(u32) + 'static) -> Self {
         self.on_epoch = Some(Box::new(f));
+        self
+    }
+
+    /// Recovers from node losses through `r` instead of failing the run.
+    pub fn with_node_recovery(mut self, r: Rc<dyn NodeRecovery>) -> Self {
+        self.node_recovery = Some(r);
         self
     }
 
@@ -124,8 +185,15 @@ impl Coordinator {
         }
         let t0 = Instant::now();
         let stats = self
-            .retrying(epoch, |c| Box::pin(c.train_step(epoch)))
+            .retrying(epoch, |c| Box::pin(c.forward_backward(epoch)))
             .await?;
+        // Once the gradients are summed the step is decided: a failure while applying it
+        // re-applies the same sum (idempotent where it was already applied).
+        let grads = stats.grads.clone();
+        let digest = self
+            .retrying(epoch, move |c| Box::pin(c.apply(epoch, grads.clone())))
+            .await?;
+        self.committed = (epoch, digest.clone());
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         let t1 = Instant::now();
         let (train, val, test) = self.retrying(epoch, |c| Box::pin(c.eval(epoch))).await?;
@@ -144,11 +212,12 @@ impl Coordinator {
             comm_ms: (ms - compute_ms).max(0.0),
             halo_bytes: stats.halo_bytes,
         };
-        Ok((log, stats.digest))
+        Ok((log, digest))
     }
 
-    /// Runs `unit`; if a partition panicked, waits for its restart, resets the epoch on every
-    /// partition and runs `unit` again (bounded by the restart budget).
+    /// Runs `unit`; after a partition panic (its supervisor restarts it) or a node loss (its
+    /// partitions are re-placed), resets the epoch on every partition and runs `unit` again,
+    /// within the restart budget.
     async fn retrying<T>(
         &mut self,
         epoch: u32,
@@ -158,14 +227,33 @@ impl Coordinator {
             Box<dyn std::future::Future<Output = Result<T, ActorError>> + 'a>,
         >,
     ) -> Result<T, ActorError> {
-        // Failures seen while running this unit, waiting for the unit to complete once.
-        let mut open: Vec<(u32, f64, Instant)> = Vec::new();
+        let mut open: Vec<OpenRecovery> = Vec::new();
         loop {
             let started = Instant::now();
-            match unit(self).await {
-                Err(ActorError::Panicked { part, message }) => {
-                    let detected_ms = started.elapsed().as_secs_f64() * 1e3;
-                    self.restarts_used += 1;
+            let err = match unit(self).await {
+                Ok(v) => {
+                    let replayed = open.len() as u32;
+                    for o in open.drain(..) {
+                        self.recoveries.push(Recovery {
+                            kind: o.kind.into(),
+                            partition: o.part,
+                            node: o.node,
+                            replaced: o.moves,
+                            digest_ok: o.digest_ok,
+                            epoch,
+                            detected_ms: o.detected_ms,
+                            resumed_ms: o.at.elapsed().as_secs_f64() * 1e3,
+                            steps_replayed: replayed,
+                        });
+                    }
+                    return Ok(v);
+                }
+                Err(e) => e,
+            };
+            let detected_ms = started.elapsed().as_secs_f64() * 1e3;
+            self.restarts_used += 1;
+            let recovery = match err {
+                ActorError::Panicked { part, message } => {
                     if self.restarts_used > self.max_restarts {
                         return Err(ActorError::RestartsExhausted {
                             part,
@@ -173,32 +261,52 @@ impl Coordinator {
                             last: message,
                         });
                     }
-                    open.push((part, detected_ms, Instant::now()));
-                    for h in &self.parts {
-                        let what = format!("reset of epoch {epoch}");
-                        self.await_reply(h.part(), &what, h.reset(ResetEpoch { epoch }))
-                            .await?;
+                    OpenRecovery {
+                        kind: "actor-panic",
+                        part,
+                        node: None,
+                        moves: Vec::new(),
+                        digest_ok: None,
+                        detected_ms,
+                        at: Instant::now(),
                     }
                 }
-                other => {
-                    let replayed = open.len() as u32;
-                    for (part, detected_ms, at) in open.drain(..) {
-                        self.recoveries.push(Recovery {
-                            kind: "actor-panic".into(),
-                            partition: part,
-                            epoch,
-                            detected_ms,
-                            resumed_ms: at.elapsed().as_secs_f64() * 1e3,
-                            steps_replayed: replayed,
-                        });
+                ActorError::Node { node, detail } if self.node_recovery.is_some() => {
+                    let lost = ActorError::Node { node, detail };
+                    if self.restarts_used > self.max_restarts {
+                        return Err(lost);
                     }
-                    return other;
+                    tracing::warn!("{lost}; re-placing its partitions");
+                    let at = Instant::now();
+                    let r = self.node_recovery.clone().expect("checked");
+                    let (e, d) = self.committed.clone();
+                    let replaced = r.node_lost(node, e, d).await?;
+                    for h in replaced.handles {
+                        let p = h.part() as usize;
+                        self.parts[p] = h;
+                    }
+                    OpenRecovery {
+                        kind: "node-loss",
+                        part: replaced.moves.first().map_or(u32::MAX, |m| m.0),
+                        node: Some(node),
+                        moves: replaced.moves,
+                        digest_ok: Some(replaced.digest_ok),
+                        detected_ms,
+                        at,
+                    }
                 }
+                other => return Err(other),
+            };
+            open.push(recovery);
+            for h in &self.parts {
+                let what = format!("reset of epoch {epoch}");
+                self.await_reply(h.part(), &what, h.reset(ResetEpoch { epoch }))
+                    .await?;
             }
         }
     }
 
-    async fn train_step(&mut self, epoch: u32) -> Result<StepStats, ActorError> {
+    async fn forward_backward(&mut self, epoch: u32) -> Result<GradStats, ActorError> {
         let p = self.parts.len();
         let mut compute_ms = vec![0.0; p];
         let mut halo_bytes = 0;
@@ -241,7 +349,17 @@ impl Coordinator {
                 sum.iter_mut().zip(g.iter()).for_each(|(s, v)| *s += v);
             }
         }
-        let grads: Arc<[f32]> = Arc::from(sum);
+        Ok(GradStats {
+            loss_sum,
+            count,
+            compute_ms,
+            halo_bytes,
+            grads: Arc::from(sum),
+        })
+    }
+
+    /// The identical optimizer step on every partition; checks that all digests agree.
+    async fn apply(&mut self, epoch: u32, grads: Arc<[f32]>) -> Result<String, ActorError> {
         let futs: Vec<_> = self
             .parts
             .iter()
@@ -267,13 +385,7 @@ impl Coordinator {
                 });
             }
         }
-        Ok(StepStats {
-            loss_sum,
-            count,
-            compute_ms,
-            halo_bytes,
-            digest,
-        })
+        Ok(digest)
     }
 
     async fn eval(&mut self, epoch: u32) -> Result<(usize, usize, usize), ActorError> {
@@ -288,8 +400,10 @@ impl Coordinator {
         Ok(acc)
     }
 
-    /// Sends one step to every partition and waits for all replies; a panic is reported after
-    /// every other partition has answered, so the epoch can be reset cleanly.
+    /// Sends one step to every partition and waits for all replies, returned in partition
+    /// order. A panic is reported after every other partition has answered, so the epoch can
+    /// be reset cleanly; a lost node is reported at once (partitions waiting for its halo
+    /// blocks would wait forever; the reset cancels their steps).
     async fn broadcast(
         &self,
         epoch: u32,
@@ -305,13 +419,18 @@ impl Coordinator {
             layer,
             phase,
         };
-        let futs: Vec<_> = self.parts.iter().map(|h| h.step(step)).collect();
-        let mut replies = Vec::with_capacity(futs.len());
+        let what = format!("{phase:?} layer {layer} of epoch {epoch}");
+        let mut waiting: FuturesUnordered<_> = self
+            .parts
+            .iter()
+            .map(|h| self.await_reply(h.part(), &what, h.step(step)))
+            .collect();
+        let mut replies = Vec::with_capacity(self.parts.len());
         let mut first_err = None;
-        for (q, f) in futs.into_iter().enumerate() {
-            let what = format!("{phase:?} layer {layer} of epoch {epoch}");
-            match self.await_reply(q as u32, &what, f).await {
+        while let Some(r) = waiting.next().await {
+            match r {
                 Ok(r) => replies.push(r),
+                Err(e @ ActorError::Node { .. }) => return Err(e),
                 Err(e) => {
                     // Prefer reporting a panic (recoverable) over its consequences elsewhere.
                     let is_panic = matches!(e, ActorError::Panicked { .. });
@@ -323,7 +442,10 @@ impl Coordinator {
         }
         match first_err {
             Some(e) => Err(e),
-            None => Ok(replies),
+            None => {
+                replies.sort_by_key(|r| r.part);
+                Ok(replies)
+            }
         }
     }
 

@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use tokio::sync::oneshot;
-use trellis_transport::{HaloBlock, PartId, Phase, RunId, Transport};
+use trellis_transport::{HaloBlock, PartId, Phase, RunId, Transport, TransportError};
 
 type Reply = oneshot::Sender<Result<StepReply, ActorError>>;
 
@@ -87,12 +87,21 @@ impl PartitionActor {
                 let mut halo_bytes = 0;
                 for b in out {
                     halo_bytes += b.payload_bytes();
-                    if let Err(e) = self.transport.send(b) {
-                        let _ = reply.send(Err(ActorError::Unreachable {
-                            part: part.0,
-                            detail: e.to_string(),
-                        }));
-                        return;
+                    match self.transport.send(b) {
+                        Ok(()) => {}
+                        // A lost peer node: the coordinator detects the loss on its own link
+                        // and recovers (re-placing that node's partitions, replaying the
+                        // epoch), so this step still answers.
+                        Err(e @ TransportError::Peer { .. }) => {
+                            tracing::warn!("partition {part}: {e}; block dropped")
+                        }
+                        Err(e) => {
+                            let _ = reply.send(Err(ActorError::Unreachable {
+                                part: part.0,
+                                detail: e.to_string(),
+                            }));
+                            return;
+                        }
                     }
                 }
                 let _ = reply.send(Ok(StepReply {

@@ -36,4 +36,15 @@ impl ReplicaStore {
     pub fn get(&self, part: u32) -> Option<Arc<Snapshot>> {
         self.snaps.get(&part).map(|s| s.clone())
     }
+
+    /// The snapshot of the most advanced partition held here. Every partition's model
+    /// replica and optimizer state are identical after a step (the all-reduce makes them so
+    /// and the coordinator checks their digests), so this is the state a partition re-placed
+    /// here after a node loss resumes from.
+    pub fn latest(&self) -> Option<Arc<Snapshot>> {
+        self.snaps
+            .iter()
+            .max_by_key(|e| (e.value().epoch, std::cmp::Reverse(*e.key())))
+            .map(|e| e.value().clone())
+    }
 }

@@ -14,6 +14,9 @@ pub struct NodeSupervisor {
     addrs: Vec<Addr<PartitionActor>>,
     parts: Vec<PartId>,
     transport: Arc<dyn Transport>,
+    run: RunId,
+    replicas: Arc<ReplicaStore>,
+    faults: Arc<FaultPlan>,
 }
 
 impl NodeSupervisor {
@@ -26,35 +29,53 @@ impl NodeSupervisor {
         replicas: Arc<ReplicaStore>,
         faults: Arc<FaultPlan>,
     ) -> Self {
-        let mut arbiters = Vec::new();
-        let mut addrs = Vec::new();
-        let mut parts = Vec::new();
-        for state in states {
-            let part = state.part();
-            let arb = Arbiter::new();
-            let (t, r, f) = (transport.clone(), replicas.clone(), faults.clone());
-            let addr = Supervisor::start_in_arbiter(&arb.handle(), move |_| {
-                PartitionActor::new(state, run, t, r, f)
-            });
-            let deliver_to = addr.clone();
-            transport.register(
-                part,
-                Arc::new(move |b| {
-                    let ok = deliver_to.connected();
-                    deliver_to.do_send(crate::messages::Halo(b));
-                    ok
-                }),
-            );
-            arbiters.push(arb);
-            addrs.push(addr);
-            parts.push(part);
-        }
-        NodeSupervisor {
-            arbiters,
-            addrs,
-            parts,
+        let mut node = NodeSupervisor {
+            arbiters: Vec::new(),
+            addrs: Vec::new(),
+            parts: Vec::new(),
             transport,
+            run,
+            replicas,
+            faults,
+        };
+        for state in states {
+            node.adopt(state);
         }
+        node
+    }
+
+    /// Starts one more supervised actor (a partition re-placed here after a node loss) on a
+    /// new arbiter and routes its halo blocks to it.
+    pub fn adopt(&mut self, state: PartitionState) -> Addr<PartitionActor> {
+        let part = state.part();
+        let arb = Arbiter::new();
+        let (t, r, f) = (
+            self.transport.clone(),
+            self.replicas.clone(),
+            self.faults.clone(),
+        );
+        let run = self.run;
+        let addr = Supervisor::start_in_arbiter(&arb.handle(), move |_| {
+            PartitionActor::new(state, run, t, r, f)
+        });
+        let deliver_to = addr.clone();
+        self.transport.register(
+            part,
+            Arc::new(move |b| {
+                let ok = deliver_to.connected();
+                deliver_to.do_send(crate::messages::Halo(b));
+                ok
+            }),
+        );
+        self.arbiters.push(arb);
+        self.addrs.push(addr.clone());
+        self.parts.push(part);
+        addr
+    }
+
+    /// The node's replica store.
+    pub fn replicas(&self) -> &Arc<ReplicaStore> {
+        &self.replicas
     }
 
     /// Addresses of the partition actors, in the order their states were given.

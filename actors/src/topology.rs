@@ -31,6 +31,9 @@ pub struct FaultPlan {
     /// Stalls: (partition, epoch, how long), fired once in that epoch's first step.
     stalls: Mutex<Vec<(u32, u32, Duration, bool)>>,
     restores: Mutex<Vec<(u32, bool)>>,
+    /// Node kills: (node, epoch, fired): the node's process SIGKILLs itself when the
+    /// coordinator starts that epoch.
+    kills: Mutex<Vec<(u32, u32, bool)>>,
 }
 
 impl FaultPlan {
@@ -49,9 +52,9 @@ impl FaultPlan {
     }
 
     /// Parses a `--chaos` spec: faults separated by `,`, each `panic:part=P:epoch=E` with
-    /// optional `:layer=L` (default 0) and `:phase=forward|backward|eval` (default forward).
-    /// Fault kinds that need several nodes (`kill-node`, `cut-link`, `delay`, `corrupt`) are
-    /// refused with an error saying so.
+    /// optional `:layer=L` (default 0) and `:phase=forward|backward|eval` (default forward),
+    /// or `kill-node:node=N:epoch=E` (cluster runs only). `cut-link`, `delay` and `corrupt`
+    /// are refused with an error saying they are not built yet.
     pub fn parse(spec: &str) -> Result<Self, ActorError> {
         let bad = |m: String| {
             ActorError::Runtime(trellis_runtime::RuntimeError::Config(format!(
@@ -62,10 +65,13 @@ impl FaultPlan {
         for fault in spec.split(',').filter(|f| !f.is_empty()) {
             let mut fields = fault.split(':');
             let kind = fields.next().unwrap_or_default();
-            if kind != "panic" {
-                return Err(bad(format!("fault kind `{kind}` is not supported in a single-process run (supported: panic)")));
+            if kind != "panic" && kind != "kill-node" {
+                return Err(bad(format!(
+                    "fault kind `{kind}` is not supported (supported: panic, kill-node)"
+                )));
             }
             let (mut part, mut epoch, mut layer, mut phase) = (None, None, 0u16, Phase::Forward);
+            let mut node = None;
             for kv in fields {
                 let (k, v) = kv
                     .split_once('=')
@@ -75,7 +81,8 @@ impl FaultPlan {
                         .map_err(|_| bad(format!("`{v}` is not a number for {k}")))
                 };
                 match k {
-                    "part" => part = Some(num(v)?),
+                    "part" if kind == "panic" => part = Some(num(v)?),
+                    "node" if kind == "kill-node" => node = Some(num(v)?),
                     "epoch" => epoch = Some(num(v)?),
                     "layer" => layer = num(v)? as u16,
                     "phase" => {
@@ -89,11 +96,45 @@ impl FaultPlan {
                     _ => return Err(bad(format!("unknown key `{k}` in `{fault}`"))),
                 }
             }
-            let part = part.ok_or_else(|| bad(format!("`{fault}` needs part=P")))?;
             let epoch = epoch.ok_or_else(|| bad(format!("`{fault}` needs epoch=E")))?;
+            if kind == "kill-node" {
+                let node = node.ok_or_else(|| bad(format!("`{fault}` needs node=N")))?;
+                plan = plan.kill_node_at(node, epoch);
+                continue;
+            }
+            let part = part.ok_or_else(|| bad(format!("`{fault}` needs part=P")))?;
             plan = plan.panic_at(part, epoch, layer, phase);
         }
         Ok(plan)
+    }
+
+    /// SIGKILL node `node`'s process when the coordinator starts `epoch` (cluster runs).
+    pub fn kill_node_at(self, node: u32, epoch: u32) -> Self {
+        self.kills
+            .lock()
+            .expect("fault plan lock")
+            .push((node, epoch, false));
+        self
+    }
+
+    /// Whether the plan kills nodes (which needs a cluster).
+    pub fn kills_nodes(&self) -> bool {
+        self.kills.lock().map(|v| !v.is_empty()).unwrap_or(false)
+    }
+
+    /// Whether node `node` must die now that `epoch` starts (fires once).
+    pub fn kill_due(&self, node: u32, epoch: u32) -> bool {
+        let Ok(mut v) = self.kills.lock() else {
+            return false;
+        };
+        let mut due = false;
+        for k in v.iter_mut() {
+            if !k.2 && k.0 == node && k.1 <= epoch {
+                k.2 = true;
+                due = true;
+            }
+        }
+        due
     }
 
     /// Make partition `part` stop answering for `for_` in its first step of `epoch` (a hung
@@ -163,8 +204,13 @@ mod tests {
                 (0, 5, 1, Phase::Backward, false)
             ]
         );
+        let plan = FaultPlan::parse("kill-node:node=2:epoch=3").unwrap();
+        assert!(plan.kills_nodes());
+        assert!(!plan.kill_due(2, 2) && !plan.kill_due(1, 3));
+        assert!(plan.kill_due(2, 3) && !plan.kill_due(2, 3), "fires once");
         for (spec, needle) in [
-            ("kill-node:node=1:epoch=2", "kill-node"),
+            ("cut-link:a=1:b=2:epoch=2:ms=100", "cut-link"),
+            ("kill-node:part=1:epoch=2", "part"),
             ("panic:part=1", "epoch"),
             ("panic:part=x:epoch=1", "`x`"),
             ("panic:part=1:epoch=1:phase=up", "phase"),
@@ -259,6 +305,11 @@ impl Topology {
 
     /// Loads every partition, starts the actor system on its own thread and begins training.
     pub fn spawn(self) -> Result<TrainingRun, ActorError> {
+        if self.faults.kills_nodes() {
+            return Err(ActorError::Cluster(
+                "kill-node faults need a cluster of node processes (trellis launch)".into(),
+            ));
+        }
         let book = self.set.book().clone();
         let counts = GlobalCounts {
             train: book.train_nodes,

@@ -156,6 +156,7 @@ fn die_with_parent(_c: &mut Command) {}
 #[derive(Default)]
 struct Nodes {
     children: Vec<(u32, Child)>,
+    reported: std::collections::BTreeSet<u32>,
 }
 
 impl Nodes {
@@ -167,15 +168,22 @@ impl Nodes {
         Ok(())
     }
 
-    /// Fails if a node exited with an error, or on Ctrl-C.
+    /// Fails if the coordinator exited with an error, or on Ctrl-C. Another node's death is
+    /// reported once: the coordinator detects it and recovers or fails the run, in bounded time.
     fn check_running(&mut self, stop: &AtomicBool) -> Result<()> {
         if stop.load(Ordering::SeqCst) {
             bail!("interrupted");
         }
         for (id, child) in &mut self.children {
             if let Some(status) = child.try_wait()? {
-                if !status.success() {
-                    bail!("node {id} failed ({})", describe(status));
+                if status.success() {
+                    continue;
+                }
+                if *id == 0 {
+                    bail!("the coordinator (node 0) failed ({})", describe(status));
+                }
+                if self.reported.insert(*id) {
+                    eprintln!("node {id} exited ({})", describe(status));
                 }
             }
         }

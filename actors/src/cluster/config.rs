@@ -43,6 +43,10 @@ pub struct ClusterFile {
     /// How long the coordinator waits for every node to join (and nodes for the setup).
     #[serde(default = "default_join")]
     pub join_timeout_ms: u64,
+    /// R: other nodes that keep a replica of each partition (its file, and the model state
+    /// every node holds), ready to adopt it when its node is lost.
+    #[serde(default = "default_replicas")]
+    pub replicas: u32,
     #[serde(rename = "node")]
     pub nodes: Vec<NodeEntry>,
 }
@@ -72,6 +76,9 @@ fn default_deadline() -> u64 {
 }
 fn default_join() -> u64 {
     60_000
+}
+fn default_replicas() -> u32 {
+    1
 }
 
 fn bad(path: &Path, m: impl std::fmt::Display) -> ActorError {
@@ -193,6 +200,13 @@ impl ClusterFile {
             .collect()
     }
 
+    /// Node ids, ascending.
+    pub fn ids(&self) -> Vec<u32> {
+        let mut ids: Vec<u32> = self.nodes.iter().map(|n| n.id).collect();
+        ids.sort_unstable();
+        ids
+    }
+
     /// The QUIC settings of node `id`: its address, keep-alive and idle timeout.
     pub fn quic(&self, id: u32) -> Result<QuicConfig, ActorError> {
         let n = self.node(id)?;
@@ -205,8 +219,26 @@ impl ClusterFile {
     }
 }
 
+/// The `r` nodes that keep replicas of a partition owned by `owner`: the next `r` nodes after
+/// it in ascending-id ring order (never the owner itself).
+pub fn replica_nodes(ids: &[u32], owner: u32, r: usize) -> Vec<u32> {
+    let start = ids.iter().position(|&n| n == owner).unwrap_or(0);
+    (1..ids.len())
+        .map(|i| ids[(start + i) % ids.len()])
+        .take(r)
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn replicas_follow_the_owner_in_ring_order() {
+        assert_eq!(super::replica_nodes(&[0, 1, 2], 1, 1), vec![2]);
+        assert_eq!(super::replica_nodes(&[0, 1, 2], 2, 2), vec![0, 1]);
+        assert_eq!(super::replica_nodes(&[0, 1, 2], 0, 5), vec![1, 2]);
+        assert!(super::replica_nodes(&[4], 4, 1).is_empty());
+    }
+
     use super::*;
 
     const BASE: &str = "certs = \"c\"\npartitions = \"p\"\n";

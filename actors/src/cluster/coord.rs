@@ -6,7 +6,16 @@ use super::files::serve_part;
 use super::node::{host_partitions, ControlInbox, NodeEndpoint};
 use super::proto::{ControlMsg, Setup};
 use super::remote::{ControlClient, RemotePart};
-use crate::coordinator::Coordinator;
+use super::config::replica_nodes;
+use super::node::{adopt_partitions, reroute};
+use super::proto::{ReplyBody, Request};
+use crate::coordinator::{Coordinator, NodeRecovery, Replaced};
+use crate::supervisor::NodeSupervisor;
+use std::cell::RefCell;
+use std::future::Future;
+use std::pin::Pin;
+use std::rc::Rc;
+use trellis_transport::quic::QuicTransport;
 use crate::handle::PartHandle;
 use crate::topology::{local_handles, RunEvent, TrainingRun};
 use crate::ActorError;
@@ -105,6 +114,7 @@ async fn drive(
         peers: addrs.iter().map(|(n, a)| (*n, a.clone())).collect(),
         deadline_ms: cluster.step_deadline_ms,
         chaos: job.chaos.clone(),
+        replicas: cluster.replicas,
     };
     for &w in &workers {
         let addr = addrs[&w].parse().map_err(|e| ActorError::Node {
@@ -126,7 +136,7 @@ async fn drive(
         &job.cfg,
         run,
         ep.transport.clone(),
-        faults,
+        faults.clone(),
     )?;
     let mut ready = BTreeSet::new();
     let setup_by = Instant::now() + join.max(Duration::from_secs(120));
@@ -182,12 +192,36 @@ async fn drive(
         }
     }
     handles.sort_by_key(|h| h.part());
+    let local = Rc::new(RefCell::new(local));
+    let live = Rc::new(RefCell::new(workers.iter().copied().collect::<BTreeSet<u32>>()));
+    let recovery = Rc::new(ClusterRecovery {
+        me: ep.id,
+        ids: cluster.ids(),
+        replicas: cluster.replicas as usize,
+        transport: ep.transport.clone(),
+        client: client.clone(),
+        placement: RefCell::new(placement.clone()),
+        live: live.clone(),
+        local: local.clone(),
+        set: job.set.clone(),
+        cfg: job.cfg.clone(),
+    });
     let deadline = Duration::from_millis(cluster.step_deadline_ms);
     let transport = ep.transport.clone();
+    let me = ep.id;
     let mut coord = Coordinator::new(run, handles, &job.cfg, deadline, cancel)
-        .with_epoch_hook(move |e| transport.set_epoch(run, e));
+        .with_epoch_hook(move |e| {
+            if faults.kill_due(me, e) {
+                super::worker::kill_self(me, e);
+            }
+            transport.set_epoch(run, e)
+        })
+        .with_node_recovery(recovery.clone());
     let totals = (book.train_nodes, book.val_nodes, book.test_nodes);
     let outcome = coord.run_epochs(job.cfg.epochs, totals, &events).await;
+    let workers: Vec<u32> = live.borrow().iter().copied().collect();
+    let placement = recovery.placement.borrow().clone();
+    let mine = parts_of(&placement, ep.id);
 
     // 4. End the run everywhere and collect each node's traffic.
     let mut nodes = Vec::new();
@@ -212,7 +246,13 @@ async fn drive(
         }
         Err(e) => abort(ep, &workers, e).await,
     }
-    local.shutdown();
+    let recoveries = std::mem::take(&mut coord.recoveries);
+    drop(coord);
+    drop(recovery);
+    match Rc::try_unwrap(local) {
+        Ok(local) => local.into_inner().shutdown(),
+        Err(_) => tracing::warn!("local partitions still referenced at shutdown"),
+    }
     dispatcher.abort();
     ep.transport.end_run(run);
     let stats = ep.transport.stats();
@@ -237,9 +277,169 @@ async fn drive(
         done.logs,
         done.digest,
     );
-    report.recoveries = serde_json::to_value(&coord.recoveries).unwrap_or_default();
+    report.recoveries = serde_json::to_value(&recoveries).unwrap_or_default();
     report.nodes = nodes;
     Ok(report)
+}
+
+/// Re-places a lost node's partitions on the live nodes that keep their replicas.
+struct ClusterRecovery {
+    me: u32,
+    ids: Vec<u32>,
+    replicas: usize,
+    transport: Arc<QuicTransport>,
+    client: Arc<ControlClient>,
+    placement: RefCell<Vec<u32>>,
+    live: Rc<RefCell<BTreeSet<u32>>>,
+    local: Rc<RefCell<NodeSupervisor>>,
+    set: PartitionSet,
+    cfg: TrainConfig,
+}
+
+impl NodeRecovery for ClusterRecovery {
+    fn node_lost(
+        &self,
+        node: u32,
+        epoch: u32,
+        digest: String,
+    ) -> Pin<Box<dyn Future<Output = Result<Replaced, ActorError>>>> {
+        let plan = self.replan(node);
+        let this = self.snapshot_refs();
+        Box::pin(async move {
+            let moves = plan?;
+            this.apply(node, moves, epoch, digest).await
+        })
+    }
+}
+
+/// What the asynchronous part of a re-placement needs (no borrows held across awaits).
+struct RecoveryRefs {
+    me: u32,
+    transport: Arc<QuicTransport>,
+    client: Arc<ControlClient>,
+    local: Rc<RefCell<NodeSupervisor>>,
+    live: Rc<RefCell<BTreeSet<u32>>>,
+    set: PartitionSet,
+    cfg: TrainConfig,
+    placement: Vec<u32>,
+}
+
+impl ClusterRecovery {
+    fn snapshot_refs(&self) -> RecoveryRefs {
+        RecoveryRefs {
+            me: self.me,
+            transport: self.transport.clone(),
+            client: self.client.clone(),
+            local: self.local.clone(),
+            live: self.live.clone(),
+            set: self.set.clone(),
+            cfg: self.cfg.clone(),
+            placement: self.placement.borrow().clone(),
+        }
+    }
+
+    /// Fences `node` and chooses, for each of its partitions, the first live node among the
+    /// partition's replica nodes; records the new placement.
+    fn replan(&self, node: u32) -> Result<Vec<(u32, u32)>, ActorError> {
+        if node == self.me {
+            return Err(ActorError::Cluster("the coordinator's own node failed".into()));
+        }
+        self.live.borrow_mut().remove(&node);
+        self.transport.fence(node);
+        self.client.fail_node(node, "lost (fenced)".into());
+        let live = self.live.borrow();
+        let alive = |n: u32| n == self.me || live.contains(&n);
+        let mut placement = self.placement.borrow_mut();
+        let mut moves = Vec::new();
+        for p in 0..placement.len() {
+            if placement[p] != node {
+                continue;
+            }
+            let holders = replica_nodes(&self.ids, node, self.replicas);
+            let to = holders.iter().copied().find(|&n| alive(n)).ok_or_else(|| {
+                ActorError::Cluster(format!(
+                    "partition {p} is lost: node {node} hosted it and its replica nodes {holders:?} are gone too (raise `replicas` in the cluster file, or resume from a durable checkpoint)"
+                ))
+            })?;
+            placement[p] = to;
+            moves.push((p as u32, to));
+        }
+        Ok(moves)
+    }
+}
+
+impl RecoveryRefs {
+    async fn apply(
+        self,
+        lost: u32,
+        moves: Vec<(u32, u32)>,
+        epoch: u32,
+        digest: String,
+    ) -> Result<Replaced, ActorError> {
+        let mut placement = self.placement.clone();
+        for &(p, to) in &moves {
+            placement[p as usize] = to;
+        }
+        let mut by_node: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
+        for &(p, to) in &moves {
+            by_node.entry(to).or_default().push(p);
+        }
+        let mut handles = Vec::new();
+        let mut digest_ok = true;
+        for (to, parts) in by_node {
+            if to == self.me {
+                let (addrs, ok) = adopt_partitions(
+                    &mut self.local.borrow_mut(),
+                    &self.set,
+                    &parts,
+                    &self.cfg,
+                    epoch,
+                    &digest,
+                )?;
+                digest_ok &= ok;
+                handles.extend(
+                    addrs
+                        .into_iter()
+                        .map(|(part, addr)| PartHandle::Local { part, addr }),
+                );
+                continue;
+            }
+            let req = Request::Adopt {
+                parts: parts.clone(),
+                epoch,
+                digest: digest.clone(),
+            };
+            match self.client.clone().request(to, u32::MAX, req).await? {
+                ReplyBody::Adopted { digest_ok: ok } => digest_ok &= ok,
+                other => {
+                    return Err(other.error(to, parts[0]).unwrap_or(ActorError::Node {
+                        node: to,
+                        detail: format!("answered {other:?} to an adoption"),
+                    }))
+                }
+            }
+            handles.extend(
+                parts
+                    .iter()
+                    .map(|&p| PartHandle::Remote(RemotePart::new(self.client.clone(), to, p))),
+            );
+        }
+        // Every live node routes to the new places and refuses the lost node from now on.
+        reroute(&self.transport, &placement, self.me);
+        let live: Vec<u32> = self.live.borrow().iter().copied().collect();
+        for n in live {
+            let req = Request::Reroute {
+                placement: placement.clone(),
+                fenced: vec![lost],
+            };
+            self.client.clone().request(n, u32::MAX, req).await?;
+        }
+        Ok(Replaced {
+            handles,
+            moves,
+            digest_ok,
+        })
+    }
 }
 
 fn parts_of(placement: &[u32], node: u32) -> Vec<u32> {

@@ -166,6 +166,20 @@ impl Drop for NodeEndpoint {
     }
 }
 
+/// Loads partition `p` of `set` into a fresh state (initial weights) with its own stream.
+pub fn load_state(set: &PartitionSet, p: u32, cfg: &TrainConfig) -> Result<PartitionState, ActorError> {
+    let book = set.book();
+    let counts = GlobalCounts {
+        train: book.train_nodes,
+        val: book.val_nodes,
+        test: book.test_nodes,
+    };
+    let budget = ThreadBudget::global(cfg.threads)?;
+    let file = set.open_part(p as usize)?;
+    let stream = Stream::new(Device::Cpu, budget)?;
+    Ok(PartitionState::new(&file, cfg, counts, stream)?)
+}
+
 /// Loads partitions `parts` of `set` and starts their actors (inside an actix system), wired
 /// to `transport`; partitions elsewhere are routed through it by `placement`.
 #[allow(clippy::too_many_arguments)]
@@ -179,24 +193,11 @@ pub fn host_partitions(
     transport: Arc<QuicTransport>,
     faults: Arc<FaultPlan>,
 ) -> Result<NodeSupervisor, ActorError> {
-    let book = set.book();
-    let counts = GlobalCounts {
-        train: book.train_nodes,
-        val: book.val_nodes,
-        test: book.test_nodes,
-    };
-    let budget = ThreadBudget::global(cfg.threads)?;
-    let mut states = Vec::with_capacity(parts.len());
-    for &p in parts {
-        let file = set.open_part(p as usize)?;
-        let stream = Stream::new(Device::Cpu, budget.clone())?;
-        states.push(PartitionState::new(&file, cfg, counts, stream)?);
-    }
-    for (p, &node) in placement.iter().enumerate() {
-        if node != me {
-            transport.route(trellis_transport::PartId(p as u32), node);
-        }
-    }
+    let states = parts
+        .iter()
+        .map(|&p| load_state(set, p, cfg))
+        .collect::<Result<Vec<_>, _>>()?;
+    reroute(&transport, placement, me);
     transport.set_epoch(run, 0);
     let replicas = Arc::new(ReplicaStore::new());
     Ok(NodeSupervisor::start(
@@ -206,4 +207,38 @@ pub fn host_partitions(
         replicas,
         faults,
     ))
+}
+
+/// Routes every partition placed on another node to that node.
+pub fn reroute(transport: &QuicTransport, placement: &[u32], me: u32) {
+    for (p, &node) in placement.iter().enumerate() {
+        if node != me {
+            transport.route(trellis_transport::PartId(p as u32), node);
+        }
+    }
+}
+
+/// Adopts partitions `parts` (re-placed here after a node loss) into `node`: loads each,
+/// restores it from this node's replica of the model state, and starts its actor. Returns
+/// the new actors and whether the replica is the committed step `epoch` (with weights
+/// `digest`, when known) and restored to its recorded digest.
+pub fn adopt_partitions(
+    node: &mut NodeSupervisor,
+    set: &PartitionSet,
+    parts: &[u32],
+    cfg: &TrainConfig,
+    epoch: u32,
+    digest: &str,
+) -> Result<(Vec<(u32, actix::Addr<crate::partition::PartitionActor>)>, bool), ActorError> {
+    let snap = node.replicas().latest().ok_or_else(|| {
+        ActorError::Cluster("no replica of the model state on this node to resume from".into())
+    })?;
+    let mut ok = snap.epoch == epoch && (digest.is_empty() || snap.digest == digest);
+    let mut out = Vec::new();
+    for &p in parts {
+        let mut state = load_state(set, p, cfg)?;
+        ok &= state.restore(&snap);
+        out.push((p, node.adopt(state)));
+    }
+    Ok((out, ok))
 }

@@ -57,8 +57,10 @@ pub struct Setup {
     pub peers: Vec<(u32, String)>,
     /// Deadline of one step, ms.
     pub deadline_ms: u64,
-    /// Fault plan for this node (`--chaos` panics of its partitions), as the spec string.
+    /// The fault plan (`--chaos`), as the spec string; each node fires its own faults.
     pub chaos: String,
+    /// R: how many other nodes keep each partition's replica (its file, ready to adopt it).
+    pub replicas: u32,
 }
 
 /// A request for one partition.
@@ -67,6 +69,19 @@ pub enum Request {
     Step { epoch: u32, layer: u16, phase: u8 },
     Apply { epoch: u32, grads: Vec<f32> },
     Reset { epoch: u32 },
+    /// Host these partitions of a lost node from now on, resuming from this node's replica of
+    /// the model state, which must be the committed step `epoch` with weights `digest`
+    /// (empty: not known yet).
+    Adopt {
+        parts: Vec<u32>,
+        epoch: u32,
+        digest: String,
+    },
+    /// The placement changed: route by `placement`, refuse everything from `fenced` nodes.
+    Reroute {
+        placement: Vec<u32>,
+        fenced: Vec<u32>,
+    },
 }
 
 /// The answer to a [`Request`].
@@ -81,6 +96,10 @@ pub enum ReplyBody {
         digest: String,
     },
     Reset,
+    Adopted {
+        digest_ok: bool,
+    },
+    Rerouted,
     /// The partition panicked (its node's supervisor restarts it).
     Panicked {
         message: String,
@@ -252,6 +271,7 @@ mod tests {
                 peers: vec![(0, "127.0.0.1:1".into()), (1, "[::1]:2".into())],
                 deadline_ms: 5000,
                 chaos: String::new(),
+                replicas: 1,
             }),
             ControlMsg::Request {
                 id: 9,

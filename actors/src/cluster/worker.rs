@@ -3,7 +3,8 @@
 //! requests until `Finish` (or `Abort`, or the coordinator's loss).
 use super::config::ClusterFile;
 use super::files::PartDownload;
-use super::node::{host_partitions, ControlInbox, NodeEndpoint};
+use super::config::replica_nodes;
+use super::node::{adopt_partitions, host_partitions, reroute, ControlInbox, NodeEndpoint};
 use super::proto::{phase_from, ControlMsg, ReplyBody, Request, Setup};
 use crate::messages::{ApplyStep, ResetEpoch, Step};
 use crate::partition::PartitionActor;
@@ -65,7 +66,7 @@ async fn serve(
             (from, other) => tracing::warn!(peer = from, "ignored {other:?} before setup"),
         }
     };
-    let (node, run, parts) = match setup_node(cluster, ep, &mut inbox, &setup, threads).await {
+    let mut hosted = match setup_node(cluster, ep, &mut inbox, &setup, threads).await {
         Ok(v) => v,
         Err(e) => {
             let _ = ep.send(
@@ -81,50 +82,70 @@ async fn serve(
     ep.send(
         coord,
         &ControlMsg::Ready {
-            parts: parts.clone(),
+            parts: hosted.parts.clone(),
         },
     )?;
-    let addrs: HashMap<u32, Addr<PartitionActor>> = node
-        .parts()
-        .iter()
-        .map(|p| p.0)
-        .zip(node.addrs().iter().cloned())
-        .collect();
     // A step takes at most the deadline; allow two before calling the coordinator silent.
     let quiet = Duration::from_millis(setup.deadline_ms.saturating_mul(2).max(10_000));
+    let run = hosted.run;
     let mut epoch = 0u32;
     let outcome = loop {
         match inbox.next(Some(coord), quiet).await {
-            Ok((from, ControlMsg::Request { id, part, req })) if from == coord => {
-                if let Request::Step { epoch: e, .. } = req {
-                    if e > epoch {
-                        epoch = e;
-                        ep.transport.set_epoch(run, e);
+            Ok((from, ControlMsg::Request { id, part, req })) if from == coord => match req {
+                Request::Adopt {
+                    parts,
+                    epoch: committed,
+                    digest,
+                } => {
+                    let body = match hosted.adopt(ep, &mut inbox, coord, &parts, committed, &digest).await {
+                        Ok(digest_ok) => ReplyBody::Adopted { digest_ok },
+                        Err(e) => ReplyBody::of_error(e),
+                    };
+                    ep.send(coord, &ControlMsg::Reply { id, body })?;
+                }
+                Request::Reroute { placement, fenced } => {
+                    for n in fenced {
+                        ep.transport.fence(n);
+                    }
+                    reroute(&ep.transport, &placement, ep.id);
+                    let body = ReplyBody::Rerouted;
+                    ep.send(coord, &ControlMsg::Reply { id, body })?;
+                }
+                req => {
+                    if let Request::Step { epoch: e, .. } = req {
+                        if hosted.faults.kill_due(ep.id, e) {
+                            kill_self(ep.id, e);
+                        }
+                        if e > epoch {
+                            epoch = e;
+                            ep.transport.set_epoch(run, e);
+                        }
+                    }
+                    match hosted.addrs.get(&part) {
+                        Some(addr) => answer(ep, coord, id, run, addr.clone(), req),
+                        None => ep.send(
+                            coord,
+                            &ControlMsg::Reply {
+                                id,
+                                body: ReplyBody::Failed {
+                                    message: format!(
+                                        "partition {part} is not hosted on node {}",
+                                        ep.id
+                                    ),
+                                },
+                            },
+                        )?,
                     }
                 }
-                match addrs.get(&part) {
-                    Some(addr) => answer(ep, coord, id, run, addr.clone(), req),
-                    None => ep.send(
-                        coord,
-                        &ControlMsg::Reply {
-                            id,
-                            body: ReplyBody::Failed {
-                                message: format!(
-                                    "partition {part} is not hosted on node {}",
-                                    ep.id
-                                ),
-                            },
-                        },
-                    )?,
-                }
-            }
+            },
             Ok((_, ControlMsg::Finish)) => break Ok(()),
             Ok((_, ControlMsg::Abort { reason })) => break Err(aborted(coord, reason)),
             Ok((from, other)) => tracing::warn!(peer = from, "ignored {other:?}"),
             Err(e) => break Err(e),
         }
     };
-    node.shutdown();
+    let parts = hosted.parts.clone();
+    hosted.node.shutdown();
     ep.transport.end_run(run);
     let stats = ep.transport.stats();
     let traffic = NodeTraffic {
@@ -148,6 +169,50 @@ async fn serve(
         while inbox.next(Some(coord), Duration::from_secs(5)).await.is_ok() {}
     }
     outcome.map(|_| traffic)
+}
+
+/// A real SIGKILL of this node's process (the `kill-node` fault).
+pub(crate) fn kill_self(node: u32, epoch: u32) {
+    eprintln!("chaos: node {node} kills itself (SIGKILL) at the start of epoch {epoch}");
+    // SAFETY: kill(2) on our own pid with SIGKILL; no memory is involved.
+    unsafe {
+        libc::kill(libc::getpid(), libc::SIGKILL);
+    }
+}
+
+/// What a node hosts, and what it needs to host more.
+struct Hosted {
+    node: NodeSupervisor,
+    addrs: HashMap<u32, Addr<PartitionActor>>,
+    parts: Vec<u32>,
+    set: PartitionSet,
+    book: PartitionBook,
+    cfg: TrainConfig,
+    run: RunId,
+    dir: PathBuf,
+    faults: Arc<FaultPlan>,
+}
+
+impl Hosted {
+    /// Takes over `parts` of a lost node; answers whether the resumed state matched.
+    async fn adopt(
+        &mut self,
+        ep: &NodeEndpoint,
+        inbox: &mut ControlInbox,
+        coord: u32,
+        parts: &[u32],
+        epoch: u32,
+        digest: &str,
+    ) -> Result<bool, ActorError> {
+        self.set = ensure_files(&self.dir, &self.book, parts, ep, inbox, coord).await?;
+        let (addrs, ok) =
+            adopt_partitions(&mut self.node, &self.set, parts, &self.cfg, epoch, digest)?;
+        for (p, a) in addrs {
+            self.addrs.insert(p, a);
+            self.parts.push(p);
+        }
+        Ok(ok)
+    }
 }
 
 fn aborted(coord: u32, reason: String) -> ActorError {
@@ -209,6 +274,9 @@ fn answer(
                 Ok(()) => ReplyBody::Reset,
                 Err(e) => mailbox(e),
             },
+            Request::Adopt { .. } | Request::Reroute { .. } => ReplyBody::Failed {
+                message: "node requests are not for a partition".into(),
+            },
         };
         let msg = ControlMsg::Reply { id, body }.encode();
         if let Err(e) = transport.send_control(coord, msg) {
@@ -225,7 +293,7 @@ async fn setup_node(
     inbox: &mut ControlInbox,
     setup: &Setup,
     threads: Option<usize>,
-) -> Result<(NodeSupervisor, RunId, Vec<u32>), ActorError> {
+) -> Result<Hosted, ActorError> {
     let coord = cluster.coordinator;
     let mut cfg: TrainConfig = serde_json::from_str(&setup.config_json)
         .map_err(|e| ActorError::Cluster(format!("setup: bad training config: {e}")))?;
@@ -252,8 +320,21 @@ async fn setup_node(
     let mine: Vec<u32> = (0..book.parts as u32)
         .filter(|&p| setup.placement[p as usize] == ep.id)
         .collect();
+    // Partitions this node keeps a replica of: their files are fetched now, so adopting one
+    // after a node loss needs no transfer.
+    let ids: Vec<u32> = setup.peers.iter().map(|(n, _)| *n).collect();
+    let mut ids = ids;
+    ids.sort_unstable();
+    let mut needed = mine.clone();
+    for (p, &owner) in setup.placement.iter().enumerate() {
+        if replica_nodes(&ids, owner, setup.replicas as usize).contains(&ep.id) {
+            needed.push(p as u32);
+        }
+    }
+    needed.sort_unstable();
+    needed.dedup();
     let dir = cluster.partitions_of(ep.id);
-    let set = ensure_files(&dir, &book, &mine, ep, inbox, coord).await?;
+    let set = ensure_files(&dir, &book, &needed, ep, inbox, coord).await?;
     let run = uuid::Uuid::from_bytes(setup.run);
     let faults = Arc::new(FaultPlan::parse(&setup.chaos)?);
     let node = host_partitions(
@@ -264,15 +345,31 @@ async fn setup_node(
         &cfg,
         run,
         ep.transport.clone(),
-        faults,
+        faults.clone(),
     )?;
-    Ok((node, run, mine))
+    let addrs = node
+        .parts()
+        .iter()
+        .map(|p| p.0)
+        .zip(node.addrs().iter().cloned())
+        .collect();
+    Ok(Hosted {
+        node,
+        addrs,
+        parts: mine,
+        set,
+        book,
+        cfg,
+        run,
+        dir,
+        faults,
+    })
 }
 
 /// Opens `dir` as the partition set of `book`, fetching from the coordinator every file of
 /// `parts` that is missing or does not match the book.
 async fn ensure_files(
-    dir: &PathBuf,
+    dir: &Path,
     book: &PartitionBook,
     parts: &[u32],
     ep: &NodeEndpoint,

@@ -108,6 +108,7 @@ impl StopCode {
             Rejection::UnknownPartition(_) => StopCode::UnknownPartition,
             Rejection::UnknownRun(_) => StopCode::UnknownRun,
             Rejection::StaleEpoch { .. } => StopCode::StaleEpoch,
+            Rejection::Fenced(_) => StopCode::Refused,
         }
     }
 

@@ -17,13 +17,20 @@ pub type ControlRx = mpsc::UnboundedReceiver<(NodeId, Vec<u8>)>;
 
 struct Dispatch {
     local: DashMap<PartId, Deliver>,
+    /// Nodes declared lost: everything they send is refused (fencing).
+    fenced: dashmap::DashSet<NodeId>,
     filter: Mutex<RecvFilter>,
     control: mpsc::UnboundedSender<(NodeId, Vec<u8>)>,
 }
 
 impl Inbound for Dispatch {
-    fn admit(&self, _from: NodeId, header: &MsgHeader) -> Result<(), Rejection> {
-        self.filter.lock().expect("poisoned").check(header)
+    fn admit(&self, from: NodeId, header: &MsgHeader) -> Result<(), Rejection> {
+        let mut filter = self.filter.lock().expect("poisoned");
+        if self.fenced.contains(&from) {
+            filter.count_fenced();
+            return Err(Rejection::Fenced(from));
+        }
+        filter.check(header)
     }
 
     fn halo(&self, from: NodeId, block: HaloBlock) {
@@ -39,6 +46,10 @@ impl Inbound for Dispatch {
     }
 
     fn control(&self, from: NodeId, bytes: Vec<u8>) {
+        if self.fenced.contains(&from) {
+            tracing::warn!(peer = from, "dropped a control message from fenced node {from}");
+            return;
+        }
         let _ = self.control.send((from, bytes));
     }
 }
@@ -59,6 +70,7 @@ impl QuicTransport {
         let (control, rx) = mpsc::unbounded_channel();
         let dispatch = Arc::new(Dispatch {
             local: DashMap::new(),
+            fenced: dashmap::DashSet::new(),
             filter: Mutex::default(),
             control,
         });
@@ -92,6 +104,13 @@ impl QuicTransport {
     /// Partition `part` is hosted by remote node `node`.
     pub fn route(&self, part: PartId, node: NodeId) {
         self.routes.insert(part, node);
+    }
+
+    /// Fences `node` (declared lost): its blocks and control messages are refused from now
+    /// on, even if it comes back, and routes to it are dropped.
+    pub fn fence(&self, node: NodeId) {
+        self.dispatch.fenced.insert(node);
+        self.routes.retain(|_, n| *n != node);
     }
 
     /// Sets `run`'s current epoch: blocks of older epochs are refused. A run's blocks are

@@ -10,6 +10,8 @@ pub enum Rejection {
     UnknownPartition(PartId),
     #[error("run {0} is not active here")]
     UnknownRun(RunId),
+    #[error("node {0} is fenced (declared lost); its messages are refused")]
+    Fenced(u32),
     #[error("stale block for partition {part}: epoch {epoch} < current epoch {current}")]
     StaleEpoch {
         part: PartId,
@@ -25,6 +27,7 @@ pub struct FilterStats {
     pub unknown_partition: u64,
     pub unknown_run: u64,
     pub stale_epoch: u64,
+    pub fenced: u64,
 }
 
 /// Admits blocks addressed to a local partition of an active run at its current epoch or later.
@@ -63,6 +66,11 @@ impl RecvFilter {
         self.epochs.remove(&run);
     }
 
+    /// Counts a block refused because its sender node is fenced.
+    pub fn count_fenced(&mut self) {
+        self.stats.fenced += 1;
+    }
+
     /// Admits or rejects a block with header `h`, counting the outcome.
     pub fn check(&mut self, h: &MsgHeader) -> Result<(), Rejection> {
         let verdict = if !self.local.contains(&h.to) {
@@ -83,6 +91,7 @@ impl RecvFilter {
             Err(Rejection::UnknownPartition(_)) => self.stats.unknown_partition += 1,
             Err(Rejection::UnknownRun(_)) => self.stats.unknown_run += 1,
             Err(Rejection::StaleEpoch { .. }) => self.stats.stale_epoch += 1,
+            Err(Rejection::Fenced(_)) => self.stats.fenced += 1,
         }
         verdict
     }
