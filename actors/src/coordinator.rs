@@ -82,6 +82,8 @@ pub struct Coordinator {
     node_recovery: Option<Rc<dyn NodeRecovery>>,
     /// The last committed step and its weights digest.
     committed: (u32, String),
+    /// Restore checks reported by restarted partitions, not yet attached to a recovery.
+    restores: std::cell::RefCell<Vec<(u32, bool)>>,
 }
 
 /// What a run of epochs produced.
@@ -133,6 +135,7 @@ impl Coordinator {
             on_epoch: None,
             node_recovery: None,
             committed: (0, String::new()),
+            restores: Default::default(),
         }
     }
 
@@ -228,29 +231,44 @@ impl Coordinator {
         >,
     ) -> Result<T, ActorError> {
         let mut open: Vec<OpenRecovery> = Vec::new();
+        // A failure met while recovering (during a reset or an adoption) is handled like one
+        // met while running the unit.
+        let mut carried: Option<(ActorError, f64)> = None;
         loop {
-            let started = Instant::now();
-            let err = match unit(self).await {
-                Ok(v) => {
-                    let replayed = open.len() as u32;
-                    for o in open.drain(..) {
-                        self.recoveries.push(Recovery {
-                            kind: o.kind.into(),
-                            partition: o.part,
-                            node: o.node,
-                            replaced: o.moves,
-                            digest_ok: o.digest_ok,
-                            epoch,
-                            detected_ms: o.detected_ms,
-                            resumed_ms: o.at.elapsed().as_secs_f64() * 1e3,
-                            steps_replayed: replayed,
-                        });
+            let (err, detected_ms) = match carried.take() {
+                Some(c) => c,
+                None => {
+                    let started = Instant::now();
+                    match unit(self).await {
+                        Ok(v) => {
+                            let replayed = open.len() as u32;
+                            let restores = std::mem::take(&mut *self.restores.borrow_mut());
+                            for mut o in open.drain(..) {
+                                if o.kind == "actor-panic" {
+                                    o.digest_ok = restores
+                                        .iter()
+                                        .find(|r| r.0 == o.part)
+                                        .map(|r| r.1)
+                                        .or(o.digest_ok);
+                                }
+                                self.recoveries.push(Recovery {
+                                    kind: o.kind.into(),
+                                    partition: o.part,
+                                    node: o.node,
+                                    replaced: o.moves,
+                                    digest_ok: o.digest_ok,
+                                    epoch,
+                                    detected_ms: o.detected_ms,
+                                    resumed_ms: o.at.elapsed().as_secs_f64() * 1e3,
+                                    steps_replayed: replayed,
+                                });
+                            }
+                            return Ok(v);
+                        }
+                        Err(e) => (e, started.elapsed().as_secs_f64() * 1e3),
                     }
-                    return Ok(v);
                 }
-                Err(e) => e,
             };
-            let detected_ms = started.elapsed().as_secs_f64() * 1e3;
             self.restarts_used += 1;
             let recovery = match err {
                 ActorError::Panicked { part, message } => {
@@ -280,7 +298,15 @@ impl Coordinator {
                     let at = Instant::now();
                     let r = self.node_recovery.clone().expect("checked");
                     let (e, d) = self.committed.clone();
-                    let replaced = r.node_lost(node, e, d).await?;
+                    let replaced = match r.node_lost(node, e, d).await {
+                        Ok(r) => r,
+                        Err(e @ ActorError::Node { .. }) => {
+                            // The node chosen to adopt was lost too: recover from that.
+                            carried = Some((e, at.elapsed().as_secs_f64() * 1e3));
+                            continue;
+                        }
+                        Err(e) => return Err(e),
+                    };
                     for h in replaced.handles {
                         let p = h.part() as usize;
                         self.parts[p] = h;
@@ -298,12 +324,31 @@ impl Coordinator {
                 other => return Err(other),
             };
             open.push(recovery);
-            for h in &self.parts {
-                let what = format!("reset of epoch {epoch}");
-                self.await_reply(h.part(), &what, h.reset(ResetEpoch { epoch }))
-                    .await?;
+            let at = Instant::now();
+            if let Err(e) = self.reset_all(epoch).await {
+                carried = Some((e, at.elapsed().as_secs_f64() * 1e3));
             }
         }
+    }
+
+    /// Makes every partition drop the epoch in progress (and any step parked in it).
+    async fn reset_all(&self, epoch: u32) -> Result<(), ActorError> {
+        let what = format!("reset of epoch {epoch}");
+        let mut waiting: FuturesUnordered<_> = self
+            .parts
+            .iter()
+            .map(|h| self.await_reply(h.part(), &what, h.reset(ResetEpoch { epoch })))
+            .collect();
+        while let Some(r) = waiting.next().await {
+            r?;
+        }
+        Ok(())
+    }
+
+    /// Sets how many recoveries (restarts and node losses) the run may perform.
+    pub fn with_max_restarts(mut self, n: u32) -> Self {
+        self.max_restarts = n;
+        self
     }
 
     async fn forward_backward(&mut self, epoch: u32) -> Result<GradStats, ActorError> {
@@ -429,7 +474,12 @@ impl Coordinator {
         let mut first_err = None;
         while let Some(r) = waiting.next().await {
             match r {
-                Ok(r) => replies.push(r),
+                Ok(r) => {
+                    if let Some(ok) = r.restored {
+                        self.restores.borrow_mut().push((r.part, ok));
+                    }
+                    replies.push(r)
+                }
                 Err(e @ ActorError::Node { .. }) => return Err(e),
                 Err(e) => {
                     // Prefer reporting a panic (recoverable) over its consequences elsewhere.

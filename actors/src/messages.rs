@@ -69,4 +69,7 @@ pub struct StepReply {
     /// Halo payload bytes this partition sent during the step.
     pub halo_bytes: u64,
     pub outcome: Outcome,
+    /// Set in the first reply after a supervised restart: whether the state restored from
+    /// the replica store matched the digest recorded when it was stored.
+    pub restored: Option<bool>,
 }

@@ -31,6 +31,8 @@ pub struct PartitionActor {
     faults: Arc<FaultPlan>,
     inbox: Inbox,
     pending: Option<(Step, Reply)>,
+    /// Outcome of the last restore, reported with the next reply.
+    restored: Option<bool>,
 }
 
 impl PartitionActor {
@@ -52,6 +54,7 @@ impl PartitionActor {
             faults,
             inbox: Inbox::new(),
             pending: None,
+            restored: None,
         }
     }
 
@@ -109,6 +112,7 @@ impl PartitionActor {
                     compute_ms,
                     halo_bytes,
                     outcome,
+                    restored: self.restored.take(),
                 }));
             }
             Ok((Err(e), _)) => {
@@ -160,6 +164,7 @@ impl Supervised for PartitionActor {
             Some(snap) => {
                 let ok = self.state.restore(&snap);
                 self.faults.record_restore(self.part.0, ok);
+                self.restored = Some(ok);
             }
             None => self.state.reset_epoch(),
         }

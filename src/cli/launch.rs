@@ -28,13 +28,26 @@ pub struct LaunchArgs {
     /// A peer silent this long is dead, ms.
     #[arg(long, default_value_t = 3000)]
     pub idle_timeout_ms: u64,
+    /// Other nodes that keep a replica of each partition (0: a lost node fails the run).
+    #[arg(long, default_value_t = 1)]
+    pub replicas: u32,
+    /// Recoveries (partition restarts, node losses) a run may perform before it fails.
+    #[arg(long, default_value_t = 8)]
+    pub max_restarts: u32,
     /// Training options, passed to the coordinator node.
     #[command(flatten)]
     pub train: TrainArgs,
 }
 
 /// Options of `launch` itself, which are not passed on to the coordinator.
-const OWN_OPTIONS: [&str; 4] = ["--nodes", "--dir", "--heartbeat-ms", "--idle-timeout-ms"];
+const OWN_OPTIONS: [&str; 6] = [
+    "--nodes",
+    "--dir",
+    "--heartbeat-ms",
+    "--idle-timeout-ms",
+    "--replicas",
+    "--max-restarts",
+];
 
 pub fn run(a: LaunchArgs) -> Result<()> {
     if a.nodes == 0 {
@@ -104,8 +117,8 @@ fn node_command(exe: &Path, cluster: &Path, id: u32) -> Command {
 /// ephemeral ports (they tell the coordinator theirs).
 fn cluster_file(a: &LaunchArgs, coord_addr: &str) -> String {
     let mut s = format!(
-        "certs = \"certs\"\npartitions = \"parts\"\ncoordinator = 0\nheartbeat_ms = {}\nidle_timeout_ms = {}\n",
-        a.heartbeat_ms, a.idle_timeout_ms
+        "certs = \"certs\"\npartitions = \"parts\"\ncoordinator = 0\nheartbeat_ms = {}\nidle_timeout_ms = {}\nreplicas = {}\nmax_restarts = {}\n",
+        a.heartbeat_ms, a.idle_timeout_ms, a.replicas, a.max_restarts
     );
     for n in 0..a.nodes {
         let addr = if n == 0 { coord_addr } else { "127.0.0.1:0" };

@@ -159,9 +159,25 @@ pub fn follow(run: TrainingRun, epochs: u64, verbose: bool) -> Result<RunReport>
                 }
             }
             RunEvent::Recovered(r) => pb.suspend(|| {
+                let what = match r.node {
+                    Some(n) => {
+                        let moved: Vec<String> = r
+                            .replaced
+                            .iter()
+                            .map(|(p, to)| format!("{p}->node {to}"))
+                            .collect();
+                        format!("loss of node {n} (partitions {})", moved.join(", "))
+                    }
+                    None => format!("{} of partition {}", r.kind, r.partition),
+                };
+                let check = match r.digest_ok {
+                    Some(true) => ", restored state matched its digest",
+                    Some(false) => ", RESTORED STATE DID NOT MATCH ITS DIGEST",
+                    None => "",
+                };
                 println!(
-                    "recovered: {} of partition {} in epoch {}: detected after {:.1} ms, resumed after {:.1} ms, {} step replayed",
-                    r.kind, r.partition, r.epoch, r.detected_ms, r.resumed_ms, r.steps_replayed
+                    "recovered: {what} in epoch {}: detected after {:.1} ms, resumed after {:.1} ms, {} step(s) replayed{check}",
+                    r.epoch, r.detected_ms, r.resumed_ms, r.steps_replayed
                 )
             }),
         }

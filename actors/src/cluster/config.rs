@@ -47,6 +47,9 @@ pub struct ClusterFile {
     /// every node holds), ready to adopt it when its node is lost.
     #[serde(default = "default_replicas")]
     pub replicas: u32,
+    /// Recoveries (partition restarts and node losses) a run may perform before it fails.
+    #[serde(default = "default_max_restarts")]
+    pub max_restarts: u32,
     #[serde(rename = "node")]
     pub nodes: Vec<NodeEntry>,
 }
@@ -79,6 +82,9 @@ fn default_join() -> u64 {
 }
 fn default_replicas() -> u32 {
     1
+}
+fn default_max_restarts() -> u32 {
+    8
 }
 
 fn bad(path: &Path, m: impl std::fmt::Display) -> ActorError {

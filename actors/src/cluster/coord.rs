@@ -1,26 +1,25 @@
 //! The coordinator node: waits for every node to join, places the partitions, sends each
 //! node its setup (shipping partition files on request), hosts its own partitions, drives
 //! the epochs over local and remote partitions alike, and ends the run on every node.
+use super::config::replica_nodes;
 use super::config::ClusterFile;
 use super::files::serve_part;
+use super::node::{adopt_partitions, reroute};
 use super::node::{host_partitions, ControlInbox, NodeEndpoint};
 use super::proto::{ControlMsg, Setup};
-use super::remote::{ControlClient, RemotePart};
-use super::config::replica_nodes;
-use super::node::{adopt_partitions, reroute};
 use super::proto::{ReplyBody, Request};
+use super::remote::{ControlClient, RemotePart};
 use crate::coordinator::{Coordinator, NodeRecovery, Replaced};
-use crate::supervisor::NodeSupervisor;
-use std::cell::RefCell;
-use std::future::Future;
-use std::pin::Pin;
-use std::rc::Rc;
-use trellis_transport::quic::QuicTransport;
 use crate::handle::PartHandle;
+use crate::supervisor::NodeSupervisor;
 use crate::topology::{local_handles, RunEvent, TrainingRun};
 use crate::ActorError;
+use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
+use std::future::Future;
 use std::path::PathBuf;
+use std::pin::Pin;
+use std::rc::Rc;
 use std::sync::atomic::AtomicBool;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
@@ -28,6 +27,7 @@ use tokio::sync::mpsc as tmpsc;
 use trellis_runtime::partition::PartitionSet;
 use trellis_runtime::train::build_report;
 use trellis_runtime::{NodeTraffic, RunReport, TrainConfig};
+use trellis_transport::quic::QuicTransport;
 
 /// A training job for a cluster.
 pub struct ClusterJob {
@@ -193,7 +193,9 @@ async fn drive(
     }
     handles.sort_by_key(|h| h.part());
     let local = Rc::new(RefCell::new(local));
-    let live = Rc::new(RefCell::new(workers.iter().copied().collect::<BTreeSet<u32>>()));
+    let live = Rc::new(RefCell::new(
+        workers.iter().copied().collect::<BTreeSet<u32>>(),
+    ));
     let recovery = Rc::new(ClusterRecovery {
         me: ep.id,
         ids: cluster.ids(),
@@ -216,7 +218,8 @@ async fn drive(
             }
             transport.set_epoch(run, e)
         })
-        .with_node_recovery(recovery.clone());
+        .with_node_recovery(recovery.clone())
+        .with_max_restarts(cluster.max_restarts);
     let totals = (book.train_nodes, book.val_nodes, book.test_nodes);
     let outcome = coord.run_epochs(job.cfg.epochs, totals, &events).await;
     let workers: Vec<u32> = live.borrow().iter().copied().collect();
@@ -342,7 +345,9 @@ impl ClusterRecovery {
     /// partition's replica nodes; records the new placement.
     fn replan(&self, node: u32) -> Result<Vec<(u32, u32)>, ActorError> {
         if node == self.me {
-            return Err(ActorError::Cluster("the coordinator's own node failed".into()));
+            return Err(ActorError::Cluster(
+                "the coordinator's own node failed".into(),
+            ));
         }
         self.live.borrow_mut().remove(&node);
         self.transport.fence(node);
@@ -357,6 +362,11 @@ impl ClusterRecovery {
             }
             let holders = replica_nodes(&self.ids, node, self.replicas);
             let to = holders.iter().copied().find(|&n| alive(n)).ok_or_else(|| {
+                if holders.is_empty() {
+                    return ActorError::Cluster(format!(
+                        "partition {p} is lost with node {node}: it has no replica (replicas = 0 in the cluster file)"
+                    ));
+                }
                 ActorError::Cluster(format!(
                     "partition {p} is lost: node {node} hosted it and its replica nodes {holders:?} are gone too (raise `replicas` in the cluster file, or resume from a durable checkpoint)"
                 ))

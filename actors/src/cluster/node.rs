@@ -167,7 +167,11 @@ impl Drop for NodeEndpoint {
 }
 
 /// Loads partition `p` of `set` into a fresh state (initial weights) with its own stream.
-pub fn load_state(set: &PartitionSet, p: u32, cfg: &TrainConfig) -> Result<PartitionState, ActorError> {
+pub fn load_state(
+    set: &PartitionSet,
+    p: u32,
+    cfg: &TrainConfig,
+) -> Result<PartitionState, ActorError> {
     let book = set.book();
     let counts = GlobalCounts {
         train: book.train_nodes,
@@ -229,7 +233,13 @@ pub fn adopt_partitions(
     cfg: &TrainConfig,
     epoch: u32,
     digest: &str,
-) -> Result<(Vec<(u32, actix::Addr<crate::partition::PartitionActor>)>, bool), ActorError> {
+) -> Result<
+    (
+        Vec<(u32, actix::Addr<crate::partition::PartitionActor>)>,
+        bool,
+    ),
+    ActorError,
+> {
     let snap = node.replicas().latest().ok_or_else(|| {
         ActorError::Cluster("no replica of the model state on this node to resume from".into())
     })?;

@@ -66,9 +66,18 @@ pub struct Setup {
 /// A request for one partition.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
 pub enum Request {
-    Step { epoch: u32, layer: u16, phase: u8 },
-    Apply { epoch: u32, grads: Vec<f32> },
-    Reset { epoch: u32 },
+    Step {
+        epoch: u32,
+        layer: u16,
+        phase: u8,
+    },
+    Apply {
+        epoch: u32,
+        grads: Vec<f32>,
+    },
+    Reset {
+        epoch: u32,
+    },
     /// Host these partitions of a lost node from now on, resuming from this node's replica of
     /// the model state, which must be the committed step `epoch` with weights `digest`
     /// (empty: not known yet).
@@ -91,6 +100,8 @@ pub enum ReplyBody {
         compute_ms: f64,
         halo_bytes: u64,
         outcome: WireOutcome,
+        /// 0: no restore since the last reply; 1: restored, digest matched; 2: mismatched.
+        restored: u8,
     },
     Applied {
         digest: String,
@@ -221,6 +232,11 @@ impl ReplyBody {
                 compute_ms: s.compute_ms,
                 halo_bytes: s.halo_bytes,
                 outcome: WireOutcome::from(&s.outcome),
+                restored: match s.restored {
+                    None => 0,
+                    Some(true) => 1,
+                    Some(false) => 2,
+                },
             },
             Err(e) => Self::of_error(e),
         }
@@ -286,6 +302,7 @@ mod tests {
                 body: ReplyBody::Step {
                     compute_ms: 1.5,
                     halo_bytes: 42,
+                    restored: 1,
                     outcome: WireOutcome::Loss {
                         loss_sum: 0.25,
                         count: 3,

@@ -155,11 +155,17 @@ impl RemotePart {
                 compute_ms,
                 halo_bytes,
                 outcome,
+                restored,
             } => Ok(StepReply {
                 part: self.part,
                 compute_ms,
                 halo_bytes,
                 outcome: outcome.into(),
+                restored: match restored {
+                    1 => Some(true),
+                    2 => Some(false),
+                    _ => None,
+                },
             }),
             other => Err(self.unexpected(other)),
         }

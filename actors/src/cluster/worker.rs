@@ -1,9 +1,9 @@
 //! A node that is not the coordinator: joins the coordinator, receives its setup (fetching
 //! partition files it lacks), hosts its partition actors, and serves the coordinator's
 //! requests until `Finish` (or `Abort`, or the coordinator's loss).
+use super::config::replica_nodes;
 use super::config::ClusterFile;
 use super::files::PartDownload;
-use super::config::replica_nodes;
 use super::node::{adopt_partitions, host_partitions, reroute, ControlInbox, NodeEndpoint};
 use super::proto::{phase_from, ControlMsg, ReplyBody, Request, Setup};
 use crate::messages::{ApplyStep, ResetEpoch, Step};
@@ -97,7 +97,10 @@ async fn serve(
                     epoch: committed,
                     digest,
                 } => {
-                    let body = match hosted.adopt(ep, &mut inbox, coord, &parts, committed, &digest).await {
+                    let body = match hosted
+                        .adopt(ep, &mut inbox, coord, &parts, committed, &digest)
+                        .await
+                    {
                         Ok(digest_ok) => ReplyBody::Adopted { digest_ok },
                         Err(e) => ReplyBody::of_error(e),
                     };
@@ -166,7 +169,11 @@ async fn serve(
         ep.flush(Duration::from_secs(5)).await;
         // Closing now could drop the Bye before it is acknowledged: the coordinator hangs up
         // first, once it has every node's Bye.
-        while inbox.next(Some(coord), Duration::from_secs(5)).await.is_ok() {}
+        while inbox
+            .next(Some(coord), Duration::from_secs(5))
+            .await
+            .is_ok()
+        {}
     }
     outcome.map(|_| traffic)
 }

@@ -47,7 +47,10 @@ impl Inbound for Dispatch {
 
     fn control(&self, from: NodeId, bytes: Vec<u8>) {
         if self.fenced.contains(&from) {
-            tracing::warn!(peer = from, "dropped a control message from fenced node {from}");
+            tracing::warn!(
+                peer = from,
+                "dropped a control message from fenced node {from}"
+            );
             return;
         }
         let _ = self.control.send((from, bytes));
