@@ -263,3 +263,69 @@ fn random_faults_never_hang_or_diverge_many_runs() {
         .unwrap_or(40);
     chaos_runs(runs);
 }
+
+#[test]
+fn a_lost_coordinator_resumes_from_its_durable_checkpoint_with_identical_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("checkpoints");
+    let ck = ck.to_str().unwrap();
+    let clean = launch(dir.path(), "clean", 6, "", &[]);
+    // The coordinator's own process is SIGKILLed as epoch 5 starts: the run is lost...
+    let lost = launch(
+        dir.path(),
+        "lost",
+        6,
+        "kill-node:node=0:epoch=5",
+        &["--checkpoint-dir", ck, "--checkpoint-every", "2"],
+    );
+    assert!(!lost.ok);
+    assert!(
+        lost.stderr.contains("coordinator (node 0) failed"),
+        "{}",
+        lost.stderr
+    );
+    // ...and a restart resumes from the checkpoint of epoch 4 to the same final weights.
+    let resumed = launch(
+        dir.path(),
+        "resumed",
+        6,
+        "",
+        &["--checkpoint-dir", ck, "--resume"],
+    );
+    assert_eq!(digest(&resumed), digest(&clean));
+    let logs = resumed.report.as_ref().unwrap()["epochs_log"]
+        .as_array()
+        .unwrap()
+        .len();
+    assert_eq!(
+        logs, 6,
+        "the report covers the epochs before the restart too"
+    );
+}
+
+#[test]
+fn a_corrupt_checkpoint_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("ck");
+    std::fs::create_dir_all(&ck).unwrap();
+    std::fs::write(ck.join("checkpoint.rkyv"), b"not a checkpoint at all").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_trellis"))
+        .args([
+            "train",
+            "--data",
+            DATA,
+            "--partitions",
+            "2",
+            "--epochs",
+            "2",
+        ])
+        .args(["--checkpoint-dir", ck.to_str().unwrap(), "--resume"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("checkpoint.rkyv") && err.contains("corrupt"),
+        "{err}"
+    );
+}

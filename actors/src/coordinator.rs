@@ -84,7 +84,14 @@ pub struct Coordinator {
     committed: (u32, String),
     /// Restore checks reported by restarted partitions, not yet attached to a recovery.
     restores: std::cell::RefCell<Vec<(u32, bool)>>,
+    /// Epochs already done before this run resumed from a checkpoint, with their logs.
+    prior: Vec<EpochLog>,
+    /// Every `.0` epochs, called with (epoch, committed digest, every log so far).
+    checkpoint: Option<(u32, CheckpointFn)>,
 }
+
+/// Writes a durable checkpoint: (epoch, committed digest, every epoch's log so far).
+pub type CheckpointFn = Box<dyn Fn(u32, &str, &[EpochLog]) -> Result<(), ActorError>>;
 
 /// What a run of epochs produced.
 pub struct EpochsDone {
@@ -136,7 +143,25 @@ impl Coordinator {
             node_recovery: None,
             committed: (0, String::new()),
             restores: Default::default(),
+            prior: Vec::new(),
+            checkpoint: None,
         }
+    }
+
+    /// Continues a run restored from a checkpoint taken after `epoch` (weights `digest`),
+    /// whose earlier epochs logged `logs`.
+    pub fn resumed(mut self, epoch: u32, digest: String, logs: Vec<EpochLog>) -> Self {
+        self.committed = (epoch, digest);
+        self.prior = logs;
+        self
+    }
+
+    /// Calls `write` after every `every` committed epochs (and after the last one).
+    pub fn with_checkpoints(mut self, every: u32, write: CheckpointFn) -> Self {
+        if every > 0 {
+            self.checkpoint = Some((every, write));
+        }
+        self
     }
 
     /// Calls `f(epoch)` before each epoch's first step.
@@ -159,11 +184,14 @@ impl Coordinator {
         events: &mpsc::Sender<RunEvent>,
     ) -> Result<EpochsDone, ActorError> {
         let mut done = EpochsDone {
-            logs: Vec::new(),
+            logs: std::mem::take(&mut self.prior),
             best: BestTracker::default(),
-            digest: String::new(),
+            digest: self.committed.1.clone(),
         };
-        for epoch in 1..=epochs {
+        for log in &done.logs {
+            done.best.update(log);
+        }
+        for epoch in self.committed.0 + 1..=epochs {
             let seen = self.recoveries.len();
             let (log, digest) = self.epoch(epoch, totals).await?;
             for r in &self.recoveries[seen..] {
@@ -173,6 +201,11 @@ impl Coordinator {
             let _ = events.send(RunEvent::Epoch(log.clone()));
             done.logs.push(log);
             done.digest = digest;
+            if let Some((every, write)) = &self.checkpoint {
+                if epoch % every == 0 || epoch == epochs {
+                    write(epoch, &done.digest, &done.logs)?;
+                }
+            }
         }
         Ok(done)
     }

@@ -9,6 +9,7 @@
 //! - [`Topology`]/[`TrainingRun`]: the Rust API for programs that spawn training topologies.
 //! - [`cluster`]: multi-process clusters over QUIC (`trellis node`, `trellis launch`).
 
+pub mod checkpoint;
 pub mod cluster;
 mod coordinator;
 mod error;

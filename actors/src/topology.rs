@@ -4,6 +4,7 @@
 //! actor and thread of the run is stopped and joined before `wait` returns.
 //!
 //! [`spawn`]: Topology::spawn
+use crate::checkpoint::{Checkpoint, CheckpointPolicy, CheckpointWriter};
 use crate::coordinator::{Coordinator, Recovery};
 use crate::handle::PartHandle;
 use crate::replica::ReplicaStore;
@@ -236,6 +237,7 @@ pub struct Topology {
     cfg: TrainConfig,
     faults: Arc<FaultPlan>,
     deadline: Duration,
+    checkpoints: Option<CheckpointPolicy>,
     dataset: String,
     _tmp: Option<TempDir>,
 }
@@ -260,6 +262,7 @@ impl Topology {
             deadline: Duration::from_secs(300),
             dataset,
             _tmp: None,
+            checkpoints: None,
         })
     }
 
@@ -289,6 +292,12 @@ impl Topology {
     /// Injects faults (tests, `--chaos`).
     pub fn with_faults(mut self, faults: FaultPlan) -> Self {
         self.faults = Arc::new(faults);
+        self
+    }
+
+    /// Writes durable checkpoints (and resumes from one) as `policy` says.
+    pub fn with_checkpoints(mut self, policy: CheckpointPolicy) -> Self {
+        self.checkpoints = Some(policy);
         self
     }
 
@@ -323,6 +332,22 @@ impl Topology {
             let stream = Stream::new(Device::Cpu, budget.clone())?;
             states.push(PartitionState::new(&file, &self.cfg, counts, stream)?);
         }
+        let resume = match &self.checkpoints {
+            Some(pol) if pol.resume => Checkpoint::read(&pol.dir)?,
+            _ => None,
+        };
+        if let (Some(ck), Some(pol)) = (&resume, &self.checkpoints) {
+            ck.check_matches(&pol.dir, &self.cfg, &book.data_digest, book.parts)?;
+            for s in &mut states {
+                if !s.restore(&ck.snapshot) {
+                    return Err(ActorError::Cluster(format!(
+                        "checkpoint in {}: the restored weights do not match its digest",
+                        pol.dir.display()
+                    )));
+                }
+            }
+        }
+        let policy = self.checkpoints.clone();
         let (tx, rx) = mpsc::channel();
         let cancel = Arc::new(AtomicBool::new(false));
         let cancel2 = cancel.clone();
@@ -344,6 +369,20 @@ impl Topology {
                     let node = NodeSupervisor::start(states, run, transport, replicas, faults);
                     let handles = local_handles(&node);
                     let mut coord = Coordinator::new(run, handles, &cfg, deadline, cancel2);
+                    if let Some(ck) = resume {
+                        let s = &ck.snapshot;
+                        coord = coord.resumed(s.epoch, s.digest.clone(), ck.logs);
+                    }
+                    if let Some(pol) = policy {
+                        let writer = CheckpointWriter {
+                            store: node.replicas().clone(),
+                            dir: pol.dir,
+                            config: cfg.clone(),
+                            data_digest: book.data_digest.clone(),
+                            parts: book.parts,
+                        };
+                        coord = coord.with_checkpoints(pol.every, writer.into_fn());
+                    }
                     let totals = (counts.train, counts.val, counts.test);
                     let outcome = coord.run_epochs(cfg.epochs, totals, &tx).await;
                     node.shutdown();

@@ -1,8 +1,8 @@
 //! `trellis accuracy`: mean test accuracy over seeds for each model.
-use super::train::{load_data, TrainArgs};
+use super::train::load_data;
 use anyhow::Result;
 use clap::Args;
-use trellis_runtime::{ModelKind, Trainer};
+use trellis_runtime::{ModelKind, TrainConfig, Trainer};
 
 #[derive(Debug, Clone, Args)]
 pub struct AccuracyArgs {
@@ -27,26 +27,8 @@ pub fn run(a: AccuracyArgs) -> Result<()> {
         let mut accs = Vec::new();
         let mut ms = Vec::new();
         for seed in 0..a.seeds {
-            let args = TrainArgs {
-                data: a.data.clone(),
-                model: kind,
-                epochs: None,
-                lr: None,
-                hidden: None,
-                heads: None,
-                dropout: None,
-                weight_decay: None,
-                seed,
-                threads: a.threads,
-                no_normalize_features: false,
-                partitions: 1,
-                partition_method: trellis_runtime::partition::PartitionMethod::Metis,
-                partition_dir: None,
-                chaos: None,
-                report: None,
-                verbose: false,
-            };
-            let cfg = args.config(&ds)?;
+            let mut cfg = TrainConfig::paper_defaults(kind, ds.num_features, ds.num_classes, seed);
+            cfg.threads = a.threads;
             let report = Trainer::new(&ds, cfg)?.run(|_| {})?;
             accs.push(report.test_acc);
             ms.push(report.epoch_ms_median);

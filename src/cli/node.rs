@@ -60,6 +60,7 @@ pub fn run(a: NodeArgs) -> Result<()> {
         cfg,
         chaos: t.chaos.clone().unwrap_or_default(),
         addr_file: a.addr_file,
+        checkpoints: t.checkpoints(),
     };
     let report = follow(job.spawn()?, epochs, t.verbose)?;
     print_summary(&report);

@@ -2,6 +2,7 @@
 use anyhow::{Context, Result};
 use clap::Args;
 use std::path::PathBuf;
+use trellis_actors::checkpoint::CheckpointPolicy;
 use trellis_actors::{FaultPlan, RunEvent, Topology, TrainingRun};
 use trellis_runtime::partition::PartitionMethod;
 use trellis_runtime::{progress, DataSource, Dataset, ModelKind, RunReport, TrainConfig, Trainer};
@@ -49,6 +50,16 @@ pub struct TrainArgs {
     /// (comma separated). The run recovers and ends with the fault-free weights.
     #[arg(long)]
     pub chaos: Option<String>,
+    /// Write durable checkpoints (atomic: temporary file, fsync, rename) into this folder.
+    #[arg(long)]
+    pub checkpoint_dir: Option<PathBuf>,
+    /// Checkpoint after every N epochs (and after the last).
+    #[arg(long, default_value_t = 5)]
+    pub checkpoint_every: u32,
+    /// Resume from the checkpoint in --checkpoint-dir (if there is one) instead of starting
+    /// over; the configuration must match, --epochs may be larger.
+    #[arg(long, requires = "checkpoint_dir")]
+    pub resume: bool,
     /// Where to write the JSON run report.
     #[arg(long)]
     pub report: Option<PathBuf>,
@@ -58,6 +69,15 @@ pub struct TrainArgs {
 }
 
 impl TrainArgs {
+    /// The checkpoint policy of `--checkpoint-dir`, `--checkpoint-every` and `--resume`.
+    pub fn checkpoints(&self) -> Option<CheckpointPolicy> {
+        self.checkpoint_dir.as_ref().map(|dir| CheckpointPolicy {
+            dir: dir.clone(),
+            every: self.checkpoint_every,
+            resume: self.resume,
+        })
+    }
+
     /// The training configuration for a loaded data set.
     pub fn config(&self, ds: &Dataset) -> Result<TrainConfig> {
         self.config_for(ds.num_features, ds.num_classes)
@@ -129,11 +149,15 @@ pub fn train_partitioned(
     method: PartitionMethod,
     dir: Option<&std::path::Path>,
     chaos: Option<&str>,
+    checkpoints: Option<CheckpointPolicy>,
     verbose: bool,
 ) -> Result<RunReport> {
     let epochs = cfg.epochs as u64;
     let faults = chaos.map(FaultPlan::parse).transpose()?.unwrap_or_default();
-    let topo = Topology::partition(ds, parts, method, dir, cfg)?.with_faults(faults);
+    let mut topo = Topology::partition(ds, parts, method, dir, cfg)?.with_faults(faults);
+    if let Some(pol) = checkpoints {
+        topo = topo.with_checkpoints(pol);
+    }
     let run = topo.spawn()?;
     follow(run, epochs, verbose)
 }
@@ -189,7 +213,11 @@ pub fn follow(run: TrainingRun, epochs: u64, verbose: bool) -> Result<RunReport>
 pub fn run(a: TrainArgs) -> Result<()> {
     let ds = load_data(&a.data)?;
     let cfg = a.config(&ds)?;
-    let report = if a.partitions > 1 || a.partition_dir.is_some() || a.chaos.is_some() {
+    let report = if a.partitions > 1
+        || a.partition_dir.is_some()
+        || a.chaos.is_some()
+        || a.checkpoint_dir.is_some()
+    {
         train_partitioned(
             &ds,
             cfg,
@@ -197,6 +225,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
             a.partition_method,
             a.partition_dir.as_deref(),
             a.chaos.as_deref(),
+            a.checkpoints(),
             a.verbose,
         )?
     } else {

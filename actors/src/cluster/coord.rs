@@ -9,6 +9,7 @@ use super::node::{host_partitions, ControlInbox, NodeEndpoint};
 use super::proto::{ControlMsg, Setup};
 use super::proto::{ReplyBody, Request};
 use super::remote::{ControlClient, RemotePart};
+use crate::checkpoint::{Checkpoint, CheckpointPolicy, CheckpointWriter};
 use crate::coordinator::{Coordinator, NodeRecovery, Replaced};
 use crate::handle::PartHandle;
 use crate::supervisor::NodeSupervisor;
@@ -40,6 +41,8 @@ pub struct ClusterJob {
     pub chaos: String,
     /// Write the bound address here once listening (for launchers).
     pub addr_file: Option<PathBuf>,
+    /// Durable checkpoints (written by the coordinator from its own partitions' replicas).
+    pub checkpoints: Option<CheckpointPolicy>,
 }
 
 impl ClusterJob {
@@ -78,6 +81,18 @@ async fn drive(
     let placement = cluster.placement(book.parts)?;
     let workers = cluster.workers();
     let run = uuid::Uuid::new_v4();
+    let resume = match &job.checkpoints {
+        Some(pol) if pol.resume => Checkpoint::read(&pol.dir)?,
+        _ => None,
+    };
+    if let (Some(ck), Some(pol)) = (&resume, &job.checkpoints) {
+        ck.check_matches(&pol.dir, &job.cfg, &book.data_digest, book.parts)?;
+    }
+    if job.checkpoints.is_some() && !placement.contains(&ep.id) {
+        return Err(ActorError::Cluster(
+            "checkpoints are written from the coordinator's own partitions: place at least one on it".into(),
+        ));
+    }
 
     // 1. Every other node joins and says where it listens.
     let mut addrs = BTreeMap::new();
@@ -115,6 +130,7 @@ async fn drive(
         deadline_ms: cluster.step_deadline_ms,
         chaos: job.chaos.clone(),
         replicas: cluster.replicas,
+        resume: resume.as_ref().map(|c| c.to_bytes()).unwrap_or_default(),
     };
     for &w in &workers {
         let addr = addrs[&w].parse().map_err(|e| ActorError::Node {
@@ -137,6 +153,7 @@ async fn drive(
         run,
         ep.transport.clone(),
         faults.clone(),
+        resume.as_ref().map(|c| &c.snapshot),
     )?;
     let mut ready = BTreeSet::new();
     let setup_by = Instant::now() + join.max(Duration::from_secs(120));
@@ -220,6 +237,20 @@ async fn drive(
         })
         .with_node_recovery(recovery.clone())
         .with_max_restarts(cluster.max_restarts);
+    if let Some(ck) = resume {
+        let s = &ck.snapshot;
+        coord = coord.resumed(s.epoch, s.digest.clone(), ck.logs);
+    }
+    if let Some(pol) = &job.checkpoints {
+        let writer = CheckpointWriter {
+            store: local.borrow().replicas().clone(),
+            dir: pol.dir.clone(),
+            config: job.cfg.clone(),
+            data_digest: book.data_digest.clone(),
+            parts: book.parts,
+        };
+        coord = coord.with_checkpoints(pol.every, writer.into_fn());
+    }
     let totals = (book.train_nodes, book.val_nodes, book.test_nodes);
     let outcome = coord.run_epochs(job.cfg.epochs, totals, &events).await;
     let workers: Vec<u32> = live.borrow().iter().copied().collect();

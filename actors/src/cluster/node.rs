@@ -196,11 +196,21 @@ pub fn host_partitions(
     run: RunId,
     transport: Arc<QuicTransport>,
     faults: Arc<FaultPlan>,
+    resume: Option<&crate::replica::Snapshot>,
 ) -> Result<NodeSupervisor, ActorError> {
-    let states = parts
+    let mut states = parts
         .iter()
         .map(|&p| load_state(set, p, cfg))
         .collect::<Result<Vec<_>, _>>()?;
+    if let Some(snap) = resume {
+        for s in &mut states {
+            if !s.restore(snap) {
+                return Err(ActorError::Cluster(
+                    "the checkpoint's weights do not match its digest".into(),
+                ));
+            }
+        }
+    }
     reroute(&transport, placement, me);
     transport.set_epoch(run, 0);
     let replicas = Arc::new(ReplicaStore::new());

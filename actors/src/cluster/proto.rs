@@ -61,6 +61,8 @@ pub struct Setup {
     pub chaos: String,
     /// R: how many other nodes keep each partition's replica (its file, ready to adopt it).
     pub replicas: u32,
+    /// A durable checkpoint to resume from (its bytes), or empty.
+    pub resume: Vec<u8>,
 }
 
 /// A request for one partition.
@@ -288,6 +290,7 @@ mod tests {
                 deadline_ms: 5000,
                 chaos: String::new(),
                 replicas: 1,
+                resume: vec![1, 2],
             }),
             ControlMsg::Request {
                 id: 9,

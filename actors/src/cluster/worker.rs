@@ -6,6 +6,7 @@ use super::config::ClusterFile;
 use super::files::PartDownload;
 use super::node::{adopt_partitions, host_partitions, reroute, ControlInbox, NodeEndpoint};
 use super::proto::{phase_from, ControlMsg, ReplyBody, Request, Setup};
+use crate::checkpoint::Checkpoint;
 use crate::messages::{ApplyStep, ResetEpoch, Step};
 use crate::partition::PartitionActor;
 use crate::supervisor::NodeSupervisor;
@@ -344,6 +345,12 @@ async fn setup_node(
     let set = ensure_files(&dir, &book, &needed, ep, inbox, coord).await?;
     let run = uuid::Uuid::from_bytes(setup.run);
     let faults = Arc::new(FaultPlan::parse(&setup.chaos)?);
+    let resume = if setup.resume.is_empty() {
+        None
+    } else {
+        let ck = Checkpoint::from_bytes(&setup.resume, Path::new("(received in the setup)"))?;
+        Some(ck.snapshot)
+    };
     let node = host_partitions(
         &set,
         &mine,
@@ -353,6 +360,7 @@ async fn setup_node(
         run,
         ep.transport.clone(),
         faults.clone(),
+        resume.as_ref(),
     )?;
     let addrs = node
         .parts()
