@@ -142,6 +142,9 @@ fn three_node_cluster_matches_single_process() {
     assert_eq!(digests[0], digests[1], "a fixed placement is deterministic");
 }
 
+/// `extra` lines for the top level of the cluster file, not a `[[node]]` table.
+const TOP: u32 = u32::MAX;
+
 /// Certificates plus a cluster file for nodes `0..n`; returns the folder.
 fn cluster_dir(n: u32) -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
@@ -161,6 +164,11 @@ fn write_cluster(
     extra: &[(u32, &str)],
 ) -> PathBuf {
     let mut t = "certs = \"certs\"\npartitions = \"parts\"\nheartbeat_ms = 200\nidle_timeout_ms = 1500\nstep_deadline_ms = 20000\njoin_timeout_ms = 20000\n".to_string();
+    for (node, line) in extra {
+        if *node == TOP {
+            t += &format!("{line}\n");
+        }
+    }
     for i in 0..n {
         let addr = if i == 0 { coord_addr } else { "127.0.0.1:0" };
         t += &format!("[[node]]\nid = {i}\naddr = \"{addr}\"\n");
@@ -216,8 +224,9 @@ fn a_node_without_partition_files_receives_them_from_the_coordinator() {
     assert!(status.success(), "{err}\n{out}");
     let (status, wout, werr) = worker.finish(Duration::from_secs(20));
     assert!(status.success(), "{werr}\n{wout}");
-    // Node 1 hosts partitions 2 and 3; it had none and now holds exact copies.
-    for p in [2, 3] {
+    // Node 1 hosts partitions 2 and 3 and keeps the replica of node 0's (0 and 1); it had
+    // none of them and now holds exact copies.
+    for p in [0, 1, 2, 3] {
         let name = format!("part-{p}.rkyv");
         let a = std::fs::read(dir.path().join("parts").join(&name));
         let b = std::fs::read(dir.path().join("node1-parts").join(&name));
@@ -226,7 +235,6 @@ fn a_node_without_partition_files_receives_them_from_the_coordinator() {
             "{name} was not shipped intact"
         );
     }
-    assert!(!dir.path().join("node1-parts/part-0.rkyv").exists());
 }
 
 #[test]
@@ -241,8 +249,10 @@ fn a_node_that_stops_answering_fails_the_run_naming_it_and_nothing_hangs() {
         "100000",
         "--verbose",
     ];
-    let (mut coord, addr) = start_coordinator(dir.path(), 3, &[], &train);
-    let c1 = write_cluster(dir.path(), "c1.toml", &addr, 3, &[]);
+    // Without replicas the run cannot recover from the loss: it must fail, naming the node.
+    let norep = [(TOP, "replicas = 0")];
+    let (mut coord, addr) = start_coordinator(dir.path(), 3, &norep, &train);
+    let c1 = write_cluster(dir.path(), "c1.toml", &addr, 3, &norep);
     let w1 = Proc::start("node 1", &["node", "--cluster", s(&c1), "--id", "1"]);
     let w2 = Proc::start("node 2", &["node", "--cluster", s(&c1), "--id", "2"]);
     // Wait for training to be under way, then freeze node 2.
@@ -312,4 +322,77 @@ fn bad_cluster_files_and_ids_are_clear_errors() {
         .finish(Duration::from_secs(20));
     assert!(!status.success());
     assert!(err.contains("node 7 is not in the cluster file"), "{err}");
+}
+
+#[test]
+fn a_frozen_node_is_replaced_and_fenced_when_it_wakes_up() {
+    let dir = cluster_dir(3);
+    let epochs = "12";
+    let train = [
+        "--data",
+        DATA,
+        "--partitions",
+        "3",
+        "--epochs",
+        epochs,
+        "--verbose",
+    ];
+    let reference = dir.path().join("reference.json");
+    run_ok(
+        "reference",
+        &[
+            "train",
+            "--data",
+            DATA,
+            "--partitions",
+            "3",
+            "--epochs",
+            epochs,
+            "--report",
+            s(&reference),
+        ],
+        Duration::from_secs(60),
+    );
+    let out = dir.path().join("cluster.json");
+    let mut train = train.to_vec();
+    train.extend(["--report", s(&out)]);
+    let (mut coord, addr) = start_coordinator(dir.path(), 3, &[], &train);
+    let c1 = write_cluster(dir.path(), "c1.toml", &addr, 3, &[]);
+    let w1 = Proc::start("node 1", &["node", "--cluster", s(&c1), "--id", "1"]);
+    let w2 = Proc::start("node 2", &["node", "--cluster", s(&c1), "--id", "2"]);
+    let stdout = coord.child.stdout.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let wait_for = |prefix: &str| loop {
+        let line = rx
+            .recv_timeout(Duration::from_secs(60))
+            .unwrap_or_else(|_| panic!("no `{prefix}` line"));
+        if line.starts_with(prefix) {
+            break line;
+        }
+    };
+    wait_for("epoch    2");
+    // Freeze node 2: it is declared lost (idle timeout) and its partition re-placed...
+    let pid = w2.child.id() as i32;
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGSTOP) }, 0);
+    let recovered = wait_for("recovered: loss of node 2");
+    // ...then it wakes up with stale state; whatever it still sends is refused (fenced).
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGCONT) }, 0);
+    assert!(recovered.contains("restored state matched"), "{recovered}");
+    let (status, _, err) = coord.finish(Duration::from_secs(60));
+    assert!(status.success(), "{err}");
+    let (a, b) = (report(&out), report(&reference));
+    assert_eq!(a["weights_digest"], b["weights_digest"]);
+    assert_eq!(losses(&a).len(), 12);
+    let (status, _, _) = w1.finish(Duration::from_secs(20));
+    assert!(status.success());
+    // The woken node finds itself cut off and exits on its own.
+    let (status, _, werr) = w2.finish(Duration::from_secs(20));
+    assert!(!status.success(), "{werr}");
 }

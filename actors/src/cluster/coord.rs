@@ -166,15 +166,7 @@ async fn drive(
                 None
             }
             Ok((from, ControlMsg::FetchPart { part })) => {
-                match book.partitions.get(part as usize) {
-                    Some(info) if placement[part as usize] == from => serve_part(
-                        ep.transport.clone(),
-                        from,
-                        job.set.dir().to_path_buf(),
-                        info.clone(),
-                    ),
-                    _ => tracing::warn!(peer = from, "node {from} asked for partition {part}"),
-                }
+                ship(ep.transport.clone(), &job.set, from, part);
                 None
             }
             Ok((from, ControlMsg::SetupFailed { error })) => Some(ActorError::Node {
@@ -197,7 +189,7 @@ async fn drive(
     // 3. Train: replies and failures are dispatched to the waiting requests.
     let client = ControlClient::new(ep.transport.clone());
     let (bye_tx, mut byes) = tmpsc::unbounded_channel();
-    let dispatcher = actix::spawn(dispatch(inbox, client.clone(), bye_tx));
+    let dispatcher = actix::spawn(dispatch(inbox, client.clone(), bye_tx, job.set.clone()));
     let mut handles = local_handles(&local);
     for (p, &node) in placement.iter().enumerate() {
         if node != ep.id {
@@ -483,6 +475,18 @@ impl RecoveryRefs {
     }
 }
 
+/// Ships partition file `part` to node `to` (any node of the cluster may keep any partition's
+/// replica; the transport has already authenticated it).
+fn ship(transport: Arc<QuicTransport>, set: &PartitionSet, to: u32, part: u32) {
+    match set.book().partitions.get(part as usize) {
+        Some(info) => serve_part(transport, to, set.dir().to_path_buf(), info.clone()),
+        None => tracing::warn!(
+            peer = to,
+            "node {to} asked for partition {part}, which does not exist"
+        ),
+    }
+}
+
 fn parts_of(placement: &[u32], node: u32) -> Vec<u32> {
     (0..placement.len() as u32)
         .filter(|&p| placement[p as usize] == node)
@@ -508,10 +512,15 @@ async fn dispatch(
     mut inbox: ControlInbox,
     client: Arc<ControlClient>,
     byes: tmpsc::UnboundedSender<(u32, u64, u64)>,
+    set: PartitionSet,
 ) {
     loop {
         match inbox.next(None, Duration::from_secs(3600)).await {
             Ok((from, ControlMsg::Reply { id, body })) => client.on_reply(from, id, body),
+            // A node adopting a lost node's partition may lack its file.
+            Ok((from, ControlMsg::FetchPart { part })) => {
+                ship(client.transport().clone(), &set, from, part)
+            }
             Ok((
                 from,
                 ControlMsg::Bye {

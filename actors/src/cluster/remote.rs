@@ -31,6 +31,11 @@ impl ControlClient {
         })
     }
 
+    /// The transport requests travel on.
+    pub fn transport(&self) -> &Arc<QuicTransport> {
+        &self.transport
+    }
+
     /// Sends `req` for partition `part` to `node`; resolves with the reply.
     pub async fn request(
         self: Arc<Self>,
