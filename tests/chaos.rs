@@ -39,6 +39,8 @@ fn launch(dir: &Path, name: &str, epochs: u32, chaos: &str, extra: &[&str]) -> R
         "100",
         "--idle-timeout-ms",
         "800",
+        "--step-deadline-ms",
+        "2000",
         "--data",
         DATA,
         "--epochs",
@@ -185,6 +187,22 @@ fn losing_a_partition_without_replica_is_a_clear_error() {
     );
 }
 
+#[test]
+fn cut_delayed_and_corrupted_links_end_with_identical_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let clean = launch(dir.path(), "clean", 5, "", &[]);
+    // Node 1 <-> node 2 drops everything for 400 ms in epoch 2; node 1's next halo frame to
+    // node 0 is corrupted in epoch 3; node 0 <-> node 2 is slow all along.
+    let chaos = "cut-link:a=1:b=2:epoch=2:ms=400,corrupt:a=1:b=0:epoch=3,delay:a=0:b=2:ms=20";
+    let faulty = launch(dir.path(), "links", 5, chaos, &[]);
+    assert_eq!(digest(&faulty), digest(&clean), "{}", faulty.stdout);
+    let kinds: Vec<String> = recoveries(&faulty)
+        .iter()
+        .map(|r| format!("{}@{}", r["kind"].as_str().unwrap(), r["epoch"]))
+        .collect();
+    assert_eq!(kinds, ["timeout@2", "timeout@3"], "{}", faulty.stdout);
+}
+
 /// Small xorshift for seeded fault plans.
 struct Rng(u64);
 impl Rng {
@@ -205,6 +223,18 @@ fn random_plan(rng: &mut Rng, epochs: u64, panics: u64) -> (String, u64) {
             "kill-node:node={node}:epoch={}",
             1 + rng.below(epochs)
         ));
+    }
+    let (a, b) = (rng.below(3), rng.below(3));
+    if a != b {
+        let epoch = 1 + rng.below(epochs);
+        faults.push(match rng.below(3) {
+            0 => format!(
+                "cut-link:a={a}:b={b}:epoch={epoch}:ms={}",
+                100 + rng.below(400)
+            ),
+            1 => format!("corrupt:a={a}:b={b}:epoch={epoch}"),
+            _ => format!("delay:a={a}:b={b}:ms={}", 1 + rng.below(20)),
+        });
     }
     for _ in 0..panics {
         let phase = ["forward", "backward", "eval"][rng.below(3) as usize];

@@ -84,6 +84,8 @@ pub struct Coordinator {
     committed: (u32, String),
     /// Restore checks reported by restarted partitions, not yet attached to a recovery.
     restores: std::cell::RefCell<Vec<(u32, bool)>>,
+    /// Treat a step that misses its deadline as a lost message: reset and replay.
+    retry_timeouts: bool,
     /// Epochs already done before this run resumed from a checkpoint, with their logs.
     prior: Vec<EpochLog>,
     /// Every `.0` epochs, called with (epoch, committed digest, every log so far).
@@ -145,6 +147,7 @@ impl Coordinator {
             restores: Default::default(),
             prior: Vec::new(),
             checkpoint: None,
+            retry_timeouts: false,
         }
     }
 
@@ -354,6 +357,23 @@ impl Coordinator {
                         at,
                     }
                 }
+                ActorError::Timeout { part, ms, what } if self.retry_timeouts => {
+                    if self.restarts_used > self.max_restarts {
+                        return Err(ActorError::Timeout { part, ms, what });
+                    }
+                    tracing::warn!(
+                        "partition {part} missed its {ms} ms deadline ({what}); replaying"
+                    );
+                    OpenRecovery {
+                        kind: "timeout",
+                        part,
+                        node: None,
+                        moves: Vec::new(),
+                        digest_ok: None,
+                        detected_ms,
+                        at: Instant::now(),
+                    }
+                }
                 other => return Err(other),
             };
             open.push(recovery);
@@ -376,6 +396,13 @@ impl Coordinator {
             r?;
         }
         Ok(())
+    }
+
+    /// A step that misses its deadline (a message lost on a faulty link, a corrupted frame)
+    /// is replayed like a failed one instead of failing the run, within the restart budget.
+    pub fn with_timeout_retry(mut self) -> Self {
+        self.retry_timeouts = true;
+        self
     }
 
     /// Sets how many recoveries (restarts and node losses) the run may perform.

@@ -26,4 +26,4 @@ pub use error::ActorError;
 pub use handle::PartHandle;
 pub use messages::{Outcome, StepReply};
 pub use state::PartitionState;
-pub use topology::{FaultPlan, RunEvent, Topology, TrainingRun};
+pub use topology::{FaultPlan, LinkAction, RunEvent, Topology, TrainingRun};

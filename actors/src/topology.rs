@@ -35,6 +35,28 @@ pub struct FaultPlan {
     /// Node kills: (node, epoch, fired): the node's process SIGKILLs itself when the
     /// coordinator starts that epoch.
     kills: Mutex<Vec<(u32, u32, bool)>>,
+    /// Link faults between two nodes, each side fired once by its own node.
+    links: Mutex<Vec<LinkFault>>,
+}
+
+/// What a link fault does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LinkAction {
+    /// Drop every message both ways for this long.
+    Cut(Duration),
+    /// Hold every message for this long (both ways).
+    Delay(Duration),
+    /// Corrupt the next halo frame from `a` to `b`.
+    Corrupt,
+}
+
+#[derive(Debug, Clone)]
+struct LinkFault {
+    action: LinkAction,
+    a: u32,
+    b: u32,
+    epoch: u32,
+    fired: [bool; 2],
 }
 
 impl FaultPlan {
@@ -66,13 +88,14 @@ impl FaultPlan {
         for fault in spec.split(',').filter(|f| !f.is_empty()) {
             let mut fields = fault.split(':');
             let kind = fields.next().unwrap_or_default();
-            if kind != "panic" && kind != "kill-node" {
+            if !["panic", "kill-node", "cut-link", "delay", "corrupt"].contains(&kind) {
                 return Err(bad(format!(
-                    "fault kind `{kind}` is not supported (supported: panic, kill-node)"
+                    "fault kind `{kind}` is not supported (supported: panic, kill-node, cut-link, delay, corrupt)"
                 )));
             }
+            let link = matches!(kind, "cut-link" | "delay" | "corrupt");
             let (mut part, mut epoch, mut layer, mut phase) = (None, None, 0u16, Phase::Forward);
-            let mut node = None;
+            let (mut node, mut a, mut b, mut ms) = (None, None, None, None);
             for kv in fields {
                 let (k, v) = kv
                     .split_once('=')
@@ -84,6 +107,9 @@ impl FaultPlan {
                 match k {
                     "part" if kind == "panic" => part = Some(num(v)?),
                     "node" if kind == "kill-node" => node = Some(num(v)?),
+                    "a" if link => a = Some(num(v)?),
+                    "b" if link => b = Some(num(v)?),
+                    "ms" if kind == "cut-link" || kind == "delay" => ms = Some(num(v)?),
                     "epoch" => epoch = Some(num(v)?),
                     "layer" => layer = num(v)? as u16,
                     "phase" => {
@@ -96,6 +122,32 @@ impl FaultPlan {
                     }
                     _ => return Err(bad(format!("unknown key `{k}` in `{fault}`"))),
                 }
+            }
+            if link {
+                let need = |v: Option<u32>, what: &str| {
+                    v.ok_or_else(|| bad(format!("`{fault}` needs {what}")))
+                };
+                let (a, b) = (need(a, "a=N")?, need(b, "b=M")?);
+                if a == b {
+                    return Err(bad(format!("`{fault}`: a link joins two different nodes")));
+                }
+                let action = match kind {
+                    "cut-link" => LinkAction::Cut(Duration::from_millis(need(ms, "ms=T")? as u64)),
+                    "delay" => LinkAction::Delay(Duration::from_millis(need(ms, "ms=T")? as u64)),
+                    _ => LinkAction::Corrupt,
+                };
+                let epoch = match kind {
+                    "delay" => epoch.unwrap_or(1),
+                    _ => need(epoch, "epoch=E")?,
+                };
+                plan.links.lock().expect("fault plan lock").push(LinkFault {
+                    action,
+                    a,
+                    b,
+                    epoch,
+                    fired: [false; 2],
+                });
+                continue;
             }
             let epoch = epoch.ok_or_else(|| bad(format!("`{fault}` needs epoch=E")))?;
             if kind == "kill-node" {
@@ -118,9 +170,30 @@ impl FaultPlan {
         self
     }
 
-    /// Whether the plan kills nodes (which needs a cluster).
+    /// Whether the plan has faults that need a cluster (node kills, link faults).
     pub fn kills_nodes(&self) -> bool {
         self.kills.lock().map(|v| !v.is_empty()).unwrap_or(false)
+            || self.links.lock().map(|v| !v.is_empty()).unwrap_or(false)
+    }
+
+    /// The link faults node `me` must apply now that `epoch` starts: (peer, action), each
+    /// once. Cuts and delays act on both ends; a corruption on the sending end `a`.
+    pub fn link_faults_due(&self, me: u32, epoch: u32) -> Vec<(u32, LinkAction)> {
+        let Ok(mut v) = self.links.lock() else {
+            return Vec::new();
+        };
+        let mut due = Vec::new();
+        for f in v.iter_mut().filter(|f| f.epoch <= epoch) {
+            if me == f.a && !f.fired[0] {
+                f.fired[0] = true;
+                due.push((f.b, f.action));
+            }
+            if me == f.b && !f.fired[1] && f.action != LinkAction::Corrupt {
+                f.fired[1] = true;
+                due.push((f.a, f.action));
+            }
+        }
+        due
     }
 
     /// Whether node `node` must die now that `epoch` starts (fires once).
@@ -209,8 +282,31 @@ mod tests {
         assert!(plan.kills_nodes());
         assert!(!plan.kill_due(2, 2) && !plan.kill_due(1, 3));
         assert!(plan.kill_due(2, 3) && !plan.kill_due(2, 3), "fires once");
+        let plan = FaultPlan::parse(
+            "cut-link:a=1:b=2:epoch=2:ms=100,corrupt:a=2:b=0:epoch=3,delay:a=0:b=1:ms=5",
+        )
+        .unwrap();
+        assert_eq!(
+            plan.link_faults_due(1, 1),
+            vec![(0, LinkAction::Delay(Duration::from_millis(5)))]
+        );
+        assert_eq!(
+            plan.link_faults_due(1, 2),
+            vec![(2, LinkAction::Cut(Duration::from_millis(100)))]
+        );
+        assert_eq!(
+            plan.link_faults_due(2, 3).len(),
+            2,
+            "cut (b side) and corrupt (a side)"
+        );
+        assert!(
+            plan.link_faults_due(0, 3).len() == 1,
+            "only the delay: corruption is one-sided"
+        );
         for (spec, needle) in [
-            ("cut-link:a=1:b=2:epoch=2:ms=100", "cut-link"),
+            ("cut-link:a=1:b=2:epoch=2", "ms=T"),
+            ("corrupt:a=1:b=1:epoch=2", "two different"),
+            ("partition:part=1:epoch=2", "not supported"),
             ("kill-node:part=1:epoch=2", "part"),
             ("panic:part=1", "epoch"),
             ("panic:part=x:epoch=1", "`x`"),

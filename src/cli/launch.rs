@@ -34,13 +34,17 @@ pub struct LaunchArgs {
     /// Recoveries (partition restarts, node losses) a run may perform before it fails.
     #[arg(long, default_value_t = 8)]
     pub max_restarts: u32,
+    /// Longest wait for one partition's step before it is replayed (lost message), ms.
+    #[arg(long, default_value_t = 120_000)]
+    pub step_deadline_ms: u64,
     /// Training options, passed to the coordinator node.
     #[command(flatten)]
     pub train: TrainArgs,
 }
 
 /// Options of `launch` itself, which are not passed on to the coordinator.
-const OWN_OPTIONS: [&str; 6] = [
+const OWN_OPTIONS: [&str; 7] = [
+    "--step-deadline-ms",
     "--nodes",
     "--dir",
     "--heartbeat-ms",
@@ -117,8 +121,8 @@ fn node_command(exe: &Path, cluster: &Path, id: u32) -> Command {
 /// ephemeral ports (they tell the coordinator theirs).
 fn cluster_file(a: &LaunchArgs, coord_addr: &str) -> String {
     let mut s = format!(
-        "certs = \"certs\"\npartitions = \"parts\"\ncoordinator = 0\nheartbeat_ms = {}\nidle_timeout_ms = {}\nreplicas = {}\nmax_restarts = {}\n",
-        a.heartbeat_ms, a.idle_timeout_ms, a.replicas, a.max_restarts
+        "certs = \"certs\"\npartitions = \"parts\"\ncoordinator = 0\nheartbeat_ms = {}\nidle_timeout_ms = {}\nreplicas = {}\nmax_restarts = {}\nstep_deadline_ms = {}\n",
+        a.heartbeat_ms, a.idle_timeout_ms, a.replicas, a.max_restarts, a.step_deadline_ms
     );
     for n in 0..a.nodes {
         let addr = if n == 0 { coord_addr } else { "127.0.0.1:0" };

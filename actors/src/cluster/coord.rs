@@ -4,7 +4,7 @@
 use super::config::replica_nodes;
 use super::config::ClusterFile;
 use super::files::serve_part;
-use super::node::{adopt_partitions, reroute};
+use super::node::{adopt_partitions, apply_link_faults, reroute};
 use super::node::{host_partitions, ControlInbox, NodeEndpoint};
 use super::proto::{ControlMsg, Setup};
 use super::proto::{ReplyBody, Request};
@@ -225,10 +225,12 @@ async fn drive(
             if faults.kill_due(me, e) {
                 super::worker::kill_self(me, e);
             }
+            apply_link_faults(&transport, &faults, me, e);
             transport.set_epoch(run, e)
         })
         .with_node_recovery(recovery.clone())
-        .with_max_restarts(cluster.max_restarts);
+        .with_max_restarts(cluster.max_restarts)
+        .with_timeout_retry();
     if let Some(ck) = resume {
         let s = &ck.snapshot;
         coord = coord.resumed(s.epoch, s.digest.clone(), ck.logs);

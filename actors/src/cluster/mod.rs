@@ -19,6 +19,13 @@ pub mod remote;
 pub mod worker;
 
 pub use config::ClusterFile;
+
+/// Prints one line to stderr in a single write, so lines of several node processes sharing a
+/// terminal do not interleave.
+pub(crate) fn say(line: &str) {
+    use std::io::Write;
+    let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
+}
 pub use coord::ClusterJob;
 pub use remote::RemotePart;
 pub use worker::run_worker;

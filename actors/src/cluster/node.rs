@@ -166,6 +166,24 @@ impl Drop for NodeEndpoint {
     }
 }
 
+/// Applies the link faults of `faults` due for node `me` at the start of `epoch`.
+pub fn apply_link_faults(transport: &QuicTransport, faults: &FaultPlan, me: u32, epoch: u32) {
+    for (peer, action) in faults.link_faults_due(me, epoch) {
+        super::say(&format!(
+            "chaos: node {me}, link to node {peer}: {action:?} (epoch {epoch})"
+        ));
+        let node = transport.node();
+        let r = match action {
+            crate::LinkAction::Cut(d) => node.cut_link(peer, d),
+            crate::LinkAction::Delay(d) => node.delay_link(peer, d),
+            crate::LinkAction::Corrupt => node.corrupt_link(peer, 1),
+        };
+        if let Err(e) = r {
+            tracing::warn!("chaos on the link to node {peer}: {e}");
+        }
+    }
+}
+
 /// Loads partition `p` of `set` into a fresh state (initial weights) with its own stream.
 pub fn load_state(
     set: &PartitionSet,

@@ -4,7 +4,9 @@
 use super::config::replica_nodes;
 use super::config::ClusterFile;
 use super::files::PartDownload;
-use super::node::{adopt_partitions, host_partitions, reroute, ControlInbox, NodeEndpoint};
+use super::node::{
+    adopt_partitions, apply_link_faults, host_partitions, reroute, ControlInbox, NodeEndpoint,
+};
 use super::proto::{phase_from, ControlMsg, ReplyBody, Request, Setup};
 use crate::checkpoint::Checkpoint;
 use crate::messages::{ApplyStep, ResetEpoch, Step};
@@ -120,6 +122,7 @@ async fn serve(
                         if hosted.faults.kill_due(ep.id, e) {
                             kill_self(ep.id, e);
                         }
+                        apply_link_faults(&ep.transport, &hosted.faults, ep.id, e);
                         if e > epoch {
                             epoch = e;
                             ep.transport.set_epoch(run, e);
@@ -181,7 +184,9 @@ async fn serve(
 
 /// A real SIGKILL of this node's process (the `kill-node` fault).
 pub(crate) fn kill_self(node: u32, epoch: u32) {
-    eprintln!("chaos: node {node} kills itself (SIGKILL) at the start of epoch {epoch}");
+    super::say(&format!(
+        "chaos: node {node} kills itself (SIGKILL) at the start of epoch {epoch}"
+    ));
     // SAFETY: kill(2) on our own pid with SIGKILL; no memory is involved.
     unsafe {
         libc::kill(libc::getpid(), libc::SIGKILL);

@@ -19,6 +19,7 @@
 //! * [`QuicTransport`] implements [`crate::Transport`] over a node: it routes each block to the
 //!   node hosting its destination partition, or delivers it locally without copying.
 
+mod chaos;
 mod config;
 mod conn;
 mod error;

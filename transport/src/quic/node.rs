@@ -105,6 +105,10 @@ pub(crate) struct Peer {
     pub dial: tokio::sync::Mutex<()>,
     /// Receive budget in KiB.
     pub budget: Arc<Semaphore>,
+    /// Injected faults on this link.
+    pub chaos: super::chaos::LinkChaos,
+    /// The delay line of a delayed link (created on first use): messages wait there in order.
+    pub delayed: Mutex<Option<mpsc::UnboundedSender<(tokio::time::Instant, Outgoing)>>>,
 }
 
 impl Peer {
@@ -192,6 +196,8 @@ impl Shared {
             conn: Mutex::new(None),
             dial: tokio::sync::Mutex::new(()),
             budget: Arc::new(Semaphore::new(self.core.cfg.recv_budget_kib() as usize)),
+            chaos: Default::default(),
+            delayed: Mutex::new(None),
         });
         peers.insert(node, peer.clone());
         self.core
@@ -217,6 +223,36 @@ impl Shared {
             });
         }
         peer.pending.fetch_add(1, Ordering::SeqCst);
+        if peer.chaos.is_cut() {
+            // An injected link cut: the message is lost.
+            peer.queued.fetch_sub(bytes, Ordering::SeqCst);
+            peer.settle();
+            return Ok(());
+        }
+        let delay = peer.chaos.delay();
+        if !delay.is_zero() {
+            let mut line = peer.delayed.lock().expect("poisoned");
+            let tx = line.get_or_insert_with(|| {
+                let (tx, mut rx) = mpsc::unbounded_channel::<(tokio::time::Instant, Outgoing)>();
+                let out = peer.tx.clone();
+                self.core.rt.spawn(async move {
+                    while let Some((at, msg)) = rx.recv().await {
+                        tokio::time::sleep_until(at).await;
+                        if out.send(msg).is_err() {
+                            break;
+                        }
+                    }
+                });
+                tx
+            });
+            let at = tokio::time::Instant::now() + delay;
+            if tx.send((at, msg)).is_err() {
+                peer.queued.fetch_sub(bytes, Ordering::SeqCst);
+                peer.settle();
+                return Err(QuicError::Shutdown { node });
+            }
+            return Ok(());
+        }
         if peer.tx.send(msg).is_err() {
             peer.queued.fetch_sub(bytes, Ordering::SeqCst);
             peer.settle();
@@ -387,6 +423,24 @@ impl QuicNode {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// Fault injection: drop every message to and from `node` for `for_`.
+    pub fn cut_link(&self, node: NodeId, for_: Duration) -> Result<(), QuicError> {
+        self.shared.peer(node, None)?.chaos.cut_for(for_);
+        Ok(())
+    }
+
+    /// Fault injection: every later message to `node` waits `delay` before it is sent.
+    pub fn delay_link(&self, node: NodeId, delay: Duration) -> Result<(), QuicError> {
+        self.shared.peer(node, None)?.chaos.set_delay(delay);
+        Ok(())
+    }
+
+    /// Fault injection: the next `n` halo frames to `node` leave with corrupted headers.
+    pub fn corrupt_link(&self, node: NodeId, n: u32) -> Result<(), QuicError> {
+        self.shared.peer(node, None)?.chaos.corrupt_next(n);
         Ok(())
     }
 

@@ -108,7 +108,14 @@ async fn read_stream(core: Arc<Core>, peer: Arc<Peer>, mut recv: RecvStream) {
                     }
                     bump(&core.counters.blocks_received, 1);
                     bump(&core.counters.bytes_received, block.payload_bytes());
-                    core.inbound.halo(peer.node, block);
+                    if peer.chaos.is_cut() {
+                        tracing::debug!(peer = peer.node, "link cut (injected): block dropped");
+                    } else {
+                        core.inbound.halo(peer.node, block);
+                    }
+                }
+                Ok(Frame::Control(_)) if peer.chaos.is_cut() => {
+                    tracing::debug!(peer = peer.node, "link cut (injected): message dropped");
                 }
                 Ok(Frame::Control(bytes)) => core.inbound.control(peer.node, bytes),
                 Ok(Frame::Ping(nonce)) => {

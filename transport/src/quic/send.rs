@@ -63,8 +63,9 @@ pub(crate) async fn writer(
                 let permit = slots.acquire_owned().await.expect("never closed");
                 peer.queued.fetch_sub(bytes, Ordering::SeqCst);
                 let (core, peer) = (core.clone(), peer.clone());
+                let corrupt = peer.chaos.take_corrupt();
                 core.rt.clone().spawn(async move {
-                    if let Err(e) = send_halo(&core, &peer, &conn, block).await {
+                    if let Err(e) = send_halo(&core, &peer, &conn, block, corrupt).await {
                         core.fail(&peer, e);
                     }
                     drop(permit);
@@ -134,16 +135,18 @@ async fn send_halo(
     peer: &Peer,
     conn: &Connection,
     block: HaloBlock,
+    corrupt: bool,
 ) -> Result<(), QuicError> {
     let (to, bytes, after) = (
         block.header.to,
         block.payload_bytes(),
         core.cfg.send_timeout,
     );
-    let mut chunks = [
-        Bytes::from(encode_head(&Envelope::halo(&block), bytes)),
-        halo_body(&block.data),
-    ];
+    let mut head = encode_head(&Envelope::halo(&block), bytes);
+    if corrupt {
+        super::chaos::corrupt_head(&mut head);
+    }
+    let mut chunks = [Bytes::from(head), halo_body(&block.data)];
     drop(block);
     let work = async {
         let mut s = conn
