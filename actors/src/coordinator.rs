@@ -38,6 +38,10 @@ pub struct Recovery {
     pub epoch: u32,
     /// From the failed unit's start to the failure report, ms.
     pub detected_ms: f64,
+    /// From the failure report until the replay could start (restart or re-placement,
+    /// restore, epoch reset), ms.
+    #[serde(default)]
+    pub ready_ms: f64,
     /// From the failure report to the replayed unit completing, ms.
     pub resumed_ms: f64,
     pub steps_replayed: u32,
@@ -120,6 +124,7 @@ struct OpenRecovery {
     digest_ok: Option<bool>,
     detected_ms: f64,
     at: Instant,
+    ready_ms: f64,
 }
 
 impl Coordinator {
@@ -295,6 +300,7 @@ impl Coordinator {
                                     digest_ok: o.digest_ok,
                                     epoch,
                                     detected_ms: o.detected_ms,
+                                    ready_ms: o.ready_ms,
                                     resumed_ms: o.at.elapsed().as_secs_f64() * 1e3,
                                     steps_replayed: replayed,
                                 });
@@ -323,6 +329,7 @@ impl Coordinator {
                         digest_ok: None,
                         detected_ms,
                         at: Instant::now(),
+                        ready_ms: 0.0,
                     }
                 }
                 ActorError::Node { node, detail } if self.node_recovery.is_some() => {
@@ -355,6 +362,7 @@ impl Coordinator {
                         digest_ok: Some(replaced.digest_ok),
                         detected_ms,
                         at,
+                        ready_ms: 0.0,
                     }
                 }
                 ActorError::Timeout { part, ms, what } if self.retry_timeouts => {
@@ -372,14 +380,24 @@ impl Coordinator {
                         digest_ok: None,
                         detected_ms,
                         at: Instant::now(),
+                        ready_ms: 0.0,
                     }
                 }
                 other => return Err(other),
             };
-            open.push(recovery);
             let at = Instant::now();
-            if let Err(e) = self.reset_all(epoch).await {
-                carried = Some((e, at.elapsed().as_secs_f64() * 1e3));
+            match self.reset_all(epoch).await {
+                Ok(()) => {
+                    let ready_ms = recovery.at.elapsed().as_secs_f64() * 1e3;
+                    open.push(OpenRecovery {
+                        ready_ms,
+                        ..recovery
+                    });
+                }
+                Err(e) => {
+                    open.push(recovery);
+                    carried = Some((e, at.elapsed().as_secs_f64() * 1e3));
+                }
             }
         }
     }

@@ -44,7 +44,9 @@ impl PartitionActor {
         faults: Arc<FaultPlan>,
     ) -> Self {
         let part = state.part();
-        replicas.put(part.0, state.snapshot());
+        if replicas.enabled() {
+            replicas.put(part.0, state.snapshot());
+        }
         PartitionActor {
             part,
             run,
@@ -247,7 +249,9 @@ impl Handler<ApplyStep> for PartitionActor {
             .state
             .apply(msg.epoch, &msg.grads)
             .map_err(|source| ActorError::Compute { part, source })?;
-        self.replicas.put(part, self.state.snapshot());
+        if self.replicas.enabled() {
+            self.replicas.put(part, self.state.snapshot());
+        }
         self.inbox.retain(|k, _| k.0 > msg.epoch);
         Ok(digest)
     }

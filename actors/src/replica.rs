@@ -21,6 +21,8 @@ pub struct Snapshot {
 #[derive(Debug, Default)]
 pub struct ReplicaStore {
     snaps: DashMap<u32, Arc<Snapshot>>,
+    /// Replication off: nothing is stored (measures what replication costs).
+    disabled: bool,
 }
 
 impl ReplicaStore {
@@ -28,9 +30,25 @@ impl ReplicaStore {
     pub fn new() -> Self {
         Self::default()
     }
+
+    /// A store that keeps nothing: replication off.
+    pub fn disabled() -> Self {
+        ReplicaStore {
+            disabled: true,
+            ..Self::default()
+        }
+    }
+
+    /// Whether snapshots are kept (replication on).
+    pub fn enabled(&self) -> bool {
+        !self.disabled
+    }
+
     /// Stores `part`'s latest snapshot.
     pub fn put(&self, part: u32, snap: Snapshot) {
-        self.snaps.insert(part, Arc::new(snap));
+        if !self.disabled {
+            self.snaps.insert(part, Arc::new(snap));
+        }
     }
     /// `part`'s latest snapshot.
     pub fn get(&self, part: u32) -> Option<Arc<Snapshot>> {

@@ -31,9 +31,14 @@ pub struct BenchArgs {
 pub enum BenchWhat {
     /// Bulk transfer of halo-sized blocks (1-64 MiB): QUIC vs TLS over TCP vs plain TCP.
     Transport,
+    /// Replication overhead and recovery times (panic, node SIGKILL) on a local cluster.
+    Recovery(super::bench_recovery::RecoveryBenchArgs),
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
+    if let Some(BenchWhat::Recovery(r)) = a.what {
+        return super::bench_recovery::run(r);
+    }
     if let Some(BenchWhat::Transport) = a.what {
         use trellis_transport::bench::{
             bench_throughput, format_table, BenchOptions, DEFAULT_SIZES,

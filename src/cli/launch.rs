@@ -9,26 +9,36 @@ use clap::Args;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 use trellis_transport::certs::ClusterCa;
 
 #[derive(Debug, Clone, Args)]
 pub struct LaunchArgs {
-    /// Number of node processes (node 0 coordinates).
-    #[arg(long, default_value_t = 3)]
-    pub nodes: u32,
     /// Keep the cluster's files (certificates, cluster file, partitions) in this folder
     /// instead of a temporary one.
     #[arg(long)]
     pub dir: Option<PathBuf>,
+    #[command(flatten)]
+    pub cluster: ClusterOptions,
+    /// Training options, passed to the coordinator node.
+    #[command(flatten)]
+    pub train: TrainArgs,
+}
+
+/// The cluster file's settings that `launch` exposes.
+#[derive(Debug, Clone, Args)]
+pub struct ClusterOptions {
+    /// Number of node processes (node 0 coordinates).
+    #[arg(long, default_value_t = 3)]
+    pub nodes: u32,
     /// QUIC keep-alive (heartbeat) interval, ms.
     #[arg(long, default_value_t = 500)]
     pub heartbeat_ms: u64,
     /// A peer silent this long is dead, ms.
     #[arg(long, default_value_t = 3000)]
     pub idle_timeout_ms: u64,
-    /// Other nodes that keep a replica of each partition (0: a lost node fails the run).
+    /// Other nodes that keep a replica of each partition (0: replication off; a lost node
+    /// then fails the run).
     #[arg(long, default_value_t = 1)]
     pub replicas: u32,
     /// Recoveries (partition restarts, node losses) a run may perform before it fails.
@@ -37,9 +47,6 @@ pub struct LaunchArgs {
     /// Longest wait for one partition's step before it is replayed (lost message), ms.
     #[arg(long, default_value_t = 120_000)]
     pub step_deadline_ms: u64,
-    /// Training options, passed to the coordinator node.
-    #[command(flatten)]
-    pub train: TrainArgs,
 }
 
 /// Options of `launch` itself, which are not passed on to the coordinator.
@@ -54,9 +61,6 @@ const OWN_OPTIONS: [&str; 7] = [
 ];
 
 pub fn run(a: LaunchArgs) -> Result<()> {
-    if a.nodes == 0 {
-        bail!("--nodes must be at least 1");
-    }
     let (dir, _tmp) = match &a.dir {
         Some(d) => (d.clone(), None),
         None => {
@@ -66,48 +70,70 @@ pub fn run(a: LaunchArgs) -> Result<()> {
             (t.path().to_path_buf(), Some(t))
         }
     };
-    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    launch_cluster(&a.cluster, &dir, &forwarded_args(), false)
+}
+
+/// Set by Ctrl-C: every launched cluster stops.
+static STOP: AtomicBool = AtomicBool::new(false);
+
+/// Starts `opts.nodes` node processes on loopback with fresh certificates in `dir`, passes
+/// `train_args` to the coordinator, and waits for the run to end (`quiet`: the nodes' stdout
+/// is discarded).
+pub fn launch_cluster(
+    opts: &ClusterOptions,
+    dir: &Path,
+    train_args: &[String],
+    quiet: bool,
+) -> Result<()> {
+    if opts.nodes == 0 {
+        bail!("--nodes must be at least 1");
+    }
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let certs = dir.join("certs");
     std::fs::create_dir_all(&certs)?;
     let ca = ClusterCa::generate()?;
     std::fs::write(certs.join(trellis_transport::certs::CA_CERT), ca.cert_pem())?;
-    for n in 0..a.nodes {
+    for n in 0..opts.nodes {
         for f in [format!("node-{n}.pem"), format!("node-{n}.key")] {
             let _ = std::fs::remove_file(certs.join(f));
         }
         ca.issue(&certs, n)?;
     }
     let cluster = dir.join("cluster.toml");
-    std::fs::write(&cluster, cluster_file(&a, "127.0.0.1:0"))?;
-    let forwarded = forwarded_args();
+    std::fs::write(&cluster, cluster_file(opts, "127.0.0.1:0"))?;
     let exe = std::env::current_exe()?;
-    let stop = Arc::new(AtomicBool::new(false));
-    let stop2 = stop.clone();
-    let _ = ctrlc::set_handler(move || stop2.store(true, Ordering::SeqCst));
+    static HANDLER: std::sync::Once = std::sync::Once::new();
+    HANDLER.call_once(|| {
+        let _ = ctrlc::set_handler(|| STOP.store(true, Ordering::SeqCst));
+    });
+    let stop = &STOP;
 
     let mut nodes = Nodes::default();
     let addr_file = dir.join("node-0.addr");
     let _ = std::fs::remove_file(&addr_file);
-    let mut coord = node_command(&exe, &cluster, 0);
-    coord.arg("--addr-file").arg(&addr_file).args(&forwarded);
+    let mut coord = node_command(&exe, &cluster, 0, quiet);
+    coord.arg("--addr-file").arg(&addr_file).args(train_args);
     nodes.spawn(0, coord)?;
     // The coordinator loads and partitions the data before it listens.
     let coord_addr = loop {
         if let Ok(a) = std::fs::read_to_string(&addr_file) {
             break a;
         }
-        nodes.check_running(&stop)?;
+        nodes.check_running(stop)?;
         std::thread::sleep(Duration::from_millis(50));
     };
-    std::fs::write(&cluster, cluster_file(&a, coord_addr.trim()))?;
-    for n in 1..a.nodes {
-        nodes.spawn(n, node_command(&exe, &cluster, n))?;
+    std::fs::write(&cluster, cluster_file(opts, coord_addr.trim()))?;
+    for n in 1..opts.nodes {
+        nodes.spawn(n, node_command(&exe, &cluster, n, quiet))?;
     }
-    nodes.wait_all(&stop)
+    nodes.wait_all(stop)
 }
 
-fn node_command(exe: &Path, cluster: &Path, id: u32) -> Command {
+fn node_command(exe: &Path, cluster: &Path, id: u32, quiet: bool) -> Command {
     let mut c = Command::new(exe);
+    if quiet {
+        c.stdout(std::process::Stdio::null());
+    }
     c.arg("node")
         .arg("--cluster")
         .arg(cluster)
@@ -119,7 +145,7 @@ fn node_command(exe: &Path, cluster: &Path, id: u32) -> Command {
 
 /// The cluster file of `a.nodes` loopback nodes; node 0 at `coord_addr`, the others on
 /// ephemeral ports (they tell the coordinator theirs).
-fn cluster_file(a: &LaunchArgs, coord_addr: &str) -> String {
+fn cluster_file(a: &ClusterOptions, coord_addr: &str) -> String {
     let mut s = format!(
         "certs = \"certs\"\npartitions = \"parts\"\ncoordinator = 0\nheartbeat_ms = {}\nidle_timeout_ms = {}\nreplicas = {}\nmax_restarts = {}\nstep_deadline_ms = {}\n",
         a.heartbeat_ms, a.idle_timeout_ms, a.replicas, a.max_restarts, a.step_deadline_ms

@@ -235,6 +235,16 @@ pub fn replica_nodes(ids: &[u32], owner: u32, r: usize) -> Vec<u32> {
         .collect()
 }
 
+/// The partitions (placed on other nodes) whose replicas node `me` keeps.
+pub fn replicated_by(placement: &[u32], ids: &[u32], r: usize, me: u32) -> Vec<u32> {
+    (0..placement.len() as u32)
+        .filter(|&p| {
+            let owner = placement[p as usize];
+            owner != me && replica_nodes(ids, owner, r).contains(&me)
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     #[test]

@@ -1,10 +1,10 @@
 //! The coordinator node: waits for every node to join, places the partitions, sends each
 //! node its setup (shipping partition files on request), hosts its own partitions, drives
 //! the epochs over local and remote partitions alike, and ends the run on every node.
-use super::config::replica_nodes;
+use super::config::{replica_nodes, replicated_by};
 use super::config::ClusterFile;
 use super::files::serve_part;
-use super::node::{adopt_partitions, apply_link_faults, reroute};
+use super::node::{adopt_partitions, apply_link_faults, reroute, Standby};
 use super::node::{host_partitions, ControlInbox, NodeEndpoint};
 use super::proto::{ControlMsg, Setup};
 use super::proto::{ReplyBody, Request};
@@ -88,6 +88,11 @@ async fn drive(
     if let (Some(ck), Some(pol)) = (&resume, &job.checkpoints) {
         ck.check_matches(&pol.dir, &job.cfg, &book.data_digest, book.parts)?;
     }
+    if job.checkpoints.is_some() && cluster.replicas == 0 {
+        return Err(ActorError::Cluster(
+            "checkpoints are written from the replicated state: they need replicas >= 1".into(),
+        ));
+    }
     if job.checkpoints.is_some() && !placement.contains(&ep.id) {
         return Err(ActorError::Cluster(
             "checkpoints are written from the coordinator's own partitions: place at least one on it".into(),
@@ -154,7 +159,10 @@ async fn drive(
         ep.transport.clone(),
         faults.clone(),
         resume.as_ref().map(|c| &c.snapshot),
+        cluster.replicas > 0,
     )?;
+    let replicated = replicated_by(&placement, &cluster.ids(), cluster.replicas as usize, ep.id);
+    let standby = Standby::load(&job.set, &replicated, &job.cfg)?;
     let mut ready = BTreeSet::new();
     let setup_by = Instant::now() + join.max(Duration::from_secs(120));
     while ready.len() < workers.len() {
@@ -214,6 +222,7 @@ async fn drive(
         placement: RefCell::new(placement.clone()),
         live: live.clone(),
         local: local.clone(),
+        standby: Rc::new(RefCell::new(standby)),
         set: job.set.clone(),
         cfg: job.cfg.clone(),
     });
@@ -320,6 +329,7 @@ struct ClusterRecovery {
     placement: RefCell<Vec<u32>>,
     live: Rc<RefCell<BTreeSet<u32>>>,
     local: Rc<RefCell<NodeSupervisor>>,
+    standby: Rc<RefCell<Standby>>,
     set: PartitionSet,
     cfg: TrainConfig,
 }
@@ -346,6 +356,7 @@ struct RecoveryRefs {
     transport: Arc<QuicTransport>,
     client: Arc<ControlClient>,
     local: Rc<RefCell<NodeSupervisor>>,
+    standby: Rc<RefCell<Standby>>,
     live: Rc<RefCell<BTreeSet<u32>>>,
     set: PartitionSet,
     cfg: TrainConfig,
@@ -359,6 +370,7 @@ impl ClusterRecovery {
             transport: self.transport.clone(),
             client: self.client.clone(),
             local: self.local.clone(),
+            standby: self.standby.clone(),
             live: self.live.clone(),
             set: self.set.clone(),
             cfg: self.cfg.clone(),
@@ -425,6 +437,7 @@ impl RecoveryRefs {
             if to == self.me {
                 let (addrs, ok) = adopt_partitions(
                     &mut self.local.borrow_mut(),
+                    &mut self.standby.borrow_mut(),
                     &self.set,
                     &parts,
                     &self.cfg,

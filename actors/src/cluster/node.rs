@@ -215,6 +215,7 @@ pub fn host_partitions(
     transport: Arc<QuicTransport>,
     faults: Arc<FaultPlan>,
     resume: Option<&crate::replica::Snapshot>,
+    replicate: bool,
 ) -> Result<NodeSupervisor, ActorError> {
     let mut states = parts
         .iter()
@@ -231,7 +232,11 @@ pub fn host_partitions(
     }
     reroute(&transport, placement, me);
     transport.set_epoch(run, 0);
-    let replicas = Arc::new(ReplicaStore::new());
+    let replicas = Arc::new(if replicate {
+        ReplicaStore::new()
+    } else {
+        ReplicaStore::disabled()
+    });
     Ok(NodeSupervisor::start(
         states,
         run,
@@ -250,12 +255,39 @@ pub fn reroute(transport: &QuicTransport, placement: &[u32], me: u32) {
     }
 }
 
-/// Adopts partitions `parts` (re-placed here after a node loss) into `node`: loads each,
-/// restores it from this node's replica of the model state, and starts its actor. Returns
-/// the new actors and whether the replica is the committed step `epoch` (with weights
-/// `digest`, when known) and restored to its recorded digest.
+/// Warm replicas: partitions of other nodes whose static state (block, features, labels)
+/// this node keeps loaded in memory, so that adopting one after a node loss only restores the
+/// model state (identical on every node) and starts an actor.
+#[derive(Default)]
+pub struct Standby {
+    states: std::collections::HashMap<u32, PartitionState>,
+}
+
+impl Standby {
+    /// Loads partitions `parts` of `set`.
+    pub fn load(set: &PartitionSet, parts: &[u32], cfg: &TrainConfig) -> Result<Self, ActorError> {
+        let mut states = std::collections::HashMap::new();
+        for &p in parts {
+            states.insert(p, load_state(set, p, cfg)?);
+        }
+        Ok(Standby { states })
+    }
+
+    /// Partition `p`'s loaded state, if kept here.
+    pub fn take(&mut self, p: u32) -> Option<PartitionState> {
+        self.states.remove(&p)
+    }
+}
+
+/// Adopts partitions `parts` (re-placed here after a node loss) into `node`: takes each from
+/// the warm `standby` (or loads it), restores it from this node's replica of the model
+/// state, and starts its actor. Returns the new actors and whether the replica is the
+/// committed step `epoch` (with weights `digest`, when known) and restored to its recorded
+/// digest.
+#[allow(clippy::too_many_arguments)]
 pub fn adopt_partitions(
     node: &mut NodeSupervisor,
+    standby: &mut Standby,
     set: &PartitionSet,
     parts: &[u32],
     cfg: &TrainConfig,
@@ -274,7 +306,10 @@ pub fn adopt_partitions(
     let mut ok = snap.epoch == epoch && (digest.is_empty() || snap.digest == digest);
     let mut out = Vec::new();
     for &p in parts {
-        let mut state = load_state(set, p, cfg)?;
+        let mut state = match standby.take(p) {
+            Some(s) => s,
+            None => load_state(set, p, cfg)?,
+        };
         ok &= state.restore(&snap);
         out.push((p, node.adopt(state)));
     }

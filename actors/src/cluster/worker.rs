@@ -1,11 +1,12 @@
 //! A node that is not the coordinator: joins the coordinator, receives its setup (fetching
 //! partition files it lacks), hosts its partition actors, and serves the coordinator's
 //! requests until `Finish` (or `Abort`, or the coordinator's loss).
-use super::config::replica_nodes;
+use super::config::replicated_by;
 use super::config::ClusterFile;
 use super::files::PartDownload;
 use super::node::{
     adopt_partitions, apply_link_faults, host_partitions, reroute, ControlInbox, NodeEndpoint,
+    Standby,
 };
 use super::proto::{phase_from, ControlMsg, ReplyBody, Request, Setup};
 use crate::checkpoint::Checkpoint;
@@ -204,6 +205,7 @@ struct Hosted {
     run: RunId,
     dir: PathBuf,
     faults: Arc<FaultPlan>,
+    standby: Standby,
 }
 
 impl Hosted {
@@ -218,8 +220,15 @@ impl Hosted {
         digest: &str,
     ) -> Result<bool, ActorError> {
         self.set = ensure_files(&self.dir, &self.book, parts, ep, inbox, coord).await?;
-        let (addrs, ok) =
-            adopt_partitions(&mut self.node, &self.set, parts, &self.cfg, epoch, digest)?;
+        let (addrs, ok) = adopt_partitions(
+            &mut self.node,
+            &mut self.standby,
+            &self.set,
+            parts,
+            &self.cfg,
+            epoch,
+            digest,
+        )?;
         for (p, a) in addrs {
             self.addrs.insert(p, a);
             self.parts.push(p);
@@ -335,17 +344,12 @@ async fn setup_node(
         .collect();
     // Partitions this node keeps a replica of: their files are fetched now, so adopting one
     // after a node loss needs no transfer.
-    let ids: Vec<u32> = setup.peers.iter().map(|(n, _)| *n).collect();
-    let mut ids = ids;
+    let mut ids: Vec<u32> = setup.peers.iter().map(|(n, _)| *n).collect();
     ids.sort_unstable();
+    let replicated = replicated_by(&setup.placement, &ids, setup.replicas as usize, ep.id);
     let mut needed = mine.clone();
-    for (p, &owner) in setup.placement.iter().enumerate() {
-        if replica_nodes(&ids, owner, setup.replicas as usize).contains(&ep.id) {
-            needed.push(p as u32);
-        }
-    }
+    needed.extend(&replicated);
     needed.sort_unstable();
-    needed.dedup();
     let dir = cluster.partitions_of(ep.id);
     let set = ensure_files(&dir, &book, &needed, ep, inbox, coord).await?;
     let run = uuid::Uuid::from_bytes(setup.run);
@@ -366,7 +370,9 @@ async fn setup_node(
         ep.transport.clone(),
         faults.clone(),
         resume.as_ref(),
+        setup.replicas > 0,
     )?;
+    let standby = Standby::load(&set, &replicated, &cfg)?;
     let addrs = node
         .parts()
         .iter()
@@ -383,6 +389,7 @@ async fn setup_node(
         run,
         dir,
         faults,
+        standby,
     })
 }
 
