@@ -80,7 +80,7 @@ pub fn run(a: RecoveryBenchArgs) -> Result<()> {
             args.extend(["--chaos".to_string(), chaos.to_string()]);
         }
         eprintln!("bench recovery: {name} ...");
-        launch_cluster(&opts, &dir, &args, true)?;
+        launch_cluster(&opts, &dir, Some(&parts), &args, true)?;
         Ok(RunReport::read(&report)?)
     };
     let timed = |r: &RunReport| -> Vec<f64> { r.epochs_log.iter().skip(1).map(|l| l.ms).collect() };

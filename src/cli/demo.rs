@@ -1,13 +1,16 @@
-//! `trellis demo`: the main job on a built-in synthetic graph. Trains single-process, then with
-//! four partition actors while a partition's kernel panics mid-epoch; its supervisor restarts it
-//! from the replicated state, the epoch is replayed, and the run ends with the same weights.
+//! `trellis demo`: the main job on a built-in synthetic graph. Trains single-process, with four
+//! partition actors in one process, and on a local 3-node cluster (node processes on
+//! loopback), then on that cluster again while a partition panics (its supervisor restarts it
+//! from the replicated state) and a node's process is SIGKILLed (its partition is re-placed on
+//! the node holding its replica); each interrupted epoch is replayed and every run ends with
+//! the same weights.
+use super::launch::{launch_cluster, ClusterOptions};
 use super::train::{print_summary, train_single};
 use anyhow::{bail, Result};
 use clap::Args;
-use trellis_actors::{FaultPlan, RunEvent, Topology};
+use trellis_actors::{Recovery, Topology};
 use trellis_runtime::partition::PartitionMethod;
-use trellis_runtime::{DataSource, ModelKind, TrainConfig};
-use trellis_transport::Phase;
+use trellis_runtime::{DataSource, ModelKind, RunReport, TrainConfig};
 
 #[derive(Debug, Clone, Args)]
 pub struct DemoArgs {
@@ -46,22 +49,67 @@ pub fn run(a: DemoArgs) -> Result<()> {
         .wait()?;
     print_summary(&clean);
 
-    let fail_epoch = a.epochs / 2;
-    println!("\n3. the same, but partition 1 panics in the backward pass of epoch {fail_epoch}");
-    let faults = FaultPlan::none().panic_at(1, fail_epoch, 0, Phase::Backward);
-    let run = Topology::partition(&ds, a.partitions, PartitionMethod::Metis, None, cfg)?
-        .with_faults(faults)
-        .spawn()?;
-    for ev in run.events() {
-        if let RunEvent::Recovered(r) = ev {
-            println!(
-                "   recovery: {} on partition {} at epoch {}: detected {:.1} ms after the step began, resumed {:.1} ms later, {} step replayed",
-                r.kind, r.partition, r.epoch, r.detected_ms, r.resumed_ms, r.steps_replayed
-            );
+    let tmp = tempfile::Builder::new().prefix("trellis-demo-").tempdir()?;
+    let cluster_run = |name: &str, chaos: &str| -> Result<RunReport> {
+        let dir = tmp.path().join(name);
+        let report = dir.join("report.json");
+        let opts = ClusterOptions {
+            nodes: 3,
+            heartbeat_ms: 500,
+            idle_timeout_ms: 1500,
+            replicas: 1,
+            max_restarts: 8,
+            step_deadline_ms: 120_000,
+        };
+        let mut args: Vec<String> = vec![
+            "--data".into(),
+            a.data.clone(),
+            "--partitions".into(),
+            a.partitions.to_string(),
+            "--epochs".into(),
+            a.epochs.to_string(),
+            "--partition-dir".into(),
+            tmp.path().join("parts").display().to_string(),
+            "--report".into(),
+            report.display().to_string(),
+        ];
+        if !chaos.is_empty() {
+            args.extend(["--chaos".into(), chaos.into()]);
         }
+        launch_cluster(&opts, &dir, Some(&tmp.path().join("parts")), &args, false)?;
+        Ok(RunReport::read(&report)?)
+    };
+
+    println!(
+        "\n3. a local cluster: 3 node processes on loopback (QUIC, mutual TLS), {} partitions, no faults",
+        a.partitions
+    );
+    let cluster = cluster_run("clean", "")?;
+
+    let (panic_epoch, kill_epoch) = (a.epochs / 3, 2 * a.epochs / 3);
+    println!(
+        "\n4. the same cluster; partition 1 panics in the backward pass of epoch {panic_epoch}, and node 2's process is SIGKILLed as epoch {kill_epoch} starts"
+    );
+    let chaos = format!(
+        "panic:part=1:epoch={panic_epoch}:layer=0:phase=backward,kill-node:node=2:epoch={kill_epoch}"
+    );
+    let faulty = cluster_run("faults", &chaos)?;
+    let recoveries: Vec<Recovery> =
+        serde_json::from_value(faulty.recoveries.clone()).unwrap_or_default();
+    for r in &recoveries {
+        let what = match r.node {
+            Some(n) => format!("node {n} lost, its partitions re-placed {:?} (partition, node)", r.replaced),
+            None => format!("partition {} panicked and was restarted", r.partition),
+        };
+        println!(
+            "   recovery in epoch {}: {what}; detected after {:.1} ms, ready to replay {:.1} ms later, step done again {:.1} ms after detection; restored state matched its digest: {}",
+            r.epoch,
+            r.detected_ms,
+            r.ready_ms,
+            r.resumed_ms,
+            r.digest_ok.map_or("n/a".to_string(), |b| b.to_string())
+        );
     }
-    let faulty = run.wait()?;
-    print_summary(&faulty);
     let max_diff = single
         .epochs_log
         .iter()
@@ -69,13 +117,17 @@ pub fn run(a: DemoArgs) -> Result<()> {
         .map(|(x, y)| (x.loss - y.loss).abs() / x.loss.abs().max(1e-12))
         .fold(0.0, f64::max);
     println!("\nsingle process vs {} partitions: max relative loss difference {max_diff:.2e}, test accuracy {:.2}% vs {:.2}%", a.partitions, 100.0 * single.test_acc, 100.0 * clean.test_acc);
-    println!("weights digest without faults: {}", clean.weights_digest);
-    println!("weights digest with a fault:   {}", faulty.weights_digest);
+    println!("weights digest, {} partition actors in one process: {}", a.partitions, clean.weights_digest);
+    println!("weights digest, 3-node cluster without faults:      {}", cluster.weights_digest);
+    println!("weights digest, 3-node cluster with 2 faults:       {}", faulty.weights_digest);
     if max_diff > 1e-5 {
         bail!("partitioned training diverged from the single-process run");
     }
-    if clean.weights_digest != faulty.weights_digest {
-        bail!("the run with a fault ended with different weights");
+    if recoveries.len() != 2 {
+        bail!("expected 2 recoveries, the report lists {}", recoveries.len());
+    }
+    if clean.weights_digest != cluster.weights_digest || cluster.weights_digest != faulty.weights_digest {
+        bail!("the runs ended with different weights");
     }
     println!("recovery verified: identical weights");
     Ok(())

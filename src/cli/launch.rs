@@ -70,18 +70,20 @@ pub fn run(a: LaunchArgs) -> Result<()> {
             (t.path().to_path_buf(), Some(t))
         }
     };
-    launch_cluster(&a.cluster, &dir, &forwarded_args(), false)
+    let parts = a.train.partition_dir.as_deref();
+    launch_cluster(&a.cluster, &dir, parts, &forwarded_args(), false)
 }
 
 /// Set by Ctrl-C: every launched cluster stops.
 static STOP: AtomicBool = AtomicBool::new(false);
 
 /// Starts `opts.nodes` node processes on loopback with fresh certificates in `dir`, passes
-/// `train_args` to the coordinator, and waits for the run to end (`quiet`: the nodes' stdout
-/// is discarded).
+/// `train_args` to the coordinator, and waits for the run to end. Partition files are read
+/// from `parts` (default `dir/parts`) by every node. `quiet`: the nodes' stdout is discarded.
 pub fn launch_cluster(
     opts: &ClusterOptions,
     dir: &Path,
+    parts: Option<&Path>,
     train_args: &[String],
     quiet: bool,
 ) -> Result<()> {
@@ -100,7 +102,11 @@ pub fn launch_cluster(
         ca.issue(&certs, n)?;
     }
     let cluster = dir.join("cluster.toml");
-    std::fs::write(&cluster, cluster_file(opts, "127.0.0.1:0"))?;
+    let parts = match parts {
+        Some(p) => std::path::absolute(p)?,
+        None => dir.join("parts"),
+    };
+    std::fs::write(&cluster, cluster_file(opts, &parts, "127.0.0.1:0"))?;
     let exe = std::env::current_exe()?;
     static HANDLER: std::sync::Once = std::sync::Once::new();
     HANDLER.call_once(|| {
@@ -122,7 +128,7 @@ pub fn launch_cluster(
         nodes.check_running(stop)?;
         std::thread::sleep(Duration::from_millis(50));
     };
-    std::fs::write(&cluster, cluster_file(opts, coord_addr.trim()))?;
+    std::fs::write(&cluster, cluster_file(opts, &parts, coord_addr.trim()))?;
     for n in 1..opts.nodes {
         nodes.spawn(n, node_command(&exe, &cluster, n, quiet))?;
     }
@@ -145,10 +151,15 @@ fn node_command(exe: &Path, cluster: &Path, id: u32, quiet: bool) -> Command {
 
 /// The cluster file of `a.nodes` loopback nodes; node 0 at `coord_addr`, the others on
 /// ephemeral ports (they tell the coordinator theirs).
-fn cluster_file(a: &ClusterOptions, coord_addr: &str) -> String {
+fn cluster_file(a: &ClusterOptions, parts: &Path, coord_addr: &str) -> String {
     let mut s = format!(
-        "certs = \"certs\"\npartitions = \"parts\"\ncoordinator = 0\nheartbeat_ms = {}\nidle_timeout_ms = {}\nreplicas = {}\nmax_restarts = {}\nstep_deadline_ms = {}\n",
-        a.heartbeat_ms, a.idle_timeout_ms, a.replicas, a.max_restarts, a.step_deadline_ms
+        "certs = \"certs\"\npartitions = {:?}\ncoordinator = 0\nheartbeat_ms = {}\nidle_timeout_ms = {}\nreplicas = {}\nmax_restarts = {}\nstep_deadline_ms = {}\n",
+        parts.display().to_string(),
+        a.heartbeat_ms,
+        a.idle_timeout_ms,
+        a.replicas,
+        a.max_restarts,
+        a.step_deadline_ms
     );
     for n in 0..a.nodes {
         let addr = if n == 0 { coord_addr } else { "127.0.0.1:0" };
