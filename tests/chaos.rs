@@ -359,3 +359,34 @@ fn a_corrupt_checkpoint_is_a_clear_error() {
         "{err}"
     );
 }
+
+#[test]
+fn bench_recovery_reports_overhead_and_recovery_times() {
+    let out = Command::new(env!("CARGO_BIN_EXE_trellis"))
+        .args(["bench", "recovery", "--data", DATA, "--hidden", "16"])
+        .args([
+            "--epochs",
+            "3",
+            "--repeats",
+            "1",
+            "--idle-timeout-ms",
+            "800",
+        ])
+        .args(["--heartbeat-ms", "100"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for needle in [
+        "replication overhead",
+        "actor panic: detection to ready to replay",
+        "node SIGKILL: failure to ready to replay",
+        "every run ended with weights_digest",
+    ] {
+        assert!(text.contains(needle), "{needle}: {text}");
+    }
+}

@@ -124,7 +124,7 @@ impl Checkpoint {
     pub fn from_bytes(bytes: &[u8], path: &Path) -> Result<Self, ActorError> {
         let path = path.to_path_buf();
         let mut aligned = rkyv::util::AlignedVec::<16>::with_capacity(bytes.len());
-        aligned.extend_from_slice(&bytes);
+        aligned.extend_from_slice(bytes);
         let f = rkyv::from_bytes::<CheckpointFile, rkyv::rancor::Error>(&aligned)
             .map_err(|e| bad(&path, format!("corrupt or truncated: {e}")))?;
         if f.version != VERSION {

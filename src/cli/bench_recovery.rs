@@ -95,7 +95,11 @@ pub fn run(a: RecoveryBenchArgs) -> Result<()> {
         digests.push(r.weights_digest.clone());
     }
     let panic = run_one("panic", 1, "panic:part=1:epoch=2")?;
-    let kill = run_one("kill", 1, &format!("kill-node:node={}:epoch=2", a.nodes - 1))?;
+    let kill = run_one(
+        "kill",
+        1,
+        &format!("kill-node:node={}:epoch=2", a.nodes - 1),
+    )?;
     for r in [&panic, &kill] {
         digests.push(r.weights_digest.clone());
     }

@@ -98,7 +98,10 @@ pub fn run(a: DemoArgs) -> Result<()> {
         serde_json::from_value(faulty.recoveries.clone()).unwrap_or_default();
     for r in &recoveries {
         let what = match r.node {
-            Some(n) => format!("node {n} lost, its partitions re-placed {:?} (partition, node)", r.replaced),
+            Some(n) => format!(
+                "node {n} lost, its partitions re-placed {:?} (partition, node)",
+                r.replaced
+            ),
             None => format!("partition {} panicked and was restarted", r.partition),
         };
         println!(
@@ -117,16 +120,30 @@ pub fn run(a: DemoArgs) -> Result<()> {
         .map(|(x, y)| (x.loss - y.loss).abs() / x.loss.abs().max(1e-12))
         .fold(0.0, f64::max);
     println!("\nsingle process vs {} partitions: max relative loss difference {max_diff:.2e}, test accuracy {:.2}% vs {:.2}%", a.partitions, 100.0 * single.test_acc, 100.0 * clean.test_acc);
-    println!("weights digest, {} partition actors in one process: {}", a.partitions, clean.weights_digest);
-    println!("weights digest, 3-node cluster without faults:      {}", cluster.weights_digest);
-    println!("weights digest, 3-node cluster with 2 faults:       {}", faulty.weights_digest);
+    println!(
+        "weights digest, {} partition actors in one process: {}",
+        a.partitions, clean.weights_digest
+    );
+    println!(
+        "weights digest, 3-node cluster without faults:      {}",
+        cluster.weights_digest
+    );
+    println!(
+        "weights digest, 3-node cluster with 2 faults:       {}",
+        faulty.weights_digest
+    );
     if max_diff > 1e-5 {
         bail!("partitioned training diverged from the single-process run");
     }
     if recoveries.len() != 2 {
-        bail!("expected 2 recoveries, the report lists {}", recoveries.len());
+        bail!(
+            "expected 2 recoveries, the report lists {}",
+            recoveries.len()
+        );
     }
-    if clean.weights_digest != cluster.weights_digest || cluster.weights_digest != faulty.weights_digest {
+    if clean.weights_digest != cluster.weights_digest
+        || cluster.weights_digest != faulty.weights_digest
+    {
         bail!("the runs ended with different weights");
     }
     println!("recovery verified: identical weights");

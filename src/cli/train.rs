@@ -141,25 +141,25 @@ pub fn train_single(ds: Dataset, cfg: TrainConfig, verbose: bool) -> Result<RunR
     Ok(report)
 }
 
-/// Trains with `parts` partition actors through the topology API and returns the report.
-pub fn train_partitioned(
-    ds: &Dataset,
-    cfg: TrainConfig,
-    parts: usize,
-    method: PartitionMethod,
-    dir: Option<&std::path::Path>,
-    chaos: Option<&str>,
-    checkpoints: Option<CheckpointPolicy>,
-    verbose: bool,
-) -> Result<RunReport> {
+/// Trains with `a.partitions` partition actors (partitioning, faults and checkpoints as `a`
+/// says) through the topology API and returns the report.
+pub fn train_partitioned(ds: &Dataset, cfg: TrainConfig, a: &TrainArgs) -> Result<RunReport> {
     let epochs = cfg.epochs as u64;
-    let faults = chaos.map(FaultPlan::parse).transpose()?.unwrap_or_default();
-    let mut topo = Topology::partition(ds, parts, method, dir, cfg)?.with_faults(faults);
-    if let Some(pol) = checkpoints {
+    let faults = a
+        .chaos
+        .as_deref()
+        .map(FaultPlan::parse)
+        .transpose()?
+        .unwrap_or_default();
+    let parts = a.partitions.max(1);
+    let dir = a.partition_dir.as_deref();
+    let mut topo =
+        Topology::partition(ds, parts, a.partition_method, dir, cfg)?.with_faults(faults);
+    if let Some(pol) = a.checkpoints() {
         topo = topo.with_checkpoints(pol);
     }
     let run = topo.spawn()?;
-    follow(run, epochs, verbose)
+    follow(run, epochs, a.verbose)
 }
 
 /// Shows a run's progress (a bar on a terminal, per-epoch lines with `verbose`, every
@@ -218,16 +218,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
         || a.chaos.is_some()
         || a.checkpoint_dir.is_some()
     {
-        train_partitioned(
-            &ds,
-            cfg,
-            a.partitions.max(1),
-            a.partition_method,
-            a.partition_dir.as_deref(),
-            a.chaos.as_deref(),
-            a.checkpoints(),
-            a.verbose,
-        )?
+        train_partitioned(&ds, cfg, &a)?
     } else {
         train_single(ds, cfg, a.verbose)?
     };

@@ -1,8 +1,8 @@
 //! The coordinator node: waits for every node to join, places the partitions, sends each
 //! node its setup (shipping partition files on request), hosts its own partitions, drives
 //! the epochs over local and remote partitions alike, and ends the run on every node.
-use super::config::{replica_nodes, replicated_by};
 use super::config::ClusterFile;
+use super::config::{replica_nodes, replicated_by};
 use super::files::serve_part;
 use super::node::{adopt_partitions, apply_link_faults, reroute, Standby};
 use super::node::{host_partitions, ControlInbox, NodeEndpoint};

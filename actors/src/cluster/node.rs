@@ -255,6 +255,9 @@ pub fn reroute(transport: &QuicTransport, placement: &[u32], me: u32) {
     }
 }
 
+/// A partition adopted here and its new actor.
+pub type Adopted = (u32, actix::Addr<crate::partition::PartitionActor>);
+
 /// Warm replicas: partitions of other nodes whose static state (block, features, labels)
 /// this node keeps loaded in memory, so that adopting one after a node loss only restores the
 /// model state (identical on every node) and starts an actor.
@@ -293,13 +296,7 @@ pub fn adopt_partitions(
     cfg: &TrainConfig,
     epoch: u32,
     digest: &str,
-) -> Result<
-    (
-        Vec<(u32, actix::Addr<crate::partition::PartitionActor>)>,
-        bool,
-    ),
-    ActorError,
-> {
+) -> Result<(Vec<Adopted>, bool), ActorError> {
     let snap = node.replicas().latest().ok_or_else(|| {
         ActorError::Cluster("no replica of the model state on this node to resume from".into())
     })?;
