@@ -57,11 +57,10 @@ impl LinkChaos {
     }
 }
 
-/// Corrupts an encoded frame head so that a receiver's validation rejects it: the archive's
-/// root (at its end) is overwritten.
+/// Corrupts an encoded frame head so that a receiver's validation rejects it: the frame
+/// header's magic bytes are flipped (the receiver stops that stream; the connection stays).
 pub(crate) fn corrupt_head(head: &mut [u8]) {
-    let n = head.len();
-    for b in &mut head[n.saturating_sub(8)..] {
+    for b in head.iter_mut().take(4) {
         *b ^= 0xA5;
     }
 }
@@ -86,11 +85,26 @@ mod tests {
 
     #[test]
     fn a_corrupted_head_is_rejected_by_the_decoder() {
-        use crate::wire::{encode_to_vec, Frame, FrameDecoder, Limits};
-        let mut bytes = encode_to_vec(&Frame::Control(vec![1, 2, 3, 4, 5, 6, 7, 8, 9]));
-        corrupt_head(&mut bytes);
+        use crate::wire::{encode_head, Envelope, FrameDecoder, Limits};
+        use crate::{HaloBlock, MsgHeader, PartId, Phase};
+        let block = HaloBlock {
+            header: MsgHeader {
+                run: uuid::Uuid::nil(),
+                epoch: 3,
+                layer: 1,
+                phase: Phase::Forward,
+                from: PartId(1),
+                to: PartId(2),
+            },
+            rows: 2,
+            cols: 2,
+            data: vec![1.0f32; 4].into(),
+        };
+        let mut head = encode_head(&Envelope::halo(&block), 16);
+        corrupt_head(&mut head);
         let mut dec = FrameDecoder::new(Limits::default());
-        dec.handle_bytes(&bytes);
+        dec.handle_bytes(&head);
+        dec.handle_bytes(&[0u8; 16]);
         assert!(matches!(dec.poll_frame(), Some(Err(_))));
     }
 }
