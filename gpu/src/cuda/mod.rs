@@ -28,6 +28,7 @@ mod probe;
 mod stream;
 
 pub use context::CudaDevice;
+pub use launch::{DeviceBits, DeviceWeights};
 pub use memory::{DeviceCsr, DeviceIndex, DeviceTensor};
 pub use probe::{missing_libraries, probe};
 pub use stream::GpuStream;
