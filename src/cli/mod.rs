@@ -5,6 +5,8 @@ use clap::{Parser, Subcommand};
 mod accuracy;
 mod bench;
 mod cert;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod demo;
 mod partition;
 mod train;

@@ -63,6 +63,20 @@ impl CudaDevice {
             .map_err(|e| GpuError::cuda("cuDeviceTotalMem", e))
     }
 
+    /// Theoretical memory bandwidth in GB/s: 2 transfers per memory clock times the bus width
+    /// (both from the device attributes).
+    pub fn peak_bandwidth_gbs(&self) -> Result<f64> {
+        use cudarc::driver::sys::CUdevice_attribute as A;
+        let attr = |a| {
+            self.ctx
+                .attribute(a)
+                .map_err(|e| GpuError::cuda("cuDeviceGetAttribute", e))
+        };
+        let clock_khz = attr(A::CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE)? as f64;
+        let bus_bits = attr(A::CU_DEVICE_ATTRIBUTE_GLOBAL_MEMORY_BUS_WIDTH)? as f64;
+        Ok(2.0 * clock_khz * 1e3 * bus_bits / 8.0 / 1e9)
+    }
+
     /// The loaded kernel `name` (one of [`KERNEL_NAMES`]).
     pub(crate) fn kernel(&self, name: &'static str) -> Result<&CudaFunction> {
         self.kernels

@@ -138,6 +138,62 @@ impl GpuStream {
         Ok(crate::digest_f32(host.iter().map(|v| v.as_slice())))
     }
 
+    /// A copy of a tensor (device to device, on the compute stream).
+    pub fn clone_tensor(&self, t: &DeviceTensor) -> Result<DeviceTensor> {
+        Ok(DeviceTensor {
+            rows: t.rows,
+            cols: t.cols,
+            buf: self.clone_slice(&t.buf, t.len())?,
+        })
+    }
+
+    /// A copy of a CSR matrix (device to device, on the compute stream).
+    pub fn clone_csr(&self, m: &DeviceCsr) -> Result<DeviceCsr> {
+        Ok(DeviceCsr {
+            n_rows: m.n_rows,
+            n_cols: m.n_cols,
+            nnz: m.nnz,
+            indptr: self.clone_slice(&m.indptr, m.n_rows + 1)?,
+            indices: self.clone_slice(&m.indices, m.nnz)?,
+            entry_rows: self.clone_slice(&m.entry_rows, m.nnz)?,
+            values: m
+                .values
+                .as_ref()
+                .map(|v| self.clone_slice(v, m.nnz))
+                .transpose()?,
+        })
+    }
+
+    /// The stored values of `m` as an `nnz x 1` tensor (a copy), if it has any.
+    pub fn csr_values(&self, m: &DeviceCsr) -> Result<Option<DeviceTensor>> {
+        m.values
+            .as_ref()
+            .map(|v| {
+                Ok(DeviceTensor {
+                    rows: m.nnz,
+                    cols: 1,
+                    buf: self.clone_slice(v, m.nnz)?,
+                })
+            })
+            .transpose()
+    }
+
+    /// A new buffer holding the first `n` elements of `src`.
+    fn clone_slice<T: DeviceRepr + ValidAsZeroBits>(
+        &self,
+        src: &CudaSlice<T>,
+        n: usize,
+    ) -> Result<CudaSlice<T>> {
+        let mut dst = self.alloc_zeros::<T>(n)?;
+        if n > 0 {
+            let (from, mut to) = (src.slice(..n), dst.slice_mut(..n));
+            self.compute
+                .memcpy_dtod(&from, &mut to)
+                .map_err(|e| GpuError::cuda("cuMemcpyDtoDAsync", e))?;
+        }
+        Ok(dst)
+    }
+
     /// A zeroed device buffer of `n` elements (at least one is allocated).
     pub(crate) fn alloc_zeros<T: DeviceRepr + ValidAsZeroBits>(
         &self,
