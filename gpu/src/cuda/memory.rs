@@ -223,11 +223,9 @@ mod tests {
         let (indptr, rows) = csr_host_arrays(&m).unwrap();
         assert_eq!(indptr.len(), 41);
         assert_eq!(rows.len(), m.nnz());
-        for r in 0..m.n_rows() {
-            for e in m.indptr()[r]..m.indptr()[r + 1] {
-                assert_eq!(rows[e], r as u32);
-            }
-            assert_eq!(indptr[r], m.indptr()[r] as u64);
+        for (r, w) in m.indptr().windows(2).enumerate() {
+            assert!(rows[w[0]..w[1]].iter().all(|&row| row == r as u32));
+            assert_eq!(indptr[r], w[0] as u64);
         }
     }
 }
