@@ -527,3 +527,157 @@ fn hexf(v: f32) -> String {
         format!("{sign}0x1.{:06x}p{}", man << 1, exp - 127)
     }
 }
+
+#[test]
+fn elementwise_kernels_match_the_cpu_backend() {
+    use trellis_gpu::{Activation, SgdConfig};
+    let (rows, width) = (13usize, 67usize);
+    let n = rows * width;
+    let x = random_tensor(rows, width, 21).into_vec();
+    let gy = random_tensor(rows, width, 22).into_vec();
+    let bias = random_tensor(1, width, 23).into_vec();
+    let m = random_csr(rows, 11, 4, 24).unwrap();
+    let heads = 2;
+    let (left, right) = (
+        random_tensor(rows, heads, 25).into_vec(),
+        random_tensor(11, heads, 26).into_vec(),
+    );
+    let acts = [
+        (0, 0.0f32, Activation::Identity),
+        (1, 0.0, Activation::Relu),
+        (2, 1.0, Activation::Elu { alpha: 1.0 }),
+        (3, 0.2, Activation::LeakyRelu { slope: 0.2 }),
+    ];
+    let sgd = SgdConfig {
+        lr: 0.1,
+        momentum: 0.9,
+        weight_decay: 1e-3,
+    };
+
+    let mut p = Prog::default();
+    p.f32s("x", &x).f32s("gy", &gy).f32s("bias", &bias);
+    p.f32s("xb", &x)
+        .launch(
+            2,
+            &format!("trellis_add_bias(xb.data(), {n}, bias.data(), {width})"),
+        )
+        .print("xb", n);
+    for (kind, param, _) in acts {
+        let _ = writeln!(
+            p.body,
+            "{{ std::vector<float> y({n}), yi = x, gx({n}), go = gy; \
+             launch(3, 64, [&] {{ trellis_activation({kind}, {}f, x.data(), y.data(), {n}); }}); \
+             launch(2, 64, [&] {{ trellis_activate_inplace({kind}, {}f, yi.data(), {n}); }}); \
+             launch(2, 64, [&] {{ trellis_activation_backward({kind}, {}f, x.data(), gy.data(), gx.data(), {n}); }}); \
+             launch(2, 64, [&] {{ trellis_activation_backward_from_output({kind}, {}f, y.data(), go.data(), {n}); }}); \
+             print_bits(y, {n}); print_bits(yi, {n}); print_bits(gx, {n}); print_bits(go, {n}); }}",
+            hexf(param),
+            hexf(param),
+            hexf(param),
+            hexf(param)
+        );
+    }
+    let words = n.div_ceil(64);
+    p.zeros("u64", "bits", words)
+        .launch(
+            1,
+            &format!("trellis_positive_bits(x.data(), {n}, bits.data(), {words})"),
+        )
+        .print("bits", words)
+        .f32s("gm", &gy)
+        .launch(
+            2,
+            &format!("trellis_mask_by_bits(bits.data(), gm.data(), {n})"),
+        )
+        .print("gm", n);
+    p.f32s("ya", &gy)
+        .launch(
+            2,
+            &format!("trellis_axpy({}f, x.data(), ya.data(), {n})", hexf(-0.3)),
+        )
+        .print("ya", n);
+    p.f32s("sp", &x).f32s(
+        "sb",
+        &bias.iter().cycle().take(n).copied().collect::<Vec<_>>(),
+    );
+    p.launch(
+        3,
+        &format!(
+            "trellis_sgd(sp.data(), gy.data(), sb.data(), {n}, {}f, {}f, {}f)",
+            hexf(sgd.lr),
+            hexf(sgd.momentum),
+            hexf(sgd.weight_decay)
+        ),
+    )
+    .print("sp", n)
+    .print("sb", n);
+    device_csr(&mut p, "m", &m);
+    p.f32s("left", &left)
+        .f32s("right", &right)
+        .zeros("float", "sa", m.nnz() * heads);
+    p.launch(
+        2,
+        &format!(
+            "trellis_sddmm_add(m_rows.data(), m_indices.data(), {}, {heads}, left.data(), \
+             right.data(), sa.data())",
+            m.nnz()
+        ),
+    )
+    .print("sa", m.nnz() * heads);
+    let out = match p.run("elementwise") {
+        Ok(o) => o,
+        Err(why) => return skip(&why),
+    };
+
+    let mut xb = x.clone();
+    cpu::add_bias(&mut xb, &bias);
+    same_bits("add_bias", &out[0], &xb);
+    for (i, (_, _, act)) in acts.iter().enumerate() {
+        let mut y = vec![0.0f32; n];
+        cpu::activation(*act, &x, &mut y);
+        close(&format!("{act:?} forward"), &out[1 + 4 * i], &y);
+        close(&format!("{act:?} in place"), &out[2 + 4 * i], &y);
+        let mut gx = vec![0.0f32; n];
+        cpu::activation_backward(*act, &x, &gy, &mut gx);
+        close(&format!("{act:?} backward"), &out[3 + 4 * i], &gx);
+        let go: Vec<f32> = gy
+            .iter()
+            .zip(&y)
+            .map(|(g, &y)| g * act.derivative_from_output(y))
+            .collect();
+        close(
+            &format!("{act:?} backward from output"),
+            &out[4 + 4 * i],
+            &go,
+        );
+    }
+    let k = 17;
+    let want_bits: Vec<u64> = x
+        .chunks(64)
+        .map(|c| {
+            c.iter()
+                .enumerate()
+                .fold(0u64, |a, (j, &v)| a | (((v > 0.0) as u64) << j))
+        })
+        .collect();
+    assert_eq!(out[k], want_bits, "positive_bits");
+    let gm: Vec<f32> = gy
+        .iter()
+        .zip(&x)
+        .map(|(&g, &v)| if v > 0.0 { g } else { 0.0 })
+        .collect();
+    same_bits("mask_by_bits", &out[k + 1], &gm);
+    let mut ya = gy.clone();
+    cpu::axpy(-0.3, &x, &mut ya);
+    same_bits("axpy", &out[k + 2], &ya);
+    let (mut sp, mut sb) = (
+        x.clone(),
+        bias.iter().cycle().take(n).copied().collect::<Vec<_>>(),
+    );
+    cpu::sgd_step(&sgd, &mut sp, &gy, &mut sb);
+    same_bits("sgd param", &out[k + 3], &sp);
+    same_bits("sgd buf", &out[k + 4], &sb);
+    let mut sa = vec![0.0f32; m.nnz() * heads];
+    cpu::sddmm_add(&m, heads, &left, &right, &mut sa);
+    same_bits("sddmm_add", &out[k + 5], &sa);
+}
