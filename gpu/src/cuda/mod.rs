@@ -9,7 +9,7 @@
 //!   [`crate::kernel_source`]);
 //! - [`GpuStream`]: a partition actor's compute stream, its transfer stream and its cuBLAS
 //!   handle; every op of the partition is ordered on the compute stream (`stream.rs`, ops in
-//!   `launch.rs` and `gemm.rs`);
+//!   `launch_sparse.rs`, `launch_dense.rs` and `gemm.rs`, plumbing in `launch.rs`);
 //! - device buffers: [`DeviceTensor`], [`DeviceCsr`], [`DeviceIndex`] (`memory.rs`);
 //! - halo staging through pinned host buffers with event-ordered overlap (`halo.rs`).
 //!
@@ -23,6 +23,8 @@ mod context;
 mod gemm;
 pub mod halo;
 mod launch;
+mod launch_dense;
+mod launch_sparse;
 mod memory;
 mod probe;
 mod stream;
