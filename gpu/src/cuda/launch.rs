@@ -2,13 +2,13 @@
 //! `launch_dense.rs`: one method per kernel of `kernels.cu`, which checks shapes and index
 //! bounds on the host, picks the grid, and enqueues the kernel on the compute stream).
 //!
-//! The invariant every `unsafe` launch of those files relies on: (1) the arguments are pushed in the
-//! order and with the types of the kernel's signature in `kernels.cu`; (2) the kernel touches
-//! only elements below the sizes it is given, and those sizes were checked against the
-//! buffers' lengths just before (buffers hold at least their logical length); (3) index
-//! operands were checked against the rows they index (host-side bounds of [`crate::cuda::DeviceIndex`] and
-//! [`crate::cuda::DeviceCsr`], validated when uploaded); (4) buffer lifetime vs stream completion: every
-//! buffer is borrowed until the launch is enqueued, and cudarc frees device memory in stream
+//! The invariant every `unsafe` launch of those files relies on: (1) the arguments are pushed in
+//! the order and with the types of the kernel's signature in `kernels.cu`; (2) the kernel touches
+//! only elements below the sizes it is given, and those sizes were checked against the buffers'
+//! lengths just before (buffers hold at least their logical length); (3) index operands were
+//! checked against the rows they index (host-side bounds of [`crate::cuda::DeviceIndex`] and
+//! [`crate::cuda::DeviceCsr`], validated when uploaded); (4) buffer lifetime vs stream completion:
+//! every buffer is borrowed until the launch is enqueued, and cudarc frees device memory in stream
 //! order (and makes other streams wait on its recorded events), so no kernel can see a freed
 //! buffer.
 use super::memory::DeviceTensor;
