@@ -190,3 +190,31 @@ fn bad_input_is_a_clear_error_not_a_panic() {
         assert!(!err.contains("panicked"), "{args:?} panicked: {err}");
     }
 }
+
+/// `--device cuda` on a machine (or build) without a usable GPU: exit 1 with a message that
+/// names what is missing, never a panic. Skipped (with a note on stderr) where a GPU works.
+#[test]
+fn device_cuda_without_a_gpu_is_a_clear_error() {
+    let out = trellis(&["train", "--data", DATA, "--device", "cuda", "--epochs", "1"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    if out.status.success() {
+        use std::io::Write;
+        let _ = std::io::stderr()
+            .lock()
+            .write_all(b"SKIPPED device_cuda_without_a_gpu: cuda:0 is usable here\n");
+        return;
+    }
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.starts_with("error: device cuda:0 is unavailable"),
+        "{err}"
+    );
+    assert!(
+        err.contains("--features cuda") || err.contains("cannot load") || err.contains("device"),
+        "{err}"
+    );
+    assert!(!err.contains("panic"), "{err}");
+    let out = trellis(&["train", "--data", DATA, "--device", "tpu"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("expected cpu, cuda or cuda:N"));
+}

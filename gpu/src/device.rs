@@ -8,7 +8,7 @@ use std::sync::{Arc, OnceLock};
 pub enum Device {
     /// The host CPU (reference backend).
     Cpu,
-    /// An NVIDIA GPU by ordinal (needs the `cuda` feature; not built yet).
+    /// An NVIDIA GPU by ordinal (needs the `cuda` feature).
     Cuda(usize),
 }
 
@@ -40,12 +40,20 @@ impl std::str::FromStr for Device {
 
 impl Device {
     /// Checks that this device can run kernels in this build on this machine.
+    ///
+    /// For `cuda:N` with the `cuda` feature this loads the driver, NVRTC and cuBLAS libraries
+    /// (each checked before its first call, so a machine without them gets
+    /// [`GpuError::CudaLibrariesMissing`] naming them, never a panic) and checks that device
+    /// `N` exists.
     pub fn check_available(&self) -> Result<()> {
         match self {
             Device::Cpu => Ok(()),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(i) => crate::cuda::probe(*i),
+            #[cfg(not(feature = "cuda"))]
             Device::Cuda(_) => Err(GpuError::DeviceUnavailable {
                 device: self.to_string(),
-                reason: "this build has no CUDA backend (the `cuda` feature is not enabled)".into(),
+                reason: "this build has no CUDA backend (rebuild with `--features cuda`)".into(),
             }),
         }
     }

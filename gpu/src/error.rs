@@ -1,4 +1,5 @@
 //! Typed errors of the compute layer.
+use std::fmt;
 use thiserror::Error;
 
 /// Errors raised by devices, streams and kernels.
@@ -10,9 +11,48 @@ pub enum GpuError {
     /// The requested device is not available on this machine or build.
     #[error("device {device} is unavailable: {reason}")]
     DeviceUnavailable { device: String, reason: String },
+    /// CUDA libraries the backend loads at run time are not on this machine.
+    #[error(
+        "device {device} is unavailable: cannot load {} (looked in the dynamic loader's path; \
+         install the NVIDIA driver and the CUDA 12 runtime libraries, or use --device cpu)",
+        list(missing)
+    )]
+    CudaLibrariesMissing {
+        device: String,
+        missing: Vec<CudaLibrary>,
+    },
+    /// A CUDA driver, NVRTC or cuBLAS call failed.
+    #[error("CUDA error in {op}: {detail}")]
+    Cuda { op: &'static str, detail: String },
     /// The thread pool could not be built.
     #[error("cannot build the CPU thread pool: {0}")]
     ThreadPool(String),
+}
+
+/// A shared library the CUDA backend loads at run time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CudaLibrary {
+    /// The driver API (`libcuda.so`, installed with the NVIDIA driver).
+    Driver,
+    /// The runtime compiler for the kernels (`libnvrtc.so`, CUDA toolkit or pip wheel).
+    Nvrtc,
+    /// cuBLAS for dense matrix products (`libcublas.so`).
+    Cublas,
+}
+
+impl fmt::Display for CudaLibrary {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            CudaLibrary::Driver => "the CUDA driver library (libcuda.so)",
+            CudaLibrary::Nvrtc => "NVRTC (libnvrtc.so)",
+            CudaLibrary::Cublas => "cuBLAS (libcublas.so)",
+        })
+    }
+}
+
+fn list(missing: &[CudaLibrary]) -> String {
+    let names: Vec<String> = missing.iter().map(|l| l.to_string()).collect();
+    names.join(", ")
 }
 
 impl GpuError {
@@ -20,6 +60,15 @@ impl GpuError {
         GpuError::Shape {
             op,
             detail: detail.into(),
+        }
+    }
+
+    /// A failed CUDA call in `op`.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn cuda(op: &'static str, detail: impl fmt::Display) -> Self {
+        GpuError::Cuda {
+            op,
+            detail: detail.to_string(),
         }
     }
 }

@@ -4,14 +4,19 @@
 //! backend ([`cpu`]) is the reference implementation: every kernel is parallel (rayon, inside
 //! the global [`ThreadBudget`]) and deterministic — the same inputs and thread count give
 //! bit-identical outputs, and row-parallel kernels are bit-identical for any thread count.
-//! A CUDA backend will live in its own module behind the `cuda` cargo feature.
+//! The CUDA backend ([`cuda`], behind the `cuda` cargo feature) runs the same ops on device
+//! buffers; its kernel sources live in `src/cuda/` ([`kernel_source`]).
 
 pub mod bench;
 pub mod cpu;
 mod csr;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod device;
 mod digest;
 mod error;
+#[path = "cuda/source.rs"]
+pub mod kernel_source;
 pub mod ops;
 pub mod rng;
 mod stream;
@@ -20,7 +25,7 @@ mod tensor;
 pub use csr::{Csr, CsrTranspose};
 pub use device::{Device, ThreadBudget};
 pub use digest::{digest_bytes, digest_f32};
-pub use error::GpuError;
+pub use error::{CudaLibrary, GpuError};
 pub use ops::{Activation, AdamConfig, EdgeWeights, LossOutput, SgdConfig};
 pub use rng::{DropoutKey, Philox4x32};
 pub use stream::Stream;

@@ -11,10 +11,22 @@ pub struct Philox4x32 {
     key: [u32; 2],
 }
 
-const M0: u32 = 0xD251_1F53;
-const M1: u32 = 0xCD9E_8D57;
-const W0: u32 = 0x9E37_79B9;
-const W1: u32 = 0xBB67_AE85;
+// The Philox constants and round count. These are the only copy: the CUDA kernels get them as
+// `#define`s generated from these (`crate::kernel_source`), so CPU and GPU masks cannot drift.
+/// Multiplier of counter word 0.
+pub const PHILOX_M0: u32 = 0xD251_1F53;
+/// Multiplier of counter word 2.
+pub const PHILOX_M1: u32 = 0xCD9E_8D57;
+/// Weyl increment of key word 0 (golden ratio).
+pub const PHILOX_W0: u32 = 0x9E37_79B9;
+/// Weyl increment of key word 1 (sqrt(3) - 1).
+pub const PHILOX_W1: u32 = 0xBB67_AE85;
+/// Number of rounds (Philox4x32-10).
+pub const PHILOX_ROUNDS: usize = 10;
+use PHILOX_M0 as M0;
+use PHILOX_M1 as M1;
+use PHILOX_W0 as W0;
+use PHILOX_W1 as W1;
 
 impl Philox4x32 {
     /// A generator keyed by a 64-bit seed.
@@ -29,7 +41,7 @@ impl Philox4x32 {
     pub fn block(&self, ctr: [u32; 4]) -> [u32; 4] {
         let mut c = ctr;
         let mut k = self.key;
-        for round in 0..10 {
+        for round in 0..PHILOX_ROUNDS {
             if round > 0 {
                 k[0] = k[0].wrapping_add(W0);
                 k[1] = k[1].wrapping_add(W1);
@@ -53,7 +65,7 @@ impl Philox4x32 {
     pub fn block8(&self, ctr: [[u32; 8]; 4]) -> [[u32; 8]; 4] {
         let mut c = ctr;
         let mut k = self.key;
-        for round in 0..10 {
+        for round in 0..PHILOX_ROUNDS {
             if round > 0 {
                 k[0] = k[0].wrapping_add(W0);
                 k[1] = k[1].wrapping_add(W1);
@@ -100,6 +112,21 @@ impl DropoutKey {
             gid,
             block,
         ]
+    }
+}
+
+/// The keep threshold of dropout with probability `p`: an element is kept when its 16-bit draw
+/// is `>=` this (so `p = 0` keeps all, `p = 1` drops all). Shared by the CPU and CUDA kernels.
+pub fn dropout_threshold(p: f32) -> u32 {
+    (p.clamp(0.0, 1.0) as f64 * 65_536.0).round().min(65_536.0) as u32
+}
+
+/// The scale of kept elements under inverted dropout with probability `p` (0 when `p >= 1`).
+pub fn dropout_scale(p: f32) -> f32 {
+    if p < 1.0 {
+        1.0 / (1.0 - p)
+    } else {
+        0.0
     }
 }
 

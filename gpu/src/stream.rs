@@ -19,8 +19,21 @@ pub struct Stream {
 
 impl Stream {
     /// A new stream on `device` that runs CPU work inside `budget`.
+    ///
+    /// `Device::Cuda` fails with a typed error: without a usable GPU, the one from
+    /// [`Device::check_available`] naming what is missing; with one, because this stream type
+    /// runs host tensors — device work goes through `cuda::GpuStream` (ARCHITECTURE.md, "CUDA
+    /// backend", says what is left to route models through it).
     pub fn new(device: Device, budget: ThreadBudget) -> Result<Self> {
         device.check_available()?;
+        if let Device::Cuda(_) = device {
+            return Err(crate::GpuError::DeviceUnavailable {
+                device: device.to_string(),
+                reason: "models and partition actors do not run on CUDA streams yet (the op \
+                         API on device tensors is `trellis_gpu::cuda::GpuStream`)"
+                    .into(),
+            });
+        }
         Ok(Stream {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             device,

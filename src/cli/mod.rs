@@ -6,6 +6,8 @@ mod accuracy;
 mod bench;
 mod bench_recovery;
 mod cert;
+#[cfg(feature = "cuda")]
+mod cuda;
 mod demo;
 mod launch;
 mod node;

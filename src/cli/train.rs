@@ -4,6 +4,7 @@ use clap::Args;
 use std::path::PathBuf;
 use trellis_actors::checkpoint::CheckpointPolicy;
 use trellis_actors::{FaultPlan, RunEvent, Topology, TrainingRun};
+use trellis_gpu::Device;
 use trellis_runtime::partition::PartitionMethod;
 use trellis_runtime::{progress, DataSource, Dataset, ModelKind, RunReport, TrainConfig, Trainer};
 
@@ -66,6 +67,10 @@ pub struct TrainArgs {
     /// Print one line per epoch.
     #[arg(long)]
     pub verbose: bool,
+    /// Where kernels run: cpu, cuda or cuda:N (CUDA needs a build with `--features cuda`; it
+    /// trains single-process GCN for now).
+    #[arg(long, default_value = "cpu")]
+    pub device: String,
 }
 
 impl TrainArgs {
@@ -211,6 +216,13 @@ pub fn follow(run: TrainingRun, epochs: u64, verbose: bool) -> Result<RunReport>
 }
 
 pub fn run(a: TrainArgs) -> Result<()> {
+    let device: Device = a.device.parse()?;
+    if let Device::Cuda(_) = device {
+        // A clear error (what is missing) before any data is loaded.
+        device.check_available()?;
+        #[cfg(feature = "cuda")]
+        return super::cuda::train(&a, device);
+    }
     let ds = load_data(&a.data)?;
     let cfg = a.config(&ds)?;
     let report = if a.partitions > 1

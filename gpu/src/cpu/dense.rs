@@ -1,7 +1,7 @@
 //! Dense elementwise kernels: bias, activations, dropout, axpy.
 use super::row_chunk;
 use crate::ops::Activation;
-use crate::rng::{DropoutKey, Philox4x32};
+use crate::rng::{dropout_scale, dropout_threshold, DropoutKey, Philox4x32};
 use rayon::prelude::*;
 
 /// `x[i, :] += bias` for every row.
@@ -180,13 +180,11 @@ struct MaskGen {
 
 impl MaskGen {
     fn new(key: DropoutKey, p: f32) -> Self {
-        let threshold = (p.clamp(0.0, 1.0) as f64 * 65_536.0).round().min(65_536.0) as u32;
-        let scale = if p < 1.0 { 1.0 / (1.0 - p) } else { 0.0 };
         MaskGen {
             g: Philox4x32::new(key.seed),
             key,
-            threshold,
-            scale,
+            threshold: dropout_threshold(p),
+            scale: dropout_scale(p),
         }
     }
 
