@@ -390,3 +390,40 @@ fn bench_recovery_reports_overhead_and_recovery_times() {
         assert!(text.contains(needle), "{needle}: {text}");
     }
 }
+
+#[test]
+fn a_partition_that_keeps_failing_is_moved_to_another_node() {
+    let dir = tempfile::tempdir().unwrap();
+    let clean = launch(dir.path(), "clean", 6, "", &[]);
+    // Partition 3 (on node 1) panics in four epochs in a row: three restarts are allowed
+    // within the window, the fourth failure escalates and the partition moves to node 2.
+    let chaos = (2..=5)
+        .map(|e| format!("panic:part=3:epoch={e}"))
+        .collect::<Vec<_>>()
+        .join(",");
+    let faulty = launch(dir.path(), "flaky", 6, &chaos, &[]);
+    assert_eq!(digest(&faulty), digest(&clean), "{}", faulty.stdout);
+    let rec = recoveries(&faulty);
+    let kinds: Vec<&str> = rec.iter().map(|r| r["kind"].as_str().unwrap()).collect();
+    assert_eq!(
+        kinds,
+        [
+            "actor-panic",
+            "actor-panic",
+            "actor-panic",
+            "escalated-move"
+        ],
+        "{}",
+        faulty.stdout
+    );
+    assert_eq!(rec[3]["replaced"], serde_json::json!([[3, 2]]));
+    let nodes = faulty.report.as_ref().unwrap()["nodes"]
+        .as_array()
+        .unwrap()
+        .clone();
+    let on2 = nodes.iter().find(|n| n["node"] == 2).unwrap();
+    assert!(on2["partitions"]
+        .as_array()
+        .unwrap()
+        .contains(&serde_json::json!(3)));
+}

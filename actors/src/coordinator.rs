@@ -67,6 +67,32 @@ pub trait NodeRecovery {
         epoch: u32,
         digest: String,
     ) -> Pin<Box<dyn Future<Output = Result<Replaced, ActorError>>>>;
+
+    /// Partition `part` keeps failing where it runs: move it to a node holding its replica
+    /// (the escalation of the restart policy).
+    fn move_partition(
+        &self,
+        part: u32,
+        epoch: u32,
+        digest: String,
+    ) -> Pin<Box<dyn Future<Output = Result<Replaced, ActorError>>>>;
+}
+
+/// How many restarts a partition may have within a window of epochs before the failure
+/// escalates to the coordinator (which moves the partition to another node, in a cluster).
+#[derive(Debug, Clone, Copy)]
+pub struct RestartPolicy {
+    pub max_restarts: u32,
+    pub window_epochs: u32,
+}
+
+impl Default for RestartPolicy {
+    fn default() -> Self {
+        RestartPolicy {
+            max_restarts: 3,
+            window_epochs: 10,
+        }
+    }
 }
 
 /// Drives epochs over a set of partitions.
@@ -90,6 +116,9 @@ pub struct Coordinator {
     restores: std::cell::RefCell<Vec<(u32, bool)>>,
     /// Treat a step that misses its deadline as a lost message: reset and replay.
     retry_timeouts: bool,
+    policy: RestartPolicy,
+    /// (partition, epoch) of every restart so far.
+    restart_log: Vec<(u32, u32)>,
     /// Epochs already done before this run resumed from a checkpoint, with their logs.
     prior: Vec<EpochLog>,
     /// Every `.0` epochs, called with (epoch, committed digest, every log so far).
@@ -153,6 +182,8 @@ impl Coordinator {
             prior: Vec::new(),
             checkpoint: None,
             retry_timeouts: false,
+            policy: RestartPolicy::default(),
+            restart_log: Vec::new(),
         }
     }
 
@@ -321,15 +352,55 @@ impl Coordinator {
                             last: message,
                         });
                     }
-                    OpenRecovery {
-                        kind: "actor-panic",
-                        part,
-                        node: None,
-                        moves: Vec::new(),
-                        digest_ok: None,
-                        detected_ms,
-                        at: Instant::now(),
-                        ready_ms: 0.0,
+                    self.restart_log.push((part, epoch));
+                    let since = epoch.saturating_sub(self.policy.window_epochs);
+                    let recent = self
+                        .restart_log
+                        .iter()
+                        .filter(|(p, e)| *p == part && *e > since)
+                        .count() as u32;
+                    if recent > self.policy.max_restarts {
+                        let Some(r) = self.node_recovery.clone() else {
+                            return Err(ActorError::RestartsExhausted {
+                                part,
+                                restarts: recent - 1,
+                                last: message,
+                            });
+                        };
+                        // Escalate: the partition keeps failing where it is; move it.
+                        tracing::warn!(
+                            "partition {part} failed {recent} times within {} epochs; moving it",
+                            self.policy.window_epochs
+                        );
+                        let at = Instant::now();
+                        let (e, d) = self.committed.clone();
+                        let replaced = r.move_partition(part, e, d).await?;
+                        for h in replaced.handles {
+                            let p = h.part() as usize;
+                            self.parts[p] = h;
+                        }
+                        self.restart_log.retain(|(p, _)| *p != part);
+                        OpenRecovery {
+                            kind: "escalated-move",
+                            part,
+                            node: None,
+                            moves: replaced.moves,
+                            digest_ok: Some(replaced.digest_ok),
+                            detected_ms,
+                            at,
+                            ready_ms: 0.0,
+                        }
+                    } else {
+                        OpenRecovery {
+                            kind: "actor-panic",
+                            part,
+                            node: None,
+                            moves: Vec::new(),
+                            digest_ok: None,
+                            detected_ms,
+                            at: Instant::now(),
+                            ready_ms: 0.0,
+                        }
                     }
                 }
                 ActorError::Node { node, detail } if self.node_recovery.is_some() => {
@@ -420,6 +491,12 @@ impl Coordinator {
     /// is replayed like a failed one instead of failing the run, within the restart budget.
     pub fn with_timeout_retry(mut self) -> Self {
         self.retry_timeouts = true;
+        self
+    }
+
+    /// Sets the per-partition restart policy.
+    pub fn with_restart_policy(mut self, policy: RestartPolicy) -> Self {
+        self.policy = policy;
         self
     }
 

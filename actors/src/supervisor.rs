@@ -73,6 +73,26 @@ impl NodeSupervisor {
         addr
     }
 
+    /// Stops partition `part`'s actor and joins its thread (it moves to another node); its
+    /// halo blocks are no longer delivered here. Returns whether it was hosted here.
+    pub fn evict(&mut self, part: PartId) -> bool {
+        let Some(i) = self.parts.iter().position(|&p| p == part) else {
+            return false;
+        };
+        self.transport.unregister(part);
+        self.parts.remove(i);
+        drop(self.addrs.remove(i));
+        let arb = self.arbiters.remove(i);
+        arb.stop();
+        let _ = arb.join();
+        true
+    }
+
+    /// The fault plan of this node's actors.
+    pub fn faults(&self) -> &Arc<FaultPlan> {
+        &self.faults
+    }
+
     /// The node's replica store.
     pub fn replicas(&self) -> &Arc<ReplicaStore> {
         &self.replicas

@@ -211,6 +211,16 @@ impl FaultPlan {
         due
     }
 
+    /// Marks `part`'s panics up to `epoch` as fired: the partition moved here after they fired
+    /// on the node that hosted it (each node holds its own copy of the plan).
+    pub fn retire_panics(&self, part: u32, epoch: u32) {
+        if let Ok(mut v) = self.panics.lock() {
+            for f in v.iter_mut().filter(|f| f.0 == part && f.1 <= epoch) {
+                f.4 = true;
+            }
+        }
+    }
+
     /// Make partition `part` stop answering for `for_` in its first step of `epoch` (a hung
     /// kernel); the coordinator's deadline must turn it into an error.
     pub fn stall_at(self, part: u32, epoch: u32, for_: Duration) -> Self {

@@ -50,6 +50,12 @@ pub struct ClusterFile {
     /// Recoveries (partition restarts and node losses) a run may perform before it fails.
     #[serde(default = "default_max_restarts")]
     pub max_restarts: u32,
+    /// A partition restarted more than `max_restarts_per_partition` times within
+    /// `restart_window_epochs` epochs is moved to a node holding its replica.
+    #[serde(default = "default_part_restarts")]
+    pub max_restarts_per_partition: u32,
+    #[serde(default = "default_window")]
+    pub restart_window_epochs: u32,
     #[serde(rename = "node")]
     pub nodes: Vec<NodeEntry>,
 }
@@ -85,6 +91,12 @@ fn default_replicas() -> u32 {
 }
 fn default_max_restarts() -> u32 {
     8
+}
+fn default_part_restarts() -> u32 {
+    3
+}
+fn default_window() -> u32 {
+    10
 }
 
 fn bad(path: &Path, m: impl std::fmt::Display) -> ActorError {

@@ -10,7 +10,7 @@ use super::proto::{ControlMsg, Setup};
 use super::proto::{ReplyBody, Request};
 use super::remote::{ControlClient, RemotePart};
 use crate::checkpoint::{Checkpoint, CheckpointPolicy, CheckpointWriter};
-use crate::coordinator::{Coordinator, NodeRecovery, Replaced};
+use crate::coordinator::{Coordinator, NodeRecovery, Replaced, RestartPolicy};
 use crate::handle::PartHandle;
 use crate::supervisor::NodeSupervisor;
 use crate::topology::{local_handles, RunEvent, TrainingRun};
@@ -239,6 +239,10 @@ async fn drive(
         })
         .with_node_recovery(recovery.clone())
         .with_max_restarts(cluster.max_restarts)
+        .with_restart_policy(RestartPolicy {
+            max_restarts: cluster.max_restarts_per_partition,
+            window_epochs: cluster.restart_window_epochs,
+        })
         .with_timeout_retry();
     if let Some(ck) = resume {
         let s = &ck.snapshot;
@@ -345,7 +349,30 @@ impl NodeRecovery for ClusterRecovery {
         let this = self.snapshot_refs();
         Box::pin(async move {
             let moves = plan?;
-            this.apply(node, moves, epoch, digest).await
+            this.apply(Some(node), moves, epoch, digest).await
+        })
+    }
+
+    fn move_partition(
+        &self,
+        part: u32,
+        epoch: u32,
+        digest: String,
+    ) -> Pin<Box<dyn Future<Output = Result<Replaced, ActorError>>>> {
+        let plan = self.replan_one(part);
+        let this = self.snapshot_refs();
+        Box::pin(async move {
+            let (from, to) = plan?;
+            // Stop the failing actor where it runs, then start it anew on `to`.
+            if from == this.me {
+                this.local
+                    .borrow_mut()
+                    .evict(trellis_transport::PartId(part));
+            } else {
+                let req = Request::Evict { part };
+                this.client.clone().request(from, u32::MAX, req).await?;
+            }
+            this.apply(None, vec![(part, to)], epoch, digest).await
         })
     }
 }
@@ -376,6 +403,23 @@ impl ClusterRecovery {
             cfg: self.cfg.clone(),
             placement: self.placement.borrow().clone(),
         }
+    }
+
+    /// Chooses a live replica node for `part` (other than where it runs); records it.
+    fn replan_one(&self, part: u32) -> Result<(u32, u32), ActorError> {
+        let mut placement = self.placement.borrow_mut();
+        let from = placement[part as usize];
+        let live = self.live.borrow();
+        let to = replica_nodes(&self.ids, from, self.replicas)
+            .into_iter()
+            .find(|&n| n == self.me || live.contains(&n))
+            .ok_or_else(|| {
+                ActorError::Cluster(format!(
+                    "partition {part} keeps failing on node {from} and no live node keeps its replica to move it to"
+                ))
+            })?;
+        placement[part as usize] = to;
+        Ok((from, to))
     }
 
     /// Fences `node` and chooses, for each of its partitions, the first live node among the
@@ -418,7 +462,7 @@ impl ClusterRecovery {
 impl RecoveryRefs {
     async fn apply(
         self,
-        lost: u32,
+        lost: Option<u32>,
         moves: Vec<(u32, u32)>,
         epoch: u32,
         digest: String,
@@ -478,7 +522,7 @@ impl RecoveryRefs {
         for n in live {
             let req = Request::Reroute {
                 placement: placement.clone(),
-                fenced: vec![lost],
+                fenced: lost.into_iter().collect(),
             };
             self.client.clone().request(n, u32::MAX, req).await?;
         }

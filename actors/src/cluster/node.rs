@@ -303,6 +303,8 @@ pub fn adopt_partitions(
     let mut ok = snap.epoch == epoch && (digest.is_empty() || snap.digest == digest);
     let mut out = Vec::new();
     for &p in parts {
+        // Faults of the epoch in progress already fired where the partition was.
+        node.faults().retire_panics(p, epoch + 1);
         let mut state = match standby.take(p) {
             Some(s) => s,
             None => load_state(set, p, cfg)?,

@@ -88,6 +88,10 @@ pub enum Request {
         epoch: u32,
         digest: String,
     },
+    /// Stop hosting partition `part` (it keeps failing here and moves to another node).
+    Evict {
+        part: u32,
+    },
     /// The placement changed: route by `placement`, refuse everything from `fenced` nodes.
     Reroute {
         placement: Vec<u32>,
@@ -113,6 +117,7 @@ pub enum ReplyBody {
         digest_ok: bool,
     },
     Rerouted,
+    Evicted,
     /// The partition panicked (its node's supervisor restarts it).
     Panicked {
         message: String,

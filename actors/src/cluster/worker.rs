@@ -110,6 +110,13 @@ async fn serve(
                     };
                     ep.send(coord, &ControlMsg::Reply { id, body })?;
                 }
+                Request::Evict { part } => {
+                    hosted.node.evict(trellis_transport::PartId(part));
+                    hosted.addrs.remove(&part);
+                    hosted.parts.retain(|&p| p != part);
+                    let body = ReplyBody::Evicted;
+                    ep.send(coord, &ControlMsg::Reply { id, body })?;
+                }
                 Request::Reroute { placement, fenced } => {
                     for n in fenced {
                         ep.transport.fence(n);
@@ -296,9 +303,11 @@ fn answer(
                 Ok(()) => ReplyBody::Reset,
                 Err(e) => mailbox(e),
             },
-            Request::Adopt { .. } | Request::Reroute { .. } => ReplyBody::Failed {
-                message: "node requests are not for a partition".into(),
-            },
+            Request::Adopt { .. } | Request::Reroute { .. } | Request::Evict { .. } => {
+                ReplyBody::Failed {
+                    message: "node requests are not for a partition".into(),
+                }
+            }
         };
         let msg = ControlMsg::Reply { id, body }.encode();
         if let Err(e) = transport.send_control(coord, msg) {
