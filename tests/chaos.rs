@@ -118,6 +118,19 @@ fn a_killed_node_is_recovered_with_identical_weights() {
     let clean = launch(dir.path(), "clean", 5, "", &[]);
     let faulty = launch(dir.path(), "kill", 5, "kill-node:node=2:epoch=3", &[]);
     assert_eq!(digest(&faulty), digest(&clean), "{}", faulty.stdout);
+    // The parameters' digest after every step, not only the last, equals the fault-free run's.
+    let per_epoch = |r: &Run| -> Vec<serde_json::Value> {
+        r.report.as_ref().unwrap()["epochs_log"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["weights_digest"].clone())
+            .collect()
+    };
+    assert_eq!(per_epoch(&faulty), per_epoch(&clean));
+    assert!(per_epoch(&clean)
+        .iter()
+        .all(|d| d.as_str().is_some_and(|s| s.len() == 64)));
     let rec = recoveries(&faulty);
     assert_eq!(rec.len(), 1, "{rec:?}");
     assert_eq!(rec[0]["kind"], "node-loss");

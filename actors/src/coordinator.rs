@@ -286,6 +286,7 @@ impl Coordinator {
             compute_ms,
             comm_ms: (ms - compute_ms).max(0.0),
             halo_bytes: stats.halo_bytes,
+            weights_digest: digest.clone(),
         };
         Ok((log, digest))
     }

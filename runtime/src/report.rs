@@ -22,6 +22,10 @@ pub struct EpochLog {
     pub comm_ms: f64,
     /// Bytes of halo embeddings and gradients moved between partitions in this epoch.
     pub halo_bytes: u64,
+    /// Hex BLAKE3 digest of the parameters after this epoch's step (every partition's replica
+    /// had it: the coordinator checks).
+    #[serde(default)]
+    pub weights_digest: String,
 }
 
 /// The record of a whole run.

@@ -201,6 +201,7 @@ impl Trainer {
             compute_ms: ms,
             comm_ms: 0.0,
             halo_bytes: 0,
+            weights_digest: self.model.weights_digest(),
         })
     }
 
