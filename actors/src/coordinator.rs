@@ -3,6 +3,7 @@
 //! the same weights after each step, and replays an epoch after a partition was restarted.
 use crate::messages::{ApplyStep, Outcome, ResetEpoch, Step, StepReply};
 use crate::partition::PartitionActor;
+use crate::profile::{EpochProfile, StepProfile};
 use crate::ActorError;
 use actix::Addr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -36,6 +37,8 @@ pub struct Coordinator {
     /// Restarts so far (the budget is for the whole run).
     restarts_used: u32,
     pub recoveries: Vec<Recovery>,
+    /// Where the last completed training step's time went.
+    pub last_profile: Option<EpochProfile>,
 }
 
 /// Result of one training step (forward, backward, all-reduce, optimizer) on every partition.
@@ -64,6 +67,7 @@ impl Coordinator {
             cancel,
             restarts_used: 0,
             recoveries: Vec::new(),
+            last_profile: None,
         }
     }
 
@@ -152,13 +156,36 @@ impl Coordinator {
         }
     }
 
+    /// Sends one step to every partition and records its profile.
+    async fn profiled(
+        &self,
+        profile: &mut EpochProfile,
+        epoch: u32,
+        layer: u16,
+        phase: Phase,
+    ) -> Result<Vec<StepReply>, ActorError> {
+        let t = Instant::now();
+        let replies = self.broadcast(epoch, layer, phase).await?;
+        profile.steps.push(StepProfile::new(
+            phase,
+            layer,
+            t.elapsed().as_secs_f64() * 1e3,
+            &replies,
+        ));
+        Ok(replies)
+    }
+
     async fn train_step(&mut self, epoch: u32) -> Result<StepStats, ActorError> {
         let p = self.addrs.len();
         let mut compute_ms = vec![0.0; p];
         let mut halo_bytes = 0;
         let (mut loss_sum, mut count) = (0.0, 0);
+        let mut profile = EpochProfile::new(epoch);
         for l in 0..self.num_layers {
-            for r in self.broadcast(epoch, l, Phase::Forward).await? {
+            for r in self
+                .profiled(&mut profile, epoch, l, Phase::Forward)
+                .await?
+            {
                 compute_ms[r.part as usize] += r.compute_ms;
                 halo_bytes += r.halo_bytes;
                 if let Outcome::Loss {
@@ -174,7 +201,10 @@ impl Coordinator {
         }
         let mut grads: Vec<Option<Arc<[f32]>>> = vec![None; p];
         for l in (0..self.num_layers).rev() {
-            for r in self.broadcast(epoch, l, Phase::Backward).await? {
+            for r in self
+                .profiled(&mut profile, epoch, l, Phase::Backward)
+                .await?
+            {
                 compute_ms[r.part as usize] += r.compute_ms;
                 halo_bytes += r.halo_bytes;
                 if let Outcome::Grads(g) = r.outcome {
@@ -183,6 +213,7 @@ impl Coordinator {
             }
         }
         // All-reduce in a fixed order: partition 0, 1, ..., so the sum never depends on timing.
+        let t_apply = Instant::now();
         let mut sum: Vec<f32> = Vec::new();
         for (q, g) in grads.iter().enumerate() {
             let g = g.as_ref().ok_or_else(|| ActorError::Protocol {
@@ -221,6 +252,8 @@ impl Coordinator {
                 });
             }
         }
+        profile.apply_ms = t_apply.elapsed().as_secs_f64() * 1e3;
+        self.last_profile = Some(profile);
         Ok(StepStats {
             loss_sum,
             count,
@@ -242,8 +275,10 @@ impl Coordinator {
         Ok(acc)
     }
 
-    /// Sends one step to every partition and waits for all replies; a panic is reported after
-    /// every other partition has answered, so the epoch can be reset cleanly.
+    /// Sends one step to every partition and collects the replies as they come. A panic is
+    /// reported at once: other partitions may be parked waiting for blocks the failed one
+    /// never sent, and `ResetEpoch` answers them. Any other failure is reported once every
+    /// partition has answered or the deadline has passed, a panic elsewhere taking precedence.
     async fn broadcast(
         &self,
         epoch: u32,
@@ -259,26 +294,61 @@ impl Coordinator {
             layer,
             phase,
         };
-        let futs: Vec<_> = self.addrs.iter().map(|a| a.send(step)).collect();
-        let mut replies = Vec::with_capacity(futs.len());
+        let what = format!("{phase:?} layer {layer} of epoch {epoch}");
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        for (q, a) in self.addrs.iter().enumerate() {
+            let request = a.send(step);
+            let tx = tx.clone();
+            actix::spawn(async move {
+                let _ = tx.send((q, request.await));
+            });
+        }
+        drop(tx);
+        let deadline = tokio::time::Instant::now() + self.deadline;
+        let mut replies: Vec<Option<StepReply>> = vec![None; self.addrs.len()];
+        let mut answered = vec![false; self.addrs.len()];
         let mut first_err = None;
-        for (q, f) in futs.into_iter().enumerate() {
-            let what = format!("{phase:?} layer {layer} of epoch {epoch}");
-            match self.await_reply(q as u32, &what, f).await.and_then(|r| r) {
-                Ok(r) => replies.push(r),
+        while answered.iter().any(|a| !a) {
+            let (q, reply) = match tokio::time::timeout_at(deadline, rx.recv()).await {
+                Ok(Some(r)) => r,
+                Ok(None) => break,
+                Err(_) => {
+                    let part = answered.iter().position(|a| !a).unwrap_or(0) as u32;
+                    return Err(first_err.unwrap_or(ActorError::Timeout {
+                        part,
+                        ms: self.deadline.as_millis() as u64,
+                        what,
+                    }));
+                }
+            };
+            answered[q] = true;
+            match reply {
+                Ok(Ok(r)) => replies[q] = Some(r),
+                Ok(Err(e @ ActorError::Panicked { .. })) => return Err(e),
+                Ok(Err(e)) => {
+                    first_err.get_or_insert(e);
+                }
                 Err(e) => {
-                    // Prefer reporting a panic (recoverable) over its consequences elsewhere.
-                    let is_panic = matches!(e, ActorError::Panicked { .. });
-                    if first_err.is_none() || is_panic {
-                        first_err = Some(e);
-                    }
+                    first_err.get_or_insert(ActorError::Unreachable {
+                        part: q as u32,
+                        detail: format!("{what}: {e}"),
+                    });
                 }
             }
         }
-        match first_err {
-            Some(e) => Err(e),
-            None => Ok(replies),
+        if let Some(e) = first_err {
+            return Err(e);
         }
+        replies
+            .into_iter()
+            .enumerate()
+            .map(|(q, r)| {
+                r.ok_or_else(|| ActorError::Unreachable {
+                    part: q as u32,
+                    detail: format!("{what}: no reply"),
+                })
+            })
+            .collect()
     }
 
     async fn await_reply<T>(

@@ -10,8 +10,10 @@
 
 mod coordinator;
 mod error;
+mod halo;
 mod messages;
 mod partition;
+pub mod profile;
 pub mod replica;
 mod state;
 mod supervisor;
@@ -20,5 +22,6 @@ mod topology;
 pub use coordinator::Coordinator;
 pub use error::ActorError;
 pub use messages::{Outcome, StepReply};
-pub use state::PartitionState;
+pub use profile::{EpochProfile, StepProfile};
+pub use state::{PartitionState, Stage};
 pub use topology::{FaultPlan, RunEvent, Topology, TrainingRun};

@@ -3,6 +3,7 @@
 use crate::ActorError;
 use actix::Message;
 use std::sync::Arc;
+use trellis_gpu::KernelTimes;
 use trellis_transport::{HaloBlock, Phase, RunId};
 
 /// Run one layer of a pass on a partition.
@@ -68,5 +69,7 @@ pub struct StepReply {
     pub compute_ms: f64,
     /// Halo payload bytes this partition sent during the step.
     pub halo_bytes: u64,
+    /// Time of the step's kernels by family (part of `compute_ms`).
+    pub kernels: KernelTimes,
     pub outcome: Outcome,
 }

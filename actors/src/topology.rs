@@ -5,6 +5,7 @@
 //!
 //! [`spawn`]: Topology::spawn
 use crate::coordinator::{Coordinator, Recovery};
+use crate::profile::EpochProfile;
 use crate::replica::ReplicaStore;
 use crate::state::{GlobalCounts, PartitionState};
 use crate::supervisor::NodeSupervisor;
@@ -15,14 +16,14 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 use trellis_gpu::{Device, Stream, ThreadBudget};
-use trellis_runtime::partition::{partition, PartitionMethod, PartitionSet};
+use trellis_runtime::partition::{partition, PartitionBook, PartitionMethod, PartitionSet};
 use trellis_runtime::report::BestTracker;
 use trellis_runtime::train::{build_report, TrainConfig};
 use trellis_runtime::{Dataset, EpochLog, RunReport};
 use trellis_transport::{InProcessTransport, Phase};
 
-/// A planned panic: (partition, epoch, layer, phase, fired).
-type PlannedPanic = (u32, u32, u16, Phase, bool);
+/// A planned panic: (partition, epoch, layer, phase, in the second stage, fired).
+type PlannedPanic = (u32, u32, u16, Phase, bool, bool);
 
 /// Faults to inject (tests and `--chaos`): each fires once.
 #[derive(Debug, Default)]
@@ -41,10 +42,17 @@ impl FaultPlan {
 
     /// Panic partition `part` in the `phase` pass of `layer` in `epoch`.
     pub fn panic_at(self, part: u32, epoch: u32, layer: u16, phase: Phase) -> Self {
-        self.panics
-            .lock()
-            .expect("fault plan lock")
-            .push((part, epoch, layer, phase, false));
+        self.plan_panic((part, epoch, layer, phase, false, false))
+    }
+
+    /// As [`FaultPlan::panic_at`], in the second stage of a split layer's step (after its
+    /// first stage sent its blocks).
+    pub fn panic_in_second_stage(self, part: u32, epoch: u32, layer: u16, phase: Phase) -> Self {
+        self.plan_panic((part, epoch, layer, phase, true, false))
+    }
+
+    fn plan_panic(self, p: PlannedPanic) -> Self {
+        self.panics.lock().expect("fault plan lock").push(p);
         self
     }
 
@@ -106,8 +114,16 @@ impl FaultPlan {
         self
     }
 
-    /// Panics (or stalls) if a planned fault matches and has not fired yet.
-    pub(crate) fn maybe_panic(&self, part: u32, epoch: u32, layer: u16, phase: Phase) {
+    /// Panics (or stalls) if a planned fault matches and has not fired yet; `second`: the
+    /// second stage of a split layer's step.
+    pub(crate) fn maybe_panic(
+        &self,
+        part: u32,
+        epoch: u32,
+        layer: u16,
+        phase: Phase,
+        second: bool,
+    ) {
         let mut stall = None;
         if let Ok(mut v) = self.stalls.lock() {
             for f in v.iter_mut() {
@@ -123,14 +139,17 @@ impl FaultPlan {
         let mut fire = false;
         if let Ok(mut v) = self.panics.lock() {
             for f in v.iter_mut() {
-                if !f.4 && (f.0, f.1, f.2, f.3) == (part, epoch, layer, phase) {
-                    f.4 = true;
+                if !f.5 && (f.0, f.1, f.2, f.3, f.4) == (part, epoch, layer, phase, second) {
+                    f.5 = true;
                     fire = true;
                 }
             }
         }
         if fire {
-            panic!("injected fault: partition {part}, epoch {epoch}, {phase:?} layer {layer}");
+            let stage = if second { " (second stage)" } else { "" };
+            panic!(
+                "injected fault: partition {part}, epoch {epoch}, {phase:?} layer {layer}{stage}"
+            );
         }
     }
 
@@ -159,8 +178,8 @@ mod tests {
         assert_eq!(
             p,
             vec![
-                (1, 3, 0, Phase::Forward, false),
-                (0, 5, 1, Phase::Backward, false)
+                (1, 3, 0, Phase::Forward, false, false),
+                (0, 5, 1, Phase::Backward, false, false)
             ]
         );
         for (spec, needle) in [
@@ -182,6 +201,8 @@ pub enum RunEvent {
     Epoch(EpochLog),
     /// A failed partition was restarted and the interrupted step replayed.
     Recovered(Recovery),
+    /// Where an epoch's training step spent its time (sent just before its `Epoch` event).
+    Profile(EpochProfile),
 }
 
 /// P partitions of one data set plus the training configuration.
@@ -191,6 +212,7 @@ pub struct Topology {
     faults: Arc<FaultPlan>,
     deadline: Duration,
     dataset: String,
+    gate: Option<mpsc::Receiver<()>>,
     _tmp: Option<TempDir>,
 }
 
@@ -213,6 +235,7 @@ impl Topology {
             faults: Arc::new(FaultPlan::none()),
             deadline: Duration::from_secs(300),
             dataset,
+            gate: None,
             _tmp: None,
         })
     }
@@ -262,9 +285,22 @@ impl Topology {
         self
     }
 
+    /// Paces the run: each epoch starts only once a token arrives on `gate`, and the run ends
+    /// early, cleanly, when the sending side is dropped. Benchmarks use it to alternate the
+    /// run's epochs with other work in the same process.
+    pub fn with_epoch_gate(mut self, gate: mpsc::Receiver<()>) -> Self {
+        self.gate = Some(gate);
+        self
+    }
+
     /// Number of partitions.
     pub fn parts(&self) -> usize {
         self.set.parts()
+    }
+
+    /// The partition book (sizes, halo counts, edge cut).
+    pub fn book(&self) -> &PartitionBook {
+        self.set.book()
     }
 
     /// Loads every partition, starts the actor system on its own thread and begins training.
@@ -291,6 +327,7 @@ impl Topology {
         let threads = budget.threads();
         let dataset = self.dataset.clone();
         let tmp = self._tmp;
+        let gate = self.gate;
         let thread = std::thread::Builder::new()
             .name("trellis-coordinator".into())
             .spawn(move || {
@@ -309,11 +346,18 @@ impl Topology {
                     let mut digest = String::new();
                     let mut outcome = Ok(());
                     for epoch in 1..=cfg.epochs {
+                        // Blocking here is fine: no step is in flight between epochs.
+                        if gate.as_ref().is_some_and(|g| g.recv().is_err()) {
+                            break;
+                        }
                         let seen = coord.recoveries.len();
                         match coord.epoch(epoch, totals).await {
                             Ok((log, d)) => {
                                 for r in &coord.recoveries[seen..] {
                                     let _ = tx.send(RunEvent::Recovered(r.clone()));
+                                }
+                                if let Some(p) = coord.last_profile.take() {
+                                    let _ = tx.send(RunEvent::Profile(p));
                                 }
                                 best.update(&log);
                                 let _ = tx.send(RunEvent::Epoch(log.clone()));

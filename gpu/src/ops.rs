@@ -1,6 +1,7 @@
 //! The device-neutral op API: methods on [`Stream`] that check shapes and dispatch to the
 //! stream's backend. Callers (models, partition actors) use only these.
 use crate::cpu;
+use crate::stream::KernelKind;
 use crate::{Csr, Device, DropoutKey, GpuError, Result, Stream, Tensor};
 
 /// Elementwise nonlinearities.
@@ -193,7 +194,7 @@ impl Stream {
             format!("op(a) {m}x{k}, op(b) {k2}x{n}, c {}x{}", c.rows(), c.cols())
         })?;
         let threads = self.threads();
-        self.run(|| {
+        self.run_as(KernelKind::Gemm, || {
             cpu::gemm(
                 m,
                 n,
@@ -275,7 +276,7 @@ impl Stream {
                 (Some(v), h)
             }
         };
-        self.run(|| {
+        self.run_as(KernelKind::Spmm, || {
             cpu::spmm(
                 a,
                 weights,

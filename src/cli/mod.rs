@@ -4,6 +4,7 @@ use clap::{Parser, Subcommand};
 
 mod accuracy;
 mod bench;
+mod bench_partitions;
 mod cert;
 mod demo;
 mod partition;

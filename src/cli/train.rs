@@ -154,6 +154,7 @@ pub fn train_partitioned(
                     r.kind, r.partition, r.epoch, r.detected_ms, r.resumed_ms, r.steps_replayed
                 )
             }),
+            RunEvent::Profile(_) => {}
         }
     }
     pb.finish_and_clear();
