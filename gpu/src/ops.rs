@@ -546,6 +546,33 @@ impl Stream {
         Ok(())
     }
 
+    /// `dst = dropout(src)`: the mask of [`Stream::dropout`], applied while copying.
+    pub fn dropout_into(
+        &self,
+        src: &Tensor,
+        dst: &mut Tensor,
+        gids: &[u32],
+        key: DropoutKey,
+        p: f32,
+    ) -> Result<()> {
+        self.cpu_only()?;
+        check(
+            "dropout_into",
+            gids.len() == src.rows() && src.shape() == dst.shape(),
+            || {
+                format!(
+                    "{} ids, src {:?}, dst {:?}",
+                    gids.len(),
+                    src.shape(),
+                    dst.shape()
+                )
+            },
+        )?;
+        let w = src.cols();
+        self.run(|| cpu::dropout_copy(src.as_slice(), dst.as_mut_slice(), w, gids, key, p));
+        Ok(())
+    }
+
     /// Dropout of a sparse matrix's stored values, with the mask [`Stream::dropout`] applies to
     /// the dense form (rows keyed by `gids`).
     pub fn dropout_csr(&self, m: &mut Csr, gids: &[u32], key: DropoutKey, p: f32) -> Result<()> {

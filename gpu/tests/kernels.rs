@@ -1621,3 +1621,26 @@ fn adam_step_zero_panics_instead_of_producing_nan() {
         &mut v,
     );
 }
+
+#[test]
+fn dropout_into_equals_copy_then_dropout() {
+    let (rows, cols) = (37, 21);
+    let x = Tensor::from_vec(
+        rows,
+        cols,
+        (0..rows * cols).map(|i| i as f32 - 300.0).collect(),
+    )
+    .unwrap();
+    let gids: Vec<u32> = (0..rows as u32).map(|r| r * 3 + 1).collect();
+    for p in [0.0, 0.5] {
+        let mut a = x.clone();
+        s().dropout(&mut a, &gids, key(9), p).unwrap();
+        let mut b = Tensor::zeros(rows, cols);
+        s().dropout_into(&x, &mut b, &gids, key(9), p).unwrap();
+        assert_eq!(a.as_slice(), b.as_slice(), "p = {p}");
+    }
+    let mut wrong = Tensor::zeros(rows, cols + 1);
+    assert!(s()
+        .dropout_into(&x, &mut wrong, &gids, key(9), 0.5)
+        .is_err());
+}
