@@ -1644,3 +1644,21 @@ fn dropout_into_equals_copy_then_dropout() {
         .dropout_into(&x, &mut wrong, &gids, key(9), 0.5)
         .is_err());
 }
+
+#[test]
+fn kernel_clock_times_each_family_on_its_own_stream() {
+    let st = stream_with(2);
+    assert_eq!(st.kernel_times(), trellis_gpu::KernelTimes::default());
+    let a = Tensor::from_vec(64, 64, vec![0.5; 64 * 64]).unwrap();
+    st.matmul(&a, false, &a, false).unwrap();
+    let after_gemm = st.kernel_times();
+    assert!(after_gemm.gemm_ms > 0.0, "{after_gemm:?}");
+    assert_eq!((after_gemm.spmm_ms, after_gemm.other_ms), (0.0, 0.0));
+    let mut b = a.clone();
+    st.activate(Activation::Relu, &mut b).unwrap();
+    let d = st.kernel_times().since(&after_gemm);
+    assert!(d.other_ms > 0.0 && d.gemm_ms == 0.0, "{d:?}");
+    // Clones share the clock; another stream has its own.
+    assert_eq!(st.clone().kernel_times(), st.kernel_times());
+    assert_eq!(stream_with(2).kernel_times().total_ms(), 0.0);
+}
