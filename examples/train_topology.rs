@@ -44,6 +44,11 @@ fn main() -> Result<()> {
             RunEvent::Recovered(r) => {
                 println!("recovered partition {} in epoch {}", r.partition, r.epoch)
             }
+            RunEvent::Profile(p) => println!(
+                "  step profile: {} protocol steps, {} KiB of halo rows",
+                p.steps.len(),
+                p.halo_bytes() / 1024
+            ),
         }
     }
 

@@ -218,3 +218,51 @@ fn device_cuda_without_a_gpu_is_a_clear_error() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("expected cpu, cuda or cuda:N"));
 }
+
+#[test]
+fn bench_partitions_times_both_sides_and_says_where_time_goes() {
+    let out = ok(&[
+        "bench",
+        "partitions",
+        "--data",
+        DATA,
+        "--parts",
+        "2",
+        "--epochs",
+        "3",
+        "--hidden",
+        "16",
+        "--threads",
+        "2",
+    ]);
+    let ms_of = |prefix: &str| -> f64 {
+        let line = out
+            .lines()
+            .find(|l| l.starts_with(prefix))
+            .unwrap_or_else(|| panic!("no `{prefix}` line in:\n{out}"));
+        line[prefix.len()..]
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no time in `{line}`"))
+    };
+    let (one, two) = (ms_of("P=1"), ms_of("P=2"));
+    assert!(one > 0.0 && two > 0.0, "{out}");
+    let ratio = out
+        .lines()
+        .find_map(|l| l.strip_prefix("ratio"))
+        .and_then(|r| r.trim().split('x').next()?.parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("no ratio in:\n{out}"));
+    // The printed times are rounded to 0.01 ms; tiny steps make the ratio of the rounded
+    // times only roughly the printed ratio.
+    assert!(
+        ratio > 0.0 && (ratio - two / one).abs() <= 0.25 * ratio + 0.02,
+        "{out}"
+    );
+    for needle in ["forward 0", "backward 0", "apply", "halo MiB", "gemm"] {
+        assert!(out.contains(needle), "no `{needle}` in:\n{out}");
+    }
+    let bad = trellis(&["bench", "partitions", "--data", DATA, "--parts", "1"]);
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--parts"));
+}

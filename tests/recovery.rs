@@ -66,6 +66,29 @@ fn panics_in_every_phase_recover_to_identical_weights() {
 }
 
 #[test]
+fn panics_between_the_stages_of_a_split_layer_recover_to_identical_weights() {
+    // GCN layer 1 (16 -> 4) runs split: its first stage sends transformed rows, the failed
+    // partition dies before its second stage while the others wait for its blocks.
+    let ds = data();
+    let cfg = cfg(&ds, ModelKind::Gcn);
+    let clean = run(&ds, &cfg, FaultPlan::none()).unwrap();
+    for phase in [Phase::Forward, Phase::Backward, Phase::Eval] {
+        let faults = FaultPlan::none().panic_in_second_stage(1, 4, 1, phase);
+        let faulty = run(&ds, &cfg, faults).unwrap();
+        assert_eq!(faulty.weights_digest, clean.weights_digest, "{phase:?}");
+        assert_eq!(recoveries(&faulty), 1, "{phase:?}");
+        assert_eq!(faulty.test_acc, clean.test_acc, "{phase:?}");
+    }
+    // A split layer's first stage failing leaves the others parked for its blocks.
+    let faults = FaultPlan::none()
+        .panic_at(0, 2, 1, Phase::Forward)
+        .panic_at(2, 5, 1, Phase::Backward);
+    let faulty = run(&ds, &cfg, faults).unwrap();
+    assert_eq!(faulty.weights_digest, clean.weights_digest);
+    assert_eq!(recoveries(&faulty), 2);
+}
+
+#[test]
 fn two_failures_in_a_row_and_a_failure_during_replay() {
     let ds = data();
     let cfg = cfg(&ds, ModelKind::Sage);

@@ -5,6 +5,7 @@
 //! [`NodeRecovery`]), it resets the epoch everywhere and replays the interrupted unit.
 use crate::handle::PartHandle;
 use crate::messages::{ApplyStep, Outcome, ResetEpoch, Step, StepReply};
+use crate::profile::{EpochProfile, StepProfile};
 use crate::topology::RunEvent;
 use crate::ActorError;
 use futures_util::stream::{FuturesUnordered, StreamExt};
@@ -123,6 +124,10 @@ pub struct Coordinator {
     prior: Vec<EpochLog>,
     /// Every `.0` epochs, called with (epoch, committed digest, every log so far).
     checkpoint: Option<(u32, CheckpointFn)>,
+    /// Where the last completed training step's time went.
+    pub last_profile: Option<EpochProfile>,
+    /// Paces the run: each epoch starts once a token arrives; the run ends when it closes.
+    gate: Option<mpsc::Receiver<()>>,
 }
 
 /// Writes a durable checkpoint: (epoch, committed digest, every epoch's log so far).
@@ -184,7 +189,16 @@ impl Coordinator {
             retry_timeouts: false,
             policy: RestartPolicy::default(),
             restart_log: Vec::new(),
+            last_profile: None,
+            gate: None,
         }
+    }
+
+    /// Starts each epoch only once a token arrives on `gate`; the run ends (successfully,
+    /// with the epochs done so far) when the gate closes.
+    pub fn with_epoch_gate(mut self, gate: mpsc::Receiver<()>) -> Self {
+        self.gate = Some(gate);
+        self
     }
 
     /// Continues a run restored from a checkpoint taken after `epoch` (weights `digest`),
@@ -231,10 +245,16 @@ impl Coordinator {
             done.best.update(log);
         }
         for epoch in self.committed.0 + 1..=epochs {
+            if self.gate.as_ref().is_some_and(|g| g.recv().is_err()) {
+                break;
+            }
             let seen = self.recoveries.len();
             let (log, digest) = self.epoch(epoch, totals).await?;
             for r in &self.recoveries[seen..] {
                 let _ = events.send(RunEvent::Recovered(r.clone()));
+            }
+            if let Some(p) = self.last_profile.take() {
+                let _ = events.send(RunEvent::Profile(p));
             }
             done.best.update(&log);
             let _ = events.send(RunEvent::Epoch(log.clone()));
@@ -265,9 +285,13 @@ impl Coordinator {
         // Once the gradients are summed the step is decided: a failure while applying it
         // re-applies the same sum (idempotent where it was already applied).
         let grads = stats.grads.clone();
+        let t_apply = Instant::now();
         let digest = self
             .retrying(epoch, move |c| Box::pin(c.apply(epoch, grads.clone())))
             .await?;
+        if let Some(p) = &mut self.last_profile {
+            p.apply_ms = t_apply.elapsed().as_secs_f64() * 1e3;
+        }
         self.committed = (epoch, digest.clone());
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         let t1 = Instant::now();
@@ -507,13 +531,36 @@ impl Coordinator {
         self
     }
 
+    /// Sends one step to every partition and records its profile.
+    async fn profiled(
+        &self,
+        profile: &mut EpochProfile,
+        epoch: u32,
+        layer: u16,
+        phase: Phase,
+    ) -> Result<Vec<StepReply>, ActorError> {
+        let t = Instant::now();
+        let replies = self.broadcast(epoch, layer, phase).await?;
+        profile.steps.push(StepProfile::new(
+            phase,
+            layer,
+            t.elapsed().as_secs_f64() * 1e3,
+            &replies,
+        ));
+        Ok(replies)
+    }
+
     async fn forward_backward(&mut self, epoch: u32) -> Result<GradStats, ActorError> {
         let p = self.parts.len();
         let mut compute_ms = vec![0.0; p];
         let mut halo_bytes = 0;
         let (mut loss_sum, mut count) = (0.0, 0);
+        let mut profile = EpochProfile::new(epoch);
         for l in 0..self.num_layers {
-            for r in self.broadcast(epoch, l, Phase::Forward).await? {
+            for r in self
+                .profiled(&mut profile, epoch, l, Phase::Forward)
+                .await?
+            {
                 compute_ms[r.part as usize] += r.compute_ms;
                 halo_bytes += r.halo_bytes;
                 if let Outcome::Loss {
@@ -529,7 +576,10 @@ impl Coordinator {
         }
         let mut grads: Vec<Option<Arc<[f32]>>> = vec![None; p];
         for l in (0..self.num_layers).rev() {
-            for r in self.broadcast(epoch, l, Phase::Backward).await? {
+            for r in self
+                .profiled(&mut profile, epoch, l, Phase::Backward)
+                .await?
+            {
                 compute_ms[r.part as usize] += r.compute_ms;
                 halo_bytes += r.halo_bytes;
                 if let Outcome::Grads(g) = r.outcome {
@@ -550,6 +600,7 @@ impl Coordinator {
                 sum.iter_mut().zip(g.iter()).for_each(|(s, v)| *s += v);
             }
         }
+        self.last_profile = Some(profile);
         Ok(GradStats {
             loss_sum,
             count,
@@ -602,9 +653,9 @@ impl Coordinator {
     }
 
     /// Sends one step to every partition and waits for all replies, returned in partition
-    /// order. A panic is reported after every other partition has answered, so the epoch can
-    /// be reset cleanly; a lost node is reported at once (partitions waiting for its halo
-    /// blocks would wait forever; the reset cancels their steps).
+    /// order. A panic or a lost node is reported at once: other partitions may be parked
+    /// waiting for blocks the failed one never sent, and the epoch reset answers them. Any
+    /// other failure is reported once every partition has answered (or its deadline passed).
     async fn broadcast(
         &self,
         epoch: u32,
@@ -636,7 +687,7 @@ impl Coordinator {
                     }
                     replies.push(r)
                 }
-                Err(e @ ActorError::Node { .. }) => return Err(e),
+                Err(e @ (ActorError::Node { .. } | ActorError::Panicked { .. })) => return Err(e),
                 Err(e) => {
                     // Prefer reporting a panic (recoverable) over its consequences elsewhere.
                     let is_panic = matches!(e, ActorError::Panicked { .. });

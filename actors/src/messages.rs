@@ -3,6 +3,7 @@
 use crate::ActorError;
 use actix::Message;
 use std::sync::Arc;
+use trellis_gpu::KernelTimes;
 use trellis_transport::{HaloBlock, Phase, RunId};
 
 /// Run one layer of a pass on a partition.
@@ -68,6 +69,8 @@ pub struct StepReply {
     pub compute_ms: f64,
     /// Halo payload bytes this partition sent during the step.
     pub halo_bytes: u64,
+    /// Time of the step's kernels by family (part of `compute_ms`).
+    pub kernels: KernelTimes,
     pub outcome: Outcome,
     /// Set in the first reply after a supervised restart: whether the state restored from
     /// the replica store matched the digest recorded when it was stored.

@@ -2,12 +2,15 @@
 //!
 //! A [`Step`] request is parked until every halo block it needs has arrived, then computed on
 //! this actor's arbiter thread (its stream); blocks it produces go out through the transport.
+//! A split layer's step has two stages: the first runs and sends its blocks, the step parks
+//! again until the neighbours' blocks for the second stage are in, then the second runs and
+//! the step is answered.
 //! A panic inside a computation is caught, reported to the coordinator as
 //! [`ActorError::Panicked`], and the actor stops itself so that actix's `Supervisor` restarts
 //! it: `restarting` restores the model replica and optimizer from the node's replica store.
 use crate::messages::{ApplyStep, Halo, ResetEpoch, Step, StepReply};
 use crate::replica::ReplicaStore;
-use crate::state::{timed, PartitionState};
+use crate::state::{timed, PartitionState, Stage};
 use crate::topology::FaultPlan;
 use crate::ActorError;
 use actix::prelude::*;
@@ -15,6 +18,7 @@ use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use tokio::sync::oneshot;
+use trellis_gpu::KernelTimes;
 use trellis_transport::{HaloBlock, PartId, Phase, RunId, Transport, TransportError};
 
 type Reply = oneshot::Sender<Result<StepReply, ActorError>>;
@@ -30,9 +34,18 @@ pub struct PartitionActor {
     replicas: Arc<ReplicaStore>,
     faults: Arc<FaultPlan>,
     inbox: Inbox,
-    pending: Option<(Step, Reply)>,
+    pending: Option<Pending>,
     /// Outcome of the last restore, reported with the next reply.
     restored: Option<bool>,
+}
+
+/// A step waiting for halo blocks, with what its stages so far cost.
+struct Pending {
+    step: Step,
+    reply: Reply,
+    compute_ms: f64,
+    halo_bytes: u64,
+    kernels: KernelTimes,
 }
 
 impl PartitionActor {
@@ -60,38 +73,57 @@ impl PartitionActor {
         }
     }
 
-    /// Runs the parked step if all its halo blocks are here.
+    /// Runs the parked step's stages as far as the halo blocks that are here allow.
     fn try_progress(&mut self, ctx: &mut Context<Self>) {
-        let Some((step, _)) = &self.pending else {
-            return;
-        };
-        let step = *step;
-        let need = self.state.expected_senders(step.phase, step.layer);
-        let key = input_key(&step);
-        let have = self.inbox.get(&key);
-        if !need.iter().all(|q| have.is_some_and(|m| m.contains_key(q))) {
-            return;
+        while let Some(p) = &self.pending {
+            let step = p.step;
+            let stage = self.state.stage_of(step.epoch, step.phase, step.layer);
+            let (tag, need) = self.state.inputs(step.phase, step.layer, stage);
+            // A stage that needs no blocks leaves the inbox alone (they may be another's).
+            let blocks = if need.is_empty() {
+                BTreeMap::new()
+            } else {
+                let key = (step.epoch, step.phase, tag);
+                let have = self.inbox.get(&key);
+                if !need.iter().all(|q| have.is_some_and(|m| m.contains_key(q))) {
+                    return;
+                }
+                self.inbox.remove(&key).unwrap_or_default()
+            };
+            if !self.run_stage(step, stage, &blocks, ctx) {
+                return;
+            }
         }
-        let (_, reply) = self.pending.take().expect("checked above");
-        let blocks = self.inbox.remove(&key).unwrap_or_default();
+    }
+
+    /// Runs one stage of the parked step and sends its blocks; answers the step when it is
+    /// done or failed. Returns whether the step goes on with its second stage.
+    fn run_stage(
+        &mut self,
+        step: Step,
+        stage: Stage,
+        blocks: &BTreeMap<PartId, HaloBlock>,
+        ctx: &mut Context<Self>,
+    ) -> bool {
         let part = self.part;
         let faults = self.faults.clone();
+        let before = self.state.stream().kernel_times();
         let result = catch_unwind(AssertUnwindSafe(|| {
-            faults.maybe_panic(part.0, step.epoch, step.layer, step.phase);
-            timed(|| match step.phase {
-                Phase::Forward | Phase::Eval => self
-                    .state
-                    .forward(step.run, step.epoch, step.layer, step.phase, &blocks),
-                Phase::Backward => self
-                    .state
-                    .backward(step.run, step.epoch, step.layer, &blocks),
+            let second = stage == Stage::Second;
+            faults.maybe_panic(part.0, step.epoch, step.layer, step.phase, second);
+            timed(|| {
+                self.state
+                    .run_stage(step.run, step.epoch, step.layer, step.phase, stage, blocks)
             })
         }));
-        match result {
-            Ok((Ok((outcome, out)), compute_ms)) => {
-                let mut halo_bytes = 0;
+        let kernels = self.state.stream().kernel_times().since(&before);
+        let error = match result {
+            Ok((Ok((outcome, out)), ms)) => {
+                let p = self.pending.as_mut().expect("a parked step runs");
+                p.compute_ms += ms;
+                p.kernels.add(&kernels);
                 for b in out {
-                    halo_bytes += b.payload_bytes();
+                    p.halo_bytes += b.payload_bytes();
                     match self.transport.send(b) {
                         Ok(()) => {}
                         // A lost peer node: the coordinator detects the loss on its own link
@@ -101,46 +133,45 @@ impl PartitionActor {
                             tracing::warn!("partition {part}: {e}; block dropped")
                         }
                         Err(e) => {
-                            let _ = reply.send(Err(ActorError::Unreachable {
+                            let p = self.pending.take().expect("a parked step runs");
+                            let _ = p.reply.send(Err(ActorError::Unreachable {
                                 part: part.0,
                                 detail: e.to_string(),
                             }));
-                            return;
+                            return false;
                         }
                     }
                 }
-                let _ = reply.send(Ok(StepReply {
+                let Some(outcome) = outcome else {
+                    return true;
+                };
+                let p = self.pending.take().expect("a parked step runs");
+                let _ = p.reply.send(Ok(StepReply {
                     part: part.0,
-                    compute_ms,
-                    halo_bytes,
+                    compute_ms: p.compute_ms,
+                    halo_bytes: p.halo_bytes,
+                    kernels: p.kernels,
                     outcome,
                     restored: self.restored.take(),
                 }));
+                return false;
             }
-            Ok((Err(e), _)) => {
-                let _ = reply.send(Err(ActorError::Compute {
-                    part: part.0,
-                    source: e,
-                }));
-            }
+            Ok((Err(e), _)) => ActorError::Compute {
+                part: part.0,
+                source: e,
+            },
             Err(panic) => {
-                let message = panic_message(panic);
-                let _ = reply.send(Err(ActorError::Panicked {
-                    part: part.0,
-                    message,
-                }));
                 // Stopping makes actix's Supervisor call `restarting` and start us again.
                 ctx.stop();
+                ActorError::Panicked {
+                    part: part.0,
+                    message: panic_message(panic),
+                }
             }
-        }
-    }
-}
-
-/// The inbox key of the blocks a step consumes.
-fn input_key(step: &Step) -> (u32, Phase, u16) {
-    match step.phase {
-        Phase::Forward | Phase::Eval => (step.epoch, step.phase, step.layer.wrapping_sub(1)),
-        Phase::Backward => (step.epoch, Phase::Backward, step.layer + 1),
+        };
+        let p = self.pending.take().expect("a parked step runs");
+        let _ = p.reply.send(Err(error));
+        false
     }
 }
 
@@ -187,8 +218,15 @@ impl Handler<Step> for PartitionActor {
             });
         }
         let (tx, rx) = oneshot::channel();
-        if let Some((_, old)) = self.pending.replace((step, tx)) {
-            let _ = old.send(Err(ActorError::Protocol {
+        let new = Pending {
+            step,
+            reply: tx,
+            compute_ms: 0.0,
+            halo_bytes: 0,
+            kernels: KernelTimes::default(),
+        };
+        if let Some(old) = self.pending.replace(new) {
+            let _ = old.reply.send(Err(ActorError::Protocol {
                 part,
                 detail: "superseded by a newer request".into(),
             }));
@@ -262,8 +300,8 @@ impl Handler<ResetEpoch> for PartitionActor {
 
     fn handle(&mut self, msg: ResetEpoch, _ctx: &mut Context<Self>) {
         self.inbox.retain(|k, _| k.0 != msg.epoch);
-        if let Some((_, reply)) = self.pending.take() {
-            let _ = reply.send(Err(ActorError::Protocol {
+        if let Some(p) = self.pending.take() {
+            let _ = p.reply.send(Err(ActorError::Protocol {
                 part: self.part.0,
                 detail: "epoch reset".into(),
             }));

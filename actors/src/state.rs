@@ -1,5 +1,11 @@
 //! A partition's compute state and the per-layer steps of the epoch protocol, free of actors
 //! and I/O: the actor feeds it requests and halo blocks and sends what it returns.
+//!
+//! A step of a split layer (see `trellis_runtime::model` split layers) runs in two stages: the
+//! first sends the layer's transformed rows (forward) or their gradients (backward), the
+//! second runs once the neighbours' blocks of those are in. Between the stages the state
+//! holds a [`Staged`] record; [`PartitionState::reset_epoch`] forgets it.
+use crate::halo::{proto, HaloLists, Tag};
 use crate::messages::Outcome;
 use crate::replica::Snapshot;
 use std::borrow::Cow;
@@ -10,8 +16,8 @@ use trellis_gpu::{Stream, Tensor};
 use trellis_runtime::model::StepCtx;
 use trellis_runtime::partition::{block, PartitionFile};
 use trellis_runtime::train::{normalize_rows, TrainConfig};
-use trellis_runtime::{Block, LayerInput, Model, Optimizer, Result, RuntimeError};
-use trellis_transport::{HaloBlock, MsgHeader, PartId, Phase, RunId};
+use trellis_runtime::{Block, LayerInput, Model, Optimizer, Result};
+use trellis_transport::{HaloBlock, PartId, Phase, RunId, TRANSFORMED};
 
 /// Totals over the whole graph that scale losses and accuracies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,10 +36,8 @@ pub struct PartitionState {
     train: Vec<u32>,
     val: Vec<u32>,
     test: Vec<u32>,
-    /// Local inner rows each other part needs, ascending part id.
-    send: Vec<(PartId, Vec<u32>)>,
-    /// Local input rows (halo) each other part owns, ascending part id, ascending global id.
-    recv: Vec<(PartId, Vec<u32>)>,
+    /// Rows exchanged with each neighbour.
+    halo: HaloLists,
     counts: GlobalCounts,
     model: Model,
     opt: Optimizer,
@@ -42,8 +46,29 @@ pub struct PartitionState {
     own_out: Option<Tensor>,
     /// Gradient of the inner rows of the next backward layer (local part).
     grad_inner: Option<Tensor>,
+    /// A split layer's step between its two stages.
+    staged: Option<Staged>,
     /// Epochs completed (optimizer steps applied).
     epoch_done: u32,
+}
+
+/// Which stage of its step a request is at.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stage {
+    /// The step's only stage, or the first of a split layer.
+    First,
+    /// The second stage of a split layer (its first ran).
+    Second,
+}
+
+/// A split layer's step whose first stage ran.
+struct Staged {
+    epoch: u32,
+    phase: Phase,
+    layer: u16,
+    /// Forward: the transformed inner rows `Z`. Backward: this partition's part of `gZ` for
+    /// its inner rows.
+    rows: Tensor,
 }
 
 impl std::fmt::Debug for PartitionState {
@@ -80,7 +105,7 @@ impl PartitionState {
             normalize_rows(&mut feats, f);
         }
         let x = LayerInput::auto(Tensor::from_vec(block.n_in(), f, feats)?)?;
-        let send = file
+        let send: Vec<_> = file
             .send_lists()
             .map(|(q, rows)| (PartId(q as u32), rows.to_vec()))
             .collect();
@@ -89,7 +114,7 @@ impl PartitionState {
         for (k, &owner) in file.halo_owner().iter().enumerate() {
             by_owner.entry(owner).or_default().push(n_inner + k as u32);
         }
-        let recv = by_owner
+        let recv: Vec<_> = by_owner
             .into_iter()
             .map(|(q, rows)| (PartId(q), rows))
             .collect();
@@ -103,14 +128,14 @@ impl PartitionState {
             val: ids(file.val_mask()),
             test: ids(file.test_mask()),
             block,
-            send,
-            recv,
+            halo: HaloLists { part, send, recv },
             counts,
             model,
             opt,
             stream,
             own_out: None,
             grad_inner: None,
+            staged: None,
             epoch_done: 0,
         })
     }
@@ -131,43 +156,106 @@ impl PartitionState {
     pub fn model(&self) -> &Model {
         &self.model
     }
+    /// The compute stream (its kernel clock times the steps).
+    pub fn stream(&self) -> &Stream {
+        &self.stream
+    }
 
-    /// The parts whose halo blocks a step needs before it can run.
-    pub fn expected_senders(&self, phase: Phase, layer: u16) -> Vec<PartId> {
-        let last = self.num_layers() as u16 - 1;
-        match phase {
-            Phase::Forward | Phase::Eval if layer > 0 => {
-                self.recv.iter().map(|(q, _)| *q).collect()
-            }
-            Phase::Backward if layer < last => self.send.iter().map(|(q, _)| *q).collect(),
-            _ => Vec::new(),
+    /// True when the halo rows of layer `l`'s input are exchanged as they are (not for the first
+    /// layer, whose halo inputs are static, nor for split layers, which exchange `Z`).
+    fn exchanges_input(&self, l: usize) -> bool {
+        l > 0 && l < self.num_layers() && !self.model.is_split(l)
+    }
+
+    /// The stage a request for `(epoch, phase, layer)` is at.
+    pub fn stage_of(&self, epoch: u32, phase: Phase, layer: u16) -> Stage {
+        match &self.staged {
+            Some(s) if (s.epoch, s.phase, s.layer) == (epoch, phase, layer) => Stage::Second,
+            _ => Stage::First,
         }
     }
 
-    /// Runs the forward of `layer` (training or evaluation). `blocks` holds, by sender, the
-    /// halo rows of the previous layer's output. Returns the outcome and the blocks to send.
-    pub fn forward(
+    /// The halo blocks a stage of a step needs before it can run: the layer tag they carry
+    /// (inbox key `(epoch, phase, tag)`) and the parts that send them (none: it runs at once).
+    pub fn inputs(&self, phase: Phase, layer: u16, stage: Stage) -> (u16, Vec<PartId>) {
+        let l = layer as usize;
+        match (phase, stage) {
+            (Phase::Forward | Phase::Eval, Stage::First) => {
+                let from = self.exchanges_input(l).then(|| self.halo.owners());
+                (layer.wrapping_sub(1), from.unwrap_or_default())
+            }
+            (Phase::Backward, Stage::First) => {
+                let from = self.exchanges_input(l + 1).then(|| self.halo.holders());
+                (layer + 1, from.unwrap_or_default())
+            }
+            (Phase::Forward | Phase::Eval, Stage::Second) => {
+                (layer | TRANSFORMED, self.halo.owners())
+            }
+            (Phase::Backward, Stage::Second) => (layer | TRANSFORMED, self.halo.holders()),
+        }
+    }
+
+    /// Runs `stage` of the step `(epoch, layer, phase)` with the blocks [`Self::inputs`] named
+    /// (by sender). Returns the step's outcome (`None` after the first stage of a split layer:
+    /// the step goes on with its second) and the blocks to send.
+    pub fn run_stage(
         &mut self,
         run: RunId,
         epoch: u32,
         layer: u16,
         phase: Phase,
+        stage: Stage,
         blocks: &BTreeMap<PartId, HaloBlock>,
-    ) -> Result<(Outcome, Vec<HaloBlock>)> {
-        let l = layer as usize;
-        let ctx = StepCtx {
+    ) -> Result<(Option<Outcome>, Vec<HaloBlock>)> {
+        let tag = Tag {
+            run,
             epoch,
-            train: phase == Phase::Forward,
+            layer,
+            phase,
         };
+        let split = self.model.is_split(layer as usize);
+        match (phase, split, stage) {
+            (_, false, Stage::Second) => Err(proto(
+                self.part,
+                &format!("layer {layer} has no second stage"),
+            )),
+            (Phase::Backward, false, _) => self.backward(tag, blocks),
+            (Phase::Backward, true, Stage::First) => self.backward_first(tag, blocks),
+            (Phase::Backward, true, Stage::Second) => self.backward_second(tag, blocks),
+            (_, false, _) => self.forward(tag, blocks),
+            (_, true, Stage::First) => self.forward_first(tag),
+            (_, true, Stage::Second) => self.forward_second(tag, blocks),
+        }
+    }
+
+    fn ctx(tag: Tag) -> StepCtx {
+        StepCtx {
+            epoch: tag.epoch,
+            train: tag.phase == Phase::Forward,
+        }
+    }
+
+    fn take_own_out(&mut self) -> Result<Tensor> {
+        self.own_out
+            .take()
+            .ok_or_else(|| proto(self.part, "forward without the previous layer's output"))
+    }
+
+    /// Forward of a layer that is not split. `blocks` holds, by sender, the halo rows of the
+    /// previous layer's output (none for the first layer).
+    fn forward(
+        &mut self,
+        tag: Tag,
+        blocks: &BTreeMap<PartId, HaloBlock>,
+    ) -> Result<(Option<Outcome>, Vec<HaloBlock>)> {
+        let l = tag.layer as usize;
+        let ctx = Self::ctx(tag);
         let y = if l == 0 {
             self.model
                 .forward_layer(&self.stream, 0, &self.block, Cow::Borrowed(&self.x), ctx)?
         } else {
-            let own = self
-                .own_out
-                .take()
-                .ok_or_else(|| proto(self.part, "forward without the previous layer's output"))?;
-            let input = self.assemble_halo(own, blocks)?;
+            let own = self.take_own_out()?;
+            let input = self.halo.assemble(own, self.block.n_in(), blocks)?;
             self.model.forward_layer(
                 &self.stream,
                 l,
@@ -176,71 +264,196 @@ impl PartitionState {
                 ctx,
             )?
         };
+        self.forward_done(tag, y)
+    }
+
+    /// First stage of a split layer's forward: transforms the inner rows, sends the rows each
+    /// neighbour holds as halo.
+    fn forward_first(&mut self, tag: Tag) -> Result<(Option<Outcome>, Vec<HaloBlock>)> {
+        let own = self.take_own_out()?;
+        let l = tag.layer as usize;
+        let z = self
+            .model
+            .forward_transform(&self.stream, l, &self.block, own, Self::ctx(tag))?;
+        let out = self.halo.blocks(
+            Tag {
+                layer: tag.layer | TRANSFORMED,
+                ..tag
+            },
+            &z,
+            &self.halo.send,
+        );
+        self.staged = Some(Staged {
+            epoch: tag.epoch,
+            phase: tag.phase,
+            layer: tag.layer,
+            rows: z,
+        });
+        Ok((None, out))
+    }
+
+    /// Second stage of a split layer's forward: aggregates `[Z_inner; Z_halo]`.
+    fn forward_second(
+        &mut self,
+        tag: Tag,
+        blocks: &BTreeMap<PartId, HaloBlock>,
+    ) -> Result<(Option<Outcome>, Vec<HaloBlock>)> {
+        let z = self.take_staged(tag)?;
+        let z = self.halo.assemble(z, self.block.n_in(), blocks)?;
+        let l = tag.layer as usize;
+        let y = self
+            .model
+            .forward_aggregate(&self.stream, l, &self.block, &z, Self::ctx(tag))?;
+        drop(z);
+        self.forward_done(tag, y)
+    }
+
+    fn take_staged(&mut self, tag: Tag) -> Result<Tensor> {
+        match self.staged.take() {
+            Some(s) if (s.epoch, s.phase, s.layer) == (tag.epoch, tag.phase, tag.layer) => {
+                Ok(s.rows)
+            }
+            _ => Err(proto(
+                self.part,
+                &format!(
+                    "second stage of {:?} layer {} of epoch {} without its first",
+                    tag.phase, tag.layer, tag.epoch
+                ),
+            )),
+        }
+    }
+
+    /// After a layer's forward: keeps its output for the next layer (sending the rows the
+    /// neighbours hold as halo if the next layer exchanges its input), or computes the loss
+    /// (training) or the correct counts (evaluation) after the last layer.
+    fn forward_done(&mut self, tag: Tag, y: Tensor) -> Result<(Option<Outcome>, Vec<HaloBlock>)> {
+        let l = tag.layer as usize;
         if l + 1 < self.num_layers() {
-            let out = self.blocks_from_rows(run, epoch, layer, phase, &y, &self.send)?;
+            let out = if self.exchanges_input(l + 1) {
+                self.halo.blocks(tag, &y, &self.halo.send)
+            } else {
+                Vec::new()
+            };
             self.own_out = Some(y);
-            return Ok((Outcome::LayerDone, out));
+            return Ok((Some(Outcome::LayerDone), out));
         }
         let s = &self.stream;
-        if phase == Phase::Forward {
+        if tag.phase == Phase::Forward {
             let mut grad = Tensor::zeros(y.rows(), y.cols());
             let scale = 1.0 / self.counts.train.max(1) as f32;
             let loss = s.softmax_nll(&y, &self.labels, &self.train, scale, &mut grad)?;
             self.grad_inner = Some(grad);
             Ok((
-                Outcome::Loss {
+                Some(Outcome::Loss {
                     loss_sum: loss.loss_sum,
                     count: loss.count,
                     correct: loss.correct,
-                },
+                }),
                 Vec::new(),
             ))
         } else {
             let train = s.accuracy_count(&y, &self.labels, &self.train)?;
             let val = s.accuracy_count(&y, &self.labels, &self.val)?;
             let test = s.accuracy_count(&y, &self.labels, &self.test)?;
-            Ok((Outcome::Eval { train, val, test }, Vec::new()))
+            Ok((Some(Outcome::Eval { train, val, test }), Vec::new()))
         }
     }
 
-    /// Runs the backward of `layer`. `blocks` holds, by sender, gradients of this partition's
-    /// inner rows that other parts computed (their halo), from the backward of `layer + 1`.
-    pub fn backward(
-        &mut self,
-        run: RunId,
-        epoch: u32,
-        layer: u16,
-        blocks: &BTreeMap<PartId, HaloBlock>,
-    ) -> Result<(Outcome, Vec<HaloBlock>)> {
-        let l = layer as usize;
+    /// The gradient of this layer's output rows: this partition's part plus the rows other
+    /// parts computed for its inner nodes (`blocks`, by sender).
+    fn output_grad(&mut self, blocks: &BTreeMap<PartId, HaloBlock>) -> Result<Tensor> {
         let mut g = self
             .grad_inner
             .take()
             .ok_or_else(|| proto(self.part, "backward without an output gradient"))?;
-        // Received gradients are added in ascending sender order: deterministic for fixed P.
-        for (q, rows) in &self.send {
-            if let Some(b) = blocks.get(q) {
-                check_block(b, rows.len(), g.cols(), self.part)?;
-                self.stream.scatter_add_slice(&b.data, rows, &mut g)?;
-            }
-        }
+        self.halo.add_received(&self.stream, &mut g, blocks)?;
+        Ok(g)
+    }
+
+    /// Backward of a layer that is not split; sends the gradients of its halo input rows to
+    /// their owners.
+    fn backward(
+        &mut self,
+        tag: Tag,
+        blocks: &BTreeMap<PartId, HaloBlock>,
+    ) -> Result<(Option<Outcome>, Vec<HaloBlock>)> {
+        let l = tag.layer as usize;
+        let g = self.output_grad(blocks)?;
         let gx = self
             .model
             .backward_layer(&self.stream, l, &self.block, g, l > 0)?;
+        let out = match &gx {
+            Some(gx) if self.exchanges_input(l) => self.halo.blocks(tag, gx, &self.halo.recv),
+            _ => Vec::new(),
+        };
+        self.backward_done(gx, out)
+    }
+
+    /// First stage of a split layer's backward: `gZ` for every input row; sends its halo rows
+    /// to their owners.
+    fn backward_first(
+        &mut self,
+        tag: Tag,
+        blocks: &BTreeMap<PartId, HaloBlock>,
+    ) -> Result<(Option<Outcome>, Vec<HaloBlock>)> {
+        let l = tag.layer as usize;
+        let g = self.output_grad(blocks)?;
+        let mut gz = self
+            .model
+            .backward_aggregate(&self.stream, l, &self.block, g)?;
+        let out = self.halo.blocks(
+            Tag {
+                layer: tag.layer | TRANSFORMED,
+                ..tag
+            },
+            &gz,
+            &self.halo.recv,
+        );
+        gz.truncate_rows(self.block.n_out());
+        self.staged = Some(Staged {
+            epoch: tag.epoch,
+            phase: tag.phase,
+            layer: tag.layer,
+            rows: gz,
+        });
+        Ok((None, out))
+    }
+
+    /// Second stage of a split layer's backward: adds the neighbours' `gZ` rows for the inner
+    /// nodes (ascending sender order), then the weight and inner input gradients.
+    fn backward_second(
+        &mut self,
+        tag: Tag,
+        blocks: &BTreeMap<PartId, HaloBlock>,
+    ) -> Result<(Option<Outcome>, Vec<HaloBlock>)> {
+        let l = tag.layer as usize;
+        let mut gz = self.take_staged(tag)?;
+        self.halo.add_received(&self.stream, &mut gz, blocks)?;
+        let gx = self
+            .model
+            .backward_transform(&self.stream, l, &self.block, gz, l > 0)?;
+        self.backward_done(gx, Vec::new())
+    }
+
+    /// After a layer's backward: keeps the inner rows' input gradient for the layer below, or
+    /// returns the weight gradients after the first layer.
+    fn backward_done(
+        &mut self,
+        gx: Option<Tensor>,
+        out: Vec<HaloBlock>,
+    ) -> Result<(Option<Outcome>, Vec<HaloBlock>)> {
         match gx {
             Some(mut gx) => {
-                let out =
-                    self.blocks_from_rows(run, epoch, layer, Phase::Backward, &gx, &self.recv)?;
                 gx.truncate_rows(self.block.n_out());
                 self.grad_inner = Some(gx);
-                Ok((Outcome::LayerDone, out))
+                Ok((Some(Outcome::LayerDone), out))
             }
             None => {
                 let mut flat = Vec::with_capacity(self.model.num_parameters());
                 for p in self.model.params() {
                     flat.extend_from_slice(p.grad.as_slice());
                 }
-                Ok((Outcome::Grads(Arc::from(flat)), Vec::new()))
+                Ok((Some(Outcome::Grads(Arc::from(flat))), Vec::new()))
             }
         }
     }
@@ -273,6 +486,7 @@ impl PartitionState {
     pub fn reset_epoch(&mut self) {
         self.own_out = None;
         self.grad_inner = None;
+        self.staged = None;
         self.model.clear_caches();
         self.model.zero_grad();
     }
@@ -304,91 +518,6 @@ impl PartitionState {
         self.reset_epoch();
         self.model.weights_digest() == snap.digest
     }
-
-    /// `[own rows; halo rows from the blocks]` as one input tensor.
-    fn assemble_halo(&self, own: Tensor, blocks: &BTreeMap<PartId, HaloBlock>) -> Result<Tensor> {
-        let width = own.cols();
-        // One allocation for [own rows; halo rows]; every halo row is overwritten below.
-        let mut input = Tensor::zeros(self.block.n_in(), width);
-        input.as_mut_slice()[..own.len()].copy_from_slice(own.as_slice());
-        drop(own);
-        for (q, rows) in &self.recv {
-            let b = blocks.get(q).ok_or_else(|| {
-                proto(self.part, &format!("missing halo block from partition {q}"))
-            })?;
-            check_block(b, rows.len(), width, self.part)?;
-            for (k, &r) in rows.iter().enumerate() {
-                input
-                    .row_mut(r as usize)
-                    .copy_from_slice(&b.data[k * width..(k + 1) * width]);
-            }
-        }
-        Ok(input)
-    }
-
-    /// One block per destination with the given rows of `t`.
-    fn blocks_from_rows(
-        &self,
-        run: RunId,
-        epoch: u32,
-        layer: u16,
-        phase: Phase,
-        t: &Tensor,
-        lists: &[(PartId, Vec<u32>)],
-    ) -> Result<Vec<HaloBlock>> {
-        lists
-            .iter()
-            .map(|(q, rows)| {
-                let data = gather_shared(t, rows);
-                let header = MsgHeader {
-                    run,
-                    epoch,
-                    layer,
-                    phase,
-                    from: self.part,
-                    to: *q,
-                };
-                Ok(HaloBlock {
-                    header,
-                    rows: rows.len() as u32,
-                    cols: t.cols() as u32,
-                    data,
-                })
-            })
-            .collect()
-    }
-}
-
-/// Checks a received block's shape.
-fn check_block(b: &HaloBlock, rows: usize, cols: usize, me: PartId) -> Result<()> {
-    if b.rows as usize != rows || b.cols as usize != cols || b.data.len() != rows * cols {
-        return Err(proto(
-            me,
-            &format!(
-                "halo block from partition {} is {}x{}, expected {rows}x{cols}",
-                b.header.from, b.rows, b.cols
-            ),
-        ));
-    }
-    Ok(())
-}
-
-/// Rows `rows` of `t` gathered straight into a shared buffer (one allocation, one copy).
-fn gather_shared(t: &Tensor, rows: &[u32]) -> Arc<[f32]> {
-    let w = t.cols();
-    let mut buf = Arc::<[f32]>::new_uninit_slice(rows.len() * w);
-    let dst = Arc::get_mut(&mut buf).expect("a new Arc is unique");
-    for (k, &r) in rows.iter().enumerate() {
-        for (d, &v) in dst[k * w..(k + 1) * w].iter_mut().zip(t.row(r as usize)) {
-            d.write(v);
-        }
-    }
-    // SAFETY: the loop above wrote every element: `rows.len()` rows of `w` values each.
-    unsafe { buf.assume_init() }
-}
-
-fn proto(part: PartId, detail: &str) -> RuntimeError {
-    RuntimeError::Config(format!("partition {part}: {detail}"))
 }
 
 /// Times a closure in milliseconds.

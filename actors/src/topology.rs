@@ -7,6 +7,7 @@
 use crate::checkpoint::{Checkpoint, CheckpointPolicy, CheckpointWriter};
 use crate::coordinator::{Coordinator, Recovery};
 use crate::handle::PartHandle;
+use crate::profile::EpochProfile;
 use crate::replica::ReplicaStore;
 use crate::state::{GlobalCounts, PartitionState};
 use crate::supervisor::NodeSupervisor;
@@ -17,13 +18,13 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 use trellis_gpu::{Device, Stream, ThreadBudget};
-use trellis_runtime::partition::{open_or_partition, PartitionMethod, PartitionSet};
+use trellis_runtime::partition::{open_or_partition, PartitionBook, PartitionMethod, PartitionSet};
 use trellis_runtime::train::{build_report, TrainConfig};
 use trellis_runtime::{Dataset, EpochLog, RunReport};
 use trellis_transport::{InProcessTransport, Phase};
 
-/// A planned panic: (partition, epoch, layer, phase, fired).
-type PlannedPanic = (u32, u32, u16, Phase, bool);
+/// A planned panic: (partition, epoch, layer, phase, in the second stage, fired).
+type PlannedPanic = (u32, u32, u16, Phase, bool, bool);
 
 /// Faults to inject (tests and `--chaos`): each fires once.
 #[derive(Debug, Default)]
@@ -67,10 +68,17 @@ impl FaultPlan {
 
     /// Panic partition `part` in the `phase` pass of `layer` in `epoch`.
     pub fn panic_at(self, part: u32, epoch: u32, layer: u16, phase: Phase) -> Self {
-        self.panics
-            .lock()
-            .expect("fault plan lock")
-            .push((part, epoch, layer, phase, false));
+        self.plan_panic((part, epoch, layer, phase, false, false))
+    }
+
+    /// As [`FaultPlan::panic_at`], in the second stage of a split layer's step (after its
+    /// first stage sent its blocks).
+    pub fn panic_in_second_stage(self, part: u32, epoch: u32, layer: u16, phase: Phase) -> Self {
+        self.plan_panic((part, epoch, layer, phase, true, false))
+    }
+
+    fn plan_panic(self, p: PlannedPanic) -> Self {
+        self.panics.lock().expect("fault plan lock").push(p);
         self
     }
 
@@ -231,8 +239,16 @@ impl FaultPlan {
         self
     }
 
-    /// Panics (or stalls) if a planned fault matches and has not fired yet.
-    pub(crate) fn maybe_panic(&self, part: u32, epoch: u32, layer: u16, phase: Phase) {
+    /// Panics (or stalls) if a planned fault matches and has not fired yet; `second`: the
+    /// second stage of a split layer's step.
+    pub(crate) fn maybe_panic(
+        &self,
+        part: u32,
+        epoch: u32,
+        layer: u16,
+        phase: Phase,
+        second: bool,
+    ) {
         let mut stall = None;
         if let Ok(mut v) = self.stalls.lock() {
             for f in v.iter_mut() {
@@ -248,14 +264,17 @@ impl FaultPlan {
         let mut fire = false;
         if let Ok(mut v) = self.panics.lock() {
             for f in v.iter_mut() {
-                if !f.4 && (f.0, f.1, f.2, f.3) == (part, epoch, layer, phase) {
-                    f.4 = true;
+                if !f.5 && (f.0, f.1, f.2, f.3, f.4) == (part, epoch, layer, phase, second) {
+                    f.5 = true;
                     fire = true;
                 }
             }
         }
         if fire {
-            panic!("injected fault: partition {part}, epoch {epoch}, {phase:?} layer {layer}");
+            let stage = if second { " (second stage)" } else { "" };
+            panic!(
+                "injected fault: partition {part}, epoch {epoch}, {phase:?} layer {layer}{stage}"
+            );
         }
     }
 
@@ -284,8 +303,8 @@ mod tests {
         assert_eq!(
             p,
             vec![
-                (1, 3, 0, Phase::Forward, false),
-                (0, 5, 1, Phase::Backward, false)
+                (1, 3, 0, Phase::Forward, false, false),
+                (0, 5, 1, Phase::Backward, false, false)
             ]
         );
         let plan = FaultPlan::parse("kill-node:node=2:epoch=3").unwrap();
@@ -335,6 +354,8 @@ pub enum RunEvent {
     Epoch(EpochLog),
     /// A failed partition was restarted and the interrupted step replayed.
     Recovered(Recovery),
+    /// Where an epoch's training step spent its time (sent just before its `Epoch` event).
+    Profile(EpochProfile),
 }
 
 /// P partitions of one data set plus the training configuration.
@@ -345,6 +366,7 @@ pub struct Topology {
     deadline: Duration,
     checkpoints: Option<CheckpointPolicy>,
     dataset: String,
+    gate: Option<mpsc::Receiver<()>>,
     _tmp: Option<TempDir>,
 }
 
@@ -367,6 +389,7 @@ impl Topology {
             faults: Arc::new(FaultPlan::none()),
             deadline: Duration::from_secs(300),
             dataset,
+            gate: None,
             _tmp: None,
             checkpoints: None,
         })
@@ -413,9 +436,22 @@ impl Topology {
         self
     }
 
+    /// Paces the run: each epoch starts only once a token arrives on `gate`, and the run ends
+    /// early, cleanly, when the sending side is dropped. Benchmarks use it to alternate the
+    /// run's epochs with other work in the same process.
+    pub fn with_epoch_gate(mut self, gate: mpsc::Receiver<()>) -> Self {
+        self.gate = Some(gate);
+        self
+    }
+
     /// Number of partitions.
     pub fn parts(&self) -> usize {
         self.set.parts()
+    }
+
+    /// The partition book (sizes, halo counts, edge cut).
+    pub fn book(&self) -> &PartitionBook {
+        self.set.book()
     }
 
     /// Loads every partition, starts the actor system on its own thread and begins training.
@@ -463,6 +499,7 @@ impl Topology {
         let threads = budget.threads();
         let dataset = self.dataset.clone();
         let tmp = self._tmp;
+        let gate = self.gate;
         let thread = std::thread::Builder::new()
             .name("trellis-coordinator".into())
             .spawn(move || {
@@ -475,6 +512,9 @@ impl Topology {
                     let node = NodeSupervisor::start(states, run, transport, replicas, faults);
                     let handles = local_handles(&node);
                     let mut coord = Coordinator::new(run, handles, &cfg, deadline, cancel2);
+                    if let Some(g) = gate {
+                        coord = coord.with_epoch_gate(g);
+                    }
                     if let Some(ck) = resume {
                         let s = &ck.snapshot;
                         coord = coord.resumed(s.epoch, s.digest.clone(), ck.logs);

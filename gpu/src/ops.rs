@@ -1,6 +1,7 @@
 //! The device-neutral op API: methods on [`Stream`] that check shapes and dispatch to the
 //! stream's backend. Callers (models, partition actors) use only these.
 use crate::cpu;
+use crate::stream::KernelKind;
 use crate::{Csr, Device, DropoutKey, GpuError, Result, Stream, Tensor};
 
 /// Elementwise nonlinearities.
@@ -193,7 +194,7 @@ impl Stream {
             format!("op(a) {m}x{k}, op(b) {k2}x{n}, c {}x{}", c.rows(), c.cols())
         })?;
         let threads = self.threads();
-        self.run(|| {
+        self.run_as(KernelKind::Gemm, || {
             cpu::gemm(
                 m,
                 n,
@@ -275,7 +276,7 @@ impl Stream {
                 (Some(v), h)
             }
         };
-        self.run(|| {
+        self.run_as(KernelKind::Spmm, || {
             cpu::spmm(
                 a,
                 weights,
@@ -542,6 +543,33 @@ impl Stream {
         })?;
         let w = x.cols();
         self.run(|| cpu::dropout(x.as_mut_slice(), w, gids, key, p));
+        Ok(())
+    }
+
+    /// `dst = dropout(src)`: the mask of [`Stream::dropout`], applied while copying.
+    pub fn dropout_into(
+        &self,
+        src: &Tensor,
+        dst: &mut Tensor,
+        gids: &[u32],
+        key: DropoutKey,
+        p: f32,
+    ) -> Result<()> {
+        self.cpu_only()?;
+        check(
+            "dropout_into",
+            gids.len() == src.rows() && src.shape() == dst.shape(),
+            || {
+                format!(
+                    "{} ids, src {:?}, dst {:?}",
+                    gids.len(),
+                    src.shape(),
+                    dst.shape()
+                )
+            },
+        )?;
+        let w = src.cols();
+        self.run(|| cpu::dropout_copy(src.as_slice(), dst.as_mut_slice(), w, gids, key, p));
         Ok(())
     }
 

@@ -1,6 +1,8 @@
 //! Streams: ordered queues of work owned by one actor.
 use crate::{Device, Result, Tensor, ThreadBudget};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(0);
 
@@ -15,6 +17,54 @@ pub struct Stream {
     id: u64,
     device: Device,
     budget: ThreadBudget,
+    /// Time spent in this stream's kernels (shared by its clones).
+    clock: Arc<KernelClock>,
+}
+
+/// Which kernel family a timed op belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum KernelKind {
+    Gemm,
+    Spmm,
+    Other,
+}
+
+/// Cumulative kernel time of a stream, in nanoseconds per family.
+#[derive(Debug, Default)]
+struct KernelClock {
+    ns: [AtomicU64; 3],
+}
+
+/// Time a stream's kernels took (wall time of each kernel, its parallel part included), ms.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct KernelTimes {
+    /// Dense matrix products.
+    pub gemm_ms: f64,
+    /// Sparse-dense products (aggregation).
+    pub spmm_ms: f64,
+    /// Every other kernel (dropout, activations, gathers, loss, optimizer, ...).
+    pub other_ms: f64,
+}
+
+impl KernelTimes {
+    /// Sum over the three families.
+    pub fn total_ms(&self) -> f64 {
+        self.gemm_ms + self.spmm_ms + self.other_ms
+    }
+    /// The time between an earlier reading `before` and this one.
+    pub fn since(&self, before: &KernelTimes) -> KernelTimes {
+        KernelTimes {
+            gemm_ms: self.gemm_ms - before.gemm_ms,
+            spmm_ms: self.spmm_ms - before.spmm_ms,
+            other_ms: self.other_ms - before.other_ms,
+        }
+    }
+    /// Element-wise sum.
+    pub fn add(&mut self, o: &KernelTimes) {
+        self.gemm_ms += o.gemm_ms;
+        self.spmm_ms += o.spmm_ms;
+        self.other_ms += o.other_ms;
+    }
 }
 
 impl Stream {
@@ -38,6 +88,7 @@ impl Stream {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             device,
             budget,
+            clock: Arc::default(),
         })
     }
 
@@ -66,9 +117,27 @@ impl Stream {
         self.budget.threads()
     }
 
-    /// Runs data-parallel CPU work inside the budget.
+    /// Runs data-parallel CPU work inside the budget (timed as [`KernelKind::Other`]).
     pub(crate) fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
-        self.budget.install(f)
+        self.run_as(KernelKind::Other, f)
+    }
+
+    /// Runs data-parallel CPU work inside the budget, adding its wall time to `kind`.
+    pub(crate) fn run_as<R: Send>(&self, kind: KernelKind, f: impl FnOnce() -> R + Send) -> R {
+        let t = Instant::now();
+        let r = self.budget.install(f);
+        self.clock.ns[kind as usize].fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        r
+    }
+
+    /// Cumulative time of this stream's kernels since it was created.
+    pub fn kernel_times(&self) -> KernelTimes {
+        let ms = |k: KernelKind| self.clock.ns[k as usize].load(Ordering::Relaxed) as f64 / 1e6;
+        KernelTimes {
+            gemm_ms: ms(KernelKind::Gemm),
+            spmm_ms: ms(KernelKind::Spmm),
+            other_ms: ms(KernelKind::Other),
+        }
     }
 
     /// Waits until all work issued on this stream has completed.

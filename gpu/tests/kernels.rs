@@ -1621,3 +1621,44 @@ fn adam_step_zero_panics_instead_of_producing_nan() {
         &mut v,
     );
 }
+
+#[test]
+fn dropout_into_equals_copy_then_dropout() {
+    let (rows, cols) = (37, 21);
+    let x = Tensor::from_vec(
+        rows,
+        cols,
+        (0..rows * cols).map(|i| i as f32 - 300.0).collect(),
+    )
+    .unwrap();
+    let gids: Vec<u32> = (0..rows as u32).map(|r| r * 3 + 1).collect();
+    for p in [0.0, 0.5] {
+        let mut a = x.clone();
+        s().dropout(&mut a, &gids, key(9), p).unwrap();
+        let mut b = Tensor::zeros(rows, cols);
+        s().dropout_into(&x, &mut b, &gids, key(9), p).unwrap();
+        assert_eq!(a.as_slice(), b.as_slice(), "p = {p}");
+    }
+    let mut wrong = Tensor::zeros(rows, cols + 1);
+    assert!(s()
+        .dropout_into(&x, &mut wrong, &gids, key(9), 0.5)
+        .is_err());
+}
+
+#[test]
+fn kernel_clock_times_each_family_on_its_own_stream() {
+    let st = stream_with(2);
+    assert_eq!(st.kernel_times(), trellis_gpu::KernelTimes::default());
+    let a = Tensor::from_vec(64, 64, vec![0.5; 64 * 64]).unwrap();
+    st.matmul(&a, false, &a, false).unwrap();
+    let after_gemm = st.kernel_times();
+    assert!(after_gemm.gemm_ms > 0.0, "{after_gemm:?}");
+    assert_eq!((after_gemm.spmm_ms, after_gemm.other_ms), (0.0, 0.0));
+    let mut b = a.clone();
+    st.activate(Activation::Relu, &mut b).unwrap();
+    let d = st.kernel_times().since(&after_gemm);
+    assert!(d.other_ms > 0.0 && d.gemm_ms == 0.0, "{d:?}");
+    // Clones share the clock; another stream has its own.
+    assert_eq!(st.clone().kernel_times(), st.kernel_times());
+    assert_eq!(stream_with(2).kernel_times().total_ms(), 0.0);
+}

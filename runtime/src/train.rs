@@ -166,8 +166,14 @@ impl Trainer {
         &self.model
     }
 
-    /// One training step plus evaluation; `epoch` counts from 1.
-    pub fn epoch(&mut self, epoch: u32) -> Result<EpochLog> {
+    /// The compute stream (its kernel clock times the steps).
+    pub fn stream(&self) -> &Stream {
+        &self.stream
+    }
+
+    /// One training step (forward, backward, optimizer); `epoch` counts from 1. Returns the
+    /// mean training loss and the step's wall time in ms.
+    pub fn train_step(&mut self, epoch: u32) -> Result<(f64, f64)> {
         let s = &self.stream;
         let t0 = Instant::now();
         self.model.zero_grad();
@@ -187,12 +193,18 @@ impl Trainer {
         self.model.backward_full(s, &self.block, grad)?;
         self.opt.step(s, &mut self.model)?;
         let ms = t0.elapsed().as_secs_f64() * 1e3;
+        Ok((loss.loss_sum / loss.count as f64, ms))
+    }
+
+    /// One training step plus evaluation; `epoch` counts from 1.
+    pub fn epoch(&mut self, epoch: u32) -> Result<EpochLog> {
+        let (loss, ms) = self.train_step(epoch)?;
         let t1 = Instant::now();
         let (train_acc, val_acc, test_acc) = self.evaluate(epoch)?;
         let eval_ms = t1.elapsed().as_secs_f64() * 1e3;
         Ok(EpochLog {
             epoch,
-            loss: loss.loss_sum / loss.count as f64,
+            loss,
             train_acc,
             val_acc,
             test_acc,

@@ -8,7 +8,8 @@ use trellis_runtime::{Aggregation, Block, Graph, ModelKind, TrainConfig};
 
 #[derive(Debug, Clone, Args)]
 pub struct BenchArgs {
-    /// `transport`: QUIC vs TLS-over-TCP vs plain TCP on loopback instead of the compute bench.
+    /// `transport`: QUIC vs TLS-over-TCP vs plain TCP on loopback; `partitions`: P partition
+    /// actors vs one process. Without one: the compute bench.
     #[command(subcommand)]
     pub what: Option<BenchWhat>,
     /// The data set to time an epoch on.
@@ -33,11 +34,17 @@ pub enum BenchWhat {
     Transport,
     /// Replication overhead and recovery times (panic, node SIGKILL) on a local cluster.
     Recovery(super::bench_recovery::RecoveryBenchArgs),
+    /// P partition actors vs one process, epochs alternated in one run: times, ratio, and
+    /// where the partitioned step's time goes.
+    Partitions(super::bench_partitions::PartitionsArgs),
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
     if let Some(BenchWhat::Recovery(r)) = a.what {
         return super::bench_recovery::run(r);
+    }
+    if let Some(BenchWhat::Partitions(p)) = a.what {
+        return super::bench_partitions::run(p);
     }
     if let Some(BenchWhat::Transport) = a.what {
         use trellis_transport::bench::{

@@ -209,6 +209,7 @@ pub fn follow(run: TrainingRun, epochs: u64, verbose: bool) -> Result<RunReport>
                     r.epoch, r.detected_ms, r.ready_ms, r.resumed_ms, r.steps_replayed
                 )
             }),
+            RunEvent::Profile(_) => {}
         }
     }
     pb.finish_and_clear();

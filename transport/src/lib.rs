@@ -11,7 +11,7 @@ mod message;
 
 pub use inproc::Deliver;
 pub use inproc::InProcessTransport;
-pub use message::{HaloBlock, MsgHeader, PartId, Phase, RunId, SharedBuf};
+pub use message::{HaloBlock, MsgHeader, PartId, Phase, RunId, SharedBuf, TRANSFORMED};
 
 use thiserror::Error;
 

@@ -31,12 +31,18 @@ pub enum Phase {
 pub struct MsgHeader {
     pub run: RunId,
     pub epoch: u32,
-    /// The layer whose output (forward) or input gradient (backward) the payload holds.
+    /// The layer whose output (forward) or input gradient (backward) the payload holds; with
+    /// [`TRANSFORMED`] set, the layer's transformed rows `Z` (forward) or their gradient
+    /// (backward) for a split layer.
     pub layer: u16,
     pub phase: Phase,
     pub from: PartId,
     pub to: PartId,
 }
+
+/// Flag in [`MsgHeader::layer`]: the payload holds a split layer's transformed rows (or
+/// their gradients), exchanged between the layer's two stages. Layer numbers stay below it.
+pub const TRANSFORMED: u16 = 0x8000;
 
 /// A shared, immutable f32 buffer: moving it between actors never copies the rows.
 pub type SharedBuf = Arc<[f32]>;

@@ -33,7 +33,15 @@ fn samples() -> Vec<Frame> {
         Frame::Control(Vec::new()),
         Frame::Halo(block(1, 2, 5, 3, 4)),
         Frame::Halo(block(1, 2, 5, 0, 16)),
+        Frame::Halo(transformed_block()),
     ]
+}
+
+/// A split layer's block: the layer field carries the TRANSFORMED flag through the wire.
+fn transformed_block() -> trellis_transport::HaloBlock {
+    let mut b = block(3, 0, 9, 2, 16);
+    b.header.layer = 1 | trellis_transport::TRANSFORMED;
+    b
 }
 
 fn same(a: &Frame, b: &Frame) -> bool {

@@ -108,6 +108,8 @@ pub enum ReplyBody {
         outcome: WireOutcome,
         /// 0: no restore since the last reply; 1: restored, digest matched; 2: mismatched.
         restored: u8,
+        /// Kernel time by family: GEMM, SpMM, other (ms).
+        kernels: [f64; 3],
     },
     Applied {
         digest: String,
@@ -244,6 +246,7 @@ impl ReplyBody {
                     Some(true) => 1,
                     Some(false) => 2,
                 },
+                kernels: [s.kernels.gemm_ms, s.kernels.spmm_ms, s.kernels.other_ms],
             },
             Err(e) => Self::of_error(e),
         }
@@ -311,6 +314,7 @@ mod tests {
                     compute_ms: 1.5,
                     halo_bytes: 42,
                     restored: 1,
+                    kernels: [1.0, 2.0, 3.0],
                     outcome: WireOutcome::Loss {
                         loss_sum: 0.25,
                         count: 3,

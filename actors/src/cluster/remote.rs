@@ -161,10 +161,16 @@ impl RemotePart {
                 halo_bytes,
                 outcome,
                 restored,
+                kernels,
             } => Ok(StepReply {
                 part: self.part,
                 compute_ms,
                 halo_bytes,
+                kernels: trellis_gpu::KernelTimes {
+                    gemm_ms: kernels[0],
+                    spmm_ms: kernels[1],
+                    other_ms: kernels[2],
+                },
                 outcome: outcome.into(),
                 restored: match restored {
                     1 => Some(true),

@@ -109,6 +109,40 @@ pub fn dropout(x: &mut [f32], width: usize, gids: &[u32], key: DropoutKey, p: f3
         });
 }
 
+/// `dst = dropout(src)` with the mask [`dropout`] applies, in one parallel pass (no separate
+/// copy of `src` first).
+pub fn dropout_copy(
+    src: &[f32],
+    dst: &mut [f32],
+    width: usize,
+    gids: &[u32],
+    key: DropoutKey,
+    p: f32,
+) {
+    assert_eq!(src.len(), dst.len(), "dropout_copy: length mismatch");
+    if width == 0 {
+        return;
+    }
+    assert_eq!(
+        dst.len(),
+        gids.len() * width,
+        "dropout_copy: one global id per row is needed"
+    );
+    let mask = MaskGen::new(key, p);
+    let chunk = row_chunk(gids.len(), width);
+    dst.par_chunks_mut(chunk * width)
+        .zip(src.par_chunks(chunk * width))
+        .enumerate()
+        .for_each(|(c, (block, from))| {
+            block.copy_from_slice(from);
+            if p > 0.0 {
+                for (r, row) in block.chunks_mut(width).enumerate() {
+                    mask.apply_row(gids[c * chunk + r], row);
+                }
+            }
+        });
+}
+
 /// Dropout over a row's entries (GAT attention dropout): value `k` of row `r`'s segment (its
 /// entries times `heads`) is kept if the draw for `(gids[r], k)` passes.
 pub fn edge_dropout(

@@ -53,11 +53,22 @@ pub(crate) fn forward(
             ctx.train.then(|| Saved::Input(xd.into_owned()))
         }
     };
+    finish(s, spec, b, h, saved, ctx)
+}
+
+/// `act(h + b)`, and in training the cache backward needs.
+fn finish(
+    s: &Stream,
+    spec: &LayerSpec,
+    b: &Tensor,
+    mut h: Tensor,
+    saved: Option<Saved>,
+    ctx: StepCtx,
+) -> Result<(Tensor, Option<GcnCache>)> {
     s.add_bias(&mut h, b)?;
     s.activate(spec.act, &mut h)?;
-    let y = h;
     let act = if ctx.train {
-        Some(ActSaved::save(s, spec.act, &y)?)
+        Some(ActSaved::save(s, spec.act, &h)?)
     } else {
         None
     };
@@ -66,7 +77,43 @@ pub(crate) fn forward(
         saved,
         act,
     });
-    Ok((y, cache))
+    Ok((h, cache))
+}
+
+/// Forward stage 1 of a split transform-first layer (the halo exchange carries its output):
+/// `Z = dropout(X) W` over the block's inner rows `x` only. Returns `Z` and, in training, the
+/// dropped rows backward needs.
+pub(crate) fn transform(
+    s: &Stream,
+    spec: &LayerSpec,
+    seed: u64,
+    p: &[Param],
+    block: &Block,
+    mut x: Tensor,
+    ctx: StepCtx,
+) -> Result<(Tensor, Option<LayerInput>)> {
+    if ctx.train && spec.dropout > 0.0 {
+        let key = spec.dropout_key(seed, ctx.epoch, 0);
+        s.dropout(&mut x, block.inner_gids(), key, spec.dropout)?;
+    }
+    let z = s.matmul(&x, false, &p[0].value, false)?;
+    Ok((z, ctx.train.then_some(LayerInput::Dense(x))))
+}
+
+/// Forward stage 2 of a split layer: `act(Â Z + b)`, `z` holding every input row (inner rows
+/// computed here, halo rows received from their owners); `xd` is what stage 1 kept.
+pub(crate) fn aggregate(
+    s: &Stream,
+    spec: &LayerSpec,
+    p: &[Param],
+    block: &Block,
+    z: &Tensor,
+    xd: Option<LayerInput>,
+    ctx: StepCtx,
+) -> Result<(Tensor, Option<GcnCache>)> {
+    let mut h = Tensor::zeros(block.n_out(), spec.out_dim);
+    s.spmm(block.adj(), EdgeWeights::Stored, z, &mut h)?;
+    finish(s, spec, &p[1].value, h, xd.map(Saved::Input), ctx)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -80,32 +127,77 @@ pub(crate) fn backward(
     mut g: Tensor,
     need_input_grad: bool,
 ) -> Result<Option<Tensor>> {
+    let ax = match &c.saved {
+        Saved::Input(_) => {
+            // h = Â Z, Z = X W: gZ = Â^T g, gW = X^T gZ, gX = gZ W^T.
+            let gz = grad_z(s, spec, p, block, &c, g)?;
+            return grad_transform(s, spec, seed, p, block, c, gz, need_input_grad);
+        }
+        Saved::Aggregated(ax) => ax,
+    };
+    // h = (Â X) W: gW = (ÂX)^T g, gÂX = g W^T, gX = Â^T gÂX.
     c.act.backward(s, spec.act, &mut g)?;
     s.add_column_sums(&g, &mut p[1].grad)?;
-    let adj_t = block.adj_t();
-    let mut gx = match c.saved {
-        Saved::Input(xd) => {
-            // h = Â Z, Z = X W: gZ = Â^T g, gW = X^T gZ, gX = gZ W^T.
-            let mut gz = Tensor::zeros(block.n_in(), spec.out_dim);
-            s.spmm(adj_t, EdgeWeights::Stored, &g, &mut gz)?;
-            xd.t_matmul_acc(s, &gz, &mut p[0].grad)?;
-            if !need_input_grad {
-                return Ok(None);
-            }
-            s.matmul(&gz, false, &p[0].value, true)?
-        }
-        Saved::Aggregated(ax) => {
-            // h = (Â X) W: gW = (ÂX)^T g, gÂX = g W^T, gX = Â^T gÂX.
-            s.gemm(1.0, &ax, true, &g, false, 1.0, &mut p[0].grad)?;
-            if !need_input_grad {
-                return Ok(None);
-            }
-            let gax = s.matmul(&g, false, &p[0].value, true)?;
-            let mut gx = Tensor::zeros(block.n_in(), spec.in_dim);
-            s.spmm(adj_t, EdgeWeights::Stored, &gax, &mut gx)?;
-            gx
-        }
-    };
+    s.gemm(1.0, ax, true, &g, false, 1.0, &mut p[0].grad)?;
+    if !need_input_grad {
+        return Ok(None);
+    }
+    let gax = s.matmul(&g, false, &p[0].value, true)?;
+    let mut gx = Tensor::zeros(block.n_in(), spec.in_dim);
+    s.spmm(block.adj_t(), EdgeWeights::Stored, &gax, &mut gx)?;
     dropout_backward(s, spec, seed, block, &mut gx, c.epoch)?;
+    Ok(Some(gx))
+}
+
+/// Backward stage 1 of a transform-first layer: `gZ = Â^T act'(g)` for every input row of the
+/// block (a partition sends the halo rows to their owners); accumulates the bias gradient.
+pub(crate) fn grad_z(
+    s: &Stream,
+    spec: &LayerSpec,
+    p: &mut [Param],
+    block: &Block,
+    c: &GcnCache,
+    mut g: Tensor,
+) -> Result<Tensor> {
+    c.act.backward(s, spec.act, &mut g)?;
+    s.add_column_sums(&g, &mut p[1].grad)?;
+    let mut gz = Tensor::zeros(block.n_in(), spec.out_dim);
+    s.spmm(block.adj_t(), EdgeWeights::Stored, &g, &mut gz)?;
+    Ok(gz)
+}
+
+/// Backward stage 2 of a transform-first layer, given `gZ` complete for the rows the layer
+/// transformed (every input row in one process, the inner rows of a split layer):
+/// `gW += X^T gZ` and, if asked, `gX = dropout'(gZ W^T)` for those rows.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn grad_transform(
+    s: &Stream,
+    spec: &LayerSpec,
+    seed: u64,
+    p: &mut [Param],
+    block: &Block,
+    c: GcnCache,
+    gz: Tensor,
+    need_input_grad: bool,
+) -> Result<Option<Tensor>> {
+    let Saved::Input(xd) = c.saved else {
+        return Err(crate::RuntimeError::Config(
+            "GCN transform backward on an aggregate-first layer".into(),
+        ));
+    };
+    xd.t_matmul_acc(s, &gz, &mut p[0].grad)?;
+    if !need_input_grad {
+        return Ok(None);
+    }
+    let mut gx = s.matmul(&gz, false, &p[0].value, true)?;
+    if spec.dropout > 0.0 {
+        let gids = &block.gids()[..gx.rows()];
+        s.dropout(
+            &mut gx,
+            gids,
+            spec.dropout_key(seed, c.epoch, 0),
+            spec.dropout,
+        )?;
+    }
     Ok(Some(gx))
 }

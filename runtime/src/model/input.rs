@@ -76,6 +76,12 @@ impl LayerInput {
             return Ok(x);
         }
         let key = spec.dropout_key(seed, ctx.epoch, 0);
+        if let Cow::Borrowed(LayerInput::Dense(t)) = x {
+            // One parallel pass straight into the new rows, instead of a copy then dropout.
+            let mut out = Tensor::zeros(t.rows(), t.cols());
+            s.dropout_into(t, &mut out, block.gids(), key, spec.dropout)?;
+            return Ok(Cow::Owned(LayerInput::Dense(out)));
+        }
         let mut out = x.into_owned();
         match &mut out {
             LayerInput::Dense(t) => s.dropout(t, block.gids(), key, spec.dropout)?,

@@ -16,6 +16,7 @@ mod gcn;
 mod input;
 mod optim;
 mod sage;
+mod split;
 
 pub use input::LayerInput;
 
@@ -155,6 +156,8 @@ pub struct StepCtx {
 /// What one layer needs for its backward pass.
 pub(crate) enum Cache {
     Gcn(gcn::GcnCache),
+    /// A split GCN layer between its forward stages: the dropped inner input rows.
+    GcnInput(LayerInput),
     Sage(sage::SageCache),
     Gat(gat::GatCache),
 }
@@ -362,6 +365,9 @@ impl Model {
             Cache::Gat(c) => {
                 gat::backward(s, &spec, seed, params, block, c, grad_out, need_input_grad)
             }
+            Cache::GcnInput(_) => Err(RuntimeError::Config(format!(
+                "backward of layer {l} before its forward finished"
+            ))),
         }
     }
 

@@ -1,0 +1,213 @@
+//! Split layers: the two-stage form of a transform-first GCN layer for partitioned runs, where
+//! the halo exchange carries the layer's transformed rows `Z = dropout(H) W` (out_dim wide)
+//! instead of its input rows (in_dim wide).
+//!
+//! Forward: stage 1 transforms the inner rows; the caller sends the `Z` rows its neighbours
+//! hold as halo and assembles `[Z_inner; Z_halo]`; stage 2 aggregates. Backward: stage 1
+//! computes `gZ = Â^T g` for every input row; the caller sends the halo rows of `gZ` to their
+//! owners and adds the rows it receives into its inner rows; stage 2 computes the weight
+//! gradient and the inner rows' input gradient. Between the stages the model keeps what
+//! stage 2 needs in the layer's cache; [`Model::clear_caches`] forgets it.
+use super::{gcn, Cache, Model, ModelKind, StepCtx};
+use crate::graph::Block;
+use crate::{Result, RuntimeError};
+use trellis_gpu::{Stream, Tensor};
+
+impl Model {
+    /// True when layer `l` runs split in a partitioned run: a GCN layer after the first that
+    /// narrows (`out_dim < in_dim`), so exchanging its transformed rows moves fewer bytes and
+    /// transforms no halo row. (The first layer's halo inputs are static: never exchanged.)
+    pub fn is_split(&self, l: usize) -> bool {
+        let spec = &self.layers[l];
+        self.cfg.kind == ModelKind::Gcn && l > 0 && spec.out_dim < spec.in_dim
+    }
+
+    fn check_split(&self, l: usize) -> Result<()> {
+        if l >= self.num_layers() || !self.is_split(l) {
+            return Err(RuntimeError::Config(format!(
+                "layer {l} does not run split (only narrowing GCN layers after the first do)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Forward stage 1 of split layer `l`: `Z = dropout(X) W` for the block's inner rows `x`.
+    pub fn forward_transform(
+        &mut self,
+        s: &Stream,
+        l: usize,
+        block: &Block,
+        x: Tensor,
+        ctx: StepCtx,
+    ) -> Result<Tensor> {
+        self.check_split(l)?;
+        let spec = self.layers[l];
+        if x.rows() != block.n_out() || x.cols() != spec.in_dim {
+            return Err(RuntimeError::Config(format!(
+                "layer {l} expects {}x{} inner rows, got {}x{}",
+                block.n_out(),
+                spec.in_dim,
+                x.rows(),
+                x.cols()
+            )));
+        }
+        let p = &self.params[spec.first_param..];
+        let (z, xd) = gcn::transform(s, &spec, self.cfg.seed, p, block, x, ctx)?;
+        self.caches[l] = xd.map(Cache::GcnInput);
+        Ok(z)
+    }
+
+    /// Forward stage 2 of split layer `l`: the layer's output rows from `z`, the transformed
+    /// rows of every input row of the block (inner, then halo).
+    pub fn forward_aggregate(
+        &mut self,
+        s: &Stream,
+        l: usize,
+        block: &Block,
+        z: &Tensor,
+        ctx: StepCtx,
+    ) -> Result<Tensor> {
+        self.check_split(l)?;
+        let spec = self.layers[l];
+        if z.rows() != block.n_in() || z.cols() != spec.out_dim {
+            return Err(RuntimeError::Config(format!(
+                "layer {l} expects {}x{} transformed rows, got {}x{}",
+                block.n_in(),
+                spec.out_dim,
+                z.rows(),
+                z.cols()
+            )));
+        }
+        let xd = match (ctx.train, self.caches[l].take()) {
+            (false, _) => None,
+            (true, Some(Cache::GcnInput(xd))) => Some(xd),
+            (true, _) => {
+                return Err(RuntimeError::Config(format!(
+                    "layer {l}: aggregation stage without its transform stage"
+                )))
+            }
+        };
+        let p = &self.params[spec.first_param..];
+        let (y, cache) = gcn::aggregate(s, &spec, p, block, z, xd, ctx)?;
+        self.caches[l] = cache.map(Cache::Gcn);
+        Ok(y)
+    }
+
+    /// Backward stage 1 of split layer `l`: `gZ = Â^T act'(grad_out)` for every input row of
+    /// the block; accumulates the bias gradient.
+    pub fn backward_aggregate(
+        &mut self,
+        s: &Stream,
+        l: usize,
+        block: &Block,
+        grad_out: Tensor,
+    ) -> Result<Tensor> {
+        self.check_split(l)?;
+        let spec = self.layers[l];
+        let Some(Cache::Gcn(c)) = &self.caches[l] else {
+            return Err(RuntimeError::Config(format!(
+                "backward of layer {l} without a training forward"
+            )));
+        };
+        if grad_out.rows() != block.n_out() || grad_out.cols() != spec.out_dim {
+            return Err(RuntimeError::Config(format!(
+                "layer {l}: output gradient is {}x{}, expected {}x{}",
+                grad_out.rows(),
+                grad_out.cols(),
+                block.n_out(),
+                spec.out_dim
+            )));
+        }
+        let p = &mut self.params[spec.first_param..];
+        gcn::grad_z(s, &spec, p, block, c, grad_out)
+    }
+
+    /// Backward stage 2 of split layer `l`, given `gZ` of the inner rows with every part's
+    /// contribution added: accumulates the weight gradient and, if `need_input_grad`, returns
+    /// the gradient of the inner input rows.
+    pub fn backward_transform(
+        &mut self,
+        s: &Stream,
+        l: usize,
+        block: &Block,
+        gz: Tensor,
+        need_input_grad: bool,
+    ) -> Result<Option<Tensor>> {
+        self.check_split(l)?;
+        let spec = self.layers[l];
+        if gz.rows() != block.n_out() || gz.cols() != spec.out_dim {
+            return Err(RuntimeError::Config(format!(
+                "layer {l}: transformed-row gradient is {}x{}, expected {}x{}",
+                gz.rows(),
+                gz.cols(),
+                block.n_out(),
+                spec.out_dim
+            )));
+        }
+        let Some(Cache::Gcn(c)) = self.caches[l].take() else {
+            return Err(RuntimeError::Config(format!(
+                "backward of layer {l} without a training forward"
+            )));
+        };
+        let p = &mut self.params[spec.first_param..];
+        gcn::grad_transform(s, &spec, self.cfg.seed, p, block, c, gz, need_input_grad)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::graph::{Aggregation, Graph};
+    use crate::model::{LayerInput, ModelConfig};
+    use std::borrow::Cow;
+
+    /// A split layer run on one block (no halo) equals the same layer run whole, forward and
+    /// backward, bit for bit.
+    #[test]
+    fn split_stages_equal_the_whole_layer() {
+        let s = Stream::cpu(2).unwrap();
+        let n = 40;
+        let src: Vec<u32> = (0..n).collect();
+        let dst: Vec<u32> = (0..n).map(|i| (i * 7 + 3) % n).collect();
+        let g = Graph::from_edges(n as usize, &src, &dst).unwrap();
+        let block = Block::full(&g, Aggregation::GcnNorm).unwrap();
+        let mut cfg = ModelConfig::paper_defaults(ModelKind::Gcn, 6, 3, 9);
+        cfg.hidden = 12;
+        let mut whole = Model::new(cfg.clone()).unwrap();
+        let mut split = Model::new(cfg).unwrap();
+        assert!(!split.is_split(0) && split.is_split(1));
+        let ctx = StepCtx {
+            epoch: 2,
+            train: true,
+        };
+        let h: Vec<f32> = (0..n as usize * 12)
+            .map(|i| (i % 11) as f32 * 0.1)
+            .collect();
+        let h = Tensor::from_vec(n as usize, 12, h).unwrap();
+        let x = Cow::Owned(LayerInput::Dense(h.clone()));
+        let y_whole = whole.forward_layer(&s, 1, &block, x, ctx).unwrap();
+        let z = split.forward_transform(&s, 1, &block, h, ctx).unwrap();
+        let y_split = split.forward_aggregate(&s, 1, &block, &z, ctx).unwrap();
+        assert_eq!(y_whole.as_slice(), y_split.as_slice());
+
+        let g_out: Vec<f32> = (0..n as usize * 3).map(|i| (i % 5) as f32 - 2.0).collect();
+        let g_out = Tensor::from_vec(n as usize, 3, g_out).unwrap();
+        let gx_whole = whole
+            .backward_layer(&s, 1, &block, g_out.clone(), true)
+            .unwrap()
+            .unwrap();
+        let gz = split.backward_aggregate(&s, 1, &block, g_out).unwrap();
+        let gx_split = split
+            .backward_transform(&s, 1, &block, gz, true)
+            .unwrap()
+            .unwrap();
+        assert_eq!(gx_whole.as_slice(), gx_split.as_slice());
+        for (a, b) in whole.params().iter().zip(split.params()) {
+            assert_eq!(a.grad.as_slice(), b.grad.as_slice(), "{}", a.name);
+        }
+        // Stage 2 without stage 1 is a clear error, not a panic.
+        let err = split.forward_aggregate(&s, 1, &block, &z, ctx).unwrap_err();
+        assert!(err.to_string().contains("transform stage"), "{err}");
+        assert!(split.forward_transform(&s, 0, &block, z, ctx).is_err());
+    }
+}
