@@ -29,6 +29,20 @@ impl Proc {
         }
     }
 
+    /// The process's stdout, line by line, as it comes.
+    fn stdout_lines(&mut self) -> mpsc::Receiver<String> {
+        let stdout = self.child.stdout.take().expect("stdout is piped");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        rx
+    }
+
     /// Waits at most `limit` for the exit; returns the status, stdout and stderr.
     fn finish(mut self, limit: Duration) -> (ExitStatus, String, String) {
         let t = Instant::now();
@@ -212,6 +226,14 @@ fn start_coordinator(dir: &Path, n: u32, extra: &[(u32, &str)], train: &[&str]) 
     (coord, addr)
 }
 
+/// Starts nodes 1 and 2 of a 3-node cluster whose coordinator listens at `addr`.
+fn start_workers(dir: &Path, addr: &str, extra: &[(u32, &str)]) -> (Proc, Proc) {
+    let c1 = write_cluster(dir, "c1.toml", addr, 3, extra);
+    let w1 = Proc::start("node 1", &["node", "--cluster", s(&c1), "--id", "1"]);
+    let w2 = Proc::start("node 2", &["node", "--cluster", s(&c1), "--id", "2"]);
+    (w1, w2)
+}
+
 #[test]
 fn a_node_without_partition_files_receives_them_from_the_coordinator() {
     let dir = cluster_dir(2);
@@ -252,19 +274,9 @@ fn a_node_that_stops_answering_fails_the_run_naming_it_and_nothing_hangs() {
     // Without replicas the run cannot recover from the loss: it must fail, naming the node.
     let norep = [(TOP, "replicas = 0")];
     let (mut coord, addr) = start_coordinator(dir.path(), 3, &norep, &train);
-    let c1 = write_cluster(dir.path(), "c1.toml", &addr, 3, &norep);
-    let w1 = Proc::start("node 1", &["node", "--cluster", s(&c1), "--id", "1"]);
-    let w2 = Proc::start("node 2", &["node", "--cluster", s(&c1), "--id", "2"]);
+    let (w1, w2) = start_workers(dir.path(), &addr, &norep);
     // Wait for training to be under way, then freeze node 2.
-    let stdout = coord.child.stdout.take().unwrap();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
+    let rx = coord.stdout_lines();
     let t = Instant::now();
     loop {
         let line = rx
@@ -357,18 +369,8 @@ fn a_frozen_node_is_replaced_and_fenced_when_it_wakes_up() {
     let mut train = train.to_vec();
     train.extend(["--report", s(&out)]);
     let (mut coord, addr) = start_coordinator(dir.path(), 3, &[], &train);
-    let c1 = write_cluster(dir.path(), "c1.toml", &addr, 3, &[]);
-    let w1 = Proc::start("node 1", &["node", "--cluster", s(&c1), "--id", "1"]);
-    let w2 = Proc::start("node 2", &["node", "--cluster", s(&c1), "--id", "2"]);
-    let stdout = coord.child.stdout.take().unwrap();
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
+    let (w1, w2) = start_workers(dir.path(), &addr, &[]);
+    let rx = coord.stdout_lines();
     let wait_for = |prefix: &str| loop {
         let line = rx
             .recv_timeout(Duration::from_secs(60))

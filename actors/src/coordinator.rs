@@ -161,6 +161,22 @@ struct OpenRecovery {
     ready_ms: f64,
 }
 
+impl OpenRecovery {
+    /// A recovery that restarts `part` where it runs (a panic, a missed deadline).
+    fn of_restart(kind: &'static str, part: u32, detected_ms: f64) -> Self {
+        OpenRecovery {
+            kind,
+            part,
+            node: None,
+            moves: Vec::new(),
+            digest_ok: None,
+            detected_ms,
+            at: Instant::now(),
+            ready_ms: 0.0,
+        }
+    }
+}
+
 impl Coordinator {
     /// `parts[q]` must be partition `q`.
     pub fn new(
@@ -400,10 +416,7 @@ impl Coordinator {
                         let at = Instant::now();
                         let (e, d) = self.committed.clone();
                         let replaced = r.move_partition(part, e, d).await?;
-                        for h in replaced.handles {
-                            let p = h.part() as usize;
-                            self.parts[p] = h;
-                        }
+                        self.install(replaced.handles);
                         self.restart_log.retain(|(p, _)| *p != part);
                         OpenRecovery {
                             kind: "escalated-move",
@@ -416,16 +429,7 @@ impl Coordinator {
                             ready_ms: 0.0,
                         }
                     } else {
-                        OpenRecovery {
-                            kind: "actor-panic",
-                            part,
-                            node: None,
-                            moves: Vec::new(),
-                            digest_ok: None,
-                            detected_ms,
-                            at: Instant::now(),
-                            ready_ms: 0.0,
-                        }
+                        OpenRecovery::of_restart("actor-panic", part, detected_ms)
                     }
                 }
                 ActorError::Node { node, detail } if self.node_recovery.is_some() => {
@@ -446,10 +450,7 @@ impl Coordinator {
                         }
                         Err(e) => return Err(e),
                     };
-                    for h in replaced.handles {
-                        let p = h.part() as usize;
-                        self.parts[p] = h;
-                    }
+                    self.install(replaced.handles);
                     OpenRecovery {
                         kind: "node-loss",
                         part: replaced.moves.first().map_or(u32::MAX, |m| m.0),
@@ -468,16 +469,7 @@ impl Coordinator {
                     tracing::warn!(
                         "partition {part} missed its {ms} ms deadline ({what}); replaying"
                     );
-                    OpenRecovery {
-                        kind: "timeout",
-                        part,
-                        node: None,
-                        moves: Vec::new(),
-                        digest_ok: None,
-                        detected_ms,
-                        at: Instant::now(),
-                        ready_ms: 0.0,
-                    }
+                    OpenRecovery::of_restart("timeout", part, detected_ms)
                 }
                 other => return Err(other),
             };
@@ -495,6 +487,14 @@ impl Coordinator {
                     carried = Some((e, at.elapsed().as_secs_f64() * 1e3));
                 }
             }
+        }
+    }
+
+    /// Points the re-placed partitions' handles at their new places.
+    fn install(&mut self, handles: Vec<PartHandle>) {
+        for h in handles {
+            let p = h.part() as usize;
+            self.parts[p] = h;
         }
     }
 
