@@ -3,11 +3,14 @@
 //! the same weights after each step, and replays an epoch after a partition was restarted.
 use crate::messages::{ApplyStep, Outcome, ResetEpoch, Step, StepReply};
 use crate::partition::PartitionActor;
+use crate::telemetry::{self, node_attr as node};
 use crate::ActorError;
 use actix::Addr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tracing::Instrument;
+use trellis_runtime::metrics::{names, Key, Metrics};
 use trellis_runtime::train::TrainConfig;
 use trellis_runtime::EpochLog;
 use trellis_transport::{Phase, RunId};
@@ -73,11 +76,21 @@ impl Coordinator {
         epoch: u32,
         totals: (usize, usize, usize),
     ) -> Result<(EpochLog, String), ActorError> {
+        let span = tracing::info_span!("epoch", epoch = i64::from(epoch), node = node());
+        self.run_epoch(epoch, totals).instrument(span).await
+    }
+
+    async fn run_epoch(
+        &mut self,
+        epoch: u32,
+        totals: (usize, usize, usize),
+    ) -> Result<(EpochLog, String), ActorError> {
         let t0 = Instant::now();
         let stats = self
             .retrying(epoch, |c| Box::pin(c.train_step(epoch)))
             .await?;
         let ms = t0.elapsed().as_secs_f64() * 1e3;
+        Metrics::global().record_ms(Key::new(names::STEP), ms);
         let t1 = Instant::now();
         let (train, val, test) = self.retrying(epoch, |c| Box::pin(c.eval(epoch))).await?;
         let eval_ms = t1.elapsed().as_secs_f64() * 1e3;
@@ -94,6 +107,7 @@ impl Coordinator {
             compute_ms,
             comm_ms: (ms - compute_ms).max(0.0),
             halo_bytes: stats.halo_bytes,
+            part_compute_ms: stats.compute_ms,
         };
         Ok((log, stats.digest))
     }
@@ -109,8 +123,9 @@ impl Coordinator {
             Box<dyn std::future::Future<Output = Result<T, ActorError>> + 'a>,
         >,
     ) -> Result<T, ActorError> {
-        // Failures seen while running this unit, waiting for the unit to complete once.
-        let mut open: Vec<(u32, f64, Instant)> = Vec::new();
+        // Failures seen while running this unit, waiting for the unit to complete once, with
+        // the span of each recovery (open from the failure report to the replay's end).
+        let mut open: Vec<(u32, f64, Instant, tracing::Span)> = Vec::new();
         loop {
             let started = Instant::now();
             match unit(self).await {
@@ -124,7 +139,18 @@ impl Coordinator {
                             last: message,
                         });
                     }
-                    open.push((part, detected_ms, Instant::now()));
+                    let span = tracing::info_span!(
+                        "recovery",
+                        kind = "actor-panic",
+                        partition = i64::from(part),
+                        node = node(),
+                        epoch = i64::from(epoch),
+                        detected_ms,
+                        resumed_ms = tracing::field::Empty,
+                        steps_replayed = tracing::field::Empty,
+                    );
+                    Metrics::global().add(Key::new(names::RESTARTS).with("partition", part), 1);
+                    open.push((part, detected_ms, Instant::now(), span));
                     for a in &self.addrs {
                         a.send(ResetEpoch { epoch }).await.map_err(|e| {
                             ActorError::Unreachable {
@@ -136,13 +162,18 @@ impl Coordinator {
                 }
                 other => {
                     let replayed = open.len() as u32;
-                    for (part, detected_ms, at) in open.drain(..) {
+                    for (part, detected_ms, at, span) in open.drain(..) {
+                        let resumed_ms = at.elapsed().as_secs_f64() * 1e3;
+                        span.record("resumed_ms", resumed_ms);
+                        span.record("steps_replayed", i64::from(replayed));
+                        Metrics::global()
+                            .record_ms(Key::new(names::RECOVERY), detected_ms + resumed_ms);
                         self.recoveries.push(Recovery {
                             kind: "actor-panic".into(),
                             partition: part,
                             epoch,
                             detected_ms,
-                            resumed_ms: at.elapsed().as_secs_f64() * 1e3,
+                            resumed_ms,
                             steps_replayed: replayed,
                         });
                     }
@@ -183,6 +214,8 @@ impl Coordinator {
             }
         }
         // All-reduce in a fixed order: partition 0, 1, ..., so the sum never depends on timing.
+        let all_reduce = tracing::info_span!("all_reduce", epoch = i64::from(epoch), node = node());
+        let t_reduce = Instant::now();
         let mut sum: Vec<f32> = Vec::new();
         for (q, g) in grads.iter().enumerate() {
             let g = g.as_ref().ok_or_else(|| ActorError::Protocol {
@@ -204,6 +237,7 @@ impl Coordinator {
                     run: self.run,
                     epoch,
                     grads: grads.clone(),
+                    trace: telemetry::context_of(&all_reduce),
                 })
             })
             .collect();
@@ -221,6 +255,8 @@ impl Coordinator {
                 });
             }
         }
+        Metrics::global().record(Key::new(names::ALL_REDUCE), t_reduce.elapsed());
+        drop(all_reduce);
         Ok(StepStats {
             loss_sum,
             count,
@@ -258,6 +294,7 @@ impl Coordinator {
             epoch,
             layer,
             phase,
+            trace: telemetry::current(),
         };
         let futs: Vec<_> = self.addrs.iter().map(|a| a.send(step)).collect();
         let mut replies = Vec::with_capacity(futs.len());

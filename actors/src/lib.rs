@@ -7,6 +7,7 @@
 //!   turns kernel panics into restarts from the node's [`ReplicaStore`](replica::ReplicaStore).
 //! - the [`Coordinator`](coordinator::Coordinator): drives the epoch protocol (ARCHITECTURE.md).
 //! - [`Topology`]/[`TrainingRun`]: the Rust API for programs that spawn training topologies.
+//! - [`telemetry`]: trace-context propagation through messages, the node id on spans.
 
 mod coordinator;
 mod error;
@@ -15,6 +16,7 @@ mod partition;
 pub mod replica;
 mod state;
 mod supervisor;
+pub mod telemetry;
 mod topology;
 
 pub use coordinator::Coordinator;

@@ -8,12 +8,14 @@
 use crate::messages::{ApplyStep, Halo, ResetEpoch, Step, StepReply};
 use crate::replica::ReplicaStore;
 use crate::state::{timed, PartitionState};
+use crate::telemetry::{self, node_attr as node};
 use crate::topology::FaultPlan;
 use crate::ActorError;
 use actix::prelude::*;
 use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
+use std::time::Instant;
 use tokio::sync::oneshot;
 use trellis_transport::{HaloBlock, PartId, Phase, RunId, Transport};
 
@@ -31,6 +33,8 @@ pub struct PartitionActor {
     faults: Arc<FaultPlan>,
     inbox: Inbox,
     pending: Option<(Step, Reply)>,
+    /// When the pending step was parked (halo wait latency per peer).
+    parked_at: Option<Instant>,
 }
 
 impl PartitionActor {
@@ -52,6 +56,7 @@ impl PartitionActor {
             faults,
             inbox: Inbox::new(),
             pending: None,
+            parked_at: None,
         }
     }
 
@@ -70,6 +75,16 @@ impl PartitionActor {
         let (_, reply) = self.pending.take().expect("checked above");
         let blocks = self.inbox.remove(&key).unwrap_or_default();
         let part = self.part;
+        let span = tracing::info_span!(
+            "layer",
+            otel.name = phase_name(step.phase),
+            partition = i64::from(part.0),
+            node = node(),
+            epoch = i64::from(step.epoch),
+            layer = i64::from(step.layer),
+        );
+        telemetry::set_parent(&span, step.trace);
+        let _in_layer = span.enter();
         let faults = self.faults.clone();
         let result = catch_unwind(AssertUnwindSafe(|| {
             faults.maybe_panic(part.0, step.epoch, step.layer, step.phase);
@@ -85,8 +100,22 @@ impl PartitionActor {
         match result {
             Ok((Ok((outcome, out)), compute_ms)) => {
                 let mut halo_bytes = 0;
-                for b in out {
-                    halo_bytes += b.payload_bytes();
+                for mut b in out {
+                    let bytes = b.payload_bytes();
+                    halo_bytes += bytes;
+                    let (to, layer) = (b.header.to.0, b.header.layer);
+                    let send = tracing::info_span!(
+                        "halo_send",
+                        partition = i64::from(part.0),
+                        peer = i64::from(to),
+                        node = node(),
+                        epoch = i64::from(step.epoch),
+                        layer = i64::from(layer),
+                        bytes = bytes as i64
+                    );
+                    b.trace = telemetry::context_of(&send);
+                    let _in_send = send.enter();
+                    telemetry::count_halo_send(part.0, to, bytes);
                     if let Err(e) = self.transport.send(b) {
                         let _ = reply.send(Err(ActorError::Unreachable {
                             part: part.0,
@@ -118,6 +147,15 @@ impl PartitionActor {
                 ctx.stop();
             }
         }
+    }
+}
+
+/// The name of a layer span.
+fn phase_name(p: Phase) -> &'static str {
+    match p {
+        Phase::Forward => "forward",
+        Phase::Backward => "backward",
+        Phase::Eval => "eval",
     }
 }
 
@@ -171,6 +209,7 @@ impl Handler<Step> for PartitionActor {
             });
         }
         let (tx, rx) = oneshot::channel();
+        self.parked_at = Some(Instant::now());
         if let Some((_, old)) = self.pending.replace((step, tx)) {
             let _ = old.send(Err(ActorError::Protocol {
                 part,
@@ -205,11 +244,30 @@ impl Handler<Halo> for PartitionActor {
         if h.run != self.run || h.to != self.part || stale {
             return;
         }
+        let span = tracing::info_span!(
+            "halo_recv",
+            partition = i64::from(h.to.0),
+            peer = i64::from(h.from.0),
+            node = node(),
+            epoch = i64::from(h.epoch),
+            layer = i64::from(h.layer),
+            bytes = block.payload_bytes() as i64
+        );
+        telemetry::set_parent(&span, block.trace);
+        let _in_recv = span.enter();
+        let waited = match &self.pending {
+            Some((s, _)) if input_key(s) == (h.epoch, h.phase, h.layer) => {
+                self.parked_at.map(|t| t.elapsed()).unwrap_or_default()
+            }
+            _ => std::time::Duration::ZERO,
+        };
+        telemetry::record_halo_wait(h.to.0, h.from.0, waited);
         // Idempotent: a duplicate replaces an identical block.
         self.inbox
             .entry((h.epoch, h.phase, h.layer))
             .or_default()
             .insert(h.from, block);
+        drop(_in_recv);
         self.try_progress(ctx);
     }
 }
@@ -229,10 +287,25 @@ impl Handler<ApplyStep> for PartitionActor {
             // Already applied (a retried request): idempotent.
             return Ok(self.state.model().weights_digest());
         }
+        let span = tracing::info_span!(
+            "apply",
+            partition = i64::from(part),
+            node = node(),
+            epoch = i64::from(msg.epoch)
+        );
+        telemetry::set_parent(&span, msg.trace);
+        let _in_apply = span.enter();
         let digest = self
             .state
             .apply(msg.epoch, &msg.grads)
             .map_err(|source| ActorError::Compute { part, source })?;
+        let _in_replicate = tracing::info_span!(
+            "replicate",
+            partition = i64::from(part),
+            node = node(),
+            epoch = i64::from(msg.epoch)
+        )
+        .entered();
         self.replicas.put(part, self.state.snapshot());
         self.inbox.retain(|k, _| k.0 > msg.epoch);
         Ok(digest)

@@ -353,6 +353,7 @@ impl PartitionState {
                     rows: rows.len() as u32,
                     cols: t.cols() as u32,
                     data,
+                    trace: None,
                 })
             })
             .collect()

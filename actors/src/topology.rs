@@ -8,13 +8,16 @@ use crate::coordinator::{Coordinator, Recovery};
 use crate::replica::ReplicaStore;
 use crate::state::{GlobalCounts, PartitionState};
 use crate::supervisor::NodeSupervisor;
+use crate::telemetry;
 use crate::ActorError;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
+use tracing::Instrument;
 use trellis_gpu::{Device, Stream, ThreadBudget};
+use trellis_runtime::metrics::Metrics;
 use trellis_runtime::partition::{partition, PartitionMethod, PartitionSet};
 use trellis_runtime::report::BestTracker;
 use trellis_runtime::train::{build_report, TrainConfig};
@@ -296,54 +299,71 @@ impl Topology {
             .spawn(move || {
                 let _keep_partitions_until_done = tmp;
                 let sys = actix::System::new();
-                let result = sys.block_on(async move {
-                    let run = uuid::Uuid::new_v4();
-                    let transport = Arc::new(InProcessTransport::new());
-                    let replicas = Arc::new(ReplicaStore::new());
-                    let node = NodeSupervisor::start(states, run, transport, replicas, faults);
-                    let mut coord =
-                        Coordinator::new(run, node.addrs().to_vec(), &cfg, deadline, cancel2);
-                    let totals = (counts.train, counts.val, counts.test);
-                    let mut logs = Vec::new();
-                    let mut best = BestTracker::default();
-                    let mut digest = String::new();
-                    let mut outcome = Ok(());
-                    for epoch in 1..=cfg.epochs {
-                        let seen = coord.recoveries.len();
-                        match coord.epoch(epoch, totals).await {
-                            Ok((log, d)) => {
-                                for r in &coord.recoveries[seen..] {
-                                    let _ = tx.send(RunEvent::Recovered(r.clone()));
+                let run = uuid::Uuid::new_v4();
+                let run_span = tracing::info_span!(
+                    "run",
+                    run = %run,
+                    node = telemetry::node_attr(),
+                    partitions = book.parts as i64,
+                    model = %cfg.model.kind,
+                    dataset = %dataset,
+                );
+                let trace_id = telemetry::context_of(&run_span).map(|t| t.trace_id_hex());
+                let metrics_before = Metrics::global().snapshot();
+                let result = sys.block_on(
+                    async move {
+                        let transport = Arc::new(InProcessTransport::new());
+                        let replicas = Arc::new(ReplicaStore::new());
+                        let node = NodeSupervisor::start(states, run, transport, replicas, faults);
+                        let mut coord =
+                            Coordinator::new(run, node.addrs().to_vec(), &cfg, deadline, cancel2);
+                        let totals = (counts.train, counts.val, counts.test);
+                        let mut logs = Vec::new();
+                        let mut best = BestTracker::default();
+                        let mut digest = String::new();
+                        let mut outcome = Ok(());
+                        for epoch in 1..=cfg.epochs {
+                            let seen = coord.recoveries.len();
+                            match coord.epoch(epoch, totals).await {
+                                Ok((log, d)) => {
+                                    for r in &coord.recoveries[seen..] {
+                                        let _ = tx.send(RunEvent::Recovered(r.clone()));
+                                    }
+                                    best.update(&log);
+                                    let _ = tx.send(RunEvent::Epoch(log.clone()));
+                                    logs.push(log);
+                                    digest = d;
                                 }
-                                best.update(&log);
-                                let _ = tx.send(RunEvent::Epoch(log.clone()));
-                                logs.push(log);
-                                digest = d;
-                            }
-                            Err(e) => {
-                                outcome = Err(e);
-                                break;
+                                Err(e) => {
+                                    outcome = Err(e);
+                                    break;
+                                }
                             }
                         }
+                        node.shutdown();
+                        outcome.map(|_| {
+                            let mut report = build_report(
+                                &cfg,
+                                &dataset,
+                                &book.data_digest,
+                                book.parts,
+                                book.edge_cut as u64,
+                                threads,
+                                &best,
+                                logs,
+                                digest,
+                            );
+                            report.recoveries =
+                                serde_json::to_value(&coord.recoveries).unwrap_or_default();
+                            let metrics = Metrics::global().snapshot().since(&metrics_before);
+                            report.latency = metrics.summaries();
+                            report.counters = metrics.counter_values();
+                            report.trace_id = trace_id;
+                            report
+                        })
                     }
-                    node.shutdown();
-                    outcome.map(|_| {
-                        let mut report = build_report(
-                            &cfg,
-                            &dataset,
-                            &book.data_digest,
-                            book.parts,
-                            book.edge_cut as u64,
-                            threads,
-                            &best,
-                            logs,
-                            digest,
-                        );
-                        report.recoveries =
-                            serde_json::to_value(&coord.recoveries).unwrap_or_default();
-                        report
-                    })
-                });
+                    .instrument(run_span),
+                );
                 drop(sys);
                 result
             })

@@ -45,6 +45,7 @@ pub fn run(a: AccuracyArgs) -> Result<()> {
                 chaos: None,
                 report: None,
                 verbose: false,
+                telemetry: Default::default(),
             };
             let cfg = args.config(&ds)?;
             let report = Trainer::new(&ds, cfg)?.run(|_| {})?;

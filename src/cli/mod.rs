@@ -7,6 +7,8 @@ mod bench;
 mod cert;
 mod demo;
 mod partition;
+mod report;
+pub mod telemetry;
 mod train;
 
 pub use train::TrainArgs;
@@ -29,6 +31,8 @@ pub enum Command {
     Accuracy(accuracy::AccuracyArgs),
     /// Measure epoch time, SpMM bandwidth and this machine's memory bandwidth side by side.
     Bench(bench::BenchArgs),
+    /// Render a run report (JSON) as PNG charts and one self-contained HTML page.
+    Report(report::ReportArgs),
     /// Create the cluster CA and per-node certificates for QUIC with mutual TLS.
     Cert(cert::CertArgs),
     /// Train on a built-in synthetic graph, single-process and partitioned with an injected
@@ -45,5 +49,6 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Bench(a) => bench::run(a),
         Command::Demo(a) => demo::run(a),
         Command::Cert(a) => cert::run(a),
+        Command::Report(a) => report::run(a),
     }
 }

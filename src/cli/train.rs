@@ -1,4 +1,5 @@
 //! `trellis train`.
+use super::telemetry::TelemetryArgs;
 use anyhow::{Context, Result};
 use clap::Args;
 use std::path::PathBuf;
@@ -55,6 +56,8 @@ pub struct TrainArgs {
     /// Print one line per epoch.
     #[arg(long)]
     pub verbose: bool,
+    #[command(flatten)]
+    pub telemetry: TelemetryArgs,
 }
 
 impl TrainArgs {
@@ -161,6 +164,7 @@ pub fn train_partitioned(
 }
 
 pub fn run(a: TrainArgs) -> Result<()> {
+    let telemetry = a.telemetry.start(0)?;
     let ds = load_data(&a.data)?;
     let cfg = a.config(&ds)?;
     let report = if a.partitions > 1 || a.partition_dir.is_some() || a.chaos.is_some() {
@@ -176,12 +180,14 @@ pub fn run(a: TrainArgs) -> Result<()> {
     } else {
         train_single(ds, cfg, a.verbose)?
     };
+    let mut report = report;
+    report.code_commit = crate::build_info::commit().map(str::to_string);
     print_summary(&report);
     if let Some(path) = &a.report {
         report.write(path)?;
         println!("report written to {}", path.display());
     }
-    Ok(())
+    a.telemetry.finish(telemetry)
 }
 
 /// One paragraph describing a finished run.
@@ -200,4 +206,7 @@ pub fn print_summary(r: &RunReport) {
         r.peak_rss_bytes as f64 / (1 << 20) as f64,
         r.weights_digest
     );
+    if let Some(t) = &r.trace_id {
+        println!("trace_id {t}");
+    }
 }
