@@ -167,7 +167,7 @@ impl MetricsSnapshot {
                     // Counts only grow, so subtracting an earlier copy cannot underflow.
                     h.subtract(e).ok()?;
                 }
-                (h.len() > 0).then(|| (k.clone(), h))
+                (!h.is_empty()).then(|| (k.clone(), h))
             })
             .collect();
         let counters = self

@@ -24,7 +24,7 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Train a model (single process, or P partition actors with --partitions) and report.
-    Train(TrainArgs),
+    Train(Box<TrainArgs>),
     /// Split a data set into partition files plus a partition book.
     Partition(partition::PartitionArgs),
     /// Mean test accuracy over several seeds for each model (the README table).
@@ -43,7 +43,7 @@ pub enum Command {
 /// Runs a parsed command line.
 pub fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Train(a) => train::run(a),
+        Command::Train(a) => train::run(*a),
         Command::Partition(a) => partition::run(a),
         Command::Accuracy(a) => accuracy::run(a),
         Command::Bench(a) => bench::run(a),

@@ -107,6 +107,7 @@ pub fn loss_accuracy(
         .map_err(draw_err(NAME))?;
     c.configure_mesh()
         .x_desc("epoch")
+        .x_label_formatter(&|x| format!("{}", x.round() as i64))
         .y_desc("loss")
         .label_style((FAMILY, 14))
         .draw()
@@ -135,6 +136,7 @@ pub fn loss_accuracy(
         .map_err(draw_err(NAME))?;
     c.configure_mesh()
         .x_desc("epoch")
+        .x_label_formatter(&|x| format!("{}", x.round() as i64))
         .y_desc("accuracy")
         .label_style((FAMILY, 14))
         .draw()
@@ -270,6 +272,7 @@ pub fn bytes(r: &RunReport, marks: &[RecoveryMark], path: &Path) -> Result<PathB
         .map_err(draw_err(NAME))?;
     c.configure_mesh()
         .x_desc("epoch")
+        .x_label_formatter(&|x| format!("{}", x.round() as i64))
         .y_desc("MiB")
         .label_style((FAMILY, 14))
         .draw()
