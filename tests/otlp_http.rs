@@ -48,6 +48,18 @@ fn a_run_exports_spans_and_metrics_over_http_protobuf() {
     }
     let forward = spans.iter().filter(|r| r.span.name == "forward").count();
     assert_eq!(forward, 2 * 2 * 2, "epochs x partitions x layers");
+    // Paused, a run records no spans and so has no trace id.
+    t.pause_tracing(true);
+    let mut cfg = TrainConfig::paper_defaults(ModelKind::Sage, ds.num_features, ds.num_classes, 0);
+    cfg.epochs = 1;
+    let paused = Topology::partition(&ds, 2, PartitionMethod::Random, None, cfg)
+        .unwrap()
+        .spawn()
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(paused.trace_id, None);
+    t.pause_tracing(false);
     t.shutdown().unwrap();
     // Shutdown pushed the metrics one last time.
     let names = store.metrics.lock().unwrap().clone();

@@ -141,6 +141,15 @@ impl Telemetry {
         }
     }
 
+    /// Stops (`true`) or resumes (`false`) recording new spans while the exporters keep
+    /// running: an operator's switch for a hot loop, and how the overhead example compares
+    /// export on and off epoch by epoch in one process. No effect when not exporting.
+    pub fn pause_tracing(&self, paused: bool) {
+        if self.otlp.is_some() {
+            otlp::set_tracing(!paused);
+        }
+    }
+
     /// Flushes what is buffered and stops exporting and serving.
     pub fn shutdown(mut self) -> Result<(), TelemetryError> {
         self.stop()

@@ -11,10 +11,19 @@ use opentelemetry_sdk::runtime::Tokio;
 use opentelemetry_sdk::trace::span_processor_with_async_runtime::BatchSpanProcessor;
 use opentelemetry_sdk::trace::SdkTracerProvider;
 use opentelemetry_sdk::Resource;
+use std::sync::atomic::{AtomicBool, Ordering};
 use tracing::Level;
-use tracing_subscriber::filter::Targets;
+use tracing_subscriber::filter::{DynFilterFn, FilterExt, Targets};
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::Layer;
+
+/// Whether new spans are recorded (see [`super::Telemetry::pause_tracing`]).
+static TRACING: AtomicBool = AtomicBool::new(true);
+
+/// Records new spans from now on, or stops recording them.
+pub(super) fn set_tracing(on: bool) {
+    TRACING.store(on, Ordering::Relaxed);
+}
 
 /// Running exporters.
 pub(super) struct Pipeline {
@@ -58,7 +67,12 @@ impl Pipeline {
             .with_tracked_inactivity(false)
             .with_threads(false)
             .with_location(false)
-            .with_filter(Targets::new().with_target("trellis", Level::INFO));
+            .with_filter(
+                Targets::new()
+                    .with_target("trellis", Level::INFO)
+                    // Evaluated per span, never cached per call site: it can change.
+                    .and(DynFilterFn::new(|_, _| TRACING.load(Ordering::Relaxed))),
+            );
         let subscriber = tracing_subscriber::registry().with(layer);
         tracing::subscriber::set_global_default(subscriber)
             .map_err(|_| TelemetryError::AlreadyInstalled)?;
