@@ -6,12 +6,18 @@
 //! - [`runtime`]: data loaders, graphs, partitioning, models, trainers and run reports;
 //! - [`actors`]: partition actors, supervisors, the coordinator and the topology API;
 //! - [`transport`]: halo-exchange messages and transports.
+//!
+//! and owns the process-level pieces: [`telemetry`] (OpenTelemetry traces and metrics, the
+//! Prometheus endpoint), [`plots`] (run reports as PNG charts and an HTML page) and the CLI.
 
 pub use trellis_actors as actors;
 pub use trellis_gpu as gpu;
 pub use trellis_runtime as runtime;
 pub use trellis_transport as transport;
 
+pub mod build_info;
 pub mod cli;
 #[cfg(feature = "cuda")]
 pub mod gpu_gcn;
+pub mod plots;
+pub mod telemetry;

@@ -6,6 +6,7 @@
 use crate::handle::PartHandle;
 use crate::messages::{ApplyStep, Outcome, ResetEpoch, Step, StepReply};
 use crate::profile::{EpochProfile, StepProfile};
+use crate::telemetry::{self, node_attr as node};
 use crate::topology::RunEvent;
 use crate::ActorError;
 use futures_util::stream::{FuturesUnordered, StreamExt};
@@ -15,6 +16,8 @@ use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
+use tracing::Instrument;
+use trellis_runtime::metrics::{names, Key, Metrics};
 use trellis_runtime::report::BestTracker;
 use trellis_runtime::train::TrainConfig;
 use trellis_runtime::EpochLog;
@@ -159,6 +162,8 @@ struct OpenRecovery {
     detected_ms: f64,
     at: Instant,
     ready_ms: f64,
+    /// Open from the failure report to the replay's end.
+    span: tracing::Span,
 }
 
 impl OpenRecovery {
@@ -173,6 +178,7 @@ impl OpenRecovery {
             detected_ms,
             at: Instant::now(),
             ready_ms: 0.0,
+            span: tracing::Span::none(),
         }
     }
 }
@@ -291,6 +297,15 @@ impl Coordinator {
         epoch: u32,
         totals: (usize, usize, usize),
     ) -> Result<(EpochLog, String), ActorError> {
+        let span = tracing::info_span!("epoch", epoch = i64::from(epoch), node = node());
+        self.run_epoch(epoch, totals).instrument(span).await
+    }
+
+    async fn run_epoch(
+        &mut self,
+        epoch: u32,
+        totals: (usize, usize, usize),
+    ) -> Result<(EpochLog, String), ActorError> {
         if let Some(f) = &self.on_epoch {
             f(epoch);
         }
@@ -310,6 +325,7 @@ impl Coordinator {
         }
         self.committed = (epoch, digest.clone());
         let ms = t0.elapsed().as_secs_f64() * 1e3;
+        Metrics::global().record_ms(Key::new(names::STEP), ms);
         let t1 = Instant::now();
         let (train, val, test) = self.retrying(epoch, |c| Box::pin(c.eval(epoch))).await?;
         let eval_ms = t1.elapsed().as_secs_f64() * 1e3;
@@ -327,6 +343,7 @@ impl Coordinator {
             comm_ms: (ms - compute_ms).max(0.0),
             halo_bytes: stats.halo_bytes,
             weights_digest: digest.clone(),
+            part_compute_ms: stats.compute_ms,
         };
         Ok((log, digest))
     }
@@ -357,6 +374,13 @@ impl Coordinator {
                             let replayed = open.len() as u32;
                             let restores = std::mem::take(&mut *self.restores.borrow_mut());
                             for mut o in open.drain(..) {
+                                let resumed_ms = o.at.elapsed().as_secs_f64() * 1e3;
+                                o.span.record("resumed_ms", resumed_ms);
+                                o.span.record("steps_replayed", i64::from(replayed));
+                                Metrics::global().record_ms(
+                                    Key::new(names::RECOVERY),
+                                    o.detected_ms + resumed_ms,
+                                );
                                 if o.kind == "actor-panic" {
                                     o.digest_ok = restores
                                         .iter()
@@ -373,7 +397,7 @@ impl Coordinator {
                                     epoch,
                                     detected_ms: o.detected_ms,
                                     ready_ms: o.ready_ms,
-                                    resumed_ms: o.at.elapsed().as_secs_f64() * 1e3,
+                                    resumed_ms,
                                     steps_replayed: replayed,
                                 });
                             }
@@ -427,6 +451,7 @@ impl Coordinator {
                             detected_ms,
                             at,
                             ready_ms: 0.0,
+                            span: tracing::Span::none(),
                         }
                     } else {
                         OpenRecovery::of_restart("actor-panic", part, detected_ms)
@@ -460,6 +485,7 @@ impl Coordinator {
                         detected_ms,
                         at,
                         ready_ms: 0.0,
+                        span: tracing::Span::none(),
                     }
                 }
                 ActorError::Timeout { part, ms, what } if self.retry_timeouts => {
@@ -473,6 +499,21 @@ impl Coordinator {
                 }
                 other => return Err(other),
             };
+            let mut recovery = recovery;
+            recovery.span = tracing::info_span!(
+                "recovery",
+                kind = recovery.kind,
+                partition = i64::from(recovery.part),
+                node = node(),
+                epoch = i64::from(epoch),
+                detected_ms = recovery.detected_ms,
+                resumed_ms = tracing::field::Empty,
+                steps_replayed = tracing::field::Empty,
+            );
+            Metrics::global().add(
+                Key::new(names::RESTARTS).with("partition", recovery.part),
+                1,
+            );
             let at = Instant::now();
             match self.reset_all(epoch).await {
                 Ok(()) => {
@@ -588,6 +629,9 @@ impl Coordinator {
             }
         }
         // All-reduce in a fixed order: partition 0, 1, ..., so the sum never depends on timing.
+        let all_reduce = tracing::info_span!("all_reduce", epoch = i64::from(epoch), node = node());
+        let t_reduce = Instant::now();
+        let _in_reduce = all_reduce.enter();
         let mut sum: Vec<f32> = Vec::new();
         for (q, g) in grads.iter().enumerate() {
             let g = g.as_ref().ok_or_else(|| ActorError::Protocol {
@@ -600,6 +644,8 @@ impl Coordinator {
                 sum.iter_mut().zip(g.iter()).for_each(|(s, v)| *s += v);
             }
         }
+        Metrics::global().record(Key::new(names::ALL_REDUCE), t_reduce.elapsed());
+        drop(_in_reduce);
         self.last_profile = Some(profile);
         Ok(GradStats {
             loss_sum,
@@ -620,6 +666,7 @@ impl Coordinator {
                     run: self.run,
                     epoch,
                     grads: grads.clone(),
+                    trace: telemetry::current(),
                 })
             })
             .collect();
@@ -670,6 +717,7 @@ impl Coordinator {
             epoch,
             layer,
             phase,
+            trace: telemetry::current(),
         };
         let what = format!("{phase:?} layer {layer} of epoch {epoch}");
         let mut waiting: FuturesUnordered<_> = self

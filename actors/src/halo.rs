@@ -92,6 +92,7 @@ impl HaloLists {
                     from: self.part,
                     to: *q,
                 },
+                trace: None,
                 rows: rows.len() as u32,
                 cols: t.cols() as u32,
                 data: gather_shared(t, rows),

@@ -8,6 +8,7 @@
 //! - the [`Coordinator`](coordinator::Coordinator): drives the epoch protocol (ARCHITECTURE.md).
 //! - [`Topology`]/[`TrainingRun`]: the Rust API for programs that spawn training topologies.
 //! - [`cluster`]: multi-process clusters over QUIC (`trellis node`, `trellis launch`).
+//! - [`telemetry`]: trace-context propagation through messages, the node id on spans.
 
 pub mod checkpoint;
 pub mod cluster;
@@ -21,6 +22,7 @@ pub mod profile;
 pub mod replica;
 mod state;
 mod supervisor;
+pub mod telemetry;
 mod topology;
 
 pub use coordinator::{Coordinator, Recovery};

@@ -4,7 +4,7 @@ use crate::ActorError;
 use actix::Message;
 use std::sync::Arc;
 use trellis_gpu::KernelTimes;
-use trellis_transport::{HaloBlock, Phase, RunId};
+use trellis_transport::{HaloBlock, Phase, RunId, TraceContext};
 
 /// Run one layer of a pass on a partition.
 #[derive(Debug, Clone, Copy, Message)]
@@ -15,6 +15,8 @@ pub struct Step {
     pub layer: u16,
     /// `Forward` / `Eval`: forward of `layer`; `Backward`: backward of `layer`.
     pub phase: Phase,
+    /// The requesting (epoch) span, parent of the partition's layer span.
+    pub trace: Option<TraceContext>,
 }
 
 /// Apply the all-reduced gradients with the optimizer, then snapshot the replica.
@@ -25,6 +27,8 @@ pub struct ApplyStep {
     pub epoch: u32,
     /// The sum over partitions of every parameter's gradient, concatenated in parameter order.
     pub grads: Arc<[f32]>,
+    /// The all-reduce span, parent of the partition's optimizer and replication spans.
+    pub trace: Option<TraceContext>,
 }
 
 /// Forget everything about `epoch` in progress (caches, halo blocks, pending requests): the

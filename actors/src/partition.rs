@@ -11,12 +11,14 @@
 use crate::messages::{ApplyStep, Halo, ResetEpoch, Step, StepReply};
 use crate::replica::ReplicaStore;
 use crate::state::{timed, PartitionState, Stage};
+use crate::telemetry::{self, node_attr as node};
 use crate::topology::FaultPlan;
 use crate::ActorError;
 use actix::prelude::*;
 use std::collections::BTreeMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
+use std::time::Instant;
 use tokio::sync::oneshot;
 use trellis_gpu::KernelTimes;
 use trellis_transport::{HaloBlock, PartId, Phase, RunId, Transport, TransportError};
@@ -37,6 +39,8 @@ pub struct PartitionActor {
     pending: Option<Pending>,
     /// Outcome of the last restore, reported with the next reply.
     restored: Option<bool>,
+    /// When the pending step was parked (halo wait latency per peer).
+    parked_at: Option<Instant>,
 }
 
 /// A step waiting for halo blocks, with what its stages so far cost.
@@ -70,6 +74,7 @@ impl PartitionActor {
             inbox: Inbox::new(),
             pending: None,
             restored: None,
+            parked_at: None,
         }
     }
 
@@ -106,6 +111,16 @@ impl PartitionActor {
         ctx: &mut Context<Self>,
     ) -> bool {
         let part = self.part;
+        let span = tracing::info_span!(
+            "layer",
+            otel.name = phase_name(step.phase),
+            partition = i64::from(part.0),
+            node = node(),
+            epoch = i64::from(step.epoch),
+            layer = i64::from(step.layer),
+        );
+        telemetry::set_parent(&span, step.trace);
+        let _in_layer = span.enter();
         let faults = self.faults.clone();
         let before = self.state.stream().kernel_times();
         let result = catch_unwind(AssertUnwindSafe(|| {
@@ -122,8 +137,22 @@ impl PartitionActor {
                 let p = self.pending.as_mut().expect("a parked step runs");
                 p.compute_ms += ms;
                 p.kernels.add(&kernels);
-                for b in out {
-                    p.halo_bytes += b.payload_bytes();
+                for mut b in out {
+                    let bytes = b.payload_bytes();
+                    p.halo_bytes += bytes;
+                    let (to, layer) = (b.header.to.0, b.header.layer);
+                    let send = tracing::info_span!(
+                        "halo_send",
+                        partition = i64::from(part.0),
+                        peer = i64::from(to),
+                        node = node(),
+                        epoch = i64::from(step.epoch),
+                        layer = i64::from(layer),
+                        bytes = bytes as i64
+                    );
+                    b.trace = telemetry::context_of(&send);
+                    let _in_send = send.enter();
+                    telemetry::count_halo_send(part.0, to, bytes);
                     match self.transport.send(b) {
                         Ok(()) => {}
                         // A lost peer node: the coordinator detects the loss on its own link
@@ -218,6 +247,7 @@ impl Handler<Step> for PartitionActor {
             });
         }
         let (tx, rx) = oneshot::channel();
+        self.parked_at = Some(Instant::now());
         let new = Pending {
             step,
             reply: tx,
@@ -259,11 +289,30 @@ impl Handler<Halo> for PartitionActor {
         if h.run != self.run || h.to != self.part || stale {
             return;
         }
+        let span = tracing::info_span!(
+            "halo_recv",
+            partition = i64::from(h.to.0),
+            peer = i64::from(h.from.0),
+            node = node(),
+            epoch = i64::from(h.epoch),
+            layer = i64::from(h.layer),
+            bytes = block.payload_bytes() as i64
+        );
+        telemetry::set_parent(&span, block.trace);
+        let in_recv = span.enter();
+        let waited = match &self.pending {
+            Some(p) if p.step.epoch == h.epoch && p.step.phase == h.phase => {
+                self.parked_at.map(|t| t.elapsed()).unwrap_or_default()
+            }
+            _ => std::time::Duration::ZERO,
+        };
+        telemetry::record_halo_wait(h.to.0, h.from.0, waited);
         // Idempotent: a duplicate replaces an identical block.
         self.inbox
             .entry((h.epoch, h.phase, h.layer))
             .or_default()
             .insert(h.from, block);
+        drop(in_recv);
         self.try_progress(ctx);
     }
 }
@@ -283,11 +332,26 @@ impl Handler<ApplyStep> for PartitionActor {
             // Already applied (a retried request): idempotent.
             return Ok(self.state.model().weights_digest());
         }
+        let span = tracing::info_span!(
+            "apply",
+            partition = i64::from(part),
+            node = node(),
+            epoch = i64::from(msg.epoch)
+        );
+        telemetry::set_parent(&span, msg.trace);
+        let _in_apply = span.enter();
         let digest = self
             .state
             .apply(msg.epoch, &msg.grads)
             .map_err(|source| ActorError::Compute { part, source })?;
         if self.replicas.enabled() {
+            let _in_replicate = tracing::info_span!(
+                "replicate",
+                partition = i64::from(part),
+                node = node(),
+                epoch = i64::from(msg.epoch)
+            )
+            .entered();
             self.replicas.put(part, self.state.snapshot());
         }
         self.inbox.retain(|k, _| k.0 > msg.epoch);
@@ -307,5 +371,14 @@ impl Handler<ResetEpoch> for PartitionActor {
             }));
         }
         self.state.reset_epoch();
+    }
+}
+
+/// The name of a layer span.
+fn phase_name(p: Phase) -> &'static str {
+    match p {
+        Phase::Forward => "forward",
+        Phase::Backward => "backward",
+        Phase::Eval => "eval",
     }
 }

@@ -11,13 +11,16 @@ use crate::profile::EpochProfile;
 use crate::replica::ReplicaStore;
 use crate::state::{GlobalCounts, PartitionState};
 use crate::supervisor::NodeSupervisor;
+use crate::telemetry;
 use crate::ActorError;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
+use tracing::Instrument;
 use trellis_gpu::{Device, Stream, ThreadBudget};
+use trellis_runtime::metrics::Metrics;
 use trellis_runtime::partition::{open_or_partition, PartitionBook, PartitionMethod, PartitionSet};
 use trellis_runtime::train::{build_report, TrainConfig};
 use trellis_runtime::{Dataset, EpochLog, RunReport};
@@ -505,50 +508,67 @@ impl Topology {
             .spawn(move || {
                 let _keep_partitions_until_done = tmp;
                 let sys = actix::System::new();
-                let result = sys.block_on(async move {
-                    let run = uuid::Uuid::new_v4();
-                    let transport = Arc::new(InProcessTransport::new());
-                    let replicas = Arc::new(ReplicaStore::new());
-                    let node = NodeSupervisor::start(states, run, transport, replicas, faults);
-                    let handles = local_handles(&node);
-                    let mut coord = Coordinator::new(run, handles, &cfg, deadline, cancel2);
-                    if let Some(g) = gate {
-                        coord = coord.with_epoch_gate(g);
+                let run = uuid::Uuid::new_v4();
+                let run_span = tracing::info_span!(
+                    "run",
+                    run = %run,
+                    node = telemetry::node_attr(),
+                    partitions = book.parts as i64,
+                    model = %cfg.model.kind,
+                    dataset = %dataset,
+                );
+                let trace_id = telemetry::context_of(&run_span).map(|t| t.trace_id_hex());
+                let metrics_before = Metrics::global().snapshot();
+                let result = sys.block_on(
+                    async move {
+                        let transport = Arc::new(InProcessTransport::new());
+                        let replicas = Arc::new(ReplicaStore::new());
+                        let node = NodeSupervisor::start(states, run, transport, replicas, faults);
+                        let handles = local_handles(&node);
+                        let mut coord = Coordinator::new(run, handles, &cfg, deadline, cancel2);
+                        if let Some(g) = gate {
+                            coord = coord.with_epoch_gate(g);
+                        }
+                        if let Some(ck) = resume {
+                            let s = &ck.snapshot;
+                            coord = coord.resumed(s.epoch, s.digest.clone(), ck.logs);
+                        }
+                        if let Some(pol) = policy {
+                            let writer = CheckpointWriter {
+                                store: node.replicas().clone(),
+                                dir: pol.dir,
+                                config: cfg.clone(),
+                                data_digest: book.data_digest.clone(),
+                                parts: book.parts,
+                            };
+                            coord = coord.with_checkpoints(pol.every, writer.into_fn());
+                        }
+                        let totals = (counts.train, counts.val, counts.test);
+                        let outcome = coord.run_epochs(cfg.epochs, totals, &tx).await;
+                        node.shutdown();
+                        outcome.map(|done| {
+                            let mut report = build_report(
+                                &cfg,
+                                &dataset,
+                                &book.data_digest,
+                                book.parts,
+                                book.edge_cut as u64,
+                                threads,
+                                &done.best,
+                                done.logs,
+                                done.digest,
+                            );
+                            report.recoveries =
+                                serde_json::to_value(&coord.recoveries).unwrap_or_default();
+                            let metrics = Metrics::global().snapshot().since(&metrics_before);
+                            report.latency = metrics.summaries();
+                            report.counters = metrics.counter_values();
+                            report.trace_id = trace_id;
+                            report
+                        })
                     }
-                    if let Some(ck) = resume {
-                        let s = &ck.snapshot;
-                        coord = coord.resumed(s.epoch, s.digest.clone(), ck.logs);
-                    }
-                    if let Some(pol) = policy {
-                        let writer = CheckpointWriter {
-                            store: node.replicas().clone(),
-                            dir: pol.dir,
-                            config: cfg.clone(),
-                            data_digest: book.data_digest.clone(),
-                            parts: book.parts,
-                        };
-                        coord = coord.with_checkpoints(pol.every, writer.into_fn());
-                    }
-                    let totals = (counts.train, counts.val, counts.test);
-                    let outcome = coord.run_epochs(cfg.epochs, totals, &tx).await;
-                    node.shutdown();
-                    outcome.map(|done| {
-                        let mut report = build_report(
-                            &cfg,
-                            &dataset,
-                            &book.data_digest,
-                            book.parts,
-                            book.edge_cut as u64,
-                            threads,
-                            &done.best,
-                            done.logs,
-                            done.digest,
-                        );
-                        report.recoveries =
-                            serde_json::to_value(&coord.recoveries).unwrap_or_default();
-                        report
-                    })
-                });
+                    .instrument(run_span),
+                );
                 drop(sys);
                 result
             })

@@ -8,6 +8,7 @@
 pub mod data;
 mod error;
 pub mod graph;
+pub mod metrics;
 pub mod model;
 pub mod partition;
 pub mod progress;

@@ -1,6 +1,8 @@
 //! Run reports: the JSON record of a training run (schema documented in README.md).
+use crate::metrics::LatencySummary;
 use crate::{Result, RuntimeError};
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::path::Path;
 
 /// One epoch of a run.
@@ -26,6 +28,10 @@ pub struct EpochLog {
     /// had it: the coordinator checks).
     #[serde(default)]
     pub weights_digest: String,
+    /// Per partition (by id), its compute time in the training step, ms; the rest of `ms` is
+    /// its communication and waiting.
+    #[serde(default)]
+    pub part_compute_ms: Vec<f64>,
 }
 
 /// The record of a whole run.
@@ -52,6 +58,19 @@ pub struct RunReport {
     pub config: serde_json::Value,
     /// `trellis` version that produced the report.
     pub code_version: String,
+    /// Git commit of the code (`-dirty` when the tree had changes), when built from a checkout.
+    #[serde(default)]
+    pub code_commit: Option<String>,
+    /// The run's OpenTelemetry trace id (hex), when it was traced.
+    #[serde(default)]
+    pub trace_id: Option<String>,
+    /// Latency summaries (ms) by `name{labels}`: step, halo exchange per peer, all-reduce,
+    /// recovery.
+    #[serde(default)]
+    pub latency: BTreeMap<String, LatencySummary>,
+    /// Counters by `name{labels}`: halo bytes and messages per peer, restarts.
+    #[serde(default)]
+    pub counters: BTreeMap<String, u64>,
     /// Recoveries performed during the run (empty without faults).
     #[serde(default)]
     pub recoveries: serde_json::Value,

@@ -2,6 +2,7 @@
 //!
 //! This is the reference the partitioned runtime is compared against: the partition actors run
 //! the same layers on their blocks and must reproduce its losses.
+use crate::metrics::{names, Key, Metrics};
 use crate::model::{LayerInput, StepCtx};
 use crate::report::{self, BestTracker, EpochLog, RunReport};
 use crate::{
@@ -193,11 +194,14 @@ impl Trainer {
         self.model.backward_full(s, &self.block, grad)?;
         self.opt.step(s, &mut self.model)?;
         let ms = t0.elapsed().as_secs_f64() * 1e3;
+        Metrics::global().record_ms(Key::new(names::STEP), ms);
         Ok((loss.loss_sum / loss.count as f64, ms))
     }
 
     /// One training step plus evaluation; `epoch` counts from 1.
     pub fn epoch(&mut self, epoch: u32) -> Result<EpochLog> {
+        let _span =
+            tracing::info_span!("epoch", epoch = i64::from(epoch), partition = 0i64).entered();
         let (loss, ms) = self.train_step(epoch)?;
         let t1 = Instant::now();
         let (train_acc, val_acc, test_acc) = self.evaluate(epoch)?;
@@ -214,6 +218,7 @@ impl Trainer {
             comm_ms: 0.0,
             halo_bytes: 0,
             weights_digest: self.model.weights_digest(),
+            part_compute_ms: vec![ms],
         })
     }
 
@@ -245,6 +250,9 @@ impl Trainer {
 
     /// Trains for the configured epochs, calling `on_epoch` after each, and returns the report.
     pub fn run(&mut self, mut on_epoch: impl FnMut(&EpochLog)) -> Result<RunReport> {
+        let _span =
+            tracing::info_span!("run", partitions = 1i64, model = %self.cfg.model.kind).entered();
+        let before = Metrics::global().snapshot();
         let mut logs = Vec::with_capacity(self.cfg.epochs as usize);
         let mut best = BestTracker::default();
         for epoch in 1..=self.cfg.epochs {
@@ -259,7 +267,7 @@ impl Trainer {
             on_epoch(&log);
             logs.push(log);
         }
-        Ok(build_report(
+        let mut report = build_report(
             &self.cfg,
             &self.dataset,
             &self.data_digest,
@@ -269,7 +277,11 @@ impl Trainer {
             &best,
             logs,
             self.model.weights_digest(),
-        ))
+        );
+        let run = Metrics::global().snapshot().since(&before);
+        report.latency = run.summaries();
+        report.counters = run.counter_values();
+        Ok(report)
     }
 }
 
@@ -304,6 +316,10 @@ pub fn build_report(
         weights_digest,
         config: serde_json::to_value(cfg).unwrap_or(serde_json::Value::Null),
         code_version: env!("CARGO_PKG_VERSION").to_string(),
+        code_commit: None,
+        trace_id: None,
+        latency: Default::default(),
+        counters: Default::default(),
         recoveries: serde_json::Value::Array(Vec::new()),
         nodes: Vec::new(),
         epochs_log: logs,

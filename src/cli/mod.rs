@@ -13,6 +13,8 @@ mod demo;
 mod launch;
 mod node;
 mod partition;
+mod report;
+pub mod telemetry;
 mod train;
 
 pub use train::TrainArgs;
@@ -28,13 +30,15 @@ pub struct Cli {
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Train a model (single process, or P partition actors with --partitions) and report.
-    Train(TrainArgs),
+    Train(Box<TrainArgs>),
     /// Split a data set into partition files plus a partition book.
     Partition(partition::PartitionArgs),
     /// Mean test accuracy over several seeds for each model (the README table).
     Accuracy(accuracy::AccuracyArgs),
     /// Measure epoch time, SpMM bandwidth and this machine's memory bandwidth side by side.
     Bench(bench::BenchArgs),
+    /// Render a run report (JSON) as PNG charts and one self-contained HTML page.
+    Report(report::ReportArgs),
     /// Create the cluster CA and per-node certificates for QUIC with mutual TLS.
     Cert(cert::CertArgs),
     /// Run one node of a multi-process cluster (QUIC with mutual TLS) from a cluster file.
@@ -49,7 +53,7 @@ pub enum Command {
 /// Runs a parsed command line.
 pub fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Train(a) => train::run(a),
+        Command::Train(a) => train::run(*a),
         Command::Partition(a) => partition::run(a),
         Command::Accuracy(a) => accuracy::run(a),
         Command::Bench(a) => bench::run(a),
@@ -57,5 +61,6 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Cert(a) => cert::run(a),
         Command::Node(a) => node::run(a),
         Command::Launch(a) => launch::run(a),
+        Command::Report(a) => report::run(a),
     }
 }

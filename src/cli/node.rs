@@ -27,6 +27,15 @@ pub struct NodeArgs {
 
 pub fn run(a: NodeArgs) -> Result<()> {
     let cluster = ClusterFile::load(&a.cluster)?;
+    // Every node exports its own spans (with its node id); they join the coordinator's trace
+    // through the trace context carried in control messages and halo blocks.
+    let telemetry = a.train.telemetry.start(a.id)?;
+    let result = run_node(&a, cluster);
+    a.train.telemetry.finish(telemetry)?;
+    result
+}
+
+fn run_node(a: &NodeArgs, cluster: ClusterFile) -> Result<()> {
     if a.id != cluster.coordinator {
         cluster.node(a.id)?;
         let threads = (a.train.threads != 0).then_some(a.train.threads);
@@ -59,7 +68,7 @@ pub fn run(a: NodeArgs) -> Result<()> {
         set,
         cfg,
         chaos: t.chaos.clone().unwrap_or_default(),
-        addr_file: a.addr_file,
+        addr_file: a.addr_file.clone(),
         checkpoints: t.checkpoints(),
     };
     let report = follow(job.spawn()?, epochs, t.verbose)?;

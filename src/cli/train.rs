@@ -1,4 +1,5 @@
 //! `trellis train`.
+use super::telemetry::TelemetryArgs;
 use anyhow::{Context, Result};
 use clap::Args;
 use std::path::PathBuf;
@@ -71,6 +72,8 @@ pub struct TrainArgs {
     /// trains single-process GCN for now).
     #[arg(long, default_value = "cpu")]
     pub device: String,
+    #[command(flatten)]
+    pub telemetry: TelemetryArgs,
 }
 
 impl TrainArgs {
@@ -224,6 +227,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
         #[cfg(feature = "cuda")]
         return super::cuda::train(&a, device);
     }
+    let telemetry = a.telemetry.start(0)?;
     let ds = load_data(&a.data)?;
     let cfg = a.config(&ds)?;
     let report = if a.partitions > 1
@@ -235,12 +239,14 @@ pub fn run(a: TrainArgs) -> Result<()> {
     } else {
         train_single(ds, cfg, a.verbose)?
     };
+    let mut report = report;
+    report.code_commit = crate::build_info::commit().map(str::to_string);
     print_summary(&report);
     if let Some(path) = &a.report {
         report.write(path)?;
         println!("report written to {}", path.display());
     }
-    Ok(())
+    a.telemetry.finish(telemetry)
 }
 
 /// One paragraph describing a finished run.
@@ -268,5 +274,8 @@ pub fn print_summary(r: &RunReport) {
             n.bytes_sent as f64 / (1 << 20) as f64,
             n.bytes_received as f64 / (1 << 20) as f64
         );
+    }
+    if let Some(t) = &r.trace_id {
+        println!("trace_id {t}");
     }
 }

@@ -72,6 +72,7 @@ mod tests {
             rows: 1,
             cols: data.len() as u32,
             data,
+            trace: None,
         }
     }
 

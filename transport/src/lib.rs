@@ -1,17 +1,20 @@
 //! `trellis-transport` owns the messages partitions exchange and the transports that move them.
 //!
 //! Every data message carries a [`MsgHeader`] — (run, epoch, layer, phase, from, to) — so a
-//! receiver can drop stale or misrouted messages and handle duplicates idempotently. A
+//! receiver can drop stale or misrouted messages and handle duplicates idempotently — and,
+//! when the sender traces, a [`TraceContext`] so that the receive span joins the sender's trace. A
 //! [`Transport`] moves [`HaloBlock`]s between partitions; [`InProcessTransport`] does so between
 //! actors of one process without copying the block (the buffer is shared). The QUIC transport
 //! between processes implements the same trait.
 
 mod inproc;
 mod message;
+mod trace;
 
 pub use inproc::Deliver;
 pub use inproc::InProcessTransport;
 pub use message::{HaloBlock, MsgHeader, PartId, Phase, RunId, SharedBuf, TRANSFORMED};
+pub use trace::TraceContext;
 
 use thiserror::Error;
 

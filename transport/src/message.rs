@@ -1,4 +1,5 @@
 //! Message types shared by every transport.
+use crate::TraceContext;
 use std::fmt;
 use std::sync::Arc;
 
@@ -57,6 +58,8 @@ pub struct HaloBlock {
     pub rows: u32,
     pub cols: u32,
     pub data: SharedBuf,
+    /// The sending span's trace context, when the sender traces (W3C `traceparent`).
+    pub trace: Option<TraceContext>,
 }
 
 impl HaloBlock {

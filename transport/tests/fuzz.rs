@@ -4,7 +4,7 @@
 //! run finds there (see `write_seed_corpus` to regenerate the seeds).
 mod common;
 
-use common::block;
+use common::{block, traced_block};
 use proptest::collection::vec;
 use proptest::prelude::*;
 use proptest::test_runner::FileFailurePersistence;
@@ -38,7 +38,10 @@ fn summary(r: &Result<Frame, WireError>) -> String {
     match r {
         Ok(Frame::Halo(b)) => {
             let bits: Vec<u32> = b.data.iter().map(|x| x.to_bits()).collect();
-            format!("halo {:?} {}x{} {:?}", b.header, b.rows, b.cols, bits)
+            format!(
+                "halo {:?} {}x{} {:?} {:?}",
+                b.header, b.rows, b.cols, bits, b.trace
+            )
         }
         Ok(f) => format!("{f:?}"),
         // bytecheck messages carry addresses: compare the kind only.
@@ -65,6 +68,10 @@ fn valid_frames() -> Vec<(&'static str, Vec<u8>)> {
         (
             "halo-empty",
             encode_to_vec(&Frame::Halo(block(1, 2, 3, 0, 5))),
+        ),
+        (
+            "halo-traced",
+            encode_to_vec(&Frame::Halo(traced_block(1, 2, 3, 2, 2))),
         ),
     ]
 }
@@ -99,7 +106,7 @@ proptest! {
 
     #[test]
     fn mutated_frames_never_panic(
-        which in 0usize..5,
+        which in 0usize..6,
         flips in vec((any::<usize>(), any::<u8>()), 1..6),
         cut in any::<usize>(),
         cuts in vec(any::<usize>(), 0..6),
@@ -214,6 +221,7 @@ fn write_seed_corpus() {
         to: 1,
         rows: 0,
         cols: 0,
+        trace: None,
     };
     seeds.push(("err-phase".into(), encode_head(&env, 0)));
     for (name, bytes) in seeds {

@@ -2,7 +2,7 @@
 //! on the wire, mutual-TLS refusals and peer loss. Every test is bounded by a timeout.
 mod common;
 
-use common::{block, run_id};
+use common::{block, run_id, traced_block};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -371,6 +371,25 @@ async fn certificates_from_disk() {
         let (b, _) = QuicTransport::bind(QuicConfig::loopback(), &id2).unwrap();
         a.add_peer(2, b.local_addr());
         a.connect(2).await.unwrap();
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trace_context_crosses_nodes() {
+    bounded(20, async {
+        let ca = ClusterCa::generate().unwrap();
+        let ((a, _), (b, ib)) = pair(&ca);
+        a.send(traced_block(10, 20, 1, 4, 4)).unwrap();
+        a.send(block(10, 20, 1, 1, 1)).unwrap();
+        a.flush(Duration::from_secs(10)).await.unwrap();
+        until("blocks at node 2", || ib.lock().unwrap().len() == 2).await;
+        let mut got = ib.lock().unwrap().clone();
+        got.sort_by_key(|b| b.data.len());
+        assert_eq!(got[0].trace, None, "an untraced block stays untraced");
+        assert_eq!(got[1].trace, traced_block(10, 20, 1, 4, 4).trace);
+        a.close().await;
+        b.close().await;
     })
     .await
 }

@@ -1,7 +1,7 @@
 //! The frame format and decoder: round trips, chunking, and every kind of bad input.
 mod common;
 
-use common::{block, header, run_id};
+use common::{block, header, run_id, traced_block};
 use trellis_transport::wire::*;
 use trellis_transport::PartId;
 
@@ -34,6 +34,7 @@ fn samples() -> Vec<Frame> {
         Frame::Halo(block(1, 2, 5, 3, 4)),
         Frame::Halo(block(1, 2, 5, 0, 16)),
         Frame::Halo(transformed_block()),
+        Frame::Halo(traced_block(1, 2, 5, 2, 2)),
     ]
 }
 
@@ -47,7 +48,11 @@ fn transformed_block() -> trellis_transport::HaloBlock {
 fn same(a: &Frame, b: &Frame) -> bool {
     match (a, b) {
         (Frame::Halo(x), Frame::Halo(y)) => {
-            x.header == y.header && x.rows == y.rows && x.cols == y.cols && x.data[..] == y.data[..]
+            x.header == y.header
+                && x.rows == y.rows
+                && x.cols == y.cols
+                && x.data[..] == y.data[..]
+                && x.trace == y.trace
         }
         _ => format!("{a:?}") == format!("{b:?}"),
     }
@@ -176,12 +181,15 @@ fn garbage_and_wrong_versions_are_refused() {
         one_error(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n", Limits::default()),
         WireError::BadMagic(*b"GET ")
     );
-    let mut bytes = encode_to_vec(&Frame::Ping(1));
-    bytes[4..6].copy_from_slice(&2u16.to_le_bytes());
-    assert_eq!(
-        one_error(&bytes, Limits::default()),
-        WireError::Version { got: 2 }
-    );
+    // Another version, older (1: halo envelopes without trace context) or newer.
+    for other in [1u16, PROTOCOL_VERSION + 1] {
+        let mut bytes = encode_to_vec(&Frame::Ping(1));
+        bytes[4..6].copy_from_slice(&other.to_le_bytes());
+        assert_eq!(
+            one_error(&bytes, Limits::default()),
+            WireError::Version { got: other }
+        );
+    }
     let mut bytes = encode_to_vec(&Frame::Ping(1));
     bytes[6] = 9;
     assert_eq!(one_error(&bytes, Limits::default()), WireError::Kind(9));
@@ -241,6 +249,7 @@ fn inconsistent_frames_are_refused() {
         to: 1,
         rows: 0,
         cols: 0,
+        trace: None,
     };
     assert_eq!(
         one_error(&encode_head(&env, 0), Limits::default()),
@@ -308,4 +317,39 @@ fn filter_rejects_unknown_partitions_runs_and_stale_epochs() {
         ),
         (3, 2, 1, 1)
     );
+}
+
+#[test]
+fn trace_context_travels_and_invalid_ones_are_ignored() {
+    let sent = traced_block(3, 4, 2, 1, 3);
+    let out = decode_all(
+        &encode_to_vec(&Frame::Halo(sent.clone())),
+        Limits::default(),
+    );
+    let Ok(Frame::Halo(got)) = &out[0] else {
+        panic!("{out:?}")
+    };
+    assert_eq!(got.trace, sent.trace);
+    assert_eq!(
+        got.trace.unwrap().to_string(),
+        "00-abababababababababababababababab-5c5c5c5c5c5c5c5c-01"
+    );
+    // An all-zero span id is not a valid traceparent: the block arrives without one.
+    let b = block(3, 4, 2, 1, 3);
+    let mut env = Envelope::halo(&b);
+    if let Envelope::Halo { trace, .. } = &mut env {
+        *trace = Some(TraceParent {
+            trace_id: [1; 16],
+            span_id: [0; 8],
+            flags: 1,
+        });
+    }
+    let mut bytes = encode_head(&env, b.payload_bytes());
+    bytes.extend_from_slice(&halo_body(&b.data));
+    let out = decode_all(&bytes, Limits::default());
+    let Ok(Frame::Halo(got)) = &out[0] else {
+        panic!("{out:?}")
+    };
+    assert_eq!(got.trace, None);
+    assert_eq!(got.data[..], b.data[..]);
 }

@@ -68,14 +68,18 @@ pub struct Setup {
 /// A request for one partition.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
 pub enum Request {
+    /// `trace`: the W3C traceparent of the coordinator's span (empty: none), so the
+    /// partition's spans on the remote node join the run's trace.
     Step {
         epoch: u32,
         layer: u16,
         phase: u8,
+        trace: String,
     },
     Apply {
         epoch: u32,
         grads: Vec<f32>,
+        trace: String,
     },
     Reset {
         epoch: u32,
@@ -306,6 +310,7 @@ mod tests {
                 req: Request::Apply {
                     epoch: 3,
                     grads: vec![1.0, -0.5, f32::MIN_POSITIVE],
+                    trace: "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into(),
                 },
             },
             ControlMsg::Reply {
@@ -348,6 +353,7 @@ mod tests {
                 epoch: 1,
                 layer: 0,
                 phase: 0,
+                trace: String::new(),
             },
         }
         .encode();

@@ -154,6 +154,7 @@ impl RemotePart {
             epoch: step.epoch,
             layer: step.layer,
             phase: phase_code(step.phase),
+            trace: step.trace.map(|t| t.to_string()).unwrap_or_default(),
         };
         match self.call(req).await? {
             ReplyBody::Step {
@@ -186,6 +187,7 @@ impl RemotePart {
         let req = Request::Apply {
             epoch: msg.epoch,
             grads: msg.grads.to_vec(),
+            trace: msg.trace.map(|t| t.to_string()).unwrap_or_default(),
         };
         match self.call(req).await? {
             ReplyBody::Applied { digest } => Ok(digest),

@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use trellis_runtime::partition::{PartitionBook, PartitionSet};
 use trellis_runtime::{NodeTraffic, TrainConfig};
-use trellis_transport::RunId;
+use trellis_transport::{RunId, TraceContext};
 
 /// Runs node `id` of `cluster` until the coordinator ends the run. Returns this node's
 /// traffic; errors name the node or file at fault.
@@ -270,6 +270,7 @@ fn answer(
                 epoch,
                 layer,
                 phase,
+                trace,
             } => match phase_from(phase) {
                 Some(phase) => {
                     let step = Step {
@@ -277,6 +278,7 @@ fn answer(
                         epoch,
                         layer,
                         phase,
+                        trace: TraceContext::from_traceparent(&trace),
                     };
                     match addr.send(step).await {
                         Ok(r) => ReplyBody::of_step(r),
@@ -287,11 +289,16 @@ fn answer(
                     message: format!("unknown phase code {phase}"),
                 },
             },
-            Request::Apply { epoch, grads } => {
+            Request::Apply {
+                epoch,
+                grads,
+                trace,
+            } => {
                 let msg = ApplyStep {
                     run,
                     epoch,
                     grads: Arc::from(grads),
+                    trace: TraceContext::from_traceparent(&trace),
                 };
                 match addr.send(msg).await {
                     Ok(Ok(digest)) => ReplyBody::Applied { digest },

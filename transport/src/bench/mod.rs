@@ -260,6 +260,7 @@ impl QuicPair {
                 rows,
                 cols,
                 data: data.clone(),
+                trace: None,
             };
             self.a.send(block).map_err(|e| BenchError(e.to_string()))?;
         }

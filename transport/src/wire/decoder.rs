@@ -1,7 +1,7 @@
 //! [`FrameDecoder`]: bytes in, validated frames out; no I/O.
-use super::envelope::{access, halo_parts, small_frame, Frame};
+use super::envelope::{access, halo_parts, small_frame, Frame, HaloParts};
 use super::header::{FrameHeader, FrameKind, Limits, WireError, HEADER_LEN};
-use crate::{HaloBlock, MsgHeader};
+use crate::{HaloBlock, MsgHeader, TraceContext};
 use rkyv::util::AlignedVec;
 use std::collections::VecDeque;
 use std::mem::MaybeUninit;
@@ -21,6 +21,7 @@ enum State {
         halo: MsgHeader,
         rows: u32,
         cols: u32,
+        trace: Option<TraceContext>,
         buf: Arc<[MaybeUninit<f32>]>,
         have: u64,
     },
@@ -147,7 +148,7 @@ impl FrameDecoder {
                     let header = *header;
                     let env = access(buf)?;
                     match halo_parts(env)? {
-                        Some((halo, rows, cols)) => self.start_body(header, halo, rows, cols)?,
+                        Some(parts) => self.start_body(header, parts)?,
                         None if header.kind == FrameKind::Message => {
                             self.ready.push_back(Ok(small_frame(env)));
                             self.state = State::start();
@@ -182,13 +183,13 @@ impl FrameDecoder {
         }
     }
 
-    fn start_body(
-        &mut self,
-        header: FrameHeader,
-        halo: MsgHeader,
-        rows: u32,
-        cols: u32,
-    ) -> Result<(), WireError> {
+    fn start_body(&mut self, header: FrameHeader, parts: HaloParts) -> Result<(), WireError> {
+        let HaloParts {
+            header: halo,
+            rows,
+            cols,
+            trace,
+        } = parts;
         let fits = (rows as u64)
             .checked_mul(cols as u64)
             .and_then(|n| n.checked_mul(4))
@@ -206,6 +207,7 @@ impl FrameDecoder {
             halo,
             rows,
             cols,
+            trace,
             buf,
             have: 0,
         };
@@ -220,6 +222,7 @@ impl FrameDecoder {
             halo,
             rows,
             cols,
+            trace,
             buf,
             ..
         } = std::mem::replace(&mut self.state, State::start())
@@ -238,6 +241,7 @@ impl FrameDecoder {
             rows,
             cols,
             data,
+            trace,
         })));
     }
 }

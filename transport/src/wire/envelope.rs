@@ -1,6 +1,6 @@
 //! The rkyv-archived envelope and the decoded [`Frame`] it turns into once validated.
 use super::header::WireError;
-use crate::{HaloBlock, MsgHeader, PartId, Phase, RunId};
+use crate::{HaloBlock, MsgHeader, PartId, Phase, RunId, TraceContext};
 use rkyv::{Archive, Deserialize, Serialize};
 
 /// What travels in a frame's meta section, archived with rkyv.
@@ -30,7 +30,27 @@ pub enum Envelope {
         to: u32,
         rows: u32,
         cols: u32,
+        /// The sending span's W3C trace context, if the sender traces.
+        trace: Option<TraceParent>,
     },
+}
+
+/// A W3C `traceparent` on the wire: trace id, span id, trace flags.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TraceParent {
+    pub trace_id: [u8; 16],
+    pub span_id: [u8; 8],
+    pub flags: u8,
+}
+
+impl From<TraceContext> for TraceParent {
+    fn from(t: TraceContext) -> Self {
+        TraceParent {
+            trace_id: t.trace_id,
+            span_id: t.span_id,
+            flags: t.flags,
+        }
+    }
 }
 
 /// A decoded, validated frame.
@@ -77,6 +97,7 @@ impl Envelope {
             to: h.to.0,
             rows: block.rows,
             cols: block.cols,
+            trace: block.trace.map(TraceParent::from),
         }
     }
 
@@ -101,10 +122,17 @@ pub(crate) fn access(meta: &[u8]) -> Result<&ArchivedEnvelope, WireError> {
         .map_err(|e| WireError::Invalid(e.to_string()))
 }
 
-/// A halo envelope's header and shape, checked.
-pub(crate) fn halo_parts(
-    env: &ArchivedEnvelope,
-) -> Result<Option<(MsgHeader, u32, u32)>, WireError> {
+/// What a halo envelope announces: addressing, shape and trace context.
+pub(crate) struct HaloParts {
+    pub header: MsgHeader,
+    pub rows: u32,
+    pub cols: u32,
+    pub trace: Option<TraceContext>,
+}
+
+/// A halo envelope's header, shape and trace context, checked. A trace context with an
+/// all-zero id is ignored, as W3C Trace Context asks of an invalid `traceparent`.
+pub(crate) fn halo_parts(env: &ArchivedEnvelope) -> Result<Option<HaloParts>, WireError> {
     let ArchivedEnvelope::Halo {
         run,
         epoch,
@@ -114,6 +142,7 @@ pub(crate) fn halo_parts(
         to,
         rows,
         cols,
+        trace,
     } = env
     else {
         return Ok(None);
@@ -126,7 +155,15 @@ pub(crate) fn halo_parts(
         from: PartId(from.to_native()),
         to: PartId(to.to_native()),
     };
-    Ok(Some((header, rows.to_native(), cols.to_native())))
+    let trace = trace
+        .as_ref()
+        .and_then(|t| TraceContext::new(t.trace_id, t.span_id, t.flags));
+    Ok(Some(HaloParts {
+        header,
+        rows: rows.to_native(),
+        cols: cols.to_native(),
+        trace,
+    }))
 }
 
 /// A non-halo envelope as a frame.

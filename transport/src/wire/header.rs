@@ -4,7 +4,8 @@ use thiserror::Error;
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"TRLS";
 /// The protocol version this build speaks; frames of any other version are refused.
-pub const PROTOCOL_VERSION: u16 = 1;
+/// Version 2 added the trace context of halo envelopes.
+pub const PROTOCOL_VERSION: u16 = 2;
 /// Bytes in a frame header.
 pub const HEADER_LEN: usize = 20;
 

@@ -22,6 +22,6 @@ mod header;
 
 pub use decoder::FrameDecoder;
 pub use encode::{encode_head, encode_to_vec, halo_body};
-pub use envelope::{ArchivedEnvelope, Envelope, Frame};
+pub use envelope::{ArchivedEnvelope, Envelope, Frame, TraceParent};
 pub use filter::{FilterStats, RecvFilter, Rejection};
 pub use header::{FrameHeader, FrameKind, Limits, WireError, HEADER_LEN, MAGIC, PROTOCOL_VERSION};

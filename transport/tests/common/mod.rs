@@ -1,7 +1,7 @@
 //! Helpers shared by the transport tests.
 #![allow(dead_code)]
 use std::sync::Arc;
-use trellis_transport::{HaloBlock, MsgHeader, PartId, Phase, RunId};
+use trellis_transport::{HaloBlock, MsgHeader, PartId, Phase, RunId, TraceContext};
 
 pub fn run_id() -> RunId {
     RunId::from_bytes([7; 16])
@@ -25,5 +25,19 @@ pub fn block(from: u32, to: u32, epoch: u32, rows: u32, cols: u32) -> HaloBlock 
         rows,
         cols,
         data,
+        trace: None,
+    }
+}
+
+/// A sampled trace context with recognisable ids.
+pub fn trace() -> TraceContext {
+    TraceContext::new([0xab; 16], [0x5c; 8], 1).unwrap()
+}
+
+/// `block(...)` carrying [`trace`].
+pub fn traced_block(from: u32, to: u32, epoch: u32, rows: u32, cols: u32) -> HaloBlock {
+    HaloBlock {
+        trace: Some(trace()),
+        ..block(from, to, epoch, rows, cols)
     }
 }
