@@ -317,9 +317,14 @@ impl Coordinator {
         // re-applies the same sum (idempotent where it was already applied).
         let grads = stats.grads.clone();
         let t_apply = Instant::now();
+        // The all-reduce span covers sending the summed gradients and every replica's
+        // optimizer step (their `apply` spans are its children).
+        let all_reduce = tracing::info_span!("all_reduce", epoch = i64::from(epoch), node = node());
         let digest = self
             .retrying(epoch, move |c| Box::pin(c.apply(epoch, grads.clone())))
+            .instrument(all_reduce)
             .await?;
+        Metrics::global().record(Key::new(names::ALL_REDUCE), t_apply.elapsed());
         if let Some(p) = &mut self.last_profile {
             p.apply_ms = t_apply.elapsed().as_secs_f64() * 1e3;
         }
@@ -629,9 +634,6 @@ impl Coordinator {
             }
         }
         // All-reduce in a fixed order: partition 0, 1, ..., so the sum never depends on timing.
-        let all_reduce = tracing::info_span!("all_reduce", epoch = i64::from(epoch), node = node());
-        let t_reduce = Instant::now();
-        let _in_reduce = all_reduce.enter();
         let mut sum: Vec<f32> = Vec::new();
         for (q, g) in grads.iter().enumerate() {
             let g = g.as_ref().ok_or_else(|| ActorError::Protocol {
@@ -644,8 +646,6 @@ impl Coordinator {
                 sum.iter_mut().zip(g.iter()).for_each(|(s, v)| *s += v);
             }
         }
-        Metrics::global().record(Key::new(names::ALL_REDUCE), t_reduce.elapsed());
-        drop(_in_reduce);
         self.last_profile = Some(profile);
         Ok(GradStats {
             loss_sum,

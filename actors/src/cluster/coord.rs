@@ -25,6 +25,8 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc as tmpsc;
+use tracing::Instrument;
+use trellis_runtime::metrics::Metrics;
 use trellis_runtime::partition::PartitionSet;
 use trellis_runtime::train::build_report;
 use trellis_runtime::{NodeTraffic, RunReport, TrainConfig};
@@ -59,7 +61,26 @@ impl ClusterJob {
             .name("trellis-coordinator".into())
             .spawn(move || {
                 let sys = actix::System::new();
-                let result = sys.block_on(drive(self, &endpoint, inbox, tx, cancel2));
+                // One trace per run: every node's spans join it through the trace context in
+                // the control messages and halo blocks.
+                let run_span = tracing::info_span!(
+                    "run",
+                    node = crate::telemetry::node_attr(),
+                    partitions = self.set.parts() as i64,
+                    model = %self.cfg.model.kind,
+                    dataset = %self.set.book().dataset,
+                );
+                let trace_id = crate::telemetry::context_of(&run_span).map(|t| t.trace_id_hex());
+                let before = Metrics::global().snapshot();
+                let result = sys
+                    .block_on(drive(self, &endpoint, inbox, tx, cancel2).instrument(run_span))
+                    .map(|mut report| {
+                        let metrics = Metrics::global().snapshot().since(&before);
+                        report.latency = metrics.summaries();
+                        report.counters = metrics.counter_values();
+                        report.trace_id = trace_id;
+                        report
+                    });
                 drop(sys);
                 drop(endpoint);
                 result
