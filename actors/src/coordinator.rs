@@ -445,19 +445,8 @@ impl Coordinator {
                         let at = Instant::now();
                         let (e, d) = self.committed.clone();
                         let replaced = r.move_partition(part, e, d).await?;
-                        self.install(replaced.handles);
                         self.restart_log.retain(|(p, _)| *p != part);
-                        OpenRecovery {
-                            kind: "escalated-move",
-                            part,
-                            node: None,
-                            moves: replaced.moves,
-                            digest_ok: Some(replaced.digest_ok),
-                            detected_ms,
-                            at,
-                            ready_ms: 0.0,
-                            span: tracing::Span::none(),
-                        }
+                        self.placed("escalated-move", part, None, replaced, detected_ms, at)
                     } else {
                         OpenRecovery::of_restart("actor-panic", part, detected_ms)
                     }
@@ -480,18 +469,8 @@ impl Coordinator {
                         }
                         Err(e) => return Err(e),
                     };
-                    self.install(replaced.handles);
-                    OpenRecovery {
-                        kind: "node-loss",
-                        part: replaced.moves.first().map_or(u32::MAX, |m| m.0),
-                        node: Some(node),
-                        moves: replaced.moves,
-                        digest_ok: Some(replaced.digest_ok),
-                        detected_ms,
-                        at,
-                        ready_ms: 0.0,
-                        span: tracing::Span::none(),
-                    }
+                    let part = replaced.moves.first().map_or(u32::MAX, |m| m.0);
+                    self.placed("node-loss", part, Some(node), replaced, detected_ms, at)
                 }
                 ActorError::Timeout { part, ms, what } if self.retry_timeouts => {
                     if self.restarts_used > self.max_restarts {
@@ -536,11 +515,31 @@ impl Coordinator {
         }
     }
 
-    /// Points the re-placed partitions' handles at their new places.
-    fn install(&mut self, handles: Vec<PartHandle>) {
-        for h in handles {
+    /// Points the re-placed partitions' handles at their new places and opens the record of
+    /// that recovery.
+    fn placed(
+        &mut self,
+        kind: &'static str,
+        part: u32,
+        node: Option<u32>,
+        replaced: Replaced,
+        detected_ms: f64,
+        at: Instant,
+    ) -> OpenRecovery {
+        for h in replaced.handles {
             let p = h.part() as usize;
             self.parts[p] = h;
+        }
+        OpenRecovery {
+            kind,
+            part,
+            node,
+            moves: replaced.moves,
+            digest_ok: Some(replaced.digest_ok),
+            detected_ms,
+            at,
+            ready_ms: 0.0,
+            span: tracing::Span::none(),
         }
     }
 
