@@ -71,6 +71,18 @@ struct Staged {
     rows: Tensor,
 }
 
+impl Staged {
+    /// The rows a split layer's first stage keeps for its second, under the step's tag.
+    fn of(tag: Tag, rows: Tensor) -> Self {
+        Staged {
+            epoch: tag.epoch,
+            phase: tag.phase,
+            layer: tag.layer,
+            rows,
+        }
+    }
+}
+
 impl std::fmt::Debug for PartitionState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PartitionState")
@@ -283,12 +295,7 @@ impl PartitionState {
             &z,
             &self.halo.send,
         );
-        self.staged = Some(Staged {
-            epoch: tag.epoch,
-            phase: tag.phase,
-            layer: tag.layer,
-            rows: z,
-        });
+        self.staged = Some(Staged::of(tag, z));
         Ok((None, out))
     }
 
@@ -410,12 +417,7 @@ impl PartitionState {
             &self.halo.recv,
         );
         gz.truncate_rows(self.block.n_out());
-        self.staged = Some(Staged {
-            epoch: tag.epoch,
-            phase: tag.phase,
-            layer: tag.layer,
-            rows: gz,
-        });
+        self.staged = Some(Staged::of(tag, gz));
         Ok((None, out))
     }
 
