@@ -75,6 +75,32 @@ fn mark_recoveries<DB: DrawingBackend>(
     Ok(())
 }
 
+/// The recovery marks, then the legend box (at `pos`, plotters' default place when `None`).
+fn marks_and_legend<'a, DB: DrawingBackend + 'a>(
+    chart: &mut ChartContext<
+        'a,
+        DB,
+        Cartesian2d<plotters::coord::types::RangedCoordf64, plotters::coord::types::RangedCoordf64>,
+    >,
+    xs: &[f64],
+    y: (f64, f64),
+    pos: Option<SeriesLabelPosition>,
+    alpha: f64,
+    chart_name: &'static str,
+) -> Result<(), PlotError> {
+    mark_recoveries(chart, xs, y, chart_name)?;
+    let mut labels = chart.configure_series_labels();
+    if let Some(pos) = pos {
+        labels.position(pos);
+    }
+    labels
+        .background_style(WHITE.mix(alpha))
+        .border_style(BLACK)
+        .label_font((FAMILY, 14))
+        .draw()
+        .map_err(draw_err(chart_name))
+}
+
 /// Loss (top) and accuracy per split (bottom) per epoch.
 pub fn loss_accuracy(
     r: &RunReport,
@@ -119,13 +145,7 @@ pub fn loss_accuracy(
     .map_err(draw_err(NAME))?
     .label("loss")
     .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], COMPUTE.stroke_width(2)));
-    mark_recoveries(&mut c, &marks_x, y, NAME)?;
-    c.configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .label_font((FAMILY, 14))
-        .draw()
-        .map_err(draw_err(NAME))?;
+    marks_and_legend(&mut c, &marks_x, y, None, 0.8, NAME)?;
 
     let mut c = ChartBuilder::on(&bottom)
         .caption("accuracy", (FAMILY, 22))
@@ -156,14 +176,8 @@ pub fn loss_accuracy(
         .label(label)
         .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
     }
-    mark_recoveries(&mut c, &marks_x, (0.0, 1.0), NAME)?;
-    c.configure_series_labels()
-        .position(SeriesLabelPosition::LowerRight)
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .label_font((FAMILY, 14))
-        .draw()
-        .map_err(draw_err(NAME))?;
+    let pos = Some(SeriesLabelPosition::LowerRight);
+    marks_and_legend(&mut c, &marks_x, (0.0, 1.0), pos, 0.8, NAME)?;
     root.present().map_err(draw_err(NAME))?;
     Ok(path.to_path_buf())
 }
@@ -239,14 +253,11 @@ pub fn timeline(r: &RunReport, marks: &[RecoveryMark], path: &Path) -> Result<Pa
         .iter()
         .filter_map(|m| starts.iter().find(|(e, _)| *e == m.epoch).map(|(_, t)| *t))
         .collect();
-    mark_recoveries(&mut c, &marks_x, (-0.5, parts as f64 - 0.5), NAME)?;
-    c.configure_series_labels()
-        .position(SeriesLabelPosition::UpperRight)
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .label_font((FAMILY, 14))
-        .draw()
-        .map_err(draw_err(NAME))?;
+    let (y, pos) = (
+        (-0.5, parts as f64 - 0.5),
+        Some(SeriesLabelPosition::UpperRight),
+    );
+    marks_and_legend(&mut c, &marks_x, y, pos, 0.85, NAME)?;
     root.present().map_err(draw_err(NAME))?;
     Ok(path.to_path_buf())
 }
@@ -288,13 +299,7 @@ pub fn bytes(r: &RunReport, marks: &[RecoveryMark], path: &Path) -> Result<PathB
     .label("halo bytes")
     .legend(|(x, y)| Rectangle::new([(x, y - 5), (x + 14, y + 5)], COMPUTE.filled()));
     let marks_x: Vec<f64> = marks.iter().map(|m| m.epoch as f64).collect();
-    mark_recoveries(&mut c, &marks_x, y, NAME)?;
-    c.configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .label_font((FAMILY, 14))
-        .draw()
-        .map_err(draw_err(NAME))?;
+    marks_and_legend(&mut c, &marks_x, y, None, 0.8, NAME)?;
     root.present().map_err(draw_err(NAME))?;
     Ok(path.to_path_buf())
 }
