@@ -413,6 +413,11 @@ impl Coordinator {
                 }
             };
             self.restarts_used += 1;
+            // Whatever failed, the epoch in progress is rolled back: stop this process's
+            // partitions from computing it while the failed part is replaced.
+            for h in &self.parts {
+                h.cancel_local();
+            }
             let recovery = match err {
                 ActorError::Panicked { part, message } => {
                     if self.restarts_used > self.max_restarts {

@@ -3,9 +3,8 @@
 //! an [`ActorError`] naming the partition (and the node, when remote).
 use crate::cluster::RemotePart;
 use crate::messages::{ApplyStep, ResetEpoch, Step, StepReply};
-use crate::partition::PartitionActor;
+use crate::partition::PartitionRef;
 use crate::ActorError;
-use actix::Addr;
 use std::future::Future;
 use std::pin::Pin;
 
@@ -16,10 +15,7 @@ pub type Pending<T> = Pin<Box<dyn Future<Output = Result<T, ActorError>>>>;
 #[derive(Clone)]
 pub enum PartHandle {
     /// An actor of this process.
-    Local {
-        part: u32,
-        addr: Addr<PartitionActor>,
-    },
+    Local { part: u32, addr: PartitionRef },
     /// An actor on another node, reached through control messages over QUIC.
     Remote(RemotePart),
 }
@@ -36,7 +32,7 @@ impl PartHandle {
     /// Runs one layer of a pass.
     pub fn step(&self, step: Step) -> Pending<StepReply> {
         match self {
-            PartHandle::Local { part, addr } => local(*part, addr.send(step)),
+            PartHandle::Local { part, addr } => local(*part, addr.addr.send(step)),
             PartHandle::Remote(r) => Box::pin(r.clone().step(step)),
         }
     }
@@ -44,16 +40,25 @@ impl PartHandle {
     /// Applies the all-reduced gradients; answers the new weights digest.
     pub fn apply(&self, msg: ApplyStep) -> Pending<String> {
         match self {
-            PartHandle::Local { part, addr } => local(*part, addr.send(msg)),
+            PartHandle::Local { part, addr } => local(*part, addr.addr.send(msg)),
             PartHandle::Remote(r) => Box::pin(r.clone().apply(msg)),
         }
     }
 
-    /// Drops the epoch in progress before it is replayed.
+    /// Cancels the kernels a partition of this process is running (a failure elsewhere was
+    /// detected; the reset follows once the failed part is replaced). A remote partition's
+    /// kernels are cancelled when its node receives the reset.
+    pub fn cancel_local(&self) {
+        if let PartHandle::Local { addr, .. } = self {
+            addr.cancel.cancel();
+        }
+    }
+
+    /// Drops the epoch in progress before it is replayed (cancelling its running kernels).
     pub fn reset(&self, msg: ResetEpoch) -> Pending<()> {
         match self {
             PartHandle::Local { part, addr } => {
-                let (part, f) = (*part, addr.send(msg));
+                let (part, f) = (*part, addr.reset(msg));
                 Box::pin(async move { f.await.map_err(|e| closed(part, e)) })
             }
             PartHandle::Remote(r) => Box::pin(r.clone().reset(msg)),

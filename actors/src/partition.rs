@@ -20,7 +20,8 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::Instant;
 use tokio::sync::oneshot;
-use trellis_gpu::KernelTimes;
+use trellis_gpu::{CancelToken, KernelTimes};
+use trellis_runtime::metrics::{names, Key, Metrics};
 use trellis_transport::{HaloBlock, PartId, Phase, RunId, Transport, TransportError};
 
 type Reply = oneshot::Sender<Result<StepReply, ActorError>>;
@@ -41,6 +42,26 @@ pub struct PartitionActor {
     restored: Option<bool>,
     /// When the pending step was parked (halo wait latency per peer).
     parked_at: Option<Instant>,
+    /// Cancels the kernels of the stage running now (set by [`PartitionRef::reset`], cleared
+    /// when the reset is handled).
+    cancel: CancelToken,
+}
+
+/// How a partition actor is reached on its node: its mailbox, and the token that cancels the
+/// kernels it is running, so a reset need not wait for a layer to finish.
+#[derive(Clone)]
+pub struct PartitionRef {
+    pub addr: Addr<PartitionActor>,
+    pub cancel: CancelToken,
+}
+
+impl PartitionRef {
+    /// Abandons the epoch in progress: cancels the running stage at its next kernel piece,
+    /// then queues the reset (which lets work run again).
+    pub fn reset(&self, msg: ResetEpoch) -> actix::dev::Request<PartitionActor, ResetEpoch> {
+        self.cancel.cancel();
+        self.addr.send(msg)
+    }
 }
 
 /// A step waiting for halo blocks, with what its stages so far cost.
@@ -59,6 +80,7 @@ impl PartitionActor {
         transport: Arc<dyn Transport>,
         replicas: Arc<ReplicaStore>,
         faults: Arc<FaultPlan>,
+        cancel: CancelToken,
     ) -> Self {
         let part = state.part();
         if replicas.enabled() {
@@ -75,6 +97,7 @@ impl PartitionActor {
             pending: None,
             restored: None,
             parked_at: None,
+            cancel,
         }
     }
 
@@ -352,7 +375,12 @@ impl Handler<ApplyStep> for PartitionActor {
                 epoch = i64::from(msg.epoch)
             )
             .entered();
+            let t = Instant::now();
             self.replicas.put(part, self.state.snapshot());
+            Metrics::global().record(
+                Key::new(names::REPLICATE).with("partition", part),
+                t.elapsed(),
+            );
         }
         self.inbox.retain(|k, _| k.0 > msg.epoch);
         Ok(digest)
@@ -363,6 +391,7 @@ impl Handler<ResetEpoch> for PartitionActor {
     type Result = ();
 
     fn handle(&mut self, msg: ResetEpoch, _ctx: &mut Context<Self>) {
+        self.cancel.clear();
         self.inbox.retain(|k, _| k.0 != msg.epoch);
         if let Some(p) = self.pending.take() {
             let _ = p.reply.send(Err(ActorError::Protocol {

@@ -12,7 +12,7 @@ use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
-use trellis_gpu::{Stream, Tensor};
+use trellis_gpu::{CancelToken, Stream, Tensor};
 use trellis_runtime::model::StepCtx;
 use trellis_runtime::partition::{block, PartitionFile};
 use trellis_runtime::train::{normalize_rows, TrainConfig};
@@ -168,6 +168,11 @@ impl PartitionState {
     pub fn model(&self) -> &Model {
         &self.model
     }
+    /// Makes the stages' kernels cancellable through `token` (the optimizer step is not).
+    pub fn set_cancel(&mut self, token: CancelToken) {
+        self.stream = self.stream.with_cancel(token);
+    }
+
     /// The compute stream (its kernel clock times the steps).
     pub fn stream(&self) -> &Stream {
         &self.stream
@@ -478,7 +483,9 @@ impl PartitionState {
             p.grad.as_mut_slice().copy_from_slice(&grads[off..off + n]);
             off += n;
         }
-        self.opt.step(&self.stream, &mut self.model)?;
+        // Never cancelled half-way: a retried apply of this epoch is then a no-op.
+        self.opt
+            .step(&self.stream.uncancellable(), &mut self.model)?;
         self.model.zero_grad();
         self.epoch_done = epoch;
         Ok(self.model.weights_digest())

@@ -1,17 +1,18 @@
 //! The node supervisor: starts each partition actor on its own arbiter (thread) under actix's
 //! `Supervisor`, wires it to the transport, and stops and joins every thread at the end.
-use crate::partition::PartitionActor;
+use crate::partition::{PartitionActor, PartitionRef};
 use crate::replica::ReplicaStore;
 use crate::state::PartitionState;
 use crate::topology::FaultPlan;
 use actix::prelude::*;
 use std::sync::Arc;
+use trellis_gpu::CancelToken;
 use trellis_transport::{PartId, RunId, Transport};
 
 /// The partition actors of one node.
 pub struct NodeSupervisor {
     arbiters: Vec<Arbiter>,
-    addrs: Vec<Addr<PartitionActor>>,
+    addrs: Vec<PartitionRef>,
     parts: Vec<PartId>,
     transport: Arc<dyn Transport>,
     run: RunId,
@@ -46,8 +47,11 @@ impl NodeSupervisor {
 
     /// Starts one more supervised actor (a partition re-placed here after a node loss) on a
     /// new arbiter and routes its halo blocks to it.
-    pub fn adopt(&mut self, state: PartitionState) -> Addr<PartitionActor> {
+    pub fn adopt(&mut self, mut state: PartitionState) -> PartitionRef {
         let part = state.part();
+        let cancel = CancelToken::new();
+        state.set_cancel(cancel.clone());
+        let token = cancel.clone();
         let arb = Arbiter::new();
         let (t, r, f) = (
             self.transport.clone(),
@@ -56,7 +60,7 @@ impl NodeSupervisor {
         );
         let run = self.run;
         let addr = Supervisor::start_in_arbiter(&arb.handle(), move |_| {
-            PartitionActor::new(state, run, t, r, f)
+            PartitionActor::new(state, run, t, r, f, token.clone())
         });
         let deliver_to = addr.clone();
         self.transport.register(
@@ -68,9 +72,10 @@ impl NodeSupervisor {
             }),
         );
         self.arbiters.push(arb);
-        self.addrs.push(addr.clone());
+        let r = PartitionRef { addr, cancel };
+        self.addrs.push(r.clone());
         self.parts.push(part);
-        addr
+        r
     }
 
     /// Stops partition `part`'s actor and joins its thread (it moves to another node); its
@@ -99,7 +104,7 @@ impl NodeSupervisor {
     }
 
     /// Addresses of the partition actors, in the order their states were given.
-    pub fn addrs(&self) -> &[Addr<PartitionActor>] {
+    pub fn addrs(&self) -> &[PartitionRef] {
         &self.addrs
     }
 

@@ -24,6 +24,9 @@ pub enum GpuError {
     /// A CUDA driver, NVRTC or cuBLAS call failed.
     #[error("CUDA error in {op}: {detail}")]
     Cuda { op: &'static str, detail: String },
+    /// The stream's work was cancelled (see `CancelToken`).
+    #[error("cancelled: the work in progress was abandoned")]
+    Cancelled,
     /// The thread pool could not be built.
     #[error("cannot build the CPU thread pool: {0}")]
     ThreadPool(String),

@@ -28,7 +28,7 @@ pub use digest::{digest_bytes, digest_f32};
 pub use error::{CudaLibrary, GpuError};
 pub use ops::{Activation, AdamConfig, EdgeWeights, LossOutput, SgdConfig};
 pub use rng::{DropoutKey, Philox4x32};
-pub use stream::{KernelTimes, Stream};
+pub use stream::{CancelToken, KernelTimes, Stream};
 pub use tensor::{IndexBuffer, Tensor};
 
 /// Result type of this crate.

@@ -127,6 +127,15 @@ pub enum EdgeWeights<'a> {
 /// Output of [`Stream::softmax_nll`].
 pub type LossOutput = cpu::LossSums;
 
+/// Work per piece when a cancellable stream cuts a kernel (see `Stream::run_rows`): each is
+/// about ten milliseconds on one core, so a cancelled epoch stops that soon.
+/// Multiply-adds per GEMM piece.
+const GEMM_PIECE: usize = 1 << 29;
+/// Gathered elements per SpMM piece.
+const SPMM_PIECE: usize = 1 << 24;
+/// Elements per piece of an element-wise kernel.
+const ELEMENTWISE_PIECE: usize = 1 << 22;
+
 fn check(op: &'static str, ok: bool, detail: impl FnOnce() -> String) -> Result<()> {
     if ok {
         Ok(())
@@ -136,7 +145,10 @@ fn check(op: &'static str, ok: bool, detail: impl FnOnce() -> String) -> Result<
 }
 
 impl Stream {
-    fn cpu_only(&self) -> Result<()> {
+    /// Checks that an op may start: this stream runs on the CPU backend and its work was not
+    /// cancelled.
+    fn admit(&self) -> Result<()> {
+        self.check_cancelled()?;
         match self.device() {
             Device::Cpu => Ok(()),
             d => Err(GpuError::DeviceUnavailable {
@@ -175,7 +187,7 @@ impl Stream {
         beta: f32,
         c: &mut Tensor,
     ) -> Result<()> {
-        self.cpu_only()?;
+        self.admit()?;
         check("gemm_prefix", a_rows <= a.rows(), || {
             format!("{a_rows} rows of {}", a.rows())
         })?;
@@ -194,27 +206,37 @@ impl Stream {
             format!("op(a) {m}x{k}, op(b) {k2}x{n}, c {}x{}", c.rows(), c.cols())
         })?;
         let threads = self.threads();
-        self.run_as(KernelKind::Gemm, || {
-            cpu::gemm(
-                m,
-                n,
-                k,
-                alpha,
-                a_data,
-                trans_a,
-                b.as_slice(),
-                trans_b,
-                beta,
-                c.as_mut_slice(),
-                threads,
-            )
-        });
-        Ok(())
+        let c = c.as_mut_slice();
+        let b = b.as_slice();
+        if !trans_a {
+            // Rows of op(a) and c are independent: pieces of them.
+            let per_piece = GEMM_PIECE / (n * k).max(1);
+            return self.run_rows(KernelKind::Gemm, m, per_piece, |r| {
+                let (a, c) = (
+                    &a_data[r.start * k..r.end * k],
+                    &mut c[r.start * n..r.end * n],
+                );
+                cpu::gemm(r.len(), n, k, alpha, a, false, b, trans_b, beta, c, threads)
+            });
+        }
+        if !trans_b {
+            // `a^T b` sums over the stored rows of `a` and `b`: pieces of them, accumulated in
+            // order (so the bits depend on the piece size, which is fixed).
+            let per_piece = GEMM_PIECE / (m * n).max(1);
+            return self.run_rows(KernelKind::Gemm, k, per_piece, |r| {
+                let (a, b) = (&a_data[r.start * m..r.end * m], &b[r.start * n..r.end * n]);
+                let beta = if r.start == 0 { beta } else { 1.0 };
+                cpu::gemm(m, n, r.len(), alpha, a, true, b, false, beta, c, threads)
+            });
+        }
+        self.run_rows(KernelKind::Gemm, 1, 1, |_| {
+            cpu::gemm(m, n, k, alpha, a_data, true, b, true, beta, c, threads)
+        })
     }
 
     /// `dst[..src.rows()] += src` (adds into a row prefix of `dst`).
     pub fn add_rows_prefix(&self, src: &Tensor, dst: &mut Tensor) -> Result<()> {
-        self.cpu_only()?;
+        self.admit()?;
         check(
             "add_rows_prefix",
             src.cols() == dst.cols() && src.rows() <= dst.rows(),
@@ -236,7 +258,7 @@ impl Stream {
 
     /// `out = A x` with `A` a CSR matrix (rows = outputs) and `heads` column blocks of `x`.
     pub fn spmm(&self, a: &Csr, w: EdgeWeights<'_>, x: &Tensor, out: &mut Tensor) -> Result<()> {
-        self.cpu_only()?;
+        self.admit()?;
         check(
             "spmm",
             x.rows() == a.n_cols() && out.shape() == (a.n_rows(), x.cols()),
@@ -276,22 +298,22 @@ impl Stream {
                 (Some(v), h)
             }
         };
-        self.run_as(KernelKind::Spmm, || {
-            cpu::spmm(
-                a,
-                weights,
-                heads,
-                x.as_slice(),
-                x.cols(),
-                out.as_mut_slice(),
-            )
-        });
-        Ok(())
+        let (xs, w, out) = (x.as_slice(), x.cols(), out.as_mut_slice());
+        let per_row = (a.nnz() / a.n_rows().max(1) + 1) * w;
+        self.run_rows(
+            KernelKind::Spmm,
+            a.n_rows(),
+            SPMM_PIECE / per_row.max(1),
+            |r| {
+                let block = &mut out[r.start * w..r.end * w];
+                cpu::spmm_range(a, weights, heads, xs, w, r, block)
+            },
+        )
     }
 
     /// Per-entry, per-head dot products `<a[row], b[col]>` (SDDMM).
     pub fn sddmm_dot(&self, csr: &Csr, heads: usize, a: &Tensor, b: &Tensor) -> Result<Vec<f32>> {
-        self.cpu_only()?;
+        self.admit()?;
         check(
             "sddmm_dot",
             a.rows() == csr.n_rows()
@@ -316,7 +338,7 @@ impl Stream {
 
     /// Per-entry, per-head sums `left[row] + right[col]`.
     pub fn sddmm_add(&self, csr: &Csr, left: &Tensor, right: &Tensor) -> Result<Vec<f32>> {
-        self.cpu_only()?;
+        self.admit()?;
         let heads = left.cols();
         check(
             "sddmm_add",
@@ -338,7 +360,7 @@ impl Stream {
 
     /// Softmax of per-entry scores over each row, per head.
     pub fn edge_softmax(&self, csr: &Csr, heads: usize, scores: &[f32]) -> Result<Vec<f32>> {
-        self.cpu_only()?;
+        self.admit()?;
         check("edge_softmax", scores.len() == csr.nnz() * heads, || {
             format!("{} scores", scores.len())
         })?;
@@ -355,7 +377,7 @@ impl Stream {
         alpha: &[f32],
         grad: &[f32],
     ) -> Result<Vec<f32>> {
-        self.cpu_only()?;
+        self.admit()?;
         check(
             "edge_softmax_backward",
             alpha.len() == csr.nnz() * heads && grad.len() == alpha.len(),
@@ -368,7 +390,7 @@ impl Stream {
 
     /// Rows `idx` of `x` as a new tensor.
     pub fn gather_rows(&self, x: &Tensor, idx: &[u32]) -> Result<Tensor> {
-        self.cpu_only()?;
+        self.admit()?;
         check(
             "gather_rows",
             idx.iter().all(|&i| (i as usize) < x.rows()),
@@ -390,7 +412,7 @@ impl Stream {
     /// `out[idx[r]] += src[r]` with `src` a row-major slice of `idx.len()` rows (a received
     /// buffer, added without first copying it into a tensor).
     pub fn scatter_add_slice(&self, src: &[f32], idx: &[u32], out: &mut Tensor) -> Result<()> {
-        self.cpu_only()?;
+        self.admit()?;
         let w = out.cols();
         check(
             "scatter_add_slice",
@@ -410,7 +432,7 @@ impl Stream {
 
     /// `x[i, :] += bias`.
     pub fn add_bias(&self, x: &mut Tensor, bias: &Tensor) -> Result<()> {
-        self.cpu_only()?;
+        self.admit()?;
         check("add_bias", bias.len() == x.cols(), || {
             format!("bias {} for width {}", bias.len(), x.cols())
         })?;
@@ -420,7 +442,7 @@ impl Stream {
 
     /// `out += column sums of g` (the bias gradient, accumulated).
     pub fn add_column_sums(&self, g: &Tensor, out: &mut Tensor) -> Result<()> {
-        self.cpu_only()?;
+        self.admit()?;
         check("add_column_sums", out.len() == g.cols(), || {
             format!("out {} for width {}", out.len(), g.cols())
         })?;
@@ -435,7 +457,7 @@ impl Stream {
 
     /// `act(x)` as a new tensor.
     pub fn activation(&self, act: Activation, x: &Tensor) -> Result<Tensor> {
-        self.cpu_only()?;
+        self.admit()?;
         let mut y = Tensor::zeros(x.rows(), x.cols());
         self.run(|| cpu::activation(act, x.as_slice(), y.as_mut_slice()));
         Ok(y)
@@ -443,7 +465,7 @@ impl Stream {
 
     /// `x = act(x)` in place.
     pub fn activate(&self, act: Activation, x: &mut Tensor) -> Result<()> {
-        self.cpu_only()?;
+        self.admit()?;
         if act == Activation::Identity {
             return Ok(());
         }
@@ -458,7 +480,7 @@ impl Stream {
 
     /// `gy * act'(x)` as a new tensor.
     pub fn activation_backward(&self, act: Activation, x: &Tensor, gy: &Tensor) -> Result<Tensor> {
-        self.cpu_only()?;
+        self.admit()?;
         check("activation_backward", x.shape() == gy.shape(), || {
             format!("{:?} vs {:?}", x.shape(), gy.shape())
         })?;
@@ -474,7 +496,7 @@ impl Stream {
         y: &Tensor,
         gy: &mut Tensor,
     ) -> Result<()> {
-        self.cpu_only()?;
+        self.admit()?;
         check(
             "activation_backward_from_output",
             y.shape() == gy.shape(),
@@ -499,7 +521,7 @@ impl Stream {
 
     /// One bit per element of `y`, set where `y > 0` (what ReLU's backward needs: 1/32 of `y`).
     pub fn positive_bits(&self, y: &Tensor) -> Result<Vec<u64>> {
-        self.cpu_only()?;
+        self.admit()?;
         use rayon::prelude::*;
         Ok(self.run(|| {
             y.as_slice()
@@ -515,7 +537,7 @@ impl Stream {
 
     /// Zeroes the elements of `g` whose bit in `bits` (from [`Stream::positive_bits`]) is clear.
     pub fn mask_by_bits(&self, bits: &[u64], g: &mut Tensor) -> Result<()> {
-        self.cpu_only()?;
+        self.admit()?;
         check("mask_by_bits", bits.len() == g.len().div_ceil(64), || {
             format!("{} words for {} elements", bits.len(), g.len())
         })?;
@@ -537,13 +559,20 @@ impl Stream {
 
     /// Inverted dropout in place, keyed by the rows' global ids (its own backward).
     pub fn dropout(&self, x: &mut Tensor, gids: &[u32], key: DropoutKey, p: f32) -> Result<()> {
-        self.cpu_only()?;
+        self.admit()?;
         check("dropout", gids.len() == x.rows(), || {
             format!("{} ids for {} rows", gids.len(), x.rows())
         })?;
-        let w = x.cols();
-        self.run(|| cpu::dropout(x.as_mut_slice(), w, gids, key, p));
-        Ok(())
+        let (w, x) = (x.cols(), x.as_mut_slice());
+        self.run_rows(
+            KernelKind::Other,
+            gids.len(),
+            ELEMENTWISE_PIECE / w.max(1),
+            |r| {
+                let rows = &mut x[r.start * w..r.end * w];
+                cpu::dropout(rows, w, &gids[r], key, p)
+            },
+        )
     }
 
     /// `dst = dropout(src)`: the mask of [`Stream::dropout`], applied while copying.
@@ -555,7 +584,7 @@ impl Stream {
         key: DropoutKey,
         p: f32,
     ) -> Result<()> {
-        self.cpu_only()?;
+        self.admit()?;
         check(
             "dropout_into",
             gids.len() == src.rows() && src.shape() == dst.shape(),
@@ -568,15 +597,25 @@ impl Stream {
                 )
             },
         )?;
-        let w = src.cols();
-        self.run(|| cpu::dropout_copy(src.as_slice(), dst.as_mut_slice(), w, gids, key, p));
-        Ok(())
+        let (w, src, dst) = (src.cols(), src.as_slice(), dst.as_mut_slice());
+        self.run_rows(
+            KernelKind::Other,
+            gids.len(),
+            ELEMENTWISE_PIECE / w.max(1),
+            |r| {
+                let (s, d) = (
+                    &src[r.start * w..r.end * w],
+                    &mut dst[r.start * w..r.end * w],
+                );
+                cpu::dropout_copy(s, d, w, &gids[r], key, p)
+            },
+        )
     }
 
     /// Dropout of a sparse matrix's stored values, with the mask [`Stream::dropout`] applies to
     /// the dense form (rows keyed by `gids`).
     pub fn dropout_csr(&self, m: &mut Csr, gids: &[u32], key: DropoutKey, p: f32) -> Result<()> {
-        self.cpu_only()?;
+        self.admit()?;
         check(
             "dropout_csr",
             gids.len() == m.n_rows() && m.values().is_some(),
@@ -605,7 +644,7 @@ impl Stream {
         key: DropoutKey,
         p: f32,
     ) -> Result<()> {
-        self.cpu_only()?;
+        self.admit()?;
         check(
             "edge_dropout",
             gids.len() == csr.n_rows() && vals.len() == csr.nnz() * heads,
@@ -624,7 +663,7 @@ impl Stream {
 
     /// `y += alpha * x`.
     pub fn axpy(&self, alpha: f32, x: &Tensor, y: &mut Tensor) -> Result<()> {
-        self.cpu_only()?;
+        self.admit()?;
         check("axpy", x.shape() == y.shape(), || {
             format!("{:?} vs {:?}", x.shape(), y.shape())
         })?;
@@ -641,7 +680,7 @@ impl Stream {
         scale: f32,
         grad: &mut Tensor,
     ) -> Result<LossOutput> {
-        self.cpu_only()?;
+        self.admit()?;
         let classes = logits.cols();
         check(
             "softmax_nll",
@@ -672,7 +711,7 @@ impl Stream {
 
     /// Number of `rows` predicted correctly (argmax).
     pub fn accuracy_count(&self, logits: &Tensor, labels: &[u32], rows: &[u32]) -> Result<usize> {
-        self.cpu_only()?;
+        self.admit()?;
         check(
             "accuracy_count",
             labels.len() == logits.rows() && rows.iter().all(|&r| (r as usize) < logits.rows()),
@@ -691,7 +730,7 @@ impl Stream {
         m: &mut Tensor,
         v: &mut Tensor,
     ) -> Result<()> {
-        self.cpu_only()?;
+        self.admit()?;
         check(
             "adam_step",
             grad.len() == param.len() && m.len() == param.len() && v.len() == param.len(),
@@ -718,7 +757,7 @@ impl Stream {
         grad: &Tensor,
         buf: &mut Tensor,
     ) -> Result<()> {
-        self.cpu_only()?;
+        self.admit()?;
         check(
             "sgd_step",
             grad.len() == param.len() && buf.len() == param.len(),

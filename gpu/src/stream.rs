@@ -1,6 +1,7 @@
 //! Streams: ordered queues of work owned by one actor.
-use crate::{Device, Result, Tensor, ThreadBudget};
-use std::sync::atomic::{AtomicU64, Ordering};
+use crate::{Device, GpuError, Result, Tensor, ThreadBudget};
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -19,6 +20,40 @@ pub struct Stream {
     budget: ThreadBudget,
     /// Time spent in this stream's kernels (shared by its clones).
     clock: Arc<KernelClock>,
+    /// When set, ops refuse to start ([`GpuError::Cancelled`]) once the token is cancelled,
+    /// and long kernels run in pieces with a check between pieces.
+    cancel: Option<CancelToken>,
+    /// Divides the rows per piece of a cancellable stream (tests cut small kernels with it).
+    piece_divisor: usize,
+}
+
+/// A request to abandon the work in progress on the streams that carry this token (an epoch
+/// being rolled back after a failure elsewhere).
+///
+/// Kernels are not preemptible, so cancellation is cooperative: an op checks the token before
+/// it starts and, on a cancellable stream, between the row pieces a long kernel is cut into
+/// (about ten milliseconds of work each). Whoever cancels must [`CancelToken::clear`] the
+/// token before the stream's owner issues work that must run.
+#[derive(Debug, Clone, Default)]
+pub struct CancelToken(Arc<AtomicBool>);
+
+impl CancelToken {
+    /// A token that is not cancelled.
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// Asks the streams carrying this token to stop at their next check.
+    pub fn cancel(&self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+    /// Lets work run again.
+    pub fn clear(&self) {
+        self.0.store(false, Ordering::SeqCst);
+    }
+    /// Whether cancellation was asked for.
+    pub fn is_cancelled(&self) -> bool {
+        self.0.load(Ordering::SeqCst)
+    }
 }
 
 /// Which kernel family a timed op belongs to.
@@ -89,7 +124,42 @@ impl Stream {
             device,
             budget,
             clock: Arc::default(),
+            cancel: None,
+            piece_divisor: 1,
         })
+    }
+
+    /// This stream (same id and kernel clock) with its work cancellable through `token`.
+    pub fn with_cancel(&self, token: CancelToken) -> Stream {
+        Stream {
+            cancel: Some(token),
+            ..self.clone()
+        }
+    }
+
+    /// This stream (same id and kernel clock) without a cancel token: work that must not stop
+    /// half-way (an optimizer step) runs on it.
+    pub fn uncancellable(&self) -> Stream {
+        Stream {
+            cancel: None,
+            ..self.clone()
+        }
+    }
+
+    /// Cuts a cancellable stream's kernels into `divisor` times more pieces (for tests that
+    /// exercise pieces on small inputs).
+    #[doc(hidden)]
+    pub fn with_piece_divisor(mut self, divisor: usize) -> Stream {
+        self.piece_divisor = divisor.max(1);
+        self
+    }
+
+    /// Fails with [`GpuError::Cancelled`] when this stream's token is cancelled.
+    pub(crate) fn check_cancelled(&self) -> Result<()> {
+        match &self.cancel {
+            Some(t) if t.is_cancelled() => Err(GpuError::Cancelled),
+            _ => Ok(()),
+        }
     }
 
     /// A CPU stream on the process-wide budget (`threads` fixes its size on first use).
@@ -128,6 +198,33 @@ impl Stream {
         let r = self.budget.install(f);
         self.clock.ns[kind as usize].fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
         r
+    }
+
+    /// Runs a kernel over `rows` independent rows as `f(range)` calls: one call on a stream
+    /// without a cancel token, else pieces of `rows_per_piece` rows with a cancellation check
+    /// before each. `f` runs at least once (with `0..0` when there are no rows).
+    pub(crate) fn run_rows(
+        &self,
+        kind: KernelKind,
+        rows: usize,
+        rows_per_piece: usize,
+        mut f: impl FnMut(Range<usize>) + Send,
+    ) -> Result<()> {
+        let step = if self.cancel.is_some() {
+            (rows_per_piece / self.piece_divisor).max(1)
+        } else {
+            rows.max(1)
+        };
+        let mut start = 0;
+        loop {
+            self.check_cancelled()?;
+            let end = (start + step).min(rows);
+            self.run_as(kind, || f(start..end));
+            start = end;
+            if start >= rows {
+                return Ok(());
+            }
+        }
     }
 
     /// Cumulative time of this stream's kernels since it was created.

@@ -1662,3 +1662,64 @@ fn kernel_clock_times_each_family_on_its_own_stream() {
     assert_eq!(st.clone().kernel_times(), st.kernel_times());
     assert_eq!(stream_with(2).kernel_times().total_ms(), 0.0);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Cancellable streams
+// ---------------------------------------------------------------------------------------------
+
+/// A cancellable stream cuts long kernels into pieces: row-independent kernels give the same
+/// bits as in one piece, and `a^T b` (summed piece by piece) stays within rounding.
+#[test]
+fn kernels_cut_into_pieces_match_the_whole() {
+    let s = s();
+    let cut = s
+        .with_cancel(trellis_gpu::CancelToken::new())
+        .with_piece_divisor(1 << 30);
+    let mut rng = Rng::new(77);
+    let (m, k, n) = (301, 33, 17);
+    let a = rng.tensor(m, k);
+    let b = rng.tensor(k, n);
+    let g = rng.tensor(m, n);
+    let whole = s.matmul(&a, false, &b, false).unwrap();
+    let pieces = cut.matmul(&a, false, &b, false).unwrap();
+    assert_bits_eq("pieces", whole.as_slice(), pieces.as_slice());
+    let whole = s.matmul(&a, true, &g, false).unwrap();
+    let pieces = cut.matmul(&a, true, &g, false).unwrap();
+    for (x, y) in whole.as_slice().iter().zip(pieces.as_slice()) {
+        assert!((x - y).abs() <= 1e-5 * x.abs().max(1.0), "{x} vs {y}");
+    }
+    let csr = random_csr(&mut rng, m, 97, 5);
+    let x = rng.tensor(97, 65);
+    let mut whole = Tensor::zeros(m, 65);
+    let mut pieces = Tensor::zeros(m, 65);
+    s.spmm(&csr, EdgeWeights::Stored, &x, &mut whole).unwrap();
+    cut.spmm(&csr, EdgeWeights::Stored, &x, &mut pieces)
+        .unwrap();
+    assert_bits_eq("pieces", whole.as_slice(), pieces.as_slice());
+    let gids: Vec<u32> = (0..m as u32).map(|i| i * 3 + 1).collect();
+    let key = key(5);
+    let mut whole = Tensor::zeros(m, k);
+    let mut pieces = Tensor::zeros(m, k);
+    s.dropout_into(&a, &mut whole, &gids, key, 0.5).unwrap();
+    cut.dropout_into(&a, &mut pieces, &gids, key, 0.5).unwrap();
+    assert_bits_eq("pieces", whole.as_slice(), pieces.as_slice());
+}
+
+/// Once its token is cancelled, a stream refuses new ops and stops a long kernel between
+/// pieces; cleared, it runs again. A stream without the token is not affected.
+#[test]
+fn a_cancelled_stream_stops_and_a_cleared_one_runs() {
+    let s = s();
+    let token = trellis_gpu::CancelToken::new();
+    let cut = s.with_cancel(token.clone());
+    let mut rng = Rng::new(78);
+    let a = rng.tensor(64, 16);
+    let b = rng.tensor(16, 8);
+    token.cancel();
+    let err = cut.matmul(&a, false, &b, false).unwrap_err();
+    assert!(matches!(err, trellis_gpu::GpuError::Cancelled), "{err}");
+    assert!(cut.uncancellable().matmul(&a, false, &b, false).is_ok());
+    assert!(s.matmul(&a, false, &b, false).is_ok());
+    token.clear();
+    assert!(cut.matmul(&a, false, &b, false).is_ok());
+}

@@ -22,6 +22,8 @@ pub mod names {
     pub const ALL_REDUCE: &str = "all_reduce";
     /// From a failure's report to the replayed step completing.
     pub const RECOVERY: &str = "recovery";
+    /// Storing a partition's state in its node's replica store after a step.
+    pub const REPLICATE: &str = "replicate";
     /// Halo payload bytes sent, per sender and peer.
     pub const HALO_BYTES: &str = "halo_bytes";
     /// Halo blocks sent, per sender and peer.
@@ -29,7 +31,7 @@ pub mod names {
     /// Partition restarts.
     pub const RESTARTS: &str = "restarts";
     /// Every histogram name.
-    pub const HISTOGRAMS: [&str; 4] = [STEP, HALO_EXCHANGE, ALL_REDUCE, RECOVERY];
+    pub const HISTOGRAMS: [&str; 5] = [STEP, HALO_EXCHANGE, ALL_REDUCE, RECOVERY, REPLICATE];
     /// Every counter name.
     pub const COUNTERS: [&str; 3] = [HALO_BYTES, HALO_MESSAGES, RESTARTS];
 }

@@ -256,7 +256,7 @@ pub fn reroute(transport: &QuicTransport, placement: &[u32], me: u32) {
 }
 
 /// A partition adopted here and its new actor.
-pub type Adopted = (u32, actix::Addr<crate::partition::PartitionActor>);
+pub type Adopted = (u32, crate::partition::PartitionRef);
 
 /// Warm replicas: partitions of other nodes whose static state (block, features, labels)
 /// this node keeps loaded in memory, so that adopting one after a node loss only restores the

@@ -11,11 +11,10 @@ use super::node::{
 use super::proto::{phase_from, ControlMsg, ReplyBody, Request, Setup};
 use crate::checkpoint::Checkpoint;
 use crate::messages::{ApplyStep, ResetEpoch, Step};
-use crate::partition::PartitionActor;
+use crate::partition::PartitionRef;
 use crate::supervisor::NodeSupervisor;
 use crate::topology::FaultPlan;
 use crate::ActorError;
-use actix::Addr;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -204,7 +203,7 @@ pub(crate) fn kill_self(node: u32, epoch: u32) {
 /// What a node hosts, and what it needs to host more.
 struct Hosted {
     node: NodeSupervisor,
-    addrs: HashMap<u32, Addr<PartitionActor>>,
+    addrs: HashMap<u32, PartitionRef>,
     parts: Vec<u32>,
     set: PartitionSet,
     book: PartitionBook,
@@ -252,14 +251,13 @@ fn aborted(coord: u32, reason: String) -> ActorError {
 }
 
 /// Forwards one request to a local actor and sends the answer back when it comes.
-fn answer(
-    ep: &NodeEndpoint,
-    coord: u32,
-    id: u64,
-    run: RunId,
-    addr: Addr<PartitionActor>,
-    req: Request,
-) {
+fn answer(ep: &NodeEndpoint, coord: u32, id: u64, run: RunId, part: PartitionRef, req: Request) {
+    let addr = part.addr.clone();
+    // A reset cancels the running kernels now, not when this task is first polled.
+    let reset = match &req {
+        Request::Reset { epoch } => Some(part.reset(ResetEpoch { epoch: *epoch })),
+        _ => None,
+    };
     let transport = ep.transport.clone();
     actix::spawn(async move {
         let mailbox = |e: actix::MailboxError| ReplyBody::Failed {
@@ -306,7 +304,7 @@ fn answer(
                     Err(e) => mailbox(e),
                 }
             }
-            Request::Reset { epoch } => match addr.send(ResetEpoch { epoch }).await {
+            Request::Reset { .. } => match reset.expect("set for resets").await {
                 Ok(()) => ReplyBody::Reset,
                 Err(e) => mailbox(e),
             },

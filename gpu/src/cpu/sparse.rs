@@ -24,6 +24,20 @@ pub fn spmm(
     width: usize,
     out: &mut [f32],
 ) {
+    spmm_range(csr, weights, heads, x, width, 0..csr.n_rows(), out)
+}
+
+/// [`spmm`] for the output rows `rows` only: `out` holds those rows (`rows.len() x width`).
+/// Each row is computed exactly as [`spmm`] computes it, so pieces give the same bits.
+pub fn spmm_range(
+    csr: &Csr,
+    weights: Option<&[f32]>,
+    heads: usize,
+    x: &[f32],
+    width: usize,
+    rows: std::ops::Range<usize>,
+    out: &mut [f32],
+) {
     assert!(
         heads >= 1 && width % heads == 0,
         "spmm: width {width} not divisible by {heads} heads"
@@ -33,9 +47,10 @@ pub fn spmm(
         csr.n_cols() * width,
         "spmm: x has the wrong length"
     );
+    assert!(rows.end <= csr.n_rows(), "spmm: rows out of range");
     assert_eq!(
         out.len(),
-        csr.n_rows() * width,
+        rows.len() * width,
         "spmm: out has the wrong length"
     );
     if let Some(w) = weights {
@@ -56,19 +71,20 @@ pub fn spmm(
         x,
         width,
     };
-    let chunk = row_chunk(csr.n_rows(), width);
+    let chunk = row_chunk(rows.len(), width);
     #[cfg(target_arch = "x86_64")]
     let avx2 = std::arch::is_x86_feature_detected!("avx2");
     out.par_chunks_mut(chunk * width)
         .enumerate()
         .for_each(|(c, block)| {
+            let first = rows.start + c * chunk;
             #[cfg(target_arch = "x86_64")]
             if avx2 {
                 // SAFETY: the CPU supports AVX2 (checked just above).
-                unsafe { spmm_rows_avx2(&args, c * chunk, block) };
+                unsafe { spmm_rows_avx2(&args, first, block) };
                 return;
             }
-            spmm_rows(&args, c * chunk, block);
+            spmm_rows(&args, first, block);
         });
 }
 
