@@ -142,6 +142,19 @@ fn three_node_cluster_matches_single_process() {
             assert!(n["bytes_sent"].as_u64().unwrap() > 0, "{n}");
             assert!(n["bytes_received"].as_u64().unwrap() > 0, "{n}");
         }
+        // The latencies and counters cover every node's partitions, not only the
+        // coordinator's: one replication per epoch each, halo traffic from each.
+        for p in 0..6 {
+            let rep = &r["latency"][format!("replicate{{partition={p}}}")];
+            assert_eq!(rep["count"], 6, "partition {p}: {}", r["latency"]);
+            let sent = r["counters"]
+                .as_object()
+                .unwrap()
+                .iter()
+                .filter(|(k, _)| k.starts_with(&format!("halo_bytes{{partition={p},")))
+                .count();
+            assert!(sent > 0, "partition {p}: {}", r["counters"]);
+        }
         // Same per-epoch loss as one process (1e-5 relative) and the same test accuracy.
         let (a, b) = (losses(&r), losses(&single));
         assert_eq!(a.len(), b.len());

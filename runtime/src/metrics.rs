@@ -34,6 +34,8 @@ pub mod names {
     pub const HISTOGRAMS: [&str; 5] = [STEP, HALO_EXCHANGE, ALL_REDUCE, RECOVERY, REPLICATE];
     /// Every counter name.
     pub const COUNTERS: [&str; 3] = [HALO_BYTES, HALO_MESSAGES, RESTARTS];
+    /// Every label name.
+    pub const LABELS: [&str; 2] = ["partition", "peer"];
 }
 
 /// A metric name with its labels (e.g. `halo_exchange{partition=0,peer=1}`).
@@ -131,6 +133,44 @@ pub struct MetricsSnapshot {
     pub counters: BTreeMap<Key, u64>,
 }
 
+/// [`MetricsSnapshot`] on the wire.
+#[derive(Serialize, Deserialize)]
+struct WireMetrics {
+    hists: Vec<(WireKey, Vec<(u64, u64)>)>,
+    counters: Vec<(WireKey, u64)>,
+}
+
+/// A [`Key`] on the wire: its name and labels as strings.
+#[derive(Serialize, Deserialize)]
+struct WireKey {
+    name: String,
+    labels: Vec<(String, u32)>,
+}
+
+impl WireKey {
+    fn of(k: &Key) -> Self {
+        WireKey {
+            name: k.name.to_string(),
+            labels: k.labels.iter().map(|(l, v)| (l.to_string(), *v)).collect(),
+        }
+    }
+
+    /// The key, with its names mapped back to this process's (`known` names for the metric).
+    fn key(&self, known: &[&'static str]) -> Result<Key, String> {
+        let stat = |s: &str, list: &[&'static str]| {
+            list.iter()
+                .copied()
+                .find(|n| *n == s)
+                .ok_or_else(|| format!("metrics snapshot: unknown name {s:?}"))
+        };
+        let mut key = Key::new(stat(&self.name, known)?);
+        for (l, v) in &self.labels {
+            key = key.with(stat(l, &names::LABELS)?, *v);
+        }
+        Ok(key)
+    }
+}
+
 /// Quantiles of one histogram, in milliseconds.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct LatencySummary {
@@ -199,6 +239,67 @@ impl MetricsSnapshot {
             .collect()
     }
 
+    /// Adds `other`'s histograms and counters to these (another process's metrics of the same
+    /// run: keys carry global partition ids, so equal keys are the same series).
+    pub fn merge(&mut self, other: &MetricsSnapshot) {
+        for (k, h) in &other.hists {
+            match self.hists.get_mut(k) {
+                // Both come from `new_histogram`, so their bounds match and adding succeeds.
+                Some(mine) => mine.add(h).unwrap_or_default(),
+                None => {
+                    self.hists.insert(k.clone(), h.clone());
+                }
+            }
+        }
+        for (k, v) in &other.counters {
+            *self.counters.entry(k.clone()).or_default() += v;
+        }
+    }
+
+    /// The snapshot as bytes, to send to another process ([`MetricsSnapshot::from_bytes`]):
+    /// every histogram as its (value, count) pairs, which rebuild it exactly.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let wire = WireMetrics {
+            hists: self
+                .hists
+                .iter()
+                .map(|(k, h)| {
+                    let counts = h
+                        .iter_recorded()
+                        .map(|v| (v.value_iterated_to(), v.count_at_value()))
+                        .collect();
+                    (WireKey::of(k), counts)
+                })
+                .collect(),
+            counters: self
+                .counters
+                .iter()
+                .map(|(k, &v)| (WireKey::of(k), v))
+                .collect(),
+        };
+        serde_json::to_vec(&wire).unwrap_or_default()
+    }
+
+    /// Reads [`MetricsSnapshot::to_bytes`]; names this process does not know are an error.
+    pub fn from_bytes(bytes: &[u8]) -> Result<MetricsSnapshot, String> {
+        let wire: WireMetrics =
+            serde_json::from_slice(bytes).map_err(|e| format!("metrics snapshot: {e}"))?;
+        let mut out = MetricsSnapshot::default();
+        for (k, counts) in wire.hists {
+            let key = k.key(&names::HISTOGRAMS)?;
+            let mut h = new_histogram();
+            for (value, n) in counts {
+                h.record_n(value, n)
+                    .map_err(|e| format!("metrics snapshot: {key}: {e}"))?;
+            }
+            out.hists.insert(key, h);
+        }
+        for (k, v) in wire.counters {
+            out.counters.insert(k.key(&names::COUNTERS)?, v);
+        }
+        Ok(out)
+    }
+
     /// One histogram over all label values of `name` (e.g. halo exchange over every peer).
     pub fn merged(&self, name: &str) -> Option<Histogram<u64>> {
         let mut out: Option<Histogram<u64>> = None;
@@ -215,6 +316,37 @@ impl MetricsSnapshot {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn snapshots_travel_as_bytes_and_merge() {
+        let (a, b) = (Metrics::default(), Metrics::default());
+        let halo = |p| {
+            Key::new(names::HALO_BYTES)
+                .with("partition", p)
+                .with("peer", 0)
+        };
+        for ms in [1.0, 2.5, 40.0] {
+            a.record_ms(Key::new(names::REPLICATE).with("partition", 0), ms);
+            b.record_ms(Key::new(names::REPLICATE).with("partition", 1), ms * 2.0);
+        }
+        b.record_ms(Key::new(names::REPLICATE).with("partition", 0), 7.0);
+        a.add(halo(1), 10);
+        b.add(halo(1), 5);
+        let sent = b.snapshot();
+        let got = MetricsSnapshot::from_bytes(&sent.to_bytes()).unwrap();
+        assert_eq!(got.summaries(), sent.summaries());
+        assert_eq!(got.counter_values(), sent.counter_values());
+        let mut all = a.snapshot();
+        all.merge(&got);
+        let s = all.summaries();
+        assert_eq!(s["replicate{partition=0}"].count, 4);
+        assert_eq!(s["replicate{partition=1}"].count, 3);
+        assert_eq!(all.counter_values()["halo_bytes{partition=1,peer=0}"], 15);
+        assert!(MetricsSnapshot::from_bytes(b"{").is_err());
+        let unknown = br#"{"hists":[],"counters":[[{"name":"nope","labels":[]},1]]}"#;
+        let err = MetricsSnapshot::from_bytes(unknown).unwrap_err();
+        assert!(err.contains("\"nope\""), "{err}");
+    }
 
     #[test]
     fn records_summarises_and_diffs() {

@@ -26,7 +26,7 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc as tmpsc;
 use tracing::Instrument;
-use trellis_runtime::metrics::Metrics;
+use trellis_runtime::metrics::{Metrics, MetricsSnapshot};
 use trellis_runtime::partition::PartitionSet;
 use trellis_runtime::train::build_report;
 use trellis_runtime::{NodeTraffic, RunReport, TrainConfig};
@@ -74,8 +74,10 @@ impl ClusterJob {
                 let before = Metrics::global().snapshot();
                 let result = sys
                     .block_on(drive(self, &endpoint, inbox, tx, cancel2).instrument(run_span))
-                    .map(|mut report| {
-                        let metrics = Metrics::global().snapshot().since(&before);
+                    .map(|(mut report, remote)| {
+                        // This process's metrics, and those every other node sent with its Bye.
+                        let mut metrics = Metrics::global().snapshot().since(&before);
+                        metrics.merge(&remote);
                         report.latency = metrics.summaries();
                         report.counters = metrics.counter_values();
                         report.trace_id = trace_id;
@@ -90,13 +92,14 @@ impl ClusterJob {
     }
 }
 
+/// Runs the cluster job; returns the report and the metrics the other nodes recorded.
 async fn drive(
     job: ClusterJob,
     ep: &NodeEndpoint,
     mut inbox: ControlInbox,
     events: mpsc::Sender<RunEvent>,
     cancel: Arc<AtomicBool>,
-) -> Result<RunReport, ActorError> {
+) -> Result<(RunReport, MetricsSnapshot), ActorError> {
     let cluster = &job.cluster;
     let book = job.set.book().clone();
     let placement = cluster.placement(book.parts)?;
@@ -285,8 +288,9 @@ async fn drive(
     let placement = recovery.placement.borrow().clone();
     let mine = parts_of(&placement, ep.id);
 
-    // 4. End the run everywhere and collect each node's traffic.
+    // 4. End the run everywhere and collect each node's traffic and metrics.
     let mut nodes = Vec::new();
+    let mut remote_metrics = MetricsSnapshot::default();
     match &outcome {
         Ok(_) => {
             for &w in &workers {
@@ -295,13 +299,19 @@ async fn drive(
             let by = tokio::time::Instant::now() + Duration::from_secs(10);
             while nodes.len() < workers.len() {
                 match tokio::time::timeout_at(by, byes.recv()).await {
-                    Ok(Some((node, sent, received))) => nodes.push(NodeTraffic {
-                        node,
-                        addr: addrs.get(&node).cloned().unwrap_or_default(),
-                        partitions: parts_of(&placement, node),
-                        bytes_sent: sent,
-                        bytes_received: received,
-                    }),
+                    Ok(Some(bye)) => {
+                        match MetricsSnapshot::from_bytes(&bye.metrics) {
+                            Ok(m) => remote_metrics.merge(&m),
+                            Err(e) => tracing::warn!(peer = bye.node, "{e}; not in the report"),
+                        }
+                        nodes.push(NodeTraffic {
+                            node: bye.node,
+                            addr: addrs.get(&bye.node).cloned().unwrap_or_default(),
+                            partitions: parts_of(&placement, bye.node),
+                            bytes_sent: bye.bytes_sent,
+                            bytes_received: bye.bytes_received,
+                        })
+                    }
                     _ => break,
                 }
             }
@@ -341,7 +351,7 @@ async fn drive(
     );
     report.recoveries = serde_json::to_value(&recoveries).unwrap_or_default();
     report.nodes = nodes;
-    Ok(report)
+    Ok((report, remote_metrics))
 }
 
 /// Re-places a lost node's partitions on the live nodes that keep their replicas.
@@ -586,12 +596,20 @@ async fn abort(ep: &NodeEndpoint, workers: &[u32], e: &ActorError) {
     ep.flush(Duration::from_secs(1)).await;
 }
 
+/// A node's last words: its traffic and the metrics it recorded.
+struct Bye {
+    node: u32,
+    bytes_sent: u64,
+    bytes_received: u64,
+    metrics: Vec<u8>,
+}
+
 /// Routes what arrives during training: replies to their requests, node failures to the
 /// requests waiting on those nodes, `Bye`s to the end of the run.
 async fn dispatch(
     mut inbox: ControlInbox,
     client: Arc<ControlClient>,
-    byes: tmpsc::UnboundedSender<(u32, u64, u64)>,
+    byes: tmpsc::UnboundedSender<Bye>,
     set: PartitionSet,
 ) {
     loop {
@@ -606,9 +624,15 @@ async fn dispatch(
                 ControlMsg::Bye {
                     bytes_sent,
                     bytes_received,
+                    metrics,
                 },
             )) => {
-                let _ = byes.send((from, bytes_sent, bytes_received));
+                let _ = byes.send(Bye {
+                    node: from,
+                    bytes_sent,
+                    bytes_received,
+                    metrics,
+                });
             }
             Ok((from, other)) => tracing::warn!(peer = from, "ignored {other:?}"),
             Err(ActorError::Node { node, detail }) if node != u32::MAX => {

@@ -34,10 +34,12 @@ pub enum ControlMsg {
     Reply { id: u64, body: ReplyBody },
     /// Coordinator -> node: the run ended; stop the actors, answer `Bye` and exit.
     Finish,
-    /// Node -> coordinator: last words, with this node's traffic.
+    /// Node -> coordinator: last words, with this node's traffic and the metrics it recorded
+    /// during the run (`MetricsSnapshot::to_bytes`), which join the run report's.
     Bye {
         bytes_sent: u64,
         bytes_received: u64,
+        metrics: Vec<u8>,
     },
     /// Coordinator -> node: the run failed; stop and exit with this reason.
     Abort { reason: String },
@@ -337,6 +339,7 @@ mod tests {
             ControlMsg::Bye {
                 bytes_sent: 1,
                 bytes_received: 2,
+                metrics: b"{}".to_vec(),
             },
         ];
         for m in msgs {

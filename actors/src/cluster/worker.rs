@@ -19,6 +19,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
+use trellis_runtime::metrics::Metrics;
 use trellis_runtime::partition::{PartitionBook, PartitionSet};
 use trellis_runtime::{NodeTraffic, TrainConfig};
 use trellis_transport::{RunId, TraceContext};
@@ -56,6 +57,7 @@ async fn serve(
 ) -> Result<NodeTraffic, ActorError> {
     let coord = cluster.coordinator;
     let join = Duration::from_millis(cluster.join_timeout_ms);
+    let metrics_before = Metrics::global().snapshot();
     ep.send(
         coord,
         &ControlMsg::Join {
@@ -175,6 +177,10 @@ async fn serve(
             &ControlMsg::Bye {
                 bytes_sent: traffic.bytes_sent,
                 bytes_received: traffic.bytes_received,
+                metrics: Metrics::global()
+                    .snapshot()
+                    .since(&metrics_before)
+                    .to_bytes(),
             },
         )?;
         ep.flush(Duration::from_secs(5)).await;
