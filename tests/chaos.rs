@@ -2,8 +2,11 @@
 //! `--chaos` faults (real SIGKILLs of node processes, partition panics). Every run ends with
 //! the fault-free weights or a clear error, within a bounded time; every process started is
 //! killed and reaped (the launcher's children die with it).
+mod binary;
+
+use binary::{assert_ok, trellis};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 const DATA: &str = "synthetic:nodes=1200,degree=6,features=16,classes=3,seed=7";
@@ -55,7 +58,7 @@ fn launch(dir: &Path, name: &str, epochs: u32, chaos: &str, extra: &[&str]) -> R
     }
     args.extend(extra);
     let mut child = Guard(
-        Command::new(env!("CARGO_BIN_EXE_trellis"))
+        trellis()
             .args(&args)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -352,7 +355,7 @@ fn a_corrupt_checkpoint_is_a_clear_error() {
     let ck = dir.path().join("ck");
     std::fs::create_dir_all(&ck).unwrap();
     std::fs::write(ck.join("checkpoint.rkyv"), b"not a checkpoint at all").unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_trellis"))
+    let out = trellis()
         .args([
             "train",
             "--data",
@@ -375,7 +378,7 @@ fn a_corrupt_checkpoint_is_a_clear_error() {
 
 #[test]
 fn bench_recovery_reports_overhead_and_recovery_times() {
-    let out = Command::new(env!("CARGO_BIN_EXE_trellis"))
+    let out = trellis()
         .args(["bench", "recovery", "--data", DATA, "--hidden", "16"])
         .args([
             "--epochs",
@@ -388,12 +391,7 @@ fn bench_recovery_reports_overhead_and_recovery_times() {
         .args(["--heartbeat-ms", "100"])
         .output()
         .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let text = assert_ok(&out);
     for needle in [
         "replication overhead",
         "actor panic: detection to ready to replay",

@@ -1,6 +1,9 @@
 //! Multi-process clusters as a user runs them: real `trellis node` / `trellis launch`
 //! processes on 127.0.0.1 with ephemeral ports. Every process a test starts is killed and
 //! reaped when the test ends (also when it fails), and every wait is bounded.
+mod binary;
+
+use binary::read_report as report;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -81,10 +84,6 @@ fn run_ok(name: &str, args: &[&str], limit: Duration) -> String {
     let (status, out, err) = Proc::start(name, args).finish(limit);
     assert!(status.success(), "{name} failed ({status}): {err}\n{out}");
     out
-}
-
-fn report(path: &Path) -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
 fn losses(r: &serde_json::Value) -> Vec<f64> {

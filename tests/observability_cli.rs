@@ -4,18 +4,13 @@ use base64::Engine;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 const DATA: &str = "synthetic:nodes=800,degree=6,features=12,classes=3,seed=5";
 
-fn trellis() -> Command {
-    let mut c = Command::new(env!("CARGO_BIN_EXE_trellis"));
-    // These tests must not export to a collector the environment may name.
-    c.env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
-        .env_remove("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT");
-    c
-}
+mod binary;
+use binary::{assert_ok, read_report, trellis};
 
 fn get(addr: &str, path: &str) -> std::io::Result<(String, String)> {
     let mut s = TcpStream::connect(addr)?;
@@ -141,13 +136,8 @@ fn report_renders_pngs_and_a_self_contained_page() {
         ])
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_ok(&out);
+    let report = read_report(&json);
     // The record of what reproduces the run, and the latency summary.
     for key in [
         "config",
@@ -183,11 +173,7 @@ fn report_renders_pngs_and_a_self_contained_page() {
         ])
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_ok(&out);
     let names = ["loss_accuracy.png", "timeline.png", "halo_bytes.png"];
     for name in names {
         let (w, h) = png_size(&std::fs::read(charts.join(name)).unwrap());

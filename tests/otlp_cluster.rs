@@ -3,10 +3,11 @@
 //! node processes share the run's trace id, a layer step on node 1 is a child of the
 //! coordinator's epoch on node 0 (trace context in the control messages), and a halo receive
 //! on one node is a child of the send on the other (trace context in the QUIC frames).
+mod binary;
 mod support;
 
+use binary::{assert_ok, read_report, trellis};
 use std::collections::HashMap;
-use std::process::Command;
 use support::{int, Received};
 
 #[test]
@@ -19,7 +20,7 @@ fn a_two_node_run_is_one_trace_across_both_processes() {
     let (addr, store) = support::grpc_receiver(&rt);
     let dir = tempfile::tempdir().unwrap();
     let report = dir.path().join("run.json");
-    let out = Command::new(env!("CARGO_BIN_EXE_trellis"))
+    let out = trellis()
         .args([
             "launch",
             "--nodes",
@@ -41,13 +42,8 @@ fn a_two_node_run_is_one_trace_across_both_processes() {
         .env("OTEL_SERVICE_NAME", "trellis-cluster-test")
         .output()
         .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let r: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert_ok(&out);
+    let r = read_report(&report);
     let trace_id = r["trace_id"]
         .as_str()
         .expect("the report names its trace")

@@ -19,6 +19,10 @@ use trellis_runtime::train::{normalize_rows, TrainConfig};
 use trellis_runtime::{Block, LayerInput, Model, Optimizer, Result};
 use trellis_transport::{HaloBlock, PartId, Phase, RunId, TRANSFORMED};
 
+/// What a stage returns: the step's outcome (`None` after the first stage of a split layer)
+/// and the blocks to send.
+pub type StageOut = Result<(Option<Outcome>, Vec<HaloBlock>)>;
+
 /// Totals over the whole graph that scale losses and accuracies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GlobalCounts {
@@ -223,7 +227,7 @@ impl PartitionState {
         phase: Phase,
         stage: Stage,
         blocks: &BTreeMap<PartId, HaloBlock>,
-    ) -> Result<(Option<Outcome>, Vec<HaloBlock>)> {
+    ) -> StageOut {
         let tag = Tag {
             run,
             epoch,
@@ -260,11 +264,7 @@ impl PartitionState {
 
     /// Forward of a layer that is not split. `blocks` holds, by sender, the halo rows of the
     /// previous layer's output (none for the first layer).
-    fn forward(
-        &mut self,
-        tag: Tag,
-        blocks: &BTreeMap<PartId, HaloBlock>,
-    ) -> Result<(Option<Outcome>, Vec<HaloBlock>)> {
+    fn forward(&mut self, tag: Tag, blocks: &BTreeMap<PartId, HaloBlock>) -> StageOut {
         let l = tag.layer as usize;
         let ctx = Self::ctx(tag);
         let y = if l == 0 {
@@ -286,30 +286,35 @@ impl PartitionState {
 
     /// First stage of a split layer's forward: transforms the inner rows, sends the rows each
     /// neighbour holds as halo.
-    fn forward_first(&mut self, tag: Tag) -> Result<(Option<Outcome>, Vec<HaloBlock>)> {
+    fn forward_first(&mut self, tag: Tag) -> StageOut {
         let own = self.take_own_out()?;
         let l = tag.layer as usize;
         let z = self
             .model
             .forward_transform(&self.stream, l, &self.block, own, Self::ctx(tag))?;
-        let out = self.halo.blocks(
-            Tag {
-                layer: tag.layer | TRANSFORMED,
-                ..tag
-            },
-            &z,
-            &self.halo.send,
-        );
-        self.staged = Some(Staged::of(tag, z));
+        self.end_first_stage(tag, z)
+    }
+
+    /// Ends a split layer's first stage: sends the rows of `rows` the neighbours need under the
+    /// transformed-layer tag (forward: the inner rows they hold as halo; backward: the halo
+    /// rows' gradients, to their owners) and keeps the inner rows for the second stage.
+    fn end_first_stage(&mut self, tag: Tag, mut rows: Tensor) -> StageOut {
+        let lists = match tag.phase {
+            Phase::Backward => &self.halo.recv,
+            Phase::Forward | Phase::Eval => &self.halo.send,
+        };
+        let transformed = Tag {
+            layer: tag.layer | TRANSFORMED,
+            ..tag
+        };
+        let out = self.halo.blocks(transformed, &rows, lists);
+        rows.truncate_rows(self.block.n_out());
+        self.staged = Some(Staged::of(tag, rows));
         Ok((None, out))
     }
 
     /// Second stage of a split layer's forward: aggregates `[Z_inner; Z_halo]`.
-    fn forward_second(
-        &mut self,
-        tag: Tag,
-        blocks: &BTreeMap<PartId, HaloBlock>,
-    ) -> Result<(Option<Outcome>, Vec<HaloBlock>)> {
+    fn forward_second(&mut self, tag: Tag, blocks: &BTreeMap<PartId, HaloBlock>) -> StageOut {
         let z = self.take_staged(tag)?;
         let z = self.halo.assemble(z, self.block.n_in(), blocks)?;
         let l = tag.layer as usize;
@@ -338,7 +343,7 @@ impl PartitionState {
     /// After a layer's forward: keeps its output for the next layer (sending the rows the
     /// neighbours hold as halo if the next layer exchanges its input), or computes the loss
     /// (training) or the correct counts (evaluation) after the last layer.
-    fn forward_done(&mut self, tag: Tag, y: Tensor) -> Result<(Option<Outcome>, Vec<HaloBlock>)> {
+    fn forward_done(&mut self, tag: Tag, y: Tensor) -> StageOut {
         let l = tag.layer as usize;
         if l + 1 < self.num_layers() {
             let out = if self.exchanges_input(l + 1) {
@@ -384,11 +389,7 @@ impl PartitionState {
 
     /// Backward of a layer that is not split; sends the gradients of its halo input rows to
     /// their owners.
-    fn backward(
-        &mut self,
-        tag: Tag,
-        blocks: &BTreeMap<PartId, HaloBlock>,
-    ) -> Result<(Option<Outcome>, Vec<HaloBlock>)> {
+    fn backward(&mut self, tag: Tag, blocks: &BTreeMap<PartId, HaloBlock>) -> StageOut {
         let l = tag.layer as usize;
         let g = self.output_grad(blocks)?;
         let gx = self
@@ -403,36 +404,18 @@ impl PartitionState {
 
     /// First stage of a split layer's backward: `gZ` for every input row; sends its halo rows
     /// to their owners.
-    fn backward_first(
-        &mut self,
-        tag: Tag,
-        blocks: &BTreeMap<PartId, HaloBlock>,
-    ) -> Result<(Option<Outcome>, Vec<HaloBlock>)> {
+    fn backward_first(&mut self, tag: Tag, blocks: &BTreeMap<PartId, HaloBlock>) -> StageOut {
         let l = tag.layer as usize;
         let g = self.output_grad(blocks)?;
-        let mut gz = self
+        let gz = self
             .model
             .backward_aggregate(&self.stream, l, &self.block, g)?;
-        let out = self.halo.blocks(
-            Tag {
-                layer: tag.layer | TRANSFORMED,
-                ..tag
-            },
-            &gz,
-            &self.halo.recv,
-        );
-        gz.truncate_rows(self.block.n_out());
-        self.staged = Some(Staged::of(tag, gz));
-        Ok((None, out))
+        self.end_first_stage(tag, gz)
     }
 
     /// Second stage of a split layer's backward: adds the neighbours' `gZ` rows for the inner
     /// nodes (ascending sender order), then the weight and inner input gradients.
-    fn backward_second(
-        &mut self,
-        tag: Tag,
-        blocks: &BTreeMap<PartId, HaloBlock>,
-    ) -> Result<(Option<Outcome>, Vec<HaloBlock>)> {
+    fn backward_second(&mut self, tag: Tag, blocks: &BTreeMap<PartId, HaloBlock>) -> StageOut {
         let l = tag.layer as usize;
         let mut gz = self.take_staged(tag)?;
         self.halo.add_received(&self.stream, &mut gz, blocks)?;
@@ -444,11 +427,7 @@ impl PartitionState {
 
     /// After a layer's backward: keeps the inner rows' input gradient for the layer below, or
     /// returns the weight gradients after the first layer.
-    fn backward_done(
-        &mut self,
-        gx: Option<Tensor>,
-        out: Vec<HaloBlock>,
-    ) -> Result<(Option<Outcome>, Vec<HaloBlock>)> {
+    fn backward_done(&mut self, gx: Option<Tensor>, out: Vec<HaloBlock>) -> StageOut {
         match gx {
             Some(mut gx) => {
                 gx.truncate_rows(self.block.n_out());

@@ -1,0 +1,33 @@
+//! Running the `trellis` binary as a user does, for the integration tests.
+// Each test binary uses a part of this module.
+#![allow(dead_code)]
+use std::path::Path;
+use std::process::{Command, Output};
+
+/// The `trellis` binary, not exporting to a collector the environment may name (a test that
+/// wants one sets the variables on the command).
+pub fn trellis() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_trellis"));
+    c.env_remove("OTEL_EXPORTER_OTLP_ENDPOINT")
+        .env_remove("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT");
+    c
+}
+
+/// Checks that the command succeeded (else fails with its stderr); returns its stdout.
+#[track_caller]
+pub fn assert_ok(out: &Output) -> String {
+    assert!(
+        out.status.success(),
+        "trellis failed ({}): {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A run report written by `--report`.
+pub fn read_report(path: &Path) -> serde_json::Value {
+    let text =
+        std::fs::read_to_string(path).unwrap_or_else(|e| panic!("report {}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("report {}: {e}", path.display()))
+}
