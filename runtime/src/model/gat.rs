@@ -5,11 +5,10 @@
 //!
 //! The per-node attention terms `a·W x` are GEMMs with a block-diagonal `HD x H` matrix that
 //! holds each head's attention vector, so forward and backward reuse the dense kernels.
-use super::{dropout_backward, ActSaved, Init, LayerInput, LayerSpec, Param, StepCtx};
-use crate::graph::Block;
+use super::{dropout_backward, ActSaved, Init, LayerArgs, LayerInput, LayerSpec, Param, StepCtx};
 use crate::Result;
 use std::borrow::Cow;
-use trellis_gpu::{Activation, EdgeWeights, Stream, Tensor};
+use trellis_gpu::{Activation, EdgeWeights, Tensor};
 
 const NEGATIVE_SLOPE: f32 = 0.2;
 const ATTN_SITE: u16 = 1;
@@ -75,14 +74,17 @@ fn ones(rows: usize, cols: usize) -> Tensor {
 }
 
 pub(crate) fn forward(
-    s: &Stream,
-    spec: &LayerSpec,
-    seed: u64,
+    a: &LayerArgs<'_>,
     p: &[Param],
-    block: &Block,
     x: Cow<'_, LayerInput>,
     ctx: StepCtx,
 ) -> Result<(Tensor, Option<GatCache>)> {
+    let LayerArgs {
+        s,
+        spec,
+        seed,
+        block,
+    } = *a;
     let (heads, d) = (spec.heads, spec.out_dim);
     let adj = block.adj();
     let xd = LayerInput::dropped(x, s, spec, seed, block, ctx)?;
@@ -160,17 +162,19 @@ fn mean_heads(agg: &Tensor, heads: usize, d: usize) -> Tensor {
     out
 }
 
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn backward(
-    s: &Stream,
-    spec: &LayerSpec,
-    seed: u64,
+    a: &LayerArgs<'_>,
     p: &mut [Param],
-    block: &Block,
     c: GatCache,
     mut g: Tensor,
     need_input_grad: bool,
 ) -> Result<Option<Tensor>> {
+    let LayerArgs {
+        s,
+        spec,
+        seed,
+        block,
+    } = *a;
     let (heads, d) = (spec.heads, spec.out_dim);
     let adj = block.adj();
     let (adj_t, perm) = (block.adj_t(), block.adj_t_perm());

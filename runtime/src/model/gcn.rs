@@ -1,7 +1,6 @@
 //! GCN layer (Kipf & Welling 2017): `act(Â · dropout(X) · W + b)` with
 //! `Â = D^-1/2 (A + I) D^-1/2` over global degrees (the block's stored values).
-use super::{dropout_backward, ActSaved, Init, LayerInput, LayerSpec, Param, StepCtx};
-use crate::graph::Block;
+use super::{dropout_backward, ActSaved, Init, LayerArgs, LayerInput, LayerSpec, Param, StepCtx};
 use crate::Result;
 use std::borrow::Cow;
 use trellis_gpu::{EdgeWeights, Stream, Tensor};
@@ -28,14 +27,17 @@ pub(crate) struct GcnCache {
 }
 
 pub(crate) fn forward(
-    s: &Stream,
-    spec: &LayerSpec,
-    seed: u64,
+    a: &LayerArgs<'_>,
     p: &[Param],
-    block: &Block,
     x: Cow<'_, LayerInput>,
     ctx: StepCtx,
 ) -> Result<(Tensor, Option<GcnCache>)> {
+    let LayerArgs {
+        s,
+        spec,
+        seed,
+        block,
+    } = *a;
     let (w, b) = (&p[0].value, &p[1].value);
     let xd = LayerInput::dropped(x, s, spec, seed, block, ctx)?;
     let mut h = Tensor::zeros(block.n_out(), spec.out_dim);
@@ -84,14 +86,17 @@ fn finish(
 /// `Z = dropout(X) W` over the block's inner rows `x` only. Returns `Z` and, in training, the
 /// dropped rows backward needs.
 pub(crate) fn transform(
-    s: &Stream,
-    spec: &LayerSpec,
-    seed: u64,
+    a: &LayerArgs<'_>,
     p: &[Param],
-    block: &Block,
     mut x: Tensor,
     ctx: StepCtx,
 ) -> Result<(Tensor, Option<LayerInput>)> {
+    let LayerArgs {
+        s,
+        spec,
+        seed,
+        block,
+    } = *a;
     if ctx.train && spec.dropout > 0.0 {
         let key = spec.dropout_key(seed, ctx.epoch, 0);
         s.dropout(&mut x, block.inner_gids(), key, spec.dropout)?;
@@ -103,35 +108,36 @@ pub(crate) fn transform(
 /// Forward stage 2 of a split layer: `act(Â Z + b)`, `z` holding every input row (inner rows
 /// computed here, halo rows received from their owners); `xd` is what stage 1 kept.
 pub(crate) fn aggregate(
-    s: &Stream,
-    spec: &LayerSpec,
+    a: &LayerArgs<'_>,
     p: &[Param],
-    block: &Block,
     z: &Tensor,
     xd: Option<LayerInput>,
     ctx: StepCtx,
 ) -> Result<(Tensor, Option<GcnCache>)> {
+    let LayerArgs { s, spec, block, .. } = *a;
     let mut h = Tensor::zeros(block.n_out(), spec.out_dim);
     s.spmm(block.adj(), EdgeWeights::Stored, z, &mut h)?;
     finish(s, spec, &p[1].value, h, xd.map(Saved::Input), ctx)
 }
 
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn backward(
-    s: &Stream,
-    spec: &LayerSpec,
-    seed: u64,
+    a: &LayerArgs<'_>,
     p: &mut [Param],
-    block: &Block,
     c: GcnCache,
     mut g: Tensor,
     need_input_grad: bool,
 ) -> Result<Option<Tensor>> {
+    let LayerArgs {
+        s,
+        spec,
+        seed,
+        block,
+    } = *a;
     let ax = match &c.saved {
         Saved::Input(_) => {
             // h = Â Z, Z = X W: gZ = Â^T g, gW = X^T gZ, gX = gZ W^T.
-            let gz = grad_z(s, spec, p, block, &c, g)?;
-            return grad_transform(s, spec, seed, p, block, c, gz, need_input_grad);
+            let gz = grad_z(a, p, &c, g)?;
+            return grad_transform(a, p, c, gz, need_input_grad);
         }
         Saved::Aggregated(ax) => ax,
     };
@@ -152,13 +158,12 @@ pub(crate) fn backward(
 /// Backward stage 1 of a transform-first layer: `gZ = Â^T act'(g)` for every input row of the
 /// block (a partition sends the halo rows to their owners); accumulates the bias gradient.
 pub(crate) fn grad_z(
-    s: &Stream,
-    spec: &LayerSpec,
+    a: &LayerArgs<'_>,
     p: &mut [Param],
-    block: &Block,
     c: &GcnCache,
     mut g: Tensor,
 ) -> Result<Tensor> {
+    let LayerArgs { s, spec, block, .. } = *a;
     c.act.backward(s, spec.act, &mut g)?;
     s.add_column_sums(&g, &mut p[1].grad)?;
     let mut gz = Tensor::zeros(block.n_in(), spec.out_dim);
@@ -169,17 +174,19 @@ pub(crate) fn grad_z(
 /// Backward stage 2 of a transform-first layer, given `gZ` complete for the rows the layer
 /// transformed (every input row in one process, the inner rows of a split layer):
 /// `gW += X^T gZ` and, if asked, `gX = dropout'(gZ W^T)` for those rows.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn grad_transform(
-    s: &Stream,
-    spec: &LayerSpec,
-    seed: u64,
+    a: &LayerArgs<'_>,
     p: &mut [Param],
-    block: &Block,
     c: GcnCache,
     gz: Tensor,
     need_input_grad: bool,
 ) -> Result<Option<Tensor>> {
+    let LayerArgs {
+        s,
+        spec,
+        seed,
+        block,
+    } = *a;
     let Saved::Input(xd) = c.saved else {
         return Err(crate::RuntimeError::Config(
             "GCN transform backward on an aggregate-first layer".into(),

@@ -153,6 +153,16 @@ pub struct StepCtx {
     pub train: bool,
 }
 
+/// What every layer function works with: the stream its kernels run on, the layer's spec, the
+/// model's seed (keys dropout) and the block it computes over.
+#[derive(Clone, Copy)]
+pub(crate) struct LayerArgs<'a> {
+    pub s: &'a Stream,
+    pub spec: &'a LayerSpec,
+    pub seed: u64,
+    pub block: &'a Block,
+}
+
 /// What one layer needs for its backward pass.
 pub(crate) enum Cache {
     Gcn(gcn::GcnCache),
@@ -298,6 +308,21 @@ impl Model {
         trellis_gpu::digest_f32(self.params.iter().map(|p| p.value.as_slice()))
     }
 
+    /// The arguments of a layer function of this model.
+    pub(crate) fn args<'a>(
+        &self,
+        s: &'a Stream,
+        spec: &'a LayerSpec,
+        block: &'a Block,
+    ) -> LayerArgs<'a> {
+        LayerArgs {
+            s,
+            spec,
+            seed: self.cfg.seed,
+            block,
+        }
+    }
+
     /// Runs layer `l` on `x` (one row per input row of `block`) and returns its output rows
     /// (one per inner node). An owned input is reused for the layer's dropout (no copy).
     /// In training mode the layer keeps what its backward needs.
@@ -320,18 +345,18 @@ impl Model {
             )));
         }
         let params = &self.params[spec.first_param..];
-        let seed = self.cfg.seed;
+        let a = self.args(s, &spec, block);
         let (out, cache) = match self.cfg.kind {
             ModelKind::Gcn => {
-                let (o, c) = gcn::forward(s, &spec, seed, params, block, x, ctx)?;
+                let (o, c) = gcn::forward(&a, params, x, ctx)?;
                 (o, c.map(Cache::Gcn))
             }
             ModelKind::Sage => {
-                let (o, c) = sage::forward(s, &spec, seed, params, block, x, ctx)?;
+                let (o, c) = sage::forward(&a, params, x, ctx)?;
                 (o, c.map(Cache::Sage))
             }
             ModelKind::Gat => {
-                let (o, c) = gat::forward(s, &spec, seed, params, block, x, ctx)?;
+                let (o, c) = gat::forward(&a, params, x, ctx)?;
                 (o, c.map(Cache::Gat))
             }
         };
@@ -353,18 +378,12 @@ impl Model {
         let cache = self.caches[l].take().ok_or_else(|| {
             RuntimeError::Config(format!("backward of layer {l} without a training forward"))
         })?;
+        let a = self.args(s, &spec, block);
         let params = &mut self.params[spec.first_param..];
-        let seed = self.cfg.seed;
         match cache {
-            Cache::Gcn(c) => {
-                gcn::backward(s, &spec, seed, params, block, c, grad_out, need_input_grad)
-            }
-            Cache::Sage(c) => {
-                sage::backward(s, &spec, seed, params, block, c, grad_out, need_input_grad)
-            }
-            Cache::Gat(c) => {
-                gat::backward(s, &spec, seed, params, block, c, grad_out, need_input_grad)
-            }
+            Cache::Gcn(c) => gcn::backward(&a, params, c, grad_out, need_input_grad),
+            Cache::Sage(c) => sage::backward(&a, params, c, grad_out, need_input_grad),
+            Cache::Gat(c) => gat::backward(&a, params, c, grad_out, need_input_grad),
             Cache::GcnInput(_) => Err(RuntimeError::Config(format!(
                 "backward of layer {l} before its forward finished"
             ))),

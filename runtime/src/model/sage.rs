@@ -2,11 +2,10 @@
 //! `act(mean_{j in N(i)} x_j · W_l + x_i · W_r + b)` on dropped-out inputs, computed as
 //! `Ā (X W_l) + X_inner W_r + b` (the mean is linear, so transforming first is exact and
 //! aggregates the narrower rows).
-use super::{dropout_backward, ActSaved, Init, LayerInput, LayerSpec, Param, StepCtx};
-use crate::graph::Block;
+use super::{dropout_backward, ActSaved, Init, LayerArgs, LayerInput, LayerSpec, Param, StepCtx};
 use crate::Result;
 use std::borrow::Cow;
-use trellis_gpu::{EdgeWeights, Stream, Tensor};
+use trellis_gpu::{EdgeWeights, Tensor};
 
 pub(crate) fn param_shapes(spec: &LayerSpec) -> Vec<(String, usize, usize, Init)> {
     let fan = Init::LinearUniform(spec.in_dim);
@@ -25,14 +24,17 @@ pub(crate) struct SageCache {
 }
 
 pub(crate) fn forward(
-    s: &Stream,
-    spec: &LayerSpec,
-    seed: u64,
+    a: &LayerArgs<'_>,
     p: &[Param],
-    block: &Block,
     x: Cow<'_, LayerInput>,
     ctx: StepCtx,
 ) -> Result<(Tensor, Option<SageCache>)> {
+    let LayerArgs {
+        s,
+        spec,
+        seed,
+        block,
+    } = *a;
     let xd = LayerInput::dropped(x, s, spec, seed, block, ctx)?;
     let z = xd.matmul(s, &p[0].value)?;
     let mut h = Tensor::zeros(block.n_out(), spec.out_dim);
@@ -55,17 +57,19 @@ pub(crate) fn forward(
     Ok((y, cache))
 }
 
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn backward(
-    s: &Stream,
-    spec: &LayerSpec,
-    seed: u64,
+    a: &LayerArgs<'_>,
     p: &mut [Param],
-    block: &Block,
     c: SageCache,
     mut g: Tensor,
     need_input_grad: bool,
 ) -> Result<Option<Tensor>> {
+    let LayerArgs {
+        s,
+        spec,
+        seed,
+        block,
+    } = *a;
     c.act.backward(s, spec.act, &mut g)?;
     s.add_column_sums(&g, &mut p[1].grad)?;
     let mut gz = Tensor::zeros(block.n_in(), spec.out_dim);

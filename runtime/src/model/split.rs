@@ -52,7 +52,7 @@ impl Model {
             )));
         }
         let p = &self.params[spec.first_param..];
-        let (z, xd) = gcn::transform(s, &spec, self.cfg.seed, p, block, x, ctx)?;
+        let (z, xd) = gcn::transform(&self.args(s, &spec, block), p, x, ctx)?;
         self.caches[l] = xd.map(Cache::GcnInput);
         Ok(z)
     }
@@ -88,7 +88,7 @@ impl Model {
             }
         };
         let p = &self.params[spec.first_param..];
-        let (y, cache) = gcn::aggregate(s, &spec, p, block, z, xd, ctx)?;
+        let (y, cache) = gcn::aggregate(&self.args(s, &spec, block), p, z, xd, ctx)?;
         self.caches[l] = cache.map(Cache::Gcn);
         Ok(y)
     }
@@ -118,8 +118,9 @@ impl Model {
                 spec.out_dim
             )));
         }
+        let a = self.args(s, &spec, block);
         let p = &mut self.params[spec.first_param..];
-        gcn::grad_z(s, &spec, p, block, c, grad_out)
+        gcn::grad_z(&a, p, c, grad_out)
     }
 
     /// Backward stage 2 of split layer `l`, given `gZ` of the inner rows with every part's
@@ -149,8 +150,9 @@ impl Model {
                 "backward of layer {l} without a training forward"
             )));
         };
+        let a = self.args(s, &spec, block);
         let p = &mut self.params[spec.first_param..];
-        gcn::grad_transform(s, &spec, self.cfg.seed, p, block, c, gz, need_input_grad)
+        gcn::grad_transform(&a, p, c, gz, need_input_grad)
     }
 }
 
