@@ -93,20 +93,10 @@ pub fn dropout(x: &mut [f32], width: usize, gids: &[u32], key: DropoutKey, p: f3
     if p <= 0.0 || width == 0 {
         return;
     }
-    assert_eq!(
-        x.len(),
-        gids.len() * width,
-        "dropout: one global id per row is needed"
-    );
-    let mask = MaskGen::new(key, p);
-    let chunk = row_chunk(gids.len(), width);
-    x.par_chunks_mut(chunk * width)
+    let mask = RowMask::new("dropout", x.len(), width, gids, key, p);
+    x.par_chunks_mut(mask.chunk * width)
         .enumerate()
-        .for_each(|(c, block)| {
-            for (r, row) in block.chunks_mut(width).enumerate() {
-                mask.apply_row(gids[c * chunk + r], row);
-            }
-        });
+        .for_each(|(c, block)| mask.apply(c, block));
 }
 
 /// `dst = dropout(src)` with the mask [`dropout`] applies, in one parallel pass (no separate
@@ -123,24 +113,50 @@ pub fn dropout_copy(
     if width == 0 {
         return;
     }
-    assert_eq!(
-        dst.len(),
-        gids.len() * width,
-        "dropout_copy: one global id per row is needed"
-    );
-    let mask = MaskGen::new(key, p);
-    let chunk = row_chunk(gids.len(), width);
-    dst.par_chunks_mut(chunk * width)
-        .zip(src.par_chunks(chunk * width))
+    let mask = RowMask::new("dropout_copy", dst.len(), width, gids, key, p);
+    dst.par_chunks_mut(mask.chunk * width)
+        .zip(src.par_chunks(mask.chunk * width))
         .enumerate()
         .for_each(|(c, (block, from))| {
             block.copy_from_slice(from);
             if p > 0.0 {
-                for (r, row) in block.chunks_mut(width).enumerate() {
-                    mask.apply_row(gids[c * chunk + r], row);
-                }
+                mask.apply(c, block);
             }
         });
+}
+
+/// The row loop shared by [`dropout`] and [`dropout_copy`]: rows of `width` values split into
+/// parallel chunks of `chunk` rows, row `r` masked with the draws of `gids[r]`.
+struct RowMask<'a> {
+    mask: MaskGen,
+    width: usize,
+    chunk: usize,
+    gids: &'a [u32],
+}
+
+impl<'a> RowMask<'a> {
+    /// The mask for `len` values in rows `width` wide (`width` not 0), checking that every row
+    /// has a global id.
+    fn new(op: &str, len: usize, width: usize, gids: &'a [u32], key: DropoutKey, p: f32) -> Self {
+        assert_eq!(
+            len,
+            gids.len() * width,
+            "{op}: one global id per row is needed"
+        );
+        RowMask {
+            mask: MaskGen::new(key, p),
+            width,
+            chunk: row_chunk(gids.len(), width),
+            gids,
+        }
+    }
+
+    /// Masks chunk `c` (`block`, its rows' values) in place.
+    fn apply(&self, c: usize, block: &mut [f32]) {
+        for (r, row) in block.chunks_mut(self.width).enumerate() {
+            self.mask.apply_row(self.gids[c * self.chunk + r], row);
+        }
+    }
 }
 
 /// Dropout over a row's entries (GAT attention dropout): value `k` of row `r`'s segment (its
