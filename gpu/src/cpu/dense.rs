@@ -172,23 +172,14 @@ pub fn edge_dropout(
     if p <= 0.0 {
         return;
     }
-    assert_eq!(
-        indptr.len(),
-        gids.len() + 1,
-        "edge_dropout: one global id per row is needed"
-    );
+    assert_row_ids("edge_dropout", indptr, gids);
     assert_eq!(
         vals.len(),
         indptr[gids.len()] * heads,
         "edge_dropout: values length"
     );
     let mask = MaskGen::new(key, p);
-    let mut segs = super::split_rows(vals, indptr, heads);
-    segs.par_chunks_mut(256).enumerate().for_each(|(c, block)| {
-        for (r, seg) in block.iter_mut().enumerate() {
-            mask.apply_row(gids[c * 256 + r], seg);
-        }
-    });
+    for_each_row_segment(vals, indptr, heads, |r, seg| mask.apply_row(gids[r], seg));
 }
 
 /// Dropout of a sparse matrix's stored values with the same mask as [`dropout`] would apply to
@@ -204,18 +195,37 @@ pub fn dropout_csr(
     if p <= 0.0 {
         return;
     }
+    assert_row_ids("dropout_csr", indptr, gids);
+    assert_eq!(vals.len(), indices.len(), "dropout_csr: values length");
+    let mask = MaskGen::new(key, p);
+    for_each_row_segment(vals, indptr, 1, |r, seg| {
+        mask.apply_sparse_row(gids[r], &indices[indptr[r]..indptr[r + 1]], seg)
+    });
+}
+
+/// Panics unless the CSR rows of `indptr` each have a global id in `gids` (`op` names the
+/// caller).
+fn assert_row_ids(op: &str, indptr: &[usize], gids: &[u32]) {
     assert_eq!(
         indptr.len(),
         gids.len() + 1,
-        "dropout_csr: one global id per row is needed"
+        "{op}: one global id per row is needed"
     );
-    assert_eq!(vals.len(), indices.len(), "dropout_csr: values length");
-    let mask = MaskGen::new(key, p);
-    let mut segs = super::split_rows(vals, indptr, 1);
+}
+
+/// The row loop shared by [`edge_dropout`] and [`dropout_csr`]: `vals` split into the rows'
+/// segments (`per_entry` values per entry of `indptr`), each passed with its row index to `f`,
+/// in parallel chunks of 256 rows.
+fn for_each_row_segment(
+    vals: &mut [f32],
+    indptr: &[usize],
+    per_entry: usize,
+    f: impl Fn(usize, &mut [f32]) + Sync,
+) {
+    let mut segs = super::split_rows(vals, indptr, per_entry);
     segs.par_chunks_mut(256).enumerate().for_each(|(c, block)| {
         for (k, seg) in block.iter_mut().enumerate() {
-            let r = c * 256 + k;
-            mask.apply_sparse_row(gids[r], &indices[indptr[r]..indptr[r + 1]], seg);
+            f(c * 256 + k, seg);
         }
     });
 }
