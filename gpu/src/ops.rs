@@ -1,5 +1,7 @@
 //! The device-neutral op API: methods on [`Stream`] that check shapes and dispatch to the
-//! stream's backend. Callers (models, partition actors) use only these.
+//! stream's backend. Callers (models, partition actors) use only these. The shape checks
+//! (`check`, `check_same_shape`, `gemm_prefix_dims`) and Adam's bias correction
+//! ([`AdamConfig`]) are shared with the CUDA op API on device operands.
 use crate::cpu;
 use crate::stream::KernelKind;
 use crate::{Csr, Device, DropoutKey, GpuError, Result, Stream, Tensor};
