@@ -1,5 +1,7 @@
 //! The device-neutral op API: methods on [`Stream`] that check shapes and dispatch to the
-//! stream's backend. Callers (models, partition actors) use only these.
+//! stream's backend. Callers (models, partition actors) use only these. The shape checks
+//! (`check`, `check_same_shape`, `gemm_prefix_dims`) and Adam's bias correction
+//! ([`AdamConfig`]) are shared with the CUDA op API on device operands.
 use crate::cpu;
 use crate::stream::KernelKind;
 use crate::{Csr, Device, DropoutKey, GpuError, Result, Stream, Tensor};
@@ -105,6 +107,16 @@ impl Default for AdamConfig {
     }
 }
 
+impl AdamConfig {
+    /// The bias-corrected step size `lr / (1 - beta1^t)` and `sqrt(1 - beta2^t)` of step `t`
+    /// (from 1), computed in f64 and rounded once: every backend's Adam step uses these.
+    pub(crate) fn bias_correction(&self, t: u64) -> (f32, f32) {
+        let bc1 = 1.0 - (self.beta1 as f64).powi(t as i32);
+        let bc2 = 1.0 - (self.beta2 as f64).powi(t as i32);
+        ((self.lr as f64 / bc1) as f32, bc2.sqrt() as f32)
+    }
+}
+
 /// SGD hyper-parameters.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct SgdConfig {
@@ -136,12 +148,47 @@ const SPMM_PIECE: usize = 1 << 24;
 /// Elements per piece of an element-wise kernel.
 const ELEMENTWISE_PIECE: usize = 1 << 22;
 
-fn check(op: &'static str, ok: bool, detail: impl FnOnce() -> String) -> Result<()> {
+/// A shape error of `op` (with `detail`) unless `ok`; the CPU and CUDA op APIs check with it.
+pub(crate) fn check(op: &'static str, ok: bool, detail: impl FnOnce() -> String) -> Result<()> {
     if ok {
         Ok(())
     } else {
         Err(GpuError::shape(op, detail()))
     }
+}
+
+/// [`check`] that two operands of `op` have the same shape.
+pub(crate) fn check_same_shape(
+    op: &'static str,
+    a: (usize, usize),
+    b: (usize, usize),
+) -> Result<()> {
+    check(op, a == b, || format!("{a:?} vs {b:?}"))
+}
+
+/// The sizes `(m, n, k)` of `c (m x n) = op(a[..a_rows]) (m x k) * op(b) (k x n)`, checked
+/// against the shapes of `a`, `b` and `c` (every backend's `gemm_prefix` starts with this).
+pub(crate) fn gemm_prefix_dims(
+    a: (usize, usize),
+    a_rows: usize,
+    trans_a: bool,
+    b: (usize, usize),
+    trans_b: bool,
+    c: (usize, usize),
+) -> Result<(usize, usize, usize)> {
+    check("gemm_prefix", a_rows <= a.0, || {
+        format!("{a_rows} rows of {}", a.0)
+    })?;
+    let (m, k) = if trans_a {
+        (a.1, a_rows)
+    } else {
+        (a_rows, a.1)
+    };
+    let (k2, n) = if trans_b { (b.1, b.0) } else { b };
+    check("gemm_prefix", k == k2 && c == (m, n), || {
+        format!("op(a) {m}x{k}, op(b) {k2}x{n}, c {}x{}", c.0, c.1)
+    })?;
+    Ok((m, n, k))
 }
 
 impl Stream {
@@ -188,23 +235,9 @@ impl Stream {
         c: &mut Tensor,
     ) -> Result<()> {
         self.admit()?;
-        check("gemm_prefix", a_rows <= a.rows(), || {
-            format!("{a_rows} rows of {}", a.rows())
-        })?;
+        let (m, n, k) =
+            gemm_prefix_dims(a.shape(), a_rows, trans_a, b.shape(), trans_b, c.shape())?;
         let a_data = &a.as_slice()[..a_rows * a.cols()];
-        let (m, k) = if trans_a {
-            (a.cols(), a_rows)
-        } else {
-            (a_rows, a.cols())
-        };
-        let (k2, n) = if trans_b {
-            (b.cols(), b.rows())
-        } else {
-            b.shape()
-        };
-        check("gemm_prefix", k == k2 && c.shape() == (m, n), || {
-            format!("op(a) {m}x{k}, op(b) {k2}x{n}, c {}x{}", c.rows(), c.cols())
-        })?;
         let threads = self.threads();
         let c = c.as_mut_slice();
         let b = b.as_slice();
@@ -481,9 +514,7 @@ impl Stream {
     /// `gy * act'(x)` as a new tensor.
     pub fn activation_backward(&self, act: Activation, x: &Tensor, gy: &Tensor) -> Result<Tensor> {
         self.admit()?;
-        check("activation_backward", x.shape() == gy.shape(), || {
-            format!("{:?} vs {:?}", x.shape(), gy.shape())
-        })?;
+        check_same_shape("activation_backward", x.shape(), gy.shape())?;
         let mut gx = Tensor::zeros(x.rows(), x.cols());
         self.run(|| cpu::activation_backward(act, x.as_slice(), gy.as_slice(), gx.as_mut_slice()));
         Ok(gx)
@@ -497,11 +528,7 @@ impl Stream {
         gy: &mut Tensor,
     ) -> Result<()> {
         self.admit()?;
-        check(
-            "activation_backward_from_output",
-            y.shape() == gy.shape(),
-            || format!("{:?} vs {:?}", y.shape(), gy.shape()),
-        )?;
+        check_same_shape("activation_backward_from_output", y.shape(), gy.shape())?;
         if act == Activation::Identity {
             return Ok(());
         }
@@ -664,9 +691,7 @@ impl Stream {
     /// `y += alpha * x`.
     pub fn axpy(&self, alpha: f32, x: &Tensor, y: &mut Tensor) -> Result<()> {
         self.admit()?;
-        check("axpy", x.shape() == y.shape(), || {
-            format!("{:?} vs {:?}", x.shape(), y.shape())
-        })?;
+        check_same_shape("axpy", x.shape(), y.shape())?;
         self.run(|| cpu::axpy(alpha, x.as_slice(), y.as_mut_slice()));
         Ok(())
     }

@@ -24,20 +24,32 @@ enum W {
     PerHead(Vec<f32>, usize),
 }
 
+/// One `gemm_prefix` call: `c = alpha * op(a[..a_rows]) * op(b) + beta * c`.
+struct Gemm {
+    alpha: f32,
+    a: Tensor,
+    a_rows: usize,
+    ta: bool,
+    b: Tensor,
+    tb: bool,
+    beta: f32,
+    c: Tensor,
+}
+
+/// A dropout mask: rows keyed by their global ids `gids`, drop probability `p`.
+#[derive(Clone, Copy)]
+struct Mask<'a> {
+    gids: &'a [u32],
+    key: DropoutKey,
+    p: f32,
+}
+
+/// `softmax_nll`'s loss and gradient.
+type Loss = (LossOutput, Vec<f32>);
+
 trait Backend {
     fn name(&self) -> String;
-    #[allow(clippy::too_many_arguments)]
-    fn gemm(
-        &self,
-        alpha: f32,
-        a: &Tensor,
-        a_rows: usize,
-        ta: bool,
-        b: &Tensor,
-        tb: bool,
-        beta: f32,
-        c: &Tensor,
-    ) -> Vec<f32>;
+    fn gemm(&self, g: &Gemm) -> Vec<f32>;
     fn spmm(&self, csr: &Csr, w: &W, x: &Tensor) -> Vec<f32>;
     fn sddmm_dot(&self, csr: &Csr, heads: usize, a: &Tensor, b: &Tensor) -> Vec<f32>;
     fn sddmm_add(&self, csr: &Csr, left: &Tensor, right: &Tensor) -> Vec<f32>;
@@ -51,74 +63,51 @@ trait Backend {
     fn activations(&self, act: Activation, x: &Tensor, gy: &Tensor) -> [Vec<f32>; 4];
     /// `(positive_bits(y), mask_by_bits(bits, g))`.
     fn bits(&self, y: &Tensor, g: &Tensor) -> (Vec<u64>, Vec<f32>);
-    fn dropout(&self, x: &Tensor, gids: &[u32], key: DropoutKey, p: f32) -> Vec<f32>;
-    fn dropout_csr(&self, m: &Csr, gids: &[u32], key: DropoutKey, p: f32) -> Vec<f32>;
-    #[allow(clippy::too_many_arguments)]
-    fn edge_dropout(
-        &self,
-        csr: &Csr,
-        vals: &[f32],
-        heads: usize,
-        gids: &[u32],
-        key: DropoutKey,
-        p: f32,
-    ) -> Vec<f32>;
+    fn dropout(&self, x: &Tensor, mask: Mask) -> Vec<f32>;
+    fn dropout_csr(&self, m: &Csr, mask: Mask) -> Vec<f32>;
+    fn edge_dropout(&self, csr: &Csr, vals: &[f32], heads: usize, mask: Mask) -> Vec<f32>;
     fn axpy(&self, alpha: f32, x: &Tensor, y: &Tensor) -> Vec<f32>;
-    fn softmax_nll(
-        &self,
-        logits: &Tensor,
-        labels: &[u32],
-        rows: &[u32],
-        scale: f32,
-    ) -> (LossOutput, Vec<f32>);
+    fn softmax_nll(&self, logits: &Tensor, labels: &[u32], rows: &[u32], scale: f32) -> Loss;
     fn accuracy_count(&self, logits: &Tensor, labels: &[u32], rows: &[u32]) -> usize;
-    /// `(param, m, v)` after one Adam step.
-    fn adam(
-        &self,
-        cfg: &AdamConfig,
-        t: u64,
-        p: &Tensor,
-        g: &Tensor,
-        m: &Tensor,
-        v: &Tensor,
-    ) -> [Vec<f32>; 3];
-    /// `(param, buf)` after one SGD step.
-    fn sgd(&self, cfg: &SgdConfig, p: &Tensor, g: &Tensor, buf: &Tensor) -> [Vec<f32>; 2];
+    /// `[param, m, v]` after one Adam step from `state = [param, m, v]`.
+    fn adam(&self, cfg: &AdamConfig, t: u64, g: &Tensor, state: [&Tensor; 3]) -> [Vec<f32>; 3];
+    /// `[param, buf]` after one SGD step from `state = [param, buf]`.
+    fn sgd(&self, cfg: &SgdConfig, g: &Tensor, state: [&Tensor; 2]) -> [Vec<f32>; 2];
     fn digest(&self, ts: &[&Tensor]) -> String;
 }
 
 struct Cpu(Stream);
 
+impl Cpu {
+    /// `t` after `op` updated a copy of it in place.
+    fn updated(
+        &self,
+        t: &Tensor,
+        op: impl FnOnce(&Stream, &mut Tensor) -> trellis_gpu::Result<()>,
+    ) -> Vec<f32> {
+        let mut t = t.clone();
+        op(&self.0, &mut t).unwrap();
+        t.into_vec()
+    }
+}
+
 impl Backend for Cpu {
     fn name(&self) -> String {
         format!("cpu ({} threads)", self.0.threads())
     }
-    fn gemm(
-        &self,
-        alpha: f32,
-        a: &Tensor,
-        a_rows: usize,
-        ta: bool,
-        b: &Tensor,
-        tb: bool,
-        beta: f32,
-        c: &Tensor,
-    ) -> Vec<f32> {
-        let mut c = c.clone();
-        self.0
-            .gemm_prefix(alpha, a, a_rows, ta, b, tb, beta, &mut c)
-            .unwrap();
-        c.into_vec()
+    fn gemm(&self, g: &Gemm) -> Vec<f32> {
+        self.updated(&g.c, |s, c| {
+            s.gemm_prefix(g.alpha, &g.a, g.a_rows, g.ta, &g.b, g.tb, g.beta, c)
+        })
     }
     fn spmm(&self, csr: &Csr, w: &W, x: &Tensor) -> Vec<f32> {
-        let mut out = Tensor::zeros(csr.n_rows(), x.cols());
         let w = match w {
             W::Ones => EdgeWeights::Ones,
             W::Stored => EdgeWeights::Stored,
             W::PerHead(v, h) => EdgeWeights::PerHead(v, *h),
         };
-        self.0.spmm(csr, w, x, &mut out).unwrap();
-        out.into_vec()
+        let out = Tensor::zeros(csr.n_rows(), x.cols());
+        self.updated(&out, |s, out| s.spmm(csr, w, x, out))
     }
     fn sddmm_dot(&self, csr: &Csr, heads: usize, a: &Tensor, b: &Tensor) -> Vec<f32> {
         self.0.sddmm_dot(csr, heads, a, b).unwrap()
@@ -136,79 +125,48 @@ impl Backend for Cpu {
         self.0.gather_rows(x, idx).unwrap().into_vec()
     }
     fn scatter_add_rows(&self, src: &Tensor, idx: &[u32], out: &Tensor) -> Vec<f32> {
-        let mut out = out.clone();
-        self.0.scatter_add_rows(src, idx, &mut out).unwrap();
-        out.into_vec()
+        self.updated(out, |s, out| s.scatter_add_rows(src, idx, out))
     }
     fn add_bias(&self, x: &Tensor, bias: &Tensor) -> Vec<f32> {
-        let mut x = x.clone();
-        self.0.add_bias(&mut x, bias).unwrap();
-        x.into_vec()
+        self.updated(x, |s, x| s.add_bias(x, bias))
     }
     fn add_column_sums(&self, g: &Tensor, out: &Tensor) -> Vec<f32> {
-        let mut out = out.clone();
-        self.0.add_column_sums(g, &mut out).unwrap();
-        out.into_vec()
+        self.updated(out, |s, out| s.add_column_sums(g, out))
     }
     fn activations(&self, act: Activation, x: &Tensor, gy: &Tensor) -> [Vec<f32>; 4] {
         let s = &self.0;
         let y = s.activation(act, x).unwrap();
-        let mut inplace = x.clone();
-        s.activate(act, &mut inplace).unwrap();
+        let inplace = self.updated(x, |s, x| s.activate(act, x));
         let gx = s.activation_backward(act, x, gy).unwrap();
-        let mut gyo = gy.clone();
-        s.activation_backward_from_output(act, &y, &mut gyo)
-            .unwrap();
-        [
-            y.into_vec(),
-            inplace.into_vec(),
-            gx.into_vec(),
-            gyo.into_vec(),
-        ]
+        let gyo = self.updated(gy, |s, gy| s.activation_backward_from_output(act, &y, gy));
+        [y.into_vec(), inplace, gx.into_vec(), gyo]
     }
     fn bits(&self, y: &Tensor, g: &Tensor) -> (Vec<u64>, Vec<f32>) {
         let bits = self.0.positive_bits(y).unwrap();
-        let mut g = g.clone();
-        self.0.mask_by_bits(&bits, &mut g).unwrap();
-        (bits, g.into_vec())
+        let g = self.updated(g, |s, g| s.mask_by_bits(&bits, g));
+        (bits, g)
     }
-    fn dropout(&self, x: &Tensor, gids: &[u32], key: DropoutKey, p: f32) -> Vec<f32> {
-        let mut x = x.clone();
-        self.0.dropout(&mut x, gids, key, p).unwrap();
-        x.into_vec()
+    fn dropout(&self, x: &Tensor, mask: Mask) -> Vec<f32> {
+        self.updated(x, |s, x| s.dropout(x, mask.gids, mask.key, mask.p))
     }
-    fn dropout_csr(&self, m: &Csr, gids: &[u32], key: DropoutKey, p: f32) -> Vec<f32> {
+    fn dropout_csr(&self, m: &Csr, mask: Mask) -> Vec<f32> {
         let mut m = m.clone();
-        self.0.dropout_csr(&mut m, gids, key, p).unwrap();
+        self.0
+            .dropout_csr(&mut m, mask.gids, mask.key, mask.p)
+            .unwrap();
         m.values().unwrap().to_vec()
     }
-    fn edge_dropout(
-        &self,
-        csr: &Csr,
-        vals: &[f32],
-        heads: usize,
-        gids: &[u32],
-        key: DropoutKey,
-        p: f32,
-    ) -> Vec<f32> {
+    fn edge_dropout(&self, csr: &Csr, vals: &[f32], heads: usize, mask: Mask) -> Vec<f32> {
         let mut v = vals.to_vec();
         self.0
-            .edge_dropout(csr, &mut v, heads, gids, key, p)
+            .edge_dropout(csr, &mut v, heads, mask.gids, mask.key, mask.p)
             .unwrap();
         v
     }
     fn axpy(&self, alpha: f32, x: &Tensor, y: &Tensor) -> Vec<f32> {
-        let mut y = y.clone();
-        self.0.axpy(alpha, x, &mut y).unwrap();
-        y.into_vec()
+        self.updated(y, |s, y| s.axpy(alpha, x, y))
     }
-    fn softmax_nll(
-        &self,
-        logits: &Tensor,
-        labels: &[u32],
-        rows: &[u32],
-        scale: f32,
-    ) -> (LossOutput, Vec<f32>) {
+    fn softmax_nll(&self, logits: &Tensor, labels: &[u32], rows: &[u32], scale: f32) -> Loss {
         let mut g = Tensor::zeros(logits.rows(), logits.cols());
         let l = self
             .0
@@ -219,23 +177,15 @@ impl Backend for Cpu {
     fn accuracy_count(&self, logits: &Tensor, labels: &[u32], rows: &[u32]) -> usize {
         self.0.accuracy_count(logits, labels, rows).unwrap()
     }
-    fn adam(
-        &self,
-        cfg: &AdamConfig,
-        t: u64,
-        p: &Tensor,
-        g: &Tensor,
-        m: &Tensor,
-        v: &Tensor,
-    ) -> [Vec<f32>; 3] {
-        let (mut p, mut m, mut v) = (p.clone(), m.clone(), v.clone());
+    fn adam(&self, cfg: &AdamConfig, t: u64, g: &Tensor, state: [&Tensor; 3]) -> [Vec<f32>; 3] {
+        let [mut p, mut m, mut v] = state.map(Tensor::clone);
         self.0.adam_step(cfg, t, &mut p, g, &mut m, &mut v).unwrap();
-        [p.into_vec(), m.into_vec(), v.into_vec()]
+        [p, m, v].map(Tensor::into_vec)
     }
-    fn sgd(&self, cfg: &SgdConfig, p: &Tensor, g: &Tensor, buf: &Tensor) -> [Vec<f32>; 2] {
-        let (mut p, mut b) = (p.clone(), buf.clone());
+    fn sgd(&self, cfg: &SgdConfig, g: &Tensor, state: [&Tensor; 2]) -> [Vec<f32>; 2] {
+        let [mut p, mut b] = state.map(Tensor::clone);
         self.0.sgd_step(cfg, &mut p, g, &mut b).unwrap();
-        [p.into_vec(), b.into_vec()]
+        [p, b].map(Tensor::into_vec)
     }
     fn digest(&self, ts: &[&Tensor]) -> String {
         self.0.digest(ts).unwrap()
@@ -359,6 +309,32 @@ fn assert_exact(what: &str, backend: &str, got: &[f32], want: &[f32]) {
     }
 }
 
+/// Each result of a multi-output op compared with [`assert_close`], as `"{what} {i}"`.
+#[track_caller]
+fn assert_each_close(what: &str, backend: &str, got: &[Vec<f32>], want: &[Vec<f32>]) {
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert_close(&format!("{what} {i}"), backend, g, w);
+    }
+}
+
+/// Runs `op(args)` on backend `b` and on the reference `r` and compares the results with
+/// `cmp` (one of the `assert_*` functions above), naming them `what`.
+macro_rules! compare {
+    ($cmp:ident, $what:expr, $r:expr, $b:expr, $op:ident($($arg:expr),* $(,)?)) => {
+        $cmp(&$what, &$b.name(), &$b.$op($($arg),*), &$r.$op($($arg),*))
+    };
+}
+
+/// Runs `body` with the reference and each backend in turn (see [`backends`]), drawing inputs
+/// from one generator seeded with `seed`.
+fn on_backends(test: &str, seed: u64, mut body: impl FnMut(&Cpu, &dyn Backend, &mut Rng)) {
+    let r = reference();
+    let mut rng = Rng::new(seed);
+    for b in backends(test) {
+        body(&r, b.as_ref(), &mut rng);
+    }
+}
+
 fn key(seed: u64) -> DropoutKey {
     DropoutKey {
         seed,
@@ -374,132 +350,118 @@ fn key(seed: u64) -> DropoutKey {
 
 #[test]
 fn gemm_all_transposes_and_prefixes() {
-    let r = reference();
-    let mut rng = Rng::new(1);
-    for b in backends("gemm") {
+    on_backends("gemm", 1, |r, b, rng| {
         for (m, n, k) in [(1, 1, 1), (33, 7, 65), (64, 257, 31), (5, 3, 0), (0, 4, 3)] {
             for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
                 // a holds 2 extra rows beyond the prefix when not transposed.
                 let (ar, ac) = if ta { (k, m) } else { (m + 2, k) };
-                let a = rng.tensor(ar, ac);
-                let a_rows = if ta { k } else { m };
-                let bt = if tb {
-                    rng.tensor(n, k)
-                } else {
-                    rng.tensor(k, n)
+                let g = Gemm {
+                    alpha: 0.5,
+                    a: rng.tensor(ar, ac),
+                    a_rows: if ta { k } else { m },
+                    ta,
+                    b: if tb {
+                        rng.tensor(n, k)
+                    } else {
+                        rng.tensor(k, n)
+                    },
+                    tb,
+                    beta: -1.25,
+                    c: rng.tensor(m, n),
                 };
-                let c = rng.tensor(m, n);
-                let want = r.gemm(0.5, &a, a_rows, ta, &bt, tb, -1.25, &c);
-                let got = b.gemm(0.5, &a, a_rows, ta, &bt, tb, -1.25, &c);
-                assert_close(
-                    &format!("gemm {m}x{n}x{k} {ta} {tb}"),
-                    &b.name(),
-                    &got,
-                    &want,
-                );
+                let what = format!("gemm {m}x{n}x{k} {ta} {tb}");
+                compare!(assert_close, what, r, b, gemm(&g));
             }
         }
-    }
+    });
 }
 
 #[test]
 fn spmm_every_weighting_and_width() {
-    let r = reference();
-    let mut rng = Rng::new(2);
-    for b in backends("spmm") {
+    on_backends("spmm", 2, |r, b, rng| {
         for width in WIDTHS {
             let csr = rng.csr(41, 37, 9);
             let x = rng.tensor(37, width);
             for w in [W::Ones, W::Stored] {
-                assert_close(
-                    "spmm",
-                    &b.name(),
-                    &b.spmm(&csr, &w, &x),
-                    &r.spmm(&csr, &w, &x),
-                );
+                compare!(assert_close, "spmm", r, b, spmm(&csr, &w, &x));
             }
         }
         for (heads, d) in [(1, 5), (2, 16), (8, 8), (3, 33), (4, 1)] {
             let csr = rng.csr(29, 23, 6);
             let x = rng.tensor(23, heads * d);
             let w = W::PerHead(rng.vec(csr.nnz() * heads), heads);
-            assert_close(
-                "spmm per head",
-                &b.name(),
-                &b.spmm(&csr, &w, &x),
-                &r.spmm(&csr, &w, &x),
-            );
+            compare!(assert_close, "spmm per head", r, b, spmm(&csr, &w, &x));
         }
         let empty = Csr::from_pairs(0, 3, &[]).unwrap();
         assert!(b.spmm(&empty, &W::Ones, &rng.tensor(3, 4)).is_empty());
-    }
+    });
 }
 
 #[test]
 fn sddmm_dot_and_add() {
-    let r = reference();
-    let mut rng = Rng::new(3);
-    for b in backends("sddmm") {
+    on_backends("sddmm", 3, |r, b, rng| {
         for (heads, d) in [(1, 1), (1, 7), (1, 65), (2, 16), (8, 8), (3, 9)] {
             let csr = rng.csr(31, 27, 7);
-            let (a, bb) = (rng.tensor(31, heads * d), rng.tensor(27, heads * d));
-            let (got, want) = (
-                b.sddmm_dot(&csr, heads, &a, &bb),
-                r.sddmm_dot(&csr, heads, &a, &bb),
+            let (x, y) = (rng.tensor(31, heads * d), rng.tensor(27, heads * d));
+            compare!(
+                assert_close,
+                "sddmm_dot",
+                r,
+                b,
+                sddmm_dot(&csr, heads, &x, &y)
             );
-            assert_close("sddmm_dot", &b.name(), &got, &want);
             let (left, right) = (rng.tensor(31, heads), rng.tensor(27, heads));
-            let (got, want) = (
-                b.sddmm_add(&csr, &left, &right),
-                r.sddmm_add(&csr, &left, &right),
+            compare!(
+                assert_close,
+                "sddmm_add",
+                r,
+                b,
+                sddmm_add(&csr, &left, &right)
             );
-            assert_close("sddmm_add", &b.name(), &got, &want);
         }
-    }
+    });
 }
 
 #[test]
 fn edge_softmax_forward_and_backward() {
-    let r = reference();
-    let mut rng = Rng::new(4);
-    for b in backends("edge_softmax") {
+    on_backends("edge_softmax", 4, |r, b, rng| {
         for heads in [1, 2, 8] {
             let csr = rng.csr(45, 45, 12);
             let s: Vec<f32> = rng.vec(csr.nnz() * heads).iter().map(|v| 8.0 * v).collect();
-            let (got, want) = (
-                b.edge_softmax(&csr, heads, &s),
-                r.edge_softmax(&csr, heads, &s),
+            compare!(
+                assert_close,
+                "edge_softmax",
+                r,
+                b,
+                edge_softmax(&csr, heads, &s)
             );
-            assert_close("edge_softmax", &b.name(), &got, &want);
+            let alpha = r.edge_softmax(&csr, heads, &s);
             let g = rng.vec(s.len());
-            let got = b.edge_softmax_backward(&csr, heads, &want, &g);
-            let want = r.edge_softmax_backward(&csr, heads, &want, &g);
-            assert_close("edge_softmax_backward", &b.name(), &got, &want);
+            compare!(
+                assert_close,
+                "edge_softmax_backward",
+                r,
+                b,
+                edge_softmax_backward(&csr, heads, &alpha, &g)
+            );
         }
-    }
+    });
 }
 
 #[test]
 fn gather_and_scatter_add_rows() {
-    let r = reference();
-    let mut rng = Rng::new(5);
-    for b in backends("gather/scatter") {
+    on_backends("gather/scatter", 5, |r, b, rng| {
         for width in WIDTHS {
             let x = rng.tensor(19, width);
             let idx = rng.indices(40, 19);
-            assert_exact(
-                "gather_rows",
-                &b.name(),
-                &b.gather_rows(&x, &idx),
-                &r.gather_rows(&x, &idx),
-            );
+            compare!(assert_exact, "gather_rows", r, b, gather_rows(&x, &idx));
             let src = rng.tensor(40, width);
-            let got = b.scatter_add_rows(&src, &idx, &x);
-            assert_close(
+            compare!(
+                assert_close,
                 "scatter_add_rows",
-                &b.name(),
-                &got,
-                &r.scatter_add_rows(&src, &idx, &x),
+                r,
+                b,
+                scatter_add_rows(&src, &idx, &x)
             );
         }
         let x = rng.tensor(4, 3);
@@ -510,39 +472,30 @@ fn gather_and_scatter_add_rows() {
             &b.scatter_add_rows(&Tensor::zeros(0, 3), &[], &x),
             x.as_slice(),
         );
-    }
+    });
 }
 
 #[test]
 fn bias_and_column_sums() {
-    let r = reference();
-    let mut rng = Rng::new(6);
-    for b in backends("bias") {
+    on_backends("bias", 6, |r, b, rng| {
         for (rows, width) in [(1, 1), (3, 33), (1025, 7), (2100, 65), (0, 5)] {
             let x = rng.tensor(rows, width);
             let bias = rng.tensor(1, width);
-            assert_close(
-                "add_bias",
-                &b.name(),
-                &b.add_bias(&x, &bias),
-                &r.add_bias(&x, &bias),
-            );
-            let got = b.add_column_sums(&x, &bias);
-            assert_close(
+            compare!(assert_close, "add_bias", r, b, add_bias(&x, &bias));
+            compare!(
+                assert_close,
                 "add_column_sums",
-                &b.name(),
-                &got,
-                &r.add_column_sums(&x, &bias),
+                r,
+                b,
+                add_column_sums(&x, &bias)
             );
         }
-    }
+    });
 }
 
 #[test]
 fn activations_forward_backward_and_bits() {
-    let r = reference();
-    let mut rng = Rng::new(7);
-    for b in backends("activations") {
+    on_backends("activations", 7, |r, b, rng| {
         for act in [
             Activation::Identity,
             Activation::Relu,
@@ -550,11 +503,8 @@ fn activations_forward_backward_and_bits() {
             Activation::LeakyRelu { slope: 0.2 },
         ] {
             let (x, gy) = (rng.tensor(13, 67), rng.tensor(13, 67));
-            let got = b.activations(act, &x, &gy);
-            let want = r.activations(act, &x, &gy);
-            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                assert_close(&format!("{act:?} output {i}"), &b.name(), g, w);
-            }
+            let what = format!("{act:?} output");
+            compare!(assert_each_close, what, r, b, activations(act, &x, &gy));
         }
         for n in [1usize, 63, 64, 65, 1000] {
             let (y, g) = (rng.tensor(1, n), rng.tensor(1, n));
@@ -563,14 +513,12 @@ fn activations_forward_backward_and_bits() {
             assert_eq!(gb, wb, "{} positive_bits {n}", b.name());
             assert_exact("mask_by_bits", &b.name(), &gm, &wm);
         }
-    }
+    });
 }
 
 #[test]
 fn dropout_masks_equal_the_cpu_masks() {
-    let r = reference();
-    let mut rng = Rng::new(8);
-    for b in backends("dropout") {
+    on_backends("dropout", 8, |r, b, rng| {
         for (width, p) in [
             (1, 0.5f32),
             (7, 0.5),
@@ -581,53 +529,41 @@ fn dropout_masks_equal_the_cpu_masks() {
         ] {
             let x = rng.tensor(11, width);
             let gids = rng.indices(11, 1 << 30);
-            let k = key(width as u64);
-            assert_exact(
-                "dropout",
-                &b.name(),
-                &b.dropout(&x, &gids, k, p),
-                &r.dropout(&x, &gids, k, p),
-            );
+            let mask = Mask {
+                gids: &gids,
+                key: key(width as u64),
+                p,
+            };
+            compare!(assert_exact, "dropout", r, b, dropout(&x, mask));
             let m = rng.csr(11, width.max(2), 6);
-            let got = b.dropout_csr(&m, &gids, k, p);
-            assert_exact(
-                "dropout_csr",
-                &b.name(),
-                &got,
-                &r.dropout_csr(&m, &gids, k, p),
-            );
+            compare!(assert_exact, "dropout_csr", r, b, dropout_csr(&m, mask));
             for heads in [1, 3] {
                 let vals = rng.vec(m.nnz() * heads);
-                let got = b.edge_dropout(&m, &vals, heads, &gids, k, p);
-                let want = r.edge_dropout(&m, &vals, heads, &gids, k, p);
-                assert_exact("edge_dropout", &b.name(), &got, &want);
+                compare!(
+                    assert_exact,
+                    "edge_dropout",
+                    r,
+                    b,
+                    edge_dropout(&m, &vals, heads, mask)
+                );
             }
         }
-    }
+    });
 }
 
 #[test]
 fn axpy_matches() {
-    let r = reference();
-    let mut rng = Rng::new(9);
-    for b in backends("axpy") {
+    on_backends("axpy", 9, |r, b, rng| {
         for n in [0usize, 1, 1000, 70_001] {
             let (x, y) = (rng.tensor(1, n), rng.tensor(1, n));
-            assert_close(
-                "axpy",
-                &b.name(),
-                &b.axpy(-0.3, &x, &y),
-                &r.axpy(-0.3, &x, &y),
-            );
+            compare!(assert_close, "axpy", r, b, axpy(-0.3, &x, &y));
         }
-    }
+    });
 }
 
 #[test]
 fn softmax_nll_and_accuracy_count() {
-    let r = reference();
-    let mut rng = Rng::new(10);
-    for b in backends("loss") {
+    on_backends("loss", 10, |r, b, rng| {
         for classes in [1usize, 2, 7, 40] {
             let n = 57;
             let logits = Tensor::from_vec(
@@ -661,13 +597,11 @@ fn softmax_nll_and_accuracy_count() {
                 b.name()
             );
         }
-    }
+    });
 }
 
 #[test]
 fn optimizer_steps() {
-    let r = reference();
-    let mut rng = Rng::new(11);
     let adam = AdamConfig {
         lr: 0.01,
         weight_decay: 5e-4,
@@ -678,24 +612,29 @@ fn optimizer_steps() {
         momentum: 0.9,
         weight_decay: 1e-3,
     };
-    for b in backends("optimizers") {
+    on_backends("optimizers", 11, |r, b, rng| {
         for n in [1usize, 4097, 20_000] {
             let (p, g, m) = (rng.tensor(1, n), rng.tensor(1, n), rng.tensor(1, n));
             let v = Tensor::from_vec(1, n, rng.vec(n).iter().map(|x| x.abs()).collect()).unwrap();
             for t in [1, 7] {
-                let got = b.adam(&adam, t, &p, &g, &m, &v);
-                let want = r.adam(&adam, t, &p, &g, &m, &v);
-                for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                    assert_close(&format!("adam t {t} state {i}"), &b.name(), g, w);
-                }
+                let what = format!("adam t {t} state");
+                compare!(
+                    assert_each_close,
+                    what,
+                    r,
+                    b,
+                    adam(&adam, t, &g, [&p, &m, &v])
+                );
             }
-            let got = b.sgd(&sgd, &p, &g, &m);
-            let want = r.sgd(&sgd, &p, &g, &m);
-            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                assert_close(&format!("sgd state {i}"), &b.name(), g, w);
-            }
+            compare!(
+                assert_each_close,
+                "sgd state",
+                r,
+                b,
+                sgd(&sgd, &g, [&p, &m])
+            );
         }
-    }
+    });
 }
 
 #[test]

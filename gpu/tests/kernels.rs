@@ -58,6 +58,27 @@ impl Rng {
     fn indices(&mut self, n: usize, below: usize) -> Vec<u32> {
         (0..n).map(|_| self.below(below) as u32).collect()
     }
+    /// Operands `a`, `b` of `op(a) (m x k) * op(b) (k x n)`, stored transposed where `ta`, `tb`.
+    fn gemm_operands(
+        &mut self,
+        m: usize,
+        n: usize,
+        k: usize,
+        ta: bool,
+        tb: bool,
+    ) -> (Tensor, Tensor) {
+        let a = if ta {
+            self.tensor(k, m)
+        } else {
+            self.tensor(m, k)
+        };
+        let b = if tb {
+            self.tensor(n, k)
+        } else {
+            self.tensor(k, n)
+        };
+        (a, b)
+    }
 }
 
 fn stream_with(threads: usize) -> Stream {
@@ -190,16 +211,7 @@ fn gemm_all_transposes_alpha_beta() {
     for &(m, n, k) in &shapes {
         for ta in [false, true] {
             for tb in [false, true] {
-                let a = if ta {
-                    rng.tensor(k, m)
-                } else {
-                    rng.tensor(m, k)
-                };
-                let b = if tb {
-                    rng.tensor(n, k)
-                } else {
-                    rng.tensor(k, n)
-                };
+                let (a, b) = rng.gemm_operands(m, n, k, ta, tb);
                 for &(alpha, beta) in &coefs {
                     let mut c = rng.tensor(m, n);
                     if beta == 0.0 {
@@ -338,16 +350,7 @@ fn gemm_repeatable_at_fixed_thread_count() {
     let mut rng = Rng::new(3);
     let (m, n, k) = (96, 80, 72); // above the parallel threshold
     for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
-        let a = if ta {
-            rng.tensor(k, m)
-        } else {
-            rng.tensor(m, k)
-        };
-        let b = if tb {
-            rng.tensor(n, k)
-        } else {
-            rng.tensor(k, n)
-        };
+        let (a, b) = rng.gemm_operands(m, n, k, ta, tb);
         let c0 = rng.tensor(m, n);
         for st in streams() {
             let run = || {

@@ -93,20 +93,10 @@ pub fn dropout(x: &mut [f32], width: usize, gids: &[u32], key: DropoutKey, p: f3
     if p <= 0.0 || width == 0 {
         return;
     }
-    assert_eq!(
-        x.len(),
-        gids.len() * width,
-        "dropout: one global id per row is needed"
-    );
-    let mask = MaskGen::new(key, p);
-    let chunk = row_chunk(gids.len(), width);
-    x.par_chunks_mut(chunk * width)
+    let mask = RowMask::new("dropout", x.len(), width, gids, key, p);
+    x.par_chunks_mut(mask.chunk * width)
         .enumerate()
-        .for_each(|(c, block)| {
-            for (r, row) in block.chunks_mut(width).enumerate() {
-                mask.apply_row(gids[c * chunk + r], row);
-            }
-        });
+        .for_each(|(c, block)| mask.apply(c, block));
 }
 
 /// `dst = dropout(src)` with the mask [`dropout`] applies, in one parallel pass (no separate
@@ -123,24 +113,50 @@ pub fn dropout_copy(
     if width == 0 {
         return;
     }
-    assert_eq!(
-        dst.len(),
-        gids.len() * width,
-        "dropout_copy: one global id per row is needed"
-    );
-    let mask = MaskGen::new(key, p);
-    let chunk = row_chunk(gids.len(), width);
-    dst.par_chunks_mut(chunk * width)
-        .zip(src.par_chunks(chunk * width))
+    let mask = RowMask::new("dropout_copy", dst.len(), width, gids, key, p);
+    dst.par_chunks_mut(mask.chunk * width)
+        .zip(src.par_chunks(mask.chunk * width))
         .enumerate()
         .for_each(|(c, (block, from))| {
             block.copy_from_slice(from);
             if p > 0.0 {
-                for (r, row) in block.chunks_mut(width).enumerate() {
-                    mask.apply_row(gids[c * chunk + r], row);
-                }
+                mask.apply(c, block);
             }
         });
+}
+
+/// The row loop shared by [`dropout`] and [`dropout_copy`]: rows of `width` values split into
+/// parallel chunks of `chunk` rows, row `r` masked with the draws of `gids[r]`.
+struct RowMask<'a> {
+    mask: MaskGen,
+    width: usize,
+    chunk: usize,
+    gids: &'a [u32],
+}
+
+impl<'a> RowMask<'a> {
+    /// The mask for `len` values in rows `width` wide (`width` not 0), checking that every row
+    /// has a global id.
+    fn new(op: &str, len: usize, width: usize, gids: &'a [u32], key: DropoutKey, p: f32) -> Self {
+        assert_eq!(
+            len,
+            gids.len() * width,
+            "{op}: one global id per row is needed"
+        );
+        RowMask {
+            mask: MaskGen::new(key, p),
+            width,
+            chunk: row_chunk(gids.len(), width),
+            gids,
+        }
+    }
+
+    /// Masks chunk `c` (`block`, its rows' values) in place.
+    fn apply(&self, c: usize, block: &mut [f32]) {
+        for (r, row) in block.chunks_mut(self.width).enumerate() {
+            self.mask.apply_row(self.gids[c * self.chunk + r], row);
+        }
+    }
 }
 
 /// Dropout over a row's entries (GAT attention dropout): value `k` of row `r`'s segment (its
@@ -156,23 +172,14 @@ pub fn edge_dropout(
     if p <= 0.0 {
         return;
     }
-    assert_eq!(
-        indptr.len(),
-        gids.len() + 1,
-        "edge_dropout: one global id per row is needed"
-    );
+    assert_row_ids("edge_dropout", indptr, gids);
     assert_eq!(
         vals.len(),
         indptr[gids.len()] * heads,
         "edge_dropout: values length"
     );
     let mask = MaskGen::new(key, p);
-    let mut segs = super::split_rows(vals, indptr, heads);
-    segs.par_chunks_mut(256).enumerate().for_each(|(c, block)| {
-        for (r, seg) in block.iter_mut().enumerate() {
-            mask.apply_row(gids[c * 256 + r], seg);
-        }
-    });
+    for_each_row_segment(vals, indptr, heads, |r, seg| mask.apply_row(gids[r], seg));
 }
 
 /// Dropout of a sparse matrix's stored values with the same mask as [`dropout`] would apply to
@@ -188,18 +195,37 @@ pub fn dropout_csr(
     if p <= 0.0 {
         return;
     }
+    assert_row_ids("dropout_csr", indptr, gids);
+    assert_eq!(vals.len(), indices.len(), "dropout_csr: values length");
+    let mask = MaskGen::new(key, p);
+    for_each_row_segment(vals, indptr, 1, |r, seg| {
+        mask.apply_sparse_row(gids[r], &indices[indptr[r]..indptr[r + 1]], seg)
+    });
+}
+
+/// Panics unless the CSR rows of `indptr` each have a global id in `gids` (`op` names the
+/// caller).
+fn assert_row_ids(op: &str, indptr: &[usize], gids: &[u32]) {
     assert_eq!(
         indptr.len(),
         gids.len() + 1,
-        "dropout_csr: one global id per row is needed"
+        "{op}: one global id per row is needed"
     );
-    assert_eq!(vals.len(), indices.len(), "dropout_csr: values length");
-    let mask = MaskGen::new(key, p);
-    let mut segs = super::split_rows(vals, indptr, 1);
+}
+
+/// The row loop shared by [`edge_dropout`] and [`dropout_csr`]: `vals` split into the rows'
+/// segments (`per_entry` values per entry of `indptr`), each passed with its row index to `f`,
+/// in parallel chunks of 256 rows.
+fn for_each_row_segment(
+    vals: &mut [f32],
+    indptr: &[usize],
+    per_entry: usize,
+    f: impl Fn(usize, &mut [f32]) + Sync,
+) {
+    let mut segs = super::split_rows(vals, indptr, per_entry);
     segs.par_chunks_mut(256).enumerate().for_each(|(c, block)| {
         for (k, seg) in block.iter_mut().enumerate() {
-            let r = c * 256 + k;
-            mask.apply_sparse_row(gids[r], &indices[indptr[r]..indptr[r + 1]], seg);
+            f(c * 256 + k, seg);
         }
     });
 }

@@ -17,10 +17,7 @@ pub fn adam_step(
     );
     // t = 0 would divide by a zero bias correction and silently turn every parameter into NaN.
     assert!(t >= 1, "adam: steps count from 1");
-    let bc1 = 1.0 - (cfg.beta1 as f64).powi(t as i32);
-    let bc2 = 1.0 - (cfg.beta2 as f64).powi(t as i32);
-    let step = (cfg.lr as f64 / bc1) as f32;
-    let bc2_sqrt = bc2.sqrt() as f32;
+    let (step, bc2_sqrt) = cfg.bias_correction(t);
     let (b1, b2, eps, wd) = (cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay);
     param
         .par_chunks_mut(4096)

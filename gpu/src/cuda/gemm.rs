@@ -9,6 +9,7 @@
 //! is used, which computes in FP32 (no TF32 unless `NVIDIA_TF32_OVERRIDE=1` is set).
 use super::memory::DeviceTensor;
 use super::stream::GpuStream;
+use crate::ops::gemm_prefix_dims;
 use crate::{GpuError, Result};
 use cudarc::cublas::sys::cublasOperation_t;
 use cudarc::cublas::{Gemm, GemmConfig};
@@ -96,28 +97,8 @@ impl GpuStream {
         beta: f32,
         c: &mut DeviceTensor,
     ) -> Result<()> {
-        if a_rows > a.rows {
-            return Err(GpuError::shape(
-                "gemm_prefix",
-                format!("{a_rows} rows of {}", a.rows),
-            ));
-        }
-        let (m, k) = if trans_a {
-            (a.cols, a_rows)
-        } else {
-            (a_rows, a.cols)
-        };
-        let (k2, n) = if trans_b {
-            (b.cols, b.rows)
-        } else {
-            (b.rows, b.cols)
-        };
-        if k != k2 || c.shape() != (m, n) {
-            return Err(GpuError::shape(
-                "gemm_prefix",
-                format!("op(a) {m}x{k}, op(b) {k2}x{n}, c {}x{}", c.rows, c.cols),
-            ));
-        }
+        let (m, n, k) =
+            gemm_prefix_dims(a.shape(), a_rows, trans_a, b.shape(), trans_b, c.shape())?;
         if m == 0 || n == 0 {
             return Ok(());
         }

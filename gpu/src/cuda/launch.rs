@@ -13,7 +13,7 @@
 //! buffer.
 use super::memory::DeviceTensor;
 use crate::ops::Activation;
-use crate::{DropoutKey, GpuError, Result};
+use crate::DropoutKey;
 use cudarc::driver::{CudaSlice, LaunchConfig};
 
 /// Threads per block of every kernel (a multiple of the warp size).
@@ -51,20 +51,12 @@ macro_rules! launch {
                 let f = $s.dev.kernel($name)?;
                 let mut b = $s.compute.launch_builder(f);
                 $( b.arg($arg); )*
-                b.launch(cfg).map(|_| ()).map_err(|e| GpuError::cuda($name, e))
+                b.launch(cfg).map(|_| ()).map_err(|e| $crate::GpuError::cuda($name, e))
             }
         }
     }};
 }
 pub(crate) use launch;
-
-pub(crate) fn check(op: &'static str, ok: bool, detail: impl FnOnce() -> String) -> Result<()> {
-    if ok {
-        Ok(())
-    } else {
-        Err(GpuError::shape(op, detail()))
-    }
-}
 
 /// Per-entry weights for [`GpuStream::spmm`] (as [`crate::EdgeWeights`], on the device).
 #[derive(Debug, Clone, Copy)]

@@ -1,12 +1,12 @@
 //! Dense ops on device operands: bias, column sums, activations, ReLU bit masks, axpy,
 //! dropout, softmax-NLL, accuracy and the optimizer steps.
 //! (The invariant every `unsafe` launch here relies on is stated in `launch.rs`.)
-use super::launch::{act_code, check, grid, grid1, launch, layer_site, DeviceBits, BLOCK};
+use super::launch::{act_code, grid, grid1, launch, layer_site, DeviceBits, BLOCK};
 use super::memory::{DeviceCsr, DeviceIndex, DeviceTensor};
 use super::stream::GpuStream;
-use crate::ops::{Activation, AdamConfig, SgdConfig};
+use crate::ops::{check, check_same_shape, Activation, AdamConfig, SgdConfig};
 use crate::rng::{dropout_scale, dropout_threshold};
-use crate::{DropoutKey, GpuError, LossOutput, Result};
+use crate::{DropoutKey, LossOutput, Result};
 use cudarc::driver::PushKernelArg;
 
 impl GpuStream {
@@ -104,9 +104,7 @@ impl GpuStream {
         x: &DeviceTensor,
         gy: &DeviceTensor,
     ) -> Result<DeviceTensor> {
-        check("activation_backward", x.shape() == gy.shape(), || {
-            format!("{:?} vs {:?}", x.shape(), gy.shape())
-        })?;
+        check_same_shape("activation_backward", x.shape(), gy.shape())?;
         let mut gx = self.zeros(x.rows, x.cols)?;
         let (kind, param) = act_code(act);
         let n = x.len() as u64;
@@ -129,11 +127,7 @@ impl GpuStream {
         y: &DeviceTensor,
         gy: &mut DeviceTensor,
     ) -> Result<()> {
-        check(
-            "activation_backward_from_output",
-            y.shape() == gy.shape(),
-            || format!("{:?} vs {:?}", y.shape(), gy.shape()),
-        )?;
+        check_same_shape("activation_backward_from_output", y.shape(), gy.shape())?;
         if act == Activation::Identity {
             return Ok(());
         }
@@ -194,9 +188,7 @@ impl GpuStream {
 
     /// `y += alpha * x`.
     pub fn axpy(&self, alpha: f32, x: &DeviceTensor, y: &mut DeviceTensor) -> Result<()> {
-        check("axpy", x.shape() == y.shape(), || {
-            format!("{:?} vs {:?}", x.shape(), y.shape())
-        })?;
+        check_same_shape("axpy", x.shape(), y.shape())?;
         let n = x.len() as u64;
         // SAFETY: module invariant (1)-(4); x and y both hold n elements.
         unsafe {
@@ -484,10 +476,7 @@ impl GpuStream {
             || "state sizes differ".into(),
         )?;
         check("adam_step", t >= 1, || "steps count from 1".into())?;
-        let bc1 = 1.0 - (cfg.beta1 as f64).powi(t as i32);
-        let bc2 = 1.0 - (cfg.beta2 as f64).powi(t as i32);
-        let step = (cfg.lr as f64 / bc1) as f32;
-        let bc2_sqrt = bc2.sqrt() as f32;
+        let (step, bc2_sqrt) = cfg.bias_correction(t);
         let n = param.len() as u64;
         // SAFETY: module invariant (1)-(4); param, grad, m and v all hold n elements.
         unsafe {

@@ -1,8 +1,9 @@
 //! Sparse ops on device operands: SpMM, SDDMM, edge softmax, row gather and scatter-add.
 //! (The invariant every `unsafe` launch here relies on is stated in `launch.rs`.)
-use super::launch::{check, grid, grid1, launch, DeviceWeights, BLOCK};
+use super::launch::{grid, grid1, launch, DeviceWeights, BLOCK};
 use super::memory::{DeviceCsr, DeviceIndex, DeviceTensor};
 use super::stream::GpuStream;
+use crate::ops::check;
 use crate::{GpuError, Result};
 use cudarc::driver::PushKernelArg;
 

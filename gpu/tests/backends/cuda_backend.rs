@@ -1,8 +1,8 @@
 //! The CUDA instance of the backend interface: uploads the operands, runs the op on a
 //! `GpuStream`, downloads the result.
-use super::{Backend, W};
-use trellis_gpu::cuda::{DeviceTensor, DeviceWeights, GpuStream};
-use trellis_gpu::{Activation, AdamConfig, Csr, DropoutKey, LossOutput, SgdConfig, Tensor};
+use super::{Backend, Gemm, Loss, Mask, W};
+use trellis_gpu::cuda::{DeviceCsr, DeviceIndex, DeviceTensor, DeviceWeights, GpuStream};
+use trellis_gpu::{Activation, AdamConfig, Csr, SgdConfig, Tensor};
 
 pub(super) struct Cuda(GpuStream);
 
@@ -20,40 +20,36 @@ impl Cuda {
     fn down(&self, t: &DeviceTensor) -> Vec<f32> {
         self.0.download(t).unwrap()
     }
+    fn csr(&self, csr: &Csr) -> DeviceCsr {
+        self.0.upload_csr(csr).unwrap()
+    }
+    fn index(&self, idx: &[u32]) -> DeviceIndex {
+        self.0.upload_index(idx).unwrap()
+    }
+    /// `t` uploaded, updated in place by `op` and downloaded.
+    fn updated(
+        &self,
+        t: &Tensor,
+        op: impl FnOnce(&GpuStream, &mut DeviceTensor) -> trellis_gpu::Result<()>,
+    ) -> Vec<f32> {
+        let mut d = self.up(t);
+        op(&self.0, &mut d).unwrap();
+        self.down(&d)
+    }
 }
 
 impl Backend for Cuda {
     fn name(&self) -> String {
         format!("cuda:0 ({})", self.0.device().name())
     }
-    fn gemm(
-        &self,
-        alpha: f32,
-        a: &Tensor,
-        a_rows: usize,
-        ta: bool,
-        b: &Tensor,
-        tb: bool,
-        beta: f32,
-        c: &Tensor,
-    ) -> Vec<f32> {
-        let mut dc = self.up(c);
-        self.0
-            .gemm_prefix(
-                alpha,
-                &self.up(a),
-                a_rows,
-                ta,
-                &self.up(b),
-                tb,
-                beta,
-                &mut dc,
-            )
-            .unwrap();
-        self.down(&dc)
+    fn gemm(&self, g: &Gemm) -> Vec<f32> {
+        let (a, b) = (self.up(&g.a), self.up(&g.b));
+        self.updated(&g.c, |s, c| {
+            s.gemm_prefix(g.alpha, &a, g.a_rows, g.ta, &b, g.tb, g.beta, c)
+        })
     }
     fn spmm(&self, csr: &Csr, w: &W, x: &Tensor) -> Vec<f32> {
-        let dcsr = self.0.upload_csr(csr).unwrap();
+        let dcsr = self.csr(csr);
         let mut out = self.0.zeros(csr.n_rows(), x.cols()).unwrap();
         let per_head;
         let dw = match w {
@@ -70,125 +66,78 @@ impl Backend for Cuda {
         self.down(&out)
     }
     fn sddmm_dot(&self, csr: &Csr, heads: usize, a: &Tensor, b: &Tensor) -> Vec<f32> {
-        let d = self.0.upload_csr(csr).unwrap();
-        self.down(
-            &self
-                .0
-                .sddmm_dot(&d, heads, &self.up(a), &self.up(b))
-                .unwrap(),
-        )
+        let (d, a, b) = (self.csr(csr), self.up(a), self.up(b));
+        self.down(&self.0.sddmm_dot(&d, heads, &a, &b).unwrap())
     }
     fn sddmm_add(&self, csr: &Csr, left: &Tensor, right: &Tensor) -> Vec<f32> {
-        let d = self.0.upload_csr(csr).unwrap();
-        self.down(
-            &self
-                .0
-                .sddmm_add(&d, &self.up(left), &self.up(right))
-                .unwrap(),
-        )
+        let (d, l, r) = (self.csr(csr), self.up(left), self.up(right));
+        self.down(&self.0.sddmm_add(&d, &l, &r).unwrap())
     }
     fn edge_softmax(&self, csr: &Csr, heads: usize, s: &[f32]) -> Vec<f32> {
-        let d = self.0.upload_csr(csr).unwrap();
-        self.down(
-            &self
-                .0
-                .edge_softmax(&d, heads, &self.up_vec(s, heads))
-                .unwrap(),
-        )
+        let (d, s) = (self.csr(csr), self.up_vec(s, heads));
+        self.down(&self.0.edge_softmax(&d, heads, &s).unwrap())
     }
     fn edge_softmax_backward(&self, csr: &Csr, heads: usize, a: &[f32], g: &[f32]) -> Vec<f32> {
-        let d = self.0.upload_csr(csr).unwrap();
-        let (da, dg) = (self.up_vec(a, heads), self.up_vec(g, heads));
+        let (d, da, dg) = (self.csr(csr), self.up_vec(a, heads), self.up_vec(g, heads));
         self.down(&self.0.edge_softmax_backward(&d, heads, &da, &dg).unwrap())
     }
     fn gather_rows(&self, x: &Tensor, idx: &[u32]) -> Vec<f32> {
-        let di = self.0.upload_index(idx).unwrap();
+        let di = self.index(idx);
         self.down(&self.0.gather_rows(&self.up(x), &di).unwrap())
     }
     fn scatter_add_rows(&self, src: &Tensor, idx: &[u32], out: &Tensor) -> Vec<f32> {
-        let di = self.0.upload_index(idx).unwrap();
-        let mut dout = self.up(out);
-        self.0
-            .scatter_add_rows(&self.up(src), &di, &mut dout)
-            .unwrap();
-        self.down(&dout)
+        let (src, di) = (self.up(src), self.index(idx));
+        self.updated(out, |s, out| s.scatter_add_rows(&src, &di, out))
     }
     fn add_bias(&self, x: &Tensor, bias: &Tensor) -> Vec<f32> {
-        let mut dx = self.up(x);
-        self.0.add_bias(&mut dx, &self.up(bias)).unwrap();
-        self.down(&dx)
+        let bias = self.up(bias);
+        self.updated(x, |s, x| s.add_bias(x, &bias))
     }
     fn add_column_sums(&self, g: &Tensor, out: &Tensor) -> Vec<f32> {
-        let mut dout = self.up(out);
-        self.0.add_column_sums(&self.up(g), &mut dout).unwrap();
-        self.down(&dout)
+        let g = self.up(g);
+        self.updated(out, |s, out| s.add_column_sums(&g, out))
     }
     fn activations(&self, act: Activation, x: &Tensor, gy: &Tensor) -> [Vec<f32>; 4] {
         let s = &self.0;
         let (dx, dgy) = (self.up(x), self.up(gy));
         let y = s.activation(act, &dx).unwrap();
-        let mut inplace = self.up(x);
-        s.activate(act, &mut inplace).unwrap();
+        let inplace = self.updated(x, |s, x| s.activate(act, x));
         let gx = s.activation_backward(act, &dx, &dgy).unwrap();
-        let mut gyo = self.up(gy);
-        s.activation_backward_from_output(act, &y, &mut gyo)
-            .unwrap();
-        [
-            self.down(&y),
-            self.down(&inplace),
-            self.down(&gx),
-            self.down(&gyo),
-        ]
+        let gyo = self.updated(gy, |s, gy| s.activation_backward_from_output(act, &y, gy));
+        [self.down(&y), inplace, self.down(&gx), gyo]
     }
     fn bits(&self, y: &Tensor, g: &Tensor) -> (Vec<u64>, Vec<f32>) {
         let bits = self.0.positive_bits(&self.up(y)).unwrap();
-        let mut dg = self.up(g);
-        self.0.mask_by_bits(&bits, &mut dg).unwrap();
-        (self.0.download_bits(&bits).unwrap(), self.down(&dg))
+        let g = self.updated(g, |s, g| s.mask_by_bits(&bits, g));
+        (self.0.download_bits(&bits).unwrap(), g)
     }
-    fn dropout(&self, x: &Tensor, gids: &[u32], key: DropoutKey, p: f32) -> Vec<f32> {
-        let mut dx = self.up(x);
-        let dg = self.0.upload_index(gids).unwrap();
-        self.0.dropout(&mut dx, &dg, key, p).unwrap();
-        self.down(&dx)
+    fn dropout(&self, x: &Tensor, mask: Mask) -> Vec<f32> {
+        let dg = self.index(mask.gids);
+        self.updated(x, |s, x| s.dropout(x, &dg, mask.key, mask.p))
     }
-    fn dropout_csr(&self, m: &Csr, gids: &[u32], key: DropoutKey, p: f32) -> Vec<f32> {
-        let mut dm = self.0.upload_csr(m).unwrap();
-        let dg = self.0.upload_index(gids).unwrap();
-        self.0.dropout_csr(&mut dm, &dg, key, p).unwrap();
+    fn dropout_csr(&self, m: &Csr, mask: Mask) -> Vec<f32> {
+        let (mut dm, dg) = (self.csr(m), self.index(mask.gids));
+        self.0.dropout_csr(&mut dm, &dg, mask.key, mask.p).unwrap();
         self.0.download_csr_values(&dm).unwrap().unwrap()
     }
-    fn edge_dropout(
-        &self,
-        csr: &Csr,
-        vals: &[f32],
-        heads: usize,
-        gids: &[u32],
-        key: DropoutKey,
-        p: f32,
-    ) -> Vec<f32> {
-        let d = self.0.upload_csr(csr).unwrap();
-        let mut dv = self.up_vec(vals, heads);
-        let dg = self.0.upload_index(gids).unwrap();
+    fn edge_dropout(&self, csr: &Csr, vals: &[f32], heads: usize, mask: Mask) -> Vec<f32> {
+        let (d, mut dv, dg) = (
+            self.csr(csr),
+            self.up_vec(vals, heads),
+            self.index(mask.gids),
+        );
         self.0
-            .edge_dropout(&d, &mut dv, heads, &dg, key, p)
+            .edge_dropout(&d, &mut dv, heads, &dg, mask.key, mask.p)
             .unwrap();
         self.down(&dv)
     }
     fn axpy(&self, alpha: f32, x: &Tensor, y: &Tensor) -> Vec<f32> {
-        let mut dy = self.up(y);
-        self.0.axpy(alpha, &self.up(x), &mut dy).unwrap();
-        self.down(&dy)
+        let x = self.up(x);
+        self.updated(y, |s, y| s.axpy(alpha, &x, y))
     }
-    fn softmax_nll(
-        &self,
-        logits: &Tensor,
-        labels: &[u32],
-        rows: &[u32],
-        scale: f32,
-    ) -> (LossOutput, Vec<f32>) {
+    fn softmax_nll(&self, logits: &Tensor, labels: &[u32], rows: &[u32], scale: f32) -> Loss {
         let mut g = self.0.zeros(logits.rows(), logits.cols()).unwrap();
-        let dl = self.0.upload_index(labels).unwrap();
+        let dl = self.index(labels);
         let l = self
             .0
             .softmax_nll(&self.up(logits), &dl, rows, scale, &mut g)
@@ -196,31 +145,20 @@ impl Backend for Cuda {
         (l, self.down(&g))
     }
     fn accuracy_count(&self, logits: &Tensor, labels: &[u32], rows: &[u32]) -> usize {
-        let (dl, dr) = (
-            self.0.upload_index(labels).unwrap(),
-            self.0.upload_index(rows).unwrap(),
-        );
+        let (dl, dr) = (self.index(labels), self.index(rows));
         self.0.accuracy_count(&self.up(logits), &dl, &dr).unwrap()
     }
-    fn adam(
-        &self,
-        cfg: &AdamConfig,
-        t: u64,
-        p: &Tensor,
-        g: &Tensor,
-        m: &Tensor,
-        v: &Tensor,
-    ) -> [Vec<f32>; 3] {
-        let (mut dp, mut dm, mut dv) = (self.up(p), self.up(m), self.up(v));
+    fn adam(&self, cfg: &AdamConfig, t: u64, g: &Tensor, state: [&Tensor; 3]) -> [Vec<f32>; 3] {
+        let [mut p, mut m, mut v] = state.map(|t| self.up(t));
         self.0
-            .adam_step(cfg, t, &mut dp, &self.up(g), &mut dm, &mut dv)
+            .adam_step(cfg, t, &mut p, &self.up(g), &mut m, &mut v)
             .unwrap();
-        [self.down(&dp), self.down(&dm), self.down(&dv)]
+        [p, m, v].map(|t| self.down(&t))
     }
-    fn sgd(&self, cfg: &SgdConfig, p: &Tensor, g: &Tensor, buf: &Tensor) -> [Vec<f32>; 2] {
-        let (mut dp, mut db) = (self.up(p), self.up(buf));
-        self.0.sgd_step(cfg, &mut dp, &self.up(g), &mut db).unwrap();
-        [self.down(&dp), self.down(&db)]
+    fn sgd(&self, cfg: &SgdConfig, g: &Tensor, state: [&Tensor; 2]) -> [Vec<f32>; 2] {
+        let [mut p, mut b] = state.map(|t| self.up(t));
+        self.0.sgd_step(cfg, &mut p, &self.up(g), &mut b).unwrap();
+        [p, b].map(|t| self.down(&t))
     }
     fn digest(&self, ts: &[&Tensor]) -> String {
         let up: Vec<DeviceTensor> = ts.iter().map(|t| self.up(t)).collect();
