@@ -469,8 +469,13 @@ impl Stream {
         check("add_bias", bias.len() == x.cols(), || {
             format!("bias {} for width {}", bias.len(), x.cols())
         })?;
-        self.run(|| cpu::add_bias(x.as_mut_slice(), bias.as_slice()));
-        Ok(())
+        let (w, x, b) = (x.cols(), x.as_mut_slice(), bias.as_slice());
+        self.run_rows(
+            KernelKind::Other,
+            x.len() / w.max(1),
+            ELEMENTWISE_PIECE / w.max(1),
+            |r| cpu::add_bias(&mut x[r.start * w..r.end * w], b),
+        )
     }
 
     /// `out += column sums of g` (the bias gradient, accumulated).
@@ -503,12 +508,11 @@ impl Stream {
             return Ok(());
         }
         use rayon::prelude::*;
-        self.run(|| {
-            x.as_mut_slice()
-                .par_chunks_mut(16_384)
+        let x = x.as_mut_slice();
+        self.run_rows(KernelKind::Other, x.len(), ELEMENTWISE_PIECE, |r| {
+            x[r].par_chunks_mut(16_384)
                 .for_each(|c| c.iter_mut().for_each(|v| *v = act.apply(*v)))
-        });
-        Ok(())
+        })
     }
 
     /// `gy * act'(x)` as a new tensor.
@@ -533,33 +537,40 @@ impl Stream {
             return Ok(());
         }
         use rayon::prelude::*;
-        self.run(|| {
-            gy.as_mut_slice()
+        let (gy, y) = (gy.as_mut_slice(), y.as_slice());
+        self.run_rows(KernelKind::Other, gy.len(), ELEMENTWISE_PIECE, |r| {
+            gy[r.clone()]
                 .par_chunks_mut(16_384)
-                .zip(y.as_slice().par_chunks(16_384))
+                .zip(y[r].par_chunks(16_384))
                 .for_each(|(g, y)| {
                     g.iter_mut()
                         .zip(y)
                         .for_each(|(g, &y)| *g *= act.derivative_from_output(y));
                 })
-        });
-        Ok(())
+        })
     }
 
     /// One bit per element of `y`, set where `y > 0` (what ReLU's backward needs: 1/32 of `y`).
     pub fn positive_bits(&self, y: &Tensor) -> Result<Vec<u64>> {
         self.admit()?;
         use rayon::prelude::*;
-        Ok(self.run(|| {
-            y.as_slice()
-                .par_chunks(64)
-                .map(|c| {
-                    c.iter()
+        let y = y.as_slice();
+        let mut bits = vec![0u64; y.len().div_ceil(64)];
+        // Pieces of whole 64-element words.
+        let words = bits.len();
+        self.run_rows(KernelKind::Other, words, ELEMENTWISE_PIECE / 64, |r| {
+            let elems = &y[r.start * 64..(r.end * 64).min(y.len())];
+            bits[r]
+                .par_iter_mut()
+                .zip(elems.par_chunks(64))
+                .for_each(|(b, c)| {
+                    *b = c
+                        .iter()
                         .enumerate()
                         .fold(0u64, |acc, (k, &v)| acc | (((v > 0.0) as u64) << k))
                 })
-                .collect()
-        }))
+        })?;
+        Ok(bits)
     }
 
     /// Zeroes the elements of `g` whose bit in `bits` (from [`Stream::positive_bits`]) is clear.
@@ -569,10 +580,12 @@ impl Stream {
             format!("{} words for {} elements", bits.len(), g.len())
         })?;
         use rayon::prelude::*;
-        self.run(|| {
-            g.as_mut_slice()
+        let g = g.as_mut_slice();
+        let n = g.len();
+        self.run_rows(KernelKind::Other, bits.len(), ELEMENTWISE_PIECE / 64, |r| {
+            g[r.start * 64..(r.end * 64).min(n)]
                 .par_chunks_mut(64)
-                .zip(bits.par_iter())
+                .zip(bits[r].par_iter())
                 .for_each(|(c, &b)| {
                     c.iter_mut().enumerate().for_each(|(k, v)| {
                         if b >> k & 1 == 0 {
@@ -580,8 +593,7 @@ impl Stream {
                         }
                     })
                 })
-        });
-        Ok(())
+        })
     }
 
     /// Inverted dropout in place, keyed by the rows' global ids (its own backward).

@@ -1706,6 +1706,25 @@ fn kernels_cut_into_pieces_match_the_whole() {
     s.dropout_into(&a, &mut whole, &gids, key, 0.5).unwrap();
     cut.dropout_into(&a, &mut pieces, &gids, key, 0.5).unwrap();
     assert_bits_eq("pieces", whole.as_slice(), pieces.as_slice());
+    // Element-wise kernels, cut into single rows or single 64-element words.
+    let bias = rng.tensor(1, k);
+    let (mut whole, mut pieces) = (a.clone(), a.clone());
+    for (st, t) in [(s, &mut whole), (&cut, &mut pieces)] {
+        st.add_bias(t, &bias).unwrap();
+        st.activate(Activation::Elu { alpha: 1.0 }, t).unwrap();
+    }
+    assert_bits_eq("bias, activation", whole.as_slice(), pieces.as_slice());
+    let bits = s.positive_bits(&whole).unwrap();
+    assert_eq!(bits, cut.positive_bits(&whole).unwrap());
+    let gy = rng.tensor(m, k);
+    let (mut gw, mut gp) = (gy.clone(), gy.clone());
+    s.activation_backward_from_output(Activation::Elu { alpha: 1.0 }, &whole, &mut gw)
+        .unwrap();
+    cut.activation_backward_from_output(Activation::Elu { alpha: 1.0 }, &whole, &mut gp)
+        .unwrap();
+    s.mask_by_bits(&bits, &mut gw).unwrap();
+    cut.mask_by_bits(&bits, &mut gp).unwrap();
+    assert_bits_eq("activation backward, mask", gw.as_slice(), gp.as_slice());
 }
 
 /// Once its token is cancelled, a stream refuses new ops and stops a long kernel between
