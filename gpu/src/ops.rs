@@ -651,6 +651,35 @@ impl Stream {
         )
     }
 
+    /// `dropout(src)` as a new tensor, written in one pass (the new rows are not zeroed first).
+    pub fn dropout_copy(
+        &self,
+        src: &Tensor,
+        gids: &[u32],
+        key: DropoutKey,
+        p: f32,
+    ) -> Result<Tensor> {
+        self.admit()?;
+        check("dropout_copy", gids.len() == src.rows(), || {
+            format!("{} ids for {} rows", gids.len(), src.rows())
+        })?;
+        let (rows, w, n) = (src.rows(), src.cols(), src.len());
+        let src = src.as_slice();
+        let mut data: Vec<f32> = Vec::with_capacity(n);
+        let out = &mut data.spare_capacity_mut()[..n];
+        self.run_rows(KernelKind::Other, rows, ELEMENTWISE_PIECE / w.max(1), |r| {
+            let (s, d) = (
+                &src[r.start * w..r.end * w],
+                &mut out[r.start * w..r.end * w],
+            );
+            cpu::dropout_copy_uninit(s, d, w, &gids[r], key, p)
+        })?;
+        // SAFETY: `run_rows` returned Ok, so `f` ran over row ranges covering `0..rows`, and
+        // each call wrote every value of its rows: all `n` values are initialised.
+        unsafe { data.set_len(n) };
+        Tensor::from_vec(rows, w, data)
+    }
+
     /// Dropout of a sparse matrix's stored values, with the mask [`Stream::dropout`] applies to
     /// the dense form (rows keyed by `gids`).
     pub fn dropout_csr(&self, m: &mut Csr, gids: &[u32], key: DropoutKey, p: f32) -> Result<()> {

@@ -1706,6 +1706,13 @@ fn kernels_cut_into_pieces_match_the_whole() {
     s.dropout_into(&a, &mut whole, &gids, key, 0.5).unwrap();
     cut.dropout_into(&a, &mut pieces, &gids, key, 0.5).unwrap();
     assert_bits_eq("pieces", whole.as_slice(), pieces.as_slice());
+    // Into a fresh (not zeroed) allocation: the same rows, whole or in pieces.
+    for st in [s, &cut] {
+        let fresh = st.dropout_copy(&a, &gids, key, 0.5).unwrap();
+        assert_eq!(fresh.shape(), a.shape());
+        assert_bits_eq("dropout_copy", whole.as_slice(), fresh.as_slice());
+    }
+    assert!(s.dropout_copy(&a, &gids[1..], key, 0.5).is_err());
     // Element-wise kernels, cut into single rows or single 64-element words.
     let bias = rng.tensor(1, k);
     let (mut whole, mut pieces) = (a.clone(), a.clone());

@@ -3,6 +3,7 @@ use super::row_chunk;
 use crate::ops::Activation;
 use crate::rng::{dropout_scale, dropout_threshold, DropoutKey, Philox4x32};
 use rayon::prelude::*;
+use std::mem::MaybeUninit;
 
 /// `x[i, :] += bias` for every row.
 pub fn add_bias(x: &mut [f32], bias: &[f32]) {
@@ -109,6 +110,22 @@ pub fn dropout_copy(
     key: DropoutKey,
     p: f32,
 ) {
+    // SAFETY: `MaybeUninit<f32>` has the layout of `f32`, and `dropout_copy_uninit` only
+    // writes initialised values through this view.
+    let dst = unsafe { &mut *(dst as *mut [f32] as *mut [MaybeUninit<f32>]) };
+    dropout_copy_uninit(src, dst, width, gids, key, p)
+}
+
+/// [`dropout_copy`] into memory that need not be initialised (a fresh allocation that would
+/// otherwise be zeroed first, only to be overwritten): every value of `dst` is written.
+pub fn dropout_copy_uninit(
+    src: &[f32],
+    dst: &mut [MaybeUninit<f32>],
+    width: usize,
+    gids: &[u32],
+    key: DropoutKey,
+    p: f32,
+) {
     assert_eq!(src.len(), dst.len(), "dropout_copy: length mismatch");
     if width == 0 {
         return;
@@ -118,7 +135,16 @@ pub fn dropout_copy(
         .zip(src.par_chunks(mask.chunk * width))
         .enumerate()
         .for_each(|(c, (block, from))| {
-            block.copy_from_slice(from);
+            let len = block.len();
+            let out = block.as_mut_ptr().cast::<f32>();
+            // SAFETY: `block` and `from` have the same length (the chunks of equal-length
+            // slices) and do not overlap (`dst` is borrowed mutably); after the copy every
+            // element of `block` is an initialised f32, and `MaybeUninit<f32>` has its layout,
+            // so the view is valid for the rest of this closure.
+            let block = unsafe {
+                std::ptr::copy_nonoverlapping(from.as_ptr(), out, len);
+                std::slice::from_raw_parts_mut(out, len)
+            };
             if p > 0.0 {
                 mask.apply(c, block);
             }

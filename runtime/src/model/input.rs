@@ -77,9 +77,9 @@ impl LayerInput {
         }
         let key = spec.dropout_key(seed, ctx.epoch, 0);
         if let Cow::Borrowed(LayerInput::Dense(t)) = x {
-            // One parallel pass straight into the new rows, instead of a copy then dropout.
-            let mut out = Tensor::zeros(t.rows(), t.cols());
-            s.dropout_into(t, &mut out, block.gids(), key, spec.dropout)?;
+            // One parallel pass straight into new rows (not zeroed first), instead of a copy
+            // then dropout.
+            let out = s.dropout_copy(t, block.gids(), key, spec.dropout)?;
             return Ok(Cow::Owned(LayerInput::Dense(out)));
         }
         let mut out = x.into_owned();
