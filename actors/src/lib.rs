@@ -1,11 +1,11 @@
 //! `trellis-actors` owns the actors of a training topology.
 //!
-//! - [`PartitionActor`](partition::PartitionActor): one per graph partition, on its own arbiter
+//! - `PartitionActor`: one per graph partition, on its own arbiter
 //!   (thread) with its own compute [`Stream`](trellis_gpu::Stream); owns the partition's block,
 //!   features, model replica and optimizer state.
-//! - the node supervisor ([`supervisor`]): starts partition actors under actix's `Supervisor`,
+//! - the node supervisor (`supervisor`): starts partition actors under actix's `Supervisor`,
 //!   turns kernel panics into restarts from the node's [`ReplicaStore`](replica::ReplicaStore).
-//! - the [`Coordinator`](coordinator::Coordinator): drives the epoch protocol (ARCHITECTURE.md).
+//! - the [`Coordinator`]: drives the epoch protocol (ARCHITECTURE.md).
 //! - [`Topology`]/[`TrainingRun`]: the Rust API for programs that spawn training topologies.
 //! - [`cluster`]: multi-process clusters over QUIC (`trellis node`, `trellis launch`).
 //! - [`telemetry`]: trace-context propagation through messages, the node id on spans.

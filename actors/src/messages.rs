@@ -65,7 +65,7 @@ pub enum Outcome {
     },
 }
 
-/// A partition's answer to a [`Step`].
+/// A partition's answer to a `Step` request.
 #[derive(Debug, Clone)]
 pub struct StepReply {
     pub part: u32,

@@ -4,7 +4,7 @@
 //! backend ([`cpu`]) is the reference implementation: every kernel is parallel (rayon, inside
 //! the global [`ThreadBudget`]) and deterministic — the same inputs and thread count give
 //! bit-identical outputs, and row-parallel kernels are bit-identical for any thread count.
-//! The CUDA backend ([`cuda`], behind the `cuda` cargo feature) runs the same ops on device
+//! The CUDA backend (`cuda`, behind the `cuda` cargo feature) runs the same ops on device
 //! buffers; its kernel sources live in `src/cuda/` ([`kernel_source`]).
 
 pub mod bench;

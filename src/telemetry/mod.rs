@@ -7,7 +7,7 @@
 //!   standard `OTEL_EXPORTER_OTLP_*` variables say where. Nothing is installed otherwise: every
 //!   span is then disabled at its call site and costs a cached flag check.
 //! - Metrics: the latency histograms and counters of [`trellis_runtime::metrics`], exported
-//!   as OTLP metrics alongside the traces ([`otel_metrics`]) and served as Prometheus text on
+//!   as OTLP metrics alongside the traces (`otel_metrics`) and served as Prometheus text on
 //!   `--metrics-addr` at `/metrics` ([`prometheus`]).
 //!
 //! A node binary calls [`init`] once, early, with [`TelemetryOptions::from_env`] plus its
