@@ -210,7 +210,7 @@ impl Stream {
         rows_per_piece: usize,
         mut f: impl FnMut(Range<usize>) + Send,
     ) -> Result<()> {
-        let step = if self.cancel.is_some() && std::env::var_os("XX_NO_PIECES").is_none() {
+        let step = if self.cancel.is_some() {
             (rows_per_piece / self.piece_divisor).max(1)
         } else {
             rows.max(1)
