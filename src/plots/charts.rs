@@ -1,5 +1,6 @@
 //! The PNG charts (plotters, bitmap backend).
 use super::{PlotError, RecoveryMark};
+use plotters::coord::types::RangedCoordf64;
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use plotters::style::FontStyle;
@@ -39,6 +40,41 @@ fn canvas<'a>(
     let root = BitMapBackend::new(path, size).into_drawing_area();
     root.fill(&WHITE).map_err(draw_err(chart))?;
     Ok(root)
+}
+
+/// The x range of an epoch axis: every logged epoch, half an epoch of margin each side.
+fn epoch_range(logs: &[trellis_runtime::EpochLog]) -> (f64, f64) {
+    (
+        logs[0].epoch as f64 - 0.5,
+        logs[logs.len() - 1].epoch as f64 + 0.5,
+    )
+}
+
+/// Axes with epochs along x and `y_desc` over `y` along y, captioned, mesh drawn.
+fn epoch_axes<'a, DB: DrawingBackend + 'a>(
+    area: &'a DrawingArea<DB, Shift>,
+    caption: String,
+    caption_size: u32,
+    x: (f64, f64),
+    y: (f64, f64),
+    y_desc: &str,
+    chart: &'static str,
+) -> Result<ChartContext<'a, DB, Cartesian2d<RangedCoordf64, RangedCoordf64>>, PlotError> {
+    let mut c = ChartBuilder::on(area)
+        .caption(caption, (FAMILY, caption_size))
+        .margin(12)
+        .x_label_area_size(36)
+        .y_label_area_size(70)
+        .build_cartesian_2d(x.0..x.1, y.0..y.1)
+        .map_err(draw_err(chart))?;
+    c.configure_mesh()
+        .x_desc("epoch")
+        .x_label_formatter(&|x| format!("{}", x.round() as i64))
+        .y_desc(y_desc)
+        .label_style((FAMILY, 14))
+        .draw()
+        .map_err(draw_err(chart))?;
+    Ok(c)
 }
 
 /// `(lo, hi)` padded so a flat series still gets a visible range.
@@ -111,33 +147,15 @@ pub fn loss_accuracy(
     let root = canvas(path, (1100, 800), NAME)?;
     let (top, bottom) = root.split_vertically(400);
     let logs = &r.epochs_log;
-    let x = (
-        logs[0].epoch as f64 - 0.5,
-        logs[logs.len() - 1].epoch as f64 + 0.5,
-    );
+    let x = epoch_range(logs);
     let marks_x: Vec<f64> = marks.iter().map(|m| m.epoch as f64).collect();
 
     let (lo, hi) = logs.iter().fold((f64::MAX, f64::MIN), |(a, b), l| {
         (a.min(l.loss), b.max(l.loss))
     });
     let y = padded(lo, hi);
-    let mut c = ChartBuilder::on(&top)
-        .caption(
-            format!("{} on {}: training loss", r.model, r.dataset),
-            (FAMILY, 22),
-        )
-        .margin(12)
-        .x_label_area_size(36)
-        .y_label_area_size(70)
-        .build_cartesian_2d(x.0..x.1, y.0..y.1)
-        .map_err(draw_err(NAME))?;
-    c.configure_mesh()
-        .x_desc("epoch")
-        .x_label_formatter(&|x| format!("{}", x.round() as i64))
-        .y_desc("loss")
-        .label_style((FAMILY, 14))
-        .draw()
-        .map_err(draw_err(NAME))?;
+    let caption = format!("{} on {}: training loss", r.model, r.dataset);
+    let mut c = epoch_axes(&top, caption, 22, x, y, "loss", NAME)?;
     c.draw_series(LineSeries::new(
         logs.iter().map(|l| (l.epoch as f64, l.loss)),
         COMPUTE.stroke_width(2),
@@ -147,20 +165,8 @@ pub fn loss_accuracy(
     .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], COMPUTE.stroke_width(2)));
     marks_and_legend(&mut c, &marks_x, y, None, 0.8, NAME)?;
 
-    let mut c = ChartBuilder::on(&bottom)
-        .caption("accuracy", (FAMILY, 22))
-        .margin(12)
-        .x_label_area_size(36)
-        .y_label_area_size(70)
-        .build_cartesian_2d(x.0..x.1, 0.0..1.0)
-        .map_err(draw_err(NAME))?;
-    c.configure_mesh()
-        .x_desc("epoch")
-        .x_label_formatter(&|x| format!("{}", x.round() as i64))
-        .y_desc("accuracy")
-        .label_style((FAMILY, 14))
-        .draw()
-        .map_err(draw_err(NAME))?;
+    let accuracy = "accuracy".to_string();
+    let mut c = epoch_axes(&bottom, accuracy, 22, x, (0.0, 1.0), "accuracy", NAME)?;
     type Pick = fn(&trellis_runtime::EpochLog) -> f64;
     let splits: [(&str, RGBColor, Pick); 3] = [
         ("train", RGBColor(78, 154, 6), |l| l.train_acc),
@@ -269,25 +275,10 @@ pub fn bytes(r: &RunReport, marks: &[RecoveryMark], path: &Path) -> Result<PathB
     let logs = &r.epochs_log;
     let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
     let hi = logs.iter().map(|l| mib(l.halo_bytes)).fold(0.0, f64::max);
-    let x = (
-        logs[0].epoch as f64 - 0.5,
-        logs[logs.len() - 1].epoch as f64 + 0.5,
-    );
+    let x = epoch_range(logs);
     let y = (0.0, if hi > 0.0 { hi * 1.1 } else { 1.0 });
-    let mut c = ChartBuilder::on(&root)
-        .caption("halo exchange: MiB per epoch", (FAMILY, 20))
-        .margin(12)
-        .x_label_area_size(36)
-        .y_label_area_size(70)
-        .build_cartesian_2d(x.0..x.1, y.0..y.1)
-        .map_err(draw_err(NAME))?;
-    c.configure_mesh()
-        .x_desc("epoch")
-        .x_label_formatter(&|x| format!("{}", x.round() as i64))
-        .y_desc("MiB")
-        .label_style((FAMILY, 14))
-        .draw()
-        .map_err(draw_err(NAME))?;
+    let caption = "halo exchange: MiB per epoch".to_string();
+    let mut c = epoch_axes(&root, caption, 20, x, y, "MiB", NAME)?;
     c.draw_series(logs.iter().map(|l| {
         let e = l.epoch as f64;
         Rectangle::new(
