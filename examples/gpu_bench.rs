@@ -1,14 +1,16 @@
 //! GPU benchmark (feature `cuda`; run by `scripts/gpu-check.sh`): SpMM's achieved bandwidth
-//! against the card's, GEMM TFLOP/s, GCN epoch time on Cora and on the 1M-node synthetic graph,
-//! and one stream against four (each on its own thread, as four partition actors would run).
+//! against the card's, GEMM TFLOP/s, one stream against four (each on its own thread), and GCN
+//! training steps on Cora and on the 1M-node synthetic graph with the trainer (one stream) and
+//! with 4 partition actors (one stream each), all on `cuda:0`.
 //!
 //! `cargo run --release --features cuda --example gpu_bench -- [--cora DIR] [--nodes N]`
 use std::time::Instant;
+use trellis::actors::Topology;
 use trellis::gpu::bench::{random_csr, random_tensor, spmm_bytes};
 use trellis::gpu::cuda::{DeviceTensor, DeviceWeights, GpuStream};
-use trellis::gpu::{Csr, EdgeWeights};
-use trellis::gpu_gcn::GpuGcn;
-use trellis::runtime::{DataSource, ModelKind, TrainConfig};
+use trellis::gpu::{Csr, Device, EdgeWeights};
+use trellis::runtime::partition::PartitionMethod;
+use trellis::runtime::{DataSource, ModelKind, RunReport, TrainConfig, Trainer};
 
 type Result<T> = anyhow::Result<T>;
 
@@ -129,7 +131,8 @@ fn main() -> Result<()> {
     );
     drop((dcsr, dx, out));
 
-    // GCN epochs: Cora (paper settings) and the synthetic graph (hidden 256).
+    // GCN training steps: Cora (paper settings) and the synthetic graph (hidden 256), on one
+    // stream and on four partition actors.
     if let Some(dir) = arg("--cora") {
         gcn_epochs(&dir, 16, 50)?;
     }
@@ -153,27 +156,31 @@ fn bandwidths(s: &GpuStream) -> Result<(f64, f64)> {
     Ok((peak, 2.0 * (n * 4) as f64 / secs / 1e9))
 }
 
+/// Median training step of GCN on `data` on `cuda:0`: the trainer (one stream), then four
+/// partition actors (one stream each, in this process).
 fn gcn_epochs(data: &str, hidden: usize, epochs: u32) -> Result<()> {
     let ds = DataSource::parse(data)?.load()?;
     let mut cfg = TrainConfig::paper_defaults(ModelKind::Gcn, ds.num_features, ds.num_classes, 0);
     cfg.model.hidden = hidden;
-    let mut gcn = GpuGcn::new(&ds, cfg, 0)?;
-    let mut ms: Vec<f64> = Vec::new();
-    let mut last = None;
-    for e in 1..=epochs {
-        let r = gcn.epoch(e)?;
-        ms.push(r.ms);
-        last = Some(r);
-    }
-    ms.sort_by(f64::total_cmp);
-    let r = last.expect("at least one epoch");
+    cfg.epochs = epochs;
+    cfg.device = Device::Cuda(0);
+    let median = |r: &RunReport| {
+        let mut ms: Vec<f64> = r.epochs_log.iter().map(|e| e.ms).collect();
+        ms.sort_by(f64::total_cmp);
+        ms[ms.len() / 2]
+    };
+    let one = Trainer::new(&ds, cfg.clone())?.run(|_| {})?;
+    let topo = Topology::partition(&ds, 4, PartitionMethod::Metis, None, cfg)?;
+    let four = topo.spawn()?.wait()?;
     println!(
-        "gcn on {} (hidden {hidden}): median training step {:.2} ms over {epochs} epochs \
-         (loss {:.4}, val {:.3})",
+        "gcn on {} (hidden {hidden}), median training step over {epochs} epochs: \
+         1 stream {:.2} ms, 4 partition actors {:.2} ms ({:.2}x); test accuracy {:.3} / {:.3}",
         ds.name,
-        ms[ms.len() / 2],
-        r.loss,
-        r.val_acc
+        median(&one),
+        median(&four),
+        median(&four) / median(&one),
+        one.test_acc,
+        four.test_acc
     );
     Ok(())
 }

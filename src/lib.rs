@@ -2,7 +2,7 @@
 //!
 //! This facade re-exports the workspace crates:
 //! - [`gpu`]: devices, streams, tensors and kernels (CPU reference backend; CUDA with the
-//!   `cuda` feature, which also builds `gpu_gcn`, GCN trained on one CUDA stream);
+//!   `cuda` feature: `--device cuda` runs the same trainers and partition actors there);
 //! - [`runtime`]: data loaders, graphs, partitioning, models, trainers and run reports;
 //! - [`actors`]: partition actors, supervisors, the coordinator and the topology API;
 //! - [`transport`]: halo-exchange messages and transports.
@@ -17,8 +17,6 @@ pub use trellis_transport as transport;
 
 pub mod build_info;
 pub mod cli;
-#[cfg(feature = "cuda")]
-pub mod gpu_gcn;
 pub mod plots;
 pub mod telemetry;
 

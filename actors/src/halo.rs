@@ -3,7 +3,7 @@
 //! into the owner's rows (ARCHITECTURE.md, "Halo exchange").
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use trellis_gpu::{Stream, Tensor};
+use trellis_gpu::{Device, Stream, Tensor};
 use trellis_runtime::{Result, RuntimeError};
 use trellis_transport::{HaloBlock, MsgHeader, PartId, Phase, RunId};
 
@@ -36,30 +36,37 @@ impl HaloLists {
         self.send.iter().map(|(q, _)| *q).collect()
     }
 
-    /// `[own rows; halo rows from the blocks]` as one tensor of `n_in` rows.
+    /// `[own rows; halo rows from the blocks]` as one tensor of `n_in` rows in `s`'s memory:
+    /// the halo rows are placed in one host buffer, then appended below `own` (on a GPU, one
+    /// upload).
     pub fn assemble(
         &self,
-        own: Tensor,
+        s: &Stream,
+        mut own: Tensor,
         n_in: usize,
         blocks: &BTreeMap<PartId, HaloBlock>,
     ) -> Result<Tensor> {
-        let width = own.cols();
-        // One allocation for [own rows; halo rows]; every halo row is overwritten below.
-        let mut input = Tensor::zeros(n_in, width);
-        input.as_mut_slice()[..own.len()].copy_from_slice(own.as_slice());
-        drop(own);
+        let (width, first) = (own.cols(), own.rows());
+        if n_in < first {
+            return Err(proto(
+                self.part,
+                &format!("{first} own rows for {n_in} inputs"),
+            ));
+        }
+        // Every halo row is overwritten below: the receive lists cover `first..n_in`.
+        let mut halo = vec![0.0; (n_in - first) * width];
         for (q, rows) in &self.recv {
             let b = blocks.get(q).ok_or_else(|| {
                 proto(self.part, &format!("missing halo block from partition {q}"))
             })?;
             self.check(b, rows.len(), width)?;
             for (k, &r) in rows.iter().enumerate() {
-                input
-                    .row_mut(r as usize)
-                    .copy_from_slice(&b.data[k * width..(k + 1) * width]);
+                let at = (r as usize - first) * width;
+                halo[at..at + width].copy_from_slice(&b.data[k * width..(k + 1) * width]);
             }
         }
-        Ok(input)
+        s.append_rows(&mut own, &halo)?;
+        Ok(own)
     }
 
     /// Adds the received rows of gradients into this partition's inner rows of `g`, in
@@ -79,23 +86,31 @@ impl HaloLists {
         Ok(())
     }
 
-    /// One block per destination in `lists` with the given rows of `t`.
-    pub fn blocks(&self, tag: Tag, t: &Tensor, lists: &[(PartId, Vec<u32>)]) -> Vec<HaloBlock> {
+    /// One block per destination in `lists` with the given rows of `t` (in `s`'s memory).
+    pub fn blocks(
+        &self,
+        s: &Stream,
+        tag: Tag,
+        t: &Tensor,
+        lists: &[(PartId, Vec<u32>)],
+    ) -> Result<Vec<HaloBlock>> {
         lists
             .iter()
-            .map(|(q, rows)| HaloBlock {
-                header: MsgHeader {
-                    run: tag.run,
-                    epoch: tag.epoch,
-                    layer: tag.layer,
-                    phase: tag.phase,
-                    from: self.part,
-                    to: *q,
-                },
-                trace: None,
-                rows: rows.len() as u32,
-                cols: t.cols() as u32,
-                data: gather_shared(t, rows),
+            .map(|(q, rows)| {
+                Ok(HaloBlock {
+                    header: MsgHeader {
+                        run: tag.run,
+                        epoch: tag.epoch,
+                        layer: tag.layer,
+                        phase: tag.phase,
+                        from: self.part,
+                        to: *q,
+                    },
+                    trace: None,
+                    rows: rows.len() as u32,
+                    cols: t.cols() as u32,
+                    data: gather_shared(s, t, rows)?,
+                })
             })
             .collect()
     }
@@ -115,9 +130,19 @@ impl HaloLists {
     }
 }
 
-/// Rows `rows` of `t` gathered straight into a shared buffer (one allocation, one copy).
-fn gather_shared(t: &Tensor, rows: &[u32]) -> Arc<[f32]> {
+/// Rows `rows` of `t` gathered into a shared host buffer: straight into it on the CPU (one
+/// allocation, one copy), gathered on the device then downloaded from a GPU.
+fn gather_shared(s: &Stream, t: &Tensor, rows: &[u32]) -> Result<Arc<[f32]>> {
+    if t.device() != Device::Cpu {
+        return Ok(Arc::from(s.download(&s.gather_rows(t, rows)?)?));
+    }
     let w = t.cols();
+    if let Some(&r) = rows.iter().find(|&&r| r as usize >= t.rows()) {
+        return Err(RuntimeError::Config(format!(
+            "halo row {r} of a {}-row tensor",
+            t.rows()
+        )));
+    }
     let mut buf = Arc::<[f32]>::new_uninit_slice(rows.len() * w);
     let dst = Arc::get_mut(&mut buf).expect("a new Arc is unique");
     for (k, &r) in rows.iter().enumerate() {
@@ -126,7 +151,7 @@ fn gather_shared(t: &Tensor, rows: &[u32]) -> Arc<[f32]> {
         }
     }
     // SAFETY: the loop above wrote every element: `rows.len()` rows of `w` values each.
-    unsafe { buf.assume_init() }
+    Ok(unsafe { buf.assume_init() })
 }
 
 /// A protocol error of partition `part`.

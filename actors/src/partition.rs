@@ -84,7 +84,10 @@ impl PartitionActor {
     ) -> Self {
         let part = state.part();
         if replicas.enabled() {
-            replicas.put(part.0, state.snapshot());
+            match state.snapshot() {
+                Ok(snap) => replicas.put(part.0, snap),
+                Err(e) => tracing::error!("partition {part}: no initial replica: {e}"),
+            }
         }
         PartitionActor {
             part,
@@ -247,11 +250,14 @@ impl Supervised for PartitionActor {
         self.pending = None;
         match self.replicas.get(self.part.0) {
             Some(snap) => {
-                let ok = self.state.restore(&snap);
+                let ok = self.state.restore(&snap).unwrap_or_else(|e| {
+                    tracing::error!("partition {}: restoring its replica failed: {e}", self.part);
+                    false
+                });
                 self.faults.record_restore(self.part.0, ok);
                 self.restored = Some(ok);
             }
-            None => self.state.reset_epoch(),
+            None => self.reset_state(),
         }
     }
 }
@@ -353,7 +359,11 @@ impl Handler<ApplyStep> for PartitionActor {
         }
         if msg.epoch <= self.state.epoch_done() {
             // Already applied (a retried request): idempotent.
-            return Ok(self.state.model().weights_digest());
+            return self
+                .state
+                .model()
+                .weights_digest(self.state.stream())
+                .map_err(|source| ActorError::Compute { part, source });
         }
         let span = tracing::info_span!(
             "apply",
@@ -376,7 +386,11 @@ impl Handler<ApplyStep> for PartitionActor {
             )
             .entered();
             let t = Instant::now();
-            self.replicas.put(part, self.state.snapshot());
+            let snap = self
+                .state
+                .snapshot()
+                .map_err(|source| ActorError::Compute { part, source })?;
+            self.replicas.put(part, snap);
             Metrics::global().record(
                 Key::new(names::REPLICATE).with("partition", part),
                 t.elapsed(),
@@ -399,7 +413,17 @@ impl Handler<ResetEpoch> for PartitionActor {
                 detail: "epoch reset".into(),
             }));
         }
-        self.state.reset_epoch();
+        self.reset_state();
+    }
+}
+
+impl PartitionActor {
+    /// Drops the epoch in progress; a failure (of the device) is logged, and surfaces again at
+    /// the next op on the stream.
+    fn reset_state(&mut self) {
+        if let Err(e) = self.state.reset_epoch() {
+            tracing::error!("partition {}: resetting the epoch failed: {e}", self.part);
+        }
     }
 }
 

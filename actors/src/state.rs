@@ -120,7 +120,7 @@ impl PartitionState {
         if cfg.normalize_features {
             normalize_rows(&mut feats, f);
         }
-        let x = LayerInput::auto(Tensor::from_vec(block.n_in(), f, feats)?)?;
+        let x = LayerInput::auto(&stream, Tensor::from_vec(block.n_in(), f, feats)?)?;
         let send: Vec<_> = file
             .send_lists()
             .map(|(q, rows)| (PartId(q as u32), rows.to_vec()))
@@ -134,7 +134,8 @@ impl PartitionState {
             .into_iter()
             .map(|(q, rows)| (PartId(q), rows))
             .collect();
-        let model = Model::new(cfg.model.clone())?;
+        let mut model = Model::new(cfg.model.clone())?;
+        model.place(&stream)?;
         let opt = Optimizer::new(cfg.optimizer(), &model);
         Ok(PartitionState {
             part,
@@ -272,7 +273,9 @@ impl PartitionState {
                 .forward_layer(&self.stream, 0, &self.block, Cow::Borrowed(&self.x), ctx)?
         } else {
             let own = self.take_own_out()?;
-            let input = self.halo.assemble(own, self.block.n_in(), blocks)?;
+            let input = self
+                .halo
+                .assemble(&self.stream, own, self.block.n_in(), blocks)?;
             self.model.forward_layer(
                 &self.stream,
                 l,
@@ -307,7 +310,7 @@ impl PartitionState {
             layer: tag.layer | TRANSFORMED,
             ..tag
         };
-        let out = self.halo.blocks(transformed, &rows, lists);
+        let out = self.halo.blocks(&self.stream, transformed, &rows, lists)?;
         rows.truncate_rows(self.block.n_out());
         self.staged = Some(Staged::of(tag, rows));
         Ok((None, out))
@@ -316,7 +319,9 @@ impl PartitionState {
     /// Second stage of a split layer's forward: aggregates `[Z_inner; Z_halo]`.
     fn forward_second(&mut self, tag: Tag, blocks: &BTreeMap<PartId, HaloBlock>) -> StageOut {
         let z = self.take_staged(tag)?;
-        let z = self.halo.assemble(z, self.block.n_in(), blocks)?;
+        let z = self
+            .halo
+            .assemble(&self.stream, z, self.block.n_in(), blocks)?;
         let l = tag.layer as usize;
         let y = self
             .model
@@ -347,7 +352,7 @@ impl PartitionState {
         let l = tag.layer as usize;
         if l + 1 < self.num_layers() {
             let out = if self.exchanges_input(l + 1) {
-                self.halo.blocks(tag, &y, &self.halo.send)
+                self.halo.blocks(&self.stream, tag, &y, &self.halo.send)?
             } else {
                 Vec::new()
             };
@@ -356,7 +361,7 @@ impl PartitionState {
         }
         let s = &self.stream;
         if tag.phase == Phase::Forward {
-            let mut grad = Tensor::zeros(y.rows(), y.cols());
+            let mut grad = s.zeros(y.rows(), y.cols())?;
             let scale = 1.0 / self.counts.train.max(1) as f32;
             let loss = s.softmax_nll(&y, &self.labels, &self.train, scale, &mut grad)?;
             self.grad_inner = Some(grad);
@@ -396,7 +401,9 @@ impl PartitionState {
             .model
             .backward_layer(&self.stream, l, &self.block, g, l > 0)?;
         let out = match &gx {
-            Some(gx) if self.exchanges_input(l) => self.halo.blocks(tag, gx, &self.halo.recv),
+            Some(gx) if self.exchanges_input(l) => {
+                self.halo.blocks(&self.stream, tag, gx, &self.halo.recv)?
+            }
             _ => Vec::new(),
         };
         self.backward_done(gx, out)
@@ -437,7 +444,7 @@ impl PartitionState {
             None => {
                 let mut flat = Vec::with_capacity(self.model.num_parameters());
                 for p in self.model.params() {
-                    flat.extend_from_slice(p.grad.as_slice());
+                    flat.extend(self.stream.download(&p.grad)?);
                 }
                 Ok((Some(Outcome::Grads(Arc::from(flat))), Vec::new()))
             }
@@ -458,53 +465,60 @@ impl PartitionState {
         }
         let mut off = 0;
         for p in self.model.params_mut() {
-            let n = p.grad.len();
-            p.grad.as_mut_slice().copy_from_slice(&grads[off..off + n]);
+            let ((rows, cols), n) = (p.grad.shape(), p.grad.len());
+            p.grad = self.stream.upload(&grads[off..off + n], rows, cols)?;
             off += n;
         }
         // Never cancelled half-way: a retried apply of this epoch is then a no-op.
         self.opt
             .step(&self.stream.uncancellable(), &mut self.model)?;
-        self.model.zero_grad();
+        self.model.zero_grad(&self.stream)?;
         self.epoch_done = epoch;
-        Ok(self.model.weights_digest())
+        self.model.weights_digest(&self.stream)
     }
 
     /// Drops the caches of an epoch in progress.
-    pub fn reset_epoch(&mut self) {
+    pub fn reset_epoch(&mut self) -> Result<()> {
         self.own_out = None;
         self.grad_inner = None;
         self.staged = None;
         self.model.clear_caches();
-        self.model.zero_grad();
+        self.model.zero_grad(&self.stream)
     }
 
-    /// The dynamic state to replicate.
-    pub fn snapshot(&self) -> Snapshot {
-        Snapshot {
+    /// The dynamic state to replicate, in host memory (copied from a GPU).
+    pub fn snapshot(&self) -> Result<Snapshot> {
+        let s = &self.stream;
+        Ok(Snapshot {
             epoch: self.epoch_done,
             params: self
                 .model
                 .params()
                 .iter()
-                .map(|p| p.value.clone())
-                .collect(),
-            opt_state: self.opt.state().to_vec(),
+                .map(|p| Ok(s.to_host(&p.value)?))
+                .collect::<Result<_>>()?,
+            opt_state: self
+                .opt
+                .state()
+                .iter()
+                .map(|(m, v)| Ok((s.to_host(m)?, s.to_host(v)?)))
+                .collect::<Result<_>>()?,
             opt_steps: self.opt.steps(),
-            digest: self.model.weights_digest(),
-        }
+            digest: self.model.weights_digest(s)?,
+        })
     }
 
     /// Restores the dynamic state; returns whether the restored weights match the digest
     /// recorded when the snapshot was taken.
-    pub fn restore(&mut self, snap: &Snapshot) -> bool {
+    pub fn restore(&mut self, snap: &Snapshot) -> Result<bool> {
         for (p, v) in self.model.params_mut().iter_mut().zip(&snap.params) {
-            p.value = v.clone();
+            p.value = self.stream.place(v.clone())?;
         }
+        // The optimizer moves its (host) state onto the stream at its next step.
         self.opt.restore(snap.opt_steps, snap.opt_state.clone());
         self.epoch_done = snap.epoch;
-        self.reset_epoch();
-        self.model.weights_digest() == snap.digest
+        self.reset_epoch()?;
+        Ok(self.model.weights_digest(&self.stream)? == snap.digest)
     }
 }
 

@@ -19,7 +19,7 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 use tracing::Instrument;
-use trellis_gpu::{Device, Stream, ThreadBudget};
+use trellis_gpu::{Stream, ThreadBudget};
 use trellis_runtime::metrics::Metrics;
 use trellis_runtime::partition::{open_or_partition, PartitionBook, PartitionMethod, PartitionSet};
 use trellis_runtime::train::{build_report, TrainConfig};
@@ -474,7 +474,7 @@ impl Topology {
         let mut states = Vec::with_capacity(self.set.parts());
         for p in 0..self.set.parts() {
             let file = self.set.open_part(p)?;
-            let stream = Stream::new(Device::Cpu, budget.clone())?;
+            let stream = Stream::new(self.cfg.device, budget.clone())?;
             states.push(PartitionState::new(&file, &self.cfg, counts, stream)?);
         }
         let resume = match &self.checkpoints {
@@ -484,7 +484,7 @@ impl Topology {
         if let (Some(ck), Some(pol)) = (&resume, &self.checkpoints) {
             ck.check_matches(&pol.dir, &self.cfg, &book.data_digest, book.parts)?;
             for s in &mut states {
-                if !s.restore(&ck.snapshot) {
+                if !s.restore(&ck.snapshot)? {
                     return Err(ActorError::Cluster(format!(
                         "checkpoint in {}: the restored weights do not match its digest",
                         pol.dir.display()

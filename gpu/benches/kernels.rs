@@ -169,7 +169,7 @@ fn bench_sparse(cr: &mut Criterion) {
     let (rows, deg) = (200_000, 20);
     let csr = random_csr(rows, rows, deg, 7).unwrap();
     let heads = 8;
-    let head_w = random_tensor(1, csr.nnz() * heads, 3).into_vec();
+    let head_w = random_tensor(csr.nnz(), heads, 3);
     // The ceiling first: memory bandwidth, then spmm through the same helper the CLI uses.
     for threads in thread_counts() {
         let budget = ThreadBudget::new(threads).unwrap();

@@ -186,7 +186,7 @@ mod tests {
             spmm_bytes(&csr, &EdgeWeights::Stored, w),
             (r + 1) * 8 + e * 8 + e * w * 4 + r * w * 4
         );
-        let hw = vec![0.0; e * 2];
+        let hw = Tensor::zeros(e, 2);
         assert_eq!(
             spmm_bytes(&csr, &EdgeWeights::PerHead(&hw, 2), w),
             (r + 1) * 8 + e * 12 + e * w * 4 + r * w * 4

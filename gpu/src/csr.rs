@@ -1,5 +1,7 @@
 //! Compressed sparse row matrices.
 use crate::{GpuError, Result};
+#[cfg(feature = "cuda")]
+use std::sync::{Arc, Mutex};
 
 /// A CSR sparse matrix with optional per-edge values.
 ///
@@ -12,6 +14,34 @@ pub struct Csr {
     indptr: Vec<usize>,
     indices: Vec<u32>,
     values: Option<Vec<f32>>,
+    /// Copies in device memory, made on first use by a device stream (see [`DeviceCopies`]).
+    device: DeviceCopies,
+}
+
+/// A matrix's copies in device memory, one per GPU, made on first use by a stream there and
+/// shared by the matrix's clones; dropped (for this matrix) when its values change, so a copy
+/// never differs from the host matrix. Without the `cuda` feature it holds nothing.
+#[derive(Clone, Default)]
+pub(crate) struct DeviceCopies {
+    #[cfg(feature = "cuda")]
+    copies: Arc<Mutex<Vec<DeviceCopy>>>,
+}
+
+/// A GPU ordinal and the matrix's copy in that GPU's memory.
+#[cfg(feature = "cuda")]
+type DeviceCopy = (usize, Arc<crate::cuda::DeviceCsr>);
+
+impl std::fmt::Debug for DeviceCopies {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("DeviceCopies")
+    }
+}
+
+/// Copies do not take part in equality: they always equal the host matrix.
+impl PartialEq for DeviceCopies {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
 }
 
 /// The transpose of a [`Csr`] plus, for each of its entries, the entry index in the original.
@@ -59,6 +89,7 @@ impl Csr {
             indptr,
             indices,
             values,
+            device: DeviceCopies::default(),
         })
     }
 
@@ -124,11 +155,30 @@ impl Csr {
             }
         }
         self.values = values;
+        self.device = DeviceCopies::default();
         Ok(())
     }
     /// Row pointers, column indices and (mutable) values together.
     pub fn parts_mut(&mut self) -> (&[usize], &[u32], Option<&mut [f32]>) {
+        self.device = DeviceCopies::default();
         (&self.indptr, &self.indices, self.values.as_deref_mut())
+    }
+
+    /// This matrix in the memory of `g`'s GPU: uploaded on `g`'s compute stream the first
+    /// time, then shared (other streams wait for the upload through cudarc's event tracking).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn on_device(
+        &self,
+        g: &crate::cuda::GpuStream,
+    ) -> Result<Arc<crate::cuda::DeviceCsr>> {
+        let ordinal = g.device().ordinal();
+        let mut copies = self.device.copies.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, m)) = copies.iter().find(|(o, _)| *o == ordinal) {
+            return Ok(m.clone());
+        }
+        let m = Arc::new(g.upload_csr(self)?);
+        copies.push((ordinal, m.clone()));
+        Ok(m)
     }
 
     /// The first `n` rows as a new matrix (same columns).
@@ -141,6 +191,7 @@ impl Csr {
             indptr: self.indptr[..=n].to_vec(),
             indices: self.indices[..end].to_vec(),
             values: self.values.as_ref().map(|v| v[..end].to_vec()),
+            device: DeviceCopies::default(),
         }
     }
 
@@ -215,6 +266,7 @@ impl Csr {
                 indptr: counts,
                 indices,
                 values,
+                device: DeviceCopies::default(),
             },
             perm,
         }

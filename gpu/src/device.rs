@@ -4,9 +4,10 @@ use std::fmt;
 use std::sync::{Arc, OnceLock};
 
 /// Where tensors live and kernels run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Device {
     /// The host CPU (reference backend).
+    #[default]
     Cpu,
     /// An NVIDIA GPU by ordinal (needs the `cuda` feature).
     Cuda(usize),

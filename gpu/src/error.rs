@@ -24,6 +24,13 @@ pub enum GpuError {
     /// A CUDA driver, NVRTC or cuBLAS call failed.
     #[error("CUDA error in {op}: {detail}")]
     Cuda { op: &'static str, detail: String },
+    /// An operand lives in another device's memory than the op runs on.
+    #[error("{op}: operand is on {found}, the op runs on {expected} (upload or download it through the stream first)")]
+    WrongDevice {
+        op: &'static str,
+        expected: String,
+        found: String,
+    },
     /// The stream's work was cancelled (see `CancelToken`).
     #[error("cancelled: the work in progress was abandoned")]
     Cancelled,

@@ -12,11 +12,14 @@ static NEXT_ID: AtomicU64 = AtomicU64::new(0);
 /// Ops issued on one stream run in issue order; different streams may run concurrently. On the
 /// CPU a stream executes each op when it is issued, on the issuing (actor's) thread, with the
 /// op's data-parallel part spread over the shared [`ThreadBudget`]; so program order is stream
-/// order and [`Stream::synchronize`] has nothing to wait for. A CUDA stream will enqueue instead.
+/// order and [`Stream::synchronize`] has nothing to wait for. On a GPU (feature `cuda`) ops
+/// enqueue kernels on the stream's own CUDA stream and return; tensors the stream creates live
+/// in device memory, and reach the host through [`Stream::download`] (which waits).
 #[derive(Debug, Clone)]
 pub struct Stream {
     id: u64,
     device: Device,
+    backend: Backend,
     budget: ThreadBudget,
     /// Time spent in this stream's kernels (shared by its clones).
     clock: Arc<KernelClock>,
@@ -25,6 +28,17 @@ pub struct Stream {
     cancel: Option<CancelToken>,
     /// Divides the rows per piece of a cancellable stream (tests cut small kernels with it).
     piece_divisor: usize,
+}
+
+/// What runs a stream's ops.
+#[derive(Debug, Clone)]
+enum Backend {
+    /// The reference kernels in [`crate::cpu`], on the calling thread and the budget.
+    Cpu,
+    /// A CUDA compute stream (with its transfer stream and cuBLAS handle), shared by this
+    /// stream's clones.
+    #[cfg(feature = "cuda")]
+    Cuda(Arc<crate::cuda::GpuStream>),
 }
 
 /// A request to abandon the work in progress on the streams that carry this token (an epoch
@@ -103,25 +117,30 @@ impl KernelTimes {
 }
 
 impl Stream {
-    /// A new stream on `device` that runs CPU work inside `budget`.
+    /// A new stream on `device`; CPU work (all of it on the CPU, host-side bookkeeping on a
+    /// GPU) runs inside `budget`.
     ///
-    /// `Device::Cuda` fails with a typed error: without a usable GPU, the one from
-    /// [`Device::check_available`] naming what is missing; with one, because this stream type
-    /// runs host tensors — device work goes through `cuda::GpuStream` (ARCHITECTURE.md, "CUDA
-    /// backend", says what is left to route models through it).
+    /// `Device::Cuda(n)` creates a new CUDA stream on GPU `n` (opening the device and compiling
+    /// the kernels on first use); without a usable GPU or this build's `cuda` feature it fails
+    /// with the typed error from [`Device::check_available`] naming what is missing.
     pub fn new(device: Device, budget: ThreadBudget) -> Result<Self> {
         device.check_available()?;
-        if let Device::Cuda(_) = device {
-            return Err(crate::GpuError::DeviceUnavailable {
-                device: device.to_string(),
-                reason: "models and partition actors do not run on CUDA streams yet (the op \
-                         API on device tensors is `trellis_gpu::cuda::GpuStream`)"
-                    .into(),
-            });
-        }
+        let backend = match device {
+            Device::Cpu => Backend::Cpu,
+            #[cfg(feature = "cuda")]
+            Device::Cuda(n) => Backend::Cuda(Arc::new(crate::cuda::GpuStream::new(n)?)),
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => {
+                return Err(crate::GpuError::DeviceUnavailable {
+                    device: device.to_string(),
+                    reason: "this build has no CUDA backend".into(),
+                })
+            }
+        };
         Ok(Stream {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
             device,
+            backend,
             budget,
             clock: Arc::default(),
             cancel: None,
@@ -237,23 +256,81 @@ impl Stream {
         }
     }
 
+    /// The CUDA stream behind this stream, if it runs on a GPU.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn gpu(&self) -> Option<&crate::cuda::GpuStream> {
+        match &self.backend {
+            Backend::Cuda(g) => Some(g),
+            Backend::Cpu => None,
+        }
+    }
+
     /// Waits until all work issued on this stream has completed.
     pub fn synchronize(&self) -> Result<()> {
-        Ok(())
+        match &self.backend {
+            Backend::Cpu => Ok(()),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(g) => g.synchronize(),
+        }
+    }
+
+    /// A zero-filled `rows x cols` tensor in this stream's memory.
+    pub fn zeros(&self, rows: usize, cols: usize) -> Result<Tensor> {
+        match &self.backend {
+            Backend::Cpu => Ok(Tensor::zeros(rows, cols)),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(g) => Ok(Tensor::from_device(g.zeros(rows, cols)?)),
+        }
     }
 
     /// Host -> device copy of a row-major `rows x cols` block.
     pub fn upload(&self, data: &[f32], rows: usize, cols: usize) -> Result<Tensor> {
-        Tensor::from_vec(rows, cols, data.to_vec())
+        match &self.backend {
+            Backend::Cpu => Tensor::from_vec(rows, cols, data.to_vec()),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(g) => Ok(Tensor::from_device(g.upload(data, rows, cols)?)),
+        }
     }
 
     /// Host -> device transfer that takes ownership of the host buffer (no copy on the CPU).
     pub fn upload_vec(&self, data: Vec<f32>, rows: usize, cols: usize) -> Result<Tensor> {
-        Tensor::from_vec(rows, cols, data)
+        match &self.backend {
+            Backend::Cpu => Tensor::from_vec(rows, cols, data),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(_) => self.upload(&data, rows, cols),
+        }
     }
 
-    /// Device -> host copy of a tensor's contents.
+    /// A tensor (host or device) in this stream's memory: moved if it is there already
+    /// (parameters built on the host move onto a GPU stream with this).
+    pub fn place(&self, t: Tensor) -> Result<Tensor> {
+        if t.device() == self.device {
+            return Ok(t);
+        }
+        let (rows, cols) = t.shape();
+        self.upload_vec(t.into_host()?, rows, cols)
+    }
+
+    /// Moves `t` into this stream's memory in place (nothing to do if it is there).
+    pub fn place_in(&self, t: &mut Tensor) -> Result<()> {
+        if t.device() != self.device {
+            let moved = std::mem::replace(t, Tensor::zeros(0, 0));
+            *t = self.place(moved)?;
+        }
+        Ok(())
+    }
+
+    /// A host copy of `t` (a clone on the CPU).
+    pub fn to_host(&self, t: &Tensor) -> Result<Tensor> {
+        Tensor::from_vec(t.rows(), t.cols(), self.download(t)?)
+    }
+
+    /// Device -> host copy of a tensor's contents (waits for the work that writes it).
     pub fn download(&self, t: &Tensor) -> Result<Vec<f32>> {
-        Ok(t.as_slice().to_vec())
+        match &self.backend {
+            Backend::Cpu => Ok(t.host("Stream::download")?.to_vec()),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(g) => g.download(t.on_device("Stream::download")?),
+        }
     }
 }

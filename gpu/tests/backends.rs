@@ -13,7 +13,8 @@ use trellis_gpu::{
 };
 
 // ---------------------------------------------------------------------------------------------
-// The backend interface the tests see: host operands in, host results out.
+// The backend interface the tests see: host operands in, host results out (one
+// implementation over `Stream`, which dispatches to the backend the stream runs on).
 // ---------------------------------------------------------------------------------------------
 
 /// Edge weights with owned per-head values.
@@ -76,75 +77,104 @@ trait Backend {
     fn digest(&self, ts: &[&Tensor]) -> String;
 }
 
-struct Cpu(Stream);
+/// A backend behind the device-neutral [`Stream`] API: operands are moved into the stream's
+/// memory, the op runs, results come back to the host.
+struct OnStream(Stream);
 
-impl Cpu {
-    /// `t` after `op` updated a copy of it in place.
+impl OnStream {
+    fn up(&self, t: &Tensor) -> Tensor {
+        self.0.place(t.clone()).unwrap()
+    }
+    /// `nnz x heads` per-entry values in the stream's memory.
+    fn up_entries(&self, v: &[f32], heads: usize) -> Tensor {
+        self.0.upload(v, v.len() / heads.max(1), heads).unwrap()
+    }
+    fn down(&self, t: &Tensor) -> Vec<f32> {
+        self.0.download(t).unwrap()
+    }
+    /// `t` after `op` updated a copy of it (in the stream's memory) in place.
     fn updated(
         &self,
         t: &Tensor,
         op: impl FnOnce(&Stream, &mut Tensor) -> trellis_gpu::Result<()>,
     ) -> Vec<f32> {
-        let mut t = t.clone();
+        let mut t = self.up(t);
         op(&self.0, &mut t).unwrap();
-        t.into_vec()
+        self.down(&t)
     }
 }
 
-impl Backend for Cpu {
+impl Backend for OnStream {
     fn name(&self) -> String {
-        format!("cpu ({} threads)", self.0.threads())
+        match self.0.device() {
+            Device::Cpu => format!("cpu ({} threads)", self.0.threads()),
+            d => d.to_string(),
+        }
     }
     fn gemm(&self, g: &Gemm) -> Vec<f32> {
+        let (a, b) = (self.up(&g.a), self.up(&g.b));
         self.updated(&g.c, |s, c| {
-            s.gemm_prefix(g.alpha, &g.a, g.a_rows, g.ta, &g.b, g.tb, g.beta, c)
+            s.gemm_prefix(g.alpha, &a, g.a_rows, g.ta, &b, g.tb, g.beta, c)
         })
     }
     fn spmm(&self, csr: &Csr, w: &W, x: &Tensor) -> Vec<f32> {
+        let per_head;
         let w = match w {
             W::Ones => EdgeWeights::Ones,
             W::Stored => EdgeWeights::Stored,
-            W::PerHead(v, h) => EdgeWeights::PerHead(v, *h),
+            W::PerHead(v, h) => {
+                per_head = self.up_entries(v, *h);
+                EdgeWeights::PerHead(&per_head, *h)
+            }
         };
+        let x = self.up(x);
         let out = Tensor::zeros(csr.n_rows(), x.cols());
-        self.updated(&out, |s, out| s.spmm(csr, w, x, out))
+        self.updated(&out, |s, out| s.spmm(csr, w, &x, out))
     }
     fn sddmm_dot(&self, csr: &Csr, heads: usize, a: &Tensor, b: &Tensor) -> Vec<f32> {
-        self.0.sddmm_dot(csr, heads, a, b).unwrap()
+        let (a, b) = (self.up(a), self.up(b));
+        self.down(&self.0.sddmm_dot(csr, heads, &a, &b).unwrap())
     }
     fn sddmm_add(&self, csr: &Csr, left: &Tensor, right: &Tensor) -> Vec<f32> {
-        self.0.sddmm_add(csr, left, right).unwrap()
+        let (l, r) = (self.up(left), self.up(right));
+        self.down(&self.0.sddmm_add(csr, &l, &r).unwrap())
     }
     fn edge_softmax(&self, csr: &Csr, heads: usize, s: &[f32]) -> Vec<f32> {
-        self.0.edge_softmax(csr, heads, s).unwrap()
+        let scores = self.up_entries(s, heads);
+        self.down(&self.0.edge_softmax(csr, heads, &scores).unwrap())
     }
     fn edge_softmax_backward(&self, csr: &Csr, heads: usize, a: &[f32], g: &[f32]) -> Vec<f32> {
-        self.0.edge_softmax_backward(csr, heads, a, g).unwrap()
+        let (a, g) = (self.up_entries(a, heads), self.up_entries(g, heads));
+        self.down(&self.0.edge_softmax_backward(csr, heads, &a, &g).unwrap())
     }
     fn gather_rows(&self, x: &Tensor, idx: &[u32]) -> Vec<f32> {
-        self.0.gather_rows(x, idx).unwrap().into_vec()
+        self.down(&self.0.gather_rows(&self.up(x), idx).unwrap())
     }
     fn scatter_add_rows(&self, src: &Tensor, idx: &[u32], out: &Tensor) -> Vec<f32> {
-        self.updated(out, |s, out| s.scatter_add_rows(src, idx, out))
+        let src = self.up(src);
+        self.updated(out, |s, out| s.scatter_add_rows(&src, idx, out))
     }
     fn add_bias(&self, x: &Tensor, bias: &Tensor) -> Vec<f32> {
-        self.updated(x, |s, x| s.add_bias(x, bias))
+        let bias = self.up(bias);
+        self.updated(x, |s, x| s.add_bias(x, &bias))
     }
     fn add_column_sums(&self, g: &Tensor, out: &Tensor) -> Vec<f32> {
-        self.updated(out, |s, out| s.add_column_sums(g, out))
+        let g = self.up(g);
+        self.updated(out, |s, out| s.add_column_sums(&g, out))
     }
     fn activations(&self, act: Activation, x: &Tensor, gy: &Tensor) -> [Vec<f32>; 4] {
         let s = &self.0;
-        let y = s.activation(act, x).unwrap();
+        let xd = self.up(x);
+        let y = s.activation(act, &xd).unwrap();
         let inplace = self.updated(x, |s, x| s.activate(act, x));
-        let gx = s.activation_backward(act, x, gy).unwrap();
+        let gx = s.activation_backward(act, &xd, &self.up(gy)).unwrap();
         let gyo = self.updated(gy, |s, gy| s.activation_backward_from_output(act, &y, gy));
-        [y.into_vec(), inplace, gx.into_vec(), gyo]
+        [self.down(&y), inplace, self.down(&gx), gyo]
     }
     fn bits(&self, y: &Tensor, g: &Tensor) -> (Vec<u64>, Vec<f32>) {
-        let bits = self.0.positive_bits(y).unwrap();
+        let bits = self.0.positive_bits(&self.up(y)).unwrap();
         let g = self.updated(g, |s, g| s.mask_by_bits(&bits, g));
-        (bits, g)
+        (self.0.download_bits(&bits).unwrap(), g)
     }
     fn dropout(&self, x: &Tensor, mask: Mask) -> Vec<f32> {
         self.updated(x, |s, x| s.dropout(x, mask.gids, mask.key, mask.p))
@@ -157,58 +187,61 @@ impl Backend for Cpu {
         m.values().unwrap().to_vec()
     }
     fn edge_dropout(&self, csr: &Csr, vals: &[f32], heads: usize, mask: Mask) -> Vec<f32> {
-        let mut v = vals.to_vec();
+        let mut v = self.up_entries(vals, heads);
         self.0
             .edge_dropout(csr, &mut v, heads, mask.gids, mask.key, mask.p)
             .unwrap();
-        v
+        self.down(&v)
     }
     fn axpy(&self, alpha: f32, x: &Tensor, y: &Tensor) -> Vec<f32> {
-        self.updated(y, |s, y| s.axpy(alpha, x, y))
+        let x = self.up(x);
+        self.updated(y, |s, y| s.axpy(alpha, &x, y))
     }
     fn softmax_nll(&self, logits: &Tensor, labels: &[u32], rows: &[u32], scale: f32) -> Loss {
-        let mut g = Tensor::zeros(logits.rows(), logits.cols());
+        let logits = self.up(logits);
+        let mut g = self.0.zeros(logits.rows(), logits.cols()).unwrap();
         let l = self
             .0
-            .softmax_nll(logits, labels, rows, scale, &mut g)
+            .softmax_nll(&logits, labels, rows, scale, &mut g)
             .unwrap();
-        (l, g.into_vec())
+        (l, self.down(&g))
     }
     fn accuracy_count(&self, logits: &Tensor, labels: &[u32], rows: &[u32]) -> usize {
-        self.0.accuracy_count(logits, labels, rows).unwrap()
+        self.0
+            .accuracy_count(&self.up(logits), labels, rows)
+            .unwrap()
     }
     fn adam(&self, cfg: &AdamConfig, t: u64, g: &Tensor, state: [&Tensor; 3]) -> [Vec<f32>; 3] {
-        let [mut p, mut m, mut v] = state.map(Tensor::clone);
-        self.0.adam_step(cfg, t, &mut p, g, &mut m, &mut v).unwrap();
-        [p, m, v].map(Tensor::into_vec)
+        let [mut p, mut m, mut v] = state.map(|t| self.up(t));
+        let g = self.up(g);
+        self.0
+            .adam_step(cfg, t, &mut p, &g, &mut m, &mut v)
+            .unwrap();
+        [p, m, v].map(|t| self.down(&t))
     }
     fn sgd(&self, cfg: &SgdConfig, g: &Tensor, state: [&Tensor; 2]) -> [Vec<f32>; 2] {
-        let [mut p, mut b] = state.map(Tensor::clone);
-        self.0.sgd_step(cfg, &mut p, g, &mut b).unwrap();
-        [p, b].map(Tensor::into_vec)
+        let [mut p, mut b] = state.map(|t| self.up(t));
+        let g = self.up(g);
+        self.0.sgd_step(cfg, &mut p, &g, &mut b).unwrap();
+        [p, b].map(|t| self.down(&t))
     }
     fn digest(&self, ts: &[&Tensor]) -> String {
-        self.0.digest(ts).unwrap()
+        let placed: Vec<Tensor> = ts.iter().map(|t| self.up(t)).collect();
+        self.0.digest(&placed.iter().collect::<Vec<_>>()).unwrap()
     }
 }
 
-#[cfg(feature = "cuda")]
-#[path = "backends/cuda_backend.rs"]
-mod cuda_backend;
-
 /// The reference: the CPU backend on one thread.
-fn reference() -> Cpu {
-    Cpu(Stream::new(Device::Cpu, ThreadBudget::new(1).unwrap()).unwrap())
+fn reference() -> OnStream {
+    OnStream(Stream::new(Device::Cpu, ThreadBudget::new(1).unwrap()).unwrap())
 }
 
 /// Every backend compiled in and usable here; a CUDA backend that cannot start is reported
 /// on stderr (uncaptured) as skipped, with the reason.
 fn backends(test: &str) -> Vec<Box<dyn Backend>> {
-    let mut v: Vec<Box<dyn Backend>> = vec![Box::new(Cpu(Stream::new(
-        Device::Cpu,
-        ThreadBudget::new(4).unwrap(),
-    )
-    .unwrap()))];
+    let mut v: Vec<Box<dyn Backend>> = vec![Box::new(OnStream(
+        Stream::new(Device::Cpu, ThreadBudget::new(4).unwrap()).unwrap(),
+    ))];
     match cuda() {
         Ok(b) => v.push(b),
         Err(why) => {
@@ -221,14 +254,14 @@ fn backends(test: &str) -> Vec<Box<dyn Backend>> {
     v
 }
 
-#[cfg(feature = "cuda")]
+/// A CUDA stream on GPU 0 behind the same [`Stream`] API (its availability check says what is
+/// missing, including a build without `--features cuda`).
 fn cuda() -> Result<Box<dyn Backend>, String> {
-    cuda_backend::open().map_err(|e| e.to_string())
-}
-
-#[cfg(not(feature = "cuda"))]
-fn cuda() -> Result<Box<dyn Backend>, String> {
-    Err("this build has no CUDA backend (built without `--features cuda`)".into())
+    let budget = ThreadBudget::new(1).map_err(|e| e.to_string())?;
+    match Stream::new(Device::Cuda(0), budget) {
+        Ok(s) => Ok(Box::new(OnStream(s))),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -327,7 +360,7 @@ macro_rules! compare {
 
 /// Runs `body` with the reference and each backend in turn (see [`backends`]), drawing inputs
 /// from one generator seeded with `seed`.
-fn on_backends(test: &str, seed: u64, mut body: impl FnMut(&Cpu, &dyn Backend, &mut Rng)) {
+fn on_backends(test: &str, seed: u64, mut body: impl FnMut(&OnStream, &dyn Backend, &mut Rng)) {
     let r = reference();
     let mut rng = Rng::new(seed);
     for b in backends(test) {

@@ -4,7 +4,7 @@
 //! gemm gives the same bits call after call at a fixed thread count.
 use std::sync::OnceLock;
 use trellis_gpu::{
-    digest_bytes, Activation, AdamConfig, Csr, Device, DropoutKey, EdgeWeights, Philox4x32,
+    digest_bytes, Activation, AdamConfig, Bits, Csr, Device, DropoutKey, EdgeWeights, Philox4x32,
     SgdConfig, Stream, Tensor, ThreadBudget,
 };
 
@@ -191,6 +191,11 @@ fn ref_gemm(
         }
     }
     (out, mag)
+}
+
+/// Per-entry values (`heads` per entry, entry-major) as the `nnz x heads` tensor ops take.
+fn entries(v: &[f32], heads: usize) -> Tensor {
+    Tensor::from_vec(v.len() / heads, heads, v.to_vec()).unwrap()
 }
 
 #[test]
@@ -447,7 +452,8 @@ fn spmm_per_head() {
             let x = rng.tensor(41, width);
             let w = rng.vec(csr.nnz() * heads, -1.0, 1.0);
             let mut out = Tensor::zeros(29, width);
-            s().spmm(&csr, EdgeWeights::PerHead(&w, heads), &x, &mut out)
+            let wt = entries(&w, heads);
+            s().spmm(&csr, EdgeWeights::PerHead(&wt, heads), &x, &mut out)
                 .unwrap();
             let (want, mag) = ref_spmm(&csr, Some((&w, heads)), x.as_slice(), width);
             assert_close(
@@ -481,10 +487,11 @@ fn spmm_bits_follow_csr_order() {
         let width = heads * d;
         let x = rng.tensor(30, width);
         let w = rng.vec(csr.nnz() * heads, -1.0, 1.0);
+        let wt = entries(&w, heads);
         let cases = [
             (EdgeWeights::Ones, None),
             (EdgeWeights::Stored, Some((csr.values().unwrap(), 1))),
-            (EdgeWeights::PerHead(&w, heads), Some((&w[..], heads))),
+            (EdgeWeights::PerHead(&wt, heads), Some((&w[..], heads))),
         ];
         for (ew, wref) in cases {
             if heads > 1 && wref.is_some_and(|(_, h)| h == 1) {
@@ -527,13 +534,14 @@ fn spmm_shape_errors() {
         .spmm(&csr, EdgeWeights::Ones, &x, &mut Tensor::zeros(6, 7))
         .is_err());
     let w = vec![1.0; csr.nnz() * 3];
+    let (w3, w2) = (entries(&w, 3), Tensor::zeros(csr.nnz() + 1, 2));
     assert!(
-        s().spmm(&csr, EdgeWeights::PerHead(&w, 3), &x, &mut out)
+        s().spmm(&csr, EdgeWeights::PerHead(&w3, 3), &x, &mut out)
             .is_err(),
         "8 % 3 != 0"
     );
     assert!(s()
-        .spmm(&csr, EdgeWeights::PerHead(&w[1..], 2), &x, &mut out)
+        .spmm(&csr, EdgeWeights::PerHead(&w2, 2), &x, &mut out)
         .is_err());
     csr.set_values(None).unwrap();
     assert!(s().spmm(&csr, EdgeWeights::Stored, &x, &mut out).is_err());
@@ -580,7 +588,7 @@ fn sddmm_dot_all_widths_and_heads() {
         }
         assert_close(
             &format!("sddmm_dot width {width} heads {heads}"),
-            &got,
+            got.as_slice(),
             &want,
             &mag,
             2e-5,
@@ -611,7 +619,7 @@ fn sddmm_add_heads() {
                 }
             }
         }
-        assert_bits_eq(&format!("sddmm_add heads {heads}"), &got, &want);
+        assert_bits_eq(&format!("sddmm_add heads {heads}"), got.as_slice(), &want);
     }
     assert!(s()
         .sddmm_add(&csr, &rng.tensor(19, 2), &rng.tensor(27, 3))
@@ -647,7 +655,10 @@ fn edge_softmax_matches_reference_and_rows_sum_to_one() {
     for heads in [1usize, 2, 8] {
         for range in [1.0f32, 100.0] {
             let scores = rng.vec(csr.nnz() * heads, -range, range);
-            let alpha = s().edge_softmax(&csr, heads, &scores).unwrap();
+            let alpha = s()
+                .edge_softmax(&csr, heads, &entries(&scores, heads))
+                .unwrap()
+                .into_vec();
             let s64: Vec<f64> = scores.iter().map(|&v| v as f64).collect();
             let want = ref_edge_softmax(&csr, heads, &s64);
             assert_close_plain(
@@ -669,7 +680,9 @@ fn edge_softmax_matches_reference_and_rows_sum_to_one() {
             }
         }
     }
-    assert!(s().edge_softmax(&csr, 2, &vec![0.0; csr.nnz()]).is_err());
+    assert!(s()
+        .edge_softmax(&csr, 2, &Tensor::zeros(csr.nnz(), 1))
+        .is_err());
 }
 
 #[test]
@@ -679,8 +692,13 @@ fn edge_softmax_backward_matches_finite_differences() {
     for heads in [1usize, 2, 8] {
         let scores = rng.vec(csr.nnz() * heads, -2.0, 2.0);
         let g = rng.vec(csr.nnz() * heads, -1.0, 1.0);
-        let alpha = s().edge_softmax(&csr, heads, &scores).unwrap();
-        let got = s().edge_softmax_backward(&csr, heads, &alpha, &g).unwrap();
+        let alpha = s()
+            .edge_softmax(&csr, heads, &entries(&scores, heads))
+            .unwrap();
+        let got = s()
+            .edge_softmax_backward(&csr, heads, &alpha, &entries(&g, heads))
+            .unwrap()
+            .into_vec();
         // L(s) = sum_e g_e * softmax(s)_e, differentiated by central differences in f64.
         let loss = |s64: &[f64]| -> f64 {
             ref_edge_softmax(&csr, heads, s64)
@@ -908,16 +926,20 @@ fn activate_in_place_and_relu_bit_masks() {
         // ReLU backward through one bit per element.
         let y = s().activation(Activation::Relu, &x).unwrap();
         let bits = s().positive_bits(&y).unwrap();
-        assert_eq!(bits.len(), y.len().div_ceil(64));
+        assert_eq!(bits.words(), y.len().div_ceil(64));
         let gy = rng.tensor(9, width);
         let mut g = gy.clone();
         s().mask_by_bits(&bits, &mut g).unwrap();
         let want = s().activation_backward(Activation::Relu, &x, &gy).unwrap();
         assert_eq!(g, want, "mask_by_bits width {width}");
-        assert!(s().mask_by_bits(&bits[1..], &mut g).is_err());
+        let mut words = s().download_bits(&bits).unwrap();
+        words.pop();
+        assert!(s().mask_by_bits(&Bits::from_words(words), &mut g).is_err());
     }
     let mut g = Tensor::zeros(1, 65);
-    assert!(s().mask_by_bits(&[0], &mut g).is_err());
+    assert!(s()
+        .mask_by_bits(&Bits::from_words(vec![0]), &mut g)
+        .is_err());
 }
 
 #[test]
@@ -1081,9 +1103,10 @@ fn edge_dropout_masks() {
         let csr = random_csr(&mut rng, 300, 50, 20);
         let gids: Vec<u32> = (0..300u32).map(|r| r * 2 + 1).collect();
         let x: Vec<f32> = rng.vec(csr.nnz() * heads, 0.5, 1.5);
-        let mut y = x.clone();
+        let mut y = entries(&x, heads);
         s().edge_dropout(&csr, &mut y, heads, &gids, key(3), p)
             .unwrap();
+        let y = y.into_vec();
         let scale = 1.0 / (1.0 - p);
         let kept = y.iter().filter(|&&v| v != 0.0).count();
         for (&a, &b) in x.iter().zip(&y) {
@@ -1092,9 +1115,10 @@ fn edge_dropout_masks() {
         let frac = kept as f64 / y.len() as f64;
         assert!((frac - 0.6).abs() < 0.03, "heads {heads}: kept {frac}");
         // Its own backward: applying it again multiplies by the same mask.
-        let mut yy = y.clone();
+        let mut yy = entries(&y, heads);
         s().edge_dropout(&csr, &mut yy, heads, &gids, key(3), p)
             .unwrap();
+        let yy = yy.into_vec();
         for (&b, &bb) in y.iter().zip(&yy) {
             assert_eq!(
                 bb.to_bits(),
@@ -1105,13 +1129,13 @@ fn edge_dropout_masks() {
     // The mask of a row depends on its gid and entry position, not on where the row sits.
     let a = Csr::from_pairs(3, 4, &[(0, 0), (0, 1), (0, 2), (2, 3), (2, 1)]).unwrap();
     let b = Csr::from_pairs(2, 4, &[(1, 0), (1, 1), (1, 3)]).unwrap();
-    let mut va = vec![1.0f32; 5 * 2];
-    let mut vb = vec![1.0f32; 3 * 2];
+    let mut va = entries(&[1.0f32; 5 * 2], 2);
+    let mut vb = entries(&[1.0f32; 3 * 2], 2);
     s().edge_dropout(&a, &mut va, 2, &[7, 8, 9], key(4), 0.5)
         .unwrap();
     s().edge_dropout(&b, &mut vb, 2, &[3, 7], key(4), 0.5)
         .unwrap();
-    assert_bits_eq("edge mask by gid", &va[..6], &vb);
+    assert_bits_eq("edge mask by gid", &va.as_slice()[..6], vb.as_slice());
     assert!(s()
         .edge_dropout(&a, &mut va, 2, &[7, 8], key(4), 0.5)
         .is_err());
@@ -1499,22 +1523,34 @@ fn row_parallel_kernels_are_bit_identical_across_thread_counts() {
     });
     same_bits_across_threads("spmm per head", |st| {
         let mut out = Tensor::zeros(rows, width);
-        st.spmm(&csr, EdgeWeights::PerHead(&w, heads), &x, &mut out)
-            .unwrap();
+        st.spmm(
+            &csr,
+            EdgeWeights::PerHead(&entries(&w, heads), heads),
+            &x,
+            &mut out,
+        )
+        .unwrap();
         out.into_vec()
     });
     let a = rng.tensor(rows, width);
-    same_bits_across_threads("sddmm_dot", |st| st.sddmm_dot(&csr, heads, &a, &x).unwrap());
+    same_bits_across_threads("sddmm_dot", |st| {
+        st.sddmm_dot(&csr, heads, &a, &x).unwrap().into_vec()
+    });
     let l = rng.tensor(rows, heads);
     let r = rng.tensor(cols, heads);
-    same_bits_across_threads("sddmm_add", |st| st.sddmm_add(&csr, &l, &r).unwrap());
-    let scores = rng.vec(csr.nnz() * heads, -3.0, 3.0);
+    same_bits_across_threads("sddmm_add", |st| {
+        st.sddmm_add(&csr, &l, &r).unwrap().into_vec()
+    });
+    let scores = entries(&rng.vec(csr.nnz() * heads, -3.0, 3.0), heads);
     same_bits_across_threads("edge_softmax", |st| {
-        st.edge_softmax(&csr, heads, &scores).unwrap()
+        st.edge_softmax(&csr, heads, &scores).unwrap().into_vec()
     });
     let alpha = s().edge_softmax(&csr, heads, &scores).unwrap();
+    let wt = entries(&w, heads);
     same_bits_across_threads("edge_softmax_backward", |st| {
-        st.edge_softmax_backward(&csr, heads, &alpha, &w).unwrap()
+        st.edge_softmax_backward(&csr, heads, &alpha, &wt)
+            .unwrap()
+            .into_vec()
     });
     let idx = rng.indices(20_000, cols);
     same_bits_across_threads("gather_rows", |st| {
@@ -1547,10 +1583,10 @@ fn row_parallel_kernels_are_bit_identical_across_thread_counts() {
     });
     let gids_rows: Vec<u32> = (0..rows as u32).collect();
     same_bits_across_threads("edge_dropout", |st| {
-        let mut v = w.clone();
+        let mut v = entries(&w, heads);
         st.edge_dropout(&csr, &mut v, heads, &gids_rows, key(8), 0.3)
             .unwrap();
-        v
+        v.into_vec()
     });
     let logits = rng.tensor(5000, 7);
     let labels = rng.indices(5000, 7);
@@ -1722,7 +1758,11 @@ fn kernels_cut_into_pieces_match_the_whole() {
     }
     assert_bits_eq("bias, activation", whole.as_slice(), pieces.as_slice());
     let bits = s.positive_bits(&whole).unwrap();
-    assert_eq!(bits, cut.positive_bits(&whole).unwrap());
+    assert_eq!(
+        s.download_bits(&bits).unwrap(),
+        cut.download_bits(&cut.positive_bits(&whole).unwrap())
+            .unwrap()
+    );
     let gy = rng.tensor(m, k);
     let (mut gw, mut gp) = (gy.clone(), gy.clone());
     s.activation_backward_from_output(Activation::Elu { alpha: 1.0 }, &whole, &mut gw)

@@ -11,7 +11,7 @@ use crate::{
 };
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
-use trellis_gpu::{AdamConfig, Stream, Tensor};
+use trellis_gpu::{AdamConfig, Device, Stream, Tensor, ThreadBudget};
 
 /// Everything that defines a training run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -24,6 +24,25 @@ pub struct TrainConfig {
     pub normalize_features: bool,
     /// CPU threads for kernels (0 = all CPUs).
     pub threads: usize,
+    /// Where the kernels run: `cpu`, or `cuda:N` (each trainer or partition actor gets its
+    /// own stream there). Written as text; absent means the CPU.
+    #[serde(default, with = "device_text")]
+    pub device: Device,
+}
+
+/// [`Device`] as its text form (`cpu`, `cuda:0`) in serialized configs.
+mod device_text {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use trellis_gpu::Device;
+
+    pub fn serialize<S: Serializer>(d: &Device, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(d)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Device, D::Error> {
+        let text = String::deserialize(d)?;
+        text.parse().map_err(serde::de::Error::custom)
+    }
 }
 
 impl TrainConfig {
@@ -40,6 +59,7 @@ impl TrainConfig {
             weight_decay: 5e-4,
             normalize_features: true,
             threads: 0,
+            device: Device::Cpu,
         }
     }
 
@@ -136,12 +156,16 @@ impl Trainer {
         cfg.validate()?;
         let data_digest = ds.digest();
         let features = std::mem::take(&mut ds.features);
-        let stream = Stream::cpu(cfg.threads)?;
+        let stream = Stream::new(cfg.device, ThreadBudget::global(cfg.threads)?)?;
         let graph = Graph::from_dataset(&ds)?;
         let block = Block::full(&graph, cfg.model.kind.aggregation())?;
         drop(graph);
-        let x = LayerInput::auto(input_tensor(&ds, features, cfg.normalize_features)?)?;
-        let model = Model::new(cfg.model.clone())?;
+        let x = LayerInput::auto(
+            &stream,
+            input_tensor(&ds, features, cfg.normalize_features)?,
+        )?;
+        let mut model = Model::new(cfg.model.clone())?;
+        model.place(&stream)?;
         let opt = Optimizer::new(cfg.optimizer(), &model);
         let splits = Splits::from_dataset(&ds);
         if splits.train.is_empty() {
@@ -177,11 +201,11 @@ impl Trainer {
     pub fn train_step(&mut self, epoch: u32) -> Result<(f64, f64)> {
         let s = &self.stream;
         let t0 = Instant::now();
-        self.model.zero_grad();
+        self.model.zero_grad(s)?;
         let logits =
             self.model
                 .forward_full(s, &self.block, &self.x, StepCtx { epoch, train: true })?;
-        let mut grad = Tensor::zeros(logits.rows(), logits.cols());
+        let mut grad = s.zeros(logits.rows(), logits.cols())?;
         let scale = 1.0 / self.splits.train.len() as f32;
         let loss = s.softmax_nll(
             &logits,
@@ -193,6 +217,8 @@ impl Trainer {
         drop(logits);
         self.model.backward_full(s, &self.block, grad)?;
         self.opt.step(s, &mut self.model)?;
+        // A GPU stream runs ahead of the host: the step ends when its work does.
+        s.synchronize()?;
         let ms = t0.elapsed().as_secs_f64() * 1e3;
         Metrics::global().record_ms(Key::new(names::STEP), ms);
         Ok((loss.loss_sum / loss.count as f64, ms))
@@ -217,7 +243,7 @@ impl Trainer {
             compute_ms: ms,
             comm_ms: 0.0,
             halo_bytes: 0,
-            weights_digest: self.model.weights_digest(),
+            weights_digest: self.model.weights_digest(&self.stream)?,
             part_compute_ms: vec![ms],
         })
     }
@@ -276,7 +302,7 @@ impl Trainer {
             self.stream.threads(),
             &best,
             logs,
-            self.model.weights_digest(),
+            self.model.weights_digest(&self.stream)?,
         );
         let run = Metrics::global().snapshot().since(&before);
         report.latency = run.summaries();

@@ -7,8 +7,6 @@ mod bench;
 mod bench_partitions;
 mod bench_recovery;
 mod cert;
-#[cfg(feature = "cuda")]
-mod cuda;
 mod demo;
 mod launch;
 mod node;

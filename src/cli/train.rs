@@ -68,8 +68,8 @@ pub struct TrainArgs {
     /// Print one line per epoch.
     #[arg(long)]
     pub verbose: bool,
-    /// Where kernels run: cpu, cuda or cuda:N (CUDA needs a build with `--features cuda`; it
-    /// trains single-process GCN for now).
+    /// Where kernels run: cpu, cuda or cuda:N (CUDA needs a build with `--features cuda`);
+    /// each partition actor gets its own stream there.
     #[arg(long, default_value = "cpu")]
     pub device: String,
     #[command(flatten)]
@@ -117,6 +117,10 @@ impl TrainArgs {
         }
         cfg.threads = self.threads;
         cfg.normalize_features = !self.no_normalize_features;
+        cfg.device = self
+            .device
+            .parse()
+            .with_context(|| format!("cannot use --device {}", self.device))?;
         Ok(cfg)
     }
 }
@@ -220,13 +224,12 @@ pub fn follow(run: TrainingRun, epochs: u64, verbose: bool) -> Result<RunReport>
 }
 
 pub fn run(a: TrainArgs) -> Result<()> {
-    let device: Device = a.device.parse()?;
-    if let Device::Cuda(_) = device {
-        // A clear error (what is missing) before any data is loaded.
-        device.check_available()?;
-        #[cfg(feature = "cuda")]
-        return super::cuda::train(&a, device);
-    }
+    let device: Device = a
+        .device
+        .parse()
+        .with_context(|| format!("cannot use --device {}", a.device))?;
+    // A clear error (what is missing) before any data is loaded.
+    device.check_available()?;
     let telemetry = a.telemetry.start(0)?;
     let ds = load_data(&a.data)?;
     let cfg = a.config(&ds)?;

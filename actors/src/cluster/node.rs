@@ -12,7 +12,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::broadcast;
-use trellis_gpu::{Device, Stream, ThreadBudget};
+use trellis_gpu::{Stream, ThreadBudget};
 use trellis_runtime::partition::PartitionSet;
 use trellis_runtime::TrainConfig;
 use trellis_transport::certs::NodeIdentity;
@@ -198,7 +198,7 @@ pub fn load_state(
     };
     let budget = ThreadBudget::global(cfg.threads)?;
     let file = set.open_part(p as usize)?;
-    let stream = Stream::new(Device::Cpu, budget)?;
+    let stream = Stream::new(cfg.device, budget)?;
     Ok(PartitionState::new(&file, cfg, counts, stream)?)
 }
 
@@ -223,7 +223,7 @@ pub fn host_partitions(
         .collect::<Result<Vec<_>, _>>()?;
     if let Some(snap) = resume {
         for s in &mut states {
-            if !s.restore(snap) {
+            if !s.restore(snap)? {
                 return Err(ActorError::Cluster(
                     "the checkpoint's weights do not match its digest".into(),
                 ));
@@ -309,7 +309,7 @@ pub fn adopt_partitions(
             Some(s) => s,
             None => load_state(set, p, cfg)?,
         };
-        ok &= state.restore(&snap);
+        ok &= state.restore(&snap)?;
         out.push((p, node.adopt(state)));
     }
     Ok((out, ok))

@@ -6,8 +6,9 @@
 use crate::{Csr, GpuError, Result};
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
 
-/// A dense, row-major `rows x cols` f32 matrix in device memory.
-#[derive(Debug)]
+/// A dense, row-major `rows x cols` f32 matrix in device memory (a clone is a device-to-device
+/// copy ordered on the buffer's stream).
+#[derive(Debug, Clone)]
 pub struct DeviceTensor {
     pub(crate) rows: usize,
     pub(crate) cols: usize,
@@ -34,6 +35,14 @@ impl DeviceTensor {
     /// True if the tensor holds no element.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+    /// The ordinal of the GPU whose memory holds the elements.
+    pub fn ordinal(&self) -> usize {
+        self.buf.context().ordinal()
+    }
+    /// Keeps the first `rows` rows visible (the buffer is kept).
+    pub(crate) fn truncate_rows(&mut self, rows: usize) {
+        self.rows = self.rows.min(rows);
     }
     /// The elements.
     pub(crate) fn view(&self) -> CudaView<'_, f32> {

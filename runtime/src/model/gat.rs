@@ -8,7 +8,7 @@
 use super::{dropout_backward, ActSaved, Init, LayerArgs, LayerInput, LayerSpec, Param, StepCtx};
 use crate::Result;
 use std::borrow::Cow;
-use trellis_gpu::{Activation, EdgeWeights, Tensor};
+use trellis_gpu::{Activation, EdgeWeights, Stream, Tensor};
 
 const NEGATIVE_SLOPE: f32 = 0.2;
 const ATTN_SITE: u16 = 1;
@@ -28,49 +28,60 @@ pub(crate) struct GatCache {
     epoch: u32,
     xd: LayerInput,
     wh: Tensor,
-    /// LeakyReLU of the raw edge scores.
-    e_act: Vec<f32>,
-    /// Attention before and after dropout.
-    alpha: Vec<f32>,
-    alpha_d: Vec<f32>,
+    /// LeakyReLU of the raw edge scores (`nnz x heads`).
+    e_act: Tensor,
+    /// Attention before and after dropout (`nnz x heads`).
+    alpha: Tensor,
+    alpha_d: Tensor,
     act: ActSaved,
 }
 
-/// The `HD x H` block-diagonal matrix with `att[h]` in column `h`.
-fn block_diag(att: &Tensor) -> Tensor {
+/// The `HD x H` block-diagonal matrix with `att[h]` in column `h` (parameter-sized: built on
+/// the host, in the stream's memory).
+fn block_diag(s: &Stream, att: &Tensor) -> Result<Tensor> {
     let (h, d) = att.shape();
-    let mut m = Tensor::zeros(h * d, h);
+    let att = s.download(att)?;
+    let mut m = vec![0.0; h * d * h];
     for k in 0..h {
         for j in 0..d {
-            m.as_mut_slice()[(k * d + j) * h + k] = att.as_slice()[k * d + j];
+            m[(k * d + j) * h + k] = att[k * d + j];
         }
     }
-    m
+    Ok(s.upload_vec(m, h * d, h)?)
 }
 
-/// Adds the block-diagonal part of `full` (`HD x H`) into `grad` (`H x D`).
-fn add_block_diag(full: &Tensor, grad: &mut Tensor) {
+/// Adds the block-diagonal part of `full` (`HD x H`) into `grad` (`H x D`), on the host
+/// (parameter-sized).
+fn add_block_diag(s: &Stream, full: &Tensor, grad: &mut Tensor) -> Result<()> {
     let (h, d) = grad.shape();
+    let full = s.download(full)?;
+    let mut g = s.download(grad)?;
     for k in 0..h {
         for j in 0..d {
-            grad.as_mut_slice()[k * d + j] += full.as_slice()[(k * d + j) * h + k];
+            g[k * d + j] += full[(k * d + j) * h + k];
         }
     }
+    *grad = s.upload_vec(g, h, d)?;
+    Ok(())
 }
 
-/// Entry-major per-head values reordered for the transposed matrix.
-fn permute(perm: &[u32], vals: &[f32], heads: usize) -> Vec<f32> {
-    let mut out = Vec::with_capacity(vals.len());
-    for &e in perm {
-        out.extend_from_slice(&vals[e as usize * heads..(e as usize + 1) * heads]);
+/// The `HD x D` matrix that averages `heads` column blocks of width `d` (`x S`), or spreads
+/// one block over all heads with weight `1/heads` (`g S^T`).
+fn head_mean(s: &Stream, heads: usize, d: usize) -> Result<Tensor> {
+    let inv = 1.0 / heads as f32;
+    let mut m = vec![0.0; heads * d * d];
+    for k in 0..heads {
+        for j in 0..d {
+            m[(k * d + j) * d + j] = inv;
+        }
     }
-    out
+    Ok(s.upload_vec(m, heads * d, d)?)
 }
 
-fn ones(rows: usize, cols: usize) -> Tensor {
-    let mut t = Tensor::zeros(rows, cols);
-    t.fill(1.0);
-    t
+fn ones(s: &Stream, rows: usize, cols: usize) -> Result<Tensor> {
+    let mut t = s.zeros(rows, cols)?;
+    s.fill(&mut t, 1.0)?;
+    Ok(t)
 }
 
 pub(crate) fn forward(
@@ -89,14 +100,14 @@ pub(crate) fn forward(
     let adj = block.adj();
     let xd = LayerInput::dropped(x, s, spec, seed, block, ctx)?;
     let wh = xd.matmul(s, &p[0].value)?;
-    let s_src = s.matmul(&wh, false, &block_diag(&p[1].value), false)?;
-    let mut s_dst = Tensor::zeros(block.n_out(), heads);
+    let s_src = s.matmul(&wh, false, &block_diag(s, &p[1].value)?, false)?;
+    let mut s_dst = s.zeros(block.n_out(), heads)?;
     s.gemm_prefix(
         1.0,
         &wh,
         block.n_out(),
         false,
-        &block_diag(&p[2].value),
+        &block_diag(s, &p[2].value)?,
         false,
         0.0,
         &mut s_dst,
@@ -105,7 +116,7 @@ pub(crate) fn forward(
     let leaky = Activation::LeakyRelu {
         slope: NEGATIVE_SLOPE,
     };
-    e_act.iter_mut().for_each(|v| *v = leaky.apply(*v));
+    s.activate(leaky, &mut e_act)?;
     let alpha = s.edge_softmax(adj, heads, &e_act)?;
     let mut alpha_d = alpha.clone();
     if ctx.train && spec.attn_dropout > 0.0 {
@@ -119,12 +130,12 @@ pub(crate) fn forward(
             spec.attn_dropout,
         )?;
     }
-    let mut agg = Tensor::zeros(block.n_out(), heads * d);
+    let mut agg = s.zeros(block.n_out(), heads * d)?;
     s.spmm(adj, EdgeWeights::PerHead(&alpha_d, heads), &wh, &mut agg)?;
     let mut h = if spec.concat {
         agg
     } else {
-        mean_heads(&agg, heads, d)
+        s.matmul(&agg, false, &head_mean(s, heads, d)?, false)?
     };
     s.add_bias(&mut h, &p[3].value)?;
     s.activate(spec.act, &mut h)?;
@@ -144,22 +155,6 @@ pub(crate) fn forward(
         act: act.expect("saved in training"),
     });
     Ok((y, cache))
-}
-
-fn mean_heads(agg: &Tensor, heads: usize, d: usize) -> Tensor {
-    let mut out = Tensor::zeros(agg.rows(), d);
-    let inv = 1.0 / heads as f32;
-    for i in 0..agg.rows() {
-        let src = agg.row(i);
-        let o = out.row_mut(i);
-        for k in 0..heads {
-            o.iter_mut()
-                .zip(&src[k * d..(k + 1) * d])
-                .for_each(|(o, &v)| *o += v);
-        }
-        o.iter_mut().for_each(|v| *v *= inv);
-    }
-    out
 }
 
 pub(crate) fn backward(
@@ -183,24 +178,12 @@ pub(crate) fn backward(
     let gout = if spec.concat {
         g
     } else {
-        let inv = 1.0 / heads as f32;
-        let mut t = Tensor::zeros(g.rows(), heads * d);
-        for i in 0..g.rows() {
-            let src = g.row(i).to_vec();
-            let o = t.row_mut(i);
-            for k in 0..heads {
-                o[k * d..(k + 1) * d]
-                    .iter_mut()
-                    .zip(&src)
-                    .for_each(|(o, &v)| *o = v * inv);
-            }
-        }
-        t
+        s.matmul(&g, false, &head_mean(s, heads, d)?, true)?
     };
     // out = spmm(alpha_d, wh): gradients w.r.t. the attention and the transformed rows.
     let mut g_alpha = s.sddmm_dot(adj, heads, &gout, &c.wh)?;
-    let alpha_d_t = permute(perm, &c.alpha_d, heads);
-    let mut gwh = Tensor::zeros(block.n_in(), heads * d);
+    let alpha_d_t = s.gather_rows(&c.alpha_d, perm)?;
+    let mut gwh = s.zeros(block.n_in(), heads * d)?;
     s.spmm(
         adj_t,
         EdgeWeights::PerHead(&alpha_d_t, heads),
@@ -223,29 +206,27 @@ pub(crate) fn backward(
     let leaky = Activation::LeakyRelu {
         slope: NEGATIVE_SLOPE,
     };
-    g_e.iter_mut()
-        .zip(&c.e_act)
-        .for_each(|(g, &y)| *g *= leaky.derivative_from_output(y));
+    s.activation_backward_from_output(leaky, &c.e_act, &mut g_e)?;
     // e = s_dst[row] + s_src[col]: sum the edge gradients per row and per column.
-    let mut g_s_dst = Tensor::zeros(block.n_out(), heads);
+    let mut g_s_dst = s.zeros(block.n_out(), heads)?;
     s.spmm(
         adj,
         EdgeWeights::PerHead(&g_e, heads),
-        &ones(block.n_in(), heads),
+        &ones(s, block.n_in(), heads)?,
         &mut g_s_dst,
     )?;
-    let g_e_t = permute(perm, &g_e, heads);
-    let mut g_s_src = Tensor::zeros(block.n_in(), heads);
+    let g_e_t = s.gather_rows(&g_e, perm)?;
+    let mut g_s_src = s.zeros(block.n_in(), heads)?;
     s.spmm(
         adj_t,
         EdgeWeights::PerHead(&g_e_t, heads),
-        &ones(block.n_out(), heads),
+        &ones(s, block.n_out(), heads)?,
         &mut g_s_src,
     )?;
     // s_src = wh A_src, s_dst = wh[:n_out] A_dst.
     let ga_src = s.matmul(&c.wh, true, &g_s_src, false)?;
-    add_block_diag(&ga_src, &mut p[1].grad);
-    let mut ga_dst = Tensor::zeros(heads * d, heads);
+    add_block_diag(s, &ga_src, &mut p[1].grad)?;
+    let mut ga_dst = s.zeros(heads * d, heads)?;
     s.gemm_prefix(
         1.0,
         &c.wh,
@@ -256,17 +237,17 @@ pub(crate) fn backward(
         0.0,
         &mut ga_dst,
     )?;
-    add_block_diag(&ga_dst, &mut p[2].grad);
+    add_block_diag(s, &ga_dst, &mut p[2].grad)?;
     s.gemm(
         1.0,
         &g_s_src,
         false,
-        &block_diag(&p[1].value),
+        &block_diag(s, &p[1].value)?,
         true,
         1.0,
         &mut gwh,
     )?;
-    let gwh_dst = s.matmul(&g_s_dst, false, &block_diag(&p[2].value), true)?;
+    let gwh_dst = s.matmul(&g_s_dst, false, &block_diag(s, &p[2].value)?, true)?;
     s.add_rows_prefix(&gwh_dst, &mut gwh)?;
     // wh = xd W.
     c.xd.t_matmul_acc(s, &gwh, &mut p[0].grad)?;

@@ -40,11 +40,11 @@ pub(crate) fn forward(
     } = *a;
     let (w, b) = (&p[0].value, &p[1].value);
     let xd = LayerInput::dropped(x, s, spec, seed, block, ctx)?;
-    let mut h = Tensor::zeros(block.n_out(), spec.out_dim);
+    let mut h = s.zeros(block.n_out(), spec.out_dim)?;
     // Aggregate over the narrower side: transform first when it shrinks the rows.
     let saved = match xd.as_ref() {
         LayerInput::Dense(xt) if spec.out_dim >= spec.in_dim => {
-            let mut ax = Tensor::zeros(block.n_out(), spec.in_dim);
+            let mut ax = s.zeros(block.n_out(), spec.in_dim)?;
             s.spmm(block.adj(), EdgeWeights::Stored, xt, &mut ax)?;
             s.gemm(1.0, &ax, false, w, false, 0.0, &mut h)?;
             ctx.train.then_some(Saved::Aggregated(ax))
@@ -115,7 +115,7 @@ pub(crate) fn aggregate(
     ctx: StepCtx,
 ) -> Result<(Tensor, Option<GcnCache>)> {
     let LayerArgs { s, spec, block, .. } = *a;
-    let mut h = Tensor::zeros(block.n_out(), spec.out_dim);
+    let mut h = s.zeros(block.n_out(), spec.out_dim)?;
     s.spmm(block.adj(), EdgeWeights::Stored, z, &mut h)?;
     finish(s, spec, &p[1].value, h, xd.map(Saved::Input), ctx)
 }
@@ -149,7 +149,7 @@ pub(crate) fn backward(
         return Ok(None);
     }
     let gax = s.matmul(&g, false, &p[0].value, true)?;
-    let mut gx = Tensor::zeros(block.n_in(), spec.in_dim);
+    let mut gx = s.zeros(block.n_in(), spec.in_dim)?;
     s.spmm(block.adj_t(), EdgeWeights::Stored, &gax, &mut gx)?;
     dropout_backward(s, spec, seed, block, &mut gx, c.epoch)?;
     Ok(Some(gx))
@@ -166,7 +166,7 @@ pub(crate) fn grad_z(
     let LayerArgs { s, spec, block, .. } = *a;
     c.act.backward(s, spec.act, &mut g)?;
     s.add_column_sums(&g, &mut p[1].grad)?;
-    let mut gz = Tensor::zeros(block.n_in(), spec.out_dim);
+    let mut gz = s.zeros(block.n_in(), spec.out_dim)?;
     s.spmm(block.adj_t(), EdgeWeights::Stored, &g, &mut gz)?;
     Ok(gz)
 }

@@ -32,13 +32,16 @@ impl From<Tensor> for LayerInput {
 }
 
 impl LayerInput {
-    /// Holds `x` sparse if fewer than 10% of its values are non-zero, else dense.
-    pub fn auto(x: Tensor) -> Result<Self> {
-        let nnz = x.as_slice().iter().filter(|&&v| v != 0.0).count();
+    /// Holds the host rows `x` sparse if fewer than 10% of its values are non-zero, else
+    /// dense, in `s`'s memory (a sparse matrix stays a host structure: ops on a GPU use its
+    /// device copy).
+    pub fn auto(s: &Stream, x: Tensor) -> Result<Self> {
+        let values = x.host("LayerInput::auto")?;
+        let nnz = values.iter().filter(|&&v| v != 0.0).count();
         if x.is_empty() || (nnz as f64) >= SPARSE_DENSITY * x.len() as f64 {
-            return Ok(LayerInput::Dense(x));
+            return Ok(LayerInput::Dense(s.place(x)?));
         }
-        let m = Csr::from_dense(x.rows(), x.cols(), x.as_slice())?;
+        let m = Csr::from_dense(x.rows(), x.cols(), values)?;
         let t = m.transpose();
         Ok(LayerInput::Sparse(SparseRows { m, t }))
     }
@@ -95,7 +98,7 @@ impl LayerInput {
         match self {
             LayerInput::Dense(x) => Ok(s.matmul(x, false, w, false)?),
             LayerInput::Sparse(sp) => {
-                let mut out = Tensor::zeros(sp.m.n_rows(), w.cols());
+                let mut out = s.zeros(sp.m.n_rows(), w.cols())?;
                 s.spmm(&sp.m, EdgeWeights::Stored, w, &mut out)?;
                 Ok(out)
             }
@@ -128,16 +131,17 @@ impl LayerInput {
                 // X^T has X's transposed structure; its values follow the (dropped) values of X.
                 let vals = sp.m.values().expect("sparse inputs store values");
                 let tv: Vec<f32> = sp.t.perm.iter().map(|&e| vals[e as usize]).collect();
+                let tv = s.upload_vec(tv, sp.t.csr.nnz(), 1)?;
                 let padded;
                 let g_full = if g.rows() == sp.m.n_rows() {
                     g
                 } else {
-                    let mut p = g.clone();
-                    p.append_rows(&vec![0.0; (sp.m.n_rows() - g.rows()) * g.cols()])?;
+                    let mut p = s.zeros(sp.m.n_rows(), g.cols())?;
+                    s.add_rows_prefix(g, &mut p)?;
                     padded = p;
                     &padded
                 };
-                let mut prod = Tensor::zeros(sp.m.n_cols(), g.cols());
+                let mut prod = s.zeros(sp.m.n_cols(), g.cols())?;
                 s.spmm(&sp.t.csr, EdgeWeights::PerHead(&tv, 1), g_full, &mut prod)?;
                 Ok(s.axpy(1.0, &prod, gw)?)
             }

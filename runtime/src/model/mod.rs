@@ -9,7 +9,7 @@ use crate::graph::{Aggregation, Block};
 use crate::{Result, RuntimeError};
 use serde::{Deserialize, Serialize};
 use std::borrow::Cow;
-use trellis_gpu::{Activation, DropoutKey, Philox4x32, Stream, Tensor};
+use trellis_gpu::{Activation, Bits, DropoutKey, Philox4x32, Stream, Tensor};
 
 mod gat;
 mod gcn;
@@ -169,7 +169,8 @@ pub(crate) enum Cache {
     /// A split GCN layer between its forward stages: the dropped inner input rows.
     GcnInput(LayerInput),
     Sage(sage::SageCache),
-    Gat(gat::GatCache),
+    /// Boxed: it holds the most tensors (and a device tensor is larger than a host one).
+    Gat(Box<gat::GatCache>),
 }
 
 /// Shape of one layer.
@@ -295,17 +296,30 @@ impl Model {
     pub fn num_parameters(&self) -> usize {
         self.params.iter().map(|p| p.value.len()).sum()
     }
+    /// Moves the parameters and gradients into `s`'s memory (a model is built on the host;
+    /// a GPU trainer places it on its stream before the first step).
+    pub fn place(&mut self, s: &Stream) -> Result<()> {
+        for p in &mut self.params {
+            s.place_in(&mut p.value)?;
+            s.place_in(&mut p.grad)?;
+        }
+        Ok(())
+    }
     /// Sets all gradients to zero.
-    pub fn zero_grad(&mut self) {
-        self.params.iter_mut().for_each(|p| p.grad.zero_());
+    pub fn zero_grad(&mut self, s: &Stream) -> Result<()> {
+        for p in &mut self.params {
+            s.fill(&mut p.grad, 0.0)?;
+        }
+        Ok(())
     }
     /// Drops the caches of the last forward pass.
     pub fn clear_caches(&mut self) {
         self.caches.iter_mut().for_each(|c| *c = None);
     }
-    /// Hex digest of all parameter values, in order.
-    pub fn weights_digest(&self) -> String {
-        trellis_gpu::digest_f32(self.params.iter().map(|p| p.value.as_slice()))
+    /// Hex digest of all parameter values, in order (`s` holds them).
+    pub fn weights_digest(&self, s: &Stream) -> Result<String> {
+        let values: Vec<&Tensor> = self.params.iter().map(|p| &p.value).collect();
+        Ok(s.digest(&values)?)
     }
 
     /// The arguments of a layer function of this model.
@@ -357,7 +371,7 @@ impl Model {
             }
             ModelKind::Gat => {
                 let (o, c) = gat::forward(&a, params, x, ctx)?;
-                (o, c.map(Cache::Gat))
+                (o, c.map(|c| Cache::Gat(Box::new(c))))
             }
         };
         self.caches[l] = cache;
@@ -383,7 +397,7 @@ impl Model {
         match cache {
             Cache::Gcn(c) => gcn::backward(&a, params, c, grad_out, need_input_grad),
             Cache::Sage(c) => sage::backward(&a, params, c, grad_out, need_input_grad),
-            Cache::Gat(c) => gat::backward(&a, params, c, grad_out, need_input_grad),
+            Cache::Gat(c) => gat::backward(&a, params, *c, grad_out, need_input_grad),
             Cache::GcnInput(_) => Err(RuntimeError::Config(format!(
                 "backward of layer {l} before its forward finished"
             ))),
@@ -422,7 +436,7 @@ impl Model {
 /// one bit per element for ReLU, the output itself otherwise.
 pub(crate) enum ActSaved {
     Nothing,
-    Positive(Vec<u64>),
+    Positive(Bits),
     Output(Tensor),
 }
 

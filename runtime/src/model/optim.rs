@@ -54,8 +54,13 @@ impl Optimizer {
         self.state = state;
     }
 
-    /// Applies one step with the gradients currently held by the model.
+    /// Applies one step with the gradients currently held by the model (the state moves into
+    /// `s`'s memory first if it is not there: fresh or restored state is built on the host).
     pub fn step(&mut self, s: &Stream, model: &mut Model) -> Result<()> {
+        for (m, v) in &mut self.state {
+            s.place_in(m)?;
+            s.place_in(v)?;
+        }
         self.t += 1;
         for (p, (m, v)) in model.params_mut().iter_mut().zip(self.state.iter_mut()) {
             match &self.kind {

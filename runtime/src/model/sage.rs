@@ -37,7 +37,7 @@ pub(crate) fn forward(
     } = *a;
     let xd = LayerInput::dropped(x, s, spec, seed, block, ctx)?;
     let z = xd.matmul(s, &p[0].value)?;
-    let mut h = Tensor::zeros(block.n_out(), spec.out_dim);
+    let mut h = s.zeros(block.n_out(), spec.out_dim)?;
     s.spmm(block.adj(), EdgeWeights::Stored, &z, &mut h)?;
     drop(z);
     xd.matmul_prefix_acc(s, block.n_out(), &p[2].value, &mut h)?;
@@ -72,7 +72,7 @@ pub(crate) fn backward(
     } = *a;
     c.act.backward(s, spec.act, &mut g)?;
     s.add_column_sums(&g, &mut p[1].grad)?;
-    let mut gz = Tensor::zeros(block.n_in(), spec.out_dim);
+    let mut gz = s.zeros(block.n_in(), spec.out_dim)?;
     s.spmm(block.adj_t(), EdgeWeights::Stored, &g, &mut gz)?;
     c.xd.t_matmul_acc(s, &gz, &mut p[0].grad)?;
     c.xd.t_matmul_acc(s, &g, &mut p[2].grad)?;
