@@ -46,7 +46,20 @@ impl HaloLists {
         n_in: usize,
         blocks: &BTreeMap<PartId, HaloBlock>,
     ) -> Result<Tensor> {
-        let (width, first) = (own.cols(), own.rows());
+        let halo = self.halo_rows(own.rows(), n_in, own.cols(), blocks)?;
+        s.append_rows(&mut own, &halo)?;
+        Ok(own)
+    }
+
+    /// The halo rows `first..n_in` (`width` wide, in row order) from the blocks, in one host
+    /// buffer.
+    pub fn halo_rows(
+        &self,
+        first: usize,
+        n_in: usize,
+        width: usize,
+        blocks: &BTreeMap<PartId, HaloBlock>,
+    ) -> Result<Vec<f32>> {
         if n_in < first {
             return Err(proto(
                 self.part,
@@ -65,8 +78,7 @@ impl HaloLists {
                 halo[at..at + width].copy_from_slice(&b.data[k * width..(k + 1) * width]);
             }
         }
-        s.append_rows(&mut own, &halo)?;
-        Ok(own)
+        Ok(halo)
     }
 
     /// Adds the received rows of gradients into this partition's inner rows of `g`, in
@@ -97,22 +109,35 @@ impl HaloLists {
         lists
             .iter()
             .map(|(q, rows)| {
-                Ok(HaloBlock {
-                    header: MsgHeader {
-                        run: tag.run,
-                        epoch: tag.epoch,
-                        layer: tag.layer,
-                        phase: tag.phase,
-                        from: self.part,
-                        to: *q,
-                    },
-                    trace: None,
-                    rows: rows.len() as u32,
-                    cols: t.cols() as u32,
-                    data: gather_shared(s, t, rows)?,
-                })
+                let data = gather_shared(s, t, rows)?;
+                Ok(self.block(tag, *q, rows.len(), t.cols(), data))
             })
             .collect()
+    }
+
+    /// The block of `rows x cols` values `data` from this partition to `to`.
+    pub fn block(
+        &self,
+        tag: Tag,
+        to: PartId,
+        rows: usize,
+        cols: usize,
+        data: Arc<[f32]>,
+    ) -> HaloBlock {
+        HaloBlock {
+            header: MsgHeader {
+                run: tag.run,
+                epoch: tag.epoch,
+                layer: tag.layer,
+                phase: tag.phase,
+                from: self.part,
+                to,
+            },
+            trace: None,
+            rows: rows as u32,
+            cols: cols as u32,
+            data,
+        }
     }
 
     /// Checks a received block's shape.

@@ -12,6 +12,7 @@ use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
+use trellis_gpu::halo::HaloStaging;
 use trellis_gpu::{CancelToken, Stream, Tensor};
 use trellis_runtime::model::StepCtx;
 use trellis_runtime::partition::{block, PartitionFile};
@@ -54,6 +55,13 @@ pub struct PartitionState {
     staged: Option<Staged>,
     /// Epochs completed (optimizer steps applied).
     epoch_done: u32,
+    /// Split layers start their inner aggregation before the halo rows arrive
+    /// ([`TrainConfig::overlaps_halo`]).
+    overlap: bool,
+    /// Host staging of the overlapped exchange: per neighbour for the rows sent, one for the
+    /// rows received (pinned buffers on a GPU, reused every step).
+    send_staging: BTreeMap<PartId, HaloStaging>,
+    recv_staging: HaloStaging,
 }
 
 /// Which stage of its step a request is at.
@@ -70,8 +78,9 @@ struct Staged {
     epoch: u32,
     phase: Phase,
     layer: u16,
-    /// Forward: the transformed inner rows `Z`. Backward: this partition's part of `gZ` for
-    /// its inner rows.
+    /// Forward: the transformed inner rows `Z` (overlapped: the aggregation over them,
+    /// `Â_inner Z_inner`, already under way). Backward: this partition's part of `gZ` for its
+    /// inner rows.
     rows: Tensor,
 }
 
@@ -154,6 +163,9 @@ impl PartitionState {
             grad_inner: None,
             staged: None,
             epoch_done: 0,
+            overlap: cfg.overlaps_halo(),
+            send_staging: BTreeMap::new(),
+            recv_staging: HaloStaging::default(),
         })
     }
 
@@ -295,7 +307,36 @@ impl PartitionState {
         let z = self
             .model
             .forward_transform(&self.stream, l, &self.block, own, Self::ctx(tag))?;
+        if self.overlap {
+            return self.forward_first_overlapped(tag, z);
+        }
         self.end_first_stage(tag, z)
+    }
+
+    /// Overlapped end of a split layer's first forward stage: starts copying out the `Z` rows
+    /// each neighbour holds as halo, enqueues the aggregation over the inner rows (on a GPU it
+    /// runs while the copies and the exchange proceed), then waits for the copies and sends.
+    fn forward_first_overlapped(&mut self, tag: Tag, z: Tensor) -> StageOut {
+        let s = &self.stream;
+        for (q, rows) in &self.halo.send {
+            let staging = self.send_staging.entry(*q).or_default();
+            s.start_rows_to_host(&z, rows, staging)?;
+        }
+        let h = self
+            .model
+            .forward_aggregate_inner(s, tag.layer as usize, &self.block, &z)?;
+        let transformed = Tag {
+            layer: tag.layer | TRANSFORMED,
+            ..tag
+        };
+        let mut out = Vec::with_capacity(self.halo.send.len());
+        for (q, rows) in &self.halo.send {
+            let staging = self.send_staging.entry(*q).or_default();
+            let data = s.finish_rows_to_host(staging)?;
+            out.push(self.halo.block(transformed, *q, rows.len(), z.cols(), data));
+        }
+        self.staged = Some(Staged::of(tag, h));
+        Ok((None, out))
     }
 
     /// Ends a split layer's first stage: sends the rows of `rows` the neighbours need under the
@@ -316,8 +357,12 @@ impl PartitionState {
         Ok((None, out))
     }
 
-    /// Second stage of a split layer's forward: aggregates `[Z_inner; Z_halo]`.
+    /// Second stage of a split layer's forward: aggregates `[Z_inner; Z_halo]` (overlapped:
+    /// adds the halo rows' part to the inner part under way).
     fn forward_second(&mut self, tag: Tag, blocks: &BTreeMap<PartId, HaloBlock>) -> StageOut {
+        if self.overlap {
+            return self.forward_second_overlapped(tag, blocks);
+        }
         let z = self.take_staged(tag)?;
         let z = self
             .halo
@@ -327,6 +372,23 @@ impl PartitionState {
             .model
             .forward_aggregate(&self.stream, l, &self.block, &z, Self::ctx(tag))?;
         drop(z);
+        self.forward_done(tag, y)
+    }
+
+    fn forward_second_overlapped(
+        &mut self,
+        tag: Tag,
+        blocks: &BTreeMap<PartId, HaloBlock>,
+    ) -> StageOut {
+        let h = self.take_staged(tag)?;
+        let (first, n_in, width) = (self.block.n_out(), self.block.n_in(), h.cols());
+        let rows = self.halo.halo_rows(first, n_in, width, blocks)?;
+        let s = &self.stream;
+        let z_halo = s.rows_from_host(rows, n_in - first, width, &mut self.recv_staging)?;
+        let l = tag.layer as usize;
+        let y = self
+            .model
+            .forward_aggregate_halo(s, l, &self.block, h, &z_halo, Self::ctx(tag))?;
         self.forward_done(tag, y)
     }
 

@@ -181,6 +181,49 @@ impl Csr {
         Ok(m)
     }
 
+    /// Splits the entries into those with column `< n_inner` (same columns) and the rest
+    /// (columns renumbered from 0 over `n_cols() - n_inner`), keeping order and values: a
+    /// block's adjacency over inner and over halo input rows, `A x = A_inner x_inner + A_halo
+    /// x_halo`.
+    pub fn split_columns(&self, n_inner: usize) -> Result<(Csr, Csr)> {
+        let a = self;
+        if n_inner > a.n_cols() {
+            return Err(GpuError::shape(
+                "Csr::split_columns",
+                format!("{n_inner} inner columns of {}", a.n_cols()),
+            ));
+        }
+        let vals = a.values();
+        let (mut ip_in, mut ip_h) = (vec![0usize], vec![0usize]);
+        let (mut ix_in, mut ix_h) = (Vec::new(), Vec::new());
+        let (mut v_in, mut v_h) = (Vec::new(), Vec::new());
+        for r in 0..a.n_rows() {
+            for e in a.indptr()[r]..a.indptr()[r + 1] {
+                let c = a.indices()[e] as usize;
+                let v = vals.map(|v| v[e]);
+                if c < n_inner {
+                    ix_in.push(c as u32);
+                    v_in.extend(v);
+                } else {
+                    ix_h.push((c - n_inner) as u32);
+                    v_h.extend(v);
+                }
+            }
+            ip_in.push(ix_in.len());
+            ip_h.push(ix_h.len());
+        }
+        let has = vals.is_some();
+        let inner = Csr::new(a.n_rows(), n_inner, ip_in, ix_in, has.then_some(v_in))?;
+        let halo = Csr::new(
+            a.n_rows(),
+            a.n_cols() - n_inner,
+            ip_h,
+            ix_h,
+            has.then_some(v_h),
+        )?;
+        Ok((inner, halo))
+    }
+
     /// The first `n` rows as a new matrix (same columns).
     pub fn row_prefix(&self, n: usize) -> Csr {
         let n = n.min(self.n_rows);
@@ -270,5 +313,32 @@ impl Csr {
             },
             perm,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::bench::{random_csr, random_tensor};
+
+    #[test]
+    fn split_columns_parts_add_up_to_the_whole_product() {
+        let a = random_csr(50, 80, 7, 11).unwrap();
+        let x = random_tensor(80, 9, 12).into_vec();
+        let mut whole = vec![0.0f32; 50 * 9];
+        crate::cpu::spmm(&a, a.values(), 1, &x, 9, &mut whole);
+        for n_inner in [0usize, 1, 30, 79, 80] {
+            let (inner, halo) = a.split_columns(n_inner).unwrap();
+            assert_eq!(inner.nnz() + halo.nnz(), a.nnz());
+            assert_eq!(halo.n_cols(), 80 - n_inner);
+            let mut got = vec![0.0f32; 50 * 9];
+            let mut part = vec![0.0f32; 50 * 9];
+            crate::cpu::spmm(&inner, inner.values(), 1, &x[..n_inner * 9], 9, &mut got);
+            crate::cpu::spmm(&halo, halo.values(), 1, &x[n_inner * 9..], 9, &mut part);
+            got.iter_mut().zip(&part).for_each(|(g, p)| *g += p);
+            for (g, w) in got.iter().zip(&whole) {
+                assert!((g - w).abs() <= 1e-5 * (1.0 + w.abs()), "n_inner {n_inner}");
+            }
+        }
+        assert!(a.split_columns(81).is_err());
     }
 }

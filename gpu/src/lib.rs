@@ -15,6 +15,7 @@ pub mod cuda;
 mod device;
 mod digest;
 mod error;
+pub mod halo;
 #[path = "cuda/source.rs"]
 pub mod kernel_source;
 pub mod ops;

@@ -122,6 +122,9 @@ pub struct Block {
     adj: Csr,
     /// Transposed matrix (unless `symmetric`) and the entry permutation, built on first use.
     adj_t: OnceLock<(Option<Csr>, Vec<u32>)>,
+    /// `adj` split by column into the entries over inner and over halo input rows, built on
+    /// first use (overlapped halo exchange).
+    adj_split: OnceLock<(Csr, Csr)>,
     /// The matrix equals its transpose (a whole graph with symmetric weights): backward passes
     /// reuse it instead of holding a second copy.
     symmetric: bool,
@@ -258,6 +261,7 @@ impl Block {
             gids,
             adj,
             adj_t: OnceLock::new(),
+            adj_split: OnceLock::new(),
             symmetric,
             agg,
         })
@@ -294,6 +298,16 @@ impl Block {
         }
         let (t, _) = self.transpose_parts();
         t.as_ref().unwrap_or(&self.adj)
+    }
+
+    /// [`Block::adj`] split by column: `(A_inner, A_halo)` with `A x = A_inner x[..n_out] +
+    /// A_halo x[n_out..]` (halo columns renumbered from 0).
+    pub fn adj_split(&self) -> Result<&(Csr, Csr)> {
+        if let Some(parts) = self.adj_split.get() {
+            return Ok(parts);
+        }
+        let parts = self.adj.split_columns(self.n_out)?;
+        Ok(self.adj_split.get_or_init(|| parts))
     }
 
     /// For each entry of [`Block::adj_t`], the index of the same entry in [`Block::adj`].

@@ -28,6 +28,11 @@ pub struct TrainConfig {
     /// own stream there). Written as text; absent means the CPU.
     #[serde(default, with = "device_text")]
     pub device: Device,
+    /// Partitioned runs: start the aggregation over a split layer's inner rows before its halo
+    /// rows arrive and add their part when they do. `None` = on GPU streams (whose work runs
+    /// while the host exchanges), off on the CPU (where it would only change summation order).
+    #[serde(default)]
+    pub halo_overlap: Option<bool>,
 }
 
 /// [`Device`] as its text form (`cpu`, `cuda:0`) in serialized configs.
@@ -60,7 +65,15 @@ impl TrainConfig {
             normalize_features: true,
             threads: 0,
             device: Device::Cpu,
+            halo_overlap: None,
         }
+    }
+
+    /// Whether partitioned runs overlap the halo exchange of split layers (see
+    /// [`TrainConfig::halo_overlap`]).
+    pub fn overlaps_halo(&self) -> bool {
+        self.halo_overlap
+            .unwrap_or(matches!(self.device, Device::Cuda(_)))
     }
 
     /// The optimizer this config asks for.

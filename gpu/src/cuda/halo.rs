@@ -4,7 +4,7 @@
 //! ordered by events (the compute stream waits on the copy's event — never a device-wide
 //! sync).
 //!
-//! A block's adjacency is split by column ([`split_by_column`]) into the entries over inner
+//! A block's adjacency is split by column ([`Csr::split_columns`]) into the entries over inner
 //! input rows and those over halo input rows, so that `A x = A_inner x_inner + A_halo x_halo`.
 //! Summing the two parts separately changes the order of additions relative to the CPU
 //! backend (which sums each row in ascending global id), so results agree within rounding,
@@ -12,48 +12,8 @@
 use super::launch::DeviceWeights;
 use super::memory::{DeviceCsr, DeviceIndex, DeviceTensor};
 use super::stream::GpuStream;
-use crate::{Csr, GpuError, Result};
+use crate::{GpuError, Result};
 use cudarc::driver::{CudaEvent, PinnedHostSlice};
-
-/// Splits `a`'s entries into those with column `< n_inner` (same columns) and the rest (columns
-/// renumbered from 0 over `a.n_cols() - n_inner` halo rows), keeping order and values.
-pub fn split_by_column(a: &Csr, n_inner: usize) -> Result<(Csr, Csr)> {
-    if n_inner > a.n_cols() {
-        return Err(GpuError::shape(
-            "split_by_column",
-            format!("{n_inner} inner columns of {}", a.n_cols()),
-        ));
-    }
-    let vals = a.values();
-    let (mut ip_in, mut ip_h) = (vec![0usize], vec![0usize]);
-    let (mut ix_in, mut ix_h) = (Vec::new(), Vec::new());
-    let (mut v_in, mut v_h) = (Vec::new(), Vec::new());
-    for r in 0..a.n_rows() {
-        for e in a.indptr()[r]..a.indptr()[r + 1] {
-            let c = a.indices()[e] as usize;
-            let v = vals.map(|v| v[e]);
-            if c < n_inner {
-                ix_in.push(c as u32);
-                v_in.extend(v);
-            } else {
-                ix_h.push((c - n_inner) as u32);
-                v_h.extend(v);
-            }
-        }
-        ip_in.push(ix_in.len());
-        ip_h.push(ix_h.len());
-    }
-    let has = vals.is_some();
-    let inner = Csr::new(a.n_rows(), n_inner, ip_in, ix_in, has.then_some(v_in))?;
-    let halo = Csr::new(
-        a.n_rows(),
-        a.n_cols() - n_inner,
-        ip_h,
-        ix_h,
-        has.then_some(v_h),
-    )?;
-    Ok((inner, halo))
-}
 
 /// A pinned (page-locked) host buffer of `rows x cols` f32 for halo rows, so that copies to
 /// and from it are truly asynchronous. Its own event (inside cudarc) orders host access after
@@ -196,37 +156,21 @@ impl GpuStream {
             ));
         }
         self.spmm(inner, weights, x_inner, out, false)?;
+        self.spmm_after(halo, weights, arrival, out)
+    }
+
+    /// `out += A_halo x_halo` once the halo rows have arrived: the compute stream waits on the
+    /// arrival's event (not the whole device), then adds the product.
+    pub fn spmm_after(
+        &self,
+        halo: &DeviceCsr,
+        weights: DeviceWeights<'_>,
+        arrival: &HaloArrival,
+        out: &mut DeviceTensor,
+    ) -> Result<()> {
         self.compute
             .wait(&arrival.event)
             .map_err(|e| GpuError::cuda("cuStreamWaitEvent", e))?;
         self.spmm(halo, weights, &arrival.rows, out, true)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::bench::{random_csr, random_tensor};
-
-    #[test]
-    fn split_parts_add_up_to_the_whole_product() {
-        let a = random_csr(50, 80, 7, 11).unwrap();
-        let x = random_tensor(80, 9, 12).into_vec();
-        let mut whole = vec![0.0f32; 50 * 9];
-        crate::cpu::spmm(&a, a.values(), 1, &x, 9, &mut whole);
-        for n_inner in [0usize, 1, 30, 79, 80] {
-            let (inner, halo) = split_by_column(&a, n_inner).unwrap();
-            assert_eq!(inner.nnz() + halo.nnz(), a.nnz());
-            assert_eq!(halo.n_cols(), 80 - n_inner);
-            let mut got = vec![0.0f32; 50 * 9];
-            let mut part = vec![0.0f32; 50 * 9];
-            crate::cpu::spmm(&inner, inner.values(), 1, &x[..n_inner * 9], 9, &mut got);
-            crate::cpu::spmm(&halo, halo.values(), 1, &x[n_inner * 9..], 9, &mut part);
-            got.iter_mut().zip(&part).for_each(|(g, p)| *g += p);
-            for (g, w) in got.iter().zip(&whole) {
-                assert!((g - w).abs() <= 1e-5 * (1.0 + w.abs()), "n_inner {n_inner}");
-            }
-        }
-        assert!(split_by_column(&a, 81).is_err());
     }
 }

@@ -279,11 +279,13 @@ impl Stream {
             BitsStorage::Cuda(b) => gs.mask_by_bits(b, g.on_device_mut("mask_by_bits")?),
             BitsStorage::Host(_) => Err(bits_on_host(self)),
         });
-        let bits = bits.host_words().ok_or_else(|| crate::GpuError::WrongDevice {
-            op: "mask_by_bits",
-            expected: self.device().to_string(),
-            found: "cuda".into(),
-        })?;
+        let bits = bits
+            .host_words()
+            .ok_or_else(|| crate::GpuError::WrongDevice {
+                op: "mask_by_bits",
+                expected: self.device().to_string(),
+                found: "cuda".into(),
+            })?;
         use rayon::prelude::*;
         let g = g.host_mut("mask_by_bits")?;
         let n = g.len();

@@ -207,7 +207,7 @@ pub(crate) use on_gpu;
 
 impl Stream {
     /// Checks that an op may start: this stream's work was not cancelled.
-    fn admit(&self) -> Result<()> {
+    pub(crate) fn admit(&self) -> Result<()> {
         self.check_cancelled()
     }
 
@@ -225,6 +225,16 @@ impl Stream {
         });
         t.host_mut("fill")?.iter_mut().for_each(|x| *x = v);
         Ok(())
+    }
+
+    /// A copy of `t` in this stream's memory (device to device on a GPU, with allocation
+    /// failures as errors rather than the panic of `Tensor::clone`).
+    pub fn copy(&self, t: &Tensor) -> Result<Tensor> {
+        self.admit()?;
+        on_gpu!(self, |g| Ok(Tensor::from_device(
+            g.clone_tensor(t.on_device("copy")?)?
+        )));
+        Tensor::from_vec(t.rows(), t.cols(), t.host("copy")?.to_vec())
     }
 
     /// Appends the host rows `rows` (row-major, `t`'s width) below `t`'s rows.

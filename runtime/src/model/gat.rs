@@ -118,7 +118,7 @@ pub(crate) fn forward(
     };
     s.activate(leaky, &mut e_act)?;
     let alpha = s.edge_softmax(adj, heads, &e_act)?;
-    let mut alpha_d = alpha.clone();
+    let mut alpha_d = s.copy(&alpha)?;
     if ctx.train && spec.attn_dropout > 0.0 {
         let key = spec.dropout_key(seed, ctx.epoch, ATTN_SITE);
         s.edge_dropout(

@@ -3,6 +3,7 @@
 use super::{dropout_backward, ActSaved, Init, LayerArgs, LayerInput, LayerSpec, Param, StepCtx};
 use crate::Result;
 use std::borrow::Cow;
+use trellis_gpu::halo::HaloRows;
 use trellis_gpu::{EdgeWeights, Stream, Tensor};
 
 pub(crate) fn param_shapes(spec: &LayerSpec) -> Vec<(String, usize, usize, Init)> {
@@ -117,6 +118,32 @@ pub(crate) fn aggregate(
     let LayerArgs { s, spec, block, .. } = *a;
     let mut h = s.zeros(block.n_out(), spec.out_dim)?;
     s.spmm(block.adj(), EdgeWeights::Stored, z, &mut h)?;
+    finish(s, spec, &p[1].value, h, xd.map(Saved::Input), ctx)
+}
+
+/// Overlapped forward stage 2a of a split layer: `Â_inner Z_inner`, the part of the
+/// aggregation over the inner rows, started before the halo rows have arrived.
+pub(crate) fn aggregate_inner(a: &LayerArgs<'_>, z_inner: &Tensor) -> Result<Tensor> {
+    let LayerArgs { s, spec, block, .. } = *a;
+    let (inner, _) = block.adj_split()?;
+    let mut h = s.zeros(block.n_out(), spec.out_dim)?;
+    s.spmm(inner, EdgeWeights::Stored, z_inner, &mut h)?;
+    Ok(h)
+}
+
+/// Overlapped forward stage 2b: adds `Â_halo Z_halo` once the halo rows have arrived, then
+/// `act(h + b)` as [`aggregate`] does.
+pub(crate) fn aggregate_halo(
+    a: &LayerArgs<'_>,
+    p: &[Param],
+    mut h: Tensor,
+    z_halo: &HaloRows,
+    xd: Option<LayerInput>,
+    ctx: StepCtx,
+) -> Result<(Tensor, Option<GcnCache>)> {
+    let LayerArgs { s, spec, block, .. } = *a;
+    let (_, halo) = block.adj_split()?;
+    s.spmm_halo_acc(halo, EdgeWeights::Stored, z_halo, &mut h)?;
     finish(s, spec, &p[1].value, h, xd.map(Saved::Input), ctx)
 }
 

@@ -445,7 +445,7 @@ impl ActSaved {
         Ok(match act {
             Activation::Identity => ActSaved::Nothing,
             Activation::Relu => ActSaved::Positive(s.positive_bits(y)?),
-            _ => ActSaved::Output(y.clone()),
+            _ => ActSaved::Output(s.copy(y)?),
         })
     }
 

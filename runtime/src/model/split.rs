@@ -6,11 +6,15 @@
 //! hold as halo and assembles `[Z_inner; Z_halo]`; stage 2 aggregates. Backward: stage 1
 //! computes `gZ = Â^T g` for every input row; the caller sends the halo rows of `gZ` to their
 //! owners and adds the rows it receives into its inner rows; stage 2 computes the weight
-//! gradient and the inner rows' input gradient. Between the stages the model keeps what
+//! gradient and the inner rows' input gradient. Overlapped forward (GPU streams, or asked for
+//! with `TrainConfig::halo_overlap`): stage 2 runs as 2a, the aggregation over the inner rows,
+//! enqueued right after the sends start, and 2b, which adds the halo rows' part once they
+//! arrive. Between the stages the model keeps what
 //! stage 2 needs in the layer's cache; [`Model::clear_caches`] forgets it.
-use super::{gcn, Cache, Model, ModelKind, StepCtx};
+use super::{gcn, Cache, LayerInput, Model, ModelKind, StepCtx};
 use crate::graph::Block;
 use crate::{Result, RuntimeError};
+use trellis_gpu::halo::HaloRows;
 use trellis_gpu::{Stream, Tensor};
 
 impl Model {
@@ -78,17 +82,65 @@ impl Model {
                 z.cols()
             )));
         }
-        let xd = match (ctx.train, self.caches[l].take()) {
-            (false, _) => None,
-            (true, Some(Cache::GcnInput(xd))) => Some(xd),
-            (true, _) => {
-                return Err(RuntimeError::Config(format!(
-                    "layer {l}: aggregation stage without its transform stage"
-                )))
-            }
-        };
+        let xd = self.take_transform_input(l, ctx)?;
         let p = &self.params[spec.first_param..];
         let (y, cache) = gcn::aggregate(&self.args(s, &spec, block), p, z, xd, ctx)?;
+        self.caches[l] = cache.map(Cache::Gcn);
+        Ok(y)
+    }
+
+    /// What stage 1 of split layer `l` kept for the backward (nothing outside training).
+    fn take_transform_input(&mut self, l: usize, ctx: StepCtx) -> Result<Option<LayerInput>> {
+        match (ctx.train, self.caches[l].take()) {
+            (false, _) => Ok(None),
+            (true, Some(Cache::GcnInput(xd))) => Ok(Some(xd)),
+            (true, _) => Err(RuntimeError::Config(format!(
+                "layer {l}: aggregation stage without its transform stage"
+            ))),
+        }
+    }
+
+    /// Overlapped forward stage 2a of split layer `l`: the aggregation over the inner rows,
+    /// `Â_inner Z_inner`, started while the halo rows are in flight (`z_inner`: what stage 1
+    /// returned). Stage 2b ([`Model::forward_aggregate_halo`]) adds the halo part.
+    pub fn forward_aggregate_inner(
+        &self,
+        s: &Stream,
+        l: usize,
+        block: &Block,
+        z_inner: &Tensor,
+    ) -> Result<Tensor> {
+        self.check_split(l)?;
+        let spec = self.layers[l];
+        if z_inner.shape() != (block.n_out(), spec.out_dim) {
+            return Err(RuntimeError::Config(format!(
+                "layer {l} expects {}x{} inner transformed rows, got {:?}",
+                block.n_out(),
+                spec.out_dim,
+                z_inner.shape()
+            )));
+        }
+        gcn::aggregate_inner(&self.args(s, &spec, block), z_inner)
+    }
+
+    /// Overlapped forward stage 2b of split layer `l`: adds `Â_halo Z_halo` (the received
+    /// rows, once they have arrived) to the partial output `h` of stage 2a; the layer's output
+    /// rows, as [`Model::forward_aggregate`] returns them up to summation order.
+    pub fn forward_aggregate_halo(
+        &mut self,
+        s: &Stream,
+        l: usize,
+        block: &Block,
+        h: Tensor,
+        z_halo: &HaloRows,
+        ctx: StepCtx,
+    ) -> Result<Tensor> {
+        self.check_split(l)?;
+        let spec = self.layers[l];
+        let xd = self.take_transform_input(l, ctx)?;
+        let p = &self.params[spec.first_param..];
+        let a = self.args(s, &spec, block);
+        let (y, cache) = gcn::aggregate_halo(&a, p, h, z_halo, xd, ctx)?;
         self.caches[l] = cache.map(Cache::Gcn);
         Ok(y)
     }
