@@ -3,6 +3,7 @@
 //! into the owner's rows (ARCHITECTURE.md, "Halo exchange").
 use std::collections::BTreeMap;
 use std::sync::Arc;
+use trellis_gpu::halo::HaloStaging;
 use trellis_gpu::{Device, Stream, Tensor};
 use trellis_runtime::{Result, RuntimeError};
 use trellis_transport::{HaloBlock, MsgHeader, PartId, Phase, RunId};
@@ -98,19 +99,60 @@ impl HaloLists {
         Ok(())
     }
 
-    /// One block per destination in `lists` with the given rows of `t` (in `s`'s memory).
+    /// One block per destination in `lists` with the given rows of `t` (in `s`'s memory):
+    /// gathered straight into shared buffers on the CPU; on a GPU every copy is started (pinned
+    /// buffers, transfer stream) before the first is waited for.
     pub fn blocks(
         &self,
         s: &Stream,
         tag: Tag,
         t: &Tensor,
         lists: &[(PartId, Vec<u32>)],
+        staging: &mut SendStaging,
+    ) -> Result<Vec<HaloBlock>> {
+        if t.device() != Device::Cpu {
+            self.start_blocks(s, t, lists, staging)?;
+            return self.finish_blocks(s, tag, t.cols(), lists, staging);
+        }
+        lists
+            .iter()
+            .map(|(q, rows)| {
+                let data = gather_shared(t, rows)?;
+                Ok(self.block(tag, *q, rows.len(), t.cols(), data))
+            })
+            .collect()
+    }
+
+    /// Starts copying the rows of `t` each destination in `lists` needs to the host
+    /// ([`HaloLists::finish_blocks`] waits for them).
+    pub fn start_blocks(
+        &self,
+        s: &Stream,
+        t: &Tensor,
+        lists: &[(PartId, Vec<u32>)],
+        staging: &mut SendStaging,
+    ) -> Result<()> {
+        for (q, rows) in lists {
+            s.start_rows_to_host(t, rows, staging.get(*q, rows.len(), t.cols()))?;
+        }
+        Ok(())
+    }
+
+    /// The blocks of `cols`-wide rows [`HaloLists::start_blocks`] started, once their copies
+    /// have completed.
+    pub fn finish_blocks(
+        &self,
+        s: &Stream,
+        tag: Tag,
+        cols: usize,
+        lists: &[(PartId, Vec<u32>)],
+        staging: &mut SendStaging,
     ) -> Result<Vec<HaloBlock>> {
         lists
             .iter()
             .map(|(q, rows)| {
-                let data = gather_shared(s, t, rows)?;
-                Ok(self.block(tag, *q, rows.len(), t.cols(), data))
+                let data = s.finish_rows_to_host(staging.get(*q, rows.len(), cols))?;
+                Ok(self.block(tag, *q, rows.len(), cols, data))
             })
             .collect()
     }
@@ -155,12 +197,20 @@ impl HaloLists {
     }
 }
 
-/// Rows `rows` of `t` gathered into a shared host buffer: straight into it on the CPU (one
-/// allocation, one copy), gathered on the device then downloaded from a GPU.
-fn gather_shared(s: &Stream, t: &Tensor, rows: &[u32]) -> Result<Arc<[f32]>> {
-    if t.device() != Device::Cpu {
-        return Ok(Arc::from(s.download(&s.gather_rows(t, rows)?)?));
+/// Host buffers of outgoing halo rows, one per (neighbour, rows, columns): pinned on a GPU
+/// and reused every step (the shapes repeat), empty on the CPU.
+#[derive(Debug, Default)]
+pub(crate) struct SendStaging(BTreeMap<(PartId, usize, usize), HaloStaging>);
+
+impl SendStaging {
+    fn get(&mut self, to: PartId, rows: usize, cols: usize) -> &mut HaloStaging {
+        self.0.entry((to, rows, cols)).or_default()
     }
+}
+
+/// Rows `rows` of the host tensor `t` gathered straight into a shared buffer (one allocation,
+/// one copy).
+fn gather_shared(t: &Tensor, rows: &[u32]) -> Result<Arc<[f32]>> {
     let w = t.cols();
     if let Some(&r) = rows.iter().find(|&&r| r as usize >= t.rows()) {
         return Err(RuntimeError::Config(format!(

@@ -5,7 +5,7 @@
 //! first sends the layer's transformed rows (forward) or their gradients (backward), the
 //! second runs once the neighbours' blocks of those are in. Between the stages the state
 //! holds a [`Staged`] record; [`PartitionState::reset_epoch`] forgets it.
-use crate::halo::{proto, HaloLists, Tag};
+use crate::halo::{proto, HaloLists, SendStaging, Tag};
 use crate::messages::Outcome;
 use crate::replica::Snapshot;
 use std::borrow::Cow;
@@ -58,9 +58,9 @@ pub struct PartitionState {
     /// Split layers start their inner aggregation before the halo rows arrive
     /// ([`TrainConfig::overlaps_halo`]).
     overlap: bool,
-    /// Host staging of the overlapped exchange: per neighbour for the rows sent, one for the
-    /// rows received (pinned buffers on a GPU, reused every step).
-    send_staging: BTreeMap<PartId, HaloStaging>,
+    /// Host buffers of the exchange: per neighbour and shape for the rows sent, one for the
+    /// rows received by an overlapped layer (pinned on a GPU, reused every step).
+    send_staging: SendStaging,
     recv_staging: HaloStaging,
 }
 
@@ -164,7 +164,7 @@ impl PartitionState {
             staged: None,
             epoch_done: 0,
             overlap: cfg.overlaps_halo(),
-            send_staging: BTreeMap::new(),
+            send_staging: SendStaging::default(),
             recv_staging: HaloStaging::default(),
         })
     }
@@ -317,11 +317,9 @@ impl PartitionState {
     /// each neighbour holds as halo, enqueues the aggregation over the inner rows (on a GPU it
     /// runs while the copies and the exchange proceed), then waits for the copies and sends.
     fn forward_first_overlapped(&mut self, tag: Tag, z: Tensor) -> StageOut {
-        let s = &self.stream;
-        for (q, rows) in &self.halo.send {
-            let staging = self.send_staging.entry(*q).or_default();
-            s.start_rows_to_host(&z, rows, staging)?;
-        }
+        let (s, lists) = (&self.stream, &self.halo.send);
+        self.halo
+            .start_blocks(s, &z, lists, &mut self.send_staging)?;
         let h = self
             .model
             .forward_aggregate_inner(s, tag.layer as usize, &self.block, &z)?;
@@ -329,12 +327,9 @@ impl PartitionState {
             layer: tag.layer | TRANSFORMED,
             ..tag
         };
-        let mut out = Vec::with_capacity(self.halo.send.len());
-        for (q, rows) in &self.halo.send {
-            let staging = self.send_staging.entry(*q).or_default();
-            let data = s.finish_rows_to_host(staging)?;
-            out.push(self.halo.block(transformed, *q, rows.len(), z.cols(), data));
-        }
+        let out =
+            self.halo
+                .finish_blocks(s, transformed, z.cols(), lists, &mut self.send_staging)?;
         self.staged = Some(Staged::of(tag, h));
         Ok((None, out))
     }
@@ -351,7 +346,13 @@ impl PartitionState {
             layer: tag.layer | TRANSFORMED,
             ..tag
         };
-        let out = self.halo.blocks(&self.stream, transformed, &rows, lists)?;
+        let out = self.halo.blocks(
+            &self.stream,
+            transformed,
+            &rows,
+            lists,
+            &mut self.send_staging,
+        )?;
         rows.truncate_rows(self.block.n_out());
         self.staged = Some(Staged::of(tag, rows));
         Ok((None, out))
@@ -414,7 +415,9 @@ impl PartitionState {
         let l = tag.layer as usize;
         if l + 1 < self.num_layers() {
             let out = if self.exchanges_input(l + 1) {
-                self.halo.blocks(&self.stream, tag, &y, &self.halo.send)?
+                let lists = &self.halo.send;
+                self.halo
+                    .blocks(&self.stream, tag, &y, lists, &mut self.send_staging)?
             } else {
                 Vec::new()
             };
@@ -464,7 +467,9 @@ impl PartitionState {
             .backward_layer(&self.stream, l, &self.block, g, l > 0)?;
         let out = match &gx {
             Some(gx) if self.exchanges_input(l) => {
-                self.halo.blocks(&self.stream, tag, gx, &self.halo.recv)?
+                let lists = &self.halo.recv;
+                self.halo
+                    .blocks(&self.stream, tag, gx, lists, &mut self.send_staging)?
             }
             _ => Vec::new(),
         };

@@ -66,6 +66,19 @@ fn list(missing: &[CudaLibrary]) -> String {
 }
 
 impl GpuError {
+    /// An operand of `op` on `found` where the op runs on `expected`.
+    pub(crate) fn wrong_device(
+        op: &'static str,
+        expected: impl ToString,
+        found: impl ToString,
+    ) -> Self {
+        GpuError::WrongDevice {
+            op,
+            expected: expected.to_string(),
+            found: found.to_string(),
+        }
+    }
+
     pub(crate) fn shape(op: &'static str, detail: impl Into<String>) -> Self {
         GpuError::Shape {
             op,

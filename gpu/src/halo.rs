@@ -116,23 +116,18 @@ impl Stream {
             }
             #[cfg(feature = "cuda")]
             Repr::Cuda(arrival) => {
-                let g = self.gpu().ok_or_else(|| crate::GpuError::WrongDevice {
-                    op: "spmm_halo_acc",
-                    expected: self.device().to_string(),
-                    found: "cuda".into(),
-                })?;
-                let dw = match w {
-                    EdgeWeights::Ones => crate::cuda::DeviceWeights::Ones,
-                    EdgeWeights::Stored => crate::cuda::DeviceWeights::Stored,
-                    EdgeWeights::PerHead(..) => {
-                        return Err(crate::GpuError::shape(
-                            "spmm_halo_acc",
-                            "per-head weights are per entry of the unsplit matrix",
-                        ))
-                    }
-                };
-                let out = out.on_device_mut("spmm_halo_acc")?;
-                g.spmm_after(&*a_halo.on_device(g)?, dw, arrival, out)
+                const OP: &str = "spmm_halo_acc";
+                let g = self
+                    .gpu()
+                    .ok_or_else(|| crate::GpuError::wrong_device(OP, self.device(), "cuda"))?;
+                if matches!(w, EdgeWeights::PerHead(..)) {
+                    return Err(crate::GpuError::shape(
+                        OP,
+                        "per-head weights are per entry of the unsplit matrix",
+                    ));
+                }
+                let (w, out) = (w.on_device(OP)?, out.on_device_mut(OP)?);
+                g.spmm_after(&*a_halo.on_device(g)?, w, arrival, out)
             }
         }
     }

@@ -131,21 +131,13 @@ impl Tensor {
         match &mut self.data {
             Storage::Host(v) => Ok(v),
             #[cfg(feature = "cuda")]
-            Storage::Cuda(_) => Err(GpuError::WrongDevice {
-                op,
-                expected: Device::Cpu.to_string(),
-                found: found.to_string(),
-            }),
+            Storage::Cuda(_) => Err(GpuError::wrong_device(op, Device::Cpu, found)),
         }
     }
 
     #[cfg(feature = "cuda")]
     fn not_on_host(&self, op: &'static str) -> GpuError {
-        GpuError::WrongDevice {
-            op,
-            expected: Device::Cpu.to_string(),
-            found: self.device().to_string(),
-        }
+        GpuError::wrong_device(op, Device::Cpu, self.device())
     }
 
     /// The device buffer of a tensor on `cuda`, or an error naming `op`.
@@ -165,21 +157,13 @@ impl Tensor {
     ) -> Result<&mut crate::cuda::DeviceTensor> {
         match &mut self.data {
             Storage::Cuda(t) => Ok(t),
-            Storage::Host(_) => Err(GpuError::WrongDevice {
-                op,
-                expected: "cuda".into(),
-                found: Device::Cpu.to_string(),
-            }),
+            Storage::Host(_) => Err(GpuError::wrong_device(op, "cuda", Device::Cpu)),
         }
     }
 
     #[cfg(feature = "cuda")]
     fn not_on_device(&self, op: &'static str) -> GpuError {
-        GpuError::WrongDevice {
-            op,
-            expected: "cuda".into(),
-            found: self.device().to_string(),
-        }
+        GpuError::wrong_device(op, "cuda", self.device())
     }
 
     /// The elements, row-major.

@@ -260,11 +260,11 @@ impl Stream {
             #[cfg(feature = "cuda")]
             BitsStorage::Cuda(b) => match self.gpu() {
                 Some(g) => g.download_bits(b),
-                None => Err(crate::GpuError::WrongDevice {
-                    op: "download_bits",
-                    expected: self.device().to_string(),
-                    found: "cuda".into(),
-                }),
+                None => Err(crate::GpuError::wrong_device(
+                    "download_bits",
+                    self.device(),
+                    "cuda",
+                )),
             },
         }
     }
@@ -277,15 +277,15 @@ impl Stream {
         })?;
         on_gpu!(self, |gs| match &bits.0 {
             BitsStorage::Cuda(b) => gs.mask_by_bits(b, g.on_device_mut("mask_by_bits")?),
-            BitsStorage::Host(_) => Err(bits_on_host(self)),
+            BitsStorage::Host(_) => Err(crate::GpuError::wrong_device(
+                "mask_by_bits",
+                self.device(),
+                crate::Device::Cpu
+            )),
         });
         let bits = bits
             .host_words()
-            .ok_or_else(|| crate::GpuError::WrongDevice {
-                op: "mask_by_bits",
-                expected: self.device().to_string(),
-                found: "cuda".into(),
-            })?;
+            .ok_or_else(|| crate::GpuError::wrong_device("mask_by_bits", self.device(), "cuda"))?;
         use rayon::prelude::*;
         let g = g.host_mut("mask_by_bits")?;
         let n = g.len();
@@ -529,15 +529,5 @@ impl Stream {
         let (param, grad, buf) = (param.host_mut(OP)?, grad.host(OP)?, buf.host_mut(OP)?);
         self.run(|| cpu::sgd_step(cfg, param, grad, buf));
         Ok(())
-    }
-}
-
-/// The error of a GPU op given bits in host memory.
-#[cfg(feature = "cuda")]
-fn bits_on_host(s: &Stream) -> crate::GpuError {
-    crate::GpuError::WrongDevice {
-        op: "mask_by_bits",
-        expected: s.device().to_string(),
-        found: crate::Device::Cpu.to_string(),
     }
 }

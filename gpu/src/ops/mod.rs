@@ -137,6 +137,19 @@ pub enum EdgeWeights<'a> {
     PerHead(&'a Tensor, usize),
 }
 
+#[cfg(feature = "cuda")]
+impl<'a> EdgeWeights<'a> {
+    /// The same weights for a GPU op (per-head weights must be a device tensor).
+    pub(crate) fn on_device(self, op: &'static str) -> Result<crate::cuda::DeviceWeights<'a>> {
+        use crate::cuda::DeviceWeights;
+        Ok(match self {
+            EdgeWeights::Ones => DeviceWeights::Ones,
+            EdgeWeights::Stored => DeviceWeights::Stored,
+            EdgeWeights::PerHead(v, h) => DeviceWeights::PerHead(v.on_device(op)?, h),
+        })
+    }
+}
+
 /// Output of [`Stream::softmax_nll`].
 pub type LossOutput = crate::cpu::LossSums;
 

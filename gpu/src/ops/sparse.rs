@@ -41,14 +41,8 @@ impl Stream {
             )?;
         }
         on_gpu!(self, |g| {
-            use crate::cuda::DeviceWeights;
-            let dw = match w {
-                EdgeWeights::Ones => DeviceWeights::Ones,
-                EdgeWeights::Stored => DeviceWeights::Stored,
-                EdgeWeights::PerHead(v, h) => DeviceWeights::PerHead(v.on_device("spmm")?, h),
-            };
             let (x, out) = (x.on_device("spmm")?, out.on_device_mut("spmm")?);
-            g.spmm(&*a.on_device(g)?, dw, x, out, false)
+            g.spmm(&*a.on_device(g)?, w.on_device("spmm")?, x, out, false)
         });
         let (weights, heads) = match w {
             EdgeWeights::Ones => (None, 1),
