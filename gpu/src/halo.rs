@@ -58,7 +58,7 @@ impl Stream {
         staging: &mut HaloStaging,
     ) -> Result<()> {
         super::ops::on_gpu!(self, |g| {
-            let idx_d = g.upload_index(idx)?;
+            let idx_d = g.upload_ids(idx)?;
             let pinned = staging.pinned(g, idx.len(), x.cols())?;
             g.send_rows(x.on_device("start_rows_to_host")?, &idx_d, pinned)
         });

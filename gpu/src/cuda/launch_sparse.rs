@@ -290,7 +290,12 @@ impl GpuStream {
                 )
             },
         )?;
-        let p = &idx.plan;
+        let p = idx.plan.as_ref().ok_or_else(|| {
+            GpuError::shape(
+                "scatter_add_rows",
+                "index uploaded without a scatter plan (use upload_index)",
+            )
+        })?;
         let (width, groups) = (out.cols as u64, p.n_groups as u64);
         // SAFETY: module invariant (1)-(4); the plan's targets are the distinct idx values
         // (< out.rows) and its order entries are source rows < idx.len = src.rows.

@@ -111,7 +111,8 @@ pub struct DeviceIndex {
     /// One more than the largest index (0 when empty): checked against the rows of operands.
     pub(crate) bound: usize,
     pub(crate) idx: CudaSlice<u32>,
-    pub(crate) plan: DeviceScatterPlan,
+    /// Built only for lists that ops scatter into ([`GpuStream::upload_index`]).
+    pub(crate) plan: Option<DeviceScatterPlan>,
 }
 
 impl DeviceIndex {

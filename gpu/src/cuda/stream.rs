@@ -111,20 +111,27 @@ impl GpuStream {
             .transpose()
     }
 
-    /// Uploads an index list (node ids, rows to gather or scatter into, labels) with its
-    /// bound and scatter plan.
+    /// Uploads an index list that ops scatter into, with its bound and scatter plan.
     pub fn upload_index(&self, idx: &[u32]) -> Result<DeviceIndex> {
         let plan = ScatterPlan::new(idx);
+        let mut d = self.upload_ids(idx)?;
+        d.plan = Some(DeviceScatterPlan {
+            n_groups: plan.targets.len(),
+            targets: self.upload_slice(&plan.targets)?,
+            group_ptr: self.upload_slice(&plan.group_ptr)?,
+            order: self.upload_slice(&plan.order)?,
+        });
+        Ok(d)
+    }
+
+    /// Uploads an index list that ops only read from (node ids, rows to gather, labels): no
+    /// scatter plan, which costs a counting sort over the ids' range.
+    pub fn upload_ids(&self, idx: &[u32]) -> Result<DeviceIndex> {
         Ok(DeviceIndex {
             len: idx.len(),
             bound: idx.iter().map(|&i| i as usize + 1).max().unwrap_or(0),
             idx: self.upload_slice(idx)?,
-            plan: DeviceScatterPlan {
-                n_groups: plan.targets.len(),
-                targets: self.upload_slice(&plan.targets)?,
-                group_ptr: self.upload_slice(&plan.group_ptr)?,
-                order: self.upload_slice(&plan.order)?,
-            },
+            plan: None,
         })
     }
 

@@ -311,7 +311,7 @@ impl Stream {
         })?;
         on_gpu!(self, |g| g.dropout(
             x.on_device_mut("dropout")?,
-            &g.upload_index(gids)?,
+            &g.upload_ids(gids)?,
             key,
             p
         ));
@@ -386,7 +386,7 @@ impl Stream {
         })?;
         on_gpu!(self, |g| {
             let mut out = g.clone_tensor(src.on_device("dropout_copy")?)?;
-            g.dropout(&mut out, &g.upload_index(gids)?, key, p)?;
+            g.dropout(&mut out, &g.upload_ids(gids)?, key, p)?;
             Ok(Tensor::from_device(out))
         });
         let (rows, w, n) = (src.rows(), src.cols(), src.len());
@@ -448,7 +448,7 @@ impl Stream {
         )?;
         on_gpu!(self, |g| g.softmax_nll(
             logits.on_device("softmax_nll")?,
-            &g.upload_index(labels)?,
+            &g.upload_ids(labels)?,
             rows,
             scale,
             grad.on_device_mut("softmax_nll")?
@@ -467,8 +467,8 @@ impl Stream {
         )?;
         on_gpu!(self, |g| g.accuracy_count(
             logits.on_device("accuracy_count")?,
-            &g.upload_index(labels)?,
-            &g.upload_index(rows)?
+            &g.upload_ids(labels)?,
+            &g.upload_ids(rows)?
         ));
         let (classes, logits) = (logits.cols(), logits.host("accuracy_count")?);
         Ok(self.run(|| cpu::accuracy_count(logits, classes, labels, rows)))

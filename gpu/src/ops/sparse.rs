@@ -186,7 +186,7 @@ impl Stream {
         )?;
         on_gpu!(self, |g| Ok(Tensor::from_device(g.gather_rows(
             x.on_device("gather_rows")?,
-            &g.upload_index(idx)?
+            &g.upload_ids(idx)?
         )?)));
         let mut out = Tensor::zeros(idx.len(), x.cols());
         let (w, x, o) = (x.cols(), x.host("gather_rows")?, out.as_mut_slice());
@@ -295,7 +295,7 @@ impl Stream {
             &*csr.on_device(g)?,
             vals.on_device_mut("edge_dropout")?,
             heads,
-            &g.upload_index(gids)?,
+            &g.upload_ids(gids)?,
             key,
             p
         ));
