@@ -38,17 +38,25 @@ impl HaloLists {
     }
 
     /// `[own rows; halo rows from the blocks]` as one tensor of `n_in` rows in `s`'s memory:
-    /// the halo rows are placed in one host buffer, then appended below `own` (on a GPU, one
-    /// upload).
+    /// the halo rows are placed in one host buffer, then appended below `own` (on a GPU they
+    /// are copied in through a pinned buffer and the compute stream waits for their arrival).
     pub fn assemble(
         &self,
         s: &Stream,
         mut own: Tensor,
         n_in: usize,
         blocks: &BTreeMap<PartId, HaloBlock>,
+        staging: &mut Staging,
     ) -> Result<Tensor> {
-        let halo = self.halo_rows(own.rows(), n_in, own.cols(), blocks)?;
-        s.append_rows(&mut own, &halo)?;
+        let (first, width) = (own.rows(), own.cols());
+        let halo = self.halo_rows(first, n_in, width, blocks)?;
+        if own.device() == Device::Cpu {
+            s.append_rows(&mut own, &halo)?;
+        } else {
+            let staging = staging.get(self.part, n_in - first, width);
+            let halo = s.arrived(s.rows_from_host(halo, n_in - first, width, staging)?)?;
+            s.concat_rows(&mut own, &halo)?;
+        }
         Ok(own)
     }
 
@@ -89,11 +97,20 @@ impl HaloLists {
         s: &Stream,
         g: &mut Tensor,
         blocks: &BTreeMap<PartId, HaloBlock>,
+        staging: &mut Staging,
     ) -> Result<()> {
+        let w = g.cols();
         for (q, rows) in &self.send {
             if let Some(b) = blocks.get(q) {
-                self.check(b, rows.len(), g.cols())?;
-                s.scatter_add_slice(&b.data, rows, g)?;
+                self.check(b, rows.len(), w)?;
+                if g.device() == Device::Cpu {
+                    s.scatter_add_slice(&b.data, rows, g)?;
+                } else {
+                    // Through a pinned buffer; the scatter waits for the rows' arrival.
+                    let staging = staging.get(*q, rows.len(), w);
+                    let received = s.rows_from_host(b.data.to_vec(), rows.len(), w, staging)?;
+                    s.scatter_add_rows(&s.arrived(received)?, rows, g)?;
+                }
             }
         }
         Ok(())
@@ -108,7 +125,7 @@ impl HaloLists {
         tag: Tag,
         t: &Tensor,
         lists: &[(PartId, Vec<u32>)],
-        staging: &mut SendStaging,
+        staging: &mut Staging,
     ) -> Result<Vec<HaloBlock>> {
         if t.device() != Device::Cpu {
             self.start_blocks(s, t, lists, staging)?;
@@ -130,7 +147,7 @@ impl HaloLists {
         s: &Stream,
         t: &Tensor,
         lists: &[(PartId, Vec<u32>)],
-        staging: &mut SendStaging,
+        staging: &mut Staging,
     ) -> Result<()> {
         for (q, rows) in lists {
             s.start_rows_to_host(t, rows, staging.get(*q, rows.len(), t.cols()))?;
@@ -146,7 +163,7 @@ impl HaloLists {
         tag: Tag,
         cols: usize,
         lists: &[(PartId, Vec<u32>)],
-        staging: &mut SendStaging,
+        staging: &mut Staging,
     ) -> Result<Vec<HaloBlock>> {
         lists
             .iter()
@@ -197,14 +214,14 @@ impl HaloLists {
     }
 }
 
-/// Host buffers of outgoing halo rows, one per (neighbour, rows, columns): pinned on a GPU
-/// and reused every step (the shapes repeat), empty on the CPU.
+/// Host buffers of halo rows, one per (neighbour, rows, columns): pinned on a GPU and reused
+/// every step (the shapes repeat), empty on the CPU.
 #[derive(Debug, Default)]
-pub(crate) struct SendStaging(BTreeMap<(PartId, usize, usize), HaloStaging>);
+pub(crate) struct Staging(BTreeMap<(PartId, usize, usize), HaloStaging>);
 
-impl SendStaging {
-    fn get(&mut self, to: PartId, rows: usize, cols: usize) -> &mut HaloStaging {
-        self.0.entry((to, rows, cols)).or_default()
+impl Staging {
+    pub(crate) fn get(&mut self, peer: PartId, rows: usize, cols: usize) -> &mut HaloStaging {
+        self.0.entry((peer, rows, cols)).or_default()
     }
 }
 

@@ -5,14 +5,13 @@
 //! first sends the layer's transformed rows (forward) or their gradients (backward), the
 //! second runs once the neighbours' blocks of those are in. Between the stages the state
 //! holds a [`Staged`] record; [`PartitionState::reset_epoch`] forgets it.
-use crate::halo::{proto, HaloLists, SendStaging, Tag};
+use crate::halo::{proto, HaloLists, Staging, Tag};
 use crate::messages::Outcome;
 use crate::replica::Snapshot;
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
-use trellis_gpu::halo::HaloStaging;
 use trellis_gpu::{CancelToken, Stream, Tensor};
 use trellis_runtime::model::StepCtx;
 use trellis_runtime::partition::{block, PartitionFile};
@@ -58,10 +57,10 @@ pub struct PartitionState {
     /// Split layers start their inner aggregation before the halo rows arrive
     /// ([`TrainConfig::overlaps_halo`]).
     overlap: bool,
-    /// Host buffers of the exchange: per neighbour and shape for the rows sent, one for the
-    /// rows received by an overlapped layer (pinned on a GPU, reused every step).
-    send_staging: SendStaging,
-    recv_staging: HaloStaging,
+    /// Host buffers of the exchange, per peer and shape, for the rows sent and the rows
+    /// received (pinned on a GPU, reused every step).
+    send_staging: Staging,
+    recv_staging: Staging,
 }
 
 /// Which stage of its step a request is at.
@@ -164,8 +163,8 @@ impl PartitionState {
             staged: None,
             epoch_done: 0,
             overlap: cfg.overlaps_halo(),
-            send_staging: SendStaging::default(),
-            recv_staging: HaloStaging::default(),
+            send_staging: Staging::default(),
+            recv_staging: Staging::default(),
         })
     }
 
@@ -285,9 +284,13 @@ impl PartitionState {
                 .forward_layer(&self.stream, 0, &self.block, Cow::Borrowed(&self.x), ctx)?
         } else {
             let own = self.take_own_out()?;
-            let input = self
-                .halo
-                .assemble(&self.stream, own, self.block.n_in(), blocks)?;
+            let input = self.halo.assemble(
+                &self.stream,
+                own,
+                self.block.n_in(),
+                blocks,
+                &mut self.recv_staging,
+            )?;
             self.model.forward_layer(
                 &self.stream,
                 l,
@@ -365,9 +368,13 @@ impl PartitionState {
             return self.forward_second_overlapped(tag, blocks);
         }
         let z = self.take_staged(tag)?;
-        let z = self
-            .halo
-            .assemble(&self.stream, z, self.block.n_in(), blocks)?;
+        let z = self.halo.assemble(
+            &self.stream,
+            z,
+            self.block.n_in(),
+            blocks,
+            &mut self.recv_staging,
+        )?;
         let l = tag.layer as usize;
         let y = self
             .model
@@ -385,7 +392,8 @@ impl PartitionState {
         let (first, n_in, width) = (self.block.n_out(), self.block.n_in(), h.cols());
         let rows = self.halo.halo_rows(first, n_in, width, blocks)?;
         let s = &self.stream;
-        let z_halo = s.rows_from_host(rows, n_in - first, width, &mut self.recv_staging)?;
+        let staging = self.recv_staging.get(self.part, n_in - first, width);
+        let z_halo = s.rows_from_host(rows, n_in - first, width, staging)?;
         let l = tag.layer as usize;
         let y = self
             .model
@@ -453,7 +461,8 @@ impl PartitionState {
             .grad_inner
             .take()
             .ok_or_else(|| proto(self.part, "backward without an output gradient"))?;
-        self.halo.add_received(&self.stream, &mut g, blocks)?;
+        self.halo
+            .add_received(&self.stream, &mut g, blocks, &mut self.recv_staging)?;
         Ok(g)
     }
 
@@ -492,7 +501,8 @@ impl PartitionState {
     fn backward_second(&mut self, tag: Tag, blocks: &BTreeMap<PartId, HaloBlock>) -> StageOut {
         let l = tag.layer as usize;
         let mut gz = self.take_staged(tag)?;
-        self.halo.add_received(&self.stream, &mut gz, blocks)?;
+        self.halo
+            .add_received(&self.stream, &mut gz, blocks, &mut self.recv_staging)?;
         let gx = self
             .model
             .backward_transform(&self.stream, l, &self.block, gz, l > 0)?;

@@ -98,6 +98,23 @@ impl Stream {
         Ok(HaloRows(Repr::Host(Tensor::from_vec(rows, cols, data)?)))
     }
 
+    /// The received rows as a tensor, usable by every op issued on this stream from now on
+    /// (on a GPU the compute stream waits on their arrival event, not the whole device).
+    pub fn arrived(&self, rows: HaloRows) -> Result<Tensor> {
+        match rows.0 {
+            Repr::Host(t) => Ok(t),
+            #[cfg(feature = "cuda")]
+            Repr::Cuda(arrival) => match self.gpu() {
+                Some(g) => Ok(Tensor::from_device(g.arrived(arrival)?)),
+                None => Err(crate::GpuError::wrong_device(
+                    "arrived",
+                    self.device(),
+                    "cuda",
+                )),
+            },
+        }
+    }
+
     /// `out += A_halo x_halo` with the received rows, once they have arrived (on a GPU the
     /// compute stream waits on their arrival event, not the whole device).
     pub fn spmm_halo_acc(

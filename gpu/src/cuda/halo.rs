@@ -137,6 +137,15 @@ impl GpuStream {
         Ok(HaloArrival { rows, event })
     }
 
+    /// The received rows, usable by every op enqueued on the compute stream from now on: the
+    /// compute stream waits on the arrival's event (not the whole device).
+    pub fn arrived(&self, arrival: HaloArrival) -> Result<DeviceTensor> {
+        self.compute
+            .wait(&arrival.event)
+            .map_err(|e| GpuError::cuda("cuStreamWaitEvent", e))?;
+        Ok(arrival.rows)
+    }
+
     /// `out = A_inner x_inner + A_halo x_halo`, overlapped with the halo transfer: the inner
     /// product is enqueued at once; then the compute stream waits on the arrival's event (not
     /// the whole device) and adds the halo product.

@@ -154,33 +154,29 @@ impl GpuStream {
         })
     }
 
-    /// `t` with the host rows `rows` (row-major, `t`'s width) appended: a new buffer holding
-    /// `t`'s rows (device to device) and then `rows` (uploaded), on the compute stream.
-    pub fn append_rows(&self, t: &DeviceTensor, rows: &[f32]) -> Result<DeviceTensor> {
-        let w = t.cols;
-        if w == 0 || rows.len() % w != 0 {
+    /// `bottom`'s rows below `top`'s (same width), in a new buffer: two device-to-device
+    /// copies on the compute stream.
+    pub fn concat_rows(&self, top: &DeviceTensor, bottom: &DeviceTensor) -> Result<DeviceTensor> {
+        if top.cols != bottom.cols {
             return Err(GpuError::shape(
-                "append_rows",
-                format!("{} values onto width {w}", rows.len()),
+                "concat_rows",
+                format!("{:?} over {:?}", top.shape(), bottom.shape()),
             ));
         }
-        let (n_top, n_all) = (t.len(), t.len() + rows.len());
+        let (n_top, n_all) = (top.len(), top.len() + bottom.len());
         let mut buf = self.alloc_zeros::<f32>(n_all)?;
-        if n_top > 0 {
-            let (from, mut to) = (t.buf.slice(..n_top), buf.slice_mut(..n_top));
+        for (src, at) in [(top, 0), (bottom, n_top)] {
+            if src.is_empty() {
+                continue;
+            }
+            let (from, mut to) = (src.view(), buf.slice_mut(at..at + src.len()));
             self.compute
                 .memcpy_dtod(&from, &mut to)
                 .map_err(|e| GpuError::cuda("cuMemcpyDtoDAsync", e))?;
         }
-        if !rows.is_empty() {
-            let mut to = buf.slice_mut(n_top..n_all);
-            self.compute
-                .memcpy_htod(rows, &mut to)
-                .map_err(|e| GpuError::cuda("cuMemcpyHtoDAsync", e))?;
-        }
         Ok(DeviceTensor {
-            rows: t.rows + rows.len() / w,
-            cols: w,
+            rows: top.rows + bottom.rows,
+            cols: top.cols,
             buf,
         })
     }

@@ -253,11 +253,28 @@ impl Stream {
     /// Appends the host rows `rows` (row-major, `t`'s width) below `t`'s rows.
     pub fn append_rows(&self, t: &mut Tensor, rows: &[f32]) -> Result<()> {
         self.admit()?;
-        on_gpu!(self, |g| {
-            *t = Tensor::from_device(g.append_rows(t.on_device("append_rows")?, rows)?);
-            Ok(())
+        on_gpu!(self, |_g| {
+            let bottom = self.upload(rows, rows.len() / t.cols().max(1), t.cols())?;
+            self.concat_rows(t, &bottom)
         });
         t.append_rows(rows)
+    }
+
+    /// Appends `bottom`'s rows (same width, in this stream's memory) below `t`'s rows.
+    pub fn concat_rows(&self, t: &mut Tensor, bottom: &Tensor) -> Result<()> {
+        self.admit()?;
+        check("concat_rows", t.cols() == bottom.cols(), || {
+            format!("{:?} over {:?}", t.shape(), bottom.shape())
+        })?;
+        on_gpu!(self, |g| {
+            let (top, bottom) = (
+                t.on_device("concat_rows")?,
+                bottom.on_device("concat_rows")?,
+            );
+            *t = Tensor::from_device(g.concat_rows(top, bottom)?);
+            Ok(())
+        });
+        t.append_rows(bottom.host("concat_rows")?)
     }
 
     /// Hex digest of the tensors' bytes, in order (downloaded first on a GPU).
