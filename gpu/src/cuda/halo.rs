@@ -4,7 +4,7 @@
 //! ordered by events (the compute stream waits on the copy's event — never a device-wide
 //! sync).
 //!
-//! A block's adjacency is split by column ([`Csr::split_columns`]) into the entries over inner
+//! A block's adjacency is split by column ([`crate::Csr::split_columns`]) into the entries over inner
 //! input rows and those over halo input rows, so that `A x = A_inner x_inner + A_halo x_halo`.
 //! Summing the two parts separately changes the order of additions relative to the CPU
 //! backend (which sums each row in ascending global id), so results agree within rounding,
@@ -54,20 +54,15 @@ impl PinnedRows {
 }
 
 /// Halo rows copied (or being copied) to the device on the transfer stream; `event` completes
-/// when they have arrived.
+/// when they have arrived. [`GpuStream::arrived`] and [`GpuStream::spmm_after`] order the
+/// compute stream after it.
 #[derive(Debug)]
 pub struct HaloArrival {
     rows: DeviceTensor,
     event: CudaEvent,
 }
 
-impl HaloArrival {
-    /// The device rows (use them on the compute stream only after [`GpuStream::spmm_overlapped`]
-    /// or another wait on the arrival event).
-    pub fn rows(&self) -> &DeviceTensor {
-        &self.rows
-    }
-}
+impl HaloArrival {}
 
 impl GpuStream {
     /// A zeroed pinned host buffer for `rows x cols` halo values.
@@ -144,28 +139,6 @@ impl GpuStream {
             .wait(&arrival.event)
             .map_err(|e| GpuError::cuda("cuStreamWaitEvent", e))?;
         Ok(arrival.rows)
-    }
-
-    /// `out = A_inner x_inner + A_halo x_halo`, overlapped with the halo transfer: the inner
-    /// product is enqueued at once; then the compute stream waits on the arrival's event (not
-    /// the whole device) and adds the halo product.
-    pub fn spmm_overlapped(
-        &self,
-        inner: &DeviceCsr,
-        halo: &DeviceCsr,
-        weights: DeviceWeights<'_>,
-        x_inner: &DeviceTensor,
-        arrival: &HaloArrival,
-        out: &mut DeviceTensor,
-    ) -> Result<()> {
-        if matches!(weights, DeviceWeights::PerHead(..)) {
-            return Err(GpuError::shape(
-                "spmm_overlapped",
-                "per-head weights are per entry of the unsplit matrix",
-            ));
-        }
-        self.spmm(inner, weights, x_inner, out, false)?;
-        self.spmm_after(halo, weights, arrival, out)
     }
 
     /// `out += A_halo x_halo` once the halo rows have arrived: the compute stream waits on the

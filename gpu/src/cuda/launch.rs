@@ -58,7 +58,7 @@ macro_rules! launch {
 }
 pub(crate) use launch;
 
-/// Per-entry weights for [`GpuStream::spmm`] (as [`crate::EdgeWeights`], on the device).
+/// Per-entry weights for [`super::GpuStream::spmm`] (as [`crate::EdgeWeights`], on the device).
 #[derive(Debug, Clone, Copy)]
 pub enum DeviceWeights<'a> {
     /// Every entry weighs 1.

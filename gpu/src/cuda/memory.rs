@@ -81,10 +81,6 @@ impl DeviceCsr {
     pub fn nnz(&self) -> usize {
         self.nnz
     }
-    /// True if per-entry values are stored.
-    pub fn has_values(&self) -> bool {
-        self.values.is_some()
-    }
 }
 
 /// The host-side arrays of a [`DeviceCsr`]: row pointers widened to u64 and each entry's row.

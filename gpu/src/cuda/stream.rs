@@ -103,14 +103,6 @@ impl GpuStream {
         })
     }
 
-    /// The stored values of a device CSR matrix, on the host.
-    pub fn download_csr_values(&self, m: &DeviceCsr) -> Result<Option<Vec<f32>>> {
-        m.values
-            .as_ref()
-            .map(|v| self.download_slice(v, m.nnz))
-            .transpose()
-    }
-
     /// Uploads an index list that ops scatter into, with its bound and scatter plan.
     pub fn upload_index(&self, idx: &[u32]) -> Result<DeviceIndex> {
         let plan = ScatterPlan::new(idx);
@@ -179,37 +171,6 @@ impl GpuStream {
             cols: top.cols,
             buf,
         })
-    }
-
-    /// A copy of a CSR matrix (device to device, on the compute stream).
-    pub fn clone_csr(&self, m: &DeviceCsr) -> Result<DeviceCsr> {
-        Ok(DeviceCsr {
-            n_rows: m.n_rows,
-            n_cols: m.n_cols,
-            nnz: m.nnz,
-            indptr: self.clone_slice(&m.indptr, m.n_rows + 1)?,
-            indices: self.clone_slice(&m.indices, m.nnz)?,
-            entry_rows: self.clone_slice(&m.entry_rows, m.nnz)?,
-            values: m
-                .values
-                .as_ref()
-                .map(|v| self.clone_slice(v, m.nnz))
-                .transpose()?,
-        })
-    }
-
-    /// The stored values of `m` as an `nnz x 1` tensor (a copy), if it has any.
-    pub fn csr_values(&self, m: &DeviceCsr) -> Result<Option<DeviceTensor>> {
-        m.values
-            .as_ref()
-            .map(|v| {
-                Ok(DeviceTensor {
-                    rows: m.nnz,
-                    cols: 1,
-                    buf: self.clone_slice(v, m.nnz)?,
-                })
-            })
-            .transpose()
     }
 
     /// A new buffer holding the first `n` elements of `src`.
