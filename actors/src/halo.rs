@@ -16,6 +16,8 @@ pub(crate) struct HaloLists {
     pub send: Vec<(PartId, Vec<u32>)>,
     /// Local input rows (halo) each other part owns, ascending global id.
     pub recv: Vec<(PartId, Vec<u32>)>,
+    /// `recv` numbered from the first halo row (rows of a halo-rows-only tensor).
+    pub recv_halo: Vec<(PartId, Vec<u32>)>,
 }
 
 /// Where a message goes and what it holds.

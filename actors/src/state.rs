@@ -142,6 +142,10 @@ impl PartitionState {
             .into_iter()
             .map(|(q, rows)| (PartId(q), rows))
             .collect();
+        let recv_halo = recv
+            .iter()
+            .map(|(q, rows)| (*q, rows.iter().map(|r| r - n_inner).collect()))
+            .collect();
         let mut model = Model::new(cfg.model.clone())?;
         model.place(&stream)?;
         let opt = Optimizer::new(cfg.optimizer(), &model);
@@ -153,7 +157,12 @@ impl PartitionState {
             val: ids(file.val_mask()),
             test: ids(file.test_mask()),
             block,
-            halo: HaloLists { part, send, recv },
+            halo: HaloLists {
+                part,
+                send,
+                recv,
+                recv_halo,
+            },
             counts,
             model,
             opt,
@@ -490,10 +499,40 @@ impl PartitionState {
     fn backward_first(&mut self, tag: Tag, blocks: &BTreeMap<PartId, HaloBlock>) -> StageOut {
         let l = tag.layer as usize;
         let g = self.output_grad(blocks)?;
+        if self.overlap {
+            return self.backward_first_overlapped(tag, g);
+        }
         let gz = self
             .model
             .backward_aggregate(&self.stream, l, &self.block, g)?;
         self.end_first_stage(tag, gz)
+    }
+
+    /// Overlapped first stage of a split layer's backward: `gZ` of the halo rows first, whose
+    /// copies to the host start at once, then (on a GPU, while they travel) `gZ` of the inner
+    /// rows; the same rows, bit for bit, as the plain stage.
+    fn backward_first_overlapped(&mut self, tag: Tag, g: Tensor) -> StageOut {
+        let (l, s) = (tag.layer as usize, &self.stream);
+        let g = self.model.backward_activation(s, l, &self.block, g)?;
+        let gz_halo = self
+            .model
+            .backward_aggregate_rows(s, l, &self.block, &g, true)?;
+        let lists = &self.halo.recv_halo;
+        self.halo
+            .start_blocks(s, &gz_halo, lists, &mut self.send_staging)?;
+        let gz_inner = self
+            .model
+            .backward_aggregate_rows(s, l, &self.block, &g, false)?;
+        let transformed = Tag {
+            layer: tag.layer | TRANSFORMED,
+            ..tag
+        };
+        let cols = gz_halo.cols();
+        let out = self
+            .halo
+            .finish_blocks(s, transformed, cols, lists, &mut self.send_staging)?;
+        self.staged = Some(Staged::of(tag, gz_inner));
+        Ok((None, out))
     }
 
     /// Second stage of a split layer's backward: adds the neighbours' `gZ` rows for the inner

@@ -224,16 +224,22 @@ impl Csr {
         Ok((inner, halo))
     }
 
-    /// The first `n` rows as a new matrix (same columns).
-    pub fn row_prefix(&self, n: usize) -> Csr {
-        let n = n.min(self.n_rows);
-        let end = self.indptr[n];
+    /// Rows `start..end` (clamped to the matrix) as a new matrix over the same columns; each
+    /// row keeps its entries, values and order, so a row-parallel product over it gives the
+    /// same bits for those rows as over the whole matrix.
+    pub fn row_range(&self, start: usize, end: usize) -> Csr {
+        let end = end.min(self.n_rows);
+        let start = start.min(end);
+        let (first, last) = (self.indptr[start], self.indptr[end]);
         Csr {
-            n_rows: n,
+            n_rows: end - start,
             n_cols: self.n_cols,
-            indptr: self.indptr[..=n].to_vec(),
-            indices: self.indices[..end].to_vec(),
-            values: self.values.as_ref().map(|v| v[..end].to_vec()),
+            indptr: self.indptr[start..=end]
+                .iter()
+                .map(|&p| p - first)
+                .collect(),
+            indices: self.indices[first..last].to_vec(),
+            values: self.values.as_ref().map(|v| v[first..last].to_vec()),
             device: DeviceCopies::default(),
         }
     }

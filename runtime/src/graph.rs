@@ -122,9 +122,10 @@ pub struct Block {
     adj: Csr,
     /// Transposed matrix (unless `symmetric`) and the entry permutation, built on first use.
     adj_t: OnceLock<(Option<Csr>, Vec<u32>)>,
-    /// `adj` split by column into the entries over inner and over halo input rows, built on
-    /// first use (overlapped halo exchange).
+    /// `adj` split by column into the entries over inner and over halo input rows, and
+    /// `adj_t` split by row the same way; built on first use (overlapped halo exchange).
     adj_split: OnceLock<(Csr, Csr)>,
+    adj_t_split: OnceLock<(Csr, Csr)>,
     /// The matrix equals its transpose (a whole graph with symmetric weights): backward passes
     /// reuse it instead of holding a second copy.
     symmetric: bool,
@@ -262,6 +263,7 @@ impl Block {
             adj,
             adj_t: OnceLock::new(),
             adj_split: OnceLock::new(),
+            adj_t_split: OnceLock::new(),
             symmetric,
             agg,
         })
@@ -308,6 +310,18 @@ impl Block {
         }
         let parts = self.adj.split_columns(self.n_out)?;
         Ok(self.adj_split.get_or_init(|| parts))
+    }
+
+    /// [`Block::adj_t`] split by row: `(rows of the inner inputs, rows of the halo inputs)`;
+    /// products over the two parts give the same bits, row for row, as over the whole.
+    pub fn adj_t_split(&self) -> &(Csr, Csr) {
+        self.adj_t_split.get_or_init(|| {
+            let t = self.adj_t();
+            (
+                t.row_range(0, self.n_out),
+                t.row_range(self.n_out, t.n_rows()),
+            )
+        })
     }
 
     /// For each entry of [`Block::adj_t`], the index of the same entry in [`Block::adj`].

@@ -4,7 +4,7 @@ use super::{dropout_backward, ActSaved, Init, LayerArgs, LayerInput, LayerSpec, 
 use crate::Result;
 use std::borrow::Cow;
 use trellis_gpu::halo::HaloRows;
-use trellis_gpu::{EdgeWeights, Stream, Tensor};
+use trellis_gpu::{Csr, EdgeWeights, Stream, Tensor};
 
 pub(crate) fn param_shapes(spec: &LayerSpec) -> Vec<(String, usize, usize, Init)> {
     vec![
@@ -188,13 +188,31 @@ pub(crate) fn grad_z(
     a: &LayerArgs<'_>,
     p: &mut [Param],
     c: &GcnCache,
+    g: Tensor,
+) -> Result<Tensor> {
+    let g = grad_h(a, p, c, g)?;
+    grad_z_rows(a, a.block.adj_t(), &g)
+}
+
+/// `act'(g)`, with the bias gradient accumulated: what every row of `gZ` is computed from.
+pub(crate) fn grad_h(
+    a: &LayerArgs<'_>,
+    p: &mut [Param],
+    c: &GcnCache,
     mut g: Tensor,
 ) -> Result<Tensor> {
-    let LayerArgs { s, spec, block, .. } = *a;
+    let LayerArgs { s, spec, .. } = *a;
     c.act.backward(s, spec.act, &mut g)?;
     s.add_column_sums(&g, &mut p[1].grad)?;
-    let mut gz = s.zeros(block.n_in(), spec.out_dim)?;
-    s.spmm(block.adj_t(), EdgeWeights::Stored, &g, &mut gz)?;
+    Ok(g)
+}
+
+/// `gZ` for the rows of `adj_t_rows` (the whole `Â^T`, or its inner or halo rows from
+/// [`Block::adj_t_split`](crate::Block::adj_t_split)) from `g = act'(grad_out)`.
+pub(crate) fn grad_z_rows(a: &LayerArgs<'_>, adj_t_rows: &Csr, g: &Tensor) -> Result<Tensor> {
+    let LayerArgs { s, spec, .. } = *a;
+    let mut gz = s.zeros(adj_t_rows.n_rows(), spec.out_dim)?;
+    s.spmm(adj_t_rows, EdgeWeights::Stored, g, &mut gz)?;
     Ok(gz)
 }
 

@@ -154,6 +154,21 @@ impl Model {
         block: &Block,
         grad_out: Tensor,
     ) -> Result<Tensor> {
+        let g = self.backward_activation(s, l, block, grad_out)?;
+        let a = self.args(s, &self.layers[l], block);
+        gcn::grad_z_rows(&a, block.adj_t(), &g)
+    }
+
+    /// Overlapped backward stage 1 of split layer `l`: `g = act'(grad_out)` (accumulating
+    /// the bias gradient), for [`Model::backward_aggregate_rows`] to compute `gZ` from, halo
+    /// rows first so they can leave while the inner rows are computed.
+    pub fn backward_activation(
+        &mut self,
+        s: &Stream,
+        l: usize,
+        block: &Block,
+        grad_out: Tensor,
+    ) -> Result<Tensor> {
         self.check_split(l)?;
         let spec = self.layers[l];
         let Some(Cache::Gcn(c)) = &self.caches[l] else {
@@ -172,7 +187,24 @@ impl Model {
         }
         let a = self.args(s, &spec, block);
         let p = &mut self.params[spec.first_param..];
-        gcn::grad_z(&a, p, c, grad_out)
+        gcn::grad_h(&a, p, c, grad_out)
+    }
+
+    /// `gZ` of split layer `l` for the block's inner input rows (`halo = false`) or its halo
+    /// input rows (`halo = true`) from `g` of [`Model::backward_activation`]: together, the
+    /// rows of [`Model::backward_aggregate`], bit for bit.
+    pub fn backward_aggregate_rows(
+        &self,
+        s: &Stream,
+        l: usize,
+        block: &Block,
+        g: &Tensor,
+        halo: bool,
+    ) -> Result<Tensor> {
+        self.check_split(l)?;
+        let (inner, halo_rows) = block.adj_t_split();
+        let rows = if halo { halo_rows } else { inner };
+        gcn::grad_z_rows(&self.args(s, &self.layers[l], block), rows, g)
     }
 
     /// Backward stage 2 of split layer `l`, given `gZ` of the inner rows with every part's
@@ -259,6 +291,39 @@ mod tests {
         for (a, b) in whole.params().iter().zip(split.params()) {
             assert_eq!(a.grad.as_slice(), b.grad.as_slice(), "{}", a.name);
         }
+        // Stage 1 of the backward in two row parts (inner, halo) gives the same rows.
+        let halo_block =
+            Block::build(&g, &(0..25).collect::<Vec<u32>>(), Aggregation::GcnNorm).unwrap();
+        let (n_out, n_in) = (halo_block.n_out(), halo_block.n_in());
+        assert!(n_in > n_out, "the block has halo rows");
+        let trained = || {
+            let cfg = ModelConfig::paper_defaults(ModelKind::Gcn, 6, 3, 9);
+            let mut m = Model::new(cfg).unwrap();
+            let h = (0..n_out * 16).map(|i| (i % 7) as f32).collect();
+            let h = Tensor::from_vec(n_out, 16, h).unwrap();
+            let mut z = m.forward_transform(&s, 1, &halo_block, h, ctx).unwrap();
+            z.append_rows(&vec![0.5; (n_in - n_out) * 3]).unwrap();
+            m.forward_aggregate(&s, 1, &halo_block, &z, ctx).unwrap();
+            m
+        };
+        let (mut whole, mut parts) = (trained(), trained());
+        let g_out: Vec<f32> = (0..n_out * 3).map(|i| i as f32 * 0.01).collect();
+        let g_out = Tensor::from_vec(n_out, 3, g_out).unwrap();
+        let gz = whole
+            .backward_aggregate(&s, 1, &halo_block, g_out.clone())
+            .unwrap();
+        let g = parts
+            .backward_activation(&s, 1, &halo_block, g_out)
+            .unwrap();
+        let rows = |halo| {
+            parts
+                .backward_aggregate_rows(&s, 1, &halo_block, &g, halo)
+                .unwrap()
+                .into_vec()
+        };
+        let mut joined = rows(false);
+        joined.extend(rows(true));
+        assert_eq!(gz.as_slice(), &joined[..]);
         // Stage 2 without stage 1 is a clear error, not a panic.
         let err = split.forward_aggregate(&s, 1, &block, &z, ctx).unwrap_err();
         assert!(err.to_string().contains("transform stage"), "{err}");
