@@ -237,7 +237,7 @@ impl CheckpointWriter {
     }
 
     /// The writer as the coordinator's checkpoint callback.
-    pub fn into_fn(self) -> crate::coordinator::CheckpointFn {
+    pub fn into_fn(self) -> crate::shells::coordinator::CheckpointFn {
         Box::new(move |epoch, digest, logs| self.write(epoch, digest, logs).map(|_| ()))
     }
 }

@@ -1,6 +1,9 @@
 //! `trellis-actors` owns the actors of a training topology.
 //!
-//! - `PartitionActor`: one per graph partition, on its own arbiter
+//! - [`protocol`]: the protocol machines (epoch and recovery, partition inbox), free of I/O.
+//! - [`sim`]: a deterministic simulator of a whole cluster over those machines.
+//! - [`faults`]: fault plans (`--chaos`, tests, the simulator) and the count of faults fired.
+//! - `PartitionActor` ([`shells`]): one per graph partition, on its own arbiter
 //!   (thread) with its own compute [`Stream`](trellis_gpu::Stream); owns the partition's block,
 //!   features, model replica and optimizer state.
 //! - the node supervisor (`supervisor`): starts partition actors under actix's `Supervisor`,
@@ -12,23 +15,22 @@
 
 pub mod checkpoint;
 pub mod cluster;
-mod coordinator;
 mod error;
-mod halo;
-mod handle;
-mod messages;
-mod partition;
+pub mod faults;
 pub mod profile;
+pub mod protocol;
 pub mod replica;
-mod state;
-mod supervisor;
+pub mod shells;
+pub mod sim;
 pub mod telemetry;
 mod topology;
 
-pub use coordinator::{Coordinator, Recovery};
 pub use error::ActorError;
-pub use handle::PartHandle;
-pub use messages::{Outcome, StepReply};
+pub use faults::{FaultKind, FaultPlan, LinkAction};
+pub use protocol::epoch::{Recovery, RestartPolicy};
+pub use protocol::messages::{Outcome, RestoreReport, StepReply};
+pub use protocol::state::{PartitionState, Stage};
+pub use shells::coordinator::Coordinator;
+pub use shells::handle::PartHandle;
 pub use profile::{EpochProfile, StepProfile};
-pub use state::{PartitionState, Stage};
-pub use topology::{FaultPlan, LinkAction, RunEvent, Topology, TrainingRun};
+pub use topology::{RunEvent, Topology, TrainingRun};

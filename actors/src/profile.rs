@@ -1,7 +1,7 @@
 //! Where a partitioned training step's time goes: for each step of the epoch protocol (phase,
 //! layer) the coordinator's wall time, each partition's compute time with its kernels by
 //! family, and the halo bytes sent; then the all-reduce and optimizer step.
-use crate::messages::StepReply;
+use crate::protocol::messages::StepReply;
 use trellis_gpu::KernelTimes;
 use trellis_transport::Phase;
 

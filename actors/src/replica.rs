@@ -1,8 +1,112 @@
 //! The node's replica store: the latest committed state of each partition's model replica and
 //! optimizer, kept in memory so a restarted actor resumes from it without a checkpoint file.
 use dashmap::DashMap;
+use rkyv::{Archive, Deserialize, Serialize};
 use std::sync::Arc;
 use trellis_gpu::Tensor;
+
+/// A snapshot as replicated bytes: shapes and values of every tensor.
+#[derive(Archive, Serialize, Deserialize)]
+struct SnapshotWire {
+    epoch: u32,
+    params: Vec<WireTensor>,
+    moments: Vec<(WireTensor, WireTensor)>,
+    opt_steps: u64,
+    digest: String,
+}
+
+#[derive(Archive, Serialize, Deserialize)]
+struct WireTensor {
+    rows: u32,
+    cols: u32,
+    data: Vec<f32>,
+}
+
+impl WireTensor {
+    fn of(t: &Tensor) -> Self {
+        WireTensor {
+            rows: t.rows() as u32,
+            cols: t.cols() as u32,
+            data: t.as_slice().to_vec(),
+        }
+    }
+
+    fn tensor(self) -> Result<Tensor, String> {
+        Tensor::from_vec(self.rows as usize, self.cols as usize, self.data)
+            .map_err(|e| e.to_string())
+    }
+}
+
+/// A snapshot as it travels to a replica node: its bytes and the BLAKE3 digest the sender
+/// computed of them. The receiver keeps both; a restore checks the bytes against the
+/// sender's digest before decoding them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaBytes {
+    pub part: u32,
+    /// The step the snapshot was taken after.
+    pub epoch: u32,
+    pub bytes: Arc<[u8]>,
+    /// Hex BLAKE3 of `bytes`, computed by the sender.
+    pub digest: String,
+}
+
+impl ReplicaBytes {
+    /// Encodes `snap` (host tensors) for replication.
+    pub fn encode(part: u32, snap: &Snapshot) -> Self {
+        let wire = SnapshotWire {
+            epoch: snap.epoch,
+            params: snap.params.iter().map(WireTensor::of).collect(),
+            moments: snap
+                .opt_state
+                .iter()
+                .map(|(m, v)| (WireTensor::of(m), WireTensor::of(v)))
+                .collect(),
+            opt_steps: snap.opt_steps,
+            digest: snap.digest.clone(),
+        };
+        let bytes = rkyv::to_bytes::<rkyv::rancor::Error>(&wire)
+            .map(|b| b.into_vec())
+            .unwrap_or_default();
+        let digest = blake3::hash(&bytes).to_hex().to_string();
+        ReplicaBytes {
+            part,
+            epoch: snap.epoch,
+            bytes: Arc::from(bytes),
+            digest,
+        }
+    }
+
+    /// Checks the bytes against the sender's digest, then decodes them. Never panics on bad
+    /// bytes: a mismatch or a corrupt archive is an error saying which.
+    pub fn decode(&self) -> Result<Snapshot, String> {
+        let got = blake3::hash(&self.bytes).to_hex().to_string();
+        if got != self.digest {
+            return Err(format!(
+                "replica of partition {} (step {}): bytes digest {got} is not the sender's {}",
+                self.part, self.epoch, self.digest
+            ));
+        }
+        let mut aligned = rkyv::util::AlignedVec::<16>::with_capacity(self.bytes.len());
+        aligned.extend_from_slice(&self.bytes);
+        let w = rkyv::from_bytes::<SnapshotWire, rkyv::rancor::Error>(&aligned)
+            .map_err(|e| format!("replica of partition {}: corrupt: {e}", self.part))?;
+        Ok(Snapshot {
+            epoch: w.epoch,
+            params: w
+                .params
+                .into_iter()
+                .map(WireTensor::tensor)
+                .collect::<Result<_, _>>()?,
+            opt_state: w
+                .moments
+                .into_iter()
+                .map(|(m, v)| Ok((m.tensor()?, v.tensor()?)))
+                .collect::<Result<_, String>>()?,
+            opt_steps: w.opt_steps,
+            digest: w.digest,
+        })
+    }
+}
 
 /// A partition's dynamic state after an optimizer step.
 #[derive(Debug, Clone)]
@@ -64,5 +168,41 @@ impl ReplicaStore {
             .iter()
             .max_by_key(|e| (e.value().epoch, std::cmp::Reverse(*e.key())))
             .map(|e| e.value().clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn snap() -> Snapshot {
+        Snapshot {
+            epoch: 7,
+            params: vec![Tensor::from_vec(2, 3, vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]).unwrap()],
+            opt_state: vec![(Tensor::zeros(2, 3), Tensor::zeros(2, 3))],
+            opt_steps: 7,
+            digest: "abc".into(),
+        }
+    }
+
+    #[test]
+    fn replica_bytes_round_trip_and_reject_any_flipped_bit() {
+        let r = ReplicaBytes::encode(3, &snap());
+        let back = r.decode().unwrap();
+        assert_eq!(back.epoch, 7);
+        assert_eq!(back.params[0].as_slice(), snap().params[0].as_slice());
+        assert_eq!(back.digest, "abc");
+        for i in 0..r.bytes.len() {
+            for bit in [0, 3, 7] {
+                let mut b = r.bytes.to_vec();
+                b[i] ^= 1 << bit;
+                let bad = ReplicaBytes {
+                    bytes: Arc::from(b),
+                    ..r.clone()
+                };
+                let e = bad.decode().unwrap_err();
+                assert!(e.contains("not the sender's"), "{e}");
+            }
+        }
     }
 }

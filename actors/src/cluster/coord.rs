@@ -10,9 +10,9 @@ use super::proto::{ControlMsg, Setup};
 use super::proto::{ReplyBody, Request};
 use super::remote::{ControlClient, RemotePart};
 use crate::checkpoint::{Checkpoint, CheckpointPolicy, CheckpointWriter};
-use crate::coordinator::{Coordinator, NodeRecovery, Replaced, RestartPolicy};
-use crate::handle::PartHandle;
-use crate::supervisor::NodeSupervisor;
+use crate::shells::coordinator::{Coordinator, NodeRecovery, Replaced, RestartPolicy};
+use crate::shells::handle::PartHandle;
+use crate::shells::supervisor::NodeSupervisor;
 use crate::topology::{local_handles, RunEvent, TrainingRun};
 use crate::ActorError;
 use std::cell::RefCell;
@@ -51,7 +51,7 @@ impl ClusterJob {
     /// Binds the coordinator's endpoint and starts the run on its own thread: the same
     /// [`TrainingRun`] API as a single-process topology.
     pub fn spawn(self) -> Result<TrainingRun, ActorError> {
-        crate::topology::FaultPlan::parse(&self.chaos)?;
+        crate::faults::FaultPlan::parse(&self.chaos)?;
         let (endpoint, inbox) =
             NodeEndpoint::bind(&self.cluster, self.id, self.addr_file.as_deref())?;
         let (tx, rx) = mpsc::channel();
@@ -172,7 +172,7 @@ async fn drive(
     let mine: Vec<u32> = (0..book.parts as u32)
         .filter(|&p| placement[p as usize] == ep.id)
         .collect();
-    let faults = Arc::new(crate::topology::FaultPlan::parse(&job.chaos)?);
+    let faults = Arc::new(crate::faults::FaultPlan::parse(&job.chaos)?);
     let local = host_partitions(
         &job.set,
         &mine,

@@ -3,9 +3,9 @@
 use super::config::ClusterFile;
 use super::proto::ControlMsg;
 use crate::replica::ReplicaStore;
-use crate::state::{GlobalCounts, PartitionState};
-use crate::supervisor::NodeSupervisor;
-use crate::topology::FaultPlan;
+use crate::protocol::state::{GlobalCounts, PartitionState};
+use crate::shells::supervisor::NodeSupervisor;
+use crate::faults::FaultPlan;
 use crate::ActorError;
 use std::net::SocketAddr;
 use std::path::Path;
@@ -256,7 +256,7 @@ pub fn reroute(transport: &QuicTransport, placement: &[u32], me: u32) {
 }
 
 /// A partition adopted here and its new actor.
-pub type Adopted = (u32, crate::partition::PartitionRef);
+pub type Adopted = (u32, crate::shells::partition::PartitionRef);
 
 /// Warm replicas: partitions of other nodes whose static state (block, features, labels)
 /// this node keeps loaded in memory, so that adopting one after a node loss only restores the

@@ -2,7 +2,7 @@
 //! nodes, as rkyv archives carried in the transport's `Control` frames. Free of I/O: encode,
 //! decode (validated with bytecheck before use) and the conversions from and to the actor
 //! messages are all here and unit-tested without sockets.
-use crate::messages::{Outcome, StepReply};
+use crate::protocol::messages::{Outcome, StepReply};
 use crate::ActorError;
 use rkyv::{Archive, Deserialize, Serialize};
 use std::sync::Arc;
@@ -112,8 +112,9 @@ pub enum ReplyBody {
         compute_ms: f64,
         halo_bytes: u64,
         outcome: WireOutcome,
-        /// 0: no restore since the last reply; 1: restored, digest matched; 2: mismatched.
-        restored: u8,
+        /// The state restored since the last reply (a supervised restart): its step and its
+        /// weights digest; `None` when nothing was restored.
+        restored: Option<(u32, String)>,
         /// Kernel time by family: GEMM, SpMM, other (ms).
         kernels: [f64; 3],
     },
@@ -247,11 +248,7 @@ impl ReplyBody {
                 compute_ms: s.compute_ms,
                 halo_bytes: s.halo_bytes,
                 outcome: WireOutcome::from(&s.outcome),
-                restored: match s.restored {
-                    None => 0,
-                    Some(true) => 1,
-                    Some(false) => 2,
-                },
+                restored: s.restored.map(|r| (r.epoch, r.digest)),
                 kernels: [s.kernels.gemm_ms, s.kernels.spmm_ms, s.kernels.other_ms],
             },
             Err(e) => Self::of_error(e),
@@ -320,7 +317,7 @@ mod tests {
                 body: ReplyBody::Step {
                     compute_ms: 1.5,
                     halo_bytes: 42,
-                    restored: 1,
+                    restored: Some((3, "ab12".into())),
                     kernels: [1.0, 2.0, 3.0],
                     outcome: WireOutcome::Loss {
                         loss_sum: 0.25,

@@ -3,7 +3,7 @@
 //! that fails (QUIC idle timeout, refused connection, closed) fails every request waiting on
 //! it at once, with an error naming the node.
 use super::proto::{phase_code, ControlMsg, ReplyBody, Request};
-use crate::messages::{ApplyStep, ResetEpoch, Step, StepReply};
+use crate::protocol::messages::{ApplyStep, ResetEpoch, Step, StepReply};
 use crate::ActorError;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -173,11 +173,8 @@ impl RemotePart {
                     other_ms: kernels[2],
                 },
                 outcome: outcome.into(),
-                restored: match restored {
-                    1 => Some(true),
-                    2 => Some(false),
-                    _ => None,
-                },
+                restored: restored
+                    .map(|(epoch, digest)| crate::RestoreReport { epoch, digest }),
             }),
             other => Err(self.unexpected(other)),
         }

@@ -10,10 +10,10 @@ use super::node::{
 };
 use super::proto::{phase_from, ControlMsg, ReplyBody, Request, Setup};
 use crate::checkpoint::Checkpoint;
-use crate::messages::{ApplyStep, ResetEpoch, Step};
-use crate::partition::PartitionRef;
-use crate::supervisor::NodeSupervisor;
-use crate::topology::FaultPlan;
+use crate::protocol::messages::{ApplyStep, ResetEpoch, Step};
+use crate::shells::partition::PartitionRef;
+use crate::shells::supervisor::NodeSupervisor;
+use crate::faults::FaultPlan;
 use crate::ActorError;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};

@@ -1,9 +1,9 @@
 //! The node supervisor: starts each partition actor on its own arbiter (thread) under actix's
 //! `Supervisor`, wires it to the transport, and stops and joins every thread at the end.
-use crate::partition::{PartitionActor, PartitionRef};
+use crate::shells::partition::{PartitionActor, PartitionRef};
 use crate::replica::ReplicaStore;
-use crate::state::PartitionState;
-use crate::topology::FaultPlan;
+use crate::protocol::state::PartitionState;
+use crate::faults::FaultPlan;
 use actix::prelude::*;
 use std::sync::Arc;
 use trellis_gpu::CancelToken;
@@ -67,7 +67,7 @@ impl NodeSupervisor {
             part,
             Arc::new(move |b| {
                 let ok = deliver_to.connected();
-                deliver_to.do_send(crate::messages::Halo(b));
+                deliver_to.do_send(crate::protocol::messages::Halo(b));
                 ok
             }),
         );

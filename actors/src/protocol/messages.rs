@@ -76,7 +76,17 @@ pub struct StepReply {
     /// Time of the step's kernels by family (part of `compute_ms`).
     pub kernels: KernelTimes,
     pub outcome: Outcome,
-    /// Set in the first reply after a supervised restart: whether the state restored from
-    /// the replica store matched the digest recorded when it was stored.
-    pub restored: Option<bool>,
+    /// Set in the first reply after a supervised restart: the step and the weights digest of
+    /// the state the partition restored (the coordinator checks it against the digest it
+    /// committed for that step).
+    pub restored: Option<RestoreReport>,
+}
+
+/// The state a restarted partition resumed from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RestoreReport {
+    /// Optimizer steps the restored state has applied.
+    pub epoch: u32,
+    /// Weights digest computed from the restored tensors.
+    pub digest: String,
 }

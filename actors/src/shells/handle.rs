@@ -2,8 +2,8 @@
 //! process or on another node of a cluster. Every call resolves to the partition's answer or
 //! an [`ActorError`] naming the partition (and the node, when remote).
 use crate::cluster::RemotePart;
-use crate::messages::{ApplyStep, ResetEpoch, Step, StepReply};
-use crate::partition::PartitionRef;
+use crate::protocol::messages::{ApplyStep, ResetEpoch, Step, StepReply};
+use crate::shells::partition::PartitionRef;
 use crate::ActorError;
 use std::future::Future;
 use std::pin::Pin;

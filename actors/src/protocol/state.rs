@@ -5,8 +5,8 @@
 //! first sends the layer's transformed rows (forward) or their gradients (backward), the
 //! second runs once the neighbours' blocks of those are in. Between the stages the state
 //! holds a [`Staged`] record; [`PartitionState::reset_epoch`] forgets it.
-use crate::halo::{proto, HaloLists, Staging, Tag};
-use crate::messages::Outcome;
+use crate::protocol::halo::{proto, HaloLists, Staging, Tag};
+use crate::protocol::messages::Outcome;
 use crate::replica::Snapshot;
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -591,6 +591,19 @@ impl PartitionState {
         self.model.zero_grad(&self.stream)?;
         self.epoch_done = epoch;
         self.model.weights_digest(&self.stream)
+    }
+
+    /// Overwrites the first parameter of the model replica with zeros, as a kernel interrupted
+    /// half-way would leave it (fault injection only): a restart that does not really restore
+    /// the committed state then ends with different weights.
+    pub fn clobber_for_fault(&mut self) {
+        let stream = self.stream.uncancellable();
+        if let Some(p) = self.model.params_mut().first_mut() {
+            let (rows, cols) = p.value.shape();
+            if let Ok(z) = stream.zeros(rows, cols) {
+                p.value = z;
+            }
+        }
     }
 
     /// Drops the caches of an epoch in progress.

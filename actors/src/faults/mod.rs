@@ -1,0 +1,601 @@
+//! Fault plans: the faults a test, `--chaos` or the simulator injects, as named records, and
+//! the count of those that actually **fired** (a fault planned for an epoch the run never
+//! reaches, or for a partition that moved away, fires nothing and is not counted).
+//!
+//! Each node holds its own copy of the plan (a cluster parses `--chaos` on every node); a fault
+//! fires once, on the node where its condition first holds.
+use crate::ActorError;
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::time::Duration;
+use trellis_transport::Phase;
+
+/// A partition panics when it starts a stage of a step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlannedPanic {
+    pub part: u32,
+    pub epoch: u32,
+    pub layer: u16,
+    pub phase: Phase,
+    /// In the second stage of a split layer's step (after its first stage sent its blocks).
+    pub second_stage: bool,
+    /// Whether it fired (or was retired: it fired on the node that hosted the partition).
+    pub fired: bool,
+}
+
+/// A partition stops answering for a while in its first step of an epoch (a hung kernel).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlannedStall {
+    pub part: u32,
+    pub epoch: u32,
+    pub duration: Duration,
+    pub fired: bool,
+}
+
+/// A node's process SIGKILLs itself when the coordinator starts an epoch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlannedKill {
+    pub node: u32,
+    pub epoch: u32,
+    pub fired: bool,
+}
+
+/// What a link fault does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LinkAction {
+    /// Drop every message both ways for this long.
+    Cut(Duration),
+    /// Hold every message for this long (both ways).
+    Delay(Duration),
+    /// Corrupt the next halo frame from `a` to `b`.
+    Corrupt,
+}
+
+/// A fault on the link between nodes `a` and `b`, applied by each end once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LinkFault {
+    pub action: LinkAction,
+    pub a: u32,
+    pub b: u32,
+    pub epoch: u32,
+    /// Whether end `a` (index 0) and end `b` (index 1) applied it.
+    pub applied: [bool; 2],
+}
+
+/// The kinds of fault, as counted when they fire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum FaultKind {
+    Panic,
+    Stall,
+    KillNode,
+    CutLink,
+    DelayLink,
+    CorruptFrame,
+}
+
+impl FaultKind {
+    /// The `--chaos` name of the kind.
+    pub fn name(self) -> &'static str {
+        match self {
+            FaultKind::Panic => "panic",
+            FaultKind::Stall => "stall",
+            FaultKind::KillNode => "kill-node",
+            FaultKind::CutLink => "cut-link",
+            FaultKind::DelayLink => "delay",
+            FaultKind::CorruptFrame => "corrupt",
+        }
+    }
+}
+
+impl std::fmt::Display for FaultKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl LinkAction {
+    fn kind(self) -> FaultKind {
+        match self {
+            LinkAction::Cut(_) => FaultKind::CutLink,
+            LinkAction::Delay(_) => FaultKind::DelayLink,
+            LinkAction::Corrupt => FaultKind::CorruptFrame,
+        }
+    }
+}
+
+/// The `layer` of a panic planned in the optimizer step (`phase=apply`) rather than a layer.
+pub const APPLY_LAYER: u16 = u16::MAX;
+
+/// The message of an injected panic starts with this (the binary's panic hook prints such
+/// panics as one line).
+pub const INJECTED_PANIC: &str = "injected fault:";
+
+/// Whether the panic hook of [`quiet_injected_panics`] prints injected panics at all.
+static PRINT_INJECTED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Makes injected panics print one line (`injected fault: partition P, ...`) instead of the
+/// default hook's message and backtrace, whatever `RUST_BACKTRACE` says; every other panic
+/// goes to the hook that was installed before. `print: false` silences them entirely (the
+/// simulator injects thousands). Idempotent.
+pub fn quiet_injected_panics(print: bool) {
+    PRINT_INJECTED.store(print, std::sync::atomic::Ordering::Relaxed);
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let payload = info.payload();
+            let text = payload
+                .downcast_ref::<String>()
+                .map(String::as_str)
+                .or_else(|| payload.downcast_ref::<&str>().copied());
+            match text {
+                Some(t) if t.starts_with(INJECTED_PANIC) => {
+                    if PRINT_INJECTED.load(std::sync::atomic::Ordering::Relaxed) {
+                        eprintln!("{t}");
+                    }
+                }
+                _ => previous(info),
+            }
+        }));
+    });
+}
+
+/// Faults to inject (tests and `--chaos`): each fires once.
+#[derive(Debug, Default)]
+pub struct FaultPlan {
+    panics: Mutex<Vec<PlannedPanic>>,
+    stalls: Mutex<Vec<PlannedStall>>,
+    kills: Mutex<Vec<PlannedKill>>,
+    links: Mutex<Vec<LinkFault>>,
+    /// Faults that fired on this node, by kind.
+    fired: Mutex<BTreeMap<FaultKind, u32>>,
+}
+
+/// Every `--chaos` fault kind with its fields (for help texts and errors).
+pub const CHAOS_KINDS: &str = "panic:part=P:epoch=E[:layer=L][:phase=forward|backward|eval|apply][:stage=2], \
+kill-node:node=N:epoch=E, cut-link:a=N:b=M:epoch=E:ms=T, delay:a=N:b=M:ms=T[:epoch=E], \
+corrupt:a=N:b=M:epoch=E";
+
+impl FaultPlan {
+    /// No faults.
+    pub fn none() -> Self {
+        Self::default()
+    }
+
+    /// Panic partition `part` in the `phase` pass of `layer` in `epoch`.
+    pub fn panic_at(self, part: u32, epoch: u32, layer: u16, phase: Phase) -> Self {
+        self.plan_panic(part, epoch, layer, phase, false)
+    }
+
+    /// As [`FaultPlan::panic_at`], in the second stage of a split layer's step (after its
+    /// first stage sent its blocks).
+    pub fn panic_in_second_stage(self, part: u32, epoch: u32, layer: u16, phase: Phase) -> Self {
+        self.plan_panic(part, epoch, layer, phase, true)
+    }
+
+    fn plan_panic(self, part: u32, epoch: u32, layer: u16, phase: Phase, second: bool) -> Self {
+        lock(&self.panics).push(PlannedPanic {
+            part,
+            epoch,
+            layer,
+            phase,
+            second_stage: second,
+            fired: false,
+        });
+        self
+    }
+
+    /// SIGKILL node `node`'s process when the coordinator starts `epoch` (cluster runs).
+    pub fn kill_node_at(self, node: u32, epoch: u32) -> Self {
+        lock(&self.kills).push(PlannedKill {
+            node,
+            epoch,
+            fired: false,
+        });
+        self
+    }
+
+    /// Make partition `part` stop answering for `duration` in its first step of `epoch` (a
+    /// hung kernel); the coordinator's deadline must turn it into an error.
+    pub fn stall_at(self, part: u32, epoch: u32, duration: Duration) -> Self {
+        lock(&self.stalls).push(PlannedStall {
+            part,
+            epoch,
+            duration,
+            fired: false,
+        });
+        self
+    }
+
+    /// A fault on the link between nodes `a` and `b` from `epoch` on.
+    pub fn link_fault(self, a: u32, b: u32, epoch: u32, action: LinkAction) -> Self {
+        lock(&self.links).push(LinkFault {
+            action,
+            a,
+            b,
+            epoch,
+            applied: [false; 2],
+        });
+        self
+    }
+
+    /// Parses a `--chaos` spec: faults separated by `,` (see [`CHAOS_KINDS`]).
+    pub fn parse(spec: &str) -> Result<Self, ActorError> {
+        let mut plan = FaultPlan::none();
+        for fault in spec.split(',').filter(|f| !f.trim().is_empty()) {
+            plan = plan.parse_one(fault.trim())?;
+        }
+        Ok(plan)
+    }
+
+    fn parse_one(self, fault: &str) -> Result<Self, ActorError> {
+        let bad = |m: String| {
+            ActorError::Runtime(trellis_runtime::RuntimeError::Config(format!(
+                "--chaos: {m}"
+            )))
+        };
+        let mut fields = fault.split(':');
+        let kind = fields.next().unwrap_or_default();
+        if !["panic", "kill-node", "cut-link", "delay", "corrupt"].contains(&kind) {
+            return Err(bad(format!(
+                "fault kind `{kind}` is not supported (supported: {CHAOS_KINDS})"
+            )));
+        }
+        let link = matches!(kind, "cut-link" | "delay" | "corrupt");
+        let mut keys: BTreeMap<&str, u32> = BTreeMap::new();
+        let mut phase = Phase::Forward;
+        for kv in fields {
+            let (k, v) = kv
+                .split_once('=')
+                .ok_or_else(|| bad(format!("`{kv}` is not key=value")))?;
+            let allowed = match k {
+                "part" | "layer" | "phase" | "stage" => kind == "panic",
+                "node" => kind == "kill-node",
+                "a" | "b" => link,
+                "ms" => kind == "cut-link" || kind == "delay",
+                "epoch" => true,
+                _ => false,
+            };
+            if !allowed {
+                return Err(bad(format!("unknown key `{k}` in `{fault}`")));
+            }
+            if k == "phase" {
+                phase = match v {
+                    "forward" => Phase::Forward,
+                    "backward" => Phase::Backward,
+                    "eval" => Phase::Eval,
+                    "apply" => {
+                        keys.insert("layer", u32::from(APPLY_LAYER));
+                        Phase::Forward
+                    }
+                    _ => {
+                        return Err(bad(format!(
+                            "unknown phase `{v}` (forward, backward, eval, apply)"
+                        )))
+                    }
+                };
+                continue;
+            }
+            let n = v
+                .parse::<u32>()
+                .map_err(|_| bad(format!("`{v}` is not a number for {k}")))?;
+            keys.insert(k, n);
+        }
+        let need = |k: &str, what: &str| {
+            keys.get(k)
+                .copied()
+                .ok_or_else(|| bad(format!("`{fault}` needs {what}")))
+        };
+        if link {
+            let (a, b) = (need("a", "a=N")?, need("b", "b=M")?);
+            if a == b {
+                return Err(bad(format!("`{fault}`: a link joins two different nodes")));
+            }
+            let ms = |k| need(k, "ms=T").map(|m| Duration::from_millis(u64::from(m)));
+            let action = match kind {
+                "cut-link" => LinkAction::Cut(ms("ms")?),
+                "delay" => LinkAction::Delay(ms("ms")?),
+                _ => LinkAction::Corrupt,
+            };
+            let epoch = match kind {
+                "delay" => keys.get("epoch").copied().unwrap_or(1),
+                _ => need("epoch", "epoch=E")?,
+            };
+            return Ok(self.link_fault(a, b, epoch, action));
+        }
+        let epoch = need("epoch", "epoch=E")?;
+        if epoch == 0 {
+            return Err(bad(format!("`{fault}`: epochs count from 1")));
+        }
+        if kind == "kill-node" {
+            return Ok(self.kill_node_at(need("node", "node=N")?, epoch));
+        }
+        let part = need("part", "part=P")?;
+        let layer = keys.get("layer").copied().unwrap_or(0);
+        let layer = u16::try_from(layer).map_err(|_| bad(format!("layer {layer} is too large")))?;
+        let second = match keys.get("stage").copied().unwrap_or(1) {
+            1 => false,
+            2 => true,
+            s => return Err(bad(format!("`{fault}`: stage is 1 or 2, not {s}"))),
+        };
+        Ok(self.plan_panic(part, epoch, layer, phase, second))
+    }
+
+    /// Refuses faults that can never fire in a run of `epochs` epochs over `parts` partitions,
+    /// `layers` layers and `nodes` node processes (0: a single process, no nodes to fault).
+    pub fn check_reachable(
+        &self,
+        epochs: u32,
+        parts: u32,
+        layers: u16,
+        nodes: u32,
+    ) -> Result<(), ActorError> {
+        let bad = |m: String| {
+            ActorError::Runtime(trellis_runtime::RuntimeError::Config(format!(
+                "--chaos: {m}; it could never fire"
+            )))
+        };
+        for p in lock(&self.panics).iter() {
+            if p.part >= parts {
+                return Err(bad(format!(
+                    "partition {} does not exist (the run has {parts})",
+                    p.part
+                )));
+            }
+            if p.epoch > epochs {
+                return Err(bad(format!(
+                    "epoch {} is past the run's last epoch ({epochs})",
+                    p.epoch
+                )));
+            }
+            if p.layer >= layers && p.layer != APPLY_LAYER {
+                return Err(bad(format!(
+                    "layer {} does not exist (the model has {layers})",
+                    p.layer
+                )));
+            }
+        }
+        for k in lock(&self.kills).iter() {
+            if nodes > 0 && k.node >= nodes {
+                return Err(bad(format!(
+                    "node {} does not exist (the cluster has {nodes})",
+                    k.node
+                )));
+            }
+            if k.epoch > epochs {
+                return Err(bad(format!(
+                    "epoch {} is past the run's last epoch ({epochs})",
+                    k.epoch
+                )));
+            }
+        }
+        for l in lock(&self.links).iter() {
+            if nodes > 0 && l.a.max(l.b) >= nodes {
+                return Err(bad(format!(
+                    "node {} does not exist (the cluster has {nodes})",
+                    l.a.max(l.b)
+                )));
+            }
+            if l.epoch > epochs {
+                return Err(bad(format!(
+                    "epoch {} is past the run's last epoch ({epochs})",
+                    l.epoch
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the plan has faults that need a cluster (node kills, link faults).
+    pub fn kills_nodes(&self) -> bool {
+        !lock(&self.kills).is_empty() || !lock(&self.links).is_empty()
+    }
+
+    /// The link faults node `me` must apply now that `epoch` starts: (peer, action), each
+    /// once. Cuts and delays act on both ends; a corruption on the sending end `a`.
+    pub fn link_faults_due(&self, me: u32, epoch: u32) -> Vec<(u32, LinkAction)> {
+        let mut due = Vec::new();
+        let mut links = lock(&self.links);
+        for f in links.iter_mut().filter(|f| f.epoch <= epoch) {
+            if me == f.a && !f.applied[0] {
+                f.applied[0] = true;
+                due.push((f.b, f.action));
+            }
+            if me == f.b && !f.applied[1] && f.action != LinkAction::Corrupt {
+                f.applied[1] = true;
+                due.push((f.a, f.action));
+            }
+        }
+        drop(links);
+        for (_, action) in &due {
+            self.count(action.kind());
+        }
+        due
+    }
+
+    /// Whether node `node` must die now that `epoch` starts (fires once).
+    pub fn kill_due(&self, node: u32, epoch: u32) -> bool {
+        let mut due = false;
+        for k in lock(&self.kills).iter_mut() {
+            if !k.fired && k.node == node && k.epoch <= epoch {
+                k.fired = true;
+                due = true;
+            }
+        }
+        if due {
+            self.count(FaultKind::KillNode);
+        }
+        due
+    }
+
+    /// Marks `part`'s panics up to `epoch` as fired: the partition moved here after they fired
+    /// on the node that hosted it (each node holds its own copy of the plan). Retired faults
+    /// are not counted here: they fired (and were counted) elsewhere.
+    pub fn retire_panics(&self, part: u32, epoch: u32) {
+        for f in lock(&self.panics)
+            .iter_mut()
+            .filter(|f| f.part == part && f.epoch <= epoch)
+        {
+            f.fired = true;
+        }
+    }
+
+    /// The stall due for partition `part` in `epoch`, if any (fires once).
+    pub fn stall_due(&self, part: u32, epoch: u32) -> Option<Duration> {
+        let mut stall = None;
+        for f in lock(&self.stalls).iter_mut() {
+            if !f.fired && (f.part, f.epoch) == (part, epoch) {
+                f.fired = true;
+                stall = Some(f.duration);
+            }
+        }
+        if stall.is_some() {
+            self.count(FaultKind::Stall);
+        }
+        stall
+    }
+
+    /// The panic due when partition `part` starts this stage, if any (fires once): the panic
+    /// message to raise.
+    pub fn panic_due(
+        &self,
+        part: u32,
+        epoch: u32,
+        layer: u16,
+        phase: Phase,
+        second_stage: bool,
+    ) -> Option<String> {
+        let mut fire = false;
+        for f in lock(&self.panics).iter_mut() {
+            let here = (f.part, f.epoch, f.layer, f.phase, f.second_stage)
+                == (part, epoch, layer, phase, second_stage);
+            if here && !f.fired {
+                f.fired = true;
+                fire = true;
+            }
+        }
+        fire.then(|| {
+            self.count(FaultKind::Panic);
+            let stage = if second_stage { " (second stage)" } else { "" };
+            format!(
+                "{INJECTED_PANIC} partition {part}, epoch {epoch}, {phase:?} layer {layer}{stage}"
+            )
+        })
+    }
+
+    fn count(&self, kind: FaultKind) {
+        *lock(&self.fired).entry(kind).or_default() += 1;
+    }
+
+    /// Faults that fired on this node so far, by kind.
+    pub fn fired(&self) -> BTreeMap<FaultKind, u32> {
+        lock(&self.fired).clone()
+    }
+
+    /// Total faults that fired on this node so far.
+    pub fn fired_total(&self) -> u32 {
+        lock(&self.fired).values().sum()
+    }
+
+    /// The planned panics (with whether each fired).
+    pub fn panics(&self) -> Vec<PlannedPanic> {
+        lock(&self.panics).clone()
+    }
+}
+
+/// Locks a plan's list; a poisoned lock (a panic while it was held) still holds valid data.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chaos_specs_parse_or_fail_clearly() {
+        let plan = FaultPlan::parse(
+            "panic:part=1:epoch=3,panic:part=0:epoch=5:layer=1:phase=backward:stage=2",
+        )
+        .unwrap();
+        let p = plan.panics();
+        assert_eq!(p.len(), 2);
+        assert_eq!((p[0].part, p[0].epoch, p[0].layer), (1, 3, 0));
+        assert_eq!(p[0].phase, Phase::Forward);
+        assert!(!p[0].second_stage && !p[0].fired);
+        assert_eq!((p[1].part, p[1].epoch, p[1].layer), (0, 5, 1));
+        assert!(p[1].phase == Phase::Backward && p[1].second_stage);
+        let plan = FaultPlan::parse("kill-node:node=2:epoch=3").unwrap();
+        assert!(plan.kills_nodes());
+        assert!(!plan.kill_due(2, 2) && !plan.kill_due(1, 3));
+        assert!(plan.kill_due(2, 3) && !plan.kill_due(2, 3), "fires once");
+        assert_eq!(plan.fired().get(&FaultKind::KillNode), Some(&1));
+        let plan = FaultPlan::parse(
+            "cut-link:a=1:b=2:epoch=2:ms=100,corrupt:a=2:b=0:epoch=3,delay:a=0:b=1:ms=5",
+        )
+        .unwrap();
+        assert_eq!(
+            plan.link_faults_due(1, 1),
+            vec![(0, LinkAction::Delay(Duration::from_millis(5)))]
+        );
+        assert_eq!(
+            plan.link_faults_due(1, 2),
+            vec![(2, LinkAction::Cut(Duration::from_millis(100)))]
+        );
+        assert_eq!(plan.link_faults_due(2, 3).len(), 2, "cut (b side) and corrupt (a side)");
+        assert_eq!(
+            plan.link_faults_due(0, 3).len(),
+            1,
+            "only the delay: corruption is one-sided"
+        );
+        for (spec, needle) in [
+            ("cut-link:a=1:b=2:epoch=2", "ms=T"),
+            ("corrupt:a=1:b=1:epoch=2", "two different"),
+            ("partition:part=1:epoch=2", "not supported"),
+            ("kill-node:part=1:epoch=2", "part"),
+            ("panic:part=1", "epoch"),
+            ("panic:part=1:epoch=0", "count from 1"),
+            ("panic:part=x:epoch=1", "`x`"),
+            ("panic:part=1:epoch=1:phase=up", "phase"),
+            ("panic:part=1:epoch=1:stage=3", "stage"),
+        ] {
+            let e = FaultPlan::parse(spec).unwrap_err().to_string();
+            assert!(e.contains(needle), "{spec}: {e}");
+        }
+    }
+
+    /// Regression: `retire_panics` set the second-stage flag instead of the fired flag, so a
+    /// panic retired on the node a partition moved to could still fire there.
+    #[test]
+    fn retire_panics_marks_them_fired() {
+        let plan = FaultPlan::none()
+            .panic_at(1, 3, 0, Phase::Forward)
+            .panic_at(1, 9, 0, Phase::Forward);
+        plan.retire_panics(1, 3);
+        assert_eq!(plan.panic_due(1, 3, 0, Phase::Forward, false), None);
+        assert!(plan.panic_due(1, 3, 0, Phase::Forward, true).is_none());
+        assert!(plan.panic_due(1, 9, 0, Phase::Forward, false).is_some(), "later ones stay");
+        assert_eq!(plan.fired_total(), 1, "retired faults are not counted again");
+    }
+
+    #[test]
+    fn faults_that_cannot_fire_are_refused() {
+        let ok = FaultPlan::parse("panic:part=3:epoch=10:layer=1,kill-node:node=2:epoch=4").unwrap();
+        ok.check_reachable(10, 4, 2, 3).unwrap();
+        for (spec, needle) in [
+            ("panic:part=4:epoch=1", "partition 4"),
+            ("panic:part=0:epoch=11", "epoch 11"),
+            ("panic:part=0:epoch=1:layer=2", "layer 2"),
+            ("kill-node:node=3:epoch=1", "node 3"),
+            ("cut-link:a=0:b=5:epoch=1:ms=5", "node 5"),
+        ] {
+            let e = FaultPlan::parse(spec)
+                .unwrap()
+                .check_reachable(10, 4, 2, 3)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(needle) && e.contains("never fire"), "{spec}: {e}");
+        }
+    }
+}

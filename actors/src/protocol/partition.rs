@@ -1,0 +1,537 @@
+//! The partition machine: one partition's inbox of halo blocks and its parked step around its
+//! compute state ([`PartitionState`]), free of actors and sockets. The actix
+//! [`PartitionActor`](crate::shells::partition::PartitionActor) and the simulator feed it
+//! requests and blocks and execute the [`PartitionAction`]s it returns.
+//!
+//! Every computation (a stage of a step, the optimizer step, an epoch reset, a restore) runs
+//! inside `catch_unwind`: a panic answers the request with [`ActorError::Panicked`] and asks
+//! the shell to restart the partition ([`PartitionAction::Restart`]), which then calls
+//! [`PartitionMachine::restore`] with the replica it holds.
+use crate::faults::{FaultPlan, APPLY_LAYER};
+use crate::protocol::messages::{RestoreReport, Step, StepReply};
+use crate::protocol::epoch::{RequestId, Response};
+use crate::replica::Snapshot;
+use crate::protocol::state::{timed, PartitionState, Stage};
+use crate::telemetry::{self, node_attr as node};
+use crate::ActorError;
+use std::collections::{BTreeMap, VecDeque};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use trellis_gpu::KernelTimes;
+use trellis_transport::{HaloBlock, PartId, Phase, RunId};
+
+/// Halo blocks waiting to be used, by (epoch, phase, layer tag) then sender.
+type Inbox = BTreeMap<(u32, Phase, u16), BTreeMap<PartId, HaloBlock>>;
+
+/// What the shell must do.
+#[derive(Debug)]
+pub enum PartitionAction {
+    /// Send a halo block to its destination partition.
+    Send(HaloBlock),
+    /// Answer request `id`.
+    Answer {
+        id: RequestId,
+        result: Result<Response, ActorError>,
+    },
+    /// Store this snapshot of the committed state with the replicas (after an optimizer step);
+    /// `ms`: the time taken to copy it out.
+    Replicate { snapshot: Snapshot, ms: f64 },
+    /// The computation panicked: restart the partition (then [`PartitionMachine::restore`]).
+    Restart,
+}
+
+/// The step a partition is working on.
+#[derive(Debug)]
+enum StepSlot {
+    Idle,
+    /// Waiting for the halo blocks of its next stage.
+    Parked(Parked),
+}
+
+/// A step waiting for halo blocks, with what its stages so far cost.
+#[derive(Debug)]
+struct Parked {
+    id: RequestId,
+    step: Step,
+    parked_at: Instant,
+    compute_ms: f64,
+    halo_bytes: u64,
+    kernels: KernelTimes,
+}
+
+/// One partition's protocol state.
+pub struct PartitionMachine {
+    part: PartId,
+    run: RunId,
+    state: PartitionState,
+    faults: Arc<FaultPlan>,
+    /// Snapshots of committed states are sent to the replicas after each optimizer step.
+    replicate: bool,
+    inbox: Inbox,
+    slot: StepSlot,
+    /// The state restored at the last restart, reported with the next step reply.
+    restored: Option<RestoreReport>,
+    actions: VecDeque<PartitionAction>,
+    /// Blocks dropped as stale (another run, a committed epoch, another destination).
+    dropped_blocks: u64,
+    /// The newest request handled: ids only grow, so an older one (delayed, duplicated) is
+    /// stale and dropped unanswered. A stale reset must never wipe a replay in progress.
+    last_request: Option<RequestId>,
+    stale_requests: u64,
+}
+
+impl std::fmt::Debug for PartitionMachine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PartitionMachine")
+            .field("part", &self.part)
+            .field("slot", &self.slot)
+            .finish()
+    }
+}
+
+impl PartitionMachine {
+    /// A machine around `state`; `replicate`: snapshot the committed state after each step.
+    pub fn new(state: PartitionState, run: RunId, faults: Arc<FaultPlan>, replicate: bool) -> Self {
+        PartitionMachine {
+            part: state.part(),
+            run,
+            state,
+            faults,
+            replicate,
+            inbox: Inbox::new(),
+            slot: StepSlot::Idle,
+            restored: None,
+            actions: VecDeque::new(),
+            dropped_blocks: 0,
+            last_request: None,
+            stale_requests: 0,
+        }
+    }
+
+    /// The partition id.
+    pub fn part(&self) -> PartId {
+        self.part
+    }
+
+    /// The compute state.
+    pub fn state(&self) -> &PartitionState {
+        &self.state
+    }
+
+    /// The compute state, mutably (the shell sets its cancel token).
+    pub fn state_mut(&mut self) -> &mut PartitionState {
+        &mut self.state
+    }
+
+    /// Blocks dropped as stale so far.
+    pub fn dropped_blocks(&self) -> u64 {
+        self.dropped_blocks
+    }
+
+    /// Requests dropped as older than one already handled.
+    pub fn stale_requests(&self) -> u64 {
+        self.stale_requests
+    }
+
+    /// Whether request `id` is newer than every request handled so far (and records it).
+    fn fresh(&mut self, id: RequestId) -> bool {
+        if self.last_request.is_some_and(|last| id <= last) {
+            self.stale_requests += 1;
+            return false;
+        }
+        self.last_request = Some(id);
+        true
+    }
+
+    /// The next action to execute.
+    pub fn poll_action(&mut self) -> Option<PartitionAction> {
+        self.actions.pop_front()
+    }
+
+    /// A snapshot of the current committed state (the first replica, before any step).
+    pub fn snapshot(&self) -> Result<Snapshot, ActorError> {
+        self.state.snapshot().map_err(|source| ActorError::Compute {
+            part: self.part.0,
+            source,
+        })
+    }
+
+    /// The coordinator asks for one layer of a pass. A newer request supersedes a parked one.
+    pub fn handle_step(&mut self, id: RequestId, step: Step, now: Instant) {
+        if !self.fresh(id) {
+            return;
+        }
+        let part = self.part.0;
+        if step.run != self.run {
+            return self.answer(
+                id,
+                Err(ActorError::Protocol {
+                    part,
+                    detail: "request of another run".into(),
+                }),
+            );
+        }
+        let new = Parked {
+            id,
+            step,
+            parked_at: now,
+            compute_ms: 0.0,
+            halo_bytes: 0,
+            kernels: KernelTimes::default(),
+        };
+        if let StepSlot::Parked(old) = std::mem::replace(&mut self.slot, StepSlot::Parked(new)) {
+            self.answer(
+                old.id,
+                Err(ActorError::Protocol {
+                    part,
+                    detail: "superseded by a newer request".into(),
+                }),
+            );
+        }
+        self.try_progress();
+    }
+
+    /// A halo block arrived.
+    pub fn handle_halo(&mut self, block: HaloBlock, now: Instant) {
+        let h = block.header;
+        // Drop blocks of other runs or of steps already committed (stale after a recovery);
+        // an epoch's evaluation runs after its optimizer step.
+        let done = self.state.epoch_done();
+        let stale = if h.phase == Phase::Eval {
+            h.epoch < done
+        } else {
+            h.epoch <= done
+        };
+        if h.run != self.run || h.to != self.part || stale {
+            self.dropped_blocks += 1;
+            return;
+        }
+        let span = tracing::info_span!(
+            "halo_recv",
+            partition = i64::from(h.to.0),
+            peer = i64::from(h.from.0),
+            node = node(),
+            epoch = i64::from(h.epoch),
+            layer = i64::from(h.layer),
+            bytes = block.payload_bytes() as i64
+        );
+        telemetry::set_parent(&span, block.trace);
+        let in_recv = span.enter();
+        let waited = match &self.slot {
+            StepSlot::Parked(p) if p.step.epoch == h.epoch && p.step.phase == h.phase => {
+                now.saturating_duration_since(p.parked_at)
+            }
+            _ => Duration::ZERO,
+        };
+        telemetry::record_halo_wait(h.to.0, h.from.0, waited);
+        // Idempotent: a duplicate replaces an identical block.
+        self.inbox
+            .entry((h.epoch, h.phase, h.layer))
+            .or_default()
+            .insert(h.from, block);
+        drop(in_recv);
+        self.try_progress();
+    }
+
+    /// The coordinator sends the all-reduced gradients of `epoch`: apply them (once), answer
+    /// the weights digest, and replicate the committed state.
+    pub fn handle_apply(
+        &mut self,
+        id: RequestId,
+        run: RunId,
+        epoch: u32,
+        grads: &[f32],
+        trace: Option<trellis_transport::TraceContext>,
+    ) {
+        if !self.fresh(id) {
+            return;
+        }
+        let part = self.part.0;
+        if run != self.run {
+            return self.answer(
+                id,
+                Err(ActorError::Protocol {
+                    part,
+                    detail: "step of another run".into(),
+                }),
+            );
+        }
+        if epoch <= self.state.epoch_done() {
+            // Already applied (a retried request): idempotent.
+            let d = self.state.model().weights_digest(self.state.stream());
+            let r = d
+                .map(Response::Applied)
+                .map_err(|source| ActorError::Compute { part, source });
+            return self.answer(id, r);
+        }
+        let span = tracing::info_span!(
+            "apply",
+            partition = i64::from(part),
+            node = node(),
+            epoch = i64::from(epoch)
+        );
+        telemetry::set_parent(&span, trace);
+        let _in_apply = span.enter();
+        let faults = self.faults.clone();
+        let result = catch_unwind(AssertUnwindSafe(|| {
+            if let Some(message) = faults.panic_due(part, epoch, APPLY_LAYER, Phase::Forward, false) {
+                self.state.clobber_for_fault();
+                std::panic::panic_any(message);
+            }
+            self.state.apply(epoch, grads)
+        }));
+        match result {
+            Ok(Ok(digest)) => {
+                if self.replicate {
+                    let _in_replicate = tracing::info_span!(
+                        "replicate",
+                        partition = i64::from(part),
+                        node = node(),
+                        epoch = i64::from(epoch)
+                    )
+                    .entered();
+                    match timed(|| self.state.snapshot()) {
+                        (Ok(snapshot), ms) => self
+                            .actions
+                            .push_back(PartitionAction::Replicate { snapshot, ms }),
+                        (Err(source), _) => {
+                            return self.answer(id, Err(ActorError::Compute { part, source }))
+                        }
+                    }
+                }
+                self.inbox.retain(|k, _| k.0 > epoch);
+                self.answer(id, Ok(Response::Applied(digest)));
+            }
+            Ok(Err(source)) => self.answer(id, Err(ActorError::Compute { part, source })),
+            Err(panic) => self.panicked(id, panic),
+        }
+    }
+
+    /// Forget the epoch in progress (it is about to be replayed): its blocks, its parked step
+    /// (answered with an error) and the state's caches.
+    pub fn handle_reset(&mut self, id: RequestId, epoch: u32) {
+        if !self.fresh(id) {
+            return;
+        }
+        let part = self.part.0;
+        self.inbox.retain(|k, _| k.0 != epoch);
+        if let StepSlot::Parked(p) = std::mem::replace(&mut self.slot, StepSlot::Idle) {
+            self.answer(
+                p.id,
+                Err(ActorError::Protocol {
+                    part,
+                    detail: "epoch reset".into(),
+                }),
+            );
+        }
+        match catch_unwind(AssertUnwindSafe(|| self.state.reset_epoch())) {
+            Ok(Ok(())) => self.answer(id, Ok(Response::ResetDone)),
+            Ok(Err(source)) => self.answer(id, Err(ActorError::Compute { part, source })),
+            Err(panic) => self.panicked(id, panic),
+        }
+    }
+
+    /// The partition restarted: drop its inbox and parked step, and restore the committed
+    /// state from `replica` (the shell's replica of this partition, if it holds one). Returns
+    /// what was restored; the next step reply reports it to the coordinator, which checks it
+    /// against the digest it committed.
+    pub fn restore(&mut self, replica: Option<&Snapshot>) -> Result<RestoreReport, ActorError> {
+        let part = self.part.0;
+        self.inbox.clear();
+        self.slot = StepSlot::Idle;
+        let result = catch_unwind(AssertUnwindSafe(|| match replica {
+            Some(snap) => self.state.restore(snap).map(|_| ()),
+            None => self.state.reset_epoch(),
+        }));
+        match result {
+            Ok(Ok(())) => {}
+            Ok(Err(source)) => return Err(ActorError::Compute { part, source }),
+            Err(panic) => {
+                return Err(ActorError::Panicked {
+                    part,
+                    message: panic_message(panic),
+                })
+            }
+        }
+        let digest = self
+            .state
+            .model()
+            .weights_digest(self.state.stream())
+            .map_err(|source| ActorError::Compute { part, source })?;
+        let report = RestoreReport {
+            epoch: self.state.epoch_done(),
+            digest,
+        };
+        self.restored = Some(report.clone());
+        Ok(report)
+    }
+
+    /// A block the shell was asked to send could not leave (not a lost peer): the parked step,
+    /// if any, fails with `detail`.
+    pub fn abort_parked(&mut self, detail: String) {
+        if let StepSlot::Parked(p) = std::mem::replace(&mut self.slot, StepSlot::Idle) {
+            let part = self.part.0;
+            self.answer(p.id, Err(ActorError::Unreachable { part, detail }));
+        }
+    }
+
+    fn answer(&mut self, id: RequestId, result: Result<Response, ActorError>) {
+        self.actions.push_back(PartitionAction::Answer { id, result });
+    }
+
+    fn panicked(&mut self, id: RequestId, panic: Box<dyn std::any::Any + Send>) {
+        let part = self.part.0;
+        self.answer(
+            id,
+            Err(ActorError::Panicked {
+                part,
+                message: panic_message(panic),
+            }),
+        );
+        self.actions.push_back(PartitionAction::Restart);
+    }
+
+    /// Runs the parked step's stages as far as the halo blocks that are here allow.
+    fn try_progress(&mut self) {
+        loop {
+            let StepSlot::Parked(p) = &self.slot else {
+                return;
+            };
+            let step = p.step;
+            let stage = self.state.stage_of(step.epoch, step.phase, step.layer);
+            let (tag, need) = self.state.inputs(step.phase, step.layer, stage);
+            // A stage that needs no blocks leaves the inbox alone (they may be another's).
+            let blocks = if need.is_empty() {
+                BTreeMap::new()
+            } else {
+                let key = (step.epoch, step.phase, tag);
+                let have = self.inbox.get(&key);
+                if !need.iter().all(|q| have.is_some_and(|m| m.contains_key(q))) {
+                    return;
+                }
+                self.inbox.remove(&key).unwrap_or_default()
+            };
+            if !self.run_stage(step, stage, &blocks) {
+                return;
+            }
+        }
+    }
+
+    /// Runs one stage of the parked step and queues its blocks; answers the step when it is
+    /// done or failed. Returns whether the step goes on with its second stage.
+    fn run_stage(&mut self, step: Step, stage: Stage, blocks: &BTreeMap<PartId, HaloBlock>) -> bool {
+        let part = self.part;
+        let span = tracing::info_span!(
+            "layer",
+            otel.name = phase_name(step.phase),
+            partition = i64::from(part.0),
+            node = node(),
+            epoch = i64::from(step.epoch),
+            layer = i64::from(step.layer),
+        );
+        telemetry::set_parent(&span, step.trace);
+        let _in_layer = span.enter();
+        let faults = self.faults.clone();
+        let before = self.state.stream().kernel_times();
+        let second = stage == Stage::Second;
+        let result = catch_unwind(AssertUnwindSafe(|| {
+            if !second && step.layer == 0 && step.phase == Phase::Forward {
+                if let Some(d) = faults.stall_due(part.0, step.epoch) {
+                    // A hung kernel: the coordinator's deadline must turn it into an error.
+                    std::thread::sleep(d);
+                }
+            }
+            if let Some(message) =
+                faults.panic_due(part.0, step.epoch, step.layer, step.phase, second)
+            {
+                // As a kernel interrupted half-way would, leave the replica partly
+                // overwritten: only a real restore brings the committed state back.
+                self.state.clobber_for_fault();
+                std::panic::panic_any(message);
+            }
+            timed(|| {
+                self.state
+                    .run_stage(step.run, step.epoch, step.layer, step.phase, stage, blocks)
+            })
+        }));
+        let kernels = self.state.stream().kernel_times().since(&before);
+        let StepSlot::Parked(p) = &mut self.slot else {
+            return false;
+        };
+        let id = p.id;
+        match result {
+            Ok((Ok((outcome, out)), ms)) => {
+                p.compute_ms += ms;
+                p.kernels.add(&kernels);
+                for mut b in out {
+                    let bytes = b.payload_bytes();
+                    p.halo_bytes += bytes;
+                    let (to, layer) = (b.header.to.0, b.header.layer);
+                    let send = tracing::info_span!(
+                        "halo_send",
+                        partition = i64::from(part.0),
+                        peer = i64::from(to),
+                        node = node(),
+                        epoch = i64::from(step.epoch),
+                        layer = i64::from(layer),
+                        bytes = bytes as i64
+                    );
+                    b.trace = telemetry::context_of(&send);
+                    telemetry::count_halo_send(part.0, to, bytes);
+                    self.actions.push_back(PartitionAction::Send(b));
+                }
+                let Some(outcome) = outcome else {
+                    return true;
+                };
+                let StepSlot::Parked(p) = std::mem::replace(&mut self.slot, StepSlot::Idle) else {
+                    return false;
+                };
+                let reply = StepReply {
+                    part: part.0,
+                    compute_ms: p.compute_ms,
+                    halo_bytes: p.halo_bytes,
+                    kernels: p.kernels,
+                    outcome,
+                    restored: self.restored.take(),
+                };
+                self.answer(id, Ok(Response::Step(reply)));
+            }
+            Ok((Err(source), _)) => {
+                self.slot = StepSlot::Idle;
+                self.answer(
+                    id,
+                    Err(ActorError::Compute {
+                        part: part.0,
+                        source,
+                    }),
+                );
+            }
+            Err(panic) => {
+                self.slot = StepSlot::Idle;
+                self.panicked(id, panic);
+            }
+        }
+        false
+    }
+}
+
+/// The text of a panic payload.
+pub(crate) fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        s.to_string()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "non-string panic payload".into()
+    }
+}
+
+/// The name of a layer span.
+fn phase_name(p: Phase) -> &'static str {
+    match p {
+        Phase::Forward => "forward",
+        Phase::Backward => "backward",
+        Phase::Eval => "eval",
+    }
+}

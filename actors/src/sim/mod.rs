@@ -1,0 +1,155 @@
+//! A deterministic simulator of a whole cluster, FoundationDB/TigerBeetle style: N node
+//! processes (up to 256) hosting P partitions, run in one thread with virtual time and a
+//! seeded network, over the **real** protocol machines ([`EpochMachine`] for the coordinator,
+//! [`PartitionMachine`] per partition) and the real model math on a small graph.
+//!
+//! What the simulated nodes do is what the cluster shells do: route requests and halo blocks
+//! by the current placement, replicate each partition's committed state to its replica nodes
+//! as bytes with the sender's digest ([`ReplicaBytes`]), restart a panicked partition from its
+//! node's copy, detect a silent node after the idle timeout, fence it and re-place its
+//! partitions on replica nodes, refuse everything a fenced node sends, and resume from the last
+//! checkpoint after the coordinator's loss.
+//!
+//! After each schedule [`check`] verifies the invariants: the run ends with the fault-free
+//! run's weights digest, or with an error the schedule makes unavoidable (every replica of a
+//! partition lost); no message from a fenced node was accepted; every recovery record is true
+//! (its kind matches a fault that fired, its restored state had the committed digest); the
+//! run finished in bounded virtual time. A failing seed replays exactly: `trellis sim
+//! --schedules 1 --seed S`.
+mod net;
+mod schedule;
+mod world;
+
+pub use net::{NetSpec, SimRng};
+pub use schedule::{Schedule, SimFault, TimedFault, EPOCHS, LAYERS, MODELS, PART_COUNTS};
+pub use world::{SimGraph, SimOutcome, SimRun};
+
+use crate::protocol::epoch::EpochMachine;
+use crate::protocol::partition::PartitionMachine;
+use crate::replica::ReplicaBytes;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+/// What one schedule did, and whether it broke an invariant.
+#[derive(Debug, Clone)]
+pub struct ScheduleReport {
+    pub seed: u64,
+    pub nodes: u32,
+    pub parts: u32,
+    pub outcome: SimOutcome,
+    /// Faults that fired, by kind.
+    pub fired: BTreeMap<SimFault, u32>,
+    pub virtual_ms: f64,
+    pub recoveries: usize,
+    /// The broken invariant, if any.
+    pub violation: Option<String>,
+}
+
+/// A sweep over many schedules.
+#[derive(Debug, Default, Clone)]
+pub struct SweepReport {
+    pub schedules: u64,
+    pub fired: BTreeMap<SimFault, u64>,
+    /// Outcomes by name (`finished`, `no-live-replica`, ...).
+    pub outcomes: BTreeMap<String, u64>,
+    pub recoveries: u64,
+    pub longest_virtual_ms: f64,
+    /// (seed, violation) of every schedule that broke an invariant.
+    pub failures: Vec<(u64, String)>,
+}
+
+impl SweepReport {
+    fn add(&mut self, r: &ScheduleReport) {
+        self.schedules += 1;
+        for (k, n) in &r.fired {
+            *self.fired.entry(*k).or_default() += u64::from(*n);
+        }
+        *self.outcomes.entry(r.outcome.name().into()).or_default() += 1;
+        self.recoveries += r.recoveries as u64;
+        self.longest_virtual_ms = self.longest_virtual_ms.max(r.virtual_ms);
+        if let Some(v) = &r.violation {
+            self.failures.push((r.seed, v.clone()));
+        }
+    }
+
+    /// Faults fired in all.
+    pub fn fired_total(&self) -> u64 {
+        self.fired.values().sum()
+    }
+}
+
+/// Runs schedule `seed` and checks its invariants against the fault-free reference.
+pub fn run_schedule(graph: &SimGraph, seed: u64) -> ScheduleReport {
+    crate::faults::quiet_injected_panics(false);
+    let schedule = Schedule::generate(seed, true);
+    let run = SimRun::new(graph, schedule).run();
+    let reference = graph.reference(run.parts, run.model);
+    check(run, reference.as_deref())
+}
+
+/// Checks one finished simulation's invariants; `reference`: the fault-free digest.
+pub fn check(run: world::SimResult, reference: Option<&str>) -> ScheduleReport {
+    let mut violation = run.violation.clone();
+    match (&run.outcome, reference) {
+        (SimOutcome::Finished { digest }, Some(want)) if digest != want => {
+            violation.get_or_insert(format!(
+                "final weights digest {digest} differs from the fault-free run's {want}"
+            ));
+        }
+        (SimOutcome::Finished { .. }, None) => {
+            violation.get_or_insert("no fault-free reference digest".into());
+        }
+        (SimOutcome::Failed { error, expected: false }, _) => {
+            violation.get_or_insert(format!("unexpected error: {error}"));
+        }
+        _ => {}
+    }
+    ScheduleReport {
+        seed: run.seed,
+        nodes: run.nodes,
+        parts: run.parts,
+        outcome: run.outcome,
+        fired: run.fired,
+        virtual_ms: run.virtual_us as f64 / 1e3,
+        recoveries: run.recoveries,
+        violation,
+    }
+}
+
+/// Runs `schedules` schedules with seeds `seed, seed+1, ...` on `threads` threads; calls
+/// `progress` after each with the number done. The report does not depend on `threads`.
+pub fn sweep(
+    graph: &SimGraph,
+    seed: u64,
+    schedules: u64,
+    threads: usize,
+    progress: &(dyn Fn(u64) + Sync),
+) -> SweepReport {
+    let next = AtomicU64::new(0);
+    let done = AtomicU64::new(0);
+    let reports = Mutex::new(Vec::with_capacity(schedules as usize));
+    std::thread::scope(|s| {
+        for _ in 0..threads.max(1) {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= schedules {
+                    break;
+                }
+                let r = run_schedule(graph, seed.wrapping_add(i));
+                reports.lock().unwrap_or_else(|p| p.into_inner()).push(r);
+                progress(done.fetch_add(1, Ordering::Relaxed) + 1);
+            });
+        }
+    });
+    let mut reports = reports.into_inner().unwrap_or_else(|p| p.into_inner());
+    reports.sort_by_key(|r| r.seed);
+    let mut out = SweepReport::default();
+    for r in &reports {
+        out.add(r);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests;
