@@ -10,6 +10,8 @@ fn main() {
             eprintln!("panic in thread '{}': {info}", thread.name().unwrap_or("?"));
         }));
     }
+    // Injected faults (`--chaos`) print one line whatever RUST_BACKTRACE says.
+    trellis::actors::faults::quiet_injected_panics(true);
     trellis::tune_allocator();
     let cli = trellis::cli::Cli::parse();
     if let Err(e) = trellis::cli::run(cli) {

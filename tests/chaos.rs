@@ -265,34 +265,54 @@ fn random_plan(rng: &mut Rng, epochs: u64, panics: u64) -> (String, u64) {
     (faults.join(","), n)
 }
 
-/// Seeded random faults into 3-node clusters: every run ends with the fault-free digest or a
-/// clear error, none hangs. `CHAOS_RUNS` sets the number of runs (the README's figure: 40
-/// runs, 200 faults: `CHAOS_RUNS=40 cargo test --release --test chaos -- --ignored`).
+/// Seeded random faults into 3-node clusters: every run ends with the fault-free digest or the
+/// one error a plan can make unavoidable (a partition failing past its restart budget), none
+/// hangs. Faults are counted as they **fired**, by the recovery each one caused (recorded by
+/// the coordinator, not by the node that injected it); a link fault that hit no message fires
+/// nothing. `CHAOS_RUNS` sets the number of runs
+/// (`CHAOS_RUNS=40 cargo test --release --test chaos -- --ignored`).
 fn chaos_runs(runs: u64) {
     let dir = tempfile::tempdir().unwrap();
     let epochs = 4;
     let clean = digest(&launch(dir.path(), "clean", epochs as u32, "", &[]));
     let mut rng = Rng(0x5eed_cafe);
-    let (mut faults, mut recovered, mut failed_clearly) = (0, 0, 0);
+    let (mut planned, mut recovered, mut failed_clearly) = (0, 0, 0);
+    let mut fired: std::collections::BTreeMap<String, u64> = Default::default();
     for i in 0..runs {
         let (plan, n) = random_plan(&mut rng, epochs, 4);
-        faults += n;
+        planned += n;
         let r = launch(dir.path(), &format!("run{i}"), epochs as u32, &plan, &[]);
         if r.ok {
             assert_eq!(digest(&r), clean, "run {i} ({plan}) diverged");
+            for rec in recoveries(&r) {
+                let kind = rec["kind"].as_str().unwrap_or("?").to_string();
+                // A replayed timeout restored nothing; every other recovery restored the
+                // committed state, checked against the coordinator's digest.
+                let want = if kind == "timeout" {
+                    serde_json::Value::Null
+                } else {
+                    serde_json::Value::Bool(true)
+                };
+                assert_eq!(rec["digest_ok"], want, "run {i} ({plan}): {rec}");
+                *fired.entry(kind).or_default() += 1;
+            }
             recovered += 1;
         } else {
+            // The only failure a plan of at most 4 panics and one node kill can force: the same
+            // partition failing past its restart budget.
             assert!(
-                r.stderr.contains("error:"),
-                "run {i} ({plan}): {}",
+                r.stderr.contains("giving up"),
+                "run {i} ({plan}) failed unexpectedly: {}",
                 r.stderr
             );
             failed_clearly += 1;
         }
     }
+    let total: u64 = fired.values().sum();
     eprintln!(
-        "chaos: {runs} runs, {faults} faults: {recovered} ended with the fault-free digest, {failed_clearly} with a clear error, 0 hung"
+        "chaos: {runs} runs, {planned} faults planned, {total} fired ({fired:?}): {recovered} ended with the fault-free digest, {failed_clearly} with the restart-budget error, 0 hung"
     );
+    assert!(total > 0, "no fault fired in {runs} runs");
 }
 
 #[test]

@@ -12,6 +12,7 @@ mod launch;
 mod node;
 mod partition;
 mod report;
+mod sim;
 pub mod telemetry;
 mod train;
 
@@ -46,6 +47,9 @@ pub enum Command {
     /// Train on a built-in synthetic graph, single-process and partitioned with an injected
     /// fault, and show that both end with the same weights.
     Demo(demo::DemoArgs),
+    /// Run the deterministic cluster simulator over seeded fault schedules and check that every
+    /// run ends with the fault-free weights (or an unavoidable, clear error).
+    Sim(sim::SimArgs),
 }
 
 /// Runs a parsed command line.
@@ -60,5 +64,6 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Node(a) => node::run(a),
         Command::Launch(a) => launch::run(a),
         Command::Report(a) => report::run(a),
+        Command::Sim(a) => sim::run(a),
     }
 }

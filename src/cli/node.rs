@@ -31,7 +31,7 @@ pub fn run(a: NodeArgs) -> Result<()> {
     // through the trace context carried in control messages and halo blocks.
     let telemetry = a.train.telemetry.start(a.id)?;
     let result = run_node(&a, cluster);
-    a.train.telemetry.finish(telemetry)?;
+    a.train.telemetry.finish(telemetry);
     result
 }
 

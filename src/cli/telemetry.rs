@@ -42,11 +42,15 @@ impl TelemetryArgs {
     }
 
     /// Waits `--metrics-linger` seconds if metrics are served, then stops telemetry (flushing
-    /// spans and metrics to the collector).
-    pub fn finish(&self, t: Telemetry) -> Result<()> {
+    /// spans and metrics to the collector). Telemetry never changes a run's outcome: a
+    /// collector that is down, slow or refusing is reported once on stderr, and the command
+    /// still succeeds.
+    pub fn finish(&self, t: Telemetry) {
         if t.metrics_addr().is_some() && self.metrics_linger > 0 {
             std::thread::sleep(Duration::from_secs(self.metrics_linger));
         }
-        t.shutdown().context("telemetry shutdown")
+        if let Err(e) = t.shutdown() {
+            eprintln!("warning: telemetry: {e} (the run's results are unaffected)");
+        }
     }
 }

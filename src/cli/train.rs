@@ -249,7 +249,8 @@ pub fn run(a: TrainArgs) -> Result<()> {
         report.write(path)?;
         println!("report written to {}", path.display());
     }
-    a.telemetry.finish(telemetry)
+    a.telemetry.finish(telemetry);
+    Ok(())
 }
 
 /// One paragraph describing a finished run.
