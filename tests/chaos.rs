@@ -141,6 +141,16 @@ fn a_killed_node_is_recovered_with_identical_weights() {
     assert_eq!(rec[0]["epoch"], 3);
     assert_eq!(rec[0]["digest_ok"], true);
     assert_eq!(rec[0]["replaced"].as_array().unwrap().len(), 2);
+    // The adopted partitions resumed from state their owner shipped over QUIC after each step.
+    let counters = faulty.report.as_ref().unwrap()["counters"].clone();
+    let shipped: u64 = counters
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| k.starts_with("replica_bytes"))
+        .map(|(_, v)| v.as_u64().unwrap())
+        .sum();
+    assert!(shipped > 0, "no replica bytes in {counters}");
     let nodes = faulty.report.as_ref().unwrap()["nodes"]
         .as_array()
         .unwrap()

@@ -121,12 +121,31 @@ pub struct Snapshot {
     pub digest: String,
 }
 
-/// Snapshots by partition id, shared by the actors of one node.
-#[derive(Debug, Default)]
+/// Ships a partition's committed state to the nodes that keep its replica (cluster runs).
+pub type ReplicaSender = Arc<dyn Fn(ReplicaBytes) + Send + Sync>;
+
+/// The replicas a node keeps: the latest snapshot of each partition it hosts (a restarted
+/// actor restores from it), and the replicated bytes of partitions hosted on other nodes
+/// (adopting one after its node is lost restores from them, checked against the sender's
+/// digest). Shared by the actors of one node.
+#[derive(Default)]
 pub struct ReplicaStore {
     snaps: DashMap<u32, Arc<Snapshot>>,
+    remote: DashMap<u32, ReplicaBytes>,
+    sender: std::sync::OnceLock<ReplicaSender>,
     /// Replication off: nothing is stored (measures what replication costs).
     disabled: bool,
+}
+
+impl std::fmt::Debug for ReplicaStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReplicaStore")
+            .field("own", &self.snaps.len())
+            .field("remote", &self.remote.len())
+            .field("ships", &self.sender.get().is_some())
+            .field("disabled", &self.disabled)
+            .finish()
+    }
 }
 
 impl ReplicaStore {
@@ -148,11 +167,50 @@ impl ReplicaStore {
         !self.disabled
     }
 
-    /// Stores `part`'s latest snapshot.
+    /// Ships every committed snapshot after the first step to other nodes through `sender`
+    /// (set once, by the cluster node that owns this store).
+    pub fn set_sender(&self, sender: ReplicaSender) {
+        let _ = self.sender.set(sender);
+    }
+
+    /// Stores `part`'s latest snapshot and, in a cluster, ships it to the partition's replica
+    /// nodes (the initial state, step 0, is not shipped: any node recomputes it from the
+    /// configuration).
     pub fn put(&self, part: u32, snap: Snapshot) {
-        if !self.disabled {
-            self.snaps.insert(part, Arc::new(snap));
+        if self.disabled {
+            return;
         }
+        if let Some(send) = self.sender.get() {
+            if snap.epoch > 0 {
+                let bytes = ReplicaBytes::encode(part, &snap);
+                trellis_runtime::metrics::Metrics::global().add(
+                    trellis_runtime::metrics::Key::new(trellis_runtime::metrics::names::REPLICA_BYTES)
+                        .with("partition", part),
+                    bytes.bytes.len() as u64,
+                );
+                send(bytes);
+            }
+        }
+        self.snaps.insert(part, Arc::new(snap));
+    }
+
+    /// Keeps the replica of another node's partition (the newest step wins).
+    pub fn put_remote(&self, bytes: ReplicaBytes) {
+        if self.disabled {
+            return;
+        }
+        let newer = self
+            .remote
+            .get(&bytes.part)
+            .is_none_or(|old| old.epoch <= bytes.epoch);
+        if newer {
+            self.remote.insert(bytes.part, bytes);
+        }
+    }
+
+    /// The replica of another node's partition `part` kept here.
+    pub fn remote(&self, part: u32) -> Option<ReplicaBytes> {
+        self.remote.get(&part).map(|b| b.clone())
     }
     /// `part`'s latest snapshot.
     pub fn get(&self, part: u32) -> Option<Arc<Snapshot>> {

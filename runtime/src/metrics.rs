@@ -30,10 +30,12 @@ pub mod names {
     pub const HALO_MESSAGES: &str = "halo_messages";
     /// Partition restarts.
     pub const RESTARTS: &str = "restarts";
+    /// Bytes of committed partition state shipped to replica nodes, per partition.
+    pub const REPLICA_BYTES: &str = "replica_bytes";
     /// Every histogram name.
     pub const HISTOGRAMS: [&str; 5] = [STEP, HALO_EXCHANGE, ALL_REDUCE, RECOVERY, REPLICATE];
     /// Every counter name.
-    pub const COUNTERS: [&str; 3] = [HALO_BYTES, HALO_MESSAGES, RESTARTS];
+    pub const COUNTERS: [&str; 4] = [HALO_BYTES, HALO_MESSAGES, RESTARTS, REPLICA_BYTES];
     /// Every label name.
     pub const LABELS: [&str; 2] = ["partition", "peer"];
 }

@@ -5,7 +5,7 @@ use super::config::ClusterFile;
 use super::config::{replica_nodes, replicated_by};
 use super::files::serve_part;
 use super::node::{adopt_partitions, apply_link_faults, reroute, Standby};
-use super::node::{host_partitions, ControlInbox, NodeEndpoint};
+use super::node::{host_partitions, ControlInbox, NodeEndpoint, ReplicaShipper};
 use super::proto::{ControlMsg, Setup};
 use super::proto::{ReplyBody, Request};
 use super::remote::{ControlClient, RemotePart};
@@ -173,6 +173,12 @@ async fn drive(
         .filter(|&p| placement[p as usize] == ep.id)
         .collect();
     let faults = Arc::new(crate::faults::FaultPlan::parse(&job.chaos)?);
+    let shipper = ReplicaShipper::new(
+        ep.transport.clone(),
+        cluster.ids(),
+        cluster.replicas as usize,
+        placement.clone(),
+    );
     let local = host_partitions(
         &job.set,
         &mine,
@@ -184,8 +190,18 @@ async fn drive(
         faults.clone(),
         resume.as_ref().map(|c| &c.snapshot),
         cluster.replicas > 0,
+        Some(&shipper),
     )?;
     let replicated = replicated_by(&placement, &cluster.ids(), cluster.replicas as usize, ep.id);
+    if let Some(ck) = &resume {
+        // Resumed: the checkpoint is every partition's committed state until the next step
+        // ships its own.
+        for &p in &replicated {
+            local
+                .replicas()
+                .put_remote(crate::replica::ReplicaBytes::encode(p, &ck.snapshot));
+        }
+    }
     let standby = Standby::load(&job.set, &replicated, &job.cfg)?;
     let mut ready = BTreeSet::new();
     let setup_by = Instant::now() + join.max(Duration::from_secs(120));
@@ -221,7 +237,13 @@ async fn drive(
     // 3. Train: replies and failures are dispatched to the waiting requests.
     let client = ControlClient::new(ep.transport.clone());
     let (bye_tx, mut byes) = tmpsc::unbounded_channel();
-    let dispatcher = actix::spawn(dispatch(inbox, client.clone(), bye_tx, job.set.clone()));
+    let dispatcher = actix::spawn(dispatch(
+        inbox,
+        client.clone(),
+        bye_tx,
+        job.set.clone(),
+        local.replicas().clone(),
+    ));
     let mut handles = local_handles(&local);
     for (p, &node) in placement.iter().enumerate() {
         if node != ep.id {
@@ -249,6 +271,7 @@ async fn drive(
         standby: Rc::new(RefCell::new(standby)),
         set: job.set.clone(),
         cfg: job.cfg.clone(),
+        shipper: shipper.clone(),
     });
     let deadline = Duration::from_millis(cluster.step_deadline_ms);
     let transport = ep.transport.clone();
@@ -367,6 +390,7 @@ struct ClusterRecovery {
     standby: Rc<RefCell<Standby>>,
     set: PartitionSet,
     cfg: TrainConfig,
+    shipper: Arc<ReplicaShipper>,
 }
 
 impl NodeRecovery for ClusterRecovery {
@@ -419,6 +443,7 @@ struct RecoveryRefs {
     set: PartitionSet,
     cfg: TrainConfig,
     placement: Vec<u32>,
+    shipper: Arc<ReplicaShipper>,
 }
 
 impl ClusterRecovery {
@@ -433,6 +458,7 @@ impl ClusterRecovery {
             set: self.set.clone(),
             cfg: self.cfg.clone(),
             placement: self.placement.borrow().clone(),
+            shipper: self.shipper.clone(),
         }
     }
 
@@ -549,6 +575,7 @@ impl RecoveryRefs {
         }
         // Every live node routes to the new places and refuses the lost node from now on.
         reroute(&self.transport, &placement, self.me);
+        self.shipper.reroute(&placement);
         let live: Vec<u32> = self.live.borrow().iter().copied().collect();
         for n in live {
             let req = Request::Reroute {
@@ -611,10 +638,25 @@ async fn dispatch(
     client: Arc<ControlClient>,
     byes: tmpsc::UnboundedSender<Bye>,
     set: PartitionSet,
+    replicas: Arc<crate::replica::ReplicaStore>,
 ) {
     loop {
         match inbox.next(None, Duration::from_secs(3600)).await {
             Ok((from, ControlMsg::Reply { id, body })) => client.on_reply(from, id, body),
+            Ok((
+                _,
+                ControlMsg::Replica {
+                    part,
+                    epoch,
+                    bytes,
+                    digest,
+                },
+            )) => replicas.put_remote(crate::replica::ReplicaBytes {
+                part,
+                epoch,
+                bytes: bytes.into(),
+                digest,
+            }),
             // A node adopting a lost node's partition may lack its file.
             Ok((from, ControlMsg::FetchPart { part })) => {
                 ship(client.transport().clone(), &set, from, part)

@@ -184,6 +184,67 @@ pub fn apply_link_faults(transport: &QuicTransport, faults: &FaultPlan, me: u32,
     }
 }
 
+/// Ships each hosted partition's committed state to its replica nodes over QUIC
+/// ([`ControlMsg::Replica`](super::proto::ControlMsg::Replica)): the next R nodes after the
+/// partition's current owner in id order (the nodes that also keep it warm).
+pub struct ReplicaShipper {
+    transport: Arc<QuicTransport>,
+    ids: Vec<u32>,
+    replicas: usize,
+    placement: std::sync::Mutex<Vec<u32>>,
+}
+
+impl ReplicaShipper {
+    pub fn new(
+        transport: Arc<QuicTransport>,
+        ids: Vec<u32>,
+        replicas: usize,
+        placement: Vec<u32>,
+    ) -> Arc<Self> {
+        Arc::new(ReplicaShipper {
+            transport,
+            ids,
+            replicas,
+            placement: std::sync::Mutex::new(placement),
+        })
+    }
+
+    /// Follows a re-placement: replicas go to the new owner's replica nodes.
+    pub fn reroute(&self, placement: &[u32]) {
+        *self.placement.lock().unwrap_or_else(|p| p.into_inner()) = placement.to_vec();
+    }
+
+    /// Sends `bytes` to the replica nodes of its partition (queued on their connections; a
+    /// lost node is the failure detector's business, not this send's).
+    pub fn ship(&self, bytes: crate::replica::ReplicaBytes) {
+        let owner = {
+            let placement = self.placement.lock().unwrap_or_else(|p| p.into_inner());
+            placement.get(bytes.part as usize).copied()
+        };
+        let Some(owner) = owner else {
+            return;
+        };
+        let msg = super::proto::ControlMsg::Replica {
+            part: bytes.part,
+            epoch: bytes.epoch,
+            bytes: bytes.bytes.to_vec(),
+            digest: bytes.digest.clone(),
+        }
+        .encode();
+        for node in super::config::replica_nodes(&self.ids, owner, self.replicas) {
+            if let Err(e) = self.transport.send_control(node, msg.clone()) {
+                tracing::warn!("replica of partition {} to node {node}: {e}", bytes.part);
+            }
+        }
+    }
+
+    /// The sender a node's [`ReplicaStore`] ships through.
+    pub fn sender(self: &Arc<Self>) -> crate::replica::ReplicaSender {
+        let me = self.clone();
+        Arc::new(move |b| me.ship(b))
+    }
+}
+
 /// Loads partition `p` of `set` into a fresh state (initial weights) with its own stream.
 pub fn load_state(
     set: &PartitionSet,
@@ -216,6 +277,7 @@ pub fn host_partitions(
     faults: Arc<FaultPlan>,
     resume: Option<&crate::replica::Snapshot>,
     replicate: bool,
+    shipper: Option<&Arc<ReplicaShipper>>,
 ) -> Result<NodeSupervisor, ActorError> {
     let mut states = parts
         .iter()
@@ -237,6 +299,9 @@ pub fn host_partitions(
     } else {
         ReplicaStore::disabled()
     });
+    if let Some(s) = shipper {
+        replicas.set_sender(s.sender());
+    }
     Ok(NodeSupervisor::start(
         states,
         run,
@@ -283,10 +348,11 @@ impl Standby {
 }
 
 /// Adopts partitions `parts` (re-placed here after a node loss) into `node`: takes each from
-/// the warm `standby` (or loads it), restores it from this node's replica of the model
-/// state, and starts its actor. Returns the new actors and whether the replica is the
-/// committed step `epoch` (with weights `digest`, when known) and restored to its recorded
-/// digest.
+/// the warm `standby` (or loads it) and restores it from the replica its previous owner
+/// shipped here, checked against the sender's digest, then starts its actor. Before the first
+/// step the state is the initial one, which any node recomputes from the configuration.
+/// Returns the new actors and whether every restored state is the committed step `epoch`
+/// with weights `digest` (the coordinator's, when known).
 #[allow(clippy::too_many_arguments)]
 pub fn adopt_partitions(
     node: &mut NodeSupervisor,
@@ -297,10 +363,7 @@ pub fn adopt_partitions(
     epoch: u32,
     digest: &str,
 ) -> Result<(Vec<Adopted>, bool), ActorError> {
-    let snap = node.replicas().latest().ok_or_else(|| {
-        ActorError::Cluster("no replica of the model state on this node to resume from".into())
-    })?;
-    let mut ok = snap.epoch == epoch && (digest.is_empty() || snap.digest == digest);
+    let mut ok = true;
     let mut out = Vec::new();
     for &p in parts {
         // Faults of the epoch in progress already fired where the partition was.
@@ -309,7 +372,26 @@ pub fn adopt_partitions(
             Some(s) => s,
             None => load_state(set, p, cfg)?,
         };
-        ok &= state.restore(&snap)?;
+        if epoch > 0 {
+            let replica = node.replicas().remote(p).ok_or_else(|| {
+                ActorError::Cluster(format!(
+                    "partition {p}: this node holds no replica of its state to resume step {epoch} from"
+                ))
+            })?;
+            if replica.epoch != epoch {
+                return Err(ActorError::Cluster(format!(
+                    "partition {p}: the replica here is of step {}, the committed step is {epoch}",
+                    replica.epoch
+                )));
+            }
+            let snap = replica.decode().map_err(ActorError::Cluster)?;
+            state.restore(&snap)?;
+        }
+        let restored = state
+            .model()
+            .weights_digest(state.stream())
+            .map_err(|source| ActorError::Compute { part: p, source })?;
+        ok &= digest.is_empty() || restored == digest;
         out.push((p, node.adopt(state)));
     }
     Ok((out, ok))

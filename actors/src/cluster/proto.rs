@@ -43,6 +43,14 @@ pub enum ControlMsg {
     },
     /// Coordinator -> node: the run failed; stop and exit with this reason.
     Abort { reason: String },
+    /// Node -> replica node: partition `part`'s committed state after step `epoch`, and the
+    /// BLAKE3 digest the sender computed of `bytes` (a restore checks the bytes against it).
+    Replica {
+        part: u32,
+        epoch: u32,
+        bytes: Vec<u8>,
+        digest: String,
+    },
 }
 
 /// What a node needs to host its partitions.

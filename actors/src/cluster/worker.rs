@@ -5,6 +5,7 @@ use super::config::replicated_by;
 use super::config::ClusterFile;
 use super::files::PartDownload;
 use super::node::{
+    ReplicaShipper,
     adopt_partitions, apply_link_faults, host_partitions, reroute, ControlInbox, NodeEndpoint,
     Standby,
 };
@@ -123,6 +124,7 @@ async fn serve(
                         ep.transport.fence(n);
                     }
                     reroute(&ep.transport, &placement, ep.id);
+                    hosted.shipper.reroute(&placement);
                     let body = ReplyBody::Rerouted;
                     ep.send(coord, &ControlMsg::Reply { id, body })?;
                 }
@@ -154,6 +156,23 @@ async fn serve(
                     }
                 }
             },
+            Ok((
+                _,
+                ControlMsg::Replica {
+                    part,
+                    epoch,
+                    bytes,
+                    digest,
+                },
+            )) => hosted
+                .node
+                .replicas()
+                .put_remote(crate::replica::ReplicaBytes {
+                    part,
+                    epoch,
+                    bytes: bytes.into(),
+                    digest,
+                }),
             Ok((_, ControlMsg::Finish)) => break Ok(()),
             Ok((_, ControlMsg::Abort { reason })) => break Err(aborted(coord, reason)),
             Ok((from, other)) => tracing::warn!(peer = from, "ignored {other:?}"),
@@ -218,6 +237,7 @@ struct Hosted {
     dir: PathBuf,
     faults: Arc<FaultPlan>,
     standby: Standby,
+    shipper: Arc<ReplicaShipper>,
 }
 
 impl Hosted {
@@ -380,6 +400,12 @@ async fn setup_node(
         let ck = Checkpoint::from_bytes(&setup.resume, Path::new("(received in the setup)"))?;
         Some(ck.snapshot)
     };
+    let shipper = ReplicaShipper::new(
+        ep.transport.clone(),
+        ids.clone(),
+        setup.replicas as usize,
+        setup.placement.clone(),
+    );
     let node = host_partitions(
         &set,
         &mine,
@@ -391,7 +417,16 @@ async fn setup_node(
         faults.clone(),
         resume.as_ref(),
         setup.replicas > 0,
+        Some(&shipper),
     )?;
+    if let Some(snap) = &resume {
+        // Resumed: the checkpoint is every partition's committed state until the next step
+        // ships its own.
+        for &p in &replicated {
+            node.replicas()
+                .put_remote(crate::replica::ReplicaBytes::encode(p, snap));
+        }
+    }
     let standby = Standby::load(&set, &replicated, &cfg)?;
     let addrs = node
         .parts()
@@ -410,6 +445,7 @@ async fn setup_node(
         dir,
         faults,
         standby,
+        shipper,
     })
 }
 
