@@ -37,9 +37,9 @@ fn failing_collector() -> u16 {
                 if line == "\r\n" {
                     let mut body = vec![0; len];
                     let _ = r.read_exact(&mut body);
-                    let _ = r
-                        .get_mut()
-                        .write_all(b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 0\r\n\r\n");
+                    let _ = r.get_mut().write_all(
+                        b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 0\r\n\r\n",
+                    );
                     len = 0;
                 }
             }
@@ -59,7 +59,15 @@ fn telemetry_warnings(stderr: &[u8]) -> usize {
 fn a_run_succeeds_when_the_collector_is_down_or_failing() {
     for (what, port) in [("down", closed_port()), ("HTTP 500", failing_collector())] {
         let out = trellis()
-            .args(["train", "--data", DATA, "--partitions", "2", "--epochs", "3"])
+            .args([
+                "train",
+                "--data",
+                DATA,
+                "--partitions",
+                "2",
+                "--epochs",
+                "3",
+            ])
             .args(["--otlp-endpoint", &format!("http://127.0.0.1:{port}")])
             .output()
             .unwrap();
@@ -77,9 +85,20 @@ fn a_run_succeeds_when_the_collector_is_down_or_failing() {
 fn a_cluster_run_succeeds_when_the_collector_is_down() {
     let port = closed_port();
     let out = trellis()
-        .args(["launch", "--nodes", "2", "--partitions", "2", "--data", DATA])
+        .args([
+            "launch",
+            "--nodes",
+            "2",
+            "--partitions",
+            "2",
+            "--data",
+            DATA,
+        ])
         .args(["--epochs", "2"])
-        .env("OTEL_EXPORTER_OTLP_ENDPOINT", format!("http://127.0.0.1:{port}"))
+        .env(
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            format!("http://127.0.0.1:{port}"),
+        )
         .output()
         .unwrap();
     let stdout = assert_ok(&out);

@@ -27,10 +27,10 @@ mod topology;
 
 pub use error::ActorError;
 pub use faults::{FaultKind, FaultPlan, LinkAction};
+pub use profile::{EpochProfile, StepProfile};
 pub use protocol::epoch::{Recovery, RestartPolicy};
 pub use protocol::messages::{Outcome, RestoreReport, StepReply};
 pub use protocol::state::{PartitionState, Stage};
 pub use shells::coordinator::Coordinator;
 pub use shells::handle::PartHandle;
-pub use profile::{EpochProfile, StepProfile};
 pub use topology::{RunEvent, Topology, TrainingRun};

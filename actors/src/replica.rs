@@ -184,8 +184,10 @@ impl ReplicaStore {
             if snap.epoch > 0 {
                 let bytes = ReplicaBytes::encode(part, &snap);
                 trellis_runtime::metrics::Metrics::global().add(
-                    trellis_runtime::metrics::Key::new(trellis_runtime::metrics::names::REPLICA_BYTES)
-                        .with("partition", part),
+                    trellis_runtime::metrics::Key::new(
+                        trellis_runtime::metrics::names::REPLICA_BYTES,
+                    )
+                    .with("partition", part),
                     bytes.bytes.len() as u64,
                 );
                 send(bytes);

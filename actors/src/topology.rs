@@ -5,18 +5,18 @@
 //!
 //! [`spawn`]: Topology::spawn
 use crate::checkpoint::{Checkpoint, CheckpointPolicy, CheckpointWriter};
+pub use crate::faults::FaultPlan;
+use crate::profile::EpochProfile;
+use crate::protocol::state::{GlobalCounts, PartitionState};
+use crate::replica::ReplicaStore;
 use crate::shells::coordinator::{Coordinator, Recovery};
 use crate::shells::handle::PartHandle;
-use crate::profile::EpochProfile;
-use crate::replica::ReplicaStore;
-use crate::protocol::state::{GlobalCounts, PartitionState};
 use crate::shells::supervisor::NodeSupervisor;
 use crate::telemetry;
 use crate::ActorError;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
-pub use crate::faults::FaultPlan;
 use std::thread::JoinHandle;
 use std::time::Duration;
 use tracing::Instrument;

@@ -19,7 +19,9 @@ pub fn help(name: &str) -> &'static str {
         names::HALO_EXCHANGE => "Time a partition's step waited for one peer's halo block",
         names::ALL_REDUCE => "Summing weight gradients and applying them on every partition",
         names::RECOVERY => "From a partition failure to the replayed step completing",
-        names::REPLICATE => "Copying out a partition's committed state after a step (to replicate it)",
+        names::REPLICATE => {
+            "Copying out a partition's committed state after a step (to replicate it)"
+        }
         names::HALO_BYTES => "Halo payload bytes sent",
         names::HALO_MESSAGES => "Halo blocks sent",
         names::RESTARTS => "Partition restarts",

@@ -2,10 +2,10 @@
 //! receiver, and the partitions it hosts (loaded from files, started under a node supervisor).
 use super::config::ClusterFile;
 use super::proto::ControlMsg;
-use crate::replica::ReplicaStore;
-use crate::protocol::state::{GlobalCounts, PartitionState};
-use crate::shells::supervisor::NodeSupervisor;
 use crate::faults::FaultPlan;
+use crate::protocol::state::{GlobalCounts, PartitionState};
+use crate::replica::ReplicaStore;
+use crate::shells::supervisor::NodeSupervisor;
 use crate::ActorError;
 use std::net::SocketAddr;
 use std::path::Path;

@@ -173,8 +173,7 @@ impl RemotePart {
                     other_ms: kernels[2],
                 },
                 outcome: outcome.into(),
-                restored: restored
-                    .map(|(epoch, digest)| crate::RestoreReport { epoch, digest }),
+                restored: restored.map(|(epoch, digest)| crate::RestoreReport { epoch, digest }),
             }),
             other => Err(self.unexpected(other)),
         }

@@ -5,16 +5,15 @@ use super::config::replicated_by;
 use super::config::ClusterFile;
 use super::files::PartDownload;
 use super::node::{
-    ReplicaShipper,
     adopt_partitions, apply_link_faults, host_partitions, reroute, ControlInbox, NodeEndpoint,
-    Standby,
+    ReplicaShipper, Standby,
 };
 use super::proto::{phase_from, ControlMsg, ReplyBody, Request, Setup};
 use crate::checkpoint::Checkpoint;
+use crate::faults::FaultPlan;
 use crate::protocol::messages::{ApplyStep, ResetEpoch, Step};
 use crate::shells::partition::PartitionRef;
 use crate::shells::supervisor::NodeSupervisor;
-use crate::faults::FaultPlan;
 use crate::ActorError;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};

@@ -153,7 +153,8 @@ pub struct FaultPlan {
 }
 
 /// Every `--chaos` fault kind with its fields (for help texts and errors).
-pub const CHAOS_KINDS: &str = "panic:part=P:epoch=E[:layer=L][:phase=forward|backward|eval|apply][:stage=2], \
+pub const CHAOS_KINDS: &str =
+    "panic:part=P:epoch=E[:layer=L][:phase=forward|backward|eval|apply][:stage=2], \
 kill-node:node=N:epoch=E, cut-link:a=N:b=M:epoch=E:ms=T, delay:a=N:b=M:ms=T[:epoch=E], \
 corrupt:a=N:b=M:epoch=E";
 
@@ -543,7 +544,11 @@ mod tests {
             plan.link_faults_due(1, 2),
             vec![(2, LinkAction::Cut(Duration::from_millis(100)))]
         );
-        assert_eq!(plan.link_faults_due(2, 3).len(), 2, "cut (b side) and corrupt (a side)");
+        assert_eq!(
+            plan.link_faults_due(2, 3).len(),
+            2,
+            "cut (b side) and corrupt (a side)"
+        );
         assert_eq!(
             plan.link_faults_due(0, 3).len(),
             1,
@@ -575,13 +580,21 @@ mod tests {
         plan.retire_panics(1, 3);
         assert_eq!(plan.panic_due(1, 3, 0, Phase::Forward, false), None);
         assert!(plan.panic_due(1, 3, 0, Phase::Forward, true).is_none());
-        assert!(plan.panic_due(1, 9, 0, Phase::Forward, false).is_some(), "later ones stay");
-        assert_eq!(plan.fired_total(), 1, "retired faults are not counted again");
+        assert!(
+            plan.panic_due(1, 9, 0, Phase::Forward, false).is_some(),
+            "later ones stay"
+        );
+        assert_eq!(
+            plan.fired_total(),
+            1,
+            "retired faults are not counted again"
+        );
     }
 
     #[test]
     fn faults_that_cannot_fire_are_refused() {
-        let ok = FaultPlan::parse("panic:part=3:epoch=10:layer=1,kill-node:node=2:epoch=4").unwrap();
+        let ok =
+            FaultPlan::parse("panic:part=3:epoch=10:layer=1,kill-node:node=2:epoch=4").unwrap();
         ok.check_reachable(10, 4, 2, 3).unwrap();
         for (spec, needle) in [
             ("panic:part=4:epoch=1", "partition 4"),
@@ -595,7 +608,10 @@ mod tests {
                 .check_reachable(10, 4, 2, 3)
                 .unwrap_err()
                 .to_string();
-            assert!(e.contains(needle) && e.contains("never fire"), "{spec}: {e}");
+            assert!(
+                e.contains(needle) && e.contains("never fire"),
+                "{spec}: {e}"
+            );
         }
     }
 }

@@ -505,7 +505,12 @@ impl EpochMachine {
             } if now >= *deadline => {
                 let part = outstanding.keys().next().copied().unwrap_or(0);
                 let started = deadline.checked_sub(self.cfg.deadline).unwrap_or(now);
-                (*unit, part, format!("reset of epoch {}", self.epoch), started)
+                (
+                    *unit,
+                    part,
+                    format!("reset of epoch {}", self.epoch),
+                    started,
+                )
             }
             _ => return,
         };
@@ -600,7 +605,11 @@ impl EpochMachine {
                 phase: Phase::Backward,
             }),
             Unit::Apply if index == 0 => Some(Request::Apply {
-                grads: self.step.grads.clone().unwrap_or_else(|| Arc::from(Vec::new())),
+                grads: self
+                    .step
+                    .grads
+                    .clone()
+                    .unwrap_or_else(|| Arc::from(Vec::new())),
             }),
             Unit::Eval if index < l => Some(Request::Step {
                 layer: index as u16,
@@ -657,8 +666,7 @@ impl EpochMachine {
     }
 
     fn round_complete(&mut self, now: Instant) {
-        let State::Running { unit, round } = std::mem::replace(&mut self.state, State::Over)
-        else {
+        let State::Running { unit, round } = std::mem::replace(&mut self.state, State::Over) else {
             return;
         };
         if let Some(e) = round.failure {
@@ -711,7 +719,8 @@ impl EpochMachine {
                     }
                 }
                 if let Some(p) = &mut self.work.profile {
-                    p.steps.push(StepProfile::new(phase, layer, wall_ms, &steps));
+                    p.steps
+                        .push(StepProfile::new(phase, layer, wall_ms, &steps));
                 }
             }
             Request::Apply { .. } => {
@@ -751,7 +760,11 @@ impl EpochMachine {
                     } else if sum.len() != g.len() {
                         return self.fail(ActorError::Protocol {
                             part: q as u32,
-                            detail: format!("{} gradients, partition 0 sent {}", g.len(), sum.len()),
+                            detail: format!(
+                                "{} gradients, partition 0 sent {}",
+                                g.len(),
+                                sum.len()
+                            ),
                         });
                     } else {
                         sum.iter_mut().zip(g.iter()).for_each(|(s, v)| *s += v);

@@ -8,10 +8,10 @@
 //! the shell to restart the partition ([`PartitionAction::Restart`]), which then calls
 //! [`PartitionMachine::restore`] with the replica it holds.
 use crate::faults::{FaultPlan, APPLY_LAYER};
-use crate::protocol::messages::{RestoreReport, Step, StepReply};
 use crate::protocol::epoch::{RequestId, Response};
-use crate::replica::Snapshot;
+use crate::protocol::messages::{RestoreReport, Step, StepReply};
 use crate::protocol::state::{timed, PartitionState, Stage};
+use crate::replica::Snapshot;
 use crate::telemetry::{self, node_attr as node};
 use crate::ActorError;
 use std::collections::{BTreeMap, VecDeque};
@@ -275,7 +275,8 @@ impl PartitionMachine {
         let _in_apply = span.enter();
         let faults = self.faults.clone();
         let result = catch_unwind(AssertUnwindSafe(|| {
-            if let Some(message) = faults.panic_due(part, epoch, APPLY_LAYER, Phase::Forward, false) {
+            if let Some(message) = faults.panic_due(part, epoch, APPLY_LAYER, Phase::Forward, false)
+            {
                 self.state.clobber_for_fault();
                 std::panic::panic_any(message);
             }
@@ -377,7 +378,8 @@ impl PartitionMachine {
     }
 
     fn answer(&mut self, id: RequestId, result: Result<Response, ActorError>) {
-        self.actions.push_back(PartitionAction::Answer { id, result });
+        self.actions
+            .push_back(PartitionAction::Answer { id, result });
     }
 
     fn panicked(&mut self, id: RequestId, panic: Box<dyn std::any::Any + Send>) {
@@ -420,7 +422,12 @@ impl PartitionMachine {
 
     /// Runs one stage of the parked step and queues its blocks; answers the step when it is
     /// done or failed. Returns whether the step goes on with its second stage.
-    fn run_stage(&mut self, step: Step, stage: Stage, blocks: &BTreeMap<PartId, HaloBlock>) -> bool {
+    fn run_stage(
+        &mut self,
+        step: Step,
+        stage: Stage,
+        blocks: &BTreeMap<PartId, HaloBlock>,
+    ) -> bool {
         let part = self.part;
         let span = tracing::info_span!(
             "layer",
@@ -535,3 +542,6 @@ fn phase_name(p: Phase) -> &'static str {
         Phase::Eval => "eval",
     }
 }
+
+#[cfg(test)]
+mod tests;

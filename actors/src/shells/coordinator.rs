@@ -336,7 +336,8 @@ impl Coordinator {
                     span.record("resumed_ms", r.resumed_ms);
                     span.record("steps_replayed", i64::from(r.steps_replayed));
                 }
-                Metrics::global().record_ms(Key::new(names::RECOVERY), r.detected_ms + r.resumed_ms);
+                Metrics::global()
+                    .record_ms(Key::new(names::RECOVERY), r.detected_ms + r.resumed_ms);
                 self.recoveries.push(r.clone());
                 let _ = events.send(RunEvent::Recovered(r));
             }

@@ -1,9 +1,9 @@
 //! The node supervisor: starts each partition actor on its own arbiter (thread) under actix's
 //! `Supervisor`, wires it to the transport, and stops and joins every thread at the end.
-use crate::shells::partition::{PartitionActor, PartitionRef};
-use crate::replica::ReplicaStore;
-use crate::protocol::state::PartitionState;
 use crate::faults::FaultPlan;
+use crate::protocol::state::PartitionState;
+use crate::replica::ReplicaStore;
+use crate::shells::partition::{PartitionActor, PartitionRef};
 use actix::prelude::*;
 use std::sync::Arc;
 use trellis_gpu::CancelToken;

@@ -100,7 +100,13 @@ pub fn check(run: world::SimResult, reference: Option<&str>) -> ScheduleReport {
         (SimOutcome::Finished { .. }, None) => {
             violation.get_or_insert("no fault-free reference digest".into());
         }
-        (SimOutcome::Failed { error, expected: false }, _) => {
+        (
+            SimOutcome::Failed {
+                error,
+                expected: false,
+            },
+            _,
+        ) => {
             violation.get_or_insert(format!("unexpected error: {error}"));
         }
         _ => {}

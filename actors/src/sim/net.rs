@@ -95,6 +95,15 @@ impl Network {
         self.cuts.push((a, b, until));
     }
 
+    /// Until when the link between `a` and `b` is cut, if it is at `now`.
+    pub fn cut_until(&self, a: u32, b: u32, now: u64) -> Option<u64> {
+        self.cuts
+            .iter()
+            .filter(|&&(x, y, until)| now < until && ((x, y) == (a, b) || (x, y) == (b, a)))
+            .map(|c| c.2)
+            .max()
+    }
+
     /// Whether the link between `a` and `b` is cut at `now`.
     pub fn is_cut(&self, a: u32, b: u32, now: u64) -> bool {
         self.cuts
@@ -103,11 +112,14 @@ impl Network {
     }
 
     /// The fate of a message from `a` to `b` sent at `now`; `lossy`: it may be lost or
-    /// corrupted (replication rides a reliable stream and is only lost with its link).
+    /// corrupted. Replication is not lossy: it rides a reliable stream, which a cut only
+    /// delays until the link heals (a cut longer than the idle timeout loses the node).
     pub fn fate(&self, rng: &mut SimRng, a: u32, b: u32, now: u64, lossy: bool) -> Fate {
-        if self.is_cut(a, b, now) {
-            return Fate::Lost;
-        }
+        let held = match self.cut_until(a, b, now) {
+            Some(_) if lossy => return Fate::Lost,
+            Some(until) => until - now,
+            None => 0,
+        };
         if lossy && rng.chance(self.spec.loss) {
             return Fate::Lost;
         }
@@ -119,6 +131,7 @@ impl Network {
         if rng.chance(self.spec.reorder) {
             delay += rng.range(hi, 10 * hi);
         }
+        delay += held;
         let mut delays = vec![delay];
         if rng.chance(self.spec.duplicate) {
             delays.push(delay + rng.range(1, hi));
@@ -133,8 +146,12 @@ mod tests {
 
     #[test]
     fn the_generator_replays_from_its_seed() {
-        let a: Vec<u64> = (0..5).scan(SimRng::new(7), |r, _| Some(r.next_u64())).collect();
-        let b: Vec<u64> = (0..5).scan(SimRng::new(7), |r, _| Some(r.next_u64())).collect();
+        let a: Vec<u64> = (0..5)
+            .scan(SimRng::new(7), |r, _| Some(r.next_u64()))
+            .collect();
+        let b: Vec<u64> = (0..5)
+            .scan(SimRng::new(7), |r, _| Some(r.next_u64()))
+            .collect();
         assert_eq!(a, b);
         let mut r = SimRng::new(1);
         assert!((0..1000).all(|_| r.range(3, 5) >= 3 && r.range(3, 5) <= 5));
@@ -142,12 +159,20 @@ mod tests {
     }
 
     #[test]
-    fn cut_links_lose_everything_both_ways_until_they_heal() {
+    fn cut_links_lose_lossy_messages_and_delay_reliable_ones_until_they_heal() {
         let mut n = Network::new(NetSpec::perfect());
         let mut r = SimRng::new(1);
         n.cut(1, 2, 1000);
-        assert_eq!(n.fate(&mut r, 2, 1, 999, false), Fate::Lost);
-        assert_eq!(n.fate(&mut r, 1, 2, 1000, false), Fate::Delivered(vec![100]));
+        assert_eq!(n.fate(&mut r, 2, 1, 999, true), Fate::Lost);
+        assert_eq!(
+            n.fate(&mut r, 2, 1, 900, false),
+            Fate::Delivered(vec![200]),
+            "a reliable stream waits for the link to heal"
+        );
+        assert_eq!(
+            n.fate(&mut r, 1, 2, 1000, false),
+            Fate::Delivered(vec![100])
+        );
         assert_eq!(n.fate(&mut r, 1, 3, 0, true), Fate::Delivered(vec![100]));
     }
 }

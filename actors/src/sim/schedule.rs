@@ -143,14 +143,19 @@ impl Schedule {
                         _ => (APPLY_LAYER, Phase::Forward),
                     };
                     s.panics = if r.chance(0.3) && layer != APPLY_LAYER {
-                        std::mem::take(&mut s.panics).panic_in_second_stage(part, epoch, layer, phase)
+                        std::mem::take(&mut s.panics)
+                            .panic_in_second_stage(part, epoch, layer, phase)
                     } else {
                         std::mem::take(&mut s.panics).panic_at(part, epoch, layer, phase)
                     };
                     continue;
                 }
-                3 => TimedFault::NodeCrash { node: worker(&mut r) },
-                4 => TimedFault::CrashDuringRecovery { node: worker(&mut r) },
+                3 => TimedFault::NodeCrash {
+                    node: worker(&mut r),
+                },
+                4 => TimedFault::CrashDuringRecovery {
+                    node: worker(&mut r),
+                },
                 5 => TimedFault::CoordinatorCrash,
                 6 => TimedFault::StaleNodeWakes {
                     node: worker(&mut r),

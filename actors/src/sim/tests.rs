@@ -56,7 +56,10 @@ fn a_sweep_of_seeded_fault_schedules_keeps_every_invariant() {
         SimFault::MessageDuplicated,
         SimFault::MessageReordered,
     ] {
-        assert!(report.fired.get(&kind).copied().unwrap_or(0) > 0, "{kind:?} never fired");
+        assert!(
+            report.fired.get(&kind).copied().unwrap_or(0) > 0,
+            "{kind:?} never fired"
+        );
     }
     assert!(report.recoveries > 0);
     assert!(report.outcomes.get("finished").copied().unwrap_or(0) > 200);
@@ -97,8 +100,15 @@ fn regression_stale_reset_does_not_wipe_a_replay() {
             answers.push((id, result.map(|r| matches!(r, Response::Step(_)))));
         }
     }
-    assert_eq!(answers.len(), 4, "the stale reset is not answered: {answers:?}");
-    assert!(answers.iter().skip(1).all(|(_, r)| matches!(r, Ok(true))), "{answers:?}");
+    assert_eq!(
+        answers.len(),
+        4,
+        "the stale reset is not answered: {answers:?}"
+    );
+    assert!(
+        answers.iter().skip(1).all(|(_, r)| matches!(r, Ok(true))),
+        "{answers:?}"
+    );
     assert_eq!(m.stale_requests(), 1);
 }
 
@@ -108,8 +118,29 @@ fn regression_stale_reset_does_not_wipe_a_replay() {
 fn full_sweep_of_ten_thousand_schedules() {
     let g = graph();
     let t = std::time::Instant::now();
-    let n = std::env::var("SIM_SCHEDULES").ok().and_then(|v| v.parse().ok()).unwrap_or(10_000);
+    let n = std::env::var("SIM_SCHEDULES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(10_000);
     let report = sweep(&g, 1, n, 2, &|_| {});
-    eprintln!("{n} schedules in {:.1} s: {report:?}", t.elapsed().as_secs_f64());
-    assert!(report.failures.is_empty(), "{:?}", &report.failures[..report.failures.len().min(10)]);
+    eprintln!(
+        "{n} schedules in {:.1} s: {report:?}",
+        t.elapsed().as_secs_f64()
+    );
+    assert!(
+        report.failures.is_empty(),
+        "{:?}",
+        &report.failures[..report.failures.len().min(10)]
+    );
+}
+
+#[test]
+#[ignore]
+fn debug_seed() {
+    let seed: u64 = std::env::var("SEED").unwrap().parse().unwrap();
+    let s = Schedule::generate(seed, true);
+    eprintln!("{s:#?}");
+    let g = graph();
+    let r = run_schedule(&g, seed);
+    eprintln!("{r:#?}");
 }

@@ -108,11 +108,18 @@ impl SimGraph {
         d
     }
 
-    fn lock_refs(&self) -> std::sync::MutexGuard<'_, BTreeMap<(u32, &'static str), Option<String>>> {
+    fn lock_refs(
+        &self,
+    ) -> std::sync::MutexGuard<'_, BTreeMap<(u32, &'static str), Option<String>>> {
         self.references.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    pub(crate) fn state(&self, parts: u32, part: u32, model: ModelKind) -> Result<PartitionState, ActorError> {
+    pub(crate) fn state(
+        &self,
+        parts: u32,
+        part: u32,
+        model: ModelKind,
+    ) -> Result<PartitionState, ActorError> {
         let set = &self.sets[&parts];
         let file = set.open_part(part as usize)?;
         let cfg = self.config(model);
@@ -124,9 +131,14 @@ impl SimGraph {
 /// How a simulated run ended.
 #[derive(Debug, Clone, PartialEq)]
 pub enum SimOutcome {
-    Finished { digest: String },
+    Finished {
+        digest: String,
+    },
     /// The run failed; `expected`: the schedule made it unavoidable.
-    Failed { error: String, expected: bool },
+    Failed {
+        error: String,
+        expected: bool,
+    },
 }
 
 impl SimOutcome {
@@ -135,7 +147,9 @@ impl SimOutcome {
         match self {
             SimOutcome::Finished { .. } => "finished",
             SimOutcome::Failed { expected: true, .. } => "expected-error",
-            SimOutcome::Failed { expected: false, .. } => "unexpected-error",
+            SimOutcome::Failed {
+                expected: false, ..
+            } => "unexpected-error",
         }
     }
 }
@@ -167,7 +181,10 @@ enum WireReply {
 #[derive(Debug, Clone)]
 enum Msg {
     /// Coordinator to a partition's node.
-    Request { coord: u32, out: Outgoing },
+    Request {
+        coord: u32,
+        out: Outgoing,
+    },
     /// A partition's node to the coordinator.
     Reply {
         coord: u32,
@@ -181,11 +198,19 @@ enum Msg {
 
 #[derive(Debug)]
 enum Event {
-    Deliver { from: u32, to: u32, msg: Msg },
+    Deliver {
+        from: u32,
+        to: u32,
+        msg: Msg,
+    },
     /// The coordinator's failure detector fires for `node` (silent since it stopped).
-    LossDetected { node: u32 },
+    LossDetected {
+        node: u32,
+    },
     /// A stopped node continues.
-    Wake { node: u32 },
+    Wake {
+        node: u32,
+    },
 }
 
 struct Queued {
@@ -220,8 +245,10 @@ struct SimNode {
     parts: BTreeMap<u32, PartitionMachine>,
     /// Its own partitions' latest committed state (what a restarted actor restores).
     local: BTreeMap<u32, ReplicaBytes>,
-    /// Replicas it keeps for partitions hosted elsewhere.
-    replicas: BTreeMap<u32, ReplicaBytes>,
+    /// Replicas it keeps for partitions hosted elsewhere: the two newest steps of each (a
+    /// step can be replicated before the coordinator commits it, and a recovery then resumes
+    /// from the one before).
+    replicas: BTreeMap<u32, Vec<ReplicaBytes>>,
     waiting: Vec<(u32, Msg)>,
 }
 
@@ -260,6 +287,8 @@ pub struct SimRun<'g> {
     coordinator_crash: bool,
     /// A partition lost every replica (the run cannot continue: an expected error).
     unrecoverable: bool,
+    /// Replicas sent and not delivered yet: (to, part, step) -> copies.
+    replicas_in_flight: BTreeMap<(u32, u32, u32), u32>,
 }
 
 impl<'g> SimRun<'g> {
@@ -302,6 +331,7 @@ impl<'g> SimRun<'g> {
             violation: None,
             coordinator_crash: false,
             unrecoverable: false,
+            replicas_in_flight: BTreeMap::new(),
             s,
         }
     }
@@ -408,6 +438,15 @@ impl<'g> SimRun<'g> {
             .collect()
     }
 
+    /// The replica nodes of a partition owned by `host` by position alone (dead or not).
+    fn ring_holders(&self, host: u32) -> Vec<u32> {
+        let workers = self.s.nodes - 1;
+        (1..workers)
+            .map(|k| 1 + (host - 1 + k) % workers)
+            .take(self.s.replicas as usize)
+            .collect()
+    }
+
     fn replicate(&mut self, host: u32, bytes: ReplicaBytes) {
         let part = bytes.part;
         self.nodes[host as usize].local.insert(part, bytes.clone());
@@ -448,6 +487,12 @@ impl<'g> SimRun<'g> {
                     self.fire(SimFault::MessageDuplicated);
                 }
                 for d in delays {
+                    if let Msg::Replica(b) = &msg {
+                        *self
+                            .replicas_in_flight
+                            .entry((to, b.part, b.epoch))
+                            .or_default() += 1;
+                    }
                     let msg = msg.clone();
                     self.schedule(d, Event::Deliver { from, to, msg });
                 }
@@ -515,13 +560,25 @@ impl<'g> SimRun<'g> {
                 let n = &mut self.nodes[node as usize];
                 n.paused = false;
                 for (from, msg) in std::mem::take(&mut n.waiting) {
-                    self.schedule(0, Event::Deliver { from, to: node, msg });
+                    self.schedule(
+                        0,
+                        Event::Deliver {
+                            from,
+                            to: node,
+                            msg,
+                        },
+                    );
                 }
             }
         }
     }
 
     fn deliver(&mut self, from: u32, to: u32, msg: Msg) {
+        if let Msg::Replica(b) = &msg {
+            if let Some(n) = self.replicas_in_flight.get_mut(&(to, b.part, b.epoch)) {
+                *n = n.saturating_sub(1);
+            }
+        }
         let n = &mut self.nodes[to as usize];
         if !n.alive {
             return;
@@ -577,14 +634,11 @@ impl<'g> SimRun<'g> {
                 }
             }
             Msg::Replica(bytes) => {
-                let n = &mut self.nodes[to as usize];
-                let newer = n
+                let kept = self.nodes[to as usize]
                     .replicas
-                    .get(&bytes.part)
-                    .is_none_or(|old| old.epoch <= bytes.epoch);
-                if newer {
-                    n.replicas.insert(bytes.part, bytes);
-                }
+                    .entry(bytes.part)
+                    .or_default();
+                keep_newest_two(kept, bytes);
             }
             Msg::Reply { .. } => {}
         }
@@ -727,11 +781,15 @@ impl<'g> SimRun<'g> {
                 }
                 EpochAction::RecoveryStarted { .. } => self.recovery_faults(),
                 EpochAction::Recovered(r) => self.recoveries.push(r),
-                EpochAction::Checkpoint { epoch, digest, logs } => {
+                EpochAction::Checkpoint {
+                    epoch,
+                    digest,
+                    logs,
+                } => {
                     // The coordinator's node reads the committed state from a live replica.
                     let copy = self.nodes.iter().find_map(|n| {
                         (n.alive && !n.fenced)
-                            .then(|| n.local.values().chain(n.replicas.values()))
+                            .then(|| n.local.values().chain(n.replicas.values().flatten()))
                             .into_iter()
                             .flatten()
                             .find(|b| b.epoch == epoch)
@@ -878,19 +936,49 @@ impl<'g> SimRun<'g> {
                     && node.alive
                     && !node.paused
                     && !self.lost.contains(&n)
-                    && node
-                        .replicas
-                        .get(&p)
-                        .is_some_and(|b| b.epoch == committed.epoch)
+                    && replica_at(node, p, committed.epoch).is_some()
             });
             let Some(to) = candidate else {
-                self.unrecoverable = true;
+                // Unavoidable only if every node that kept a replica is gone; a live replica
+                // node without the committed state is a replication gap (a protocol defect).
+                let live_holder = self.ring_holders(old).into_iter().find(|&n| {
+                    let node = &self.nodes[n as usize];
+                    // A stopped (not yet detected) holder counts as failed too.
+                    node.alive && !node.paused && !self.lost.contains(&n)
+                });
+                // The one double fault asynchronous replication cannot survive: the owner died
+                // while its replica of the committed step was still on the way (held on a cut
+                // link), so no live node has it.
+                let in_flight = live_holder.is_some_and(|n| {
+                    self.replicas_in_flight
+                        .get(&(n, p, committed.epoch))
+                        .is_some_and(|&c| c > 0)
+                });
+                self.unrecoverable = live_holder.is_none() || in_flight;
+                let why = match live_holder {
+                    None => "every node keeping its replica is lost".to_string(),
+                    Some(n) if in_flight => {
+                        format!("its owner died before the replica reached replica node {n}")
+                    }
+                    Some(n) => format!(
+                        "replica node {n} is live but holds {}",
+                        self.nodes[n as usize].replicas.get(&p).map_or(
+                            "no replica".to_string(),
+                            |v| format!(
+                                "steps {:?}",
+                                v.iter().map(|b| b.epoch).collect::<Vec<_>>()
+                            )
+                        )
+                    ),
+                };
                 return Err(ActorError::Cluster(format!(
-                    "partition {p} has no live replica at step {}",
+                    "partition {p} has no live replica at step {}: {why}",
                     committed.epoch
                 )));
             };
-            let bytes = self.nodes[to as usize].replicas[&p].clone();
+            let Some(bytes) = replica_at(&self.nodes[to as usize], p, committed.epoch) else {
+                continue;
+            };
             let snap = bytes.decode().map_err(ActorError::Cluster)?;
             let state = self.graph.state(self.s.parts, p, self.s.model)?;
             let mut m = PartitionMachine::new(state, self.run, self.faults.clone(), true);
@@ -992,6 +1080,25 @@ impl<'g> SimRun<'g> {
             }
         }
     }
+}
+
+/// Keeps `bytes` among the two newest steps in `kept` (a duplicate replaces its step).
+fn keep_newest_two(kept: &mut Vec<ReplicaBytes>, bytes: ReplicaBytes) {
+    kept.retain(|b| b.epoch != bytes.epoch);
+    kept.push(bytes);
+    kept.sort_by_key(|b| b.epoch);
+    if kept.len() > 2 {
+        kept.remove(0);
+    }
+}
+
+/// The replica of partition `part` at step `epoch` kept on `node`.
+fn replica_at(node: &SimNode, part: u32, epoch: u32) -> Option<ReplicaBytes> {
+    node.replicas
+        .get(&part)?
+        .iter()
+        .find(|b| b.epoch == epoch)
+        .cloned()
 }
 
 /// The key of a model kind in the graph's tables.

@@ -70,7 +70,10 @@ impl Drive {
     }
 
     /// Answers every outstanding request with `f` (healthy by default), in partition order.
-    fn answer_round(&mut self, mut f: impl FnMut(&Outgoing) -> Option<Result<Response, ActorError>>) {
+    fn answer_round(
+        &mut self,
+        mut f: impl FnMut(&Outgoing) -> Option<Result<Response, ActorError>>,
+    ) {
         let round = std::mem::take(&mut self.sent);
         for o in &round {
             let r = f(o).unwrap_or_else(|| Ok(Self::healthy(o)));
@@ -174,16 +177,31 @@ fn an_epoch_runs_its_rounds_in_order_and_sums_gradients_in_partition_order() {
     }
     assert_eq!(
         order,
-        ["Forward0", "Forward1", "Backward1", "Backward0", "Apply", "Eval0", "Eval1"]
+        [
+            "Forward0",
+            "Forward1",
+            "Backward1",
+            "Backward0",
+            "Apply",
+            "Eval0",
+            "Eval1"
+        ]
     );
     let done = d.finished().expect("finished");
     assert_eq!(done.digest, "digest-1");
     let log = &done.logs[0];
     assert_eq!(log.epoch, 1);
-    assert!((log.loss - 0.1).abs() < 1e-12, "loss sum / count: {}", log.loss);
+    assert!(
+        (log.loss - 0.1).abs() < 1e-12,
+        "loss sum / count: {}",
+        log.loss
+    );
     assert!((log.val_acc - 12.0 / 30.0).abs() < 1e-12);
     assert_eq!(log.halo_bytes, 100 * P as u64 * 2 * L as u64);
-    assert!(d.events.iter().any(|e| matches!(e, EpochAction::Profile(_))));
+    assert!(d
+        .events
+        .iter()
+        .any(|e| matches!(e, EpochAction::Profile(_))));
 }
 
 #[test]
@@ -196,7 +214,11 @@ fn replies_to_requests_no_longer_outstanding_are_dropped() {
     d.m.handle_response(RequestId(9999), 0, Ok(Response::ResetDone), d.now);
     assert_eq!(d.m.stale_replies(), 2);
     d.collect();
-    assert_eq!(d.requests()[0], "Forward1", "the machine did not move on twice");
+    assert_eq!(
+        d.requests()[0],
+        "Forward1",
+        "the machine did not move on twice"
+    );
     d.answer_all_healthy();
     assert!(d.finished().is_some());
 }
@@ -209,10 +231,21 @@ fn a_panic_resets_everyone_and_replays_the_training_step() {
     d.answer_round(|_| None); // Forward0
     d.answer_round(|_| None); // Forward1
     d.answer_round(|o| (o.part == 1).then(|| Err(panicked(1))));
-    assert!(d.events.iter().any(|e| matches!(e, EpochAction::CancelRunning)));
-    assert!(d.requests().iter().all(|r| r == "Reset"), "{:?}", d.requests());
+    assert!(d
+        .events
+        .iter()
+        .any(|e| matches!(e, EpochAction::CancelRunning)));
+    assert!(
+        d.requests().iter().all(|r| r == "Reset"),
+        "{:?}",
+        d.requests()
+    );
     d.answer_round(|_| None);
-    assert_eq!(d.requests()[0], "Forward0", "the training step replays from its start");
+    assert_eq!(
+        d.requests()[0],
+        "Forward0",
+        "the training step replays from its start"
+    );
     // The restarted partition reports the committed state it restored.
     d.answer_round(|o| {
         (o.part == 1).then(|| {
@@ -227,7 +260,10 @@ fn a_panic_resets_everyone_and_replays_the_training_step() {
     d.answer_all_healthy();
     let rec = d.recovered();
     assert_eq!(rec.len(), 1);
-    assert_eq!((rec[0].kind.as_str(), rec[0].partition, rec[0].epoch), ("actor-panic", 1, 2));
+    assert_eq!(
+        (rec[0].kind.as_str(), rec[0].partition, rec[0].epoch),
+        ("actor-panic", 1, 2)
+    );
     assert_eq!(rec[0].digest_ok, Some(true));
     assert_eq!(rec[0].steps_replayed, 1);
     assert_eq!(d.finished().expect("finished").digest, "digest-2");
@@ -263,7 +299,11 @@ fn a_restore_of_the_wrong_state_is_reported_as_such() {
             })
         });
         d.answer_all_healthy();
-        assert_eq!(d.recovered()[0].digest_ok, want, "{restored_epoch} {digest}");
+        assert_eq!(
+            d.recovered()[0].digest_ok,
+            want,
+            "{restored_epoch} {digest}"
+        );
     }
 }
 
@@ -276,7 +316,10 @@ fn a_missed_deadline_fails_the_run_unless_timeouts_are_retried() {
     assert!(d.failed().is_none(), "not before the deadline");
     d.m.handle_timeout(deadline);
     d.collect();
-    assert!(matches!(d.failed(), Some(ActorError::Timeout { part: 0, .. })));
+    assert!(matches!(
+        d.failed(),
+        Some(ActorError::Timeout { part: 0, .. })
+    ));
 
     let mut d = Drive::new(EpochConfig {
         retry_timeouts: true,
@@ -313,7 +356,11 @@ fn the_recovery_budget_is_for_the_whole_run() {
     }
     d.answer_round(|o| (o.part == 0).then(|| Err(panicked(0))));
     match d.failed() {
-        Some(ActorError::RestartsExhausted { part: 0, restarts: 2, .. }) => {}
+        Some(ActorError::RestartsExhausted {
+            part: 0,
+            restarts: 2,
+            ..
+        }) => {}
         other => panic!("{other:?}"),
     }
     assert!(d.m.is_over());
@@ -331,7 +378,10 @@ fn a_partition_that_keeps_failing_is_moved_or_the_run_fails() {
     d.answer_round(|o| (o.part == 1).then(|| Err(panicked(1))));
     d.answer_round(|_| None);
     d.answer_round(|o| (o.part == 1).then(|| Err(panicked(1))));
-    assert!(matches!(d.failed(), Some(ActorError::RestartsExhausted { part: 1, .. })));
+    assert!(matches!(
+        d.failed(),
+        Some(ActorError::RestartsExhausted { part: 1, .. })
+    ));
     // With node recovery: it is moved, then the unit replays.
     let mut d = Drive::new(EpochConfig {
         policy,
@@ -346,7 +396,10 @@ fn a_partition_that_keeps_failing_is_moved_or_the_run_fails() {
         .events
         .iter()
         .any(|e| matches!(e, EpochAction::MovePartition { part: 1, .. })));
-    assert!(d.sent.is_empty(), "nothing is sent while the partition moves");
+    assert!(
+        d.sent.is_empty(),
+        "nothing is sent while the partition moves"
+    );
     d.m.handle_placement(
         Ok(Placement {
             moves: vec![(1, 4)],
@@ -357,7 +410,11 @@ fn a_partition_that_keeps_failing_is_moved_or_the_run_fails() {
     d.collect();
     d.answer_all_healthy();
     let rec = d.recovered();
-    assert_eq!(rec.len(), 2, "both recoveries close when the replay completes");
+    assert_eq!(
+        rec.len(),
+        2,
+        "both recoveries close when the replay completes"
+    );
     assert_eq!(rec[1].kind, "escalated-move");
     assert_eq!(rec[1].replaced, vec![(1, 4)]);
     assert!(d.finished().is_some());
@@ -399,7 +456,10 @@ fn a_lost_node_is_replaced_and_a_loss_during_replacement_is_recovered_too() {
     d.answer_all_healthy();
     let rec = d.recovered();
     assert_eq!(rec.len(), 1);
-    assert_eq!((rec[0].kind.as_str(), rec[0].node, rec[0].partition), ("node-loss", Some(6), 2));
+    assert_eq!(
+        (rec[0].kind.as_str(), rec[0].node, rec[0].partition),
+        ("node-loss", Some(6), 2)
+    );
     assert!(d.finished().is_some());
     // Without node recovery the loss ends the run, naming the node.
     let mut d = Drive::new(cfg(1));
@@ -415,7 +475,10 @@ fn replicas_that_disagree_fail_the_run() {
     }
     assert_eq!(d.requests()[0], "Apply");
     d.answer_round(|o| (o.part == 2).then(|| Ok(Response::Applied("other".into()))));
-    assert!(matches!(d.failed(), Some(ActorError::Diverged { part: 2, .. })));
+    assert!(matches!(
+        d.failed(),
+        Some(ActorError::Diverged { part: 2, .. })
+    ));
 }
 
 #[test]
@@ -436,13 +499,20 @@ fn the_gate_paces_epochs_and_checkpoints_are_due_every_k() {
                 checkpoints.push((*epoch, logs.len()));
             }
         }
-        d.events.retain(|e| !matches!(e, EpochAction::Checkpoint { .. }));
+        d.events
+            .retain(|e| !matches!(e, EpochAction::Checkpoint { .. }));
     }
-    assert!(matches!(d.events.pop(), Some(EpochAction::WaitGate { epoch: 4 })));
+    assert!(matches!(
+        d.events.pop(),
+        Some(EpochAction::WaitGate { epoch: 4 })
+    ));
     d.m.handle_gate(false, d.now);
     d.collect();
     assert_eq!(checkpoints, vec![(2, 2)]);
-    assert_eq!(d.finished().expect("closed gate ends the run").logs.len(), 3);
+    assert_eq!(
+        d.finished().expect("closed gate ends the run").logs.len(),
+        3
+    );
 }
 
 #[test]
