@@ -131,7 +131,9 @@ pub type ReplicaSender = Arc<dyn Fn(ReplicaBytes) + Send + Sync>;
 #[derive(Default)]
 pub struct ReplicaStore {
     snaps: DashMap<u32, Arc<Snapshot>>,
-    remote: DashMap<u32, ReplicaBytes>,
+    /// The two newest steps of each (a step can be replicated before the coordinator commits
+    /// it; a recovery then resumes from the one before).
+    remote: DashMap<u32, Vec<ReplicaBytes>>,
     sender: std::sync::OnceLock<ReplicaSender>,
     /// Replication off: nothing is stored (measures what replication costs).
     disabled: bool,
@@ -196,23 +198,35 @@ impl ReplicaStore {
         self.snaps.insert(part, Arc::new(snap));
     }
 
-    /// Keeps the replica of another node's partition (the newest step wins).
+    /// Keeps the replica of another node's partition (with the one step before it).
     pub fn put_remote(&self, bytes: ReplicaBytes) {
         if self.disabled {
             return;
         }
-        let newer = self
-            .remote
-            .get(&bytes.part)
-            .is_none_or(|old| old.epoch <= bytes.epoch);
-        if newer {
-            self.remote.insert(bytes.part, bytes);
+        let mut kept = self.remote.entry(bytes.part).or_default();
+        kept.retain(|b| b.epoch != bytes.epoch);
+        kept.push(bytes);
+        kept.sort_by_key(|b| b.epoch);
+        if kept.len() > 2 {
+            kept.remove(0);
         }
     }
 
-    /// The replica of another node's partition `part` kept here.
-    pub fn remote(&self, part: u32) -> Option<ReplicaBytes> {
-        self.remote.get(&part).map(|b| b.clone())
+    /// The replica of another node's partition `part` at step `epoch`, if kept here.
+    pub fn remote_at(&self, part: u32, epoch: u32) -> Option<ReplicaBytes> {
+        self.remote
+            .get(&part)?
+            .iter()
+            .find(|b| b.epoch == epoch)
+            .cloned()
+    }
+
+    /// The steps of partition `part` whose replicas are kept here.
+    pub fn remote_steps(&self, part: u32) -> Vec<u32> {
+        self.remote
+            .get(&part)
+            .map(|v| v.iter().map(|b| b.epoch).collect())
+            .unwrap_or_default()
     }
     /// `part`'s latest snapshot.
     pub fn get(&self, part: u32) -> Option<Arc<Snapshot>> {
@@ -243,6 +257,20 @@ mod tests {
             opt_steps: 7,
             digest: "abc".into(),
         }
+    }
+
+    #[test]
+    fn a_store_keeps_the_two_newest_steps_of_each_remote_partition() {
+        let store = ReplicaStore::new();
+        for epoch in [3, 1, 2, 4, 4] {
+            let mut s = snap();
+            s.epoch = epoch;
+            store.put_remote(ReplicaBytes::encode(5, &s));
+        }
+        assert_eq!(store.remote_steps(5), vec![3, 4]);
+        assert!(store.remote_at(5, 2).is_none());
+        assert_eq!(store.remote_at(5, 3).unwrap().epoch, 3);
+        assert!(store.remote_at(6, 3).is_none());
     }
 
     #[test]

@@ -373,17 +373,12 @@ pub fn adopt_partitions(
             None => load_state(set, p, cfg)?,
         };
         if epoch > 0 {
-            let replica = node.replicas().remote(p).ok_or_else(|| {
+            let replica = node.replicas().remote_at(p, epoch).ok_or_else(|| {
                 ActorError::Cluster(format!(
-                    "partition {p}: this node holds no replica of its state to resume step {epoch} from"
+                    "partition {p}: this node holds no replica of its state at the committed step {epoch} (it holds steps {:?})",
+                    node.replicas().remote_steps(p)
                 ))
             })?;
-            if replica.epoch != epoch {
-                return Err(ActorError::Cluster(format!(
-                    "partition {p}: the replica here is of step {}, the committed step is {epoch}",
-                    replica.epoch
-                )));
-            }
             let snap = replica.decode().map_err(ActorError::Cluster)?;
             state.restore(&snap)?;
         }
