@@ -184,3 +184,36 @@ fn a_panic_cancels_the_layers_running_on_other_partitions() {
         "ready to replay after {ready_ms:.1} ms; an epoch takes {epoch_ms:.1} ms"
     );
 }
+
+#[test]
+fn a_panic_in_the_optimizer_step_recovers_to_identical_weights() {
+    let ds = data();
+    let cfg = cfg(&ds, ModelKind::Gcn);
+    let clean = run(&ds, &cfg, FaultPlan::none()).unwrap();
+    let faults = FaultPlan::parse("panic:part=1:epoch=3:phase=apply").unwrap();
+    let faulty = run(&ds, &cfg, faults).unwrap();
+    assert_eq!(faulty.weights_digest, clean.weights_digest);
+    let rec = faulty.recoveries.as_array().unwrap();
+    assert_eq!(rec.len(), 1, "{rec:?}");
+    assert_eq!(rec[0]["kind"], "actor-panic");
+    assert_eq!(rec[0]["digest_ok"], true);
+}
+
+#[test]
+fn faults_that_could_never_fire_are_refused_before_training() {
+    let ds = data();
+    let cfg = cfg(&ds, ModelKind::Gcn);
+    for (spec, needle) in [
+        ("panic:part=3:epoch=1", "partition 3 does not exist"),
+        ("panic:part=0:epoch=7", "epoch 7 is past"),
+        ("panic:part=0:epoch=1:layer=2", "layer 2 does not exist"),
+    ] {
+        let e = run(&ds, &cfg, FaultPlan::parse(spec).unwrap())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(needle) && e.contains("never fire"),
+            "{spec}: {e}"
+        );
+    }
+}

@@ -141,6 +141,12 @@ impl Topology {
                 "kill-node faults need a cluster of node processes (trellis launch)".into(),
             ));
         }
+        self.faults.check_reachable(
+            self.cfg.epochs,
+            self.set.parts() as u32,
+            self.cfg.model.layers as u16,
+            0,
+        )?;
         let book = self.set.book().clone();
         let counts = GlobalCounts {
             train: book.train_nodes,

@@ -51,7 +51,13 @@ impl ClusterJob {
     /// Binds the coordinator's endpoint and starts the run on its own thread: the same
     /// [`TrainingRun`] API as a single-process topology.
     pub fn spawn(self) -> Result<TrainingRun, ActorError> {
-        crate::faults::FaultPlan::parse(&self.chaos)?;
+        let nodes = self.cluster.ids().iter().max().map_or(0, |m| m + 1);
+        crate::faults::FaultPlan::parse(&self.chaos)?.check_reachable(
+            self.cfg.epochs,
+            self.set.parts() as u32,
+            self.cfg.model.layers as u16,
+            nodes,
+        )?;
         let (endpoint, inbox) =
             NodeEndpoint::bind(&self.cluster, self.id, self.addr_file.as_deref())?;
         let (tx, rx) = mpsc::channel();

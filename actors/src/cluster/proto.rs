@@ -128,6 +128,8 @@ pub enum ReplyBody {
     },
     Applied {
         digest: String,
+        /// As in `Step`: the state restored since the last reply, if any.
+        restored: Option<(u32, String)>,
     },
     Reset,
     Adopted {

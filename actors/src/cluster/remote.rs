@@ -179,14 +179,20 @@ impl RemotePart {
         }
     }
 
-    pub async fn apply(self, msg: ApplyStep) -> Result<String, ActorError> {
+    pub async fn apply(
+        self,
+        msg: ApplyStep,
+    ) -> Result<crate::protocol::messages::Applied, ActorError> {
         let req = Request::Apply {
             epoch: msg.epoch,
             grads: msg.grads.to_vec(),
             trace: msg.trace.map(|t| t.to_string()).unwrap_or_default(),
         };
         match self.call(req).await? {
-            ReplyBody::Applied { digest } => Ok(digest),
+            ReplyBody::Applied { digest, restored } => Ok(crate::protocol::messages::Applied {
+                digest,
+                restored: restored.map(|(epoch, digest)| crate::RestoreReport { epoch, digest }),
+            }),
             other => Err(self.unexpected(other)),
         }
     }

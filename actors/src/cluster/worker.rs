@@ -324,7 +324,10 @@ fn answer(ep: &NodeEndpoint, coord: u32, id: u64, run: RunId, part: PartitionRef
                     trace: TraceContext::from_traceparent(&trace),
                 };
                 match addr.send(msg).await {
-                    Ok(Ok(digest)) => ReplyBody::Applied { digest },
+                    Ok(Ok(a)) => ReplyBody::Applied {
+                        digest: a.digest,
+                        restored: a.restored.map(|r| (r.epoch, r.digest)),
+                    },
                     Ok(Err(e)) => ReplyBody::of_error(e),
                     Err(e) => mailbox(e),
                 }

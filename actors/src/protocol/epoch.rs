@@ -10,6 +10,7 @@
 //! rolls the unit back: every partition is reset and the unit is replayed from its first
 //! round (the states are in ARCHITECTURE.md, "Recovery").
 use crate::profile::{EpochProfile, StepProfile};
+pub use crate::protocol::messages::Applied;
 use crate::{ActorError, Outcome, StepReply};
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::Arc;
@@ -47,8 +48,7 @@ pub struct Outgoing {
 #[derive(Debug, Clone)]
 pub enum Response {
     Step(StepReply),
-    /// The new weights digest.
-    Applied(String),
+    Applied(Applied),
     ResetDone,
 }
 
@@ -444,10 +444,13 @@ impl EpochMachine {
                 round.outstanding.remove(&part);
                 match result {
                     Ok(r) => {
-                        if let Response::Step(s) = &r {
-                            if let Some(rest) = &s.restored {
-                                self.restores.push((part, rest.epoch, rest.digest.clone()));
-                            }
+                        let restored = match &r {
+                            Response::Step(s) => s.restored.as_ref(),
+                            Response::Applied(a) => a.restored.as_ref(),
+                            Response::ResetDone => None,
+                        };
+                        if let Some(rest) = restored {
+                            self.restores.push((part, rest.epoch, rest.digest.clone()));
                         }
                         round.replies[part as usize] = Some(r);
                     }
@@ -679,7 +682,7 @@ impl EpochMachine {
         for (part, r) in round.replies.into_iter().enumerate() {
             match r {
                 Some(Response::Step(s)) => steps.push(s),
-                Some(Response::Applied(d)) => digests.push(d),
+                Some(Response::Applied(a)) => digests.push(a.digest),
                 Some(Response::ResetDone) | None => {
                     return self.fail(ActorError::Protocol {
                         part: part as u32,

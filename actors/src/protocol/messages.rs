@@ -21,7 +21,7 @@ pub struct Step {
 
 /// Apply the all-reduced gradients with the optimizer, then snapshot the replica.
 #[derive(Debug, Clone, Message)]
-#[rtype(result = "Result<String, ActorError>")]
+#[rtype(result = "Result<Applied, ActorError>")]
 pub struct ApplyStep {
     pub run: RunId,
     pub epoch: u32,
@@ -79,6 +79,16 @@ pub struct StepReply {
     /// Set in the first reply after a supervised restart: the step and the weights digest of
     /// the state the partition restored (the coordinator checks it against the digest it
     /// committed for that step).
+    pub restored: Option<RestoreReport>,
+}
+
+/// A partition's answer to an [`ApplyStep`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Applied {
+    /// The new weights digest.
+    pub digest: String,
+    /// Set in the first answer after a supervised restart (a panic in the optimizer step):
+    /// the state the partition restored before applying again.
     pub restored: Option<RestoreReport>,
 }
 

@@ -9,7 +9,7 @@
 //! [`PartitionMachine::restore`] with the replica it holds.
 use crate::faults::{FaultPlan, APPLY_LAYER};
 use crate::protocol::epoch::{RequestId, Response};
-use crate::protocol::messages::{RestoreReport, Step, StepReply};
+use crate::protocol::messages::{Applied, RestoreReport, Step, StepReply};
 use crate::protocol::state::{timed, PartitionState, Stage};
 use crate::replica::Snapshot;
 use crate::telemetry::{self, node_attr as node};
@@ -260,8 +260,9 @@ impl PartitionMachine {
         if epoch <= self.state.epoch_done() {
             // Already applied (a retried request): idempotent.
             let d = self.state.model().weights_digest(self.state.stream());
+            let restored = self.restored.take();
             let r = d
-                .map(Response::Applied)
+                .map(|digest| Response::Applied(Applied { digest, restored }))
                 .map_err(|source| ActorError::Compute { part, source });
             return self.answer(id, r);
         }
@@ -302,7 +303,8 @@ impl PartitionMachine {
                     }
                 }
                 self.inbox.retain(|k, _| k.0 > epoch);
-                self.answer(id, Ok(Response::Applied(digest)));
+                let restored = self.restored.take();
+                self.answer(id, Ok(Response::Applied(Applied { digest, restored })));
             }
             Ok(Err(source)) => self.answer(id, Err(ActorError::Compute { part, source })),
             Err(panic) => self.panicked(id, panic),

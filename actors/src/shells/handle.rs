@@ -2,7 +2,7 @@
 //! process or on another node of a cluster. Every call resolves to the partition's answer or
 //! an [`ActorError`] naming the partition (and the node, when remote).
 use crate::cluster::RemotePart;
-use crate::protocol::messages::{ApplyStep, ResetEpoch, Step, StepReply};
+use crate::protocol::messages::{Applied, ApplyStep, ResetEpoch, Step, StepReply};
 use crate::shells::partition::PartitionRef;
 use crate::ActorError;
 use std::future::Future;
@@ -38,7 +38,7 @@ impl PartHandle {
     }
 
     /// Applies the all-reduced gradients; answers the new weights digest.
-    pub fn apply(&self, msg: ApplyStep) -> Pending<String> {
+    pub fn apply(&self, msg: ApplyStep) -> Pending<Applied> {
         match self {
             PartHandle::Local { part, addr } => local(*part, addr.addr.send(msg)),
             PartHandle::Remote(r) => Box::pin(r.clone().apply(msg)),

@@ -5,7 +5,7 @@
 //! `Supervisor` starts it again: `restarting` restores the committed state from the store.
 use crate::faults::FaultPlan;
 use crate::protocol::epoch::{RequestId, Response};
-use crate::protocol::messages::{ApplyStep, Halo, ResetEpoch, Step, StepReply};
+use crate::protocol::messages::{Applied, ApplyStep, Halo, ResetEpoch, Step, StepReply};
 use crate::protocol::partition::{PartitionAction, PartitionMachine};
 use crate::protocol::state::PartitionState;
 use crate::replica::ReplicaStore;
@@ -192,14 +192,14 @@ impl Handler<Halo> for PartitionActor {
 }
 
 impl Handler<ApplyStep> for PartitionActor {
-    type Result = Result<String, ActorError>;
+    type Result = Result<Applied, ActorError>;
 
     fn handle(&mut self, msg: ApplyStep, ctx: &mut Context<Self>) -> Self::Result {
         let id = self.next_id();
         self.machine
             .handle_apply(id, msg.run, msg.epoch, &msg.grads, msg.trace);
         match self.drain(ctx, Some(id)) {
-            Some(Ok(Response::Applied(digest))) => Ok(digest),
+            Some(Ok(Response::Applied(a))) => Ok(a),
             Some(Err(e)) => Err(e),
             _ => Err(ActorError::Protocol {
                 part: self.part.0,

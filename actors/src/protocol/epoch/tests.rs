@@ -64,7 +64,7 @@ impl Drive {
     fn healthy(o: &Outgoing) -> Response {
         match &o.request {
             Request::Step { phase, layer } => Response::Step(reply(o.part, *phase, *layer)),
-            Request::Apply { .. } => Response::Applied(format!("digest-{}", o.epoch)),
+            Request::Apply { .. } => applied(&format!("digest-{}", o.epoch)),
             Request::Reset => Response::ResetDone,
         }
     }
@@ -149,6 +149,13 @@ fn reply(part: u32, phase: Phase, layer: u16) -> StepReply {
         outcome,
         restored: None,
     }
+}
+
+fn applied(digest: &str) -> Response {
+    Response::Applied(Applied {
+        digest: digest.into(),
+        restored: None,
+    })
 }
 
 fn panicked(part: u32) -> ActorError {
@@ -474,7 +481,7 @@ fn replicas_that_disagree_fail_the_run() {
         d.answer_round(|_| None);
     }
     assert_eq!(d.requests()[0], "Apply");
-    d.answer_round(|o| (o.part == 2).then(|| Ok(Response::Applied("other".into()))));
+    d.answer_round(|o| (o.part == 2).then(|| Ok(applied("other"))));
     assert!(matches!(
         d.failed(),
         Some(ActorError::Diverged { part: 2, .. })
@@ -540,4 +547,33 @@ fn a_resumed_run_continues_after_the_committed_epoch() {
     );
     m.start(Instant::now());
     assert!(matches!(m.poll_action(), Some(EpochAction::Finished(d)) if d.digest == "d"));
+}
+
+#[test]
+fn a_panic_in_the_optimizer_step_is_checked_by_the_restore_its_replay_reports() {
+    let mut d = Drive::new(cfg(1));
+    for _ in 0..4 {
+        d.answer_round(|_| None);
+    }
+    assert_eq!(d.requests()[0], "Apply");
+    d.answer_round(|o| (o.part == 1).then(|| Err(panicked(1))));
+    d.answer_round(|_| None); // resets
+    assert_eq!(
+        d.requests()[0],
+        "Apply",
+        "the same summed gradients are applied again"
+    );
+    d.answer_round(|o| {
+        (o.part == 1).then(|| {
+            Ok(Response::Applied(Applied {
+                digest: "digest-1".into(),
+                restored: Some(RestoreReport {
+                    epoch: 0,
+                    digest: "init".into(),
+                }),
+            }))
+        })
+    });
+    d.answer_all_healthy();
+    assert_eq!(d.recovered()[0].digest_ok, Some(true));
 }

@@ -137,18 +137,18 @@ fn the_optimizer_step_is_applied_once_and_replicated() {
     );
     let digest = match &first[1] {
         PartitionAction::Answer {
-            result: Ok(Response::Applied(d)),
+            result: Ok(Response::Applied(a)),
             ..
-        } => d.clone(),
+        } => a.digest.clone(),
         other => panic!("{other:?}"),
     };
     // A retried apply of the same epoch changes nothing and answers the same digest.
     m.handle_apply(RequestId(2), run, 1, &grads, None);
     match drain(&mut m).as_slice() {
         [PartitionAction::Answer {
-            result: Ok(Response::Applied(d)),
+            result: Ok(Response::Applied(a)),
             ..
-        }] => assert_eq!(*d, digest),
+        }] => assert_eq!(a.digest, digest),
         other => panic!("{other:?}"),
     }
     // The wrong number of gradients is a clear error, not a panic.
