@@ -20,9 +20,11 @@ pub struct DemoArgs {
         default_value = "synthetic:nodes=20000,degree=10,features=64,classes=8,seed=0"
     )]
     pub data: String,
-    #[arg(long, default_value_t = 4)]
+    /// Partition actors (METIS), spread over the 3 node processes of the cluster runs.
+    #[arg(long, value_name = "P", default_value_t = 4, value_parser = super::validate::partitions)]
     pub partitions: usize,
-    #[arg(long, default_value_t = 30)]
+    /// Epochs of every run (the faults fire in epochs 10 and 20 when there are that many).
+    #[arg(long, value_name = "N", default_value_t = 30, value_parser = super::validate::positive_u32)]
     pub epochs: u32,
 }
 

@@ -29,7 +29,7 @@ pub struct LaunchArgs {
 #[derive(Debug, Clone, Args)]
 pub struct ClusterOptions {
     /// Number of node processes (node 0 coordinates).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, value_parser = super::validate::positive_u32)]
     pub nodes: u32,
     /// QUIC keep-alive (heartbeat) interval, ms.
     #[arg(long, default_value_t = 500)]
@@ -61,6 +61,9 @@ const OWN_OPTIONS: [&str; 7] = [
 ];
 
 pub fn run(a: LaunchArgs) -> Result<()> {
+    if let Some(path) = &a.train.report {
+        super::train::check_report_path(path)?;
+    }
     let (dir, _tmp) = match &a.dir {
         Some(d) => (d.clone(), None),
         None => {

@@ -14,6 +14,7 @@ mod partition;
 mod report;
 pub mod telemetry;
 mod train;
+pub mod validate;
 
 pub use train::TrainArgs;
 

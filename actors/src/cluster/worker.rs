@@ -18,7 +18,7 @@ use crate::ActorError;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use trellis_runtime::metrics::Metrics;
 use trellis_runtime::partition::{PartitionBook, PartitionSet};
 use trellis_runtime::{NodeTraffic, TrainConfig};
@@ -56,21 +56,8 @@ async fn serve(
     threads: Option<usize>,
 ) -> Result<NodeTraffic, ActorError> {
     let coord = cluster.coordinator;
-    let join = Duration::from_millis(cluster.join_timeout_ms);
     let metrics_before = Metrics::global().snapshot();
-    ep.send(
-        coord,
-        &ControlMsg::Join {
-            addr: ep.addr().to_string(),
-        },
-    )?;
-    let setup = loop {
-        match inbox.next(Some(coord), join).await? {
-            (from, ControlMsg::Setup(s)) if from == coord => break s,
-            (_, ControlMsg::Abort { reason }) => return Err(aborted(coord, reason)),
-            (from, other) => tracing::warn!(peer = from, "ignored {other:?} before setup"),
-        }
-    };
+    let setup = join_coordinator(cluster, ep, &mut inbox).await?;
     let mut hosted = match setup_node(cluster, ep, &mut inbox, &setup, threads).await {
         Ok(v) => v,
         Err(e) => {
@@ -193,6 +180,67 @@ async fn serve(
         {}
     }
     outcome.map(|_| traffic)
+}
+
+/// First wait between two attempts to reach the coordinator; it doubles up to [`MAX_BACKOFF`].
+const FIRST_BACKOFF: Duration = Duration::from_millis(200);
+/// Longest wait between two attempts to reach the coordinator.
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+/// Joins the coordinator and returns its setup. Nodes start in any order: while the
+/// coordinator cannot be reached (not started yet, still loading its data, restarting), the
+/// `Join` is sent again with exponential backoff until the cluster's `join_timeout_ms`,
+/// which is printed once when the first attempt fails.
+async fn join_coordinator(
+    cluster: &ClusterFile,
+    ep: &NodeEndpoint,
+    inbox: &mut ControlInbox,
+) -> Result<Setup, ActorError> {
+    let coord = cluster.coordinator;
+    let coord_addr = cluster.node(coord)?.addr;
+    let within = Duration::from_millis(cluster.join_timeout_ms);
+    let deadline = Instant::now() + within;
+    let mut backoff = FIRST_BACKOFF;
+    let mut attempts = 0u32;
+    loop {
+        attempts += 1;
+        let join = ControlMsg::Join {
+            addr: ep.addr().to_string(),
+        };
+        ep.send(coord, &join)?;
+        let failure = loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match inbox.next(Some(coord), left).await {
+                Ok((from, ControlMsg::Setup(s))) if from == coord => return Ok(s),
+                Ok((_, ControlMsg::Abort { reason })) => return Err(aborted(coord, reason)),
+                Ok((from, other)) => tracing::warn!(peer = from, "ignored {other:?} before setup"),
+                Err(ActorError::Node { node, detail }) if node == coord => break detail,
+                Err(e) => return Err(e),
+            }
+        };
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(ActorError::Node {
+                node: coord,
+                detail: format!(
+                    "the coordinator at {coord_addr} did not answer within {} s \
+                     (join_timeout_ms; {attempts} attempt(s)), last: {failure}",
+                    within.as_secs()
+                ),
+            });
+        }
+        if attempts == 1 {
+            super::say(&format!(
+                "node {}: the coordinator (node {coord} at {coord_addr}) is not reachable yet \
+                 ({failure}); retrying for up to {} s (join_timeout_ms)",
+                ep.id,
+                left.as_secs()
+            ));
+        }
+        tokio::time::sleep(backoff.min(left)).await;
+        backoff = (backoff * 2).min(MAX_BACKOFF);
+        ep.transport.node().reset_peer(coord);
+    }
 }
 
 /// A real SIGKILL of this node's process (the `kill-node` fault).
