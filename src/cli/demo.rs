@@ -78,7 +78,9 @@ pub fn run(a: DemoArgs) -> Result<()> {
         if !chaos.is_empty() {
             args.extend(["--chaos".into(), chaos.into()]);
         }
-        launch_cluster(&opts, &dir, Some(&tmp.path().join("parts")), &args, false)?;
+        // The nodes' own output is not shown: the summary and the recoveries below are
+        // printed once each, from the report (whose temporary path is not printed).
+        launch_cluster(&opts, &dir, Some(&tmp.path().join("parts")), &args, true)?;
         Ok(RunReport::read(&report)?)
     };
 
@@ -87,6 +89,7 @@ pub fn run(a: DemoArgs) -> Result<()> {
         a.partitions
     );
     let cluster = cluster_run("clean", "")?;
+    print_summary(&cluster);
 
     let (panic_epoch, kill_epoch) = (a.epochs / 3, 2 * a.epochs / 3);
     println!(
@@ -96,6 +99,7 @@ pub fn run(a: DemoArgs) -> Result<()> {
         "panic:part=1:epoch={panic_epoch}:layer=0:phase=backward,kill-node:node=2:epoch={kill_epoch}"
     );
     let faulty = cluster_run("faults", &chaos)?;
+    print_summary(&faulty);
     let recoveries: Vec<Recovery> =
         serde_json::from_value(faulty.recoveries.clone()).unwrap_or_default();
     for r in &recoveries {
@@ -107,7 +111,7 @@ pub fn run(a: DemoArgs) -> Result<()> {
             None => format!("partition {} panicked and was restarted", r.partition),
         };
         println!(
-            "   recovery in epoch {}: {what}; detected after {:.1} ms, ready to replay {:.1} ms later, step done again {:.1} ms after detection; restored state matched its digest: {}",
+            "   recovery in epoch {}: {what}; failure reported {:.1} ms into the interrupted step, ready to replay {:.1} ms after the report, step done again {:.1} ms after it; restored state matched its digest: {}",
             r.epoch,
             r.detected_ms,
             r.ready_ms,
