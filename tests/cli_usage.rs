@@ -58,7 +58,10 @@ fn every_option_of_every_command_has_help() {
         args.push("--help");
         let help = assert_ok(&run(&args));
         let missing = undocumented_options(&help);
-        assert!(missing.is_empty(), "{cmd:?}: options without help: {missing:?}");
+        assert!(
+            missing.is_empty(),
+            "{cmd:?}: options without help: {missing:?}"
+        );
     }
 }
 
@@ -98,13 +101,20 @@ fn train_help_shows_each_default_and_how_it_depends_on_the_model() {
 
 #[test]
 fn one_name_per_concept_across_commands() {
-    for cmd in [&["partition"][..], &["bench", "partitions"][..], &["train"][..]] {
+    for cmd in [
+        &["partition"][..],
+        &["bench", "partitions"][..],
+        &["train"][..],
+    ] {
         let mut args = cmd.to_vec();
         args.push("--help");
         let help = assert_ok(&run(&args));
         assert!(help.contains("--partitions <P>"), "{cmd:?}: {help}");
         assert!(help.contains("--partition-method"), "{cmd:?}: {help}");
-        assert!(!help.contains("--parts "), "{cmd:?} still says --parts: {help}");
+        assert!(
+            !help.contains("--parts "),
+            "{cmd:?} still says --parts: {help}"
+        );
     }
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("parts");
@@ -127,14 +137,35 @@ fn one_name_per_concept_across_commands() {
 fn absurd_values_are_refused_before_any_work() {
     let cases: [(&[&str], &str); 12] = [
         (&["--epochs", "0"], "'--epochs <N>': must be at least 1"),
-        (&["--partitions", "0"], "'--partitions <P>': must be between 1"),
+        (
+            &["--partitions", "0"],
+            "'--partitions <P>': must be between 1",
+        ),
         (&["--hidden", "0"], "'--hidden <WIDTH>': must be between 1"),
-        (&["--hidden", "100000000"], "'--hidden <WIDTH>': must be between 1"),
-        (&["--hidden", "4294967295"], "'--hidden <WIDTH>': must be between 1"),
-        (&["--model", "gat", "--heads", "1000000"], "'--heads <N>': must be between 1"),
-        (&["--lr", "nan"], "'--lr <RATE>': must be a finite number above 0"),
-        (&["--lr=-0.1"], "'--lr <RATE>': must be a finite number above 0"),
-        (&["--dropout", "1.5"], "'--dropout <P>': must be at least 0 and below 1"),
+        (
+            &["--hidden", "100000000"],
+            "'--hidden <WIDTH>': must be between 1",
+        ),
+        (
+            &["--hidden", "4294967295"],
+            "'--hidden <WIDTH>': must be between 1",
+        ),
+        (
+            &["--model", "gat", "--heads", "1000000"],
+            "'--heads <N>': must be between 1",
+        ),
+        (
+            &["--lr", "nan"],
+            "'--lr <RATE>': must be a finite number above 0",
+        ),
+        (
+            &["--lr=-0.1"],
+            "'--lr <RATE>': must be a finite number above 0",
+        ),
+        (
+            &["--dropout", "1.5"],
+            "'--dropout <P>': must be at least 0 and below 1",
+        ),
         (&["--weight-decay", "inf"], "'--weight-decay <DECAY>'"),
         (&["--threads", "100000"], "'--threads <N>': must be at most"),
         (
@@ -151,7 +182,10 @@ fn absurd_values_are_refused_before_any_work() {
         assert_eq!(out.status.code(), Some(2), "{extra:?} was accepted: {err}");
         assert!(err.contains(needle), "{extra:?}: {err}");
         assert!(!err.contains("panicked"), "{extra:?}: {err}");
-        assert!(t.elapsed() < Duration::from_secs(10), "{extra:?} did work first");
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "{extra:?} did work first"
+        );
     }
     // Within the per-option limits but far beyond this machine's memory for the data set:
     // refused with the estimate, after loading the (small) data, before allocating.
@@ -189,8 +223,17 @@ fn a_report_path_that_cannot_be_written_fails_before_training() {
         );
         assert!(t.elapsed() < Duration::from_secs(10));
     }
-    let err = stderr(&run(&["train", "--data", DATA, "--report", missing.to_str().unwrap()]));
-    assert!(err.contains("no-such-folder") && err.contains("does not exist"), "{err}");
+    let err = stderr(&run(&[
+        "train",
+        "--data",
+        DATA,
+        "--report",
+        missing.to_str().unwrap(),
+    ]));
+    assert!(
+        err.contains("no-such-folder") && err.contains("does not exist"),
+        "{err}"
+    );
 }
 
 #[test]
@@ -201,7 +244,15 @@ fn a_report_that_cannot_be_written_after_training_is_printed_instead() {
         eprintln!("SKIPPED: needs /dev/full and a writable /dev (root)");
         return;
     }
-    let out = run(&["train", "--data", DATA, "--epochs", "3", "--report", "/dev/full"]);
+    let out = run(&[
+        "train",
+        "--data",
+        DATA,
+        "--epochs",
+        "3",
+        "--report",
+        "/dev/full",
+    ]);
     let err = stderr(&out);
     assert_eq!(out.status.code(), Some(1), "{err}");
     let json_start = err.find("here it is:\n").expect("the report on stderr") + 12;
@@ -209,7 +260,9 @@ fn a_report_that_cannot_be_written_after_training_is_printed_instead() {
     let report: serde_json::Value =
         serde_json::from_str(&err[json_start..json_end]).expect("the report is JSON");
     assert_eq!(report["epochs"], 3);
-    assert!(report["weights_digest"].as_str().is_some_and(|d| d.len() == 64));
+    assert!(report["weights_digest"]
+        .as_str()
+        .is_some_and(|d| d.len() == 64));
     assert!(err.contains("error: --report /dev/full"), "{err}");
 }
 
@@ -236,8 +289,16 @@ fn a_checkpoint_error_in_one_process_says_what_failed_once() {
     let os = "Not a directory (os error 20)";
     assert_eq!(line.matches(os).count(), 1, "the OS text once: {line}");
     // The same for a missing data folder.
-    let line = stderr(&run(&["train", "--data", dir.path().join("none").to_str().unwrap()]));
-    assert_eq!(line.matches("no such file or directory").count(), 1, "{line}");
+    let line = stderr(&run(&[
+        "train",
+        "--data",
+        dir.path().join("none").to_str().unwrap(),
+    ]));
+    assert_eq!(
+        line.matches("no such file or directory").count(),
+        1,
+        "{line}"
+    );
 }
 
 #[test]
@@ -245,7 +306,15 @@ fn accuracy_without_data_finds_cora_or_says_what_to_pass() {
     let elsewhere = tempfile::tempdir().unwrap();
     let cora = Path::new(env!("CARGO_MANIFEST_DIR")).join("../shared/datasets/cora");
     let out = trellis()
-        .args(["accuracy", "--seeds", "1", "--models", "gcn", "--threads", "1"])
+        .args([
+            "accuracy",
+            "--seeds",
+            "1",
+            "--models",
+            "gcn",
+            "--threads",
+            "1",
+        ])
         .current_dir(elsewhere.path())
         .output()
         .unwrap();
@@ -283,11 +352,20 @@ fn an_injected_panic_is_one_line_even_with_backtraces_on() {
         .unwrap();
     let text = assert_ok(&out);
     let err = stderr(&out);
-    let lines: Vec<&str> = err.lines().filter(|l| l.contains("injected fault")).collect();
+    let lines: Vec<&str> = err
+        .lines()
+        .filter(|l| l.contains("injected fault"))
+        .collect();
     assert_eq!(lines.len(), 1, "{err}");
-    assert!(lines[0].starts_with("chaos: injected fault: partition 1"), "{err}");
+    assert!(
+        lines[0].starts_with("chaos: injected fault: partition 1"),
+        "{err}"
+    );
     assert!(!err.contains("stack backtrace"), "{err}");
     assert!(!err.contains("panicked at"), "{err}");
     assert_eq!(text.matches("recovered: ").count(), 1, "{text}");
-    assert_eq!(read_report(&report)["recoveries"].as_array().unwrap().len(), 1);
+    assert_eq!(
+        read_report(&report)["recoveries"].as_array().unwrap().len(),
+        1
+    );
 }

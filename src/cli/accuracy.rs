@@ -1,8 +1,8 @@
 //! `trellis accuracy`: mean test accuracy over seeds for each model.
 use super::train::load_data;
 use anyhow::{bail, Result};
-use std::path::{Path, PathBuf};
 use clap::Args;
+use std::path::{Path, PathBuf};
 use trellis_runtime::{ModelKind, TrainConfig, Trainer};
 
 #[derive(Debug, Clone, Args)]

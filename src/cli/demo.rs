@@ -104,10 +104,14 @@ pub fn run(a: DemoArgs) -> Result<()> {
         serde_json::from_value(faulty.recoveries.clone()).unwrap_or_default();
     for r in &recoveries {
         let what = match r.node {
-            Some(n) => format!(
-                "node {n} lost, its partitions re-placed {:?} (partition, node)",
-                r.replaced
-            ),
+            Some(n) => {
+                let moved: Vec<String> = r
+                    .replaced
+                    .iter()
+                    .map(|(p, to)| format!("partition {p} to node {to}"))
+                    .collect();
+                format!("node {n} lost, re-placed {}", moved.join(", "))
+            }
             None => format!("partition {} panicked and was restarted", r.partition),
         };
         println!(

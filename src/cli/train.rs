@@ -276,7 +276,10 @@ pub fn run(a: TrainArgs) -> Result<()> {
 /// the path is not a folder. Called before training, so that a bad path costs no run.
 pub fn check_report_path(path: &Path) -> Result<()> {
     if path.is_dir() {
-        bail!("--report {}: is a folder; name a file in it", path.display());
+        bail!(
+            "--report {}: is a folder; name a file in it",
+            path.display()
+        );
     }
     let folder = match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,

@@ -206,7 +206,10 @@ mod tests {
         assert_eq!(positive_u32("3"), Ok(3));
         assert_eq!(positive_u32("0").unwrap_err(), "must be at least 1");
         assert!(positive_u32("-1").is_err());
-        assert_eq!(width("4294967295").unwrap_err(), "must be between 1 and 65536");
+        assert_eq!(
+            width("4294967295").unwrap_err(),
+            "must be between 1 and 65536"
+        );
         assert_eq!(heads("1000000").unwrap_err(), "must be between 1 and 256");
         assert_eq!(learning_rate("0.01"), Ok(0.01));
         for bad in ["nan", "inf", "0", "-0.1"] {

@@ -127,10 +127,9 @@ fn legend<DB: DrawingBackend>(
     for (i, e) in all.enumerate() {
         let y = 48 + 24 * i as i32;
         match e.swatch {
-            Swatch::Line(c) => area.draw(&PathElement::new(
-                vec![(8, y), (30, y)],
-                c.stroke_width(2),
-            )),
+            Swatch::Line(c) => {
+                area.draw(&PathElement::new(vec![(8, y), (30, y)], c.stroke_width(2)))
+            }
             Swatch::Bar(c) => area.draw(&Rectangle::new([(10, y - 6), (28, y + 6)], c.filled())),
             Swatch::Mark => area.draw(&PathElement::new(
                 vec![(19, y - 8), (19, y + 8)],
@@ -323,8 +322,14 @@ pub fn timeline(r: &RunReport, marks: &[RecoveryMark], path: &Path) -> Result<Pa
         for p in 0..parts {
             let (y0, y1) = (p as f64 - 0.35, p as f64 + 0.35);
             let (compute, step) = (b.compute_s[p], b.compute_s[p] + b.comm_s[p]);
-            bars.push(Rectangle::new([(t, y0), (t + compute, y1)], COMPUTE.filled()));
-            bars.push(Rectangle::new([(t + compute, y0), (t + step, y1)], COMM.filled()));
+            bars.push(Rectangle::new(
+                [(t, y0), (t + compute, y1)],
+                COMPUTE.filled(),
+            ));
+            bars.push(Rectangle::new(
+                [(t + compute, y0), (t + step, y1)],
+                COMM.filled(),
+            ));
             bars.push(Rectangle::new(
                 [(t + step, y0), (t + step + b.eval_s, y1)],
                 EVAL.filled(),

@@ -42,11 +42,9 @@ fn as_given(v: &serde_json::Value) -> serde_json::Value {
             serde_json::Number::from_f64(shortest).map_or_else(|| v.clone(), Value::Number)
         }
         Value::Array(a) => Value::Array(a.iter().map(as_given).collect()),
-        Value::Object(o) => Value::Object(
-            o.iter()
-                .map(|(k, v)| (k.clone(), as_given(v)))
-                .collect(),
-        ),
+        Value::Object(o) => {
+            Value::Object(o.iter().map(|(k, v)| (k.clone(), as_given(v))).collect())
+        }
         other => other.clone(),
     }
 }
