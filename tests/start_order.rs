@@ -78,26 +78,42 @@ fn free_udp_port() -> u16 {
         .port()
 }
 
-/// Certificates for nodes 0 and 1 (made with the binary, as README says) and a cluster file
-/// with the coordinator at a fixed loopback port; returns the cluster file.
-fn two_node_cluster(dir: &Path, join_timeout_ms: u64) -> PathBuf {
+/// Certificates for nodes 0..n (made with the binary, as README says) and a cluster file with
+/// the coordinator at a fixed loopback port; returns the cluster file.
+fn cluster(dir: &Path, n: u32, join_timeout_ms: u64) -> PathBuf {
     let certs = dir.join("certs");
-    for args in [
-        vec!["cert", "init", "--dir", s(&certs)],
-        vec!["cert", "issue", "--dir", s(&certs), "--node", "0"],
-        vec!["cert", "issue", "--dir", s(&certs), "--node", "1"],
-    ] {
-        binary::assert_ok(&trellis().args(&args).output().expect("run trellis cert"));
+    binary::assert_ok(
+        &trellis()
+            .args(["cert", "init", "--dir", s(&certs)])
+            .output()
+            .expect("run trellis cert init"),
+    );
+    for id in 0..n {
+        let id = id.to_string();
+        let args = ["cert", "issue", "--dir", s(&certs), "--node", &id];
+        binary::assert_ok(
+            &trellis()
+                .args(args)
+                .output()
+                .expect("run trellis cert issue"),
+        );
     }
     let port = free_udp_port();
-    let text = format!(
+    let mut text = format!(
         "certs = \"certs\"\npartitions = \"parts\"\nheartbeat_ms = 200\nidle_timeout_ms = 1000\n\
          step_deadline_ms = 20000\njoin_timeout_ms = {join_timeout_ms}\n\
-         [[node]]\nid = 0\naddr = \"127.0.0.1:{port}\"\n[[node]]\nid = 1\naddr = \"127.0.0.1:0\"\n"
+         [[node]]\nid = 0\naddr = \"127.0.0.1:{port}\"\n"
     );
+    for id in 1..n {
+        text += &format!("[[node]]\nid = {id}\naddr = \"127.0.0.1:0\"\n");
+    }
     let path = dir.join("cluster.toml");
     std::fs::write(&path, text).expect("write the cluster file");
     path
+}
+
+fn two_node_cluster(dir: &Path, join_timeout_ms: u64) -> PathBuf {
+    cluster(dir, 2, join_timeout_ms)
 }
 
 #[test]
@@ -190,4 +206,35 @@ fn a_node_whose_coordinator_never_comes_names_it() {
         "the error does not name the coordinator: {err}"
     );
     assert!(!err.contains(&u32::MAX.to_string()), "{err}");
+}
+
+#[test]
+fn a_node_that_joined_learns_why_the_run_did_not_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = cluster(dir.path(), 3, 4_000);
+    let coord = Proc::start(
+        "coordinator",
+        &[
+            "node",
+            "--cluster",
+            s(&cluster),
+            "--id",
+            "0",
+            "--data",
+            DATA,
+            "--epochs",
+            "2",
+        ],
+    );
+    // Node 1 joins; node 2 never starts.
+    let worker = Proc::start("node 1", &["node", "--cluster", s(&cluster), "--id", "1"]);
+    let (status, _, err) = coord.finish(Duration::from_secs(60));
+    assert!(!status.success());
+    assert!(err.contains("node(s) [2] did not join within 4 s"), "{err}");
+    let (wstatus, _, werr) = worker.finish(Duration::from_secs(30));
+    assert!(!wstatus.success(), "node 1 succeeded without a run");
+    assert!(
+        werr.contains("the coordinator aborted the run") && werr.contains("node(s) [2]"),
+        "node 1 does not say why: {werr}"
+    );
 }

@@ -173,12 +173,20 @@ async fn drive(
             }
             Err(ActorError::NoMessage { .. }) if !left.is_zero() => {}
             Err(ActorError::NoMessage { .. }) => {
-                return Err(ActorError::Cluster(format!(
+                let e = ActorError::Cluster(format!(
                     "node(s) {missing:?} did not join within {} s (join_timeout_ms): start them \
                      with `trellis node --cluster FILE --id N`; they must reach this node at {}",
                     join.as_secs(),
                     ep.addr()
-                )));
+                ));
+                // The nodes that did join wait for a setup that will not come: tell them.
+                let joined: Vec<u32> = workers
+                    .iter()
+                    .copied()
+                    .filter(|n| addrs.contains_key(n))
+                    .collect();
+                abort(ep, &joined, &e).await;
+                return Err(e);
             }
             Err(e) => return Err(e),
         }

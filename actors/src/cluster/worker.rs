@@ -189,8 +189,10 @@ const MAX_BACKOFF: Duration = Duration::from_secs(5);
 
 /// Joins the coordinator and returns its setup. Nodes start in any order: while the
 /// coordinator cannot be reached (not started yet, still loading its data, restarting), the
-/// `Join` is sent again with exponential backoff until the cluster's `join_timeout_ms`,
-/// which is printed once when the first attempt fails.
+/// `Join` is sent again with exponential backoff; the node gives up when the coordinator has
+/// been unreachable for the cluster's `join_timeout_ms`, which is printed once when the first
+/// attempt fails. While connected, it waits for the setup as long as the coordinator waits
+/// for the other nodes (the coordinator aborts the run when they do not come).
 async fn join_coordinator(
     cluster: &ClusterFile,
     ep: &NodeEndpoint,
@@ -199,7 +201,10 @@ async fn join_coordinator(
     let coord = cluster.coordinator;
     let coord_addr = cluster.node(coord)?.addr;
     let within = Duration::from_millis(cluster.join_timeout_ms);
-    let deadline = Instant::now() + within;
+    let quic = ep.transport.node();
+    let connected = || quic.connected_peers().contains(&coord);
+    // The coordinator was last known to be up (or this node started) then.
+    let mut reachable_at = Instant::now();
     let mut backoff = FIRST_BACKOFF;
     let mut attempts = 0u32;
     loop {
@@ -209,16 +214,27 @@ async fn join_coordinator(
         };
         ep.send(coord, &join)?;
         let failure = loop {
-            let left = deadline.saturating_duration_since(Instant::now());
+            let left = (reachable_at + within).saturating_duration_since(Instant::now());
             match inbox.next(Some(coord), left).await {
                 Ok((from, ControlMsg::Setup(s))) if from == coord => return Ok(s),
                 Ok((_, ControlMsg::Abort { reason })) => return Err(aborted(coord, reason)),
                 Ok((from, other)) => tracing::warn!(peer = from, "ignored {other:?} before setup"),
+                // Joined: the coordinator is up and waits for the other nodes.
+                Err(ActorError::Node { node, .. }) if node == coord && connected() => {
+                    reachable_at = Instant::now();
+                }
                 Err(ActorError::Node { node, detail }) if node == coord => break detail,
                 Err(e) => return Err(e),
             }
         };
-        let left = deadline.saturating_duration_since(Instant::now());
+        // A connection that was up and broke: the coordinator was reachable until now.
+        if matches!(
+            quic.peer_failure(coord),
+            Some(trellis_transport::quic::QuicError::PeerLost { .. })
+        ) {
+            reachable_at = Instant::now();
+        }
+        let left = (reachable_at + within).saturating_duration_since(Instant::now());
         if left.is_zero() {
             return Err(ActorError::Node {
                 node: coord,
@@ -239,7 +255,7 @@ async fn join_coordinator(
         }
         tokio::time::sleep(backoff.min(left)).await;
         backoff = (backoff * 2).min(MAX_BACKOFF);
-        ep.transport.node().reset_peer(coord);
+        quic.reset_peer(coord);
     }
 }
 
