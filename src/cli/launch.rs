@@ -82,7 +82,8 @@ static STOP: AtomicBool = AtomicBool::new(false);
 
 /// Starts `opts.nodes` node processes on loopback with fresh certificates in `dir`, passes
 /// `train_args` to the coordinator, and waits for the run to end. Partition files are read
-/// from `parts` (default `dir/parts`) by every node. `quiet`: the nodes' stdout is discarded.
+/// from `parts` (default `dir/parts`) by every node. The coordinator's stdout is shown unless
+/// `quiet`; the other nodes' stdout (their traffic, also in the coordinator's summary) never.
 pub fn launch_cluster(
     opts: &ClusterOptions,
     dir: &Path,
@@ -132,8 +133,10 @@ pub fn launch_cluster(
         std::thread::sleep(Duration::from_millis(50));
     };
     std::fs::write(&cluster, cluster_file(opts, &parts, coord_addr.trim()))?;
+    // The other nodes' stdout is only their traffic, which the coordinator's summary lists:
+    // each node's traffic is printed once. Their errors (stderr) are shown.
     for n in 1..opts.nodes {
-        nodes.spawn(n, node_command(&exe, &cluster, n, quiet))?;
+        nodes.spawn(n, node_command(&exe, &cluster, n, true))?;
     }
     nodes.wait_all(stop)
 }
