@@ -369,3 +369,35 @@ fn an_injected_panic_is_one_line_even_with_backtraces_on() {
         1
     );
 }
+
+#[test]
+fn a_recovery_is_timed_from_the_panic_not_from_the_start_of_the_step() {
+    // The panic fires in the last stage of the step (backward, layer 0): timed from the start
+    // of the step, detection would include the whole forward pass.
+    let dir = tempfile::tempdir().unwrap();
+    let report = dir.path().join("run.json");
+    let data = "synthetic:nodes=50000,degree=10,features=64,classes=8,seed=3";
+    assert_ok(&run(&[
+        "train",
+        "--data",
+        data,
+        "--epochs",
+        "5",
+        "--partitions",
+        "2",
+        "--hidden",
+        "64",
+        "--chaos",
+        "panic:part=1:epoch=3:layer=0:phase=backward",
+        "--report",
+        report.to_str().unwrap(),
+    ]));
+    let r = read_report(&report);
+    let rec = &r["recoveries"][0];
+    let detected = rec["detected_ms"].as_f64().expect("detected_ms");
+    let step = r["epoch_ms_median"].as_f64().expect("epoch_ms_median");
+    assert!(
+        detected >= 0.0 && detected < 0.25 * step,
+        "detected {detected} ms after the panic, a step takes {step} ms: {rec}"
+    );
+}

@@ -40,7 +40,9 @@ pub struct Recovery {
     #[serde(default)]
     pub digest_ok: Option<bool>,
     pub epoch: u32,
-    /// From the failed unit's start to the failure report, ms.
+    /// From the failure to its report, ms: from the panic for a partition panic; from the
+    /// start of the interrupted step for a lost node (killed as its step starts) or a missed
+    /// deadline.
     pub detected_ms: f64,
     /// From the failure report until the replay could start (restart or re-placement,
     /// restore, epoch reset), ms.
@@ -408,7 +410,18 @@ impl Coordinator {
                             }
                             return Ok(v);
                         }
-                        Err(e) => (e, started.elapsed().as_secs_f64() * 1e3),
+                        Err(e) => {
+                            // A panic is timed from the moment it happened; anything else
+                            // (a lost node, a missed deadline) from the start of the step.
+                            let failed_at = match &e {
+                                ActorError::Panicked { part, .. } => {
+                                    crate::failure_clock::take(self.run, *part)
+                                }
+                                _ => None,
+                            };
+                            let from = failed_at.unwrap_or(started).max(started);
+                            (e, from.elapsed().as_secs_f64() * 1e3)
+                        }
                     }
                 }
             };

@@ -14,6 +14,7 @@ pub mod checkpoint;
 pub mod cluster;
 mod coordinator;
 mod error;
+mod failure_clock;
 mod halo;
 mod handle;
 mod messages;

@@ -216,6 +216,7 @@ impl PartitionActor {
                 source: e,
             },
             Err(panic) => {
+                crate::failure_clock::record(self.run, part.0, std::time::Instant::now());
                 // Stopping makes actix's Supervisor call `restarting` and start us again.
                 ctx.stop();
                 ActorError::Panicked {

@@ -115,7 +115,7 @@ pub fn run(a: DemoArgs) -> Result<()> {
             None => format!("partition {} panicked and was restarted", r.partition),
         };
         println!(
-            "   recovery in epoch {}: {what}; failure reported {:.1} ms into the interrupted step, ready to replay {:.1} ms after the report, step done again {:.1} ms after it; restored state matched its digest: {}",
+            "   recovery in epoch {}: {what}; detected {:.1} ms after the failure, ready to replay {:.1} ms after detection, step done again {:.1} ms after detection; restored state matched its digest: {}",
             r.epoch,
             r.detected_ms,
             r.ready_ms,

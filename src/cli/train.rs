@@ -230,7 +230,7 @@ pub fn follow(run: TrainingRun, epochs: u64, verbose: bool) -> Result<RunReport>
                     None => "",
                 };
                 println!(
-                    "recovered: {what} in epoch {}: failure reported {:.1} ms into the interrupted step, ready to replay {:.1} ms and resumed {:.1} ms after the report, {} step(s) replayed{check}",
+                    "recovered: {what} in epoch {}: detected {:.1} ms after the failure, ready to replay {:.1} ms and resumed {:.1} ms after detection, {} step(s) replayed{check}",
                     r.epoch, r.detected_ms, r.ready_ms, r.resumed_ms, r.steps_replayed
                 )
             }),

@@ -349,7 +349,21 @@ fn answer(ep: &NodeEndpoint, coord: u32, id: u64, run: RunId, part: PartitionRef
                         trace: TraceContext::from_traceparent(&trace),
                     };
                     match addr.send(step).await {
-                        Ok(r) => ReplyBody::of_step(r),
+                        Ok(r) => {
+                            let panicked = match &r {
+                                Err(ActorError::Panicked { part, .. }) => Some(*part),
+                                _ => None,
+                            };
+                            let mut body = ReplyBody::of_step(r);
+                            if let (ReplyBody::Panicked { since_ms, .. }, Some(p)) =
+                                (&mut body, panicked)
+                            {
+                                if let Some(at) = crate::failure_clock::take(run, p) {
+                                    *since_ms = at.elapsed().as_secs_f64() * 1e3;
+                                }
+                            }
+                            body
+                        }
                         Err(e) => mailbox(e),
                     }
                 }
