@@ -226,7 +226,7 @@ fn bench_partitions_times_both_sides_and_says_where_time_goes() {
         "partitions",
         "--data",
         DATA,
-        "--parts",
+        "--partitions",
         "2",
         "--epochs",
         "3",
@@ -262,7 +262,7 @@ fn bench_partitions_times_both_sides_and_says_where_time_goes() {
     for needle in ["forward 0", "backward 0", "apply", "halo MiB", "gemm"] {
         assert!(out.contains(needle), "no `{needle}` in:\n{out}");
     }
-    let bad = trellis(&["bench", "partitions", "--data", DATA, "--parts", "1"]);
+    let bad = trellis(&["bench", "partitions", "--data", DATA, "--partitions", "1"]);
     assert!(!bad.status.success());
-    assert!(String::from_utf8_lossy(&bad.stderr).contains("--parts"));
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--partitions must be at least 2"));
 }

@@ -62,7 +62,10 @@ fn tensor(m: Mat, path: &Path) -> Result<Tensor, ActorError> {
 }
 
 fn bad(path: &Path, m: impl std::fmt::Display) -> ActorError {
-    ActorError::Cluster(format!("checkpoint {}: {m}", path.display()))
+    ActorError::Checkpoint {
+        path: path.to_path_buf(),
+        detail: m.to_string(),
+    }
 }
 
 fn config_key(cfg: &TrainConfig) -> String {

@@ -56,6 +56,15 @@ pub enum ActorError {
     /// A node of the cluster failed, stopped answering, or broke the protocol.
     #[error("node {node}: {detail}")]
     Node { node: u32, detail: String },
+    /// Nothing arrived from any node within the wait (no node to blame yet).
+    #[error("no message from any node within {ms} ms")]
+    NoMessage { ms: u64 },
+    /// A checkpoint cannot be written, read or used (single-process runs and clusters alike).
+    #[error("checkpoint {}: {detail}", path.display())]
+    Checkpoint {
+        path: std::path::PathBuf,
+        detail: String,
+    },
     /// The cluster file or the cluster's setup is wrong.
     #[error("cluster: {0}")]
     Cluster(String),

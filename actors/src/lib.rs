@@ -16,6 +16,7 @@
 pub mod checkpoint;
 pub mod cluster;
 mod error;
+mod failure_clock;
 pub mod faults;
 pub mod profile;
 pub mod protocol;

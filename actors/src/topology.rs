@@ -168,10 +168,10 @@ impl Topology {
             ck.check_matches(&pol.dir, &self.cfg, &book.data_digest, book.parts)?;
             for s in &mut states {
                 if !s.restore(&ck.snapshot)? {
-                    return Err(ActorError::Cluster(format!(
-                        "checkpoint in {}: the restored weights do not match its digest",
-                        pol.dir.display()
-                    )));
+                    return Err(ActorError::Checkpoint {
+                        path: pol.dir.clone(),
+                        detail: "the restored weights do not match its digest".into(),
+                    });
                 }
             }
         }

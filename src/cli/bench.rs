@@ -18,13 +18,17 @@ pub struct BenchArgs {
         default_value = "synthetic:nodes=100000,degree=20,features=128,classes=16,seed=0"
     )]
     pub data: String,
+    /// The architecture timed: gcn, sage or gat (paper settings but --hidden).
     #[arg(long, default_value = "gcn")]
     pub model: ModelKind,
-    #[arg(long, default_value_t = 256)]
+    /// Hidden layer width.
+    #[arg(long, default_value_t = 256, value_parser = super::validate::width)]
     pub hidden: usize,
-    #[arg(long, default_value_t = 5)]
+    /// Epochs timed.
+    #[arg(long, default_value_t = 5, value_parser = super::validate::positive_u32)]
     pub epochs: u32,
-    #[arg(long, default_value_t = 0)]
+    /// CPU threads for kernels (0 = one per CPU).
+    #[arg(long, default_value_t = 0, value_parser = super::validate::threads)]
     pub threads: usize,
 }
 

@@ -22,16 +22,22 @@ pub struct PartitionsArgs {
     )]
     pub data: String,
     /// Number of partitions compared with one process.
-    #[arg(long, default_value_t = 4)]
-    pub parts: usize,
+    #[arg(long, value_name = "P", alias = "parts", default_value_t = 4, value_parser = super::validate::partitions)]
+    pub partitions: usize,
+    /// How to partition: metis (few cut edges) or random.
+    #[arg(long, default_value = "metis")]
+    pub partition_method: PartitionMethod,
+    /// The architecture: gcn, sage or gat (paper settings but --hidden).
     #[arg(long, default_value = "gcn")]
     pub model: ModelKind,
-    #[arg(long, default_value_t = 256)]
+    /// Hidden layer width.
+    #[arg(long, default_value_t = 256, value_parser = super::validate::width)]
     pub hidden: usize,
     /// Epochs of each (they alternate); the first is a warm-up for both.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, value_parser = super::validate::positive_u32)]
     pub epochs: u32,
-    #[arg(long, default_value_t = 0)]
+    /// CPU threads for kernels (0 = one per CPU).
+    #[arg(long, default_value_t = 0, value_parser = super::validate::threads)]
     pub threads: usize,
     /// Reuse (or create) the partition files here instead of a temporary folder.
     #[arg(long)]
@@ -47,8 +53,8 @@ struct Sample {
 }
 
 pub fn run(a: PartitionsArgs) -> Result<()> {
-    if a.parts < 2 {
-        bail!("--parts must be at least 2 (it is compared with one process)");
+    if a.partitions < 2 {
+        bail!("--partitions must be at least 2 (it is compared with one process)");
     }
     if a.epochs < 2 {
         bail!("--epochs must be at least 2 (the first is a warm-up)");
@@ -62,8 +68,8 @@ pub fn run(a: PartitionsArgs) -> Result<()> {
     cfg.threads = a.threads;
     let topo = Topology::partition(
         &ds,
-        a.parts,
-        PartitionMethod::Metis,
+        a.partitions,
+        a.partition_method,
         a.partition_dir.as_deref(),
         cfg.clone(),
     )
@@ -105,7 +111,7 @@ pub fn run(a: PartitionsArgs) -> Result<()> {
         |v: &[Sample], f: fn(&Sample) -> f64| median(&v[1..].iter().map(f).collect::<Vec<_>>());
     let (t1, tp) = (med(&ones, |s| s.ms), med(&many, |s| s.ms));
     let (c1, cp) = (med(&ones, |s| s.cpu_ms), med(&many, |s| s.cpu_ms));
-    let p = a.parts;
+    let p = a.partitions;
     println!(
         "data       {name} ({n} nodes), {} hidden {}",
         a.model, a.hidden

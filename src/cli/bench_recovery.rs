@@ -10,34 +10,38 @@ use trellis_runtime::{report::median, RunReport};
 
 #[derive(Debug, Clone, Args)]
 pub struct RecoveryBenchArgs {
+    /// The data set (same forms as `train --data`).
     #[arg(
         long,
         default_value = "synthetic:nodes=1000000,degree=20,features=128,classes=16,seed=0"
     )]
     pub data: String,
+    /// The architecture: gcn, sage or gat (paper settings but --hidden).
     #[arg(long, default_value = "gcn")]
     pub model: String,
-    #[arg(long, default_value_t = 256)]
+    /// Hidden layer width.
+    #[arg(long, default_value_t = 256, value_parser = super::validate::width)]
     pub hidden: usize,
-    /// Node processes.
-    #[arg(long, default_value_t = 2)]
+    /// Node processes (at least 2: one is killed).
+    #[arg(long, default_value_t = 2, value_parser = super::validate::positive_u32)]
     pub nodes: u32,
     /// Partitions (spread over the nodes).
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = super::validate::partitions)]
     pub partitions: usize,
     /// Epochs per run (the first is not timed).
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = super::validate::positive_u32)]
     pub epochs: u32,
     /// Runs with replication on, and as many off, alternating.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, value_parser = super::validate::positive_u32)]
     pub repeats: u32,
+    /// QUIC keep-alive (heartbeat) interval, ms.
     #[arg(long, default_value_t = 500)]
     pub heartbeat_ms: u64,
     /// A node is declared lost after this long without a packet (two missed heartbeats).
     #[arg(long, default_value_t = 1000)]
     pub idle_timeout_ms: u64,
-    /// CPU threads per node process (0: all).
-    #[arg(long, default_value_t = 0)]
+    /// CPU threads per node process (0: one per CPU).
+    #[arg(long, default_value_t = 0, value_parser = super::validate::threads)]
     pub threads: usize,
 }
 

@@ -20,9 +20,11 @@ pub struct DemoArgs {
         default_value = "synthetic:nodes=20000,degree=10,features=64,classes=8,seed=0"
     )]
     pub data: String,
-    #[arg(long, default_value_t = 4)]
+    /// Partition actors (METIS), spread over the 3 node processes of the cluster runs.
+    #[arg(long, value_name = "P", default_value_t = 4, value_parser = super::validate::partitions)]
     pub partitions: usize,
-    #[arg(long, default_value_t = 30)]
+    /// Epochs of every run (the faults fire in epochs 10 and 20 when there are that many).
+    #[arg(long, value_name = "N", default_value_t = 30, value_parser = super::validate::positive_u32)]
     pub epochs: u32,
 }
 
@@ -76,7 +78,9 @@ pub fn run(a: DemoArgs) -> Result<()> {
         if !chaos.is_empty() {
             args.extend(["--chaos".into(), chaos.into()]);
         }
-        launch_cluster(&opts, &dir, Some(&tmp.path().join("parts")), &args, false)?;
+        // The nodes' own output is not shown: the summary and the recoveries below are
+        // printed once each, from the report (whose temporary path is not printed).
+        launch_cluster(&opts, &dir, Some(&tmp.path().join("parts")), &args, true)?;
         Ok(RunReport::read(&report)?)
     };
 
@@ -85,6 +89,7 @@ pub fn run(a: DemoArgs) -> Result<()> {
         a.partitions
     );
     let cluster = cluster_run("clean", "")?;
+    print_summary(&cluster);
 
     let (panic_epoch, kill_epoch) = (a.epochs / 3, 2 * a.epochs / 3);
     println!(
@@ -94,18 +99,23 @@ pub fn run(a: DemoArgs) -> Result<()> {
         "panic:part=1:epoch={panic_epoch}:layer=0:phase=backward,kill-node:node=2:epoch={kill_epoch}"
     );
     let faulty = cluster_run("faults", &chaos)?;
+    print_summary(&faulty);
     let recoveries: Vec<Recovery> =
         serde_json::from_value(faulty.recoveries.clone()).unwrap_or_default();
     for r in &recoveries {
         let what = match r.node {
-            Some(n) => format!(
-                "node {n} lost, its partitions re-placed {:?} (partition, node)",
-                r.replaced
-            ),
+            Some(n) => {
+                let moved: Vec<String> = r
+                    .replaced
+                    .iter()
+                    .map(|(p, to)| format!("partition {p} to node {to}"))
+                    .collect();
+                format!("node {n} lost, re-placed {}", moved.join(", "))
+            }
             None => format!("partition {} panicked and was restarted", r.partition),
         };
         println!(
-            "   recovery in epoch {}: {what}; detected after {:.1} ms, ready to replay {:.1} ms later, step done again {:.1} ms after detection; restored state matched its digest: {}",
+            "   recovery in epoch {}: {what}; detected {:.1} ms after the failure, ready to replay {:.1} ms after detection, step done again {:.1} ms after detection; restored state matched its digest: {}",
             r.epoch,
             r.detected_ms,
             r.ready_ms,

@@ -29,7 +29,7 @@ pub struct LaunchArgs {
 #[derive(Debug, Clone, Args)]
 pub struct ClusterOptions {
     /// Number of node processes (node 0 coordinates).
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, value_parser = super::validate::positive_u32)]
     pub nodes: u32,
     /// QUIC keep-alive (heartbeat) interval, ms.
     #[arg(long, default_value_t = 500)]
@@ -61,6 +61,9 @@ const OWN_OPTIONS: [&str; 7] = [
 ];
 
 pub fn run(a: LaunchArgs) -> Result<()> {
+    if let Some(path) = &a.train.report {
+        super::train::check_report_path(path)?;
+    }
     let (dir, _tmp) = match &a.dir {
         Some(d) => (d.clone(), None),
         None => {
@@ -79,7 +82,8 @@ static STOP: AtomicBool = AtomicBool::new(false);
 
 /// Starts `opts.nodes` node processes on loopback with fresh certificates in `dir`, passes
 /// `train_args` to the coordinator, and waits for the run to end. Partition files are read
-/// from `parts` (default `dir/parts`) by every node. `quiet`: the nodes' stdout is discarded.
+/// from `parts` (default `dir/parts`) by every node. The coordinator's stdout is shown unless
+/// `quiet`; the other nodes' stdout (their traffic, also in the coordinator's summary) never.
 pub fn launch_cluster(
     opts: &ClusterOptions,
     dir: &Path,
@@ -129,8 +133,10 @@ pub fn launch_cluster(
         std::thread::sleep(Duration::from_millis(50));
     };
     std::fs::write(&cluster, cluster_file(opts, &parts, coord_addr.trim()))?;
+    // The other nodes' stdout is only their traffic, which the coordinator's summary lists:
+    // each node's traffic is printed once. Their errors (stderr) are shown.
     for n in 1..opts.nodes {
-        nodes.spawn(n, node_command(&exe, &cluster, n, quiet))?;
+        nodes.spawn(n, node_command(&exe, &cluster, n, true))?;
     }
     nodes.wait_all(stop)
 }

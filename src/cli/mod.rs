@@ -15,6 +15,7 @@ mod report;
 mod sim;
 pub mod telemetry;
 mod train;
+pub mod validate;
 
 pub use train::TrainArgs;
 

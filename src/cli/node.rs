@@ -2,7 +2,7 @@
 //! node takes the training options (`--data`, `--model`, ...), partitions the data into the
 //! cluster's partition folder if it does not hold a matching partitioning yet, and drives the
 //! run; every other node only needs `--cluster` and `--id`.
-use super::train::{follow, load_data, print_summary, TrainArgs};
+use super::train::{check_report_path, follow, load_data, print_summary, write_report, TrainArgs};
 use anyhow::{Context, Result};
 use clap::Args;
 use std::path::PathBuf;
@@ -47,11 +47,10 @@ fn run_node(a: &NodeArgs, cluster: ClusterFile) -> Result<()> {
         return Ok(());
     }
     let t = &a.train;
-    let parts = if t.partitions > 1 {
-        t.partitions
-    } else {
-        2 * cluster.nodes.len()
-    };
+    if let Some(path) = &t.report {
+        check_report_path(path)?;
+    }
+    let parts = t.partitions.unwrap_or(2 * cluster.nodes.len());
     let ds = load_data(&t.data)?;
     let cfg = t.config(&ds)?;
     let dir = t
@@ -71,11 +70,11 @@ fn run_node(a: &NodeArgs, cluster: ClusterFile) -> Result<()> {
         addr_file: a.addr_file.clone(),
         checkpoints: t.checkpoints(),
     };
-    let report = follow(job.spawn()?, epochs, t.verbose)?;
+    let mut report = follow(job.spawn()?, epochs, t.verbose)?;
+    report.code_commit = crate::build_info::commit().map(str::to_string);
     print_summary(&report);
     if let Some(path) = &t.report {
-        report.write(path)?;
-        println!("report written to {}", path.display());
+        write_report(&report, path)?;
     }
     Ok(())
 }

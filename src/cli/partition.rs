@@ -11,22 +11,23 @@ pub struct PartitionArgs {
     /// The data set (same forms as `train --data`).
     #[arg(long)]
     pub data: String,
-    /// Number of parts.
-    #[arg(long)]
-    pub parts: usize,
-    /// metis or random.
-    #[arg(long, default_value = "metis")]
-    pub method: PartitionMethod,
+    /// Number of partitions (1 to 4096).
+    #[arg(long, value_name = "P", alias = "parts", value_parser = super::validate::partitions)]
+    pub partitions: usize,
+    /// How to partition: metis (few cut edges) or random.
+    #[arg(long, alias = "method", default_value = "metis")]
+    pub partition_method: PartitionMethod,
+    /// Seed of the partitioning (METIS and random assignment).
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Output folder (created).
-    #[arg(long)]
+    /// Output folder (created): partition files and partition.json.
+    #[arg(long, value_name = "DIR")]
     pub out: PathBuf,
 }
 
 pub fn run(a: PartitionArgs) -> Result<()> {
     let ds = load_data(&a.data)?;
-    let book = partition(&ds, a.parts, a.method, a.seed, &a.out)?;
+    let book = partition(&ds, a.partitions, a.partition_method, a.seed, &a.out)?;
     println!(
         "{} parts of {} ({} nodes, {} edges) by {} in {} ms: edge cut {} ({:.1}%), balance nodes {:.3} edges {:.3} train {:.3}, peak RSS {:.1} MiB",
         book.parts,

@@ -1,69 +1,84 @@
 //! `trellis train`.
 use super::telemetry::TelemetryArgs;
-use anyhow::{Context, Result};
+use super::validate;
+use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use trellis_actors::checkpoint::CheckpointPolicy;
 use trellis_actors::{FaultPlan, RunEvent, Topology, TrainingRun};
 use trellis_gpu::Device;
 use trellis_runtime::partition::PartitionMethod;
 use trellis_runtime::{progress, DataSource, Dataset, ModelKind, RunReport, TrainConfig, Trainer};
 
-/// Options of `trellis train`. Unset hyper-parameters take the paper's Cora settings.
+/// Options of `trellis train`. Unset hyper-parameters take each paper's Cora settings, which
+/// depend on the model (listed with each option).
 #[derive(Debug, Clone, Args)]
 pub struct TrainArgs {
     /// A PyG export folder, an .npz, an OGB folder, or `synthetic:nodes=N,degree=D,...`.
     #[arg(long, default_value = "synthetic")]
     pub data: String,
-    /// gcn, sage or gat.
+    /// The architecture: gcn, sage (GraphSAGE, mean aggregator) or gat.
     #[arg(long, default_value = "gcn")]
     pub model: ModelKind,
-    #[arg(long)]
+    /// Training epochs (at least 1) [default: 200, every model].
+    #[arg(long, value_name = "N", value_parser = validate::positive_u32)]
     pub epochs: Option<u32>,
-    #[arg(long)]
+    /// Adam learning rate (finite, above 0) [default: gcn and sage 0.01, gat 0.005].
+    #[arg(long, value_name = "RATE", value_parser = validate::learning_rate)]
     pub lr: Option<f32>,
-    #[arg(long)]
+    /// Hidden layer width (per head for GAT) [default: gcn and sage 16, gat 8].
+    #[arg(long, value_name = "WIDTH", value_parser = validate::width)]
     pub hidden: Option<usize>,
-    /// GAT attention heads of the hidden layer.
-    #[arg(long)]
+    /// GAT attention heads of the hidden layer (the output layer has 1) [default: 8; GAT only].
+    #[arg(long, value_name = "N", value_parser = validate::heads)]
     pub heads: Option<usize>,
-    #[arg(long)]
+    /// Dropout probability, in [0, 1) [default: gcn and sage 0.5, gat 0.6 on features and
+    /// attention alike].
+    #[arg(long, value_name = "P", value_parser = validate::dropout)]
     pub dropout: Option<f32>,
-    #[arg(long)]
+    /// L2 weight decay of Adam (at least 0) [default: 5e-4, every model].
+    #[arg(long, value_name = "DECAY", value_parser = validate::weight_decay)]
     pub weight_decay: Option<f32>,
+    /// Seed of every random draw (initialisation, dropout); same seed, same weights.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// CPU threads for kernels (0 = all CPUs).
-    #[arg(long, default_value_t = 0)]
+    /// CPU threads for kernels (0 = one per CPU; at most 4 per CPU).
+    #[arg(long, value_name = "N", default_value_t = 0, value_parser = validate::threads)]
     pub threads: usize,
     /// Do not row-normalise the input features.
     #[arg(long)]
     pub no_normalize_features: bool,
-    /// Train with this many partition actors (halo exchange between them); 1 = single process.
-    #[arg(long, default_value_t = 1)]
-    pub partitions: usize,
-    /// How to partition: metis or random.
+    /// Partition actors (halo exchange between them) [default: train 1 (single process);
+    /// launch and node 2 per node].
+    #[arg(long, value_name = "P", value_parser = validate::partitions)]
+    pub partitions: Option<usize>,
+    /// How to partition: metis (few cut edges) or random.
     #[arg(long, default_value = "metis")]
     pub partition_method: PartitionMethod,
     /// Use (or write) partition files in this folder instead of a temporary one.
-    #[arg(long)]
+    #[arg(long, value_name = "DIR")]
     pub partition_dir: Option<PathBuf>,
-    /// Inject faults into a partitioned run, e.g. `panic:part=1:epoch=5[:layer=L][:phase=backward]`
-    /// (comma separated). The run recovers and ends with the fault-free weights.
-    #[arg(long)]
+    /// Inject faults (comma separated); the run recovers and ends with the fault-free weights:
+    /// `panic:part=P:epoch=E[:layer=L][:phase=forward|backward|eval]` (partition P panics),
+    /// `kill-node:node=N:epoch=E` (SIGKILL of node N's process as epoch E starts),
+    /// `cut-link:a=N:b=M:epoch=E:ms=T` (messages between nodes N and M dropped for T ms),
+    /// `delay:a=N:b=M:ms=T` (messages between them wait T ms),
+    /// `corrupt:a=N:b=M:epoch=E` (node N's next halo frame to M has a corrupted header).
+    /// Node faults need a cluster (`launch`, `node`).
+    #[arg(long, value_name = "FAULTS")]
     pub chaos: Option<String>,
     /// Write durable checkpoints (atomic: temporary file, fsync, rename) into this folder.
-    #[arg(long)]
+    #[arg(long, value_name = "DIR")]
     pub checkpoint_dir: Option<PathBuf>,
-    /// Checkpoint after every N epochs (and after the last).
-    #[arg(long, default_value_t = 5)]
+    /// Checkpoint after every N epochs (and after the last); at least 1.
+    #[arg(long, value_name = "N", default_value_t = 5, value_parser = validate::positive_u32)]
     pub checkpoint_every: u32,
     /// Resume from the checkpoint in --checkpoint-dir (if there is one) instead of starting
     /// over; the configuration must match, --epochs may be larger.
     #[arg(long, requires = "checkpoint_dir")]
     pub resume: bool,
-    /// Where to write the JSON run report.
-    #[arg(long)]
+    /// Write the JSON run report to this file (its folder must exist; checked before training).
+    #[arg(long, value_name = "FILE")]
     pub report: Option<PathBuf>,
     /// Print one line per epoch.
     #[arg(long)]
@@ -87,8 +102,11 @@ impl TrainArgs {
     }
 
     /// The training configuration for a loaded data set.
+    /// Refuses a model that cannot fit this machine's memory on `ds`.
     pub fn config(&self, ds: &Dataset) -> Result<TrainConfig> {
-        self.config_for(ds.num_features, ds.num_classes)
+        let cfg = self.config_for(ds.num_features, ds.num_classes)?;
+        validate::check_fits(&cfg, ds)?;
+        Ok(cfg)
     }
 
     /// The training configuration for `features` inputs and `classes` outputs.
@@ -163,7 +181,7 @@ pub fn train_partitioned(ds: &Dataset, cfg: TrainConfig, a: &TrainArgs) -> Resul
         .map(FaultPlan::parse)
         .transpose()?
         .unwrap_or_default();
-    let parts = a.partitions.max(1);
+    let parts = a.partitions.unwrap_or(1);
     let dir = a.partition_dir.as_deref();
     let mut topo =
         Topology::partition(ds, parts, a.partition_method, dir, cfg)?.with_faults(faults);
@@ -212,7 +230,7 @@ pub fn follow(run: TrainingRun, epochs: u64, verbose: bool) -> Result<RunReport>
                     None => "",
                 };
                 println!(
-                    "recovered: {what} in epoch {}: detected after {:.1} ms, ready to replay after {:.1} ms, resumed after {:.1} ms, {} step(s) replayed{check}",
+                    "recovered: {what} in epoch {}: detected {:.1} ms after the failure, ready to replay {:.1} ms and resumed {:.1} ms after detection, {} step(s) replayed{check}",
                     r.epoch, r.detected_ms, r.ready_ms, r.resumed_ms, r.steps_replayed
                 )
             }),
@@ -228,12 +246,15 @@ pub fn run(a: TrainArgs) -> Result<()> {
         .device
         .parse()
         .with_context(|| format!("cannot use --device {}", a.device))?;
-    // A clear error (what is missing) before any data is loaded.
+    // Clear errors (what is missing, where the report cannot go) before any data is loaded.
     device.check_available()?;
+    if let Some(path) = &a.report {
+        check_report_path(path)?;
+    }
     let telemetry = a.telemetry.start(0)?;
     let ds = load_data(&a.data)?;
     let cfg = a.config(&ds)?;
-    let report = if a.partitions > 1
+    let report = if a.partitions.is_some_and(|p| p > 1)
         || a.partition_dir.is_some()
         || a.chaos.is_some()
         || a.checkpoint_dir.is_some()
@@ -246,11 +267,57 @@ pub fn run(a: TrainArgs) -> Result<()> {
     report.code_commit = crate::build_info::commit().map(str::to_string);
     print_summary(&report);
     if let Some(path) = &a.report {
-        report.write(path)?;
-        println!("report written to {}", path.display());
+        write_report(&report, path)?;
     }
     a.telemetry.finish(telemetry);
     Ok(())
+}
+
+/// Fails unless a report can be created at `path`: its folder exists and is writable, and
+/// the path is not a folder. Called before training, so that a bad path costs no run.
+pub fn check_report_path(path: &Path) -> Result<()> {
+    if path.is_dir() {
+        bail!(
+            "--report {}: is a folder; name a file in it",
+            path.display()
+        );
+    }
+    let folder = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    if !folder.is_dir() {
+        bail!(
+            "--report {}: folder {} does not exist (create it first)",
+            path.display(),
+            folder.display()
+        );
+    }
+    tempfile::NamedTempFile::new_in(folder).map_err(|e| {
+        anyhow!(
+            "--report {}: cannot write into folder {}: {e}",
+            path.display(),
+            folder.display()
+        )
+    })?;
+    Ok(())
+}
+
+/// Writes `report` to `path`; if that fails after all, prints the report (JSON) to stderr so
+/// that the run's results are not lost, and returns the error.
+pub fn write_report(report: &RunReport, path: &Path) -> Result<()> {
+    match report.write(path) {
+        Ok(()) => {
+            println!("report written to {}", path.display());
+            Ok(())
+        }
+        Err(e) => {
+            if let Ok(json) = serde_json::to_string_pretty(report) {
+                eprintln!("the report could not be written; here it is:\n{json}");
+            }
+            Err(anyhow!("--report {}: {e}", path.display()))
+        }
+    }
 }
 
 /// One paragraph describing a finished run.

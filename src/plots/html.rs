@@ -26,6 +26,29 @@ fn row(out: &mut String, key: &str, value: &str) {
     let _ = writeln!(out, "<tr><th>{}</th><td>{}</td></tr>", esc(key), esc(value));
 }
 
+/// `v` with every number that is an `f32` widened to `f64` (the configuration's rates:
+/// `0.009999999776482582`) written as the `f32` it was (`0.01`), as the user gave it.
+fn as_given(v: &serde_json::Value) -> serde_json::Value {
+    use serde_json::Value;
+    match v {
+        Value::Number(n) if n.is_f64() => {
+            let x = n.as_f64().unwrap_or_default();
+            let narrow = x as f32;
+            let shortest = if f64::from(narrow) == x {
+                narrow.to_string().parse::<f64>().unwrap_or(x)
+            } else {
+                x
+            };
+            serde_json::Number::from_f64(shortest).map_or_else(|| v.clone(), Value::Number)
+        }
+        Value::Array(a) => Value::Array(a.iter().map(as_given).collect()),
+        Value::Object(o) => {
+            Value::Object(o.iter().map(|(k, v)| (k.clone(), as_given(v))).collect())
+        }
+        other => other.clone(),
+    }
+}
+
 /// The page for `r` with the PNG files `pngs` embedded.
 pub fn page(r: &RunReport, marks: &[RecoveryMark], pngs: &[PathBuf]) -> Result<String, PlotError> {
     let mut out = String::new();
@@ -90,7 +113,7 @@ pub fn page(r: &RunReport, marks: &[RecoveryMark], pngs: &[PathBuf]) -> Result<S
         r.trace_id.as_deref().unwrap_or("not traced"),
     );
     out.push_str("</table>\n<p>Configuration:</p>\n<pre>");
-    let config = serde_json::to_string_pretty(&r.config).unwrap_or_default();
+    let config = serde_json::to_string_pretty(&as_given(&r.config)).unwrap_or_default();
     out.push_str(&esc(&config));
     out.push_str("</pre>\n");
 
@@ -163,7 +186,22 @@ pub fn page(r: &RunReport, marks: &[RecoveryMark], pngs: &[PathBuf]) -> Result<S
 
 #[cfg(test)]
 mod tests {
-    use super::esc;
+    use super::{as_given, esc};
+
+    #[test]
+    fn config_values_read_as_given() {
+        let cfg = serde_json::json!({
+            "lr": f64::from(0.01f32),
+            "model": { "dropout": f64::from(0.6f32), "hidden": 16 },
+            "weight_decay": f64::from(5e-4f32),
+            "exact": 0.1,
+        });
+        let text = serde_json::to_string(&as_given(&cfg)).unwrap();
+        assert_eq!(
+            text,
+            r#"{"exact":0.1,"lr":0.01,"model":{"dropout":0.6,"hidden":16},"weight_decay":0.0005}"#
+        );
+    }
 
     #[test]
     fn escapes_markup() {

@@ -1,12 +1,13 @@
 //! Run reports as pictures: `trellis report RUN.json --out DIR` draws loss and accuracy per
-//! epoch, a per-partition timeline of compute against communication, halo bytes per epoch (each
-//! with the run's recoveries marked) as PNG files, and one self-contained HTML page that embeds
+//! epoch, a per-partition timeline of compute against communication (consecutive epochs summed
+//! into one bar for long runs), halo bytes per epoch (partitioned runs only; each chart with
+//! the run's recoveries marked and its legend beside the plot, never over it) as PNG files, and one self-contained HTML page that embeds
 //! them next to what reproduces the run (config, data digest, code version and commit, seed,
 //! final weights digest) and the latency summaries.
 //!
 //! Text is drawn with a bundled font (DejaVu Sans Mono, Bitstream Vera licence, see
 //! `DejaVuSansMono-LICENSE.txt`), so rendering needs no fontconfig or system fonts.
-mod charts;
+pub mod charts;
 mod html;
 
 use std::path::{Path, PathBuf};
@@ -69,11 +70,17 @@ pub fn render(report: &RunReport, out: &Path) -> Result<Rendered, PlotError> {
         source,
     })?;
     let marks = recoveries(report);
-    let pngs = vec![
+    let mut pngs = vec![
         charts::loss_accuracy(report, &marks, &out.join("loss_accuracy.png"))?,
         charts::timeline(report, &marks, &out.join("timeline.png"))?,
-        charts::bytes(report, &marks, &out.join("halo_bytes.png"))?,
     ];
+    // One process exchanges no halo: no chart of it.
+    let exchanged = report.partitions > 1 || report.epochs_log.iter().any(|l| l.halo_bytes > 0);
+    if exchanged {
+        pngs.push(charts::bytes(report, &marks, &out.join("halo_bytes.png"))?);
+    } else {
+        let _ = std::fs::remove_file(out.join("halo_bytes.png"));
+    }
     let html = out.join("report.html");
     let page = html::page(report, &marks, &pngs)?;
     std::fs::write(&html, page).map_err(|source| PlotError::Io {

@@ -30,6 +30,9 @@ pub enum TransportError {
     /// A remote node failed: unreachable, refused, timed out or gone. Names the peer.
     #[error("peer node {node}: {reason}")]
     Peer { node: u32, reason: String },
+    /// This node's own endpoint failed (bind, TLS set-up, shut down): no peer to blame.
+    #[error("local endpoint: {0}")]
+    Local(String),
 }
 
 /// Moves halo blocks from one partition to another.

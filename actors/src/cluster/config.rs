@@ -40,7 +40,8 @@ pub struct ClusterFile {
     /// How long the coordinator waits for one step of one partition.
     #[serde(default = "default_deadline")]
     pub step_deadline_ms: u64,
-    /// How long the coordinator waits for every node to join (and nodes for the setup).
+    /// How long the coordinator waits for every node to join, and a node started before the
+    /// coordinator keeps trying to reach it (with backoff).
     #[serde(default = "default_join")]
     pub join_timeout_ms: u64,
     /// R: other nodes that keep a replica of each partition (its file, and the model state
@@ -84,7 +85,7 @@ fn default_deadline() -> u64 {
     120_000
 }
 fn default_join() -> u64 {
-    60_000
+    300_000
 }
 fn default_replicas() -> u32 {
     1

@@ -98,6 +98,9 @@ impl ClusterJob {
     }
 }
 
+/// How long the coordinator waits for the nodes to join before it says that it is waiting.
+const JOIN_NOTICE_AFTER: Duration = Duration::from_secs(2);
+
 /// Runs the cluster job; returns the report and the metrics the other nodes recorded.
 async fn drive(
     job: ClusterJob,
@@ -129,29 +132,69 @@ async fn drive(
         ));
     }
 
-    // 1. Every other node joins and says where it listens.
+    // 1. Every other node joins and says where it listens. Nodes start in any order: one
+    // started before this node retries its join until it gets through.
     let mut addrs = BTreeMap::new();
     addrs.insert(ep.id, ep.addr().to_string());
     let join = Duration::from_millis(cluster.join_timeout_ms);
-    let joined_by = Instant::now() + join;
+    let started = Instant::now();
+    let joined_by = started + join;
+    let mut announced = false;
     while addrs.len() < workers.len() + 1 {
-        let left = joined_by.saturating_duration_since(Instant::now());
-        match inbox.next(None, left).await {
+        let missing: Vec<u32> = workers
+            .iter()
+            .copied()
+            .filter(|n| !addrs.contains_key(n))
+            .collect();
+        if !announced && started.elapsed() >= JOIN_NOTICE_AFTER {
+            announced = true;
+            super::say(&format!(
+                "node {}: listening on {}, waiting up to {} s (join_timeout_ms) for node(s) {missing:?} to join",
+                ep.id,
+                ep.addr(),
+                join.as_secs()
+            ));
+        }
+        let now = Instant::now();
+        let left = joined_by.saturating_duration_since(now);
+        let wait = if announced {
+            left
+        } else {
+            left.min((started + JOIN_NOTICE_AFTER).saturating_duration_since(now))
+        };
+        match inbox.next(None, wait).await {
             Ok((from, ControlMsg::Join { addr })) if workers.contains(&from) => {
                 addrs.insert(from, addr);
             }
             Ok((from, other)) => tracing::warn!(peer = from, "ignored {other:?} while joining"),
-            Err(e) => {
-                let missing: Vec<u32> = workers
+            // A node that went away before its setup may start again and join again.
+            Err(ActorError::Node { node, detail }) if workers.contains(&node) => {
+                if addrs.remove(&node).is_some() {
+                    super::say(&format!(
+                        "node {}: node {node} left before the setup ({detail}); waiting for it to join again",
+                        ep.id
+                    ));
+                }
+                ep.transport.node().reset_peer(node);
+            }
+            Err(ActorError::NoMessage { .. }) if !left.is_zero() => {}
+            Err(ActorError::NoMessage { .. }) => {
+                let e = ActorError::Cluster(format!(
+                    "node(s) {missing:?} did not join within {} s (join_timeout_ms): start them \
+                     with `trellis node --cluster FILE --id N`; they must reach this node at {}",
+                    join.as_secs(),
+                    ep.addr()
+                ));
+                // The nodes that did join wait for a setup that will not come: tell them.
+                let joined: Vec<u32> = workers
                     .iter()
                     .copied()
-                    .filter(|n| !addrs.contains_key(n))
+                    .filter(|n| addrs.contains_key(n))
                     .collect();
-                return Err(ActorError::Cluster(format!(
-                    "nodes {missing:?} did not join within {} ms ({e})",
-                    join.as_millis()
-                )));
+                abort(ep, &joined, &e).await;
+                return Err(e);
             }
+            Err(e) => return Err(e),
         }
     }
 
@@ -230,6 +273,17 @@ async fn drive(
             Ok((from, other)) => {
                 tracing::warn!(peer = from, "ignored {other:?} during setup");
                 None
+            }
+            Err(ActorError::NoMessage { ms }) => {
+                let waiting: Vec<u32> = workers
+                    .iter()
+                    .copied()
+                    .filter(|n| !ready.contains(n))
+                    .collect();
+                Some(ActorError::Cluster(format!(
+                    "node(s) {waiting:?} did not finish their setup within {} s",
+                    ms / 1000
+                )))
             }
             Err(e) => Some(e),
         };
@@ -683,10 +737,8 @@ async fn dispatch(
                 });
             }
             Ok((from, other)) => tracing::warn!(peer = from, "ignored {other:?}"),
-            Err(ActorError::Node { node, detail }) if node != u32::MAX => {
-                client.fail_node(node, detail)
-            }
-            Err(ActorError::Node { .. }) => {}
+            Err(ActorError::Node { node, detail }) => client.fail_node(node, detail),
+            Err(ActorError::NoMessage { .. }) => {}
             Err(e) => {
                 tracing::warn!("control dispatch ends: {e}");
                 return;

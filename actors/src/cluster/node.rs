@@ -105,7 +105,8 @@ impl NodeEndpoint {
 
 impl ControlInbox {
     /// The next control message, or an error when `watch` fails (a failure of another peer
-    /// is logged and skipped) or nothing arrives within `within`. Undecodable messages are
+    /// is logged and skipped) or nothing arrives within `within` ([`ActorError::NoMessage`]
+    /// when no node is watched). Undecodable messages are
     /// logged and skipped: a bad peer cannot stop the node.
     pub async fn next(
         &mut self,
@@ -144,10 +145,13 @@ impl ControlInbox {
                     _ => {}
                 },
                 _ = tokio::time::sleep_until(deadline) => {
-                    let who = watch.map_or("any node".to_string(), |n| format!("node {n}"));
-                    return Err(ActorError::Node {
-                        node: watch.unwrap_or(u32::MAX),
-                        detail: format!("no message from {who} within {} ms", within.as_millis()),
+                    let ms = within.as_millis() as u64;
+                    return Err(match watch {
+                        Some(node) => ActorError::Node {
+                            node,
+                            detail: format!("no message from node {node} within {ms} ms"),
+                        },
+                        None => ActorError::NoMessage { ms },
                     });
                 }
             }
@@ -185,7 +189,7 @@ pub fn apply_link_faults(transport: &QuicTransport, faults: &FaultPlan, me: u32,
 }
 
 /// Ships each hosted partition's committed state to its replica nodes over QUIC
-/// ([`ControlMsg::Replica`](super::proto::ControlMsg::Replica)): the next R nodes after the
+/// ([`ControlMsg::Replica`]): the next R nodes after the
 /// partition's current owner in id order (the nodes that also keep it warm).
 pub struct ReplicaShipper {
     transport: Arc<QuicTransport>,

@@ -137,9 +137,11 @@ pub enum ReplyBody {
     },
     Rerouted,
     Evicted,
-    /// The partition panicked (its node's supervisor restarts it).
+    /// The partition panicked (its node's supervisor restarts it) `since_ms` before the reply
+    /// was sent.
     Panicked {
         message: String,
+        since_ms: f64,
     },
     /// Any other failure, as text.
     Failed {
@@ -268,7 +270,10 @@ impl ReplyBody {
     /// The reply reporting `e`.
     pub fn of_error(e: ActorError) -> Self {
         match e {
-            ActorError::Panicked { message, .. } => ReplyBody::Panicked { message },
+            ActorError::Panicked { message, .. } => ReplyBody::Panicked {
+                message,
+                since_ms: 0.0,
+            },
             other => ReplyBody::Failed {
                 message: other.to_string(),
             },
@@ -278,7 +283,7 @@ impl ReplyBody {
     /// The error this reply reports for partition `part` on `node`, if it reports one.
     pub fn error(&self, node: u32, part: u32) -> Option<ActorError> {
         match self {
-            ReplyBody::Panicked { message } => Some(ActorError::Panicked {
+            ReplyBody::Panicked { message, .. } => Some(ActorError::Panicked {
                 part,
                 message: message.clone(),
             }),

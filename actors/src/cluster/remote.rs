@@ -156,7 +156,19 @@ impl RemotePart {
             phase: phase_code(step.phase),
             trace: step.trace.map(|t| t.to_string()).unwrap_or_default(),
         };
-        match self.call(req).await? {
+        let body = self
+            .client
+            .clone()
+            .request(self.node, self.part, req)
+            .await?;
+        if let ReplyBody::Panicked { since_ms, .. } = &body {
+            let ago = std::time::Duration::from_secs_f64(since_ms.max(0.0) / 1e3);
+            crate::failure_clock::record_ago(step.run, self.part, ago);
+        }
+        if let Some(e) = body.error(self.node, self.part) {
+            return Err(e);
+        }
+        match body {
             ReplyBody::Step {
                 compute_ms,
                 halo_bytes,

@@ -18,7 +18,7 @@ use crate::ActorError;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use trellis_runtime::metrics::Metrics;
 use trellis_runtime::partition::{PartitionBook, PartitionSet};
 use trellis_runtime::{NodeTraffic, TrainConfig};
@@ -56,21 +56,8 @@ async fn serve(
     threads: Option<usize>,
 ) -> Result<NodeTraffic, ActorError> {
     let coord = cluster.coordinator;
-    let join = Duration::from_millis(cluster.join_timeout_ms);
     let metrics_before = Metrics::global().snapshot();
-    ep.send(
-        coord,
-        &ControlMsg::Join {
-            addr: ep.addr().to_string(),
-        },
-    )?;
-    let setup = loop {
-        match inbox.next(Some(coord), join).await? {
-            (from, ControlMsg::Setup(s)) if from == coord => break s,
-            (_, ControlMsg::Abort { reason }) => return Err(aborted(coord, reason)),
-            (from, other) => tracing::warn!(peer = from, "ignored {other:?} before setup"),
-        }
-    };
+    let setup = join_coordinator(cluster, ep, &mut inbox).await?;
     let mut hosted = match setup_node(cluster, ep, &mut inbox, &setup, threads).await {
         Ok(v) => v,
         Err(e) => {
@@ -213,6 +200,83 @@ async fn serve(
     outcome.map(|_| traffic)
 }
 
+/// First wait between two attempts to reach the coordinator; it doubles up to [`MAX_BACKOFF`].
+const FIRST_BACKOFF: Duration = Duration::from_millis(200);
+/// Longest wait between two attempts to reach the coordinator.
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+/// Joins the coordinator and returns its setup. Nodes start in any order: while the
+/// coordinator cannot be reached (not started yet, still loading its data, restarting), the
+/// `Join` is sent again with exponential backoff; the node gives up when the coordinator has
+/// been unreachable for the cluster's `join_timeout_ms`, which is printed once when the first
+/// attempt fails. While connected, it waits for the setup as long as the coordinator waits
+/// for the other nodes (the coordinator aborts the run when they do not come).
+async fn join_coordinator(
+    cluster: &ClusterFile,
+    ep: &NodeEndpoint,
+    inbox: &mut ControlInbox,
+) -> Result<Setup, ActorError> {
+    let coord = cluster.coordinator;
+    let coord_addr = cluster.node(coord)?.addr;
+    let within = Duration::from_millis(cluster.join_timeout_ms);
+    let quic = ep.transport.node();
+    let connected = || quic.connected_peers().contains(&coord);
+    // The coordinator was last known to be up (or this node started) then.
+    let mut reachable_at = Instant::now();
+    let mut backoff = FIRST_BACKOFF;
+    let mut attempts = 0u32;
+    loop {
+        attempts += 1;
+        let join = ControlMsg::Join {
+            addr: ep.addr().to_string(),
+        };
+        ep.send(coord, &join)?;
+        let failure = loop {
+            let left = (reachable_at + within).saturating_duration_since(Instant::now());
+            match inbox.next(Some(coord), left).await {
+                Ok((from, ControlMsg::Setup(s))) if from == coord => return Ok(s),
+                Ok((_, ControlMsg::Abort { reason })) => return Err(aborted(coord, reason)),
+                Ok((from, other)) => tracing::warn!(peer = from, "ignored {other:?} before setup"),
+                // Joined: the coordinator is up and waits for the other nodes.
+                Err(ActorError::Node { node, .. }) if node == coord && connected() => {
+                    reachable_at = Instant::now();
+                }
+                Err(ActorError::Node { node, detail }) if node == coord => break detail,
+                Err(e) => return Err(e),
+            }
+        };
+        // A connection that was up and broke: the coordinator was reachable until now.
+        if matches!(
+            quic.peer_failure(coord),
+            Some(trellis_transport::quic::QuicError::PeerLost { .. })
+        ) {
+            reachable_at = Instant::now();
+        }
+        let left = (reachable_at + within).saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(ActorError::Node {
+                node: coord,
+                detail: format!(
+                    "the coordinator at {coord_addr} did not answer within {} s \
+                     (join_timeout_ms; {attempts} attempt(s)), last: {failure}",
+                    within.as_secs()
+                ),
+            });
+        }
+        if attempts == 1 {
+            super::say(&format!(
+                "node {}: the coordinator (node {coord} at {coord_addr}) is not reachable yet \
+                 ({failure}); retrying for up to {} s (join_timeout_ms)",
+                ep.id,
+                left.as_secs()
+            ));
+        }
+        tokio::time::sleep(backoff.min(left)).await;
+        backoff = (backoff * 2).min(MAX_BACKOFF);
+        quic.reset_peer(coord);
+    }
+}
+
 /// A real SIGKILL of this node's process (the `kill-node` fault).
 pub(crate) fn kill_self(node: u32, epoch: u32) {
     super::say(&format!(
@@ -304,7 +368,21 @@ fn answer(ep: &NodeEndpoint, coord: u32, id: u64, run: RunId, part: PartitionRef
                         trace: TraceContext::from_traceparent(&trace),
                     };
                     match addr.send(step).await {
-                        Ok(r) => ReplyBody::of_step(r),
+                        Ok(r) => {
+                            let panicked = match &r {
+                                Err(ActorError::Panicked { part, .. }) => Some(*part),
+                                _ => None,
+                            };
+                            let mut body = ReplyBody::of_step(r);
+                            if let (ReplyBody::Panicked { since_ms, .. }, Some(p)) =
+                                (&mut body, panicked)
+                            {
+                                if let Some(at) = crate::failure_clock::take(run, p) {
+                                    *since_ms = at.elapsed().as_secs_f64() * 1e3;
+                                }
+                            }
+                            body
+                        }
                         Err(e) => mailbox(e),
                     }
                 }

@@ -324,6 +324,9 @@ pub struct EpochMachine {
     /// Replies that arrived for requests no longer outstanding (rolled back, duplicated).
     stale_replies: u64,
     recoveries: Vec<Recovery>,
+    /// When partitions' failures happened, as their shells observed them (a detection is
+    /// timed from there rather than from the start of the round).
+    failure_times: BTreeMap<u32, Instant>,
 }
 
 impl EpochMachine {
@@ -356,6 +359,7 @@ impl EpochMachine {
             restores: Vec::new(),
             stale_replies: 0,
             recoveries: Vec::new(),
+            failure_times: BTreeMap::new(),
         }
     }
 
@@ -430,6 +434,12 @@ impl EpochMachine {
         }
     }
 
+    /// Partition `part` failed at `at` (its shell saw the panic then); the failure's reply
+    /// follows, and its detection is timed from `at`.
+    pub fn handle_failure_time(&mut self, part: u32, at: Instant) {
+        self.failure_times.insert(part, at);
+    }
+
     /// A partition answered request `id`.
     pub fn handle_response(
         &mut self,
@@ -457,7 +467,13 @@ impl EpochMachine {
                     // A panic or a lost node is acted on at once: other partitions may wait for
                     // blocks the failed one never sent, and the reset answers them.
                     Err(e @ (ActorError::Node { .. } | ActorError::Panicked { .. })) => {
-                        let detected = ms_since(round.started, now);
+                        let from = match self.failure_times.remove(&part) {
+                            Some(at) if matches!(e, ActorError::Panicked { .. }) => {
+                                at.max(round.started)
+                            }
+                            _ => round.started,
+                        };
+                        let detected = ms_since(from, now);
                         return self.unit_failed(unit, e, detected, now);
                     }
                     Err(e) => {
@@ -825,7 +841,7 @@ impl EpochMachine {
                 self.logs.push(log.clone());
                 self.actions.push_back(EpochAction::EpochDone(log));
                 if let Some(every) = self.cfg.checkpoint_every.filter(|k| *k > 0) {
-                    if self.epoch % every == 0 || self.epoch == self.cfg.epochs {
+                    if self.epoch.is_multiple_of(every) || self.epoch == self.cfg.epochs {
                         self.actions.push_back(EpochAction::Checkpoint {
                             epoch: self.epoch,
                             digest: self.committed.digest.clone(),

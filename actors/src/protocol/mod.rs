@@ -6,7 +6,7 @@
 //! - [`epoch`]: the coordinator's epoch protocol and recovery policy ([`epoch::EpochMachine`]).
 //! - [`partition`]: one partition's inbox and parked step ([`partition::PartitionMachine`]).
 //! - [`state`]: a partition's compute state and the per-layer steps (the model math).
-//! - [`halo`]: halo row lists, block building and checking.
+//! - `halo`: halo row lists, block building and checking.
 //! - [`messages`]: requests and replies between the coordinator and partitions.
 pub mod epoch;
 pub(crate) mod halo;

@@ -4,7 +4,7 @@
 //! A step of a split layer (see `trellis_runtime::model` split layers) runs in two stages: the
 //! first sends the layer's transformed rows (forward) or their gradients (backward), the
 //! second runs once the neighbours' blocks of those are in. Between the stages the state
-//! holds a [`Staged`] record; [`PartitionState::reset_epoch`] forgets it.
+//! holds a `Staged` record; [`PartitionState::reset_epoch`] forgets it.
 use crate::protocol::halo::{proto, HaloLists, Staging, Tag};
 use crate::protocol::messages::Outcome;
 use crate::replica::Snapshot;

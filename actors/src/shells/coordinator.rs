@@ -235,6 +235,11 @@ impl Coordinator {
             };
             tokio::select! {
                 Some((id, part, r)) = pump.inflight.next(), if !pump.inflight.is_empty() => {
+                    if matches!(r, Err(ActorError::Panicked { .. })) {
+                        if let Some(at) = crate::failure_clock::take(self.run, part) {
+                            m.handle_failure_time(part, at);
+                        }
+                    }
                     m.handle_response(id, part, r, Instant::now());
                 }
                 r = placing => {

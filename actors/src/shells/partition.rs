@@ -26,6 +26,7 @@ pub struct PartitionActor {
     machine: PartitionMachine,
     transport: Arc<dyn Transport>,
     replicas: Arc<ReplicaStore>,
+    run: RunId,
     /// Step requests waiting for their answer.
     waiting: HashMap<RequestId, Reply>,
     next_id: u64,
@@ -70,6 +71,7 @@ impl PartitionActor {
         }
         PartitionActor {
             part,
+            run,
             machine,
             transport,
             replicas,
@@ -134,7 +136,10 @@ impl PartitionActor {
                         );
                     }
                     // Stopping makes actix's Supervisor call `restarting` and start us again.
-                    PartitionAction::Restart => ctx.stop(),
+                    PartitionAction::Restart => {
+                        crate::failure_clock::record(self.run, self.part.0, Instant::now());
+                        ctx.stop()
+                    }
                 }
             }
             match send_failed.take() {

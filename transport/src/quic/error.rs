@@ -80,9 +80,12 @@ impl QuicError {
 
 impl From<QuicError> for TransportError {
     fn from(e: QuicError) -> Self {
-        TransportError::Peer {
-            node: e.node().unwrap_or(u32::MAX),
-            reason: e.to_string(),
+        match e.node() {
+            Some(node) => TransportError::Peer {
+                node,
+                reason: e.to_string(),
+            },
+            None => TransportError::Local(e.to_string()),
         }
     }
 }

@@ -577,3 +577,18 @@ fn a_panic_in_the_optimizer_step_is_checked_by_the_restore_its_replay_reports() 
     d.answer_all_healthy();
     assert_eq!(d.recovered()[0].digest_ok, Some(true));
 }
+
+#[test]
+fn a_panic_is_detected_from_when_it_happened_not_from_the_round_start() {
+    let mut d = Drive::new(cfg(1));
+    let start = d.now;
+    d.now += Duration::from_millis(500);
+    d.m.handle_failure_time(1, start + Duration::from_millis(480));
+    d.answer_round(|o| (o.part == 1).then(|| Err(panicked(1))));
+    d.answer_all_healthy();
+    let ms = d.recovered()[0].detected_ms;
+    assert!(
+        (20.0..=25.0).contains(&ms),
+        "detected {ms} ms after the panic"
+    );
+}
