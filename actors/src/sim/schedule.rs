@@ -8,7 +8,7 @@ use trellis_transport::Phase;
 /// Partition counts the simulator prepares partitionings for.
 pub const PART_COUNTS: [u32; 4] = [1, 2, 3, 4];
 /// Model kinds the simulator trains.
-pub const MODELS: [ModelKind; 2] = [ModelKind::Gcn, ModelKind::Sage];
+pub const MODELS: [ModelKind; 3] = [ModelKind::Gcn, ModelKind::Sage, ModelKind::Gat];
 /// Epochs each schedule trains.
 pub const EPOCHS: u32 = 3;
 /// Layers of the simulated models.
