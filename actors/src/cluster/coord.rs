@@ -703,20 +703,7 @@ async fn dispatch(
     loop {
         match inbox.next(None, Duration::from_secs(3600)).await {
             Ok((from, ControlMsg::Reply { id, body })) => client.on_reply(from, id, body),
-            Ok((
-                _,
-                ControlMsg::Replica {
-                    part,
-                    epoch,
-                    bytes,
-                    digest,
-                },
-            )) => replicas.put_remote(crate::replica::ReplicaBytes {
-                part,
-                epoch,
-                bytes: bytes.into(),
-                digest,
-            }),
+            Ok((_, ControlMsg::Replica(r))) => replicas.put_remote(r.into()),
             // A node adopting a lost node's partition may lack its file.
             Ok((from, ControlMsg::FetchPart { part })) => {
                 ship(client.transport().clone(), &set, from, part)

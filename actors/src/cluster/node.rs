@@ -228,13 +228,7 @@ impl ReplicaShipper {
         let Some(owner) = owner else {
             return;
         };
-        let msg = super::proto::ControlMsg::Replica {
-            part: bytes.part,
-            epoch: bytes.epoch,
-            bytes: bytes.bytes.to_vec(),
-            digest: bytes.digest.clone(),
-        }
-        .encode();
+        let msg = ControlMsg::Replica((&bytes).into()).encode();
         for node in super::config::replica_nodes(&self.ids, owner, self.replicas) {
             if let Err(e) = self.transport.send_control(node, msg.clone()) {
                 tracing::warn!("replica of partition {} to node {node}: {e}", bytes.part);

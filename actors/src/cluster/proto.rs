@@ -43,14 +43,40 @@ pub enum ControlMsg {
     },
     /// Coordinator -> node: the run failed; stop and exit with this reason.
     Abort { reason: String },
-    /// Node -> replica node: partition `part`'s committed state after step `epoch`, and the
-    /// BLAKE3 digest the sender computed of `bytes` (a restore checks the bytes against it).
-    Replica {
-        part: u32,
-        epoch: u32,
-        bytes: Vec<u8>,
-        digest: String,
-    },
+    /// Node -> replica node: a partition's committed state after a step.
+    Replica(ReplicaWire),
+}
+
+/// A partition's committed state after step `epoch`, and the BLAKE3 digest the sender
+/// computed of `bytes` (a restore checks the bytes against it).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct ReplicaWire {
+    pub part: u32,
+    pub epoch: u32,
+    pub bytes: Vec<u8>,
+    pub digest: String,
+}
+
+impl From<&crate::replica::ReplicaBytes> for ReplicaWire {
+    fn from(b: &crate::replica::ReplicaBytes) -> Self {
+        ReplicaWire {
+            part: b.part,
+            epoch: b.epoch,
+            bytes: b.bytes.to_vec(),
+            digest: b.digest.clone(),
+        }
+    }
+}
+
+impl From<ReplicaWire> for crate::replica::ReplicaBytes {
+    fn from(w: ReplicaWire) -> Self {
+        crate::replica::ReplicaBytes {
+            part: w.part,
+            epoch: w.epoch,
+            bytes: w.bytes.into(),
+            digest: w.digest,
+        }
+    }
 }
 
 /// What a node needs to host its partitions.
@@ -348,6 +374,12 @@ mod tests {
                 data: vec![1, 2, 3],
             },
             ControlMsg::Finish,
+            ControlMsg::Replica(ReplicaWire {
+                part: 3,
+                epoch: 9,
+                bytes: vec![1, 2, 3],
+                digest: "ab".into(),
+            }),
             ControlMsg::Bye {
                 bytes_sent: 1,
                 bytes_received: 2,

@@ -142,23 +142,7 @@ async fn serve(
                     }
                 }
             },
-            Ok((
-                _,
-                ControlMsg::Replica {
-                    part,
-                    epoch,
-                    bytes,
-                    digest,
-                },
-            )) => hosted
-                .node
-                .replicas()
-                .put_remote(crate::replica::ReplicaBytes {
-                    part,
-                    epoch,
-                    bytes: bytes.into(),
-                    digest,
-                }),
+            Ok((_, ControlMsg::Replica(r))) => hosted.node.replicas().put_remote(r.into()),
             Ok((_, ControlMsg::Finish)) => break Ok(()),
             Ok((_, ControlMsg::Abort { reason })) => break Err(aborted(coord, reason)),
             Ok((from, other)) => tracing::warn!(peer = from, "ignored {other:?}"),

@@ -337,6 +337,22 @@ impl FaultPlan {
                 "--chaos: {m}; it could never fire"
             )))
         };
+        let epoch_ok = |epoch: u32| {
+            if epoch > epochs {
+                return Err(bad(format!(
+                    "epoch {epoch} is past the run's last epoch ({epochs})"
+                )));
+            }
+            Ok(())
+        };
+        let node_ok = |node: u32| {
+            if nodes > 0 && node >= nodes {
+                return Err(bad(format!(
+                    "node {node} does not exist (the cluster has {nodes})"
+                )));
+            }
+            Ok(())
+        };
         for p in lock(&self.panics).iter() {
             if p.part >= parts {
                 return Err(bad(format!(
@@ -344,12 +360,7 @@ impl FaultPlan {
                     p.part
                 )));
             }
-            if p.epoch > epochs {
-                return Err(bad(format!(
-                    "epoch {} is past the run's last epoch ({epochs})",
-                    p.epoch
-                )));
-            }
+            epoch_ok(p.epoch)?;
             if p.layer >= layers && p.layer != APPLY_LAYER {
                 return Err(bad(format!(
                     "layer {} does not exist (the model has {layers})",
@@ -358,32 +369,12 @@ impl FaultPlan {
             }
         }
         for k in lock(&self.kills).iter() {
-            if nodes > 0 && k.node >= nodes {
-                return Err(bad(format!(
-                    "node {} does not exist (the cluster has {nodes})",
-                    k.node
-                )));
-            }
-            if k.epoch > epochs {
-                return Err(bad(format!(
-                    "epoch {} is past the run's last epoch ({epochs})",
-                    k.epoch
-                )));
-            }
+            node_ok(k.node)?;
+            epoch_ok(k.epoch)?;
         }
         for l in lock(&self.links).iter() {
-            if nodes > 0 && l.a.max(l.b) >= nodes {
-                return Err(bad(format!(
-                    "node {} does not exist (the cluster has {nodes})",
-                    l.a.max(l.b)
-                )));
-            }
-            if l.epoch > epochs {
-                return Err(bad(format!(
-                    "epoch {} is past the run's last epoch ({epochs})",
-                    l.epoch
-                )));
-            }
+            node_ok(l.a.max(l.b))?;
+            epoch_ok(l.epoch)?;
         }
         Ok(())
     }

@@ -659,17 +659,7 @@ impl EpochMachine {
         let Some(request) = self.round_request(unit, index) else {
             return self.unit_complete(unit, now);
         };
-        let mut outstanding = BTreeMap::new();
-        for part in 0..self.cfg.parts {
-            let id = self.next_id();
-            outstanding.insert(part, id);
-            self.actions.push_back(EpochAction::Send(Outgoing {
-                id,
-                part,
-                epoch: self.epoch,
-                request: request.clone(),
-            }));
-        }
+        let outstanding = self.broadcast(&request);
         self.state = State::Running {
             unit,
             round: Round {
@@ -682,6 +672,22 @@ impl EpochMachine {
                 failure: None,
             },
         };
+    }
+
+    /// Sends `request` to every partition; returns the id outstanding for each.
+    fn broadcast(&mut self, request: &Request) -> BTreeMap<u32, RequestId> {
+        let mut outstanding = BTreeMap::new();
+        for part in 0..self.cfg.parts {
+            let id = self.next_id();
+            outstanding.insert(part, id);
+            self.actions.push_back(EpochAction::Send(Outgoing {
+                id,
+                part,
+                epoch: self.epoch,
+                request: request.clone(),
+            }));
+        }
+        outstanding
     }
 
     fn round_complete(&mut self, now: Instant) {
@@ -996,17 +1002,7 @@ impl EpochMachine {
             });
         }
         self.open.push(rec);
-        let mut outstanding = BTreeMap::new();
-        for part in 0..self.cfg.parts {
-            let id = self.next_id();
-            outstanding.insert(part, id);
-            self.actions.push_back(EpochAction::Send(Outgoing {
-                id,
-                part,
-                epoch: self.epoch,
-                request: Request::Reset,
-            }));
-        }
+        let outstanding = self.broadcast(&Request::Reset);
         self.state = State::Resetting {
             unit,
             outstanding,
