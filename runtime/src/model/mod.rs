@@ -272,6 +272,42 @@ impl Model {
         })
     }
 
+    /// A model of `cfg` holding the given parameter values (in [`Model::params`] order, each
+    /// of the shape [`Model::new`] gives it): how a saved model is loaded.
+    pub fn with_values(cfg: ModelConfig, values: Vec<Tensor>) -> Result<Self> {
+        let mut model = Model::new(cfg)?;
+        if values.len() != model.params.len() {
+            return Err(RuntimeError::Config(format!(
+                "a {} model of this shape has {} parameters, {} were given",
+                model.cfg.kind,
+                model.params.len(),
+                values.len()
+            )));
+        }
+        for (p, v) in model.params.iter_mut().zip(values) {
+            if v.shape() != p.value.shape() {
+                return Err(RuntimeError::Config(format!(
+                    "parameter {} is {}x{}, expected {}x{}",
+                    p.name,
+                    v.rows(),
+                    v.cols(),
+                    p.value.rows(),
+                    p.value.cols()
+                )));
+            }
+            p.value = v;
+        }
+        Ok(model)
+    }
+
+    /// Host copies of the parameter values, in order (`s` holds them).
+    pub fn values_on_host(&self, s: &Stream) -> Result<Vec<Tensor>> {
+        self.params
+            .iter()
+            .map(|p| Ok(s.to_host(&p.value)?))
+            .collect()
+    }
+
     /// The configuration.
     pub fn config(&self) -> &ModelConfig {
         &self.cfg
