@@ -11,6 +11,7 @@ mod demo;
 mod launch;
 mod node;
 mod partition;
+pub mod predict;
 mod report;
 pub mod telemetry;
 mod train;
@@ -41,6 +42,8 @@ pub enum Command {
     Cert(cert::CertArgs),
     /// Run one node of a multi-process cluster (QUIC with mutual TLS) from a cluster file.
     Node(node::NodeArgs),
+    /// Predict with a saved model: layer-wise full-graph inference into a .npy file.
+    Predict(predict::PredictArgs),
     /// Start a local cluster of K node processes on loopback, with fresh certificates.
     Launch(launch::LaunchArgs),
     /// Train on a built-in synthetic graph, single-process and partitioned with an injected
@@ -60,5 +63,6 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Node(a) => node::run(a),
         Command::Launch(a) => launch::run(a),
         Command::Report(a) => report::run(a),
+        Command::Predict(a) => predict::run(a),
     }
 }
