@@ -20,6 +20,7 @@ mod messages;
 mod partition;
 pub mod profile;
 pub mod replica;
+pub mod serving;
 mod state;
 mod supervisor;
 pub mod telemetry;
