@@ -324,25 +324,6 @@ impl Inference {
         &self.model
     }
 
-    /// Replaces the model by one of the same architecture (a newer checkpoint).
-    pub fn swap_model(&mut self, mut model: Model) -> Result<Model> {
-        if model.config() != self.model.config() {
-            return Err(RuntimeError::Config(format!(
-                "the new model ({} {}->{}->{}) is not the architecture being served ({} {}->{}->{})",
-                model.config().kind,
-                model.config().in_dim,
-                model.config().hidden,
-                model.config().out_dim,
-                self.model.config().kind,
-                self.model.config().in_dim,
-                self.model.config().hidden,
-                self.model.config().out_dim,
-            )));
-        }
-        model.place(&self.stream)?;
-        Ok(std::mem::replace(&mut self.model, model))
-    }
-
     /// Raw features (`n x in_dim`) as the first layer takes them.
     pub fn prepare_features(&self, mut raw: Vec<f32>) -> Result<Rows> {
         let width = self.model.config().in_dim;

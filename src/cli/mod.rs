@@ -13,6 +13,7 @@ mod node;
 mod partition;
 pub mod predict;
 mod report;
+mod serve;
 pub mod telemetry;
 mod train;
 
@@ -44,6 +45,8 @@ pub enum Command {
     Node(node::NodeArgs),
     /// Predict with a saved model: layer-wise full-graph inference into a .npy file.
     Predict(predict::PredictArgs),
+    /// Serve a saved model over HTTP/JSON: predictions, graph updates, model swaps.
+    Serve(Box<serve::ServeArgs>),
     /// Start a local cluster of K node processes on loopback, with fresh certificates.
     Launch(launch::LaunchArgs),
     /// Train on a built-in synthetic graph, single-process and partitioned with an injected
@@ -64,5 +67,6 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Launch(a) => launch::run(a),
         Command::Report(a) => report::run(a),
         Command::Predict(a) => predict::run(a),
+        Command::Serve(a) => serve::run(*a),
     }
 }

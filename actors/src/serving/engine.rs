@@ -525,7 +525,7 @@ impl Engine {
             )));
             return;
         }
-        if saved.meta.config != *self.inference.model().config() {
+        if !saved.meta.config.same_architecture(self.inference.model().config()) {
             let _ = reply.send(Err(ServeError::BadRequest(format!(
                 "the new model ({} {}->{}->{}, {} layers) is not the architecture being served",
                 saved.meta.config.kind,
