@@ -138,7 +138,13 @@ fn partitioned_prediction_gives_the_same_bytes_and_embeddings_have_their_width()
         let one = dir.path().join("one.npy");
         let four = dir.path().join("four.npy");
         ok(&[
-            "predict", "--model", s(&file), "--data", SYNTH, "--out", s(&one),
+            "predict",
+            "--model",
+            s(&file),
+            "--data",
+            SYNTH,
+            "--out",
+            s(&one),
         ]);
         ok(&[
             "predict",
@@ -214,7 +220,10 @@ fn best_and_last_epochs_are_saved_as_asked() {
         assert!(meta.contains_key(k), "metadata lacks {k}");
     }
     let tensors = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    assert_eq!(tensors.tensor("conv1.lin.weight").unwrap().shape(), [16, 16]);
+    assert_eq!(
+        tensors.tensor("conv1.lin.weight").unwrap().shape(),
+        [16, 16]
+    );
     assert_eq!(tensors.tensor("conv2.lin.weight").unwrap().shape(), [4, 16]);
     assert_eq!(tensors.tensor("conv2.bias").unwrap().shape(), [4]);
 }
@@ -255,11 +264,18 @@ fn bad_model_files_are_errors_naming_the_file() {
             "--out",
             s(&out),
         ]);
-        assert!(err.contains(name), "{name}: error does not name the file: {err}");
+        assert!(
+            err.contains(name),
+            "{name}: error does not name the file: {err}"
+        );
         assert!(err.contains(want), "{name}: expected `{want}` in: {err}");
         assert!(!err.contains("panicked"), "{err}");
     };
-    check("truncated.safetensors", &bytes[..bytes.len() - 9], "not a safetensors file");
+    check(
+        "truncated.safetensors",
+        &bytes[..bytes.len() - 9],
+        "not a safetensors file",
+    );
     check("empty.safetensors", b"", "not a safetensors file");
     let mut flipped = bytes.clone();
     let at = bytes.len() - 6;
@@ -293,7 +309,11 @@ fn bad_model_files_are_errors_naming_the_file() {
         "trellis.model_config",
         &gcn_cfg,
     );
-    check("mixed.safetensors", &mixed, "tensor `conv1.lin.weight` is missing");
+    check(
+        "mixed.safetensors",
+        &mixed,
+        "tensor `conv1.lin.weight` is missing",
+    );
     // The right file for another data set: widths do not fit.
     let err = fails(&[
         "predict",
@@ -305,7 +325,8 @@ fn bad_model_files_are_errors_naming_the_file() {
         s(&out),
     ]);
     assert!(
-        err.contains("good.safetensors") && err.contains("takes 16 input features, the data has 24"),
+        err.contains("good.safetensors")
+            && err.contains("takes 16 input features, the data has 24"),
         "{err}"
     );
     let err = fails(&[

@@ -87,7 +87,11 @@ fn call(agent: &ureq::Agent, method: &str, url: &str, body: &[u8], key: Option<&
             r.call()
         }
         m => {
-            let mut r = if m == "PUT" { agent.put(url) } else { agent.post(url) };
+            let mut r = if m == "PUT" {
+                agent.put(url)
+            } else {
+                agent.post(url)
+            };
             if let Some(k) = key {
                 r = r.header("x-api-key", k);
             }
@@ -144,8 +148,17 @@ fn trellis(args: &[&str]) {
 fn train(dir: &Path, name: &str, model: &str, seed: &str) -> PathBuf {
     let file = dir.join(name);
     trellis(&[
-        "train", "--data", DATA, "--model", model, "--epochs", "15", "--seed", seed,
-        "--save-model", s(&file),
+        "train",
+        "--data",
+        DATA,
+        "--model",
+        model,
+        "--epochs",
+        "15",
+        "--seed",
+        seed,
+        "--save-model",
+        s(&file),
     ]);
     file
 }
@@ -160,7 +173,15 @@ fn softmax(row: &[f32]) -> Vec<f64> {
 /// `trellis predict` on `data` (a spec or a folder): the logits.
 fn predict(model: &Path, data: &str, dir: &Path) -> ndarray::Array2<f32> {
     let out = dir.join("logits.npy");
-    trellis(&["predict", "--model", s(model), "--data", data, "--out", s(&out)]);
+    trellis(&[
+        "predict",
+        "--model",
+        s(model),
+        "--data",
+        data,
+        "--out",
+        s(&out),
+    ]);
     ndarray_npy::read_npy(&out).unwrap()
 }
 
@@ -198,7 +219,10 @@ fn assert_close(served: &[Vec<f64>], logits: &ndarray::Array2<f32>, what: &str) 
             worst = worst.max((a - b).abs());
         }
     }
-    assert!(worst <= 1e-5, "{what}: served and predicted differ by {worst}");
+    assert!(
+        worst <= 1e-5,
+        "{what}: served and predicted differ by {worst}"
+    );
 }
 
 /// Writes `ds` with the served graph's extra nodes and edges as a PyG-style folder.
@@ -227,7 +251,10 @@ fn write_dataset(dir: &Path, features: &[f32], width: usize, src: &[i64], dst: &
 struct Lcg(u64);
 impl Lcg {
     fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         self.0 >> 33
     }
     fn below(&mut self, n: usize) -> usize {
@@ -262,7 +289,8 @@ fn predictions_equal_trellis_predict_and_stay_equal_after_random_updates() {
             match rng.below(3) {
                 0 => {
                     let feats: Vec<f64> = (0..16).map(|_| rng.below(1000) as f64 / 250.0).collect();
-                    let targets: Vec<u32> = (0..1 + rng.below(4)).map(|_| rng.below(n) as u32).collect();
+                    let targets: Vec<u32> =
+                        (0..1 + rng.below(4)).map(|_| rng.below(n) as u32).collect();
                     let r = post(
                         &server,
                         "/v1/nodes",
@@ -296,13 +324,21 @@ fn predictions_equal_trellis_predict_and_stay_equal_after_random_updates() {
             }
         }
         // Only the k-hop region was recomputed: far fewer rows than the graph has.
-        let r = post(&server, "/v1/edges", &json!({ "add": [[0, 1]], "remove": [] }));
+        let r = post(
+            &server,
+            "/v1/edges",
+            &json!({ "add": [[0, 1]], "remove": [] }),
+        );
         for rows in r.body["recomputed_rows"].as_array().unwrap() {
             max_rows = max_rows.max(rows.as_u64().unwrap());
         }
         edges.insert((0, 1));
-        assert!(max_rows < n as u64 / 4, "{model}: recomputed {max_rows} of {n} rows");
-        let (src, dst): (Vec<i64>, Vec<i64>) = edges.iter().map(|&(a, b)| (a as i64, b as i64)).unzip();
+        assert!(
+            max_rows < n as u64 / 4,
+            "{model}: recomputed {max_rows} of {n} rows"
+        );
+        let (src, dst): (Vec<i64>, Vec<i64>) =
+            edges.iter().map(|&(a, b)| (a as i64, b as i64)).unzip();
         let updated = write_dataset(dir.path(), &features, 16, &src, &dst);
         let all: Vec<u32> = (0..n as u32).collect();
         let (_, probs) = served(&server, &all);
@@ -329,16 +365,31 @@ fn model_swaps_never_fail_or_mix_versions() {
         let agent = agent();
         let mut seen = Vec::new();
         while !flag.load(std::sync::atomic::Ordering::Relaxed) {
-            let r = call(&agent, "POST", &format!("{url}/v1/predict"), b"{\"nodes\":[5,6,7]}", None);
+            let r = call(
+                &agent,
+                "POST",
+                &format!("{url}/v1/predict"),
+                b"{\"nodes\":[5,6,7]}",
+                None,
+            );
             assert_eq!(r.status, 200, "a query failed during the swap: {}", r.text);
             let versions: Vec<&str> = vec![r.body["model_version"].as_str().unwrap()];
-            seen.push((versions[0].to_string(), r.body["predictions"][0]["probabilities"].clone()));
+            seen.push((
+                versions[0].to_string(),
+                r.body["predictions"][0]["probabilities"].clone(),
+            ));
         }
         seen
     });
     std::thread::sleep(Duration::from_millis(200));
     let bytes = std::fs::read(&v2).unwrap();
-    let r = call(&agent(), "PUT", &format!("{}/v1/model", server.url), &bytes, None);
+    let r = call(
+        &agent(),
+        "PUT",
+        &format!("{}/v1/model", server.url),
+        &bytes,
+        None,
+    );
     assert_eq!(r.status, 200, "{}", r.text);
     let new_version = r.body["model_version"].as_str().unwrap().to_string();
     assert_ne!(new_version, old_version);
@@ -347,12 +398,22 @@ fn model_swaps_never_fail_or_mix_versions() {
     let seen = load.join().unwrap();
     assert!(seen.len() > 10, "only {} queries ran", seen.len());
     // Versions only move forward, and each version's numbers are that version's.
-    let first_new = seen.iter().position(|(v, _)| *v == new_version).expect("v2 served");
+    let first_new = seen
+        .iter()
+        .position(|(v, _)| *v == new_version)
+        .expect("v2 served");
     assert!(seen[..first_new].iter().all(|(v, _)| *v == old_version));
     assert!(seen[first_new..].iter().all(|(v, _)| *v == new_version));
     for (v, p) in &seen {
-        let want = if *v == old_version { &old.body["predictions"][0]["probabilities"] } else { &seen[first_new].1 };
-        assert_eq!(p, want, "an answer of version {v} has another version's numbers");
+        let want = if *v == old_version {
+            &old.body["predictions"][0]["probabilities"]
+        } else {
+            &seen[first_new].1
+        };
+        assert_eq!(
+            p, want,
+            "an answer of version {v} has another version's numbers"
+        );
     }
     let logits = predict(&v2, DATA, dir.path());
     let (version, probs) = served(&server, &(0..1500).collect::<Vec<u32>>());
@@ -360,11 +421,37 @@ fn model_swaps_never_fail_or_mix_versions() {
     assert_close(&probs, &logits, "after the swap");
     // A model of another shape is refused with a reason, and the old one keeps serving.
     let other = dir.path().join("wide.safetensors");
-    trellis(&["train", "--data", DATA, "--hidden", "32", "--epochs", "2", "--save-model", s(&other)]);
-    let r = call(&agent(), "PUT", &format!("{}/v1/model", server.url), &std::fs::read(&other).unwrap(), None);
+    trellis(&[
+        "train",
+        "--data",
+        DATA,
+        "--hidden",
+        "32",
+        "--epochs",
+        "2",
+        "--save-model",
+        s(&other),
+    ]);
+    let r = call(
+        &agent(),
+        "PUT",
+        &format!("{}/v1/model", server.url),
+        &std::fs::read(&other).unwrap(),
+        None,
+    );
     assert_eq!(r.status, 400, "{}", r.text);
-    assert!(r.text.contains("not the architecture being served"), "{}", r.text);
-    let r = call(&agent(), "PUT", &format!("{}/v1/model", server.url), b"not a model", None);
+    assert!(
+        r.text.contains("not the architecture being served"),
+        "{}",
+        r.text
+    );
+    let r = call(
+        &agent(),
+        "PUT",
+        &format!("{}/v1/model", server.url),
+        b"not a model",
+        None,
+    );
     assert_eq!(r.status, 400);
     assert!(r.text.contains("PUT /v1/model body"), "{}", r.text);
     assert_eq!(served(&server, &[1]).0, new_version);
@@ -386,22 +473,67 @@ fn bad_requests_get_a_4xx_that_says_what_is_wrong_and_others_are_still_served() 
     let file = train(dir.path(), "m.safetensors", "gcn", "0");
     let server = Server::start(
         &file,
-        &["--max-batch", "50", "--max-body-bytes", "20000", "--client-timeout-ms", "500"],
+        &[
+            "--max-batch",
+            "50",
+            "--max-body-bytes",
+            "20000",
+            "--client-timeout-ms",
+            "500",
+        ],
     );
     // A slow-loris client: sends half a request head, then nothing.
     let mut slow = TcpStream::connect(server.addr()).unwrap();
-    slow.write_all(b"POST /v1/predict HTTP/1.1\r\nHost: x\r\n").unwrap();
+    slow.write_all(b"POST /v1/predict HTTP/1.1\r\nHost: x\r\n")
+        .unwrap();
     let cases: Vec<(&str, Vec<u8>, u16, &str)> = vec![
-        ("/v1/predict", b"{\"nodes\": [1, 2".to_vec(), 400, "malformed JSON"),
-        ("/v1/predict", b"{\"nodes\": NaN}".to_vec(), 400, "malformed JSON"),
-        ("/v1/predict", b"{\"nodes\": \"all\"}".to_vec(), 400, "invalid request body"),
-        ("/v1/predict", b"{\"nodes\": []}".to_vec(), 400, "`nodes` is empty"),
-        ("/v1/predict", b"{\"nodes\": [1499, 1500]}".to_vec(), 404, "node 1500 does not exist"),
-        ("/v1/predict", b"{\"nodes\": [-1]}".to_vec(), 400, "invalid request body"),
-        ("/v1/predict", b"{\"nodes\": [1], \"embeddings\": 9}".to_vec(), 400, "layer 9"),
         (
             "/v1/predict",
-            json!({ "nodes": (0..51).collect::<Vec<u32>>() }).to_string().into_bytes(),
+            b"{\"nodes\": [1, 2".to_vec(),
+            400,
+            "malformed JSON",
+        ),
+        (
+            "/v1/predict",
+            b"{\"nodes\": NaN}".to_vec(),
+            400,
+            "malformed JSON",
+        ),
+        (
+            "/v1/predict",
+            b"{\"nodes\": \"all\"}".to_vec(),
+            400,
+            "invalid request body",
+        ),
+        (
+            "/v1/predict",
+            b"{\"nodes\": []}".to_vec(),
+            400,
+            "`nodes` is empty",
+        ),
+        (
+            "/v1/predict",
+            b"{\"nodes\": [1499, 1500]}".to_vec(),
+            404,
+            "node 1500 does not exist",
+        ),
+        (
+            "/v1/predict",
+            b"{\"nodes\": [-1]}".to_vec(),
+            400,
+            "invalid request body",
+        ),
+        (
+            "/v1/predict",
+            b"{\"nodes\": [1], \"embeddings\": 9}".to_vec(),
+            400,
+            "layer 9",
+        ),
+        (
+            "/v1/predict",
+            json!({ "nodes": (0..51).collect::<Vec<u32>>() })
+                .to_string()
+                .into_bytes(),
             413,
             "51 nodes in one request is over the limit of 50",
         ),
@@ -413,33 +545,71 @@ fn bad_requests_get_a_4xx_that_says_what_is_wrong_and_others_are_still_served() 
         ),
         (
             "/v1/nodes",
-            json!({ "nodes": [{ "features": [1.0, 2.0], "edges": [1] }] }).to_string().into_bytes(),
+            json!({ "nodes": [{ "features": [1.0, 2.0], "edges": [1] }] })
+                .to_string()
+                .into_bytes(),
             400,
             "has 2 features, the model takes 16",
         ),
         (
             "/v1/nodes",
-            format!("{{\"nodes\": [{{\"features\": [{}1e300], \"edges\": [1]}}]}}", "0.5,".repeat(15)).into_bytes(),
+            format!(
+                "{{\"nodes\": [{{\"features\": [{}1e300], \"edges\": [1]}}]}}",
+                "0.5,".repeat(15)
+            )
+            .into_bytes(),
             400,
             "nodes[0].features[15] = 1e300 is not a finite 32-bit number",
         ),
         (
             "/v1/nodes",
-            json!({ "nodes": [{ "features": vec![0.5; 16], "edges": [4000] }] }).to_string().into_bytes(),
+            json!({ "nodes": [{ "features": vec![0.5; 16], "edges": [4000] }] })
+                .to_string()
+                .into_bytes(),
             404,
             "node 4000 does not exist",
         ),
-        ("/v1/edges", b"{\"add\": [[1, 99999]]}".to_vec(), 404, "node 99999 does not exist"),
-        ("/v1/edges", b"{\"add\": [[3, 3]]}".to_vec(), 400, "self loop"),
-        ("/v1/edges", b"{\"add\": [[1]]}".to_vec(), 400, "invalid request body"),
-        ("/v1/edges", b"{}".to_vec(), 400, "neither `add` nor `remove`"),
+        (
+            "/v1/edges",
+            b"{\"add\": [[1, 99999]]}".to_vec(),
+            404,
+            "node 99999 does not exist",
+        ),
+        (
+            "/v1/edges",
+            b"{\"add\": [[3, 3]]}".to_vec(),
+            400,
+            "self loop",
+        ),
+        (
+            "/v1/edges",
+            b"{\"add\": [[1]]}".to_vec(),
+            400,
+            "invalid request body",
+        ),
+        (
+            "/v1/edges",
+            b"{}".to_vec(),
+            400,
+            "neither `add` nor `remove`",
+        ),
         ("/v2/predict", b"{}".to_vec(), 404, "no such endpoint"),
     ];
     let a = agent();
     for (path, body, status, want) in &cases {
         let r = call(&a, "POST", &format!("{}{path}", server.url), body, None);
-        assert_eq!(r.status, *status, "{path} {}: {}", String::from_utf8_lossy(&body[..body.len().min(80)]), r.text);
-        assert!(r.body["error"].as_str().unwrap_or("").contains(want), "{path}: expected `{want}` in {}", r.text);
+        assert_eq!(
+            r.status,
+            *status,
+            "{path} {}: {}",
+            String::from_utf8_lossy(&body[..body.len().min(80)]),
+            r.text
+        );
+        assert!(
+            r.body["error"].as_str().unwrap_or("").contains(want),
+            "{path}: expected `{want}` in {}",
+            r.text
+        );
         // Everyone else is still served.
         let ok = post(&server, "/v1/predict", &json!({ "nodes": [0, 1] }));
         assert_eq!(ok.status, 200, "{}", ok.text);
@@ -468,14 +638,23 @@ fn health_readiness_metrics_and_shedding() {
     let file = train(dir.path(), "m.safetensors", "sage", "0");
     let server = Server::start(&file, &["--quota-rps", "5"]);
     let a = agent();
-    assert_eq!(call(&a, "GET", &format!("{}/healthz", server.url), b"", None).status, 200);
+    assert_eq!(
+        call(&a, "GET", &format!("{}/healthz", server.url), b"", None).status,
+        200
+    );
     let ready = call(&a, "GET", &format!("{}/readyz", server.url), b"", None);
     assert_eq!(ready.status, 200);
     assert_eq!(ready.body["ready"], true);
     // A tenant over its quota gets 429 with Retry-After; another tenant is unaffected.
     let mut limited = 0;
     for _ in 0..20 {
-        let r = call(&a, "POST", &format!("{}/v1/predict", server.url), b"{\"nodes\":[1]}", Some("greedy"));
+        let r = call(
+            &a,
+            "POST",
+            &format!("{}/v1/predict", server.url),
+            b"{\"nodes\":[1]}",
+            Some("greedy"),
+        );
         if r.status == 429 {
             limited += 1;
             assert!(r.retry_after.is_some(), "429 without Retry-After");
@@ -484,8 +663,17 @@ fn health_readiness_metrics_and_shedding() {
             assert_eq!(r.status, 200, "{}", r.text);
         }
     }
-    assert!(limited >= 10, "only {limited} of 20 over-quota requests were refused");
-    let r = call(&a, "POST", &format!("{}/v1/predict", server.url), b"{\"nodes\":[1]}", Some("polite"));
+    assert!(
+        limited >= 10,
+        "only {limited} of 20 over-quota requests were refused"
+    );
+    let r = call(
+        &a,
+        "POST",
+        &format!("{}/v1/predict", server.url),
+        b"{\"nodes\":[1]}",
+        Some("polite"),
+    );
     assert_eq!(r.status, 200, "{}", r.text);
     let m = call(&a, "GET", &format!("{}/metrics", server.url), b"", None).text;
     for want in [

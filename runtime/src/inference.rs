@@ -264,6 +264,11 @@ impl Rows {
 #[derive(Debug, Clone, PartialEq)]
 pub struct LayerOutputs {
     pub layers: Vec<Rows>,
+    /// For split layers (narrowing GCN layers after the first, [`Model::is_split`]): their
+    /// transformed input rows `Z = H W`, one per node. An update re-transforms only the rows
+    /// whose input changed, and aggregates the changed region from this table instead of
+    /// transforming every input row of its block again.
+    pub transformed: Vec<Option<Rows>>,
 }
 
 impl LayerOutputs {
@@ -327,7 +332,7 @@ impl Inference {
     /// Raw features (`n x in_dim`) as the first layer takes them.
     pub fn prepare_features(&self, mut raw: Vec<f32>) -> Result<Rows> {
         let width = self.model.config().in_dim;
-        if width == 0 || raw.len() % width != 0 {
+        if width == 0 || !raw.len().is_multiple_of(width) {
             return Err(RuntimeError::BadData(format!(
                 "{} feature values are not rows of {width}",
                 raw.len()
@@ -377,17 +382,75 @@ impl Inference {
             )));
         }
         self.sparse_input = Some(LayerInput::would_be_sparse(&features.data));
-        let mut layers: Vec<Rows> = Vec::with_capacity(self.model.num_layers());
-        for l in 0..self.model.num_layers() {
-            let mut out = Rows::zeros(n, self.layer_width(l));
-            for inner in parts {
-                let input = if l == 0 { features } else { &layers[l - 1] };
-                let rows = self.layer_rows(l, graph, inner, input)?;
-                out.scatter(inner, &rows);
+        let layers_n = self.model.num_layers();
+        let mut out = LayerOutputs {
+            layers: Vec::with_capacity(layers_n),
+            transformed: vec![None; layers_n],
+        };
+        for l in 0..layers_n {
+            let mut rows = Rows::zeros(n, self.layer_width(l));
+            if self.model.is_split(l) {
+                let mut z = Rows::zeros(n, self.layer_width(l));
+                for inner in parts {
+                    let zr = self.transform_rows(l, graph, inner, &out.layers[l - 1])?;
+                    z.scatter(inner, &zr);
+                }
+                out.transformed[l] = Some(z);
             }
-            layers.push(out);
+            for inner in parts {
+                let input = if l == 0 { features } else { &out.layers[l - 1] };
+                let r = self.compute_rows(l, graph, inner, input, out.transformed[l].as_ref())?;
+                rows.scatter(inner, &r);
+            }
+            out.layers.push(rows);
         }
-        Ok(LayerOutputs { layers })
+        Ok(out)
+    }
+
+    /// Split layer `l`'s transformed rows `Z = H W` of the nodes `inner` from `input` (the
+    /// previous layer's rows).
+    fn transform_rows(
+        &mut self,
+        l: usize,
+        graph: &NodeGraph,
+        inner: &[u32],
+        input: &Rows,
+    ) -> Result<Vec<f32>> {
+        if inner.is_empty() {
+            return Ok(Vec::new());
+        }
+        let block = graph.block(inner, self.model.config().kind.aggregation())?;
+        let x = Tensor::from_vec(inner.len(), input.width, input.gather(inner))?;
+        let x = self.stream.place(x)?;
+        let z = self
+            .model
+            .forward_transform(&self.stream, l, &block, x, EVAL)?;
+        Ok(self.stream.download(&z)?)
+    }
+
+    /// Layer `l`'s rows of `inner`: from the transformed table for a split layer, else from
+    /// `input`.
+    fn compute_rows(
+        &mut self,
+        l: usize,
+        graph: &NodeGraph,
+        inner: &[u32],
+        input: &Rows,
+        transformed: Option<&Rows>,
+    ) -> Result<Vec<f32>> {
+        let Some(z) = transformed else {
+            return self.layer_rows(l, graph, inner, input);
+        };
+        if inner.is_empty() {
+            return Ok(Vec::new());
+        }
+        let block = graph.block(inner, self.model.config().kind.aggregation())?;
+        let zt = Tensor::from_vec(block.n_in(), z.width, z.gather(block.gids()))?;
+        let zt = self.stream.place(zt)?;
+        let y = self
+            .model
+            .forward_aggregate(&self.stream, l, &block, &zt, EVAL)?;
+        Ok(self.stream.download(&y)?)
     }
 
     /// Layer `l`'s output rows of the nodes `inner` (ascending), from `input` (layer `l-1`'s
@@ -444,17 +507,26 @@ impl Inference {
         set.sort_unstable();
         set.dedup();
         for l in 0..self.model.num_layers() {
+            // Rows whose input changed (the previous layer's changed rows) are re-transformed.
+            if let Some(mut z) = outputs.transformed[l].take() {
+                z.grow(n);
+                for inner in split_by_owner(&set, owner, parts) {
+                    let zr = self.transform_rows(l, graph, &inner, &outputs.layers[l - 1])?;
+                    z.scatter(&inner, &zr);
+                }
+                outputs.transformed[l] = Some(z);
+            }
             set = graph.expand(&set);
             stats.rows_per_layer.push(set.len());
-            let mut by_part: Vec<Vec<u32>> = vec![Vec::new(); parts];
-            for &v in &set {
-                by_part[owner[v as usize] as usize].push(v);
-            }
             outputs.layers[l].grow(n);
-            for (p, inner) in by_part.iter().enumerate() {
+            for (p, inner) in split_by_owner(&set, owner, parts).iter().enumerate() {
                 let rows = {
-                    let input = if l == 0 { features } else { &outputs.layers[l - 1] };
-                    self.layer_rows(l, graph, inner, input)?
+                    let input = if l == 0 {
+                        features
+                    } else {
+                        &outputs.layers[l - 1]
+                    };
+                    self.compute_rows(l, graph, inner, input, outputs.transformed[l].as_ref())?
                 };
                 outputs.layers[l].scatter(inner, &rows);
                 stats.rows_per_part[p] += inner.len();
@@ -462,6 +534,15 @@ impl Inference {
         }
         Ok(stats)
     }
+}
+
+/// The nodes of `set` (ascending) grouped by part, each group ascending.
+fn split_by_owner(set: &[u32], owner: &[u32], parts: usize) -> Vec<Vec<u32>> {
+    let mut out = vec![Vec::new(); parts];
+    for &v in set {
+        out[owner[v as usize] as usize].push(v);
+    }
+    out
 }
 
 /// Each part's nodes (ascending) from a node-to-part assignment.
@@ -516,9 +597,7 @@ mod tests {
     fn parts_give_the_same_bits_as_one() {
         for kind in [ModelKind::Gcn, ModelKind::Sage, ModelKind::Gat] {
             let (mut inf, g, x, owner) = setup(kind);
-            let one = inf
-                .run(&g, &x, &[(0..600).collect::<Vec<u32>>()])
-                .unwrap();
+            let one = inf.run(&g, &x, &[(0..600).collect::<Vec<u32>>()]).unwrap();
             let three = inf.run(&g, &x, &parts_of(&owner, 3)).unwrap();
             assert_eq!(one, three, "{kind}");
         }
@@ -535,7 +614,8 @@ mod tests {
             g.remove_edge(0, cut).unwrap();
             let v = g.add_node();
             g.add_edge(v, 7).unwrap();
-            x.data.extend(inf.prepare_features(vec![0.5; 12]).unwrap().data);
+            x.data
+                .extend(inf.prepare_features(vec![0.5; 12]).unwrap().data);
             owner.push(1);
             let changed = [1, 500, 0, cut, v, 7];
             let stats = inf.update(&g, &x, &mut out, &changed, &owner, 3).unwrap();

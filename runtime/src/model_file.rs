@@ -159,9 +159,8 @@ pub fn to_bytes(model: &Model, s: &Stream, meta: &ModelMeta) -> Result<Vec<u8>> 
     for (p, v) in model.params().iter().zip(&values) {
         let (layer, name) = split_param_name(&p.name)
             .ok_or_else(|| RuntimeError::Config(format!("unexpected parameter {}", p.name)))?;
-        let (pyg, layout) = pyg_name(cfg.kind, layer, name).ok_or_else(|| {
-            RuntimeError::Config(format!("no PyG name for parameter {}", p.name))
-        })?;
+        let (pyg, layout) = pyg_name(cfg.kind, layer, name)
+            .ok_or_else(|| RuntimeError::Config(format!("no PyG name for parameter {}", p.name)))?;
         let (shape, data) = to_pyg(v.as_slice(), v.rows(), v.cols(), layout);
         let bytes = data.iter().flat_map(|x| x.to_le_bytes()).collect();
         stored.push((pyg, shape, bytes));
@@ -244,9 +243,11 @@ pub fn from_bytes(bytes: &[u8], path: &Path) -> Result<SavedModel> {
     for p in template.params() {
         let (layer, name) = split_param_name(&p.name).expect("models name their parameters");
         let (pyg, layout) = pyg_name(kind, layer, name).expect("every parameter has a PyG name");
-        let view = tensors
-            .tensor(&pyg)
-            .map_err(|_| bad(format!("tensor `{pyg}` is missing (a {kind} model needs it)")))?;
+        let view = tensors.tensor(&pyg).map_err(|_| {
+            bad(format!(
+                "tensor `{pyg}` is missing (a {kind} model needs it)"
+            ))
+        })?;
         if view.dtype() != Dtype::F32 {
             return Err(bad(format!(
                 "tensor `{pyg}` is {:?}, expected F32",

@@ -230,7 +230,12 @@ impl Trainer {
     pub fn best_model(&self) -> Result<Option<(u32, Model)>> {
         self.best_values
             .as_ref()
-            .map(|b| Ok((b.epoch, Model::with_values(self.cfg.model.clone(), b.values.clone())?)))
+            .map(|b| {
+                Ok((
+                    b.epoch,
+                    Model::with_values(self.cfg.model.clone(), b.values.clone())?,
+                ))
+            })
             .transpose()
     }
 

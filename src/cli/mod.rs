@@ -6,6 +6,7 @@ mod accuracy;
 mod bench;
 mod bench_partitions;
 mod bench_recovery;
+mod bench_serve;
 mod cert;
 mod demo;
 mod launch;

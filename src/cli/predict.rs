@@ -80,8 +80,7 @@ pub fn prepare(
 /// Runs layer-wise inference over every node of `ds`.
 pub fn predict(p: &mut Prepared, ds: &Dataset) -> Result<LayerOutputs> {
     let x = p.inference.prepare_features(ds.features.clone())?;
-    Ok(p
-        .inference
+    Ok(p.inference
         .run(&p.graph, &x, &parts_of(&p.owner, p.parts))?)
 }
 
@@ -93,13 +92,7 @@ pub fn write_npy(path: &Path, rows: usize, width: usize, data: Vec<f32>) -> Resu
 
 pub fn run(a: PredictArgs) -> Result<()> {
     let ds = load_data(&a.data)?;
-    let mut p = prepare(
-        &a.model,
-        &ds,
-        a.partitions,
-        a.partition_method,
-        a.threads,
-    )?;
+    let mut p = prepare(&a.model, &ds, a.partitions, a.partition_method, a.threads)?;
     let layers = p.meta.config.layers;
     if let Some(l) = a.embeddings {
         if l >= layers {

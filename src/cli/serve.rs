@@ -76,8 +76,14 @@ pub fn run(a: ServeArgs) -> Result<()> {
     saved.check_fits(ds.num_features, ds.num_classes)?;
     let graph = Graph::from_dataset(&ds)?;
     let parts = a.partitions.max(1);
-    let owner = assign(&graph, &ds, parts, a.partition_method, saved.meta.config.seed)
-        .with_context(|| format!("cannot split the graph into {parts} parts"))?;
+    let owner = assign(
+        &graph,
+        &ds,
+        parts,
+        a.partition_method,
+        saved.meta.config.seed,
+    )
+    .with_context(|| format!("cannot split the graph into {parts} parts"))?;
     let version = saved.version();
     let t = std::time::Instant::now();
     let handle = engine::start(

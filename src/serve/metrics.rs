@@ -40,8 +40,7 @@ impl HttpMetrics {
     /// The latency quantile `q` of a route, if it has answered anything.
     pub fn quantile_ms(&self, route: &str, q: f64) -> Option<f64> {
         let l = self.latency.lock().expect("metrics lock");
-        l.get(route)
-            .map(|h| h.value_at_quantile(q) as f64 / 1000.0)
+        l.get(route).map(|h| h.value_at_quantile(q) as f64 / 1000.0)
     }
 
     /// Prometheus text of these metrics and the engine's.
@@ -91,7 +90,11 @@ impl HttpMetrics {
                     h.count_between(0, b)
                 );
             }
-            let _ = writeln!(out, "trellis_serve_batch_size_bucket{{le=\"+Inf\"}} {}", h.len());
+            let _ = writeln!(
+                out,
+                "trellis_serve_batch_size_bucket{{le=\"+Inf\"}} {}",
+                h.len()
+            );
             let _ = writeln!(
                 out,
                 "trellis_serve_batch_size_sum {}",
@@ -106,14 +109,18 @@ impl HttpMetrics {
             "trellis_serve_queue_depth {}",
             engine.queue_depth.load(Ordering::Relaxed)
         );
-        out.push_str("# HELP trellis_serve_batch_target Current adaptive batch size target (nodes).\n");
+        out.push_str(
+            "# HELP trellis_serve_batch_target Current adaptive batch size target (nodes).\n",
+        );
         out.push_str("# TYPE trellis_serve_batch_target gauge\n");
         let _ = writeln!(
             out,
             "trellis_serve_batch_target {}",
             engine.batch_target.load(Ordering::Relaxed)
         );
-        out.push_str("# HELP trellis_serve_shed_total Requests refused by the scheduler, by reason.\n");
+        out.push_str(
+            "# HELP trellis_serve_shed_total Requests refused by the scheduler, by reason.\n",
+        );
         out.push_str("# TYPE trellis_serve_shed_total counter\n");
         for reason in ["overloaded", "quota", "deadline"] {
             let n = engine

@@ -3,6 +3,7 @@
 //! ([`trellis_actors::serving::engine`]) and waits for the answer within the request's
 //! deadline; `/healthz`, `/readyz` and Prometheus `/metrics` ([`metrics`]).
 pub mod api;
+pub mod loadgen;
 pub mod metrics;
 
 use actix_web::http::header::{HeaderValue, CONTENT_TYPE, RETRY_AFTER};
@@ -129,7 +130,9 @@ async fn ask(
 ) -> Result<Answer, ServeError> {
     let (tx, rx) = oneshot::channel();
     if !state.engine.send(make(tx)) {
-        return Err(ServeError::Internal("the serving engine has stopped".into()));
+        return Err(ServeError::Internal(
+            "the serving engine has stopped".into(),
+        ));
     }
     let answer = match deadline {
         Some(d) => match tokio::time::timeout_at(tokio::time::Instant::from_std(d), rx).await {
@@ -138,11 +141,17 @@ async fn ask(
         },
         None => rx.await,
     };
-    answer.unwrap_or_else(|_| Err(ServeError::Internal("the engine dropped the request".into())))
+    answer.unwrap_or_else(|_| {
+        Err(ServeError::Internal(
+            "the engine dropped the request".into(),
+        ))
+    })
 }
 
 fn finish(state: &AppState, route: &'static str, t0: Instant, r: HttpResponse) -> HttpResponse {
-    state.metrics.record(route, r.status().as_u16(), t0.elapsed());
+    state
+        .metrics
+        .record(route, r.status().as_u16(), t0.elapsed());
     r
 }
 
@@ -153,14 +162,23 @@ fn answer_json(a: Result<Answer, ServeError>) -> HttpResponse {
     }
 }
 
-async fn predict(req: HttpRequest, payload: web::Payload, state: web::Data<AppState>) -> HttpResponse {
+async fn predict(
+    req: HttpRequest,
+    payload: web::Payload,
+    state: web::Data<AppState>,
+) -> HttpResponse {
     let t0 = Instant::now();
     let span = tracing::info_span!("serve_request", route = "/v1/predict");
     let _g = span.enter();
     let r = async {
-        let body = read_body(&req, payload, state.cfg.limits.max_body, state.cfg.client_timeout)
-            .await
-            .map_err(|e| rejection(&e))?;
+        let body = read_body(
+            &req,
+            payload,
+            state.cfg.limits.max_body,
+            state.cfg.client_timeout,
+        )
+        .await
+        .map_err(|e| rejection(&e))?;
         let p: api::PredictRequest = api::parse(&body).map_err(|e| rejection(&e))?;
         let nodes = api::predict_nodes(&p, &state.cfg.limits).map_err(|e| rejection(&e))?;
         let tenant = req
@@ -189,39 +207,82 @@ async fn predict(req: HttpRequest, payload: web::Payload, state: web::Data<AppSt
     finish(&state, "/v1/predict", t0, r.unwrap_or_else(|e| e))
 }
 
-async fn nodes(req: HttpRequest, payload: web::Payload, state: web::Data<AppState>) -> HttpResponse {
+async fn nodes(
+    req: HttpRequest,
+    payload: web::Payload,
+    state: web::Data<AppState>,
+) -> HttpResponse {
     let t0 = Instant::now();
     let r = async {
-        let body = read_body(&req, payload, state.cfg.limits.max_body, state.cfg.client_timeout)
-            .await
-            .map_err(|e| rejection(&e))?;
+        let body = read_body(
+            &req,
+            payload,
+            state.cfg.limits.max_body,
+            state.cfg.client_timeout,
+        )
+        .await
+        .map_err(|e| rejection(&e))?;
         let n: api::NodesRequest = api::parse(&body).map_err(|e| rejection(&e))?;
         let nodes = api::new_nodes(n, &state.cfg.limits).map_err(|e| rejection(&e))?;
+        let deadline = t0 + state.cfg.deadline;
         Ok::<_, HttpResponse>(answer_json(
-            ask(&state, |reply| Command::AddNodes { nodes, reply }, None).await,
+            ask(
+                &state,
+                |reply| Command::AddNodes {
+                    nodes,
+                    deadline,
+                    reply,
+                },
+                None,
+            )
+            .await,
         ))
     }
     .await;
     finish(&state, "/v1/nodes", t0, r.unwrap_or_else(|e| e))
 }
 
-async fn edges(req: HttpRequest, payload: web::Payload, state: web::Data<AppState>) -> HttpResponse {
+async fn edges(
+    req: HttpRequest,
+    payload: web::Payload,
+    state: web::Data<AppState>,
+) -> HttpResponse {
     let t0 = Instant::now();
     let r = async {
-        let body = read_body(&req, payload, state.cfg.limits.max_body, state.cfg.client_timeout)
-            .await
-            .map_err(|e| rejection(&e))?;
+        let body = read_body(
+            &req,
+            payload,
+            state.cfg.limits.max_body,
+            state.cfg.client_timeout,
+        )
+        .await
+        .map_err(|e| rejection(&e))?;
         let e: api::EdgesRequest = api::parse(&body).map_err(|e| rejection(&e))?;
         let (add, remove) = api::edge_update(&e, &state.cfg.limits).map_err(|e| rejection(&e))?;
+        let deadline = t0 + state.cfg.deadline;
         Ok::<_, HttpResponse>(answer_json(
-            ask(&state, |reply| Command::Edges { add, remove, reply }, None).await,
+            ask(
+                &state,
+                |reply| Command::Edges {
+                    add,
+                    remove,
+                    deadline,
+                    reply,
+                },
+                None,
+            )
+            .await,
         ))
     }
     .await;
     finish(&state, "/v1/edges", t0, r.unwrap_or_else(|e| e))
 }
 
-async fn put_model(req: HttpRequest, payload: web::Payload, state: web::Data<AppState>) -> HttpResponse {
+async fn put_model(
+    req: HttpRequest,
+    payload: web::Payload,
+    state: web::Data<AppState>,
+) -> HttpResponse {
     let t0 = Instant::now();
     let r = async {
         let body = read_body(
@@ -233,7 +294,10 @@ async fn put_model(req: HttpRequest, payload: web::Payload, state: web::Data<App
         .await
         .map_err(|e| rejection(&e))?;
         let saved = model_file::from_bytes(&body, Path::new("PUT /v1/model body"))
-            .and_then(|m| m.check_fits(state.cfg.features, state.cfg.classes).map(|_| m))
+            .and_then(|m| {
+                m.check_fits(state.cfg.features, state.cfg.classes)
+                    .map(|_| m)
+            })
             .map_err(|e| error_response(400, &e.to_string(), None))?;
         Ok::<_, HttpResponse>(answer_json(
             ask(
@@ -256,7 +320,13 @@ async fn healthz() -> HttpResponse {
 }
 
 async fn readyz(state: web::Data<AppState>) -> HttpResponse {
-    let version = state.engine.stats.version.lock().expect("stats lock").clone();
+    let version = state
+        .engine
+        .stats
+        .version
+        .lock()
+        .expect("stats lock")
+        .clone();
     json_response(
         200,
         serde_json::json!({ "ready": true, "model_version": version }).to_string(),

@@ -76,13 +76,17 @@ pub enum Command {
         deadline: Instant,
         reply: Reply,
     },
+    /// Adds nodes; not applied (and answered [`ServeError::Expired`]) once `deadline` passed.
     AddNodes {
         nodes: Vec<NewNode>,
+        deadline: Instant,
         reply: Reply,
     },
+    /// Adds and removes edges; not applied once `deadline` passed.
     Edges {
         add: Vec<Edge>,
         remove: Vec<Edge>,
+        deadline: Instant,
         reply: Reply,
     },
     SwapModel {
@@ -116,7 +120,12 @@ impl EngineStats {
             Refusal::Quota => "quota",
             Refusal::Expired => "deadline",
         };
-        *self.shed.lock().expect("stats lock").entry(key).or_default() += 1;
+        *self
+            .shed
+            .lock()
+            .expect("stats lock")
+            .entry(key)
+            .or_default() += 1;
     }
 }
 
@@ -159,6 +168,14 @@ struct Engine {
     stats: Arc<EngineStats>,
     swap: Option<SwapInFlight>,
     threads: usize,
+    /// Node additions received in this round: applied together, as one update.
+    adds: Vec<PendingAdd>,
+}
+
+struct PendingAdd {
+    nodes: Vec<NewNode>,
+    deadline: Instant,
+    reply: Reply,
 }
 
 struct WaitingQuery {
@@ -209,6 +226,7 @@ pub fn start(
         stats: stats.clone(),
         swap: None,
         threads: cfg.threads,
+        adds: Vec::new(),
     };
     std::thread::Builder::new()
         .name("trellis-serve-engine".into())
@@ -235,6 +253,7 @@ impl Engine {
             while let Ok(c) = rx.try_recv() {
                 self.handle(c);
             }
+            self.apply_adds();
             self.finish_swap();
             let actions = self.scheduler.poll(Instant::now());
             self.act(actions);
@@ -282,11 +301,29 @@ impl Engine {
                 );
                 self.act(actions);
             }
-            Command::AddNodes { nodes, reply } => {
-                let _ = reply.send(self.add_nodes(nodes));
-            }
-            Command::Edges { add, remove, reply } => {
-                let _ = reply.send(self.edges(&add, &remove));
+            Command::AddNodes {
+                nodes,
+                deadline,
+                reply,
+            } => self.adds.push(PendingAdd {
+                nodes,
+                deadline,
+                reply,
+            }),
+            Command::Edges {
+                add,
+                remove,
+                deadline,
+                reply,
+            } => {
+                // Additions that arrived before keep their order.
+                self.apply_adds();
+                let r = if Instant::now() > deadline {
+                    Err(ServeError::Expired)
+                } else {
+                    self.edges(&add, &remove)
+                };
+                let _ = reply.send(r);
             }
             Command::SwapModel { model, reply } => self.begin_swap(*model, reply),
         }
@@ -374,7 +411,13 @@ impl Engine {
             let predictions = if dedup {
                 q.nodes
                     .iter()
-                    .map(|v| preds.iter().find(|p| p.node == *v).cloned().expect("routed"))
+                    .map(|v| {
+                        preds
+                            .iter()
+                            .find(|p| p.node == *v)
+                            .cloned()
+                            .expect("routed")
+                    })
                     .collect()
             } else {
                 preds
@@ -402,8 +445,8 @@ impl Engine {
         }
     }
 
-    fn add_nodes(&mut self, nodes: Vec<NewNode>) -> Result<Answer, ServeError> {
-        let _span = tracing::info_span!("serve_add_nodes", nodes = nodes.len() as i64).entered();
+    /// Checks one request's new nodes against the model and the graph.
+    fn check_new_nodes(&self, nodes: &[NewNode]) -> Result<(), ServeError> {
         let width = self.features.width;
         let n = self.graph.num_nodes();
         for (i, node) in nodes.iter().enumerate() {
@@ -422,7 +465,63 @@ impl Engine {
                 return Err(ServeError::UnknownNode { node: v, nodes: n });
             }
         }
-        let raw: Vec<f32> = nodes.iter().flat_map(|v| v.features.clone()).collect();
+        Ok(())
+    }
+
+    /// Applies every node addition of this round as one update (the k-hop regions of all
+    /// new nodes recomputed together), and answers each with its own nodes.
+    fn apply_adds(&mut self) {
+        if self.adds.is_empty() {
+            return;
+        }
+        let adds = std::mem::take(&mut self.adds);
+        let now = Instant::now();
+        let mut accepted = Vec::with_capacity(adds.len());
+        for a in adds {
+            if now > a.deadline {
+                let _ = a.reply.send(Err(ServeError::Expired));
+            } else if let Err(e) = self.check_new_nodes(&a.nodes) {
+                let _ = a.reply.send(Err(e));
+            } else {
+                accepted.push(a);
+            }
+        }
+        if accepted.is_empty() {
+            return;
+        }
+        let total: usize = accepted.iter().map(|a| a.nodes.len()).sum();
+        let _span = tracing::info_span!("serve_add_nodes", nodes = total as i64).entered();
+        match self.add_nodes(&accepted) {
+            Ok((ids, rows)) => {
+                let mut next = 0;
+                for a in accepted {
+                    let mine = &ids[next..next + a.nodes.len()];
+                    next += a.nodes.len();
+                    let _ = a.reply.send(Ok(Answer {
+                        model_version: self.version.clone(),
+                        predictions: self.answer_rows(mine, None),
+                        recomputed_rows: rows.clone(),
+                        edges_added: Some(a.nodes.iter().map(|n| n.edges.len()).sum()),
+                        edges_removed: None,
+                    }));
+                }
+            }
+            Err(e) => {
+                for a in accepted {
+                    let _ = a.reply.send(Err(e.clone()));
+                }
+            }
+        }
+    }
+
+    /// Adds the nodes of `adds` (checked) to the graph and recomputes what they reach;
+    /// returns their ids and the rows recomputed per layer.
+    fn add_nodes(&mut self, adds: &[PendingAdd]) -> Result<(Vec<u32>, Vec<usize>), ServeError> {
+        let nodes: Vec<&NewNode> = adds.iter().flat_map(|a| &a.nodes).collect();
+        let raw: Vec<f32> = nodes
+            .iter()
+            .flat_map(|v| v.features.iter().copied())
+            .collect();
         let rows = self.inference.prepare_features(raw)?;
         let graph = Arc::make_mut(&mut self.graph);
         let features = Arc::make_mut(&mut self.features);
@@ -453,17 +552,9 @@ impl Engine {
             &self.owner,
             self.parts,
         )?;
-        self.stats
-            .nodes
-            .store(graph.num_nodes(), Ordering::Relaxed);
+        self.stats.nodes.store(graph.num_nodes(), Ordering::Relaxed);
         self.note_changed(&changed);
-        Ok(Answer {
-            model_version: self.version.clone(),
-            predictions: self.answer_rows(&ids, None),
-            recomputed_rows: stats.rows_per_layer,
-            edges_added: Some(nodes.iter().map(|n| n.edges.len()).sum()),
-            edges_removed: None,
-        })
+        Ok((ids, stats.rows_per_layer))
     }
 
     fn edges(&mut self, add: &[Edge], remove: &[Edge]) -> Result<Answer, ServeError> {
@@ -525,7 +616,11 @@ impl Engine {
             )));
             return;
         }
-        if !saved.meta.config.same_architecture(self.inference.model().config()) {
+        if !saved
+            .meta
+            .config
+            .same_architecture(self.inference.model().config())
+        {
             let _ = reply.send(Err(ServeError::BadRequest(format!(
                 "the new model ({} {}->{}->{}, {} layers) is not the architecture being served",
                 saved.meta.config.kind,

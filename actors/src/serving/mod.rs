@@ -45,9 +45,8 @@ pub enum ServeError {
 impl From<trellis_runtime::RuntimeError> for ServeError {
     fn from(e: trellis_runtime::RuntimeError) -> Self {
         match e {
-            trellis_runtime::RuntimeError::BadData(m) | trellis_runtime::RuntimeError::Config(m) => {
-                ServeError::BadRequest(m)
-            }
+            trellis_runtime::RuntimeError::BadData(m)
+            | trellis_runtime::RuntimeError::Config(m) => ServeError::BadRequest(m),
             other => ServeError::Internal(other.to_string()),
         }
     }

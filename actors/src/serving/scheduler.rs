@@ -176,8 +176,7 @@ impl Scheduler {
         }
         let wait = self.expected(self.queued_cost + cost);
         let budget = req.deadline.saturating_duration_since(now);
-        if self.queued_cost + cost > self.cfg.max_queue || (self.queued_cost > 0 && wait > budget)
-        {
+        if self.queued_cost + cost > self.cfg.max_queue || (self.queued_cost > 0 && wait > budget) {
             return vec![Action::Refuse {
                 id: req.id,
                 why: Refusal::Overloaded,
@@ -435,15 +434,23 @@ mod tests {
             let out = s.arrive(req(i, "a", 1, t0), t0);
             refused += out
                 .iter()
-                .filter(|a| matches!(a, Action::Refuse { why: Refusal::Quota, .. }))
+                .filter(|a| {
+                    matches!(
+                        a,
+                        Action::Refuse {
+                            why: Refusal::Quota,
+                            ..
+                        }
+                    )
+                })
                 .count();
         }
         assert_eq!(refused, 3);
         // Another tenant is not affected; a second later the first may send again.
-        assert!(s.arrive(req(10, "b", 1, t0), t0).iter().all(|a| !matches!(
-            a,
-            Action::Refuse { .. }
-        )));
+        assert!(s
+            .arrive(req(10, "b", 1, t0), t0)
+            .iter()
+            .all(|a| !matches!(a, Action::Refuse { .. })));
         let later = t0 + Duration::from_secs(1);
         assert!(s
             .arrive(req(11, "a", 1, later), later)

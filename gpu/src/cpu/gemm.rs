@@ -133,8 +133,11 @@ fn gemv_rows(
         }
         acc
     };
-    c.par_iter_mut().enumerate().with_min_len(4096).for_each(|(i, ci)| {
-        let v = alpha * row(i);
-        *ci = if beta == 0.0 { v } else { v + beta * *ci };
-    });
+    c.par_iter_mut()
+        .enumerate()
+        .with_min_len(4096)
+        .for_each(|(i, ci)| {
+            let v = alpha * row(i);
+            *ci = if beta == 0.0 { v } else { v + beta * *ci };
+        });
 }

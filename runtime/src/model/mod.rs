@@ -114,10 +114,20 @@ impl ModelConfig {
     /// Whether `other` has this architecture (kind, widths, layers, heads): its parameters
     /// have the same names and shapes, whatever its seed or regularisation.
     pub fn same_architecture(&self, other: &ModelConfig) -> bool {
-        (self.kind, self.in_dim, self.hidden, self.out_dim, self.layers)
-            == (other.kind, other.in_dim, other.hidden, other.out_dim, other.layers)
-            && (self.kind != ModelKind::Gat
-                || (self.heads, self.out_heads) == (other.heads, other.out_heads))
+        (
+            self.kind,
+            self.in_dim,
+            self.hidden,
+            self.out_dim,
+            self.layers,
+        ) == (
+            other.kind,
+            other.in_dim,
+            other.hidden,
+            other.out_dim,
+            other.layers,
+        ) && (self.kind != ModelKind::Gat
+            || (self.heads, self.out_heads) == (other.heads, other.out_heads))
     }
 
     fn validate(&self) -> Result<()> {
