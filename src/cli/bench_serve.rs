@@ -194,6 +194,7 @@ fn start_engine(
             },
             parts: a.partitions.max(1),
             threads: a.threads,
+            panic_on_updates: Vec::new(),
         },
     )
     .map_err(|e| anyhow::anyhow!("cannot start the engine: {e}"))

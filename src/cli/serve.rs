@@ -65,6 +65,10 @@ pub struct ServeArgs {
     /// CPU threads for kernels (0 = all CPUs).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
+    /// Fault injection: make the computation of these graph updates (counting from 1,
+    /// comma separated) panic; the engine recovers and keeps serving.
+    #[arg(long, value_delimiter = ',')]
+    pub panic_on_updates: Vec<u64>,
     #[command(flatten)]
     pub telemetry: TelemetryArgs,
 }
@@ -100,6 +104,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
             },
             parts,
             threads: a.threads,
+            panic_on_updates: a.panic_on_updates.clone(),
         },
     )
     .map_err(|e| anyhow::anyhow!("cannot start serving {}: {e}", a.model.display()))?;

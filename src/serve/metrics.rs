@@ -132,6 +132,13 @@ impl HttpMetrics {
                 .unwrap_or(0);
             let _ = writeln!(out, "trellis_serve_shed_total{{reason=\"{reason}\"}} {n}");
         }
+        out.push_str("# HELP trellis_serve_recoveries_total Engine failures recovered.\n");
+        out.push_str("# TYPE trellis_serve_recoveries_total counter\n");
+        let _ = writeln!(
+            out,
+            "trellis_serve_recoveries_total {}",
+            engine.recoveries.load(Ordering::Relaxed)
+        );
         out.push_str("# HELP trellis_serve_nodes Nodes of the served graph.\n");
         out.push_str("# TYPE trellis_serve_nodes gauge\n");
         let _ = writeln!(

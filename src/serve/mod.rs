@@ -320,17 +320,15 @@ async fn healthz() -> HttpResponse {
 }
 
 async fn readyz(state: web::Data<AppState>) -> HttpResponse {
-    let version = state
-        .engine
-        .stats
-        .version
-        .lock()
-        .expect("stats lock")
-        .clone();
-    json_response(
-        200,
-        serde_json::json!({ "ready": true, "model_version": version }).to_string(),
-    )
+    let stats = &state.engine.stats;
+    let version = stats.version.lock().expect("stats lock").clone();
+    let ready = stats.ready.load(std::sync::atomic::Ordering::SeqCst);
+    let body = serde_json::json!({
+        "ready": ready,
+        "model_version": version,
+        "recoveries": stats.recoveries.load(std::sync::atomic::Ordering::Relaxed),
+    });
+    json_response(if ready { 200 } else { 503 }, body.to_string())
 }
 
 async fn metrics_text(state: web::Data<AppState>) -> HttpResponse {

@@ -104,6 +104,10 @@ pub struct EngineStats {
     pub batches: Mutex<Option<hdrhistogram::Histogram<u64>>>,
     pub shed: Mutex<HashMap<&'static str, u64>>,
     pub version: Mutex<String>,
+    /// False while the engine rebuilds its tables after a failure.
+    pub ready: std::sync::atomic::AtomicBool,
+    /// Failures recovered so far.
+    pub recoveries: AtomicUsize,
 }
 
 impl EngineStats {
@@ -137,6 +141,8 @@ pub struct EngineConfig {
     pub parts: usize,
     /// CPU threads of the engine's stream (0 = all).
     pub threads: usize,
+    /// Fault injection: the graph updates (counting from 1) whose computation panics.
+    pub panic_on_updates: Vec<u64>,
 }
 
 /// A handle to a running engine: send commands, read its stats.
@@ -170,6 +176,9 @@ struct Engine {
     threads: usize,
     /// Node additions received in this round: applied together, as one update.
     adds: Vec<PendingAdd>,
+    /// Graph updates computed so far, and the ones to fail (fault injection).
+    updates: u64,
+    panic_on_updates: Vec<u64>,
 }
 
 struct PendingAdd {
@@ -210,6 +219,7 @@ pub fn start(
     let outputs = inference.run(&graph, &features, &parts_of(&owner, parts))?;
     let stats = Arc::new(EngineStats::default());
     *stats.version.lock().expect("stats lock") = version.clone();
+    stats.ready.store(true, Ordering::SeqCst);
     stats.nodes.store(graph.num_nodes(), Ordering::Relaxed);
     let (tx, rx) = mpsc::channel();
     let mut engine = Engine {
@@ -227,6 +237,8 @@ pub fn start(
         swap: None,
         threads: cfg.threads,
         adds: Vec::new(),
+        updates: 0,
+        panic_on_updates: cfg.panic_on_updates,
     };
     std::thread::Builder::new()
         .name("trellis-serve-engine".into())
@@ -544,17 +556,10 @@ impl Engine {
             changed.push(id);
             ids.push(id);
         }
-        let stats = self.inference.update(
-            graph,
-            features,
-            &mut self.outputs,
-            &changed,
-            &self.owner,
-            self.parts,
-        )?;
         self.stats.nodes.store(graph.num_nodes(), Ordering::Relaxed);
+        let rows = self.recompute(&changed)?;
         self.note_changed(&changed);
-        Ok((ids, stats.rows_per_layer))
+        Ok((ids, rows))
     }
 
     fn edges(&mut self, add: &[Edge], remove: &[Edge]) -> Result<Answer, ServeError> {
@@ -591,22 +596,69 @@ impl Engine {
                 changed.extend([e.a, e.b]);
             }
         }
-        let stats = self.inference.update(
-            graph,
-            &self.features,
-            &mut self.outputs,
-            &changed,
-            &self.owner,
-            self.parts,
-        )?;
+        let rows = self.recompute(&changed)?;
         self.note_changed(&changed);
         Ok(Answer {
             model_version: self.version.clone(),
             predictions: Vec::new(),
-            recomputed_rows: stats.rows_per_layer,
+            recomputed_rows: rows,
             edges_added: Some(added),
             edges_removed: Some(removed),
         })
+    }
+
+    /// Recomputes the rows the graph change at `changed` reaches; returns the rows
+    /// recomputed per layer. A panic in the computation (a failed kernel, or one injected
+    /// with [`EngineConfig::panic_on_updates`]) is recovered as a partition actor's is: the
+    /// tables are rebuilt from the engine's graph and features (its replica of the served
+    /// state, which the change had already been applied to) before anything else is
+    /// answered; meanwhile `/readyz` says not ready and queries wait within their deadline.
+    fn recompute(&mut self, changed: &[u32]) -> Result<Vec<usize>, ServeError> {
+        self.updates += 1;
+        let inject = self.panic_on_updates.contains(&self.updates);
+        let attempt = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            if inject {
+                panic!("injected failure in update {}", self.updates);
+            }
+            self.inference.update(
+                &self.graph,
+                &self.features,
+                &mut self.outputs,
+                changed,
+                &self.owner,
+                self.parts,
+            )
+        }));
+        match attempt {
+            Ok(r) => Ok(r?.rows_per_layer),
+            Err(panic) => {
+                let what = panic
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_else(|| "a panic".into());
+                let _span =
+                    tracing::info_span!("serve_recovery", update = self.updates as i64).entered();
+                let t = Instant::now();
+                self.stats.ready.store(false, Ordering::SeqCst);
+                let rebuilt = self.inference.run(
+                    &self.graph,
+                    &self.features,
+                    &parts_of(&self.owner, self.parts),
+                );
+                self.stats.ready.store(true, Ordering::SeqCst);
+                self.stats.recoveries.fetch_add(1, Ordering::Relaxed);
+                let out = rebuilt.map_err(|e| {
+                    ServeError::Internal(format!("recovery after `{what}` failed: {e}"))
+                })?;
+                self.outputs = out;
+                tracing::warn!(
+                    "serving engine recovered from `{what}` in {:.1} ms",
+                    t.elapsed().as_secs_f64() * 1e3
+                );
+                Ok(vec![self.graph.num_nodes(); self.outputs.layers.len()])
+            }
+        }
     }
 
     fn begin_swap(&mut self, saved: SavedModel, reply: Reply) {
