@@ -771,3 +771,51 @@ fn a_failed_update_is_recovered_under_load_without_wrong_answers() {
         "after recoveries",
     );
 }
+
+#[test]
+fn bench_serve_reports_every_workload() {
+    let out = Command::new(env!("CARGO_BIN_EXE_trellis"))
+        .args([
+            "bench",
+            "serve",
+            "--data",
+            DATA,
+            "--hidden",
+            "16",
+            "--seconds",
+            "1",
+        ])
+        .args([
+            "--rate-predict",
+            "300",
+            "--rate-new",
+            "50",
+            "--rate-light",
+            "50",
+        ])
+        .args(["--connections", "4", "--threads", "2"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("memory bandwidth (STREAM triad)"), "{text}");
+    for row in [
+        "(a) existing-node predict",
+        "(b) new-node inductive",
+        "(d) light tenant alone",
+        "(d) light beside 10x heavy",
+    ] {
+        let line = text
+            .lines()
+            .find(|l| l.starts_with(row))
+            .unwrap_or_else(|| panic!("no `{row}` in {text}"));
+        assert!(
+            line.contains("p99.9") && line.contains("failed 0"),
+            "{line}"
+        );
+    }
+}

@@ -40,6 +40,10 @@ pub struct ServeBenchArgs {
     /// Seconds of load per workload.
     #[arg(long, default_value_t = 10)]
     pub seconds: u64,
+    /// Fairness check: a light tenant's rate alone and beside a tenant sending 10x as much
+    /// (0 skips it).
+    #[arg(long, default_value_t = 500.0)]
+    pub rate_light: f64,
     /// Edges of each new node.
     #[arg(long, default_value_t = 10)]
     pub new_edges: usize,
@@ -145,6 +149,7 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
         duration: Duration::from_secs(a.seconds),
         connections: a.connections,
         seed,
+        api_key: None,
     };
     println!(
         "trellis bench serve: {} ({n} nodes), GCN hidden {}, {parts} part(s), SLO {} ms, {} s per workload, memory bandwidth (STREAM triad) {triad:.1} GB/s",
@@ -170,6 +175,33 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
         )
     })?;
     line("(b) new-node inductive", a.rate_new, &new);
+    if a.rate_light > 0.0 {
+        let query = move |rng: &mut crate::serve::loadgen::Rng| {
+            let v = rng.below(n);
+            ("/v1/predict", format!("{{\"nodes\":[{v}]}}").into_bytes())
+        };
+        let light = |seed| LoadSpec {
+            api_key: Some("light".into()),
+            ..spec(a.rate_light, seed)
+        };
+        let alone = run_open_loop(&light(3), query)?;
+        line("(d) light tenant alone", a.rate_light, &alone);
+        let heavy_spec = LoadSpec {
+            api_key: Some("heavy".into()),
+            ..spec(10.0 * a.rate_light, 4)
+        };
+        let heavy = std::thread::spawn(move || run_open_loop(&heavy_spec, query));
+        let beside = run_open_loop(&light(5), query)?;
+        let heavy = heavy
+            .join()
+            .map_err(|_| anyhow::anyhow!("the heavy tenant's load thread panicked"))??;
+        line("(d) light beside 10x heavy", a.rate_light, &beside);
+        line("(d) the heavy tenant", 10.0 * a.rate_light, &heavy);
+        println!(
+            "light tenant p99 beside the heavy one: {:.2}x alone (goal <= 1.2x)",
+            beside.ms(0.99) / alone.ms(0.99).max(1e-3)
+        );
+    }
     Ok(())
 }
 

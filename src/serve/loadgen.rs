@@ -21,6 +21,8 @@ pub struct LoadSpec {
     /// Keep-alive connections (requests beyond them wait on the client, timed).
     pub connections: usize,
     pub seed: u64,
+    /// Sent as `x-api-key` (the tenant), if set.
+    pub api_key: Option<String>,
 }
 
 /// What happened.
@@ -118,6 +120,7 @@ async fn read_response(r: &mut BufReader<tokio::net::tcp::OwnedReadHalf>) -> std
 
 async fn connection(
     addr: SocketAddr,
+    key_header: Arc<str>,
     jobs: Arc<Mutex<mpsc::UnboundedReceiver<Job>>>,
     hist: Arc<std::sync::Mutex<Histogram<u64>>>,
     tally: Arc<std::sync::Mutex<Tally>>,
@@ -138,7 +141,7 @@ async fn connection(
             continue;
         };
         let head = format!(
-            "POST {} HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            "POST {} HTTP/1.1\r\nHost: bench\r\n{key_header}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n",
             job.path,
             job.body.len()
         );
@@ -180,10 +183,15 @@ pub fn run_open_loop(
     let tally = Arc::new(std::sync::Mutex::new(Tally::default()));
     let (tx, rx) = mpsc::unbounded_channel::<Job>();
     let rx = Arc::new(Mutex::new(rx));
+    let key_header: Arc<str> = match &spec.api_key {
+        Some(k) => format!("x-api-key: {k}\r\n").into(),
+        None => "".into(),
+    };
     let workers: Vec<_> = (0..spec.connections.max(1))
         .map(|_| {
             rt.spawn(connection(
                 spec.addr,
+                key_header.clone(),
                 rx.clone(),
                 hist.clone(),
                 tally.clone(),
