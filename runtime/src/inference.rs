@@ -134,7 +134,8 @@ impl NodeGraph {
                 "inner nodes must be ascending, distinct and in range".into(),
             ));
         }
-        let mut map = LocalIds::new(n, inner.len());
+        let entries: usize = inner.iter().map(|&g| self.degree(g)).sum();
+        let mut map = LocalIds::new(n, inner.len() + entries);
         for (l, &g) in inner.iter().enumerate() {
             map.insert(g, l as u32);
         }
@@ -177,19 +178,21 @@ impl NodeGraph {
     }
 }
 
-/// Global-to-local ids of a block: a dense table for large blocks, a hash map for small ones
-/// (incremental updates build blocks of a few hundred rows over graphs of millions).
+/// Global-to-local ids of a block: a dense table unless the block is tiny against the graph
+/// (a table of `n` entries is cleared in a fraction of the time that many hash map inserts
+/// and lookups take; incremental updates build blocks of a few rows over graphs of millions).
 enum LocalIds {
     Dense(Vec<u32>),
     Sparse(HashMap<u32, u32>),
 }
 
 impl LocalIds {
-    fn new(n: usize, inner: usize) -> Self {
-        if inner * 16 >= n {
+    /// For a block of about `rows` input rows over `n` nodes.
+    fn new(n: usize, rows: usize) -> Self {
+        if rows * 64 >= n {
             LocalIds::Dense(vec![u32::MAX; n])
         } else {
-            LocalIds::Sparse(HashMap::with_capacity(inner * 8))
+            LocalIds::Sparse(HashMap::with_capacity(rows))
         }
     }
     fn insert(&mut self, g: u32, l: u32) {
