@@ -18,6 +18,7 @@ pub use trellis_transport as transport;
 pub mod build_info;
 pub mod cli;
 pub mod plots;
+pub mod serve;
 pub mod telemetry;
 
 /// Keeps freed tensor memory in the process for reuse instead of handing it back to the

@@ -21,6 +21,7 @@ pub mod faults;
 pub mod profile;
 pub mod protocol;
 pub mod replica;
+pub mod serving;
 pub mod shells;
 pub mod sim;
 pub mod telemetry;

@@ -8,8 +8,10 @@
 pub mod data;
 mod error;
 pub mod graph;
+pub mod inference;
 pub mod metrics;
 pub mod model;
+pub mod model_file;
 pub mod partition;
 pub mod progress;
 pub mod report;

@@ -156,6 +156,16 @@ pub struct Trainer {
     opt: Optimizer,
     dataset: String,
     data_digest: String,
+    /// Host copies of the parameters after the epoch of best validation accuracy (what the
+    /// report's test accuracy comes from), kept while [`Trainer::run`] runs.
+    best_values: Option<BestValues>,
+}
+
+/// The parameters of one epoch, on the host.
+#[derive(Debug, Clone)]
+struct BestValues {
+    epoch: u32,
+    values: Vec<Tensor>,
 }
 
 impl Trainer {
@@ -196,12 +206,37 @@ impl Trainer {
             opt,
             dataset: ds.name.clone(),
             data_digest,
+            best_values: None,
         })
     }
 
     /// The model being trained.
     pub fn model(&self) -> &Model {
         &self.model
+    }
+
+    /// The data digest of the data set being trained on.
+    pub fn data_digest(&self) -> &str {
+        &self.data_digest
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &TrainConfig {
+        &self.cfg
+    }
+
+    /// A host copy of the model after the epoch of best validation accuracy of the last
+    /// [`Trainer::run`], and that epoch (`None` before a run).
+    pub fn best_model(&self) -> Result<Option<(u32, Model)>> {
+        self.best_values
+            .as_ref()
+            .map(|b| {
+                Ok((
+                    b.epoch,
+                    Model::with_values(self.cfg.model.clone(), b.values.clone())?,
+                ))
+            })
+            .transpose()
     }
 
     /// The compute stream (its kernel clock times the steps).
@@ -303,6 +338,12 @@ impl Trainer {
                 )));
             }
             best.update(&log);
+            if best.best_epoch == epoch {
+                self.best_values = Some(BestValues {
+                    epoch,
+                    values: self.model.values_on_host(&self.stream)?,
+                });
+            }
             on_epoch(&log);
             logs.push(log);
         }

@@ -41,11 +41,17 @@ pub enum BenchWhat {
     /// P partition actors vs one process, epochs alternated in one run: times, ratio, and
     /// where the partitioned step's time goes.
     Partitions(super::bench_partitions::PartitionsArgs),
+    /// The serving service under open-loop Poisson load over HTTP: latency quantiles and
+    /// achieved rates of existing-node predictions and new-node inductive queries.
+    Serve(super::bench_serve::ServeBenchArgs),
 }
 
 pub fn run(a: BenchArgs) -> Result<()> {
     if let Some(BenchWhat::Recovery(r)) = a.what {
         return super::bench_recovery::run(r);
+    }
+    if let Some(BenchWhat::Serve(s)) = a.what {
+        return super::bench_serve::run(s);
     }
     if let Some(BenchWhat::Partitions(p)) = a.what {
         return super::bench_partitions::run(p);

@@ -6,12 +6,15 @@ mod accuracy;
 mod bench;
 mod bench_partitions;
 mod bench_recovery;
+mod bench_serve;
 mod cert;
 mod demo;
 mod launch;
 mod node;
 mod partition;
+pub mod predict;
 mod report;
+mod serve;
 mod sim;
 pub mod telemetry;
 mod train;
@@ -43,6 +46,10 @@ pub enum Command {
     Cert(cert::CertArgs),
     /// Run one node of a multi-process cluster (QUIC with mutual TLS) from a cluster file.
     Node(node::NodeArgs),
+    /// Predict with a saved model: layer-wise full-graph inference into a .npy file.
+    Predict(predict::PredictArgs),
+    /// Serve a saved model over HTTP/JSON: predictions, graph updates, model swaps.
+    Serve(Box<serve::ServeArgs>),
     /// Start a local cluster of K node processes on loopback, with fresh certificates.
     Launch(launch::LaunchArgs),
     /// Train on a built-in synthetic graph, single-process and partitioned with an injected
@@ -66,5 +73,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Launch(a) => launch::run(a),
         Command::Report(a) => report::run(a),
         Command::Sim(a) => sim::run(a),
+        Command::Predict(a) => predict::run(a),
+        Command::Serve(a) => serve::run(*a),
     }
 }

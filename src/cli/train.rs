@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use trellis_actors::checkpoint::CheckpointPolicy;
 use trellis_actors::{FaultPlan, RunEvent, Topology, TrainingRun};
 use trellis_gpu::Device;
+use trellis_runtime::model_file::{self, ModelMeta};
 use trellis_runtime::partition::PartitionMethod;
 use trellis_runtime::{progress, DataSource, Dataset, ModelKind, RunReport, TrainConfig, Trainer};
 
@@ -80,6 +81,14 @@ pub struct TrainArgs {
     /// Write the JSON run report to this file (its folder must exist; checked before training).
     #[arg(long, value_name = "FILE")]
     pub report: Option<PathBuf>,
+    /// Write the trained model to this file (safetensors with PyTorch Geometric's tensor
+    /// names and layouts, and metadata: model kind, layer sizes, config, digests).
+    #[arg(long)]
+    pub save_model: Option<PathBuf>,
+    /// Which parameters --save-model writes: `best` (the epoch of best validation accuracy,
+    /// which the report's test accuracy comes from) or `last`.
+    #[arg(long, value_enum, default_value_t = SaveAt::Best, requires = "save_model")]
+    pub save_model_at: SaveAt,
     /// Print one line per epoch.
     #[arg(long)]
     pub verbose: bool,
@@ -143,6 +152,58 @@ impl TrainArgs {
     }
 }
 
+/// Which epoch's parameters `--save-model` writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SaveAt {
+    /// The epoch of best validation accuracy.
+    Best,
+    /// The last epoch.
+    Last,
+}
+
+/// Writes the trainer's model (the epoch `at` says) to `path`.
+pub fn save_model(trainer: &Trainer, at: SaveAt, path: &Path) -> Result<()> {
+    let s = trainer.stream();
+    let (epoch, best);
+    let model = match (at, trainer.best_model()?) {
+        (SaveAt::Best, Some((e, m))) => {
+            epoch = e;
+            best = m;
+            &best
+        }
+        _ => {
+            epoch = trainer.config().epochs;
+            trainer.model()
+        }
+    };
+    let cfg = trainer.config();
+    let meta = ModelMeta {
+        config: cfg.model.clone(),
+        train_config: serde_json::to_value(cfg).ok(),
+        normalize_features: cfg.normalize_features,
+        data_digest: trainer.data_digest().to_string(),
+        weights_digest: String::new(),
+        epoch,
+        code_version: env!("CARGO_PKG_VERSION").to_string(),
+    };
+    // A host model's values are read on the host stream; the trained one on its own stream.
+    let host;
+    let stream = if std::ptr::eq(model, trainer.model()) {
+        s
+    } else {
+        host = trellis_gpu::Stream::cpu(0)?;
+        &host
+    };
+    model_file::save(path, model, stream, &meta)
+        .with_context(|| format!("cannot write the model to {}", path.display()))?;
+    println!(
+        "model (epoch {epoch}) written to {} ({} parameters)",
+        path.display(),
+        model.num_parameters()
+    );
+    Ok(())
+}
+
 /// Loads the data named by `--data`.
 pub fn load_data(spec: &str) -> Result<Dataset> {
     let src = DataSource::parse(spec).with_context(|| format!("cannot use --data {spec}"))?;
@@ -154,6 +215,16 @@ pub fn load_data(spec: &str) -> Result<Dataset> {
 
 /// Trains single-process and returns the report.
 pub fn train_single(ds: Dataset, cfg: TrainConfig, verbose: bool) -> Result<RunReport> {
+    train_single_saving(ds, cfg, verbose, None)
+}
+
+/// As [`train_single`], writing the model to `save.0` afterwards when asked.
+pub fn train_single_saving(
+    ds: Dataset,
+    cfg: TrainConfig,
+    verbose: bool,
+    save: Option<(&Path, SaveAt)>,
+) -> Result<RunReport> {
     let pb = progress::bar(cfg.epochs as u64, "training");
     let mut trainer = Trainer::from_dataset(ds, cfg)?;
     let report = trainer.run(|log| {
@@ -168,6 +239,9 @@ pub fn train_single(ds: Dataset, cfg: TrainConfig, verbose: bool) -> Result<RunR
         }
     })?;
     pb.finish_and_clear();
+    if let Some((path, at)) = save {
+        save_model(&trainer, at, path)?;
+    }
     Ok(report)
 }
 
@@ -248,20 +322,27 @@ pub fn run(a: TrainArgs) -> Result<()> {
         .with_context(|| format!("cannot use --device {}", a.device))?;
     // Clear errors (what is missing, where the report cannot go) before any data is loaded.
     device.check_available()?;
+    let partitioned = a.partitions.is_some_and(|p| p > 1)
+        || a.partition_dir.is_some()
+        || a.chaos.is_some()
+        || a.checkpoint_dir.is_some();
+    if partitioned && a.save_model.is_some() {
+        bail!(
+            "--save-model is not available for partitioned runs yet: train single-process \
+             (without --partitions, --partition-dir, --chaos, --checkpoint-dir) to save a model"
+        );
+    }
     if let Some(path) = &a.report {
         check_report_path(path)?;
     }
     let telemetry = a.telemetry.start(0)?;
     let ds = load_data(&a.data)?;
     let cfg = a.config(&ds)?;
-    let report = if a.partitions.is_some_and(|p| p > 1)
-        || a.partition_dir.is_some()
-        || a.chaos.is_some()
-        || a.checkpoint_dir.is_some()
-    {
+    let report = if partitioned {
         train_partitioned(&ds, cfg, &a)?
     } else {
-        train_single(ds, cfg, a.verbose)?
+        let save = a.save_model.as_deref().map(|p| (p, a.save_model_at));
+        train_single_saving(ds, cfg, a.verbose, save)?
     };
     let mut report = report;
     report.code_commit = crate::build_info::commit().map(str::to_string);

@@ -593,16 +593,13 @@ impl PartitionState {
         self.model.weights_digest(&self.stream)
     }
 
-    /// Overwrites the first parameter of the model replica with zeros, as a kernel interrupted
-    /// half-way would leave it (fault injection only): a restart that does not really restore
-    /// the committed state then ends with different weights.
+    /// Overwrites every other parameter of the model replica (weights and biases alike) with
+    /// ones, as a kernel interrupted half-way would leave it (fault injection only): a restart
+    /// that does not really restore the committed state then ends with different weights.
     pub fn clobber_for_fault(&mut self) {
         let stream = self.stream.uncancellable();
-        if let Some(p) = self.model.params_mut().first_mut() {
-            let (rows, cols) = p.value.shape();
-            if let Ok(z) = stream.zeros(rows, cols) {
-                p.value = z;
-            }
+        for p in self.model.params_mut().iter_mut().step_by(2) {
+            let _ = stream.fill(&mut p.value, 1.0);
         }
     }
 

@@ -1,8 +1,8 @@
 //! The partition actor: a thin actix shell around the [`PartitionMachine`]. It turns actix
 //! messages into the machine's events, sends the blocks the machine emits through the
 //! transport, answers requests through their reply channels, puts snapshots into the node's
-//! [`ReplicaStore`], and stops itself when the machine asks for a restart so that actix's
-//! `Supervisor` starts it again: `restarting` restores the committed state from the store.
+//! [`ReplicaStore`], and restarts the partition when the machine asks (a caught panic): the
+//! committed state is restored from the store before the next message is handled.
 use crate::faults::FaultPlan;
 use crate::protocol::epoch::{RequestId, Response};
 use crate::protocol::messages::{Applied, ApplyStep, Halo, ResetEpoch, Step, StepReply};
@@ -87,11 +87,7 @@ impl PartitionActor {
     }
 
     /// Executes the machine's actions; returns the answer to request `sync`, if it came.
-    fn drain(
-        &mut self,
-        ctx: &mut Context<Self>,
-        sync: Option<RequestId>,
-    ) -> Option<Result<Response, ActorError>> {
+    fn drain(&mut self, sync: Option<RequestId>) -> Option<Result<Response, ActorError>> {
         let mut answer = None;
         let mut send_failed: Option<String> = None;
         loop {
@@ -135,10 +131,12 @@ impl PartitionActor {
                             ms,
                         );
                     }
-                    // Stopping makes actix's Supervisor call `restarting` and start us again.
+                    // The supervisor's restart, done here and now: waiting for actix to stop and
+                    // restart the actor let requests already in the mailbox reach the
+                    // un-restored state under load (found by the optimizer-step panic test).
                     PartitionAction::Restart => {
                         crate::failure_clock::record(self.run, self.part.0, Instant::now());
-                        ctx.stop()
+                        self.restart();
                     }
                 }
             }
@@ -155,9 +153,11 @@ impl Actor for PartitionActor {
     type Context = Context<Self>;
 }
 
-impl Supervised for PartitionActor {
-    fn restarting(&mut self, _ctx: &mut Context<Self>) {
-        // Requests in flight are answered "the actor restarted" by dropping their channels.
+impl PartitionActor {
+    /// Restarts the partition: requests in flight are answered "the actor restarted" (their
+    /// channels are dropped) and the machine restores the committed state from the node's
+    /// replica store.
+    fn restart(&mut self) {
         self.waiting.clear();
         let snap = self.replicas.get(self.part.0);
         if let Err(e) = self.machine.restore(snap.as_deref()) {
@@ -166,16 +166,24 @@ impl Supervised for PartitionActor {
     }
 }
 
+/// If the actor itself ever stops (a panic outside the machine's `catch_unwind`), actix's
+/// `Supervisor` starts it again through the same restart.
+impl Supervised for PartitionActor {
+    fn restarting(&mut self, _ctx: &mut Context<Self>) {
+        self.restart();
+    }
+}
+
 impl Handler<Step> for PartitionActor {
     type Result = ResponseFuture<Result<StepReply, ActorError>>;
 
-    fn handle(&mut self, step: Step, ctx: &mut Context<Self>) -> Self::Result {
+    fn handle(&mut self, step: Step, _ctx: &mut Context<Self>) -> Self::Result {
         let part = self.part.0;
         let id = self.next_id();
         let (tx, rx) = oneshot::channel();
         self.waiting.insert(id, tx);
         self.machine.handle_step(id, step, Instant::now());
-        self.drain(ctx, None);
+        self.drain(None);
         Box::pin(async move {
             rx.await.unwrap_or_else(|_| {
                 Err(ActorError::Unreachable {
@@ -190,20 +198,20 @@ impl Handler<Step> for PartitionActor {
 impl Handler<Halo> for PartitionActor {
     type Result = ();
 
-    fn handle(&mut self, Halo(block): Halo, ctx: &mut Context<Self>) {
+    fn handle(&mut self, Halo(block): Halo, _ctx: &mut Context<Self>) {
         self.machine.handle_halo(block, Instant::now());
-        self.drain(ctx, None);
+        self.drain(None);
     }
 }
 
 impl Handler<ApplyStep> for PartitionActor {
     type Result = Result<Applied, ActorError>;
 
-    fn handle(&mut self, msg: ApplyStep, ctx: &mut Context<Self>) -> Self::Result {
+    fn handle(&mut self, msg: ApplyStep, _ctx: &mut Context<Self>) -> Self::Result {
         let id = self.next_id();
         self.machine
             .handle_apply(id, msg.run, msg.epoch, &msg.grads, msg.trace);
-        match self.drain(ctx, Some(id)) {
+        match self.drain(Some(id)) {
             Some(Ok(Response::Applied(a))) => Ok(a),
             Some(Err(e)) => Err(e),
             _ => Err(ActorError::Protocol {
@@ -217,11 +225,11 @@ impl Handler<ApplyStep> for PartitionActor {
 impl Handler<ResetEpoch> for PartitionActor {
     type Result = ();
 
-    fn handle(&mut self, msg: ResetEpoch, ctx: &mut Context<Self>) {
+    fn handle(&mut self, msg: ResetEpoch, _ctx: &mut Context<Self>) {
         self.cancel.clear();
         let id = self.next_id();
         self.machine.handle_reset(id, msg.epoch);
-        if let Some(Err(e)) = self.drain(ctx, Some(id)) {
+        if let Some(Err(e)) = self.drain(Some(id)) {
             // A failure of the device surfaces again at the next op on the stream.
             tracing::error!("partition {}: resetting the epoch failed: {e}", self.part);
         }

@@ -55,6 +55,13 @@ pub fn gemm(
         }
         return;
     }
+    if n == 1 {
+        // A matrix-vector product: the `gemm` crate takes a path here whose sums depend on
+        // how many rows there are, so the same row would get other bits in another row
+        // subset (a partition's rows). Each row's dot product runs in `k` order instead.
+        gemv_rows(m, k, alpha, a, trans_a, b, beta, c);
+        return;
+    }
     // Row-major strides: element (i, j) of a row-major r x s matrix is at i * s + j.
     let (a_rs, a_cs) = if trans_a {
         (1, m as isize)
@@ -96,4 +103,41 @@ pub fn gemm(
             par,
         );
     }
+}
+
+/// `c = alpha * op(a) * b + beta * c` for a single column `b` (`k x 1`): one dot product per
+/// row of `op(a)`, summed in `k` order, rows in parallel. Each row's bits depend only on that
+/// row.
+#[allow(clippy::too_many_arguments)]
+fn gemv_rows(
+    m: usize,
+    k: usize,
+    alpha: f32,
+    a: &[f32],
+    trans_a: bool,
+    b: &[f32],
+    beta: f32,
+    c: &mut [f32],
+) {
+    use rayon::prelude::*;
+    let row = |i: usize| -> f32 {
+        let mut acc = 0.0f32;
+        if trans_a {
+            for (j, &bj) in b.iter().enumerate() {
+                acc += a[j * m + i] * bj;
+            }
+        } else {
+            for (&x, &bj) in a[i * k..(i + 1) * k].iter().zip(b) {
+                acc += x * bj;
+            }
+        }
+        acc
+    };
+    c.par_iter_mut()
+        .enumerate()
+        .with_min_len(4096)
+        .for_each(|(i, ci)| {
+            let v = alpha * row(i);
+            *ci = if beta == 0.0 { v } else { v + beta * *ci };
+        });
 }

@@ -46,6 +46,24 @@ impl LayerInput {
         Ok(LayerInput::Sparse(SparseRows { m, t }))
     }
 
+    /// The density test of [`LayerInput::auto`]: whether `values` would be held sparse.
+    pub fn would_be_sparse(values: &[f32]) -> bool {
+        let nnz = values.iter().filter(|&&v| v != 0.0).count();
+        !values.is_empty() && (nnz as f64) < SPARSE_DENSITY * values.len() as f64
+    }
+
+    /// Holds the host rows `x` sparse or dense as `sparse` says, whatever their own density:
+    /// inference over a subset of rows keeps the layout chosen for the whole matrix, so each
+    /// row is computed by the same kernel (and to the same bits) in every subset.
+    pub fn with_layout(s: &Stream, x: Tensor, sparse: bool) -> Result<Self> {
+        if !sparse {
+            return Ok(LayerInput::Dense(s.place(x)?));
+        }
+        let m = Csr::from_dense(x.rows(), x.cols(), x.host("LayerInput::with_layout")?)?;
+        let t = m.transpose();
+        Ok(LayerInput::Sparse(SparseRows { m, t }))
+    }
+
     /// Number of rows.
     pub fn rows(&self) -> usize {
         match self {

@@ -111,6 +111,25 @@ impl ModelConfig {
         }
     }
 
+    /// Whether `other` has this architecture (kind, widths, layers, heads): its parameters
+    /// have the same names and shapes, whatever its seed or regularisation.
+    pub fn same_architecture(&self, other: &ModelConfig) -> bool {
+        (
+            self.kind,
+            self.in_dim,
+            self.hidden,
+            self.out_dim,
+            self.layers,
+        ) == (
+            other.kind,
+            other.in_dim,
+            other.hidden,
+            other.out_dim,
+            other.layers,
+        ) && (self.kind != ModelKind::Gat
+            || (self.heads, self.out_heads) == (other.heads, other.out_heads))
+    }
+
     fn validate(&self) -> Result<()> {
         let bad = |m: &str| Err(RuntimeError::Config(m.to_string()));
         if self.layers == 0 {
@@ -270,6 +289,42 @@ impl Model {
             params,
             caches,
         })
+    }
+
+    /// A model of `cfg` holding the given parameter values (in [`Model::params`] order, each
+    /// of the shape [`Model::new`] gives it): how a saved model is loaded.
+    pub fn with_values(cfg: ModelConfig, values: Vec<Tensor>) -> Result<Self> {
+        let mut model = Model::new(cfg)?;
+        if values.len() != model.params.len() {
+            return Err(RuntimeError::Config(format!(
+                "a {} model of this shape has {} parameters, {} were given",
+                model.cfg.kind,
+                model.params.len(),
+                values.len()
+            )));
+        }
+        for (p, v) in model.params.iter_mut().zip(values) {
+            if v.shape() != p.value.shape() {
+                return Err(RuntimeError::Config(format!(
+                    "parameter {} is {}x{}, expected {}x{}",
+                    p.name,
+                    v.rows(),
+                    v.cols(),
+                    p.value.rows(),
+                    p.value.cols()
+                )));
+            }
+            p.value = v;
+        }
+        Ok(model)
+    }
+
+    /// Host copies of the parameter values, in order (`s` holds them).
+    pub fn values_on_host(&self, s: &Stream) -> Result<Vec<Tensor>> {
+        self.params
+            .iter()
+            .map(|p| Ok(s.to_host(&p.value)?))
+            .collect()
     }
 
     /// The configuration.

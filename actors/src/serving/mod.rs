@@ -1,0 +1,53 @@
+//! Serving: trained models answering queries on a graph that keeps changing.
+//!
+//! - [`scheduler`]: the sans-I/O request scheduler (dynamic batching against a latency
+//!   objective, load shedding, per-tenant fair shares and quotas);
+//! - [`routing`]: which part owns a queried node, and which part a new node joins;
+//! - [`engine`]: the thread that owns the served graph, features, every layer's embeddings
+//!   and the model; it runs the scheduler's decisions, applies graph updates by recomputing
+//!   only the rows they reach (each part its own), and swaps models between batches.
+//!
+//! The HTTP front end (`trellis serve`) lives in the facade; it only parses, validates sizes
+//! and forwards [`engine::Command`]s.
+pub mod engine;
+pub mod routing;
+pub mod scheduler;
+
+use std::time::Duration;
+use thiserror::Error;
+
+/// Why a serving request did not get an answer.
+#[derive(Debug, Clone, Error, PartialEq)]
+pub enum ServeError {
+    /// The request is well-formed but not valid (HTTP 400).
+    #[error("{0}")]
+    BadRequest(String),
+    /// It names a node the graph does not have (HTTP 404).
+    #[error("node {node} does not exist (the graph has nodes 0..{nodes})")]
+    UnknownNode { node: u32, nodes: usize },
+    /// The service is over capacity (HTTP 503).
+    #[error("over capacity: request shed, retry after {}s", retry_after.as_secs())]
+    Overloaded { retry_after: Duration },
+    /// The tenant is over its quota (HTTP 429).
+    #[error("over this API key's quota, retry after {}s", retry_after.as_secs())]
+    Quota { retry_after: Duration },
+    /// Its deadline passed before it could run (HTTP 503).
+    #[error("the request's deadline passed before it could run")]
+    Expired,
+    /// It conflicts with work in progress (HTTP 409).
+    #[error("{0}")]
+    Conflict(String),
+    /// The service failed (HTTP 500).
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl From<trellis_runtime::RuntimeError> for ServeError {
+    fn from(e: trellis_runtime::RuntimeError) -> Self {
+        match e {
+            trellis_runtime::RuntimeError::BadData(m)
+            | trellis_runtime::RuntimeError::Config(m) => ServeError::BadRequest(m),
+            other => ServeError::Internal(other.to_string()),
+        }
+    }
+}

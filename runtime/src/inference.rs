@@ -1,0 +1,644 @@
+//! Layer-wise full-graph inference, and its incremental form for a changing graph.
+//!
+//! Inference runs one layer at a time over every node (as DGI's and PyG's layer-wise
+//! inference do): layer `l`'s output row of each node is computed once, from the layer `l-1`
+//! rows of its neighbours, never by expanding a neighbourhood per queried node. Each part of
+//! a partitioning computes the rows of its own (inner) nodes over its [`Block`], its halo rows
+//! read from the previous layer's table (the in-process halo exchange). Rows are computed by
+//! the same kernels over the same entries in the same order whatever the partitioning, and
+//! the layer input keeps the layout (sparse or dense) chosen for the whole feature matrix, so
+//! one part and P parts give the same bits.
+//!
+//! [`NodeGraph`] is the mutable form of [`Graph`] (nodes and edges can be added, edges
+//! removed); [`Inference::update`] recomputes, after such changes, only the rows they reach:
+//! `D_0 = S ∪ N(S)` for the changed nodes `S` (new nodes, endpoints of changed edges: their
+//! degrees, and so the normalisation of their rows and their neighbours', changed), then
+//! `D_l = D_{l-1} ∪ N(D_{l-1})`, each part computing its own rows of `D_l`.
+use crate::graph::Aggregation;
+use crate::model::{LayerInput, Model, StepCtx};
+use crate::train::normalize_rows;
+use crate::{Block, Graph, Result, RuntimeError};
+use std::borrow::Cow;
+use std::collections::HashMap;
+use trellis_gpu::{Stream, Tensor};
+
+/// A symmetric graph without self loops or duplicate edges that can grow and change: row `i`
+/// lists the neighbours of node `i` in ascending id.
+#[derive(Debug, Clone, Default)]
+pub struct NodeGraph {
+    nbrs: Vec<Vec<u32>>,
+    entries: usize,
+}
+
+impl NodeGraph {
+    /// The graph's adjacency, as rows that can change.
+    pub fn from_graph(g: &Graph) -> Self {
+        let nbrs = (0..g.num_nodes())
+            .map(|i| g.neighbors(i).to_vec())
+            .collect();
+        NodeGraph {
+            nbrs,
+            entries: g.num_entries(),
+        }
+    }
+
+    /// Number of nodes.
+    pub fn num_nodes(&self) -> usize {
+        self.nbrs.len()
+    }
+    /// Number of undirected edges.
+    pub fn num_edges(&self) -> usize {
+        self.entries / 2
+    }
+    /// Neighbours of `i`, ascending.
+    pub fn neighbors(&self, i: u32) -> &[u32] {
+        &self.nbrs[i as usize]
+    }
+    /// Degree of `i` (no self loop).
+    pub fn degree(&self, i: u32) -> usize {
+        self.nbrs[i as usize].len()
+    }
+
+    /// Adds an isolated node and returns its id.
+    pub fn add_node(&mut self) -> u32 {
+        self.nbrs.push(Vec::new());
+        (self.nbrs.len() - 1) as u32
+    }
+
+    fn check(&self, a: u32, b: u32) -> Result<()> {
+        let n = self.num_nodes();
+        if let Some(v) = [a, b].into_iter().find(|&v| v as usize >= n) {
+            return Err(RuntimeError::BadData(format!(
+                "node {v} does not exist ({n} nodes)"
+            )));
+        }
+        if a == b {
+            return Err(RuntimeError::BadData(format!(
+                "edge {a}-{b} is a self loop (every layer already includes the node itself)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Adds the undirected edge `a-b`; false if it was already there.
+    pub fn add_edge(&mut self, a: u32, b: u32) -> Result<bool> {
+        self.check(a, b)?;
+        let row = &mut self.nbrs[a as usize];
+        let Err(pos) = row.binary_search(&b) else {
+            return Ok(false);
+        };
+        row.insert(pos, b);
+        let row = &mut self.nbrs[b as usize];
+        let pos = row.binary_search(&a).unwrap_err();
+        row.insert(pos, a);
+        self.entries += 2;
+        Ok(true)
+    }
+
+    /// Removes the undirected edge `a-b`; false if there was none.
+    pub fn remove_edge(&mut self, a: u32, b: u32) -> Result<bool> {
+        self.check(a, b)?;
+        let row = &mut self.nbrs[a as usize];
+        let Ok(pos) = row.binary_search(&b) else {
+            return Ok(false);
+        };
+        row.remove(pos);
+        let row = &mut self.nbrs[b as usize];
+        let pos = row.binary_search(&a).expect("rows are symmetric");
+        row.remove(pos);
+        self.entries -= 2;
+        Ok(true)
+    }
+
+    /// The edges as `(src, dst)` lists, each undirected edge once (`src < dst`).
+    pub fn edge_lists(&self) -> (Vec<u32>, Vec<u32>) {
+        let mut src = Vec::with_capacity(self.num_edges());
+        let mut dst = Vec::with_capacity(self.num_edges());
+        for (i, row) in self.nbrs.iter().enumerate() {
+            for &j in row.iter().filter(|&&j| j as usize > i) {
+                src.push(i as u32);
+                dst.push(j);
+            }
+        }
+        (src, dst)
+    }
+
+    /// The block whose inner nodes are `inner` (ascending, distinct): halo nodes are their
+    /// neighbours outside `inner`, ascending, weights from the current degrees (as
+    /// [`Block::build`] over the same graph).
+    pub fn block(&self, inner: &[u32], agg: Aggregation) -> Result<Block> {
+        let n = self.num_nodes();
+        if inner.windows(2).any(|w| w[0] >= w[1]) || inner.last().is_some_and(|&v| v as usize >= n)
+        {
+            return Err(RuntimeError::BadData(
+                "inner nodes must be ascending, distinct and in range".into(),
+            ));
+        }
+        let entries: usize = inner.iter().map(|&g| self.degree(g)).sum();
+        let mut map = LocalIds::new(n, inner.len() + entries);
+        for (l, &g) in inner.iter().enumerate() {
+            map.insert(g, l as u32);
+        }
+        let mut halo: Vec<u32> = inner
+            .iter()
+            .flat_map(|&g| self.neighbors(g).iter().copied())
+            .filter(|&j| map.get(j).is_none())
+            .collect();
+        halo.sort_unstable();
+        halo.dedup();
+        for (k, &g) in halo.iter().enumerate() {
+            map.insert(g, (inner.len() + k) as u32);
+        }
+        let mut indptr = Vec::with_capacity(inner.len() + 1);
+        indptr.push(0usize);
+        let mut indices = Vec::new();
+        for &g in inner {
+            indices.extend(
+                self.neighbors(g)
+                    .iter()
+                    .map(|&j| map.get(j).expect("mapped above")),
+            );
+            indptr.push(indices.len());
+        }
+        let mut gids = inner.to_vec();
+        gids.extend_from_slice(&halo);
+        let degrees: Vec<u32> = gids.iter().map(|&g| self.degree(g) as u32).collect();
+        Block::from_local(inner.len(), gids, &indptr, &indices, &degrees, agg)
+    }
+
+    /// Every node within one hop of `set` (ascending, `set` included).
+    pub fn expand(&self, set: &[u32]) -> Vec<u32> {
+        let mut out: Vec<u32> = set
+            .iter()
+            .flat_map(|&v| std::iter::once(v).chain(self.neighbors(v).iter().copied()))
+            .collect();
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+}
+
+/// Global-to-local ids of a block: a dense table unless the block is tiny against the graph
+/// (a table of `n` entries is cleared in a fraction of the time that many hash map inserts
+/// and lookups take; incremental updates build blocks of a few rows over graphs of millions).
+enum LocalIds {
+    Dense(Vec<u32>),
+    Sparse(HashMap<u32, u32>),
+}
+
+impl LocalIds {
+    /// For a block of about `rows` input rows over `n` nodes.
+    fn new(n: usize, rows: usize) -> Self {
+        if rows * 64 >= n {
+            LocalIds::Dense(vec![u32::MAX; n])
+        } else {
+            LocalIds::Sparse(HashMap::with_capacity(rows))
+        }
+    }
+    fn insert(&mut self, g: u32, l: u32) {
+        match self {
+            LocalIds::Dense(v) => v[g as usize] = l,
+            LocalIds::Sparse(m) => {
+                m.insert(g, l);
+            }
+        }
+    }
+    fn get(&self, g: u32) -> Option<u32> {
+        match self {
+            LocalIds::Dense(v) => Some(v[g as usize]).filter(|&l| l != u32::MAX),
+            LocalIds::Sparse(m) => m.get(&g).copied(),
+        }
+    }
+}
+
+/// A row-major table with one row per node.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rows {
+    pub width: usize,
+    pub data: Vec<f32>,
+}
+
+impl Rows {
+    /// A table of `n` zero rows.
+    pub fn zeros(n: usize, width: usize) -> Self {
+        Rows {
+            width,
+            data: vec![0.0; n * width],
+        }
+    }
+    /// Number of rows.
+    pub fn len(&self) -> usize {
+        self.data.len().checked_div(self.width).unwrap_or(0)
+    }
+    /// True without rows.
+    pub fn is_empty(&self) -> bool {
+        self.data.is_empty()
+    }
+    /// Row `i`.
+    pub fn row(&self, i: u32) -> &[f32] {
+        let w = self.width;
+        &self.data[i as usize * w..(i as usize + 1) * w]
+    }
+    /// The rows `ids`, in that order, as one `ids.len() x width` buffer.
+    pub fn gather(&self, ids: &[u32]) -> Vec<f32> {
+        let mut out = Vec::with_capacity(ids.len() * self.width);
+        for &i in ids {
+            out.extend_from_slice(self.row(i));
+        }
+        out
+    }
+    /// Writes `rows` (one per id) into rows `ids`.
+    fn scatter(&mut self, ids: &[u32], rows: &[f32]) {
+        let w = self.width;
+        for (k, &i) in ids.iter().enumerate() {
+            self.data[i as usize * w..(i as usize + 1) * w]
+                .copy_from_slice(&rows[k * w..(k + 1) * w]);
+        }
+    }
+    /// Appends zero rows up to `n` rows.
+    fn grow(&mut self, n: usize) {
+        if n > self.len() {
+            self.data.resize(n * self.width, 0.0);
+        }
+    }
+}
+
+/// Every layer's output, one row per node (the last layer's rows are the logits).
+#[derive(Debug, Clone, PartialEq)]
+pub struct LayerOutputs {
+    pub layers: Vec<Rows>,
+    /// For split layers (narrowing GCN layers after the first, [`Model::is_split`]): their
+    /// transformed input rows `Z = H W`, one per node. An update re-transforms only the rows
+    /// whose input changed, and aggregates the changed region from this table instead of
+    /// transforming every input row of its block again.
+    pub transformed: Vec<Option<Rows>>,
+}
+
+impl LayerOutputs {
+    /// The logits (last layer's rows).
+    pub fn logits(&self) -> &Rows {
+        self.layers.last().expect("a model has at least one layer")
+    }
+}
+
+/// How many rows one incremental update recomputed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct UpdateStats {
+    /// Rows recomputed per layer (`D_l`).
+    pub rows_per_layer: Vec<usize>,
+    /// Rows recomputed per part, summed over layers.
+    pub rows_per_part: Vec<usize>,
+}
+
+/// A model ready for layer-wise inference on one stream.
+pub struct Inference {
+    model: Model,
+    stream: Stream,
+    normalize: bool,
+    /// Layer 0's input layout, fixed by the first full run's features.
+    sparse_input: Option<bool>,
+}
+
+impl std::fmt::Debug for Inference {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Inference")
+            .field("model", &self.model)
+            .field("normalize", &self.normalize)
+            .finish()
+    }
+}
+
+/// Evaluation mode (dropout off).
+const EVAL: StepCtx = StepCtx {
+    epoch: 0,
+    train: false,
+};
+
+impl Inference {
+    /// `model` (built on the host) placed on `stream`; `normalize` row-normalises raw
+    /// features as training did.
+    pub fn new(mut model: Model, stream: Stream, normalize: bool) -> Result<Self> {
+        model.place(&stream)?;
+        Ok(Inference {
+            model,
+            stream,
+            normalize,
+            sparse_input: None,
+        })
+    }
+
+    /// The model.
+    pub fn model(&self) -> &Model {
+        &self.model
+    }
+
+    /// Raw features (`n x in_dim`) as the first layer takes them.
+    pub fn prepare_features(&self, mut raw: Vec<f32>) -> Result<Rows> {
+        let width = self.model.config().in_dim;
+        if width == 0 || !raw.len().is_multiple_of(width) {
+            return Err(RuntimeError::BadData(format!(
+                "{} feature values are not rows of {width}",
+                raw.len()
+            )));
+        }
+        if raw.iter().any(|x| !x.is_finite()) {
+            return Err(RuntimeError::BadData(
+                "features contain NaN or infinity".into(),
+            ));
+        }
+        if self.normalize {
+            normalize_rows(&mut raw, width);
+        }
+        Ok(Rows { width, data: raw })
+    }
+
+    /// Width of layer `l`'s output.
+    pub fn layer_width(&self, l: usize) -> usize {
+        if l + 1 < self.model.num_layers() {
+            self.model.layer_in_dim(l + 1)
+        } else {
+            self.model.config().out_dim
+        }
+    }
+
+    /// Runs every layer over every node, part by part: `parts` lists each part's nodes
+    /// (ascending); together they cover the graph once.
+    pub fn run(
+        &mut self,
+        graph: &NodeGraph,
+        features: &Rows,
+        parts: &[Vec<u32>],
+    ) -> Result<LayerOutputs> {
+        let n = graph.num_nodes();
+        if features.len() != n || features.width != self.model.config().in_dim {
+            return Err(RuntimeError::BadData(format!(
+                "{} feature rows of width {} for a graph of {n} nodes and a model taking {}",
+                features.len(),
+                features.width,
+                self.model.config().in_dim
+            )));
+        }
+        if parts.iter().map(Vec::len).sum::<usize>() != n {
+            return Err(RuntimeError::BadData(format!(
+                "the parts hold {} nodes, the graph {n}",
+                parts.iter().map(Vec::len).sum::<usize>()
+            )));
+        }
+        self.sparse_input = Some(LayerInput::would_be_sparse(&features.data));
+        let layers_n = self.model.num_layers();
+        let mut out = LayerOutputs {
+            layers: Vec::with_capacity(layers_n),
+            transformed: vec![None; layers_n],
+        };
+        for l in 0..layers_n {
+            let mut rows = Rows::zeros(n, self.layer_width(l));
+            if self.model.is_split(l) {
+                let mut z = Rows::zeros(n, self.layer_width(l));
+                for inner in parts {
+                    let zr = self.transform_rows(l, graph, inner, &out.layers[l - 1])?;
+                    z.scatter(inner, &zr);
+                }
+                out.transformed[l] = Some(z);
+            }
+            for inner in parts {
+                let input = if l == 0 { features } else { &out.layers[l - 1] };
+                let r = self.compute_rows(l, graph, inner, input, out.transformed[l].as_ref())?;
+                rows.scatter(inner, &r);
+            }
+            out.layers.push(rows);
+        }
+        Ok(out)
+    }
+
+    /// Split layer `l`'s transformed rows `Z = H W` of the nodes `inner` from `input` (the
+    /// previous layer's rows).
+    fn transform_rows(
+        &mut self,
+        l: usize,
+        graph: &NodeGraph,
+        inner: &[u32],
+        input: &Rows,
+    ) -> Result<Vec<f32>> {
+        if inner.is_empty() {
+            return Ok(Vec::new());
+        }
+        let block = graph.block(inner, self.model.config().kind.aggregation())?;
+        let x = Tensor::from_vec(inner.len(), input.width, input.gather(inner))?;
+        let x = self.stream.place(x)?;
+        let z = self
+            .model
+            .forward_transform(&self.stream, l, &block, x, EVAL)?;
+        Ok(self.stream.download(&z)?)
+    }
+
+    /// Layer `l`'s rows of `inner`: from the transformed table for a split layer, else from
+    /// `input`.
+    fn compute_rows(
+        &mut self,
+        l: usize,
+        graph: &NodeGraph,
+        inner: &[u32],
+        input: &Rows,
+        transformed: Option<&Rows>,
+    ) -> Result<Vec<f32>> {
+        let Some(z) = transformed else {
+            return self.layer_rows(l, graph, inner, input);
+        };
+        if inner.is_empty() {
+            return Ok(Vec::new());
+        }
+        let block = graph.block(inner, self.model.config().kind.aggregation())?;
+        let zt = Tensor::from_vec(block.n_in(), z.width, z.gather(block.gids()))?;
+        let zt = self.stream.place(zt)?;
+        let y = self
+            .model
+            .forward_aggregate(&self.stream, l, &block, &zt, EVAL)?;
+        Ok(self.stream.download(&y)?)
+    }
+
+    /// Layer `l`'s output rows of the nodes `inner` (ascending), from `input` (layer `l-1`'s
+    /// rows, or the features) of their block's input rows.
+    pub fn layer_rows(
+        &mut self,
+        l: usize,
+        graph: &NodeGraph,
+        inner: &[u32],
+        input: &Rows,
+    ) -> Result<Vec<f32>> {
+        if inner.is_empty() {
+            return Ok(Vec::new());
+        }
+        let block = graph.block(inner, self.model.config().kind.aggregation())?;
+        let x = Tensor::from_vec(block.n_in(), input.width, input.gather(block.gids()))?;
+        let x = if l == 0 {
+            let sparse = self.sparse_input.unwrap_or(false);
+            LayerInput::with_layout(&self.stream, x, sparse)?
+        } else {
+            LayerInput::Dense(self.stream.place(x)?)
+        };
+        let out = self
+            .model
+            .forward_layer(&self.stream, l, &block, Cow::Owned(x), EVAL)?;
+        Ok(self.stream.download(&out)?)
+    }
+
+    /// After the graph or the features changed at the nodes `changed` (new nodes, endpoints
+    /// of added or removed edges), recomputes the rows this reaches, each part its own:
+    /// `owner[v]` is node `v`'s part (`< parts`). `outputs` grows to the graph's node count.
+    pub fn update(
+        &mut self,
+        graph: &NodeGraph,
+        features: &Rows,
+        outputs: &mut LayerOutputs,
+        changed: &[u32],
+        owner: &[u32],
+        parts: usize,
+    ) -> Result<UpdateStats> {
+        let n = graph.num_nodes();
+        if features.len() != n || owner.len() != n {
+            return Err(RuntimeError::BadData(format!(
+                "{} feature rows and {} owners for {n} nodes",
+                features.len(),
+                owner.len()
+            )));
+        }
+        let mut stats = UpdateStats {
+            rows_per_layer: Vec::new(),
+            rows_per_part: vec![0; parts],
+        };
+        let mut set: Vec<u32> = changed.to_vec();
+        set.sort_unstable();
+        set.dedup();
+        for l in 0..self.model.num_layers() {
+            // Rows whose input changed (the previous layer's changed rows) are re-transformed.
+            if let Some(mut z) = outputs.transformed[l].take() {
+                z.grow(n);
+                for inner in split_by_owner(&set, owner, parts) {
+                    let zr = self.transform_rows(l, graph, &inner, &outputs.layers[l - 1])?;
+                    z.scatter(&inner, &zr);
+                }
+                outputs.transformed[l] = Some(z);
+            }
+            set = graph.expand(&set);
+            stats.rows_per_layer.push(set.len());
+            outputs.layers[l].grow(n);
+            for (p, inner) in split_by_owner(&set, owner, parts).iter().enumerate() {
+                let rows = {
+                    let input = if l == 0 {
+                        features
+                    } else {
+                        &outputs.layers[l - 1]
+                    };
+                    self.compute_rows(l, graph, inner, input, outputs.transformed[l].as_ref())?
+                };
+                outputs.layers[l].scatter(inner, &rows);
+                stats.rows_per_part[p] += inner.len();
+            }
+        }
+        Ok(stats)
+    }
+}
+
+/// The nodes of `set` (ascending) grouped by part, each group ascending.
+fn split_by_owner(set: &[u32], owner: &[u32], parts: usize) -> Vec<Vec<u32>> {
+    let mut out = vec![Vec::new(); parts];
+    for &v in set {
+        out[owner[v as usize] as usize].push(v);
+    }
+    out
+}
+
+/// Each part's nodes (ascending) from a node-to-part assignment.
+pub fn parts_of(owner: &[u32], parts: usize) -> Vec<Vec<u32>> {
+    let mut out = vec![Vec::new(); parts];
+    for (v, &p) in owner.iter().enumerate() {
+        out[p as usize].push(v as u32);
+    }
+    out
+}
+
+/// Softmax of each row of `logits` (numerically stable).
+pub fn softmax_row(logits: &[f32]) -> Vec<f32> {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let exps: Vec<f32> = logits.iter().map(|&x| (x - max).exp()).collect();
+    let sum: f32 = exps.iter().sum();
+    exps.iter().map(|e| e / sum).collect()
+}
+
+/// Index of the largest value (the first on ties).
+pub fn argmax(row: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &v) in row.iter().enumerate() {
+        if v > row[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{DataSource, ModelConfig, ModelKind};
+
+    fn setup(kind: ModelKind) -> (Inference, NodeGraph, Rows, Vec<u32>) {
+        let ds = DataSource::parse("synthetic:nodes=600,degree=6,features=12,classes=4,seed=3")
+            .unwrap()
+            .load()
+            .unwrap();
+        let g = NodeGraph::from_graph(&Graph::from_dataset(&ds).unwrap());
+        let mut cfg = ModelConfig::paper_defaults(kind, 12, 4, 5);
+        cfg.hidden = 8;
+        cfg.heads = 2;
+        let inf = Inference::new(Model::new(cfg).unwrap(), Stream::cpu(0).unwrap(), true).unwrap();
+        let x = inf.prepare_features(ds.features.clone()).unwrap();
+        let owner: Vec<u32> = (0..600u32).map(|v| (v * 7 % 3) % 3).collect();
+        (inf, g, x, owner)
+    }
+
+    #[test]
+    fn parts_give_the_same_bits_as_one() {
+        for kind in [ModelKind::Gcn, ModelKind::Sage, ModelKind::Gat] {
+            let (mut inf, g, x, owner) = setup(kind);
+            let one = inf.run(&g, &x, &[(0..600).collect::<Vec<u32>>()]).unwrap();
+            let three = inf.run(&g, &x, &parts_of(&owner, 3)).unwrap();
+            assert_eq!(one, three, "{kind}");
+        }
+    }
+
+    #[test]
+    fn updates_touch_only_the_k_hop_region_and_match_a_full_run() {
+        for kind in [ModelKind::Gcn, ModelKind::Sage, ModelKind::Gat] {
+            let (mut inf, mut g, x, mut owner) = setup(kind);
+            let mut out = inf.run(&g, &x, &parts_of(&owner, 3)).unwrap();
+            let mut x = x;
+            g.add_edge(1, 500).unwrap();
+            let cut = g.neighbors(0)[0];
+            g.remove_edge(0, cut).unwrap();
+            let v = g.add_node();
+            g.add_edge(v, 7).unwrap();
+            x.data
+                .extend(inf.prepare_features(vec![0.5; 12]).unwrap().data);
+            owner.push(1);
+            let changed = [1, 500, 0, cut, v, 7];
+            let stats = inf.update(&g, &x, &mut out, &changed, &owner, 3).unwrap();
+            assert!(stats.rows_per_layer.iter().all(|&r| r < 300), "{stats:?}");
+            let fresh = inf.run(&g, &x, &parts_of(&owner, 3)).unwrap();
+            assert_eq!(out, fresh, "{kind}");
+        }
+    }
+
+    #[test]
+    fn rejects_missing_nodes_and_self_loops() {
+        let mut g = NodeGraph::default();
+        g.add_node();
+        g.add_node();
+        assert!(g.add_edge(0, 2).unwrap_err().to_string().contains("node 2"));
+        assert!(g.add_edge(1, 1).is_err());
+        assert!(g.add_edge(0, 1).unwrap());
+        assert!(!g.add_edge(1, 0).unwrap());
+        assert_eq!(g.num_edges(), 1);
+        assert!(g.remove_edge(0, 1).unwrap());
+        assert!(!g.remove_edge(0, 1).unwrap());
+    }
+}

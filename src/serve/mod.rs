@@ -1,0 +1,388 @@
+//! `trellis serve`'s HTTP front end (actix-web): reads and bounds request bodies, parses and
+//! validates them ([`api`]), forwards them to the serving engine
+//! ([`trellis_actors::serving::engine`]) and waits for the answer within the request's
+//! deadline; `/healthz`, `/readyz` and Prometheus `/metrics` ([`metrics`]).
+pub mod api;
+pub mod loadgen;
+pub mod metrics;
+
+use actix_web::http::header::{HeaderValue, CONTENT_TYPE, RETRY_AFTER};
+use actix_web::http::StatusCode;
+use actix_web::{web, App, HttpRequest, HttpResponse, HttpServer};
+use api::{Limits, Rejection};
+use futures_util::StreamExt;
+use metrics::HttpMetrics;
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::oneshot;
+use trellis_actors::serving::engine::{Answer, Command, EngineHandle};
+use trellis_actors::serving::ServeError;
+use trellis_runtime::model_file;
+
+/// Settings of the HTTP front end.
+#[derive(Debug, Clone, Copy)]
+pub struct HttpConfig {
+    pub limits: Limits,
+    /// Longest a query may wait for its answer.
+    pub deadline: Duration,
+    /// Longest a client may take to send a request's head, and then its body.
+    pub client_timeout: Duration,
+    /// Input widths of the data (a new model must fit them).
+    pub features: usize,
+    pub classes: usize,
+    /// HTTP worker threads.
+    pub workers: usize,
+}
+
+struct AppState {
+    engine: EngineHandle,
+    cfg: HttpConfig,
+    metrics: Arc<HttpMetrics>,
+}
+
+/// The header that names the caller (its fair share and quota).
+pub const API_KEY: &str = "x-api-key";
+
+fn json_response(status: u16, body: String) -> HttpResponse {
+    HttpResponse::build(StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR))
+        .insert_header((CONTENT_TYPE, "application/json"))
+        .body(body)
+}
+
+fn error_response(status: u16, message: &str, retry_after: Option<Duration>) -> HttpResponse {
+    let mut r = json_response(status, serde_json::json!({ "error": message }).to_string());
+    if let Some(d) = retry_after {
+        if let Ok(v) = HeaderValue::from_str(&d.as_secs().max(1).to_string()) {
+            r.headers_mut().insert(RETRY_AFTER, v);
+        }
+    }
+    r
+}
+
+fn serve_error(e: &ServeError) -> HttpResponse {
+    let (status, retry) = match e {
+        ServeError::BadRequest(_) => (400, None),
+        ServeError::UnknownNode { .. } => (404, None),
+        ServeError::Conflict(_) => (409, None),
+        ServeError::Quota { retry_after } => (429, Some(*retry_after)),
+        ServeError::Overloaded { retry_after } => (503, Some(*retry_after)),
+        ServeError::Expired => (503, Some(Duration::from_secs(1))),
+        ServeError::Internal(_) => (500, None),
+    };
+    error_response(status, &e.to_string(), retry)
+}
+
+fn rejection(r: &Rejection) -> HttpResponse {
+    error_response(r.status, &r.message, None)
+}
+
+/// Reads a body of at most `limit` bytes within the client timeout.
+async fn read_body(
+    req: &HttpRequest,
+    mut payload: web::Payload,
+    limit: usize,
+    timeout: Duration,
+) -> Result<web::Bytes, Rejection> {
+    let too_big = |n: String| Rejection {
+        status: 413,
+        message: format!("request body of {n} bytes is over the limit of {limit} bytes"),
+    };
+    if let Some(len) = req
+        .headers()
+        .get("content-length")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok())
+    {
+        if len > limit {
+            return Err(too_big(len.to_string()));
+        }
+    }
+    let read = async {
+        let mut body = web::BytesMut::new();
+        while let Some(chunk) = payload.next().await {
+            let chunk = chunk.map_err(|e| Rejection::bad(format!("cannot read the body: {e}")))?;
+            if body.len() + chunk.len() > limit {
+                return Err(too_big(format!("more than {limit}")));
+            }
+            body.extend_from_slice(&chunk);
+        }
+        Ok(body.freeze())
+    };
+    match tokio::time::timeout(timeout, read).await {
+        Ok(r) => r,
+        Err(_) => Err(Rejection {
+            status: 408,
+            message: format!(
+                "the request body did not arrive within {} ms",
+                timeout.as_millis()
+            ),
+        }),
+    }
+}
+
+/// Sends a command to the engine and waits for its answer until `deadline` (if any).
+async fn ask(
+    state: &AppState,
+    make: impl FnOnce(oneshot::Sender<Result<Answer, ServeError>>) -> Command,
+    deadline: Option<Instant>,
+) -> Result<Answer, ServeError> {
+    let (tx, rx) = oneshot::channel();
+    if !state.engine.send(make(tx)) {
+        return Err(ServeError::Internal(
+            "the serving engine has stopped".into(),
+        ));
+    }
+    let answer = match deadline {
+        Some(d) => match tokio::time::timeout_at(tokio::time::Instant::from_std(d), rx).await {
+            Ok(a) => a,
+            Err(_) => return Err(ServeError::Expired),
+        },
+        None => rx.await,
+    };
+    answer.unwrap_or_else(|_| {
+        Err(ServeError::Internal(
+            "the engine dropped the request".into(),
+        ))
+    })
+}
+
+fn finish(state: &AppState, route: &'static str, t0: Instant, r: HttpResponse) -> HttpResponse {
+    state
+        .metrics
+        .record(route, r.status().as_u16(), t0.elapsed());
+    r
+}
+
+fn answer_json(a: Result<Answer, ServeError>) -> HttpResponse {
+    match a {
+        Ok(a) => json_response(200, serde_json::to_string(&a).unwrap_or_default()),
+        Err(e) => serve_error(&e),
+    }
+}
+
+async fn predict(
+    req: HttpRequest,
+    payload: web::Payload,
+    state: web::Data<AppState>,
+) -> HttpResponse {
+    let t0 = Instant::now();
+    let span = tracing::info_span!("serve_request", route = "/v1/predict");
+    let _g = span.enter();
+    let r = async {
+        let body = read_body(
+            &req,
+            payload,
+            state.cfg.limits.max_body,
+            state.cfg.client_timeout,
+        )
+        .await
+        .map_err(|e| rejection(&e))?;
+        let p: api::PredictRequest = api::parse(&body).map_err(|e| rejection(&e))?;
+        let nodes = api::predict_nodes(&p, &state.cfg.limits).map_err(|e| rejection(&e))?;
+        let tenant = req
+            .headers()
+            .get(API_KEY)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("anonymous")
+            .to_string();
+        let deadline = t0 + state.cfg.deadline;
+        Ok::<_, HttpResponse>(answer_json(
+            ask(
+                &state,
+                |reply| Command::Predict {
+                    tenant,
+                    nodes,
+                    layer: p.embeddings,
+                    deadline,
+                    reply,
+                },
+                Some(deadline),
+            )
+            .await,
+        ))
+    }
+    .await;
+    finish(&state, "/v1/predict", t0, r.unwrap_or_else(|e| e))
+}
+
+async fn nodes(
+    req: HttpRequest,
+    payload: web::Payload,
+    state: web::Data<AppState>,
+) -> HttpResponse {
+    let t0 = Instant::now();
+    let r = async {
+        let body = read_body(
+            &req,
+            payload,
+            state.cfg.limits.max_body,
+            state.cfg.client_timeout,
+        )
+        .await
+        .map_err(|e| rejection(&e))?;
+        let n: api::NodesRequest = api::parse(&body).map_err(|e| rejection(&e))?;
+        let nodes = api::new_nodes(n, &state.cfg.limits).map_err(|e| rejection(&e))?;
+        let deadline = t0 + state.cfg.deadline;
+        Ok::<_, HttpResponse>(answer_json(
+            ask(
+                &state,
+                |reply| Command::AddNodes {
+                    nodes,
+                    deadline,
+                    reply,
+                },
+                None,
+            )
+            .await,
+        ))
+    }
+    .await;
+    finish(&state, "/v1/nodes", t0, r.unwrap_or_else(|e| e))
+}
+
+async fn edges(
+    req: HttpRequest,
+    payload: web::Payload,
+    state: web::Data<AppState>,
+) -> HttpResponse {
+    let t0 = Instant::now();
+    let r = async {
+        let body = read_body(
+            &req,
+            payload,
+            state.cfg.limits.max_body,
+            state.cfg.client_timeout,
+        )
+        .await
+        .map_err(|e| rejection(&e))?;
+        let e: api::EdgesRequest = api::parse(&body).map_err(|e| rejection(&e))?;
+        let (add, remove) = api::edge_update(&e, &state.cfg.limits).map_err(|e| rejection(&e))?;
+        let deadline = t0 + state.cfg.deadline;
+        Ok::<_, HttpResponse>(answer_json(
+            ask(
+                &state,
+                |reply| Command::Edges {
+                    add,
+                    remove,
+                    deadline,
+                    reply,
+                },
+                None,
+            )
+            .await,
+        ))
+    }
+    .await;
+    finish(&state, "/v1/edges", t0, r.unwrap_or_else(|e| e))
+}
+
+async fn put_model(
+    req: HttpRequest,
+    payload: web::Payload,
+    state: web::Data<AppState>,
+) -> HttpResponse {
+    let t0 = Instant::now();
+    let r = async {
+        let body = read_body(
+            &req,
+            payload,
+            state.cfg.limits.max_model_body,
+            state.cfg.client_timeout * 10,
+        )
+        .await
+        .map_err(|e| rejection(&e))?;
+        let saved = model_file::from_bytes(&body, Path::new("PUT /v1/model body"))
+            .and_then(|m| {
+                m.check_fits(state.cfg.features, state.cfg.classes)
+                    .map(|_| m)
+            })
+            .map_err(|e| error_response(400, &e.to_string(), None))?;
+        Ok::<_, HttpResponse>(answer_json(
+            ask(
+                &state,
+                |reply| Command::SwapModel {
+                    model: Box::new(saved),
+                    reply,
+                },
+                None,
+            )
+            .await,
+        ))
+    }
+    .await;
+    finish(&state, "/v1/model", t0, r.unwrap_or_else(|e| e))
+}
+
+async fn healthz() -> HttpResponse {
+    json_response(200, "{\"status\":\"ok\"}".into())
+}
+
+async fn readyz(state: web::Data<AppState>) -> HttpResponse {
+    let stats = &state.engine.stats;
+    let version = stats.version.lock().expect("stats lock").clone();
+    let ready = stats.ready.load(std::sync::atomic::Ordering::SeqCst);
+    let body = serde_json::json!({
+        "ready": ready,
+        "model_version": version,
+        "recoveries": stats.recoveries.load(std::sync::atomic::Ordering::Relaxed),
+    });
+    json_response(if ready { 200 } else { 503 }, body.to_string())
+}
+
+async fn metrics_text(state: web::Data<AppState>) -> HttpResponse {
+    HttpResponse::Ok()
+        .insert_header((CONTENT_TYPE, "text/plain; version=0.0.4"))
+        .body(state.metrics.render(&state.engine.stats))
+}
+
+async fn not_found(req: HttpRequest) -> HttpResponse {
+    error_response(
+        404,
+        &format!(
+            "no such endpoint: {} {} (see README: /v1/predict, /v1/nodes, /v1/edges, /v1/model, /healthz, /readyz, /metrics)",
+            req.method(),
+            req.path()
+        ),
+        None,
+    )
+}
+
+/// Binds `listen`, then serves until the process is stopped; `on_bound` gets the bound
+/// address once the server accepts connections.
+pub fn run_http(
+    engine: EngineHandle,
+    cfg: HttpConfig,
+    listen: SocketAddr,
+    on_bound: impl FnOnce(SocketAddr),
+) -> std::io::Result<()> {
+    let metrics = Arc::new(HttpMetrics::default());
+    let state = web::Data::new(AppState {
+        engine,
+        cfg,
+        metrics,
+    });
+    actix_web::rt::System::new().block_on(async move {
+        let server = HttpServer::new(move || {
+            App::new()
+                .app_data(state.clone())
+                .route("/v1/predict", web::post().to(predict))
+                .route("/v1/nodes", web::post().to(nodes))
+                .route("/v1/edges", web::post().to(edges))
+                .route("/v1/model", web::put().to(put_model))
+                .route("/healthz", web::get().to(healthz))
+                .route("/readyz", web::get().to(readyz))
+                .route("/metrics", web::get().to(metrics_text))
+                .default_service(web::to(not_found))
+        })
+        .workers(cfg.workers.max(1))
+        .client_request_timeout(cfg.client_timeout)
+        .client_disconnect_timeout(Duration::from_millis(500))
+        .bind(listen)?;
+        let addr = server.addrs()[0];
+        let running = server.run();
+        on_bound(addr);
+        running.await
+    })
+}

@@ -1,0 +1,821 @@
+//! `trellis serve` as a user runs it: the real binary on 127.0.0.1 with an ephemeral port,
+//! driven by a real HTTP client (ureq). Predictions equal `trellis predict`; after random
+//! sequences of updates they equal a fresh `trellis predict` on the updated graph; model
+//! swaps never fail or mix versions; every kind of bad request is a 4xx that says what is
+//! wrong while everyone else keeps being served.
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+use trellis::runtime::{DataSource, Dataset};
+
+const DATA: &str = "synthetic:nodes=1500,degree=8,features=16,classes=4,seed=2";
+
+/// A running `trellis serve`, stopped on drop.
+struct Server {
+    child: Child,
+    url: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Server {
+    fn start(model: &Path, extra: &[&str]) -> Server {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_trellis"))
+            .args(["serve", "--model", s(model), "--data", DATA])
+            .args(["--listen", "127.0.0.1:0", "--threads", "2"])
+            .args(extra)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("trellis serve starts");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let url = loop {
+            let line = rx
+                .recv_timeout(Duration::from_secs(60))
+                .expect("`listening on` within 60 s");
+            if let Some(u) = line.strip_prefix("listening on ") {
+                break u.to_string();
+            }
+        };
+        assert!(url.starts_with("http://127.0.0.1:"), "{url}");
+        assert!(!url.ends_with(":0"), "port 0 was resolved: {url}");
+        Server { child, url }
+    }
+
+    fn addr(&self) -> String {
+        self.url.trim_start_matches("http://").to_string()
+    }
+}
+
+fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(30)))
+        .build()
+        .into()
+}
+
+/// Status, body (as JSON when it parses) and Retry-After of a request.
+struct Reply {
+    status: u16,
+    body: Value,
+    text: String,
+    retry_after: Option<String>,
+}
+
+fn call(agent: &ureq::Agent, method: &str, url: &str, body: &[u8], key: Option<&str>) -> Reply {
+    let mut resp = match method {
+        "GET" => {
+            let mut r = agent.get(url);
+            if let Some(k) = key {
+                r = r.header("x-api-key", k);
+            }
+            r.call()
+        }
+        m => {
+            let mut r = if m == "PUT" {
+                agent.put(url)
+            } else {
+                agent.post(url)
+            };
+            if let Some(k) = key {
+                r = r.header("x-api-key", k);
+            }
+            r.header("content-type", "application/json").send(body)
+        }
+    }
+    .expect("the request completes");
+    let retry_after = resp
+        .headers()
+        .get("retry-after")
+        .map(|v| v.to_str().unwrap().to_string());
+    let status = resp.status().as_u16();
+    let text = resp
+        .body_mut()
+        .with_config()
+        .limit(1 << 30)
+        .read_to_string()
+        .unwrap();
+    let body = serde_json::from_str(&text).unwrap_or(Value::Null);
+    Reply {
+        status,
+        body,
+        text,
+        retry_after,
+    }
+}
+
+fn post(server: &Server, path: &str, body: &Value) -> Reply {
+    call(
+        &agent(),
+        "POST",
+        &format!("{}{path}", server.url),
+        body.to_string().as_bytes(),
+        None,
+    )
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+fn trellis(args: &[&str]) {
+    let out = Command::new(env!("CARGO_BIN_EXE_trellis"))
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "trellis {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn train(dir: &Path, name: &str, model: &str, seed: &str) -> PathBuf {
+    let file = dir.join(name);
+    trellis(&[
+        "train",
+        "--data",
+        DATA,
+        "--model",
+        model,
+        "--epochs",
+        "15",
+        "--seed",
+        seed,
+        "--save-model",
+        s(&file),
+    ]);
+    file
+}
+
+fn softmax(row: &[f32]) -> Vec<f64> {
+    let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let e: Vec<f64> = row.iter().map(|&x| ((x - m) as f64).exp()).collect();
+    let sum: f64 = e.iter().sum();
+    e.iter().map(|x| x / sum).collect()
+}
+
+/// `trellis predict` on `data` (a spec or a folder): the logits.
+fn predict(model: &Path, data: &str, dir: &Path) -> ndarray::Array2<f32> {
+    let out = dir.join("logits.npy");
+    trellis(&[
+        "predict",
+        "--model",
+        s(model),
+        "--data",
+        data,
+        "--out",
+        s(&out),
+    ]);
+    ndarray_npy::read_npy(&out).unwrap()
+}
+
+/// The served probabilities of `nodes`.
+fn served(server: &Server, nodes: &[u32]) -> (String, Vec<Vec<f64>>) {
+    let mut probs = Vec::new();
+    let mut version = String::new();
+    for chunk in nodes.chunks(1000) {
+        let r = post(server, "/v1/predict", &json!({ "nodes": chunk }));
+        assert_eq!(r.status, 200, "{}", r.text);
+        version = r.body["model_version"].as_str().unwrap().to_string();
+        for (p, &v) in r.body["predictions"].as_array().unwrap().iter().zip(chunk) {
+            assert_eq!(p["node"], v);
+            let row: Vec<f64> = p["probabilities"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap())
+                .collect();
+            let class = p["class"].as_u64().unwrap() as usize;
+            let best = (0..row.len()).fold(0, |b, i| if row[i] > row[b] { i } else { b });
+            assert_eq!(class, best);
+            probs.push(row);
+        }
+    }
+    (version, probs)
+}
+
+fn assert_close(served: &[Vec<f64>], logits: &ndarray::Array2<f32>, what: &str) {
+    assert_eq!(served.len(), logits.nrows(), "{what}: row count");
+    let mut worst = 0f64;
+    for (i, row) in served.iter().enumerate() {
+        let want = softmax(logits.row(i).as_slice().unwrap());
+        for (a, b) in row.iter().zip(&want) {
+            worst = worst.max((a - b).abs());
+        }
+    }
+    assert!(
+        worst <= 1e-5,
+        "{what}: served and predicted differ by {worst}"
+    );
+}
+
+/// Writes `ds` with the served graph's extra nodes and edges as a PyG-style folder.
+fn write_dataset(dir: &Path, features: &[f32], width: usize, src: &[i64], dst: &[i64]) -> PathBuf {
+    let out = dir.join("updated");
+    std::fs::create_dir_all(&out).unwrap();
+    let n = features.len() / width;
+    let x = ndarray::Array2::from_shape_vec((n, width), features.to_vec()).unwrap();
+    let mut e = src.to_vec();
+    e.extend_from_slice(dst);
+    let ei = ndarray::Array2::from_shape_vec((2, src.len()), e).unwrap();
+    ndarray_npy::write_npy(out.join("x.npy"), &x).unwrap();
+    ndarray_npy::write_npy(out.join("edge_index.npy"), &ei).unwrap();
+    let mut y = ndarray::Array1::<i64>::zeros(n);
+    y[0] = 3; // four classes, as the model predicts
+    ndarray_npy::write_npy(out.join("y.npy"), &y).unwrap();
+    for m in ["train_mask", "val_mask", "test_mask"] {
+        let mut mask = ndarray::Array1::from_elem(n, false);
+        mask[0] = true;
+        ndarray_npy::write_npy(out.join(format!("{m}.npy")), &mask).unwrap();
+    }
+    out
+}
+
+/// A small deterministic generator (the test's own, for reproducible update sequences).
+struct Lcg(u64);
+impl Lcg {
+    fn next(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        self.0 >> 33
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+#[test]
+fn predictions_equal_trellis_predict_and_stay_equal_after_random_updates() {
+    let dir = tempfile::tempdir().unwrap();
+    for (model, parts, seed) in [("gcn", "3", 1u64), ("sage", "1", 2), ("gat", "2", 3)] {
+        let file = train(dir.path(), &format!("{model}.safetensors"), model, "0");
+        let server = Server::start(&file, &["--partitions", parts]);
+        let ds: Dataset = DataSource::parse(DATA).unwrap().load().unwrap();
+        let all: Vec<u32> = (0..ds.num_nodes as u32).collect();
+        let (_, probs) = served(&server, &all);
+        assert_close(&probs, &predict(&file, DATA, dir.path()), model);
+
+        // The graph as the test tracks it: undirected edges as (min, max).
+        let mut edges: std::collections::BTreeSet<(u32, u32)> = ds
+            .edge_src
+            .iter()
+            .zip(&ds.edge_dst)
+            .filter(|(a, b)| a != b)
+            .map(|(&a, &b)| (a.min(b), a.max(b)))
+            .collect();
+        let mut features = ds.features.clone();
+        let mut n = ds.num_nodes;
+        let mut rng = Lcg(seed);
+        let mut max_rows = 0u64;
+        for _ in 0..12 {
+            match rng.below(3) {
+                0 => {
+                    let feats: Vec<f64> = (0..16).map(|_| rng.below(1000) as f64 / 250.0).collect();
+                    let targets: Vec<u32> =
+                        (0..1 + rng.below(4)).map(|_| rng.below(n) as u32).collect();
+                    let r = post(
+                        &server,
+                        "/v1/nodes",
+                        &json!({ "nodes": [{ "features": feats, "edges": targets }] }),
+                    );
+                    assert_eq!(r.status, 200, "{}", r.text);
+                    assert_eq!(r.body["predictions"][0]["node"], n as u64);
+                    features.extend(feats.iter().map(|&x| x as f32));
+                    for t in targets {
+                        edges.insert((t, n as u32));
+                    }
+                    n += 1;
+                }
+                1 => {
+                    let a = rng.below(n) as u32;
+                    let b = rng.below(n) as u32;
+                    if a == b {
+                        continue;
+                    }
+                    let r = post(&server, "/v1/edges", &json!({ "add": [[a, b]] }));
+                    assert_eq!(r.status, 200, "{}", r.text);
+                    edges.insert((a.min(b), a.max(b)));
+                }
+                _ => {
+                    let &(a, b) = edges.iter().nth(rng.below(edges.len())).unwrap();
+                    let r = post(&server, "/v1/edges", &json!({ "remove": [[b, a]] }));
+                    assert_eq!(r.status, 200, "{}", r.text);
+                    assert_eq!(r.body["edges_removed"], 1);
+                    edges.remove(&(a, b));
+                }
+            }
+        }
+        // Only the k-hop region was recomputed: far fewer rows than the graph has.
+        let r = post(
+            &server,
+            "/v1/edges",
+            &json!({ "add": [[0, 1]], "remove": [] }),
+        );
+        for rows in r.body["recomputed_rows"].as_array().unwrap() {
+            max_rows = max_rows.max(rows.as_u64().unwrap());
+        }
+        edges.insert((0, 1));
+        assert!(
+            max_rows < n as u64 / 4,
+            "{model}: recomputed {max_rows} of {n} rows"
+        );
+        let (src, dst): (Vec<i64>, Vec<i64>) =
+            edges.iter().map(|&(a, b)| (a as i64, b as i64)).unzip();
+        let updated = write_dataset(dir.path(), &features, 16, &src, &dst);
+        let all: Vec<u32> = (0..n as u32).collect();
+        let (_, probs) = served(&server, &all);
+        assert_close(
+            &probs,
+            &predict(&file, s(&updated), dir.path()),
+            &format!("{model} after updates"),
+        );
+    }
+}
+
+#[test]
+fn model_swaps_never_fail_or_mix_versions() {
+    let dir = tempfile::tempdir().unwrap();
+    let v1 = train(dir.path(), "v1.safetensors", "gcn", "0");
+    let v2 = train(dir.path(), "v2.safetensors", "gcn", "7");
+    let server = Server::start(&v1, &["--partitions", "2"]);
+    let old = post(&server, "/v1/predict", &json!({ "nodes": [5] }));
+    let old_version = old.body["model_version"].as_str().unwrap().to_string();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let url = server.url.clone();
+    let flag = stop.clone();
+    let load = std::thread::spawn(move || {
+        let agent = agent();
+        let mut seen = Vec::new();
+        while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+            let r = call(
+                &agent,
+                "POST",
+                &format!("{url}/v1/predict"),
+                b"{\"nodes\":[5,6,7]}",
+                None,
+            );
+            assert_eq!(r.status, 200, "a query failed during the swap: {}", r.text);
+            let versions: Vec<&str> = vec![r.body["model_version"].as_str().unwrap()];
+            seen.push((
+                versions[0].to_string(),
+                r.body["predictions"][0]["probabilities"].clone(),
+            ));
+        }
+        seen
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    let bytes = std::fs::read(&v2).unwrap();
+    let r = call(
+        &agent(),
+        "PUT",
+        &format!("{}/v1/model", server.url),
+        &bytes,
+        None,
+    );
+    assert_eq!(r.status, 200, "{}", r.text);
+    let new_version = r.body["model_version"].as_str().unwrap().to_string();
+    assert_ne!(new_version, old_version);
+    std::thread::sleep(Duration::from_millis(200));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let seen = load.join().unwrap();
+    assert!(seen.len() > 10, "only {} queries ran", seen.len());
+    // Versions only move forward, and each version's numbers are that version's.
+    let first_new = seen
+        .iter()
+        .position(|(v, _)| *v == new_version)
+        .expect("v2 served");
+    assert!(seen[..first_new].iter().all(|(v, _)| *v == old_version));
+    assert!(seen[first_new..].iter().all(|(v, _)| *v == new_version));
+    for (v, p) in &seen {
+        let want = if *v == old_version {
+            &old.body["predictions"][0]["probabilities"]
+        } else {
+            &seen[first_new].1
+        };
+        assert_eq!(
+            p, want,
+            "an answer of version {v} has another version's numbers"
+        );
+    }
+    let logits = predict(&v2, DATA, dir.path());
+    let (version, probs) = served(&server, &(0..1500).collect::<Vec<u32>>());
+    assert_eq!(version, new_version);
+    assert_close(&probs, &logits, "after the swap");
+    // A model of another shape is refused with a reason, and the old one keeps serving.
+    let other = dir.path().join("wide.safetensors");
+    trellis(&[
+        "train",
+        "--data",
+        DATA,
+        "--hidden",
+        "32",
+        "--epochs",
+        "2",
+        "--save-model",
+        s(&other),
+    ]);
+    let r = call(
+        &agent(),
+        "PUT",
+        &format!("{}/v1/model", server.url),
+        &std::fs::read(&other).unwrap(),
+        None,
+    );
+    assert_eq!(r.status, 400, "{}", r.text);
+    assert!(
+        r.text.contains("not the architecture being served"),
+        "{}",
+        r.text
+    );
+    let r = call(
+        &agent(),
+        "PUT",
+        &format!("{}/v1/model", server.url),
+        b"not a model",
+        None,
+    );
+    assert_eq!(r.status, 400);
+    assert!(r.text.contains("PUT /v1/model body"), "{}", r.text);
+    assert_eq!(served(&server, &[1]).0, new_version);
+}
+
+/// Sends raw bytes and returns the status line and body.
+fn raw(addr: &str, request: &[u8]) -> String {
+    let mut c = TcpStream::connect(addr).unwrap();
+    c.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    c.write_all(request).unwrap();
+    let mut out = String::new();
+    let _ = c.read_to_string(&mut out);
+    out
+}
+
+#[test]
+fn bad_requests_get_a_4xx_that_says_what_is_wrong_and_others_are_still_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = train(dir.path(), "m.safetensors", "gcn", "0");
+    let server = Server::start(
+        &file,
+        &[
+            "--max-batch",
+            "50",
+            "--max-body-bytes",
+            "20000",
+            "--client-timeout-ms",
+            "500",
+        ],
+    );
+    // A slow-loris client: sends half a request head, then nothing.
+    let mut slow = TcpStream::connect(server.addr()).unwrap();
+    slow.write_all(b"POST /v1/predict HTTP/1.1\r\nHost: x\r\n")
+        .unwrap();
+    let cases: Vec<(&str, Vec<u8>, u16, &str)> = vec![
+        (
+            "/v1/predict",
+            b"{\"nodes\": [1, 2".to_vec(),
+            400,
+            "malformed JSON",
+        ),
+        (
+            "/v1/predict",
+            b"{\"nodes\": NaN}".to_vec(),
+            400,
+            "malformed JSON",
+        ),
+        (
+            "/v1/predict",
+            b"{\"nodes\": \"all\"}".to_vec(),
+            400,
+            "invalid request body",
+        ),
+        (
+            "/v1/predict",
+            b"{\"nodes\": []}".to_vec(),
+            400,
+            "`nodes` is empty",
+        ),
+        (
+            "/v1/predict",
+            b"{\"nodes\": [1499, 1500]}".to_vec(),
+            404,
+            "node 1500 does not exist",
+        ),
+        (
+            "/v1/predict",
+            b"{\"nodes\": [-1]}".to_vec(),
+            400,
+            "invalid request body",
+        ),
+        (
+            "/v1/predict",
+            b"{\"nodes\": [1], \"embeddings\": 9}".to_vec(),
+            400,
+            "layer 9",
+        ),
+        (
+            "/v1/predict",
+            json!({ "nodes": (0..51).collect::<Vec<u32>>() })
+                .to_string()
+                .into_bytes(),
+            413,
+            "51 nodes in one request is over the limit of 50",
+        ),
+        (
+            "/v1/predict",
+            format!("{{\"nodes\": [{}]}}", vec!["1"; 12000].join(",")).into_bytes(),
+            413,
+            "over the limit of 20000 bytes",
+        ),
+        (
+            "/v1/nodes",
+            json!({ "nodes": [{ "features": [1.0, 2.0], "edges": [1] }] })
+                .to_string()
+                .into_bytes(),
+            400,
+            "has 2 features, the model takes 16",
+        ),
+        (
+            "/v1/nodes",
+            format!(
+                "{{\"nodes\": [{{\"features\": [{}1e300], \"edges\": [1]}}]}}",
+                "0.5,".repeat(15)
+            )
+            .into_bytes(),
+            400,
+            "nodes[0].features[15] = 1e300 is not a finite 32-bit number",
+        ),
+        (
+            "/v1/nodes",
+            json!({ "nodes": [{ "features": vec![0.5; 16], "edges": [4000] }] })
+                .to_string()
+                .into_bytes(),
+            404,
+            "node 4000 does not exist",
+        ),
+        (
+            "/v1/edges",
+            b"{\"add\": [[1, 99999]]}".to_vec(),
+            404,
+            "node 99999 does not exist",
+        ),
+        (
+            "/v1/edges",
+            b"{\"add\": [[3, 3]]}".to_vec(),
+            400,
+            "self loop",
+        ),
+        (
+            "/v1/edges",
+            b"{\"add\": [[1]]}".to_vec(),
+            400,
+            "invalid request body",
+        ),
+        (
+            "/v1/edges",
+            b"{}".to_vec(),
+            400,
+            "neither `add` nor `remove`",
+        ),
+        ("/v2/predict", b"{}".to_vec(), 404, "no such endpoint"),
+    ];
+    let a = agent();
+    for (path, body, status, want) in &cases {
+        let r = call(&a, "POST", &format!("{}{path}", server.url), body, None);
+        assert_eq!(
+            r.status,
+            *status,
+            "{path} {}: {}",
+            String::from_utf8_lossy(&body[..body.len().min(80)]),
+            r.text
+        );
+        assert!(
+            r.body["error"].as_str().unwrap_or("").contains(want),
+            "{path}: expected `{want}` in {}",
+            r.text
+        );
+        // Everyone else is still served.
+        let ok = post(&server, "/v1/predict", &json!({ "nodes": [0, 1] }));
+        assert_eq!(ok.status, 200, "{}", ok.text);
+    }
+    // A body that never finishes: 408 once the client timeout passes, not a hang.
+    let t = Instant::now();
+    let reply = raw(
+        &server.addr(),
+        b"POST /v1/predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"nodes\": [1",
+    );
+    assert!(reply.starts_with("HTTP/1.1 408"), "{reply}");
+    assert!(t.elapsed() < Duration::from_secs(5));
+    // The slow-loris connection is closed by the server (its head timed out), and the
+    // service kept answering meanwhile.
+    slow.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut buf = String::new();
+    let _ = slow.read_to_string(&mut buf);
+    assert!(buf.is_empty() || buf.starts_with("HTTP/1.1 408"), "{buf}");
+    let ok = post(&server, "/v1/predict", &json!({ "nodes": [7] }));
+    assert_eq!(ok.status, 200);
+}
+
+#[test]
+fn health_readiness_metrics_and_shedding() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = train(dir.path(), "m.safetensors", "sage", "0");
+    let server = Server::start(&file, &["--quota-rps", "5"]);
+    let a = agent();
+    assert_eq!(
+        call(&a, "GET", &format!("{}/healthz", server.url), b"", None).status,
+        200
+    );
+    let ready = call(&a, "GET", &format!("{}/readyz", server.url), b"", None);
+    assert_eq!(ready.status, 200);
+    assert_eq!(ready.body["ready"], true);
+    // A tenant over its quota gets 429 with Retry-After; another tenant is unaffected.
+    let mut limited = 0;
+    for _ in 0..20 {
+        let r = call(
+            &a,
+            "POST",
+            &format!("{}/v1/predict", server.url),
+            b"{\"nodes\":[1]}",
+            Some("greedy"),
+        );
+        if r.status == 429 {
+            limited += 1;
+            assert!(r.retry_after.is_some(), "429 without Retry-After");
+            assert!(r.text.contains("quota"), "{}", r.text);
+        } else {
+            assert_eq!(r.status, 200, "{}", r.text);
+        }
+    }
+    assert!(
+        limited >= 10,
+        "only {limited} of 20 over-quota requests were refused"
+    );
+    let r = call(
+        &a,
+        "POST",
+        &format!("{}/v1/predict", server.url),
+        b"{\"nodes\":[1]}",
+        Some("polite"),
+    );
+    assert_eq!(r.status, 200, "{}", r.text);
+    let m = call(&a, "GET", &format!("{}/metrics", server.url), b"", None).text;
+    for want in [
+        "trellis_serve_request_seconds_bucket{route=\"/v1/predict\",le=\"0.005\"}",
+        "trellis_serve_requests_total{route=\"/v1/predict\",status=\"429\"}",
+        "trellis_serve_batch_size_count",
+        "trellis_serve_queue_depth 0",
+        "trellis_serve_shed_total{reason=\"quota\"}",
+        "trellis_serve_model_info{version=",
+    ] {
+        assert!(m.contains(want), "/metrics lacks {want}:\n{m}");
+    }
+}
+
+#[test]
+fn a_failed_update_is_recovered_under_load_without_wrong_answers() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = train(dir.path(), "m.safetensors", "gcn", "0");
+    // Updates 2 and 3 fail in their computation; the engine rebuilds its tables from its
+    // graph and features and goes on.
+    let server = Server::start(
+        &file,
+        &[
+            "--partitions",
+            "2",
+            "--panic-on-updates",
+            "2,3",
+            "--deadline-ms",
+            "2000",
+        ],
+    );
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (url, flag) = (server.url.clone(), stop.clone());
+    let load = std::thread::spawn(move || {
+        let agent = agent();
+        let (mut answered, mut shed, mut failed) = (0u32, 0u32, 0u32);
+        while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+            let r = call(
+                &agent,
+                "POST",
+                &format!("{url}/v1/predict"),
+                b"{\"nodes\":[10,11,12]}",
+                None,
+            );
+            match r.status {
+                200 => answered += 1,
+                503 => {
+                    assert!(r.retry_after.is_some(), "503 without Retry-After");
+                    shed += 1
+                }
+                _ => {
+                    failed += 1;
+                    eprintln!("failed: {} {}", r.status, r.text);
+                }
+            }
+        }
+        (answered, shed, failed)
+    });
+    let mut edges = vec![];
+    for (a, b) in [(0u32, 700u32), (3, 900), (5, 1200), (8, 1400)] {
+        let r = post(&server, "/v1/edges", &json!({ "add": [[a, b]] }));
+        assert_eq!(r.status, 200, "update {a}-{b}: {}", r.text);
+        edges.push((a, b));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (answered, shed, failed) = load.join().unwrap();
+    println!(
+        "under load with 2 injected failures: answered {answered}, shed {shed}, failed {failed}"
+    );
+    assert_eq!(failed, 0);
+    assert!(answered > 10);
+    let ready = call(
+        &agent(),
+        "GET",
+        &format!("{}/readyz", server.url),
+        b"",
+        None,
+    );
+    assert_eq!(ready.status, 200);
+    assert_eq!(ready.body["recoveries"], 2);
+    // Every answer now equals a fresh prediction on the updated graph.
+    let ds: Dataset = DataSource::parse(DATA).unwrap().load().unwrap();
+    let mut src: Vec<i64> = ds.edge_src.iter().map(|&v| v as i64).collect();
+    let mut dst: Vec<i64> = ds.edge_dst.iter().map(|&v| v as i64).collect();
+    for (a, b) in edges {
+        src.push(a as i64);
+        dst.push(b as i64);
+    }
+    let updated = write_dataset(dir.path(), &ds.features, 16, &src, &dst);
+    let (_, probs) = served(&server, &(0..1500).collect::<Vec<u32>>());
+    assert_close(
+        &probs,
+        &predict(&file, s(&updated), dir.path()),
+        "after recoveries",
+    );
+}
+
+#[test]
+fn bench_serve_reports_every_workload() {
+    let out = Command::new(env!("CARGO_BIN_EXE_trellis"))
+        .args([
+            "bench",
+            "serve",
+            "--data",
+            DATA,
+            "--hidden",
+            "16",
+            "--seconds",
+            "1",
+        ])
+        .args([
+            "--rate-predict",
+            "300",
+            "--rate-new",
+            "50",
+            "--rate-light",
+            "50",
+        ])
+        .args(["--connections", "4", "--threads", "2"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("memory bandwidth (STREAM triad)"), "{text}");
+    for row in [
+        "(a) existing-node predict",
+        "(b) new-node inductive",
+        "(d) light tenant alone",
+        "(d) light beside 10x heavy",
+    ] {
+        let line = text
+            .lines()
+            .find(|l| l.starts_with(row))
+            .unwrap_or_else(|| panic!("no `{row}` in {text}"));
+        assert!(
+            line.contains("p99.9") && line.contains("failed 0"),
+            "{line}"
+        );
+    }
+}
