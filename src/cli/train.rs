@@ -58,6 +58,10 @@ pub struct TrainArgs {
     /// Checkpoint after every N epochs (and after the last).
     #[arg(long, default_value_t = 5)]
     pub checkpoint_every: u32,
+    /// Keep the newest K checkpoints; a resume whose newest checkpoint fails its integrity
+    /// check falls back to the one before.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub keep_checkpoints: u32,
     /// Resume from the checkpoint in --checkpoint-dir (if there is one) instead of starting
     /// over; the configuration must match, --epochs may be larger.
     #[arg(long, requires = "checkpoint_dir")]
@@ -82,6 +86,7 @@ impl TrainArgs {
         self.checkpoint_dir.as_ref().map(|dir| CheckpointPolicy {
             dir: dir.clone(),
             every: self.checkpoint_every,
+            keep: self.keep_checkpoints as usize,
             resume: self.resume,
         })
     }

@@ -16,6 +16,7 @@ mod book;
 mod build;
 mod file;
 mod format;
+mod lock;
 mod validate;
 mod write;
 
@@ -26,6 +27,7 @@ pub use format::{
     part_file_name, ArchivedPartitionData, ArchivedSendList, PartitionData, SendList,
     FORMAT_VERSION, MANIFEST_FILE,
 };
+pub use lock::{DirLock, LockMode, LOCK_FILE};
 pub use write::write_partitions;
 
 /// How nodes are assigned to parts.
