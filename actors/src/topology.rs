@@ -415,7 +415,7 @@ impl Topology {
                 (d.clone(), Some(TempDir(d)))
             }
         };
-        open_or_partition(ds, parts, method, cfg.model.seed, &dir)?;
+        open_or_partition(ds, parts, method, cfg.partition_seed, &dir)?;
         let mut t = Self::open(&dir, cfg)?;
         t._tmp = tmp;
         Ok(t)

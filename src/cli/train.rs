@@ -48,6 +48,13 @@ pub struct TrainArgs {
     /// Use (or write) partition files in this folder instead of a temporary one.
     #[arg(long)]
     pub partition_dir: Option<PathBuf>,
+    /// Seed of the partitioner (its own: a new --seed reuses the partition files).
+    #[arg(long, default_value_t = 0)]
+    pub partition_seed: u64,
+    /// Replace the partitioning in --partition-dir when it is another one (or corrupt)
+    /// instead of stopping with an error.
+    #[arg(long)]
+    pub repartition: bool,
     /// Inject faults into a partitioned run, e.g. `panic:part=1:epoch=5[:layer=L][:phase=backward]`
     /// (comma separated). The run recovers and ends with the fault-free weights.
     #[arg(long)]
@@ -121,6 +128,7 @@ impl TrainArgs {
             cfg.weight_decay = v;
         }
         cfg.threads = self.threads;
+        cfg.partition_seed = self.partition_seed;
         cfg.normalize_features = !self.no_normalize_features;
         cfg.device = self
             .device
@@ -170,6 +178,9 @@ pub fn train_partitioned(ds: &Dataset, cfg: TrainConfig, a: &TrainArgs) -> Resul
         .unwrap_or_default();
     let parts = a.partitions.max(1);
     let dir = a.partition_dir.as_deref();
+    if let (true, Some(d)) = (a.repartition, dir) {
+        trellis_runtime::partition::remove_partitions(d)?;
+    }
     let mut topo =
         Topology::partition(ds, parts, a.partition_method, dir, cfg)?.with_faults(faults);
     if let Some(pol) = a.checkpoints() {

@@ -2,6 +2,7 @@
 use super::book::{Balance, PartInfo, PartitionBook};
 use super::build::{members, PartSpec, Scratch};
 use super::format::{end_marker, header, part_file_name, PartitionData, FORMAT_VERSION};
+use super::lock::{DirLock, LockMode};
 use super::PartitionMethod;
 use crate::{progress, Dataset, Graph, Result, RuntimeError};
 use rayon::prelude::*;
@@ -55,6 +56,7 @@ pub(crate) fn write_partitions_timed(
         )));
     }
     std::fs::create_dir_all(out_dir).map_err(|e| RuntimeError::io(out_dir, e))?;
+    let _writing = DirLock::acquire(out_dir, LockMode::Exclusive, "partition folder")?;
     let data_digest = ds.digest();
     let spec = PartSpec {
         ds,
@@ -111,7 +113,9 @@ pub(crate) fn write_partitions_timed(
         assign_ms,
         write_ms,
         partition_ms: assign_ms + write_ms,
-    };
+        book_digest: String::new(),
+    }
+    .sealed();
     book.write(out_dir)?;
     Ok(book)
 }
