@@ -27,7 +27,10 @@ fn npy(descr: &str, shape: &str, data: &[u8]) -> Vec<u8> {
 /// A small valid data set (4 nodes) as `(name, bytes)` pairs.
 fn small() -> Vec<(&'static str, Vec<u8>)> {
     let f32s: Vec<u8> = (0..8).flat_map(|i| (i as f32).to_le_bytes()).collect();
-    let labels: Vec<u8> = [0i64, 1, 0, 1].iter().flat_map(|v| v.to_le_bytes()).collect();
+    let labels: Vec<u8> = [0i64, 1, 0, 1]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
     let edges: Vec<u8> = [0i64, 1, 2, 1, 2, 3]
         .iter()
         .flat_map(|v| v.to_le_bytes())

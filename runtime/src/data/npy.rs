@@ -370,10 +370,7 @@ impl Store {
     /// else of it is read or allocated).
     fn peek(&mut self, key: &str) -> Result<Planned> {
         self.with_entry(key, |r, total, label, in_archive| {
-            let mut r = Counting {
-                inner: r,
-                count: 0,
-            };
+            let mut r = Counting { inner: r, count: 0 };
             let (header, kind, len) = npy_header(&mut r, total, label, in_archive)?;
             Ok(Planned {
                 label: label.to_path_buf(),
@@ -434,7 +431,9 @@ impl Store {
                 let (total, packed) = (entry.size(), entry.compressed_size());
                 let most = match entry.compression() {
                     zip::CompressionMethod::Stored => packed,
-                    _ => packed.saturating_mul(MAX_DEFLATE_RATIO).saturating_add(1024),
+                    _ => packed
+                        .saturating_mul(MAX_DEFLATE_RATIO)
+                        .saturating_add(1024),
                 };
                 if total > most {
                     return Err(RuntimeError::bad_file(
