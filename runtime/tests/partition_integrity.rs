@@ -153,3 +153,21 @@ fn a_folder_being_written_is_refused_naming_the_writer() {
     assert!(remove_partitions(&dir).is_err());
     drop(a);
 }
+
+/// A full disk is reported as such, with the file, not as a serializer failure.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_full_disk_says_no_space_left_and_names_the_file() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("p");
+    std::fs::create_dir_all(&dir).unwrap();
+    // The part's temporary file is /dev/full, where every write fails with ENOSPC.
+    std::os::unix::fs::symlink("/dev/full", dir.join("part-0.rkyv.tmp")).unwrap();
+    let e = partition::partition(&data(1), 2, PartitionMethod::Metis, 0, &dir)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("No space left on device") && e.contains("part-0.rkyv.tmp"),
+        "{e}"
+    );
+}

@@ -1,6 +1,7 @@
 //! No allocation bombs: every size a loader derives from its input (an `.npy` header, an
 //! `.npz` directory entry) is checked against the file's real size, what an archive entry can
 //! expand to, the other arrays' shapes and the machine's memory before anything is allocated.
+//! Split masks that make the accuracies mean something else are explained.
 use std::io::Write;
 use std::path::Path;
 use trellis_runtime::DataSource;
@@ -140,4 +141,32 @@ fn an_array_larger_than_the_machines_memory_is_refused_before_allocation() {
         e.contains("x.npy") && e.contains("memory available") && e.contains("1099511627776"),
         "{e}"
     );
+}
+
+#[test]
+fn empty_or_overlapping_masks_are_explained() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("masks");
+    std::fs::create_dir_all(&data).unwrap();
+    let mut files = small();
+    files[4] = ("val_mask.npy", npy("|b1", "(4,)", &[0, 0, 0, 0]));
+    files[5] = ("test_mask.npy", npy("|b1", "(4,)", &[1, 0, 0, 1]));
+    for (name, bytes) in files {
+        std::fs::write(data.join(name), bytes).unwrap();
+    }
+    let ds = DataSource::parse(data.to_str().unwrap())
+        .unwrap()
+        .load()
+        .unwrap();
+    let w = ds.split_warnings().join("\n");
+    assert!(w.contains("validation mask is empty"), "{w}");
+    assert!(
+        w.contains("1 nodes are in both the training and the test mask"),
+        "{w}"
+    );
+    let clean = DataSource::parse("synthetic:nodes=200,degree=4,features=4,classes=2")
+        .unwrap()
+        .load()
+        .unwrap();
+    assert!(clean.split_warnings().is_empty());
 }

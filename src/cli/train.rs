@@ -144,6 +144,9 @@ pub fn load_data(spec: &str) -> Result<Dataset> {
     let sp = progress::spinner("loading");
     let ds = src.load().with_context(|| format!("cannot load {spec}"))?;
     sp.finish_and_clear();
+    for w in ds.split_warnings() {
+        eprintln!("warning: {spec}: {w}");
+    }
     Ok(ds)
 }
 
