@@ -116,7 +116,7 @@ fn list(dir: &Path) -> Result<Vec<(u32, PathBuf)>, ActorError> {
             found.push((epoch, entry.path()));
         }
     }
-    found.sort_by(|a, b| b.0.cmp(&a.0));
+    found.sort_by_key(|f| std::cmp::Reverse(f.0));
     Ok(found)
 }
 

@@ -26,13 +26,25 @@ fn next(state: &mut u64) -> u64 {
     z ^ (z >> 31)
 }
 
+/// What a part holds: global ids, features, labels.
+#[derive(Debug, PartialEq)]
+struct Part {
+    gids: Vec<u32>,
+    features: Vec<f32>,
+    labels: Vec<u32>,
+}
+
 /// Every part's content, as opened and checked.
-fn contents(dir: &Path) -> Result<Vec<(Vec<u32>, Vec<f32>, Vec<u32>)>, String> {
+fn contents(dir: &Path) -> Result<Vec<Part>, String> {
     let set = PartitionSet::open(dir).map_err(|e| e.to_string())?;
     (0..set.parts())
         .map(|p| {
             let f = set.open_part(p).map_err(|e| e.to_string())?;
-            Ok((f.gids(), f.features().to_vec(), f.labels().to_vec()))
+            Ok(Part {
+                gids: f.gids(),
+                features: f.features().to_vec(),
+                labels: f.labels().to_vec(),
+            })
         })
         .collect()
 }
