@@ -1,8 +1,16 @@
 //! Durable checkpoints: the committed model state (weights, optimizer moments, step) and the
-//! epoch log so far, written every K epochs by the coordinator to one file (temporary file,
-//! fsync, rename, fsync of the folder), from which a whole run restarts (`--resume`), e.g.
-//! after the coordinator's node died. Every partition's replica and optimizer state are
-//! identical after a step, so one snapshot is the state of the whole run.
+//! epoch log so far, written every K epochs by the coordinator to one file per epoch
+//! (`checkpoint-EEEEEEEE.ckpt`: temporary file, fsync, rename, fsync of the folder), of which
+//! the last K are kept (`keep`), and from which a whole run restarts (`--resume`), e.g. after
+//! the coordinator's node died. Every partition's replica and optimizer state are identical
+//! after a step, so one snapshot is the state of the whole run.
+//!
+//! Every byte a resume depends on is covered by a BLAKE3 digest checked before anything is
+//! decoded: the file is `MAGIC | version u32 | payload length u64 | digest | payload` (little
+//! endian), the digest taken over everything before it and the payload (the rkyv archive of
+//! weights, moments, step count, epoch log, configuration and data digest). A file that fails
+//! the check is never used: reading falls back to the next older kept checkpoint, saying so,
+//! and fails naming every file and what is wrong with it when none is intact.
 use crate::replica::Snapshot;
 use crate::ActorError;
 use rkyv::{Archive, Deserialize, Serialize};
@@ -10,11 +18,20 @@ use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use trellis_gpu::Tensor;
+use trellis_runtime::partition::{DirLock, LockMode};
 use trellis_runtime::{EpochLog, TrainConfig};
 
-/// The file name inside the checkpoint folder.
-pub const CHECKPOINT_FILE: &str = "checkpoint.rkyv";
-const VERSION: u32 = 1;
+/// File names are `{CHECKPOINT_PREFIX}{epoch:08}{CHECKPOINT_SUFFIX}` inside the folder.
+pub const CHECKPOINT_PREFIX: &str = "checkpoint-";
+/// See [`CHECKPOINT_PREFIX`].
+pub const CHECKPOINT_SUFFIX: &str = ".ckpt";
+/// The first bytes of every checkpoint file.
+pub const MAGIC: &[u8; 8] = b"TRELCKPT";
+const VERSION: u32 = 2;
+/// Magic, version, payload length, digest.
+const HEAD: usize = 8 + 4 + 8 + 32;
+/// The file older builds wrote (no integrity digest): refused with a clear message.
+const LEGACY_FILE: &str = "checkpoint.rkyv";
 
 #[derive(Archive, Serialize, Deserialize)]
 struct Mat {
@@ -25,8 +42,8 @@ struct Mat {
 
 #[derive(Archive, Serialize, Deserialize)]
 struct CheckpointFile {
-    version: u32,
-    /// The training configuration with `epochs` set to 0 (a resumed run may train longer).
+    /// The training configuration with `epochs` and `threads` cleared (a resumed run may
+    /// train longer, and results do not depend on the thread count).
     config_json: String,
     data_digest: String,
     parts: u32,
@@ -68,19 +85,70 @@ fn bad(path: &Path, m: impl std::fmt::Display) -> ActorError {
     }
 }
 
+/// What must match for a checkpoint to be resumed: everything but `epochs` (a resumed run may
+/// train longer) and `threads` (every kernel is bit-identical at any thread count).
 fn config_key(cfg: &TrainConfig) -> String {
     let mut c = cfg.clone();
     c.epochs = 0;
+    c.threads = 0;
     serde_json::to_string(&c).expect("a config serialises")
 }
 
+/// The path of the checkpoint of `epoch` in `dir`.
+pub fn checkpoint_path(dir: &Path, epoch: u32) -> PathBuf {
+    dir.join(format!("{CHECKPOINT_PREFIX}{epoch:08}{CHECKPOINT_SUFFIX}"))
+}
+
+/// The checkpoints in `dir`, newest (highest epoch) first.
+fn list(dir: &Path) -> Result<Vec<(u32, PathBuf)>, ActorError> {
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(bad(dir, e)),
+    };
+    let mut found = Vec::new();
+    for entry in entries {
+        let entry = entry.map_err(|e| bad(dir, e))?;
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let epoch = name
+            .strip_prefix(CHECKPOINT_PREFIX)
+            .and_then(|r| r.strip_suffix(CHECKPOINT_SUFFIX))
+            .and_then(|e| e.parse::<u32>().ok());
+        if let Some(epoch) = epoch {
+            found.push((epoch, entry.path()));
+        }
+    }
+    found.sort_by_key(|f| std::cmp::Reverse(f.0));
+    Ok(found)
+}
+
+/// The digest of a file's head (before the digest field) and payload.
+fn digest_of(head: &[u8], payload: &[u8]) -> blake3::Hash {
+    let mut h = blake3::Hasher::new();
+    h.update(&head[..HEAD - 32]);
+    h.update(payload);
+    h.finalize()
+}
+
+/// A checkpoint read back, and the newer ones that were skipped because they failed their
+/// integrity check (path, reason).
+#[derive(Debug)]
+pub struct Resumable {
+    pub checkpoint: Checkpoint,
+    pub path: PathBuf,
+    pub skipped: Vec<(PathBuf, String)>,
+}
+
 impl Checkpoint {
-    /// Writes the checkpoint into `dir` atomically: a reader sees the old or the new one.
-    pub fn write(&self, dir: &Path) -> Result<PathBuf, ActorError> {
+    /// Writes the checkpoint into `dir` atomically (a reader sees the old files or the new
+    /// one) and keeps the `keep` newest checkpoints there (at least 1). A full disk is an
+    /// error naming the file and saying so.
+    pub fn write(&self, dir: &Path, keep: usize) -> Result<PathBuf, ActorError> {
         std::fs::create_dir_all(dir).map_err(|e| bad(dir, e))?;
         let bytes = self.to_bytes();
-        let path = dir.join(CHECKPOINT_FILE);
-        let tmp = dir.join(format!("{CHECKPOINT_FILE}.tmp"));
+        let path = checkpoint_path(dir, self.snapshot.epoch);
+        let tmp = path.with_extension("ckpt.tmp");
         let write = || -> std::io::Result<()> {
             let mut f = File::create(&tmp)?;
             f.write_all(&bytes)?;
@@ -89,15 +157,23 @@ impl Checkpoint {
             // The rename is durable once the folder is synced.
             File::open(dir)?.sync_all()
         };
-        write().map_err(|e| bad(&path, e))?;
+        if let Err(e) = write() {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(bad(&path, e));
+        }
+        for (_, old) in list(dir)?.into_iter().skip(keep.max(1)) {
+            if let Err(e) = std::fs::remove_file(&old) {
+                tracing::warn!("cannot remove the old checkpoint {}: {e}", old.display());
+            }
+        }
         Ok(path)
     }
 
-    /// The checkpoint's archived bytes (the file's content).
+    /// The checkpoint's file content: head (magic, version, payload length, digest) and the
+    /// rkyv payload.
     pub fn to_bytes(&self) -> Vec<u8> {
         let s = &self.snapshot;
         let file = CheckpointFile {
-            version: VERSION,
             config_json: config_key(&self.config),
             data_digest: self.data_digest.clone(),
             parts: self.parts as u32,
@@ -108,47 +184,141 @@ impl Checkpoint {
             opt_steps: s.opt_steps,
             logs_json: serde_json::to_string(&self.logs).expect("logs serialise"),
         };
-        rkyv::to_bytes::<rkyv::rancor::Error>(&file)
-            .map(|b| b.into_vec())
-            .expect("serialising plain data into a growable buffer cannot fail")
+        let payload = rkyv::to_bytes::<rkyv::rancor::Error>(&file)
+            .expect("serialising plain data into a growable buffer cannot fail");
+        let mut out = Vec::with_capacity(HEAD + payload.len());
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&VERSION.to_le_bytes());
+        out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+        let digest = digest_of(&out, &payload);
+        out.extend_from_slice(digest.as_bytes());
+        out.extend_from_slice(&payload);
+        out
     }
 
-    /// Reads `dir`'s checkpoint; `None` if there is none. A corrupt file is an error.
+    /// Reads the newest intact checkpoint in `dir`; `None` if there is none. Newer ones that
+    /// fail their integrity check are skipped (and logged); if every one fails, the error
+    /// names each file and its fault.
     pub fn read(dir: &Path) -> Result<Option<Self>, ActorError> {
-        let path = dir.join(CHECKPOINT_FILE);
-        match std::fs::read(&path) {
-            Ok(b) => Self::from_bytes(&b, &path).map(Some),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-            Err(e) => Err(bad(&path, e)),
-        }
+        Ok(Self::read_latest(dir)?.map(|r| {
+            for (p, why) in &r.skipped {
+                let line = format!(
+                    "warning: skipped checkpoint {}: {why}; resuming from {}",
+                    p.display(),
+                    r.path.display()
+                );
+                tracing::warn!("{line}");
+                eprintln!("{line}");
+            }
+            r.checkpoint
+        }))
     }
 
-    /// Decodes archived bytes (`path` names them in errors); never panics on bad input.
+    /// As [`Checkpoint::read`], returning which file was used and which were skipped.
+    pub fn read_latest(dir: &Path) -> Result<Option<Resumable>, ActorError> {
+        let files = list(dir)?;
+        if files.is_empty() {
+            let legacy = dir.join(LEGACY_FILE);
+            if legacy.exists() {
+                return Err(bad(
+                    &legacy,
+                    "corrupt or written by an older Trellis (no integrity digest): it cannot \
+                     be checked, so it is not resumed (move it away to start over)",
+                ));
+            }
+            return Ok(None);
+        }
+        let mut skipped = Vec::new();
+        for (_, path) in files {
+            let read = std::fs::read(&path)
+                .map_err(|e| bad(&path, e))
+                .and_then(|b| Self::from_bytes(&b, &path));
+            match read {
+                Ok(checkpoint) => {
+                    return Ok(Some(Resumable {
+                        checkpoint,
+                        path,
+                        skipped,
+                    }))
+                }
+                Err(e) => {
+                    let why = e.to_string();
+                    let why = why
+                        .strip_prefix(&format!("checkpoint {}: ", path.display()))
+                        .unwrap_or(&why)
+                        .to_string();
+                    skipped.push((path, why));
+                }
+            }
+        }
+        let list: Vec<String> = skipped
+            .iter()
+            .map(|(p, why)| format!("{}: {why}", p.display()))
+            .collect();
+        Err(ActorError::Cluster(format!(
+            "no intact checkpoint in {} to resume from: {}",
+            dir.display(),
+            list.join("; ")
+        )))
+    }
+
+    /// Checks and decodes a checkpoint file's bytes (`path` names them in errors). The digest
+    /// is checked before anything is decoded; never panics on bad input.
     pub fn from_bytes(bytes: &[u8], path: &Path) -> Result<Self, ActorError> {
-        let path = path.to_path_buf();
-        let mut aligned = rkyv::util::AlignedVec::<16>::with_capacity(bytes.len());
-        aligned.extend_from_slice(bytes);
-        let f = rkyv::from_bytes::<CheckpointFile, rkyv::rancor::Error>(&aligned)
-            .map_err(|e| bad(&path, format!("corrupt or truncated: {e}")))?;
-        if f.version != VERSION {
+        if bytes.len() < HEAD || &bytes[..8] != MAGIC {
             return Err(bad(
-                &path,
-                format!("format version {} (this build reads {VERSION})", f.version),
+                path,
+                format!(
+                    "not a Trellis checkpoint ({} bytes, no `TRELCKPT` header)",
+                    bytes.len()
+                ),
             ));
         }
+        let version = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
+        if version != VERSION {
+            return Err(bad(
+                path,
+                format!("format version {version} (this build reads {VERSION})"),
+            ));
+        }
+        let len = u64::from_le_bytes(bytes[12..20].try_into().expect("8 bytes"));
+        let have = (bytes.len() - HEAD) as u64;
+        if len != have {
+            return Err(bad(
+                path,
+                format!("truncated or extended: the header declares {len} payload bytes, the file has {have}"),
+            ));
+        }
+        let payload = &bytes[HEAD..];
+        if digest_of(bytes, payload).as_bytes() != &bytes[20..HEAD] {
+            return Err(bad(
+                path,
+                "corrupt: its content does not match its BLAKE3 digest",
+            ));
+        }
+        let mut aligned = rkyv::util::AlignedVec::<16>::with_capacity(payload.len());
+        aligned.extend_from_slice(payload);
+        let f = rkyv::from_bytes::<CheckpointFile, rkyv::rancor::Error>(&aligned)
+            .map_err(|e| bad(path, format!("undecodable content: {e}")))?;
         let config: TrainConfig = serde_json::from_str(&f.config_json)
-            .map_err(|e| bad(&path, format!("bad configuration: {e}")))?;
+            .map_err(|e| bad(path, format!("bad configuration: {e}")))?;
         let logs: Vec<EpochLog> = serde_json::from_str(&f.logs_json)
-            .map_err(|e| bad(&path, format!("bad epoch log: {e}")))?;
+            .map_err(|e| bad(path, format!("bad epoch log: {e}")))?;
+        if logs.len() != f.epoch as usize {
+            return Err(bad(
+                path,
+                format!("{} epoch log entries for epoch {}", logs.len(), f.epoch),
+            ));
+        }
         let params = f
             .params
             .into_iter()
-            .map(|m| tensor(m, &path))
+            .map(|m| tensor(m, path))
             .collect::<Result<Vec<_>, _>>()?;
         let opt_state = f
             .moments
             .into_iter()
-            .map(|(a, b)| Ok((tensor(a, &path)?, tensor(b, &path)?)))
+            .map(|(a, b)| Ok((tensor(a, path)?, tensor(b, path)?)))
             .collect::<Result<Vec<_>, ActorError>>()?;
         Ok(Checkpoint {
             snapshot: Snapshot {
@@ -173,7 +343,7 @@ impl Checkpoint {
         data_digest: &str,
         parts: usize,
     ) -> Result<(), ActorError> {
-        let path = dir.join(CHECKPOINT_FILE);
+        let path = checkpoint_path(dir, self.snapshot.epoch);
         if config_key(&self.config) != config_key(cfg) {
             return Err(bad(
                 &path,
@@ -202,16 +372,39 @@ impl Checkpoint {
     }
 }
 
-/// Writes checkpoints of the state in a replica store of this process.
+/// Writes checkpoints of the state in a replica store of this process, holding the checkpoint
+/// folder's lock for as long as it lives.
 pub struct CheckpointWriter {
-    pub store: std::sync::Arc<crate::replica::ReplicaStore>,
-    pub dir: PathBuf,
-    pub config: TrainConfig,
-    pub data_digest: String,
-    pub parts: usize,
+    store: std::sync::Arc<crate::replica::ReplicaStore>,
+    dir: PathBuf,
+    keep: usize,
+    config: TrainConfig,
+    data_digest: String,
+    parts: usize,
+    _lock: DirLock,
 }
 
 impl CheckpointWriter {
+    /// A writer into `policy.dir`, holding `lock` (from [`CheckpointPolicy::lock`]).
+    pub fn new(
+        policy: &CheckpointPolicy,
+        lock: DirLock,
+        store: std::sync::Arc<crate::replica::ReplicaStore>,
+        config: TrainConfig,
+        data_digest: String,
+        parts: usize,
+    ) -> Self {
+        CheckpointWriter {
+            _lock: lock,
+            store,
+            dir: policy.dir.clone(),
+            keep: policy.keep,
+            config,
+            data_digest,
+            parts,
+        }
+    }
+
     /// Writes the state committed after `epoch` (weights `digest`) with the logs so far.
     pub fn write(
         &self,
@@ -236,7 +429,7 @@ impl CheckpointWriter {
             data_digest: self.data_digest.clone(),
             parts: self.parts,
         }
-        .write(&self.dir)
+        .write(&self.dir, self.keep)
     }
 
     /// The writer as the coordinator's checkpoint callback.
@@ -245,12 +438,34 @@ impl CheckpointWriter {
     }
 }
 
-/// Where and how often to checkpoint, and whether to resume.
+/// Where and how often to checkpoint, how many to keep, and whether to resume.
 #[derive(Debug, Clone)]
 pub struct CheckpointPolicy {
     pub dir: PathBuf,
     /// Write after every `every` epochs (0: never write, only resume).
     pub every: u32,
-    /// Resume from the folder's checkpoint if there is one.
+    /// Keep the newest `keep` checkpoints (at least 1): a corrupt newest one falls back to
+    /// the one before.
+    pub keep: usize,
+    /// Resume from the folder's newest intact checkpoint if there is one.
     pub resume: bool,
+}
+
+impl CheckpointPolicy {
+    /// Takes the folder's lock: a second run writing the same folder is refused at once,
+    /// naming the process that holds it.
+    pub fn lock(&self) -> Result<DirLock, ActorError> {
+        DirLock::acquire(&self.dir, LockMode::Exclusive, "checkpoint folder").map_err(|e| {
+            // The error names the path already; say that it is the checkpoint folder.
+            let text = e.to_string();
+            let detail = text
+                .strip_prefix(&format!("{}: ", self.dir.display()))
+                .map(str::to_string)
+                .unwrap_or(text);
+            ActorError::Checkpoint {
+                path: self.dir.clone(),
+                detail,
+            }
+        })
+    }
 }

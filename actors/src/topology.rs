@@ -92,7 +92,7 @@ impl Topology {
                 (d.clone(), Some(TempDir(d)))
             }
         };
-        open_or_partition(ds, parts, method, cfg.model.seed, &dir)?;
+        open_or_partition(ds, parts, method, cfg.partition_seed, &dir)?;
         let mut t = Self::open(&dir, cfg)?;
         t._tmp = tmp;
         Ok(t)
@@ -160,6 +160,7 @@ impl Topology {
             let stream = Stream::new(self.cfg.device, budget.clone())?;
             states.push(PartitionState::new(&file, &self.cfg, counts, stream)?);
         }
+        let ck_lock = self.checkpoints.as_ref().map(|p| p.lock()).transpose()?;
         let resume = match &self.checkpoints {
             Some(pol) if pol.resume => Checkpoint::read(&pol.dir)?,
             _ => None,
@@ -216,14 +217,15 @@ impl Topology {
                             let s = &ck.snapshot;
                             coord = coord.resumed(s.epoch, s.digest.clone(), ck.logs);
                         }
-                        if let Some(pol) = policy {
-                            let writer = CheckpointWriter {
-                                store: node.replicas().clone(),
-                                dir: pol.dir,
-                                config: cfg.clone(),
-                                data_digest: book.data_digest.clone(),
-                                parts: book.parts,
-                            };
+                        if let (Some(pol), Some(lock)) = (policy, ck_lock) {
+                            let writer = CheckpointWriter::new(
+                                &pol,
+                                lock,
+                                node.replicas().clone(),
+                                cfg.clone(),
+                                book.data_digest.clone(),
+                                book.parts,
+                            );
                             coord = coord.with_checkpoints(pol.every, writer.into_fn());
                         }
                         let totals = (counts.train, counts.val, counts.test);

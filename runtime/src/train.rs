@@ -33,6 +33,10 @@ pub struct TrainConfig {
     /// while the host exchanges), off on the CPU (where it would only change summation order).
     #[serde(default)]
     pub halo_overlap: Option<bool>,
+    /// Seed of the partitioner (the random method's hash; METIS's tie-breaks). Separate from
+    /// the model's seed, so a run with a new training seed reuses the same partition files.
+    #[serde(default)]
+    pub partition_seed: u64,
 }
 
 /// [`Device`] as its text form (`cpu`, `cuda:0`) in serialized configs.
@@ -66,6 +70,7 @@ impl TrainConfig {
             threads: 0,
             device: Device::Cpu,
             halo_overlap: None,
+            partition_seed: 0,
         }
     }
 

@@ -57,7 +57,10 @@ fn run_node(a: &NodeArgs, cluster: ClusterFile) -> Result<()> {
         .partition_dir
         .clone()
         .unwrap_or_else(|| cluster.partitions_of(a.id));
-    let set = open_or_partition(&ds, parts, t.partition_method, cfg.model.seed, &dir)
+    if t.repartition {
+        trellis_runtime::partition::remove_partitions(&dir)?;
+    }
+    let set = open_or_partition(&ds, parts, t.partition_method, cfg.partition_seed, &dir)
         .with_context(|| format!("cannot partition into {}", dir.display()))?;
     drop(ds);
     let epochs = cfg.epochs as u64;

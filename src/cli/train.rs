@@ -59,8 +59,15 @@ pub struct TrainArgs {
     /// Use (or write) partition files in this folder instead of a temporary one.
     #[arg(long, value_name = "DIR")]
     pub partition_dir: Option<PathBuf>,
+    /// Seed of the partitioner (its own: a new --seed reuses the partition files).
+    #[arg(long, default_value_t = 0)]
+    pub partition_seed: u64,
+    /// Replace the partitioning in --partition-dir when it is another one (or corrupt)
+    /// instead of stopping with an error.
+    #[arg(long)]
+    pub repartition: bool,
     /// Inject faults (comma separated); the run recovers and ends with the fault-free weights:
-    /// `panic:part=P:epoch=E[:layer=L][:phase=forward|backward|eval]` (partition P panics),
+    /// `panic:part=P:epoch=E[:layer=L][:phase=forward|backward|eval|apply][:stage=2]` (partition P panics),
     /// `kill-node:node=N:epoch=E` (SIGKILL of node N's process as epoch E starts),
     /// `cut-link:a=N:b=M:epoch=E:ms=T` (messages between nodes N and M dropped for T ms),
     /// `delay:a=N:b=M:ms=T` (messages between them wait T ms),
@@ -74,6 +81,10 @@ pub struct TrainArgs {
     /// Checkpoint after every N epochs (and after the last); at least 1.
     #[arg(long, value_name = "N", default_value_t = 5, value_parser = validate::positive_u32)]
     pub checkpoint_every: u32,
+    /// Keep the newest K checkpoints; a resume whose newest checkpoint fails its integrity
+    /// check falls back to the one before.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=1000))]
+    pub keep_checkpoints: u32,
     /// Resume from the checkpoint in --checkpoint-dir (if there is one) instead of starting
     /// over; the configuration must match, --epochs may be larger.
     #[arg(long, requires = "checkpoint_dir")]
@@ -106,6 +117,7 @@ impl TrainArgs {
         self.checkpoint_dir.as_ref().map(|dir| CheckpointPolicy {
             dir: dir.clone(),
             every: self.checkpoint_every,
+            keep: self.keep_checkpoints as usize,
             resume: self.resume,
         })
     }
@@ -143,6 +155,7 @@ impl TrainArgs {
             cfg.weight_decay = v;
         }
         cfg.threads = self.threads;
+        cfg.partition_seed = self.partition_seed;
         cfg.normalize_features = !self.no_normalize_features;
         cfg.device = self
             .device
@@ -210,6 +223,9 @@ pub fn load_data(spec: &str) -> Result<Dataset> {
     let sp = progress::spinner("loading");
     let ds = src.load().with_context(|| format!("cannot load {spec}"))?;
     sp.finish_and_clear();
+    for w in ds.split_warnings() {
+        eprintln!("warning: {spec}: {w}");
+    }
     Ok(ds)
 }
 
@@ -257,6 +273,9 @@ pub fn train_partitioned(ds: &Dataset, cfg: TrainConfig, a: &TrainArgs) -> Resul
         .unwrap_or_default();
     let parts = a.partitions.unwrap_or(1);
     let dir = a.partition_dir.as_deref();
+    if let (true, Some(d)) = (a.repartition, dir) {
+        trellis_runtime::partition::remove_partitions(d)?;
+    }
     let mut topo =
         Topology::partition(ds, parts, a.partition_method, dir, cfg)?.with_faults(faults);
     if let Some(pol) = a.checkpoints() {

@@ -29,8 +29,10 @@ pub enum CertError {
     },
     #[error("{path}: not a valid PEM {what}")]
     Pem { path: PathBuf, what: &'static str },
-    #[error("{0} already exists; refusing to overwrite a cluster CA")]
+    #[error("{0} already exists; refusing to overwrite it (pass --force to replace it)")]
     Exists(PathBuf),
+    #[error("a validity of {0} days is out of range (1 to 36500)")]
+    Validity(u32),
     #[error("certificate generation failed: {0}")]
     Rcgen(#[from] rcgen::Error),
 }
@@ -54,8 +56,25 @@ pub fn init(dir: &Path) -> Result<ClusterCa, CertError> {
 }
 
 /// Issues node `node`'s certificate from the CA in `dir`; returns the certificate and key paths.
+/// Refuses to overwrite an existing certificate or key.
 pub fn issue(dir: &Path, node: u32) -> Result<(PathBuf, PathBuf), CertError> {
     ClusterCa::load(dir)?.issue(dir, node)
+}
+
+/// Days a cluster CA certificate is valid by default.
+pub const DEFAULT_CA_DAYS: u32 = 3650;
+/// Days a node certificate is valid by default.
+pub const DEFAULT_NODE_DAYS: u32 = 365;
+
+/// `[now - 1 h, now + days]`: a certificate's validity (the hour absorbs clock skew).
+fn validity(p: &mut CertificateParams, days: u32) -> Result<(), CertError> {
+    if !(1..=36_500).contains(&days) {
+        return Err(CertError::Validity(days));
+    }
+    let now = time::OffsetDateTime::now_utc();
+    p.not_before = now - time::Duration::hours(1);
+    p.not_after = now + time::Duration::days(i64::from(days));
+    Ok(())
 }
 
 /// A cluster certificate authority.
@@ -81,10 +100,17 @@ fn ca_params() -> CertificateParams {
 }
 
 impl ClusterCa {
-    /// A fresh CA in memory.
+    /// A fresh CA in memory, valid for [`DEFAULT_CA_DAYS`].
     pub fn generate() -> Result<Self, CertError> {
+        Self::generate_for(DEFAULT_CA_DAYS)
+    }
+
+    /// A fresh CA in memory, valid for `days` from now.
+    pub fn generate_for(days: u32) -> Result<Self, CertError> {
         let key = KeyPair::generate()?;
-        let cert = ca_params().self_signed(&key)?;
+        let mut params = ca_params();
+        validity(&mut params, days)?;
+        let cert = params.self_signed(&key)?;
         Ok(ClusterCa {
             cert_pem: cert.pem(),
             cert_der: cert.der().clone(),
@@ -92,17 +118,20 @@ impl ClusterCa {
         })
     }
 
-    /// A fresh CA written to `dir` (created if missing).
+    /// A fresh CA written to `dir` (created if missing), valid for [`DEFAULT_CA_DAYS`].
     pub fn init(dir: &Path) -> Result<Self, CertError> {
+        Self::init_for(dir, DEFAULT_CA_DAYS)
+    }
+
+    /// A fresh CA valid for `days`, written to `dir` (created if missing, readable by its
+    /// owner only). An existing CA is never overwritten.
+    pub fn init_for(dir: &Path, days: u32) -> Result<Self, CertError> {
         let key_path = dir.join(CA_KEY);
         if key_path.exists() {
             return Err(CertError::Exists(key_path));
         }
-        std::fs::create_dir_all(dir).map_err(|source| CertError::Io {
-            path: dir.into(),
-            source,
-        })?;
-        let ca = Self::generate()?;
+        private_dir(dir)?;
+        let ca = Self::generate_for(days)?;
         write_file(&dir.join(CA_CERT), ca.cert_pem.as_bytes(), false)?;
         write_file(&key_path, ca.key.serialize_pem().as_bytes(), true)?;
         Ok(ca)
@@ -141,7 +170,7 @@ impl ClusterCa {
 
     /// A certificate and key for node `node`, in memory.
     pub fn issue_identity(&self, node: u32) -> Result<NodeIdentity, CertError> {
-        let (cert_pem, key) = self.sign_node(node)?;
+        let (cert_pem, key) = self.sign_node(node, DEFAULT_NODE_DAYS)?;
         let chain =
             vec![CertificateDer::from_pem_slice(cert_pem.as_bytes())
                 .expect("rcgen writes valid PEM")];
@@ -155,17 +184,37 @@ impl ClusterCa {
         })
     }
 
-    /// Writes `node-N.pem` and `node-N.key` to `dir`; returns their paths.
+    /// Writes `node-N.pem` and `node-N.key` (valid [`DEFAULT_NODE_DAYS`]) to `dir`; returns
+    /// their paths. Existing files are never overwritten.
     pub fn issue(&self, dir: &Path, node: u32) -> Result<(PathBuf, PathBuf), CertError> {
-        let (cert_pem, key) = self.sign_node(node)?;
+        self.issue_with(dir, node, DEFAULT_NODE_DAYS, false)
+    }
+
+    /// As [`ClusterCa::issue`], valid for `days`; `force` replaces an existing certificate
+    /// and key of the node.
+    pub fn issue_with(
+        &self,
+        dir: &Path,
+        node: u32,
+        days: u32,
+        force: bool,
+    ) -> Result<(PathBuf, PathBuf), CertError> {
         let (cert_path, key_path) = node_paths(dir, node);
+        if !force {
+            if let Some(p) = [&key_path, &cert_path].into_iter().find(|p| p.exists()) {
+                return Err(CertError::Exists(p.clone()));
+            }
+        }
+        private_dir(dir)?;
+        let (cert_pem, key) = self.sign_node(node, days)?;
         write_file(&cert_path, cert_pem.as_bytes(), false)?;
         write_file(&key_path, key.serialize_pem().as_bytes(), true)?;
         Ok((cert_path, key_path))
     }
 
-    fn sign_node(&self, node: u32) -> Result<(String, KeyPair), CertError> {
+    fn sign_node(&self, node: u32, days: u32) -> Result<(String, KeyPair), CertError> {
         let mut p = CertificateParams::new(vec![node_server_name(node)])?;
+        validity(&mut p, days)?;
         p.distinguished_name
             .push(DnType::OrganizationName, "Trellis");
         p.distinguished_name
@@ -244,6 +293,24 @@ impl NodeIdentity {
 fn read_string(path: &Path) -> Result<String, CertError> {
     std::fs::read_to_string(path).map_err(|source| CertError::Io {
         path: path.into(),
+        source,
+    })
+}
+
+/// Creates `dir` if missing; a folder this creates is readable by its owner only (0700).
+fn private_dir(dir: &Path) -> Result<(), CertError> {
+    if dir.is_dir() {
+        return Ok(());
+    }
+    let mut b = std::fs::DirBuilder::new();
+    b.recursive(true);
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::DirBuilderExt;
+        b.mode(0o700);
+    }
+    b.create(dir).map_err(|source| CertError::Io {
+        path: dir.into(),
         source,
     })
 }

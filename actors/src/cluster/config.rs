@@ -232,7 +232,9 @@ impl ClusterFile {
         Ok(QuicConfig {
             idle_timeout: Duration::from_millis(self.idle_timeout_ms),
             keep_alive: Duration::from_millis(self.heartbeat_ms),
-            connect_timeout: Duration::from_millis(self.idle_timeout_ms.max(1000)),
+            // Not the idle timeout: a node's first halo exchange dials all its neighbours at
+            // once, and on a machine shared by many nodes their handshakes queue for the CPU.
+            connect_timeout: Duration::from_millis(self.idle_timeout_ms.max(10_000)),
             ..QuicConfig::with_bind(n.addr)
         })
     }

@@ -114,6 +114,7 @@ async fn drive(
     let placement = cluster.placement(book.parts)?;
     let workers = cluster.workers();
     let run = uuid::Uuid::new_v4();
+    let ck_lock = job.checkpoints.as_ref().map(|p| p.lock()).transpose()?;
     let resume = match &job.checkpoints {
         Some(pol) if pol.resume => Checkpoint::read(&pol.dir)?,
         _ => None,
@@ -355,14 +356,15 @@ async fn drive(
         let s = &ck.snapshot;
         coord = coord.resumed(s.epoch, s.digest.clone(), ck.logs);
     }
-    if let Some(pol) = &job.checkpoints {
-        let writer = CheckpointWriter {
-            store: local.borrow().replicas().clone(),
-            dir: pol.dir.clone(),
-            config: job.cfg.clone(),
-            data_digest: book.data_digest.clone(),
-            parts: book.parts,
-        };
+    if let (Some(pol), Some(lock)) = (&job.checkpoints, ck_lock) {
+        let writer = CheckpointWriter::new(
+            pol,
+            lock,
+            local.borrow().replicas().clone(),
+            job.cfg.clone(),
+            book.data_digest.clone(),
+            book.parts,
+        );
         coord = coord.with_checkpoints(pol.every, writer.into_fn());
     }
     let totals = (book.train_nodes, book.val_nodes, book.test_nodes);
@@ -411,6 +413,7 @@ async fn drive(
     dispatcher.abort();
     ep.transport.end_run(run);
     let stats = ep.transport.stats();
+    super::count_refusals(ep.id, &stats);
     nodes.push(NodeTraffic {
         node: ep.id,
         addr: ep.addr().to_string(),

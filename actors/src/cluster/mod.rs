@@ -22,6 +22,18 @@ pub use config::ClusterFile;
 
 /// Prints one line to stderr in a single write, so lines of several node processes sharing a
 /// terminal do not interleave.
+/// Puts the connections node `node` refused (foreign or missing certificates, a claimed
+/// node id the certificate is not for, bad hellos) into the run's metrics and so its report.
+pub(crate) fn count_refusals(node: u32, stats: &trellis_transport::quic::QuicStats) {
+    use trellis_runtime::metrics::{Key, Metrics};
+    if stats.refused_handshakes > 0 {
+        Metrics::global().add(
+            Key::new("refused_connections").with("node", node),
+            stats.refused_handshakes,
+        );
+    }
+}
+
 pub(crate) fn say(line: &str) {
     use std::io::Write;
     let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());

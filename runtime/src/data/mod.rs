@@ -139,6 +139,58 @@ impl Dataset {
         Ok(())
     }
 
+    /// What the split masks make of the accuracies, when it is not what they seem: an empty
+    /// split, or nodes in two splits at once. One sentence per problem (none for a clean split).
+    pub fn split_warnings(&self) -> Vec<String> {
+        let count = |m: &[bool]| m.iter().filter(|&&b| b).count();
+        let both = |a: &[bool], b: &[bool]| a.iter().zip(b).filter(|(&x, &y)| x && y).count();
+        let (train, val, test) = (
+            count(&self.train_mask),
+            count(&self.val_mask),
+            count(&self.test_mask),
+        );
+        let mut w = Vec::new();
+        if train == 0 {
+            w.push("the training mask is empty: no gradient flows, the weights stay at their initial values".to_string());
+        }
+        if val == 0 {
+            w.push("the validation mask is empty: validation accuracy is 0 every epoch, so the \"best\" epoch is the first".to_string());
+        }
+        if test == 0 {
+            w.push(
+                "the test mask is empty: the reported test accuracy is 0 and means nothing"
+                    .to_string(),
+            );
+        }
+        for (a, b, n, what) in [
+            (
+                "training",
+                "test",
+                both(&self.train_mask, &self.test_mask),
+                "test accuracy is measured partly on training nodes and overstates generalisation",
+            ),
+            (
+                "training",
+                "validation",
+                both(&self.train_mask, &self.val_mask),
+                "the best epoch is chosen partly on training nodes",
+            ),
+            (
+                "validation",
+                "test",
+                both(&self.val_mask, &self.test_mask),
+                "the test accuracy is partly the accuracy the best epoch was chosen by",
+            ),
+        ] {
+            if n > 0 {
+                w.push(format!(
+                    "{n} nodes are in both the {a} and the {b} mask: {what}"
+                ));
+            }
+        }
+        w
+    }
+
     /// Node ids where `mask` is true.
     pub fn mask_ids(mask: &[bool]) -> Vec<u32> {
         mask.iter()

@@ -53,7 +53,55 @@ pub(crate) fn dataset_name(path: &Path, stem: bool) -> String {
         .unwrap_or_else(|| "dataset".to_string())
 }
 
+/// Reads every array's header first and checks that the shapes agree and that all the data
+/// fits in memory, so a file claiming a huge array is refused before anything is allocated.
+fn plan(store: &mut Store) -> Result<()> {
+    let x = store.peek("x")?;
+    let Some(&n) = x.shape.first().filter(|_| x.shape.len() == 2) else {
+        return Err(RuntimeError::bad_file(
+            &x.label,
+            format!(
+                "wrong shape {:?}: expected a 2-D array [num_nodes, num_features]",
+                x.shape
+            ),
+        ));
+    };
+    if n == 0 || x.shape[1] == 0 {
+        return Err(RuntimeError::bad_file(
+            &x.label,
+            format!(
+                "empty array of shape {:?}: no nodes or no features",
+                x.shape
+            ),
+        ));
+    }
+    let mut total = x.bytes;
+    for (key, what) in [
+        ("y", "labels"),
+        ("train_mask", "entries"),
+        ("val_mask", "entries"),
+        ("test_mask", "entries"),
+    ] {
+        let a = store.peek(key)?;
+        match a.shape.first() {
+            Some(&k) if k != n => {
+                return Err(RuntimeError::bad_file(
+                    &a.label,
+                    format!("node count mismatch: {k} {what} but x.npy has {n} rows"),
+                ))
+            }
+            _ => {}
+        }
+        total += a.bytes;
+    }
+    let e = store.peek("edge_index")?;
+    // int32 edges are widened to int64, then split into two u32 lists.
+    total += e.bytes * 2;
+    check_memory(&x.label, "the data set (every array)", total)
+}
+
 fn load_from(store: &mut Store, name: String) -> Result<Dataset> {
+    plan(store)?;
     // Features: [N, F] float32 (or float64).
     let x = store.read("x")?;
     let xp = store.label("x");
@@ -313,6 +361,34 @@ impl Store {
 
     /// Reads and type-checks the array stored under `key`.
     fn read(&mut self, key: &str) -> Result<Array> {
+        self.with_entry(key, |r, total, label, in_archive| {
+            read_npy(r, total, label, in_archive)
+        })
+    }
+
+    /// The shape and data size of the array under `key`, from its header alone (nothing
+    /// else of it is read or allocated).
+    fn peek(&mut self, key: &str) -> Result<Planned> {
+        self.with_entry(key, |r, total, label, in_archive| {
+            let mut r = Counting { inner: r, count: 0 };
+            let (header, kind, len) = npy_header(&mut r, total, label, in_archive)?;
+            Ok(Planned {
+                label: label.to_path_buf(),
+                shape: header.shape,
+                bytes: len as u64 * kind.size(),
+            })
+        })
+    }
+
+    /// Opens the stream of `key` and calls `f(stream, its size, its label, in an archive)`.
+    /// An archive entry's declared size is checked against its compressed size first: numpy
+    /// stores entries or deflates them, and deflate expands at most 1032:1, so a directory
+    /// claiming more is corrupt or a zip bomb, refused before anything is inflated.
+    fn with_entry<T>(
+        &mut self,
+        key: &str,
+        f: impl FnOnce(&mut dyn Read, u64, &Path, bool) -> Result<T>,
+    ) -> Result<T> {
         let label = self.label(key);
         match self {
             Store::Dir(d) => {
@@ -322,8 +398,8 @@ impl Store {
                     .metadata()
                     .map_err(|e| RuntimeError::io(&path, e))?
                     .len();
-                read_npy(
-                    BufReader::with_capacity(1 << 20, file),
+                f(
+                    &mut BufReader::with_capacity(1 << 20, file),
                     total,
                     &label,
                     false,
@@ -335,7 +411,7 @@ impl Store {
                 } else {
                     format!("{key}.npy")
                 };
-                let entry = match zip.by_name(&name) {
+                let mut entry = match zip.by_name(&name) {
                     Ok(entry) => entry,
                     Err(zip::result::ZipError::FileNotFound) => {
                         return Err(RuntimeError::bad_file(
@@ -352,10 +428,59 @@ impl Store {
                         ))
                     }
                 };
-                let total = entry.size();
-                read_npy(entry, total, &label, true)
+                let (total, packed) = (entry.size(), entry.compressed_size());
+                let most = match entry.compression() {
+                    zip::CompressionMethod::Stored => packed,
+                    _ => packed
+                        .saturating_mul(MAX_DEFLATE_RATIO)
+                        .saturating_add(1024),
+                };
+                if total > most {
+                    return Err(RuntimeError::bad_file(
+                        &label,
+                        format!(
+                            "the archive directory claims {total} bytes for an entry of {packed} compressed bytes ({:?}), more than it can hold: a corrupt archive or a zip bomb",
+                            entry.compression()
+                        ),
+                    ));
+                }
+                f(&mut entry, total, &label, true)
             }
         }
+    }
+}
+
+/// What an array's header announces.
+struct Planned {
+    label: PathBuf,
+    shape: Vec<usize>,
+    bytes: u64,
+}
+
+/// Deflate's largest expansion (a stream of maximal back-references) is about 1032:1.
+const MAX_DEFLATE_RATIO: u64 = 1032;
+
+/// Bytes of memory this machine can still give (Linux: `MemAvailable` of `/proc/meminfo`);
+/// `None` where that is unknown.
+pub(crate) fn available_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
+/// Refuses to allocate `bytes` for `what` (of `path`) when the machine does not have them.
+pub(crate) fn check_memory(path: &Path, what: &str, bytes: u64) -> Result<()> {
+    match available_memory() {
+        Some(avail) if bytes > avail => Err(RuntimeError::bad_file(
+            path,
+            format!(
+                "{what} needs {bytes} bytes ({:.1} GiB) but this machine has {avail} bytes ({:.1} GiB) of memory available",
+                bytes as f64 / (1u64 << 30) as f64,
+                avail as f64 / (1u64 << 30) as f64
+            ),
+        )),
+        _ => Ok(()),
     }
 }
 
@@ -388,13 +513,15 @@ fn read_error(path: &Path, e: io::Error, in_archive: bool) -> RuntimeError {
     }
 }
 
-/// Parses one `.npy` stream of `total` bytes.
-fn read_npy<R: Read>(reader: R, total: u64, path: &Path, in_archive: bool) -> Result<Array> {
-    let mut r = Counting {
-        inner: reader,
-        count: 0,
-    };
-    let header = Header::from_reader(&mut r).map_err(|e| match e {
+/// Parses the header of a `.npy` stream of `total` bytes and checks the data it declares
+/// against what follows (and against the machine's memory) before anything is allocated.
+fn npy_header<R: Read>(
+    r: &mut Counting<R>,
+    total: u64,
+    path: &Path,
+    in_archive: bool,
+) -> Result<(Header, Kind, usize)> {
+    let header = Header::from_reader(&mut *r).map_err(|e| match e {
         ReadHeaderError::Io(e) if e.kind() == io::ErrorKind::UnexpectedEof => {
             RuntimeError::bad_file(path, "truncated: the file ends inside the .npy header")
         }
@@ -448,7 +575,17 @@ fn read_npy<R: Read>(reader: R, total: u64, path: &Path, in_archive: bool) -> Re
             ),
         ));
     }
-    let len = len as usize;
+    check_memory(path, &format!("shape {:?}", header.shape), need)?;
+    Ok((header, kind, len as usize))
+}
+
+/// Parses one `.npy` stream of `total` bytes.
+fn read_npy<R: Read>(reader: R, total: u64, path: &Path, in_archive: bool) -> Result<Array> {
+    let mut r = Counting {
+        inner: reader,
+        count: 0,
+    };
+    let (header, kind, len) = npy_header(&mut r, total, path, in_archive)?;
     let h = &header;
     let data = match kind {
         Kind::I64 => Data::I64(typed(&mut r, h, len, path, in_archive)?),

@@ -328,6 +328,8 @@ fn clip(s: &str) -> String {
 enum ReadFail {
     Gzip(std::io::Error),
     LongLine,
+    /// The text inflated past this many bytes, the memory available when reading began.
+    TooLarge(u64),
 }
 
 /// Decompresses `file` in blocks that end at a line break (the last block may not) and sends
@@ -335,6 +337,10 @@ enum ReadFail {
 fn decompress_blocks(file: File, tx: SyncSender<std::result::Result<Vec<u8>, ReadFail>>) {
     let mut dec = MultiGzDecoder::new(BufReader::with_capacity(1 << 20, file));
     let mut carry: Vec<u8> = Vec::new();
+    // What the parsed values may take is bounded by the machine's memory; text inflating
+    // beyond it (a gzip bomb) is stopped there instead of when allocation fails.
+    let budget = super::npy::available_memory().unwrap_or(u64::MAX);
+    let mut inflated = 0u64;
     loop {
         let mut buf = std::mem::take(&mut carry);
         buf.reserve(BLOCK);
@@ -345,6 +351,11 @@ fn decompress_blocks(file: File, tx: SyncSender<std::result::Result<Vec<u8>, Rea
                 return;
             }
         };
+        inflated += got as u64;
+        if inflated > budget {
+            let _ = tx.send(Err(ReadFail::TooLarge(budget)));
+            return;
+        }
         if got == 0 {
             if !buf.is_empty() {
                 let _ = tx.send(Ok(buf));
@@ -400,6 +411,12 @@ where
                     };
                     RuntimeError::bad_file(path, format!("{what} gzip data: {e}"))
                 }
+                ReadFail::TooLarge(budget) => RuntimeError::bad_file(
+                    path,
+                    format!(
+                        "decompresses to more than the {budget} bytes of memory this machine has available (a gzip bomb?)"
+                    ),
+                ),
                 ReadFail::LongLine => RuntimeError::bad_file(
                     path,
                     format!(

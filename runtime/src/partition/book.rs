@@ -1,9 +1,17 @@
 //! The partition book: the JSON manifest (`partition.json`) that describes a partition folder.
+//!
+//! The book carries `book_digest`, a BLAKE3 digest of its own file text (with the digest's
+//! value blanked), checked on every read: a book that was corrupted or edited is
+//! an error naming the file, never silently trusted or re-partitioned over. Each part file's
+//! size and digest are in the book, so the whole folder is covered.
 use super::format::{FORMAT_VERSION, MANIFEST_FILE};
 use super::PartitionMethod;
 use crate::{Result, RuntimeError};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
+
+/// The JSON key of [`PartitionBook::book_digest`].
+const DIGEST_KEY: &str = "book_digest";
 
 /// What `partition.json` holds: where each part lives, its sizes and the partition's quality.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -37,6 +45,10 @@ pub struct PartitionBook {
     pub write_ms: u64,
     /// `assign_ms + write_ms`.
     pub partition_ms: u64,
+    /// BLAKE3 (hex) of this book's file text with this field's value empty; set by
+    /// [`PartitionBook::write`], checked by [`PartitionBook::read`].
+    #[serde(default)]
+    pub book_digest: String,
 }
 
 /// One part's entry in the book.
@@ -83,23 +95,73 @@ impl Balance {
 }
 
 impl PartitionBook {
-    /// Reads and checks `dir/partition.json`.
+    /// The book's file text with an empty `book_digest`, and the BLAKE3 (hex) of that text.
+    fn text_and_digest(&self) -> (String, String) {
+        let mut b = self.clone();
+        b.book_digest.clear();
+        let text = serde_json::to_string_pretty(&b).expect("a partition book serialises") + "\n";
+        let digest = blake3::hash(text.as_bytes()).to_hex().to_string();
+        (text, digest)
+    }
+
+    /// Reads and checks `dir/partition.json`: its digest (over the file's exact text, the
+    /// digest's own value blanked), then its consistency.
     pub fn read(dir: &Path) -> Result<Self> {
         let path = dir.join(MANIFEST_FILE);
         let text = std::fs::read_to_string(&path).map_err(|e| RuntimeError::io(&path, e))?;
         let book: PartitionBook = serde_json::from_str(&text).map_err(|e| {
             RuntimeError::bad_file(&path, format!("not a valid partition manifest: {e}"))
         })?;
+        if book.book_digest.is_empty() {
+            return Err(RuntimeError::bad_file(
+                &path,
+                "no book_digest (written by an older Trellis or edited): it cannot be checked; \
+                 partition again (--repartition)",
+            ));
+        }
+        let field = format!("\"{DIGEST_KEY}\": \"{}\"", book.book_digest);
+        let blank = format!("\"{DIGEST_KEY}\": \"\"");
+        let blanked = text.replacen(&field, &blank, 1);
+        let got = blake3::hash(blanked.as_bytes()).to_hex().to_string();
+        if blanked == text || got != book.book_digest {
+            return Err(RuntimeError::bad_file(
+                &path,
+                format!(
+                    "corrupt: its content digest {got} does not match its book_digest {}",
+                    book.book_digest
+                ),
+            ));
+        }
         book.check().map_err(|m| RuntimeError::bad_file(&path, m))?;
         Ok(book)
     }
 
-    /// Writes `dir/partition.json` through a temporary file and a rename.
+    /// This book with its digest set (as [`PartitionBook::write`] writes it).
+    pub fn sealed(mut self) -> Self {
+        self.book_digest = self.text_and_digest().1;
+        self
+    }
+
+    /// Writes `dir/partition.json` (with its digest) through a temporary file of this
+    /// process, an fsync and a rename. A full disk is an error naming the file.
     pub fn write(&self, dir: &Path) -> Result<()> {
         let path = dir.join(MANIFEST_FILE);
-        let tmp = dir.join(format!("{MANIFEST_FILE}.tmp"));
-        let text = serde_json::to_string_pretty(self).expect("a partition book serialises");
-        std::fs::write(&tmp, text + "\n").map_err(|e| RuntimeError::io(&tmp, e))?;
+        let tmp = dir.join(format!("{MANIFEST_FILE}.{}.tmp", std::process::id()));
+        let (text, digest) = self.text_and_digest();
+        let text = text.replacen(
+            &format!("\"{DIGEST_KEY}\": \"\""),
+            &format!("\"{DIGEST_KEY}\": \"{digest}\""),
+            1,
+        );
+        let write = || -> std::io::Result<()> {
+            let mut f = std::fs::File::create(&tmp)?;
+            std::io::Write::write_all(&mut f, text.as_bytes())?;
+            f.sync_all()
+        };
+        if let Err(e) = write() {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(RuntimeError::io(&tmp, e));
+        }
         std::fs::rename(&tmp, &path).map_err(|e| RuntimeError::io(&path, e))
     }
 

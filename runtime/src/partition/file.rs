@@ -2,12 +2,14 @@
 //! the folder with its book ([`PartitionSet`]), and the worker [`Block`] of a part.
 use super::book::PartitionBook;
 use super::format::{native, unframe, ArchivedPartitionData};
+use super::lock::{DirLock, LockMode};
 use super::validate::check;
 use crate::{Aggregation, Block, Result, RuntimeError};
 use memmap2::Mmap;
 use std::fs::File;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// One part archive, memory-mapped and validated; all access is zero-copy.
 ///
@@ -151,20 +153,34 @@ impl PartitionFile {
     }
 }
 
-/// A partition folder: its book, and checked access to its parts.
+/// A partition folder: its book, and checked access to its parts. While any clone of it
+/// lives, the folder is held with a shared lock: other runs may read it, none may
+/// re-partition it.
 #[derive(Debug, Clone)]
 pub struct PartitionSet {
     book: PartitionBook,
     dir: PathBuf,
+    _reading: Option<Arc<DirLock>>,
 }
 
 impl PartitionSet {
-    /// Reads and checks the book in `dir`.
+    /// Reads and checks the book in `dir`. A folder being written by another process is an
+    /// error naming it; a folder where no lock file can be made (read-only) is read unlocked.
     pub fn open(dir: impl AsRef<Path>) -> Result<Self> {
         let dir = dir.as_ref().to_path_buf();
+        let reading = if dir.join(super::MANIFEST_FILE).is_file() {
+            match DirLock::acquire(&dir, LockMode::Shared, "partition folder") {
+                Ok(l) => Some(Arc::new(l)),
+                Err(e @ RuntimeError::Config(_)) => return Err(e),
+                Err(_) => None,
+            }
+        } else {
+            None
+        };
         Ok(PartitionSet {
             book: PartitionBook::read(&dir)?,
             dir,
+            _reading: reading,
         })
     }
 

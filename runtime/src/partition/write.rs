@@ -2,6 +2,7 @@
 use super::book::{Balance, PartInfo, PartitionBook};
 use super::build::{members, PartSpec, Scratch};
 use super::format::{end_marker, header, part_file_name, PartitionData, FORMAT_VERSION};
+use super::lock::{DirLock, LockMode};
 use super::PartitionMethod;
 use crate::{progress, Dataset, Graph, Result, RuntimeError};
 use rayon::prelude::*;
@@ -55,6 +56,7 @@ pub(crate) fn write_partitions_timed(
         )));
     }
     std::fs::create_dir_all(out_dir).map_err(|e| RuntimeError::io(out_dir, e))?;
+    let _writing = DirLock::acquire(out_dir, LockMode::Exclusive, "partition folder")?;
     let data_digest = ds.digest();
     let spec = PartSpec {
         ds,
@@ -111,7 +113,9 @@ pub(crate) fn write_partitions_timed(
         assign_ms,
         write_ms,
         partition_ms: assign_ms + write_ms,
-    };
+        book_digest: String::new(),
+    }
+    .sealed();
     book.write(out_dir)?;
     Ok(book)
 }
@@ -136,12 +140,14 @@ fn write_archive(data: &PartitionData, path: &Path) -> Result<(String, u64)> {
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".tmp");
     let tmp = std::path::PathBuf::from(tmp);
+    let failed = FirstError::default();
     let result = (|| {
         let file = File::create(&tmp)?;
         let mut out = HashingWriter {
             inner: BufWriter::with_capacity(1 << 20, file),
             hasher: blake3::Hasher::new(),
             bytes: 0,
+            failed: failed.clone(),
         };
         out.write_all(&header())?;
         // rkyv positions are relative to the archive's start, which the header keeps aligned.
@@ -149,7 +155,12 @@ fn write_archive(data: &PartitionData, path: &Path) -> Result<(String, u64)> {
             data,
             rkyv::ser::writer::IoWriter::new(out),
         )
-        .map_err(std::io::Error::other)?
+        .map_err(|e| {
+            failed
+                .borrow_mut()
+                .take()
+                .unwrap_or_else(|| std::io::Error::other(e))
+        })?
         .into_inner();
         let archive_len = out.bytes - header().len() as u64;
         out.write_all(&end_marker(archive_len))?;
@@ -173,20 +184,39 @@ fn write_archive(data: &PartitionData, path: &Path) -> Result<(String, u64)> {
 }
 
 /// Forwards writes and hashes what was written.
+/// The first I/O error a writer hit: the serializer wraps errors into its own type, which
+/// would hide e.g. "No space left on device".
+type FirstError = std::rc::Rc<std::cell::RefCell<Option<std::io::Error>>>;
+
 struct HashingWriter<W> {
     inner: W,
     hasher: blake3::Hasher,
     bytes: u64,
+    failed: FirstError,
+}
+
+impl<W> HashingWriter<W> {
+    fn note<T>(&self, r: std::io::Result<T>) -> std::io::Result<T> {
+        if let Err(e) = &r {
+            let mut f = self.failed.borrow_mut();
+            if f.is_none() {
+                *f = Some(std::io::Error::new(e.kind(), e.to_string()));
+            }
+        }
+        r
+    }
 }
 
 impl<W: Write> Write for HashingWriter<W> {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        let k = self.inner.write(buf)?;
+        let r = self.inner.write(buf);
+        let k = self.note(r)?;
         self.hasher.update(&buf[..k]);
         self.bytes += k as u64;
         Ok(k)
     }
     fn flush(&mut self) -> std::io::Result<()> {
-        self.inner.flush()
+        let r = self.inner.flush();
+        self.note(r)
     }
 }

@@ -120,9 +120,17 @@ pub(crate) async fn accept_loop(shared: Weak<Shared>, endpoint: quinn::Endpoint)
     }
 }
 
+/// A refused peer is a security event: counted, and logged with its address and the reason
+/// on stderr whether or not a tracing subscriber is installed.
 fn refuse(core: &Core, from: SocketAddr, reason: &str) {
     bump(&core.counters.refused_handshakes, 1);
-    tracing::warn!(%from, "refused connection from {from}: {reason}");
+    let line = format!(
+        "security: node {} refused a connection from {from}: {reason}",
+        core.me
+    );
+    tracing::warn!(%from, "{line}");
+    use std::io::Write;
+    let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
 }
 
 async fn handle_incoming(shared: Weak<Shared>, core: Arc<Core>, incoming: quinn::Incoming) {

@@ -60,6 +60,15 @@ pub enum QuicError {
 }
 
 impl QuicError {
+    /// True for a dial that did not produce a connection (in time), as opposed to the loss
+    /// of an established connection: trying again later may succeed.
+    pub fn is_dial_failure(&self) -> bool {
+        matches!(
+            self,
+            QuicError::ConnectTimeout { .. } | QuicError::Connect { .. }
+        )
+    }
+
     /// The peer node the error is about, if any.
     pub fn node(&self) -> Option<u32> {
         match self {

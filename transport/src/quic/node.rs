@@ -120,6 +120,11 @@ impl Peer {
         self.failed.lock().expect("poisoned").clone()
     }
 
+    /// Forgets a failure (a later failure is recorded and broadcast again).
+    pub fn clear_failure(&self) {
+        *self.failed.lock().expect("poisoned") = None;
+    }
+
     pub fn live_conn(&self) -> Option<quinn::Connection> {
         self.conn
             .lock()
@@ -208,8 +213,13 @@ impl Shared {
 
     fn enqueue(self: &Arc<Self>, node: NodeId, msg: Outgoing) -> Result<(), QuicError> {
         let peer = self.peer(node, None)?;
-        if let Some(e) = peer.failure() {
-            return Err(e);
+        match peer.failure() {
+            // A dial that failed (a busy machine, a peer still starting) says nothing about
+            // the peer itself: the next message dials again. Only the loss of an established
+            // connection (or a refusal) sticks.
+            Some(e) if e.is_dial_failure() => peer.clear_failure(),
+            Some(e) => return Err(e),
+            None => {}
         }
         let bytes = msg.bytes();
         let queued = peer.queued.fetch_add(bytes, Ordering::SeqCst) + bytes;
@@ -467,7 +477,7 @@ impl QuicNode {
     /// Forgets `node`'s failure so that later sends dial it again (e.g. after it restarted).
     pub fn reset_peer(&self, node: NodeId) {
         if let Some(p) = self.shared.peers.lock().expect("poisoned").get(&node) {
-            *p.failed.lock().expect("poisoned") = None;
+            p.clear_failure();
         }
     }
 

@@ -100,6 +100,15 @@ pub fn transport_config(cfg: &QuicConfig) -> Result<quinn::TransportConfig, Quic
     let mut mtu = quinn::MtuDiscoveryConfig::default();
     mtu.upper_bound(cfg.max_udp_payload.max(1200))
         .black_hole_cooldown(cfg.mtu_black_hole_cooldown);
+    if let (None, Some(lo)) = (cfg.known_mtu, cfg.loopback_mtu()) {
+        // Loopback: the interface's MTU is the path's, so one probe at it suffices (a
+        // minimum change spanning the whole range makes the search probe the upper bound
+        // at once). Packets start at 1200 bytes: quinn pads handshake packets and loss
+        // probes to the minimum MTU, and before the path is validated it may send only 3x
+        // what it received.
+        mtu.upper_bound(lo)
+            .minimum_change(lo.saturating_sub(1200).max(1));
+    }
     t.mtu_discovery_config(Some(mtu));
     if let Some(known) = cfg.known_mtu {
         let known = known.clamp(1200, cfg.max_udp_payload.max(1200));
