@@ -64,3 +64,40 @@ fn validity_is_bounded() {
     }
     assert!(cert(&dir, &["init", "--days", "90"]).status.success());
 }
+
+#[cfg(unix)]
+#[test]
+fn launch_keeps_its_certificates_in_a_private_folder() {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("cluster");
+    let out = trellis()
+        .args([
+            "launch",
+            "--nodes",
+            "2",
+            "--partitions",
+            "2",
+            "--epochs",
+            "1",
+        ])
+        .args([
+            "--data",
+            "synthetic:nodes=300,degree=5,features=8,classes=3,seed=1",
+        ])
+        .arg("--dir")
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mode = std::fs::metadata(dir.join("certs"))
+        .unwrap()
+        .permissions()
+        .mode()
+        & 0o777;
+    assert_eq!(mode, 0o700, "the launcher's certificate folder is private");
+}

@@ -97,6 +97,12 @@ pub fn launch_cluster(
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let certs = dir.join("certs");
     std::fs::create_dir_all(&certs)?;
+    // The cluster's keys live here: readable by this user only.
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&certs, std::fs::Permissions::from_mode(0o700))
+            .with_context(|| format!("cannot restrict {}", certs.display()))?;
+    }
     let ca = ClusterCa::generate()?;
     std::fs::write(certs.join(trellis_transport::certs::CA_CERT), ca.cert_pem())?;
     for n in 0..opts.nodes {

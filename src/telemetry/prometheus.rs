@@ -6,7 +6,7 @@ use super::TelemetryError;
 use std::fmt::Write as _;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -78,6 +78,13 @@ pub fn render(snap: &MetricsSnapshot) -> String {
     out
 }
 
+/// Connections answered at once; more are refused with [`BUSY`].
+const MAX_CLIENTS: usize = 256;
+/// How long a client may take to send its request head.
+const HEAD_TIMEOUT: Duration = Duration::from_secs(2);
+const BUSY: &[u8] =
+    b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
+
 /// The serving thread.
 pub struct MetricsServer {
     addr: SocketAddr,
@@ -98,13 +105,30 @@ impl MetricsServer {
         let thread = std::thread::Builder::new()
             .name("trellis-metrics".into())
             .spawn(move || {
+                // Each connection is answered on its own thread, so clients that connect and
+                // say nothing (idle, slow) delay nobody else; at most MAX_CLIENTS at once,
+                // beyond which a connection is told 503 and closed at once.
+                let active = Arc::new(AtomicUsize::new(0));
                 for conn in listener.incoming() {
                     if flag.load(Ordering::SeqCst) {
                         break;
                     }
-                    if let Ok(stream) = conn {
-                        // A client that misbehaves only loses its own answer.
-                        let _ = answer(stream);
+                    let Ok(mut stream) = conn else { continue };
+                    if active.fetch_add(1, Ordering::SeqCst) >= MAX_CLIENTS {
+                        active.fetch_sub(1, Ordering::SeqCst);
+                        let _ = stream.write_all(BUSY);
+                        continue;
+                    }
+                    let done = active.clone();
+                    let spawned = std::thread::Builder::new()
+                        .name("trellis-metrics-conn".into())
+                        .spawn(move || {
+                            // A client that misbehaves only loses its own answer.
+                            let _ = answer(stream);
+                            done.fetch_sub(1, Ordering::SeqCst);
+                        });
+                    if spawned.is_err() {
+                        active.fetch_sub(1, Ordering::SeqCst);
                     }
                 }
             })
@@ -144,8 +168,8 @@ impl Drop for MetricsServer {
 
 /// Reads one request head and answers it.
 fn answer(mut stream: TcpStream) -> std::io::Result<()> {
-    stream.set_read_timeout(Some(Duration::from_secs(2)))?;
-    stream.set_write_timeout(Some(Duration::from_secs(2)))?;
+    stream.set_read_timeout(Some(HEAD_TIMEOUT))?;
+    stream.set_write_timeout(Some(HEAD_TIMEOUT))?;
     let mut head = Vec::with_capacity(512);
     let mut buf = [0u8; 512];
     while !head.windows(4).any(|w| w == b"\r\n\r\n") && head.len() < 8192 {
@@ -177,6 +201,29 @@ mod tests {
     use super::*;
     use std::time::Duration;
     use trellis_runtime::metrics::Metrics;
+
+    #[test]
+    fn metrics_answer_while_many_idle_connections_are_held() {
+        let server = MetricsServer::start("127.0.0.1:0".parse().unwrap()).unwrap();
+        let idle: Vec<TcpStream> = (0..100)
+            .map(|_| TcpStream::connect(server.addr()).unwrap())
+            .collect();
+        let t = std::time::Instant::now();
+        let mut c = TcpStream::connect(server.addr()).unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        c.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            .unwrap();
+        let mut text = String::new();
+        c.read_to_string(&mut text).unwrap();
+        assert!(text.starts_with("HTTP/1.1 200 OK"), "{text}");
+        assert!(
+            t.elapsed() < Duration::from_secs(1),
+            "answered after {:?}",
+            t.elapsed()
+        );
+        drop(idle);
+        server.stop();
+    }
 
     #[test]
     fn renders_summaries_and_counters() {
