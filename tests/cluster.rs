@@ -410,3 +410,62 @@ fn a_frozen_node_is_replaced_and_fenced_when_it_wakes_up() {
     let (status, _, werr) = w2.finish(Duration::from_secs(20));
     assert!(!status.success(), "{werr}");
 }
+
+#[test]
+fn a_second_process_claiming_a_joined_node_id_is_refused_at_once() {
+    let dir = cluster_dir(3);
+    let out = dir.path().join("cluster.json");
+    let train = [
+        "--data",
+        DATA,
+        "--partitions",
+        "3",
+        "--epochs",
+        "12",
+        "--verbose",
+        "--report",
+        s(&out),
+    ];
+    let (mut coord, addr) = start_coordinator(dir.path(), 3, &[], &train);
+    let (w1, w2) = start_workers(dir.path(), &addr, &[]);
+    let rx = coord.stdout_lines();
+    loop {
+        let line = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("no `epoch    2` line");
+        if line.starts_with("epoch    2") {
+            break;
+        }
+    }
+    // A copy of node 1 (same certificate, another port) tries to join the running cluster.
+    let c1 = dir.path().join("c1.toml");
+    let t = Instant::now();
+    let copy = Proc::start(
+        "copy of node 1",
+        &["node", "--cluster", s(&c1), "--id", "1"],
+    );
+    let (status, _, cerr) = copy.finish(Duration::from_secs(60));
+    assert!(!status.success(), "the copy joined: {cerr}");
+    assert!(
+        cerr.contains("already connected"),
+        "the copy is not told why: {cerr}"
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(30),
+        "refused after {:?}",
+        t.elapsed()
+    );
+    // The run is unaffected, and the coordinator logged the refusal.
+    let (status, _, err) = coord.finish(Duration::from_secs(120));
+    assert!(status.success(), "{err}");
+    assert!(
+        err.contains("security: node 0 refused a connection"),
+        "{err}"
+    );
+    assert!(err.contains("node 1 is already connected from"), "{err}");
+    assert_eq!(report(&out)["epochs_log"].as_array().unwrap().len(), 12);
+    for w in [w1, w2] {
+        let (status, _, werr) = w.finish(Duration::from_secs(20));
+        assert!(status.success(), "{werr}");
+    }
+}

@@ -230,6 +230,18 @@ async fn join_coordinator(
                 Err(e) => return Err(e),
             }
         };
+        // The coordinator refused this node (another process holds its id): retrying is futile.
+        use trellis_transport::quic::QuicError;
+        if let Some(QuicError::PeerLost { reason, .. } | QuicError::Connect { reason, .. }) =
+            quic.peer_failure(coord)
+        {
+            if reason.starts_with(trellis_transport::quic::REFUSED_PREFIX) {
+                return Err(ActorError::Node {
+                    node: coord,
+                    detail: format!("the coordinator at {coord_addr} {reason}"),
+                });
+            }
+        }
         // A connection that was up and broke: the coordinator was reachable until now.
         if matches!(
             quic.peer_failure(coord),

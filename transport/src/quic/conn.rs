@@ -45,6 +45,9 @@ fn hello(me: u32) -> Vec<u8> {
     })
 }
 
+/// How the reason of a connection the peer refused starts ([`describe`]).
+pub const REFUSED_PREFIX: &str = "refused by the peer:";
+
 /// Why a connection ended, in words.
 pub(crate) fn describe(e: &ConnectionError, core: &Core) -> String {
     match e {
@@ -52,6 +55,10 @@ pub(crate) fn describe(e: &ConnectionError, core: &Core) -> String {
             "no answer within the idle timeout ({:?})",
             core.cfg.idle_timeout
         ),
+        // The peer said why it refused us: say it too (a node can stop retrying).
+        ConnectionError::ApplicationClosed(c) if c.error_code == StopCode::Refused.varint() => {
+            format!("{REFUSED_PREFIX} {}", String::from_utf8_lossy(&c.reason))
+        }
         e => e.to_string(),
     }
 }
@@ -95,7 +102,16 @@ impl Shared {
             .await
             .map_err(|e| err(e.to_string()))?;
         let _ = s.finish();
-        match read_frame(&mut r).await.map_err(err)? {
+        // A peer that refuses us closes the connection saying why: report that, not the
+        // broken read.
+        let frame = match read_frame(&mut r).await {
+            Ok(f) => f,
+            Err(e) => {
+                let why = conn.close_reason().map(|c| describe(&c, &self.core));
+                return Err(err(why.unwrap_or(e)));
+            }
+        };
+        match frame {
             Frame::Hello { node: n, protocol } if n == node && protocol == PROTOCOL_VERSION => {
                 Ok(conn)
             }
@@ -188,6 +204,17 @@ async fn handle_incoming(shared: Weak<Shared>, core: Arc<Core>, incoming: quinn:
     };
     match shared.peer(node, Some(from)) {
         Ok(peer) => {
+            // A second process claiming a node id that is connected from another address
+            // (a copied certificate, an operator's mistake) is refused at once, instead of
+            // taking over the node's traffic.
+            if let Some(live) = peer.live_conn() {
+                let at = live.remote_address();
+                if at != from {
+                    let why = format!("node {node} is already connected from {at}");
+                    conn.close(StopCode::Refused.varint(), why.as_bytes());
+                    return refuse(&core, from, &why);
+                }
+            }
             tracing::debug!(peer = node, %from, "accepted connection");
             adopt(&core, &peer, conn);
         }

@@ -30,6 +30,7 @@ pub mod tls;
 mod transport;
 
 pub use config::QuicConfig;
+pub use conn::REFUSED_PREFIX;
 pub use error::{QuicError, StopCode};
 pub use node::{Inbound, NodeId, QuicNode, QuicStats};
 pub use transport::{ControlRx, QuicTransport};
