@@ -156,14 +156,14 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
         ds.name, a.hidden, a.slo_ms, a.seconds
     );
     let existing = run_open_loop(&spec(a.rate_predict, 1), |rng| {
-        let v = rng.below(n);
+        let v = rng.below(n as u64);
         ("/v1/predict", format!("{{\"nodes\":[{v}]}}").into_bytes())
     })?;
     line("(a) existing-node predict", a.rate_predict, &existing);
     let k = a.new_edges;
     let new = run_open_loop(&spec(a.rate_new, 2), |rng| {
         let feats: Vec<String> = (0..width).map(|_| format!("{:.3}", rng.unit())).collect();
-        let edges: Vec<String> = (0..k).map(|_| rng.below(n).to_string()).collect();
+        let edges: Vec<String> = (0..k).map(|_| rng.below(n as u64).to_string()).collect();
         (
             "/v1/nodes",
             format!(
@@ -177,7 +177,7 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
     line("(b) new-node inductive", a.rate_new, &new);
     if a.rate_light > 0.0 {
         let query = move |rng: &mut crate::serve::loadgen::Rng| {
-            let v = rng.below(n);
+            let v = rng.below(n as u64);
             ("/v1/predict", format!("{{\"nodes\":[{v}]}}").into_bytes())
         };
         let light = |seed| LoadSpec {

@@ -63,28 +63,8 @@ struct Tally {
     failed: u64,
 }
 
-/// A small counter-based generator for arrival gaps and request contents.
-pub struct Rng(u64);
-impl Rng {
-    pub fn new(seed: u64) -> Self {
-        Rng(seed ^ 0x9e37_79b9_7f4a_7c15)
-    }
-    pub fn next_u64(&mut self) -> u64 {
-        // splitmix64
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    /// Uniform in (0, 1].
-    pub fn unit(&mut self) -> f64 {
-        ((self.next_u64() >> 11) as f64 + 1.0) / (1u64 << 53) as f64
-    }
-    pub fn below(&mut self, n: usize) -> usize {
-        (self.next_u64() % n as u64) as usize
-    }
-}
+/// Arrival gaps and request contents come from the simulator's seeded generator.
+pub type Rng = trellis_actors::sim::SimRng;
 
 /// Reads one HTTP/1.1 response; returns its status.
 async fn read_response(r: &mut BufReader<tokio::net::tcp::OwnedReadHalf>) -> std::io::Result<u16> {

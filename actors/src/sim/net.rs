@@ -31,6 +31,11 @@ impl SimRng {
         lo + self.below(hi - lo + 1)
     }
 
+    /// Uniform in (0, 1].
+    pub fn unit(&mut self) -> f64 {
+        ((self.next_u64() >> 11) as f64 + 1.0) / (1u64 << 53) as f64
+    }
+
     /// True with probability `p`.
     pub fn chance(&mut self, p: f64) -> bool {
         p > 0.0 && (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64 <= p

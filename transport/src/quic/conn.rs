@@ -45,7 +45,7 @@ fn hello(me: u32) -> Vec<u8> {
     })
 }
 
-/// How the reason of a connection the peer refused starts ([`describe`]).
+/// How the reason of a connection the peer refused starts, in dial and connection errors.
 pub const REFUSED_PREFIX: &str = "refused by the peer:";
 
 /// Why a connection ended, in words.
