@@ -217,3 +217,18 @@ fn faults_that_could_never_fire_are_refused_before_training() {
         );
     }
 }
+
+#[test]
+fn node_faults_in_one_process_are_refused_without_a_cluster_prefix() {
+    let ds = data();
+    let cfg = cfg(&ds, ModelKind::Gcn);
+    let e = run(
+        &ds,
+        &cfg,
+        FaultPlan::parse("kill-node:node=1:epoch=2").unwrap(),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("need a cluster of node processes"), "{e}");
+    assert!(!e.starts_with("cluster:"), "{e}");
+}

@@ -137,9 +137,11 @@ impl Topology {
     /// Loads every partition, starts the actor system on its own thread and begins training.
     pub fn spawn(self) -> Result<TrainingRun, ActorError> {
         if self.faults.kills_nodes() {
-            return Err(ActorError::Cluster(
-                "kill-node faults need a cluster of node processes (trellis launch)".into(),
-            ));
+            return Err(ActorError::Runtime(trellis_runtime::RuntimeError::Config(
+                "--chaos: kill-node and link faults need a cluster of node processes \
+                 (trellis launch, trellis node)"
+                    .into(),
+            )));
         }
         self.faults.check_reachable(
             self.cfg.epochs,
