@@ -78,6 +78,19 @@ fn rejection(r: &Rejection) -> HttpResponse {
     error_response(r.status, &r.message, None)
 }
 
+/// Reads a JSON request body within the body limits and parses it; a bad one is answered.
+async fn json_body<T: serde::de::DeserializeOwned>(
+    req: &HttpRequest,
+    payload: web::Payload,
+    state: &AppState,
+) -> Result<T, HttpResponse> {
+    let limits = &state.cfg.limits;
+    let body = read_body(req, payload, limits.max_body, state.cfg.client_timeout)
+        .await
+        .map_err(|e| rejection(&e))?;
+    api::parse(&body).map_err(|e| rejection(&e))
+}
+
 /// Reads a body of at most `limit` bytes within the client timeout.
 async fn read_body(
     req: &HttpRequest,
@@ -171,15 +184,7 @@ async fn predict(
     let span = tracing::info_span!("serve_request", route = "/v1/predict");
     let _g = span.enter();
     let r = async {
-        let body = read_body(
-            &req,
-            payload,
-            state.cfg.limits.max_body,
-            state.cfg.client_timeout,
-        )
-        .await
-        .map_err(|e| rejection(&e))?;
-        let p: api::PredictRequest = api::parse(&body).map_err(|e| rejection(&e))?;
+        let p: api::PredictRequest = json_body(&req, payload, &state).await?;
         let nodes = api::predict_nodes(&p, &state.cfg.limits).map_err(|e| rejection(&e))?;
         let tenant = req
             .headers()
@@ -214,15 +219,7 @@ async fn nodes(
 ) -> HttpResponse {
     let t0 = Instant::now();
     let r = async {
-        let body = read_body(
-            &req,
-            payload,
-            state.cfg.limits.max_body,
-            state.cfg.client_timeout,
-        )
-        .await
-        .map_err(|e| rejection(&e))?;
-        let n: api::NodesRequest = api::parse(&body).map_err(|e| rejection(&e))?;
+        let n: api::NodesRequest = json_body(&req, payload, &state).await?;
         let nodes = api::new_nodes(n, &state.cfg.limits).map_err(|e| rejection(&e))?;
         let deadline = t0 + state.cfg.deadline;
         Ok::<_, HttpResponse>(answer_json(
@@ -249,15 +246,7 @@ async fn edges(
 ) -> HttpResponse {
     let t0 = Instant::now();
     let r = async {
-        let body = read_body(
-            &req,
-            payload,
-            state.cfg.limits.max_body,
-            state.cfg.client_timeout,
-        )
-        .await
-        .map_err(|e| rejection(&e))?;
-        let e: api::EdgesRequest = api::parse(&body).map_err(|e| rejection(&e))?;
+        let e: api::EdgesRequest = json_body(&req, payload, &state).await?;
         let (add, remove) = api::edge_update(&e, &state.cfg.limits).map_err(|e| rejection(&e))?;
         let deadline = t0 + state.cfg.deadline;
         Ok::<_, HttpResponse>(answer_json(
