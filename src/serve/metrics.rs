@@ -132,20 +132,28 @@ impl HttpMetrics {
                 .unwrap_or(0);
             let _ = writeln!(out, "trellis_serve_shed_total{{reason=\"{reason}\"}} {n}");
         }
-        out.push_str("# HELP trellis_serve_recoveries_total Engine failures recovered.\n");
-        out.push_str("# TYPE trellis_serve_recoveries_total counter\n");
-        let _ = writeln!(
-            out,
-            "trellis_serve_recoveries_total {}",
-            engine.recoveries.load(Ordering::Relaxed)
-        );
-        out.push_str("# HELP trellis_serve_nodes Nodes of the served graph.\n");
-        out.push_str("# TYPE trellis_serve_nodes gauge\n");
-        let _ = writeln!(
-            out,
-            "trellis_serve_nodes {}",
-            engine.nodes.load(Ordering::Relaxed)
-        );
+        let recoveries = engine.recoveries.load(Ordering::Relaxed) as u64;
+        let nodes = engine.nodes.load(Ordering::Relaxed);
+        let scalars = [
+            (
+                "trellis_serve_recoveries_total",
+                "counter",
+                "Engine failures recovered.",
+                recoveries,
+            ),
+            (
+                "trellis_serve_nodes",
+                "gauge",
+                "Nodes of the served graph.",
+                nodes as u64,
+            ),
+        ];
+        for (name, kind, help, value) in scalars {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}"
+            );
+        }
         out.push_str("# HELP trellis_serve_model_info The model version being served.\n");
         out.push_str("# TYPE trellis_serve_model_info gauge\n");
         let _ = writeln!(
