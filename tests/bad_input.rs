@@ -280,3 +280,67 @@ fn every_bad_input_is_a_clear_error() {
         );
     }
 }
+
+/// Writes `text` gzipped, as `members` concatenated copies of one gzip member (a file of a
+/// small file that inflates to `members * text.len()` bytes).
+fn gzip_members(path: &Path, text: &[u8], members: usize) {
+    use flate2::write::GzEncoder;
+    let mut enc = GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    enc.write_all(text).unwrap();
+    let member = enc.finish().unwrap();
+    std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+    let mut f = std::fs::File::create(path).unwrap();
+    for _ in 0..members {
+        f.write_all(&member).unwrap();
+    }
+}
+
+#[test]
+fn an_ogb_gzip_bomb_is_refused_within_the_processs_memory_limit() {
+    use std::os::unix::process::CommandExt;
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ogbn_bomb");
+    // node-feat.csv.gz: 13 MiB on disk (32 copies of one gzip member), 2 GiB of 128-column
+    // zero rows when inflated.
+    let row = vec!["0"; 128].join(",") + "\n";
+    gzip_members(
+        &dir.join("raw/node-feat.csv.gz"),
+        row.repeat((64 << 20) / row.len()).as_bytes(),
+        32,
+    );
+    gzip_members(&dir.join("raw/node-label.csv.gz"), b"0\n1\n", 1);
+    gzip_members(&dir.join("raw/edge.csv.gz"), b"0,1\n", 1);
+    for part in ["train", "valid", "test"] {
+        gzip_members(&dir.join(format!("split/random/{part}.csv.gz")), b"0\n", 1);
+    }
+    // The process may hold 768 MiB of data (`ulimit -d`): far less than the bomb's values.
+    const LIMIT: libc::rlim_t = 768 << 20;
+    let mut cmd = trellis();
+    cmd.args(["train", "--data", &s(&dir), "--epochs", "1"]);
+    // SAFETY: the closure runs in the forked child before exec and only calls `setrlimit`,
+    // which is async-signal-safe, on a struct on its own stack.
+    unsafe {
+        cmd.pre_exec(|| {
+            let lim = libc::rlimit {
+                rlim_cur: LIMIT,
+                rlim_max: LIMIT,
+            };
+            if libc::setrlimit(libc::RLIMIT_DATA, &lim) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let t = Instant::now();
+    let out = cmd.output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "not a clear error:\n{err}");
+    assert!(err.contains("node-feat.csv.gz"), "{err}");
+    assert!(err.contains("gzip bomb"), "{err}");
+    assert!(!err.contains("memory allocation"), "{err}");
+    assert!(
+        t.elapsed() < Duration::from_secs(60),
+        "took {:?}",
+        t.elapsed()
+    );
+}

@@ -3,7 +3,7 @@
 //! reaped when the test ends (also when it fails), and every wait is bounded.
 mod binary;
 
-use binary::read_report as report;
+use binary::{http_get, prometheus_sample, read_report as report};
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -425,18 +425,32 @@ fn a_second_process_claiming_a_joined_node_id_is_refused_at_once() {
         "--verbose",
         "--report",
         s(&out),
+        "--metrics-addr",
+        "127.0.0.1:0",
+        "--metrics-linger",
+        "5",
     ];
     let (mut coord, addr) = start_coordinator(dir.path(), 3, &[], &train);
     let (w1, w2) = start_workers(dir.path(), &addr, &[]);
     let rx = coord.stdout_lines();
+    let mut metrics = None;
     loop {
         let line = rx
             .recv_timeout(Duration::from_secs(60))
             .expect("no `epoch    2` line");
+        if let Some(a) = line.strip_prefix("metrics: http://") {
+            metrics = a.strip_suffix("/metrics").map(str::to_string);
+        }
         if line.starts_with("epoch    2") {
             break;
         }
     }
+    let metrics = metrics.expect("no `metrics: http://...` line");
+    let refused = || {
+        let (_, body) = http_get(&metrics, "/metrics").expect("scrape /metrics");
+        prometheus_sample(&body, "trellis_refused_connections_total{node=\"0\"}")
+    };
+    assert_eq!(refused(), None, "a refusal before any was made");
     // A copy of node 1 (same certificate, another port) tries to join the running cluster.
     let c1 = dir.path().join("c1.toml");
     let t = Instant::now();
@@ -455,6 +469,8 @@ fn a_second_process_claiming_a_joined_node_id_is_refused_at_once() {
         "refused after {:?}",
         t.elapsed()
     );
+    // The refusal is on /metrics at once (the run, or the endpoint's linger, still going).
+    assert_eq!(refused(), Some(1.0), "the refusal is not counted live");
     // The run is unaffected, and the coordinator logged the refusal.
     let (status, _, err) = coord.finish(Duration::from_secs(120));
     assert!(status.success(), "{err}");
@@ -463,7 +479,13 @@ fn a_second_process_claiming_a_joined_node_id_is_refused_at_once() {
         "{err}"
     );
     assert!(err.contains("node 1 is already connected from"), "{err}");
-    assert_eq!(report(&out)["epochs_log"].as_array().unwrap().len(), 12);
+    let report = report(&out);
+    assert_eq!(report["epochs_log"].as_array().unwrap().len(), 12);
+    assert_eq!(
+        report["counters"]["refused_connections{node=0}"], 1,
+        "{}",
+        report["counters"]
+    );
     for w in [w1, w2] {
         let (status, _, werr) = w.finish(Duration::from_secs(20));
         assert!(status.success(), "{werr}");

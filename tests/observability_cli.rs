@@ -1,8 +1,7 @@
 //! The `trellis` binary's observability as an operator uses it: scraping `/metrics` during a
 //! run, and `trellis report` turning a run record into PNG charts and an HTML page.
 use base64::Engine;
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
+use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -10,26 +9,7 @@ use std::time::{Duration, Instant};
 const DATA: &str = "synthetic:nodes=800,degree=6,features=12,classes=3,seed=5";
 
 mod binary;
-use binary::{assert_ok, read_report, trellis};
-
-fn get(addr: &str, path: &str) -> std::io::Result<(String, String)> {
-    let mut s = TcpStream::connect(addr)?;
-    s.set_read_timeout(Some(Duration::from_secs(5)))?;
-    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n")?;
-    let mut resp = String::new();
-    s.read_to_string(&mut resp)?;
-    let (head, body) = resp.split_once("\r\n\r\n").unwrap_or((&resp, ""));
-    Ok((
-        head.lines().next().unwrap_or("").to_string(),
-        body.to_string(),
-    ))
-}
-
-/// The value of the sample line starting with `series ` in Prometheus text.
-fn sample(text: &str, series: &str) -> Option<f64> {
-    text.lines()
-        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
-}
+use binary::{assert_ok, http_get as get, prometheus_sample as sample, read_report, trellis};
 
 #[test]
 fn metrics_are_scraped_while_training() {

@@ -32,12 +32,20 @@ pub mod names {
     pub const RESTARTS: &str = "restarts";
     /// Bytes of committed partition state shipped to replica nodes, per partition.
     pub const REPLICA_BYTES: &str = "replica_bytes";
+    /// Connections a node refused (foreign or missing certificate, wrong node id, bad hello).
+    pub const REFUSED_CONNECTIONS: &str = "refused_connections";
     /// Every histogram name.
     pub const HISTOGRAMS: [&str; 5] = [STEP, HALO_EXCHANGE, ALL_REDUCE, RECOVERY, REPLICATE];
     /// Every counter name.
-    pub const COUNTERS: [&str; 4] = [HALO_BYTES, HALO_MESSAGES, RESTARTS, REPLICA_BYTES];
+    pub const COUNTERS: [&str; 5] = [
+        HALO_BYTES,
+        HALO_MESSAGES,
+        RESTARTS,
+        REPLICA_BYTES,
+        REFUSED_CONNECTIONS,
+    ];
     /// Every label name.
-    pub const LABELS: [&str; 2] = ["partition", "peer"];
+    pub const LABELS: [&str; 3] = ["partition", "peer", "node"];
 }
 
 /// A metric name with its labels (e.g. `halo_exchange{partition=0,peer=1}`).

@@ -31,3 +31,24 @@ pub fn read_report(path: &Path) -> serde_json::Value {
         std::fs::read_to_string(path).unwrap_or_else(|e| panic!("report {}: {e}", path.display()));
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("report {}: {e}", path.display()))
 }
+
+/// `GET path` from the HTTP server at `addr` (`host:port`): the status line and the body.
+pub fn http_get(addr: &str, path: &str) -> std::io::Result<(String, String)> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(5)))?;
+    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\n\r\n")?;
+    let mut resp = String::new();
+    s.read_to_string(&mut resp)?;
+    let (head, body) = resp.split_once("\r\n\r\n").unwrap_or((&resp, ""));
+    Ok((
+        head.lines().next().unwrap_or("").to_string(),
+        body.to_string(),
+    ))
+}
+
+/// The value of the sample line starting with `series ` in Prometheus text.
+pub fn prometheus_sample(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+}

@@ -413,7 +413,6 @@ async fn drive(
     dispatcher.abort();
     ep.transport.end_run(run);
     let stats = ep.transport.stats();
-    super::count_refusals(ep.id, &stats);
     nodes.push(NodeTraffic {
         node: ep.id,
         addr: ep.addr().to_string(),

@@ -20,20 +20,16 @@ pub mod worker;
 
 pub use config::ClusterFile;
 
-/// Prints one line to stderr in a single write, so lines of several node processes sharing a
-/// terminal do not interleave.
-/// Puts the connections node `node` refused (foreign or missing certificates, a claimed
-/// node id the certificate is not for, bad hellos) into the run's metrics and so its report.
-pub(crate) fn count_refusals(node: u32, stats: &trellis_transport::quic::QuicStats) {
-    use trellis_runtime::metrics::{Key, Metrics};
-    if stats.refused_handshakes > 0 {
-        Metrics::global().add(
-            Key::new("refused_connections").with("node", node),
-            stats.refused_handshakes,
-        );
-    }
+/// Counts one connection node `node` refused (a foreign or missing certificate, a claimed
+/// node id the certificate is not for, a bad hello, a node id already connected) in the
+/// process's metrics as it happens: live on `/metrics`, and in the run's report.
+pub(crate) fn count_refusal(node: u32) {
+    use trellis_runtime::metrics::{names, Key, Metrics};
+    Metrics::global().add(Key::new(names::REFUSED_CONNECTIONS).with("node", node), 1);
 }
 
+/// Prints one line to stderr in a single write, so lines of several node processes sharing a
+/// terminal do not interleave.
 pub(crate) fn say(line: &str) {
     use std::io::Write;
     let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());

@@ -57,6 +57,8 @@ impl NodeEndpoint {
                 ActorError::Cluster(format!("node {id} cannot listen on {bind}: {e}"))
             })?
         };
+        // Before the address is published, so no refusal goes uncounted.
+        transport.on_refusal(Arc::new(move |_from, _reason| super::count_refusal(id)));
         let failures = transport.failures();
         let departures = transport.departures();
         if let Some(path) = addr_file {

@@ -153,7 +153,6 @@ async fn serve(
     hosted.node.shutdown();
     ep.transport.end_run(run);
     let stats = ep.transport.stats();
-    super::count_refusals(ep.id, &stats);
     let traffic = NodeTraffic {
         node: ep.id,
         addr: ep.addr().to_string(),

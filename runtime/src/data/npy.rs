@@ -460,13 +460,56 @@ struct Planned {
 /// Deflate's largest expansion (a stream of maximal back-references) is about 1032:1.
 const MAX_DEFLATE_RATIO: u64 = 1032;
 
-/// Bytes of memory this machine can still give (Linux: `MemAvailable` of `/proc/meminfo`);
-/// `None` where that is unknown.
+/// Bytes of memory this process can still get: the least of the machine's `MemAvailable`
+/// (`/proc/meminfo`), what its cgroup (v2) allows beyond what it uses, and what its data
+/// size limit (`ulimit -d`, `RLIMIT_DATA`) allows beyond its data segment (`VmData`). `None`
+/// where none of them is known.
 pub(crate) fn available_memory() -> Option<u64> {
+    [
+        meminfo_available(),
+        cgroup_headroom(),
+        data_limit_headroom(),
+    ]
+    .into_iter()
+    .flatten()
+    .min()
+}
+
+fn meminfo_available() -> Option<u64> {
     let text = std::fs::read_to_string("/proc/meminfo").ok()?;
     let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
     let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib * 1024)
+}
+
+/// `memory.max - memory.current` of this process's cgroup v2 (`None` without a limit).
+fn cgroup_headroom() -> Option<u64> {
+    let cgroups = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let rel = cgroups.lines().find_map(|l| l.strip_prefix("0::"))?;
+    let dir = Path::new("/sys/fs/cgroup").join(rel.trim_start_matches('/'));
+    let read = |f: &str| std::fs::read_to_string(dir.join(f)).ok();
+    let max: u64 = read("memory.max")?.trim().parse().ok()?; // "max" = no limit
+    let current: u64 = read("memory.current")?.trim().parse().ok()?;
+    Some(max.saturating_sub(current))
+}
+
+/// The soft `RLIMIT_DATA` minus this process's `VmData` (`None` when unlimited).
+fn data_limit_headroom() -> Option<u64> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `getrlimit` only writes the `rlimit` struct it is given, which lives on this
+    // stack frame for the whole call.
+    if unsafe { libc::getrlimit(libc::RLIMIT_DATA, &mut lim) } != 0
+        || lim.rlim_cur == libc::RLIM_INFINITY
+    {
+        return None;
+    }
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmData:"))?;
+    let used_kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(lim.rlim_cur.saturating_sub(used_kib * 1024))
 }
 
 /// Refuses to allocate `bytes` for `what` (of `path`) when the machine does not have them.

@@ -394,6 +394,7 @@ where
     P: Fn(&C, &str, &mut Vec<T>) -> std::result::Result<(), String> + Sync,
 {
     let file = File::open(path).map_err(|e| RuntimeError::io(path, e))?;
+    let budget = super::npy::available_memory().unwrap_or(u64::MAX);
     let (tx, rx) = sync_channel(1);
     std::thread::scope(|scope| {
         scope.spawn(move || decompress_blocks(file, tx));
@@ -469,7 +470,20 @@ where
             for r in parsed {
                 match r {
                     Ok(v) if out.is_empty() => out = v,
-                    Ok(v) => out.extend(v),
+                    Ok(v) => {
+                        // The values must fit beside the text still being inflated; growing
+                        // the vector is checked, not left to abort the process.
+                        let bytes = (out.len() + v.len()) as u64 * size_of::<T>() as u64;
+                        if bytes > budget || out.try_reserve(v.len()).is_err() {
+                            return Err(RuntimeError::bad_file(
+                                path,
+                                format!(
+                                    "parses into more than the {budget} bytes of memory available (a gzip bomb?)"
+                                ),
+                            ));
+                        }
+                        out.extend(v)
+                    }
                     Err((at, m)) => {
                         let line = line_no + count_lines(&bytes[..at]);
                         return Err(RuntimeError::bad_file(path, format!("line {line}: {m}")));

@@ -147,6 +147,7 @@ fn refuse(core: &Core, from: SocketAddr, reason: &str) {
     tracing::warn!(%from, "{line}");
     use std::io::Write;
     let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
+    core.inbound.refused(from, reason);
 }
 
 async fn handle_incoming(shared: Weak<Shared>, core: Arc<Core>, incoming: quinn::Incoming) {

@@ -23,6 +23,9 @@ pub trait Inbound: Send + Sync + 'static {
     fn halo(&self, from: NodeId, block: HaloBlock);
     /// A control message.
     fn control(&self, from: NodeId, bytes: Vec<u8>);
+    /// A connection from `from` was refused (already counted in [`QuicStats`] and logged):
+    /// lets the owner count it where its metrics live, at once.
+    fn refused(&self, _from: SocketAddr, _reason: &str) {}
 }
 
 /// Counters of a node.

@@ -15,12 +15,16 @@ use tokio::sync::{broadcast, mpsc};
 /// Control messages received: (from node, bytes), in order per sending node.
 pub type ControlRx = mpsc::UnboundedReceiver<(NodeId, Vec<u8>)>;
 
+/// Told of every refused connection (the peer's address and the reason), as it happens.
+pub type RefusalSink = Arc<dyn Fn(SocketAddr, &str) + Send + Sync>;
+
 struct Dispatch {
     local: DashMap<PartId, Deliver>,
     /// Nodes declared lost: everything they send is refused (fencing).
     fenced: dashmap::DashSet<NodeId>,
     filter: Mutex<RecvFilter>,
     control: mpsc::UnboundedSender<(NodeId, Vec<u8>)>,
+    on_refusal: Mutex<Option<RefusalSink>>,
 }
 
 impl Inbound for Dispatch {
@@ -55,6 +59,13 @@ impl Inbound for Dispatch {
         }
         let _ = self.control.send((from, bytes));
     }
+
+    fn refused(&self, from: SocketAddr, reason: &str) {
+        let sink = self.on_refusal.lock().expect("poisoned").clone();
+        if let Some(sink) = sink {
+            sink(from, reason);
+        }
+    }
 }
 
 /// Routes halo blocks between partitions of a cluster: to local partitions directly (the
@@ -76,6 +87,7 @@ impl QuicTransport {
             fenced: dashmap::DashSet::new(),
             filter: Mutex::default(),
             control,
+            on_refusal: Mutex::new(None),
         });
         let node = QuicNode::bind(cfg, id, dispatch.clone())?;
         Ok((
@@ -97,6 +109,12 @@ impl QuicTransport {
     /// This node's bound address.
     pub fn local_addr(&self) -> SocketAddr {
         self.node.local_addr()
+    }
+
+    /// Calls `sink` for every connection refused from now on (the counts in
+    /// [`QuicStats::refused_handshakes`] include those before).
+    pub fn on_refusal(&self, sink: RefusalSink) {
+        *self.dispatch.on_refusal.lock().expect("poisoned") = Some(sink);
     }
 
     /// Records where node `node` listens.
