@@ -8,8 +8,11 @@
 //! - [`state`]: a partition's compute state and the per-layer steps (the model math).
 //! - `halo`: halo row lists, block building and checking.
 //! - [`messages`]: requests and replies between the coordinator and partitions.
+//! - [`session`]: the cluster session of the coordinator node and of every other node
+//!   ([`session::CoordinatorSession`], [`session::WorkerSession`]).
 pub mod epoch;
 pub(crate) mod halo;
 pub mod messages;
 pub mod partition;
+pub mod session;
 pub mod state;
