@@ -4,12 +4,15 @@
 use super::config::ClusterFile;
 use super::config::{replica_nodes, replicated_by};
 use super::files::serve_part;
+use super::node::InboxEvent;
 use super::node::{adopt_partitions, apply_link_faults, reroute, Standby};
 use super::node::{host_partitions, ControlInbox, NodeEndpoint, ReplicaShipper};
 use super::proto::{ControlMsg, Setup};
 use super::proto::{ReplyBody, Request};
 use super::remote::{ControlClient, RemotePart};
 use crate::checkpoint::{Checkpoint, CheckpointPolicy, CheckpointWriter};
+use crate::protocol::session::{CoordAction, CoordState, CoordinatorConfig, CoordinatorSession};
+use crate::protocol::session::{SessionMsg, Verdict};
 use crate::shells::coordinator::{Coordinator, NodeRecovery, Replaced, RestartPolicy};
 use crate::shells::handle::PartHandle;
 use crate::shells::supervisor::NodeSupervisor;
@@ -98,9 +101,6 @@ impl ClusterJob {
     }
 }
 
-/// How long the coordinator waits for the nodes to join before it says that it is waiting.
-const JOIN_NOTICE_AFTER: Duration = Duration::from_secs(2);
-
 /// Runs the cluster job; returns the report and the metrics the other nodes recorded.
 async fn drive(
     job: ClusterJob,
@@ -133,92 +133,22 @@ async fn drive(
         ));
     }
 
-    // 1. Every other node joins and says where it listens. Nodes start in any order: one
-    // started before this node retries its join until it gets through.
-    let mut addrs = BTreeMap::new();
-    addrs.insert(ep.id, ep.addr().to_string());
+    // 1-2. The session (a pure machine, `protocol::session`): every other node joins and
+    // says where it listens (nodes start in any order; one started before this node retries
+    // its join until it gets through), then each loads (or fetches) its partitions and starts
+    // their actors; this node hosts its own meanwhile.
     let join = Duration::from_millis(cluster.join_timeout_ms);
-    let started = Instant::now();
-    let joined_by = started + join;
-    let mut announced = false;
-    while addrs.len() < workers.len() + 1 {
-        let missing: Vec<u32> = workers
-            .iter()
-            .copied()
-            .filter(|n| !addrs.contains_key(n))
-            .collect();
-        if !announced && started.elapsed() >= JOIN_NOTICE_AFTER {
-            announced = true;
-            super::say(&format!(
-                "node {}: listening on {}, waiting up to {} s (join_timeout_ms) for node(s) {missing:?} to join",
-                ep.id,
-                ep.addr(),
-                join.as_secs()
-            ));
-        }
-        let now = Instant::now();
-        let left = joined_by.saturating_duration_since(now);
-        let wait = if announced {
-            left
-        } else {
-            left.min((started + JOIN_NOTICE_AFTER).saturating_duration_since(now))
-        };
-        match inbox.next(None, wait).await {
-            Ok((from, ControlMsg::Join { addr })) if workers.contains(&from) => {
-                addrs.insert(from, addr);
-            }
-            Ok((from, other)) => tracing::warn!(peer = from, "ignored {other:?} while joining"),
-            // A node that went away before its setup may start again and join again.
-            Err(ActorError::Node { node, detail }) if workers.contains(&node) => {
-                if addrs.remove(&node).is_some() {
-                    super::say(&format!(
-                        "node {}: node {node} left before the setup ({detail}); waiting for it to join again",
-                        ep.id
-                    ));
-                }
-                ep.transport.node().reset_peer(node);
-            }
-            Err(ActorError::NoMessage { .. }) if !left.is_zero() => {}
-            Err(ActorError::NoMessage { .. }) => {
-                let e = ActorError::Cluster(format!(
-                    "node(s) {missing:?} did not join within {} s (join_timeout_ms): start them \
-                     with `trellis node --cluster FILE --id N`; they must reach this node at {}",
-                    join.as_secs(),
-                    ep.addr()
-                ));
-                // The nodes that did join wait for a setup that will not come: tell them.
-                let joined: Vec<u32> = workers
-                    .iter()
-                    .copied()
-                    .filter(|n| addrs.contains_key(n))
-                    .collect();
-                abort(ep, &joined, &e).await;
-                return Err(e);
-            }
-            Err(e) => return Err(e),
-        }
-    }
-
-    // 2. Setup: each node loads (or fetches) its partitions and starts their actors.
-    let setup = Setup {
-        run: *run.as_bytes(),
-        config_json: serde_json::to_string(&job.cfg).expect("a config serialises"),
-        book_json: serde_json::to_string(&book).expect("a book serialises"),
-        placement: placement.clone(),
-        peers: addrs.iter().map(|(n, a)| (*n, a.clone())).collect(),
-        deadline_ms: cluster.step_deadline_ms,
-        chaos: job.chaos.clone(),
-        replicas: cluster.replicas,
-        resume: resume.as_ref().map(|c| c.to_bytes()).unwrap_or_default(),
-    };
-    for &w in &workers {
-        let addr = addrs[&w].parse().map_err(|e| ActorError::Node {
-            node: w,
-            detail: format!("bad address: {e}"),
-        })?;
-        ep.transport.add_peer(w, addr);
-        ep.send(w, &ControlMsg::Setup(setup.clone()))?;
-    }
+    let mut session = CoordinatorSession::new(
+        CoordinatorConfig {
+            me: ep.id,
+            workers: workers.clone(),
+            addr: ep.addr().to_string(),
+            join_within: join,
+            setup_within: join.max(Duration::from_secs(120)),
+        },
+        Instant::now(),
+    );
+    let mut addrs = BTreeMap::new();
     let mine: Vec<u32> = (0..book.parts as u32)
         .filter(|&p| placement[p as usize] == ep.id)
         .collect();
@@ -229,79 +159,111 @@ async fn drive(
         cluster.replicas as usize,
         placement.clone(),
     );
-    let local = host_partitions(
-        &job.set,
-        &mine,
-        &placement,
-        ep.id,
-        &job.cfg,
-        run,
-        ep.transport.clone(),
-        faults.clone(),
-        resume.as_ref().map(|c| &c.snapshot),
-        cluster.replicas > 0,
-        Some(&shipper),
-    )?;
     let replicated = replicated_by(&placement, &cluster.ids(), cluster.replicas as usize, ep.id);
-    if let Some(ck) = &resume {
-        // Resumed: the checkpoint is every partition's committed state until the next step
-        // ships its own.
-        for &p in &replicated {
-            local
-                .replicas()
-                .put_remote(crate::replica::ReplicaBytes::encode(p, &ck.snapshot));
+    // This node's partitions, and the standby data of those it keeps replicas of.
+    let host_here = || -> Result<(NodeSupervisor, Standby), ActorError> {
+        let local = host_partitions(
+            &job.set,
+            &mine,
+            &placement,
+            ep.id,
+            &job.cfg,
+            run,
+            ep.transport.clone(),
+            faults.clone(),
+            resume.as_ref().map(|c| &c.snapshot),
+            cluster.replicas > 0,
+            Some(&shipper),
+        )?;
+        if let Some(ck) = &resume {
+            // Resumed: the checkpoint is every partition's committed state until the next
+            // step ships its own.
+            for &p in &replicated {
+                local
+                    .replicas()
+                    .put_remote(crate::replica::ReplicaBytes::encode(p, &ck.snapshot));
+            }
         }
-    }
-    let standby = Standby::load(&job.set, &replicated, &job.cfg)?;
-    let mut ready = BTreeSet::new();
-    let setup_by = Instant::now() + join.max(Duration::from_secs(120));
-    while ready.len() < workers.len() {
-        let left = setup_by.saturating_duration_since(Instant::now());
-        let step = inbox.next(None, left).await;
-        let failed = match step {
-            Ok((from, ControlMsg::Ready { .. })) => {
-                ready.insert(from);
-                None
+        let standby = Standby::load(&job.set, &replicated, &job.cfg)?;
+        Ok((local, standby))
+    };
+    let mut hosted: Option<(NodeSupervisor, Standby)> = None;
+    let (local, standby) = 'setup: loop {
+        while let Some(action) = session.poll_action() {
+            match action {
+                CoordAction::Say(line) => super::say(&line),
+                CoordAction::ResetPeer(node) => ep.transport.node().reset_peer(node),
+                CoordAction::SendSetups { peers } => {
+                    addrs = peers;
+                    let setup = Setup {
+                        run: *run.as_bytes(),
+                        config_json: serde_json::to_string(&job.cfg).expect("a config serialises"),
+                        book_json: serde_json::to_string(&book).expect("a book serialises"),
+                        placement: placement.clone(),
+                        peers: addrs.iter().map(|(n, a)| (*n, a.clone())).collect(),
+                        deadline_ms: cluster.step_deadline_ms,
+                        chaos: job.chaos.clone(),
+                        replicas: cluster.replicas,
+                        resume: resume.as_ref().map(|c| c.to_bytes()).unwrap_or_default(),
+                    };
+                    for &w in &workers {
+                        let addr = addrs[&w].parse().map_err(|e| ActorError::Node {
+                            node: w,
+                            detail: format!("bad address: {e}"),
+                        })?;
+                        ep.transport.add_peer(w, addr);
+                        ep.send(w, &ControlMsg::Setup(setup.clone()))?;
+                    }
+                    match host_here() {
+                        Ok(h) => hosted = Some(h),
+                        Err(e) => {
+                            abort(ep, &workers, &e.to_string()).await;
+                            return Err(e);
+                        }
+                    }
+                }
+                CoordAction::ShipPart { to, part } => {
+                    ship(ep.transport.clone(), &job.set, to, part)
+                }
+                CoordAction::StartTraining => match hosted.take() {
+                    Some(h) => break 'setup h,
+                    None => {
+                        return Err(ActorError::System(
+                            "training started before the setup".into(),
+                        ))
+                    }
+                },
+                CoordAction::SendAbort { nodes, reason } => abort(ep, &nodes, &reason).await,
+                CoordAction::Ignored { from, what } => {
+                    tracing::warn!(peer = from, "ignored {what}")
+                }
+                CoordAction::Failed(e) => {
+                    if let Some((local, _)) = hosted.take() {
+                        local.shutdown();
+                    }
+                    return Err(e);
+                }
+                CoordAction::SendFinish { .. } | CoordAction::Done { .. } => {}
             }
-            Ok((from, ControlMsg::FetchPart { part })) => {
-                ship(ep.transport.clone(), &job.set, from, part);
-                None
-            }
-            Ok((from, ControlMsg::SetupFailed { error })) => Some(ActorError::Node {
-                node: from,
-                detail: format!("setup failed: {error}"),
-            }),
-            Ok((from, other)) => {
-                tracing::warn!(peer = from, "ignored {other:?} during setup");
-                None
-            }
-            Err(ActorError::NoMessage { ms }) => {
-                let waiting: Vec<u32> = workers
-                    .iter()
-                    .copied()
-                    .filter(|n| !ready.contains(n))
-                    .collect();
-                Some(ActorError::Cluster(format!(
-                    "node(s) {waiting:?} did not finish their setup within {} s",
-                    ms / 1000
-                )))
-            }
-            Err(e) => Some(e),
-        };
-        if let Some(e) = failed {
-            abort(ep, &workers, &e).await;
-            local.shutdown();
-            return Err(e);
         }
-    }
+        let event = inbox.next_event(None, session.poll_timeout()).await?;
+        let now = Instant::now();
+        match event {
+            InboxEvent::Message { from, msg } => {
+                session.handle_message(from, msg.session(), now);
+            }
+            InboxEvent::PeerDown { node, detail } => session.handle_peer_down(node, &detail, now),
+            InboxEvent::Timeout => session.handle_timeout(now),
+        }
+    };
 
     // 3. Train: replies and failures are dispatched to the waiting requests.
     let client = ControlClient::new(ep.transport.clone());
-    let (bye_tx, mut byes) = tmpsc::unbounded_channel();
+    let (late_tx, mut late) = tmpsc::unbounded_channel();
     let dispatcher = actix::spawn(dispatch(
         inbox,
         client.clone(),
-        bye_tx,
+        late_tx,
         job.set.clone(),
         local.replicas().clone(),
     ));
@@ -373,35 +335,59 @@ async fn drive(
     let placement = recovery.placement.borrow().clone();
     let mine = parts_of(&placement, ep.id);
 
-    // 4. End the run everywhere and collect each node's traffic and metrics.
+    // 4. The session ends the run on every live node (fenced ones are neither told nor
+    // waited for) and collects each node's traffic and metrics from its `Bye`.
+    for n in session.live() {
+        if !workers.contains(&n) {
+            session.handle_fenced(n);
+        }
+    }
+    let over = outcome.as_ref().map(|_| ()).map_err(|e| e.to_string());
+    session.handle_training_over(over, Instant::now());
     let mut nodes = Vec::new();
     let mut remote_metrics = MetricsSnapshot::default();
-    match &outcome {
-        Ok(_) => {
-            for &w in &workers {
-                let _ = ep.send(w, &ControlMsg::Finish);
-            }
-            let by = tokio::time::Instant::now() + Duration::from_secs(10);
-            while nodes.len() < workers.len() {
-                match tokio::time::timeout_at(by, byes.recv()).await {
-                    Ok(Some(bye)) => {
-                        match MetricsSnapshot::from_bytes(&bye.metrics) {
-                            Ok(m) => remote_metrics.merge(&m),
-                            Err(e) => tracing::warn!(peer = bye.node, "{e}; not in the report"),
-                        }
-                        nodes.push(NodeTraffic {
-                            node: bye.node,
-                            addr: addrs.get(&bye.node).cloned().unwrap_or_default(),
-                            partitions: parts_of(&placement, bye.node),
-                            bytes_sent: bye.bytes_sent,
-                            bytes_received: bye.bytes_received,
-                        })
+    while session.state() != &CoordState::Over {
+        while let Some(action) = session.poll_action() {
+            match action {
+                CoordAction::SendFinish { nodes } => {
+                    for w in nodes {
+                        let _ = ep.send(w, &ControlMsg::Finish);
                     }
-                    _ => break,
                 }
+                CoordAction::SendAbort { nodes, reason } => abort(ep, &nodes, &reason).await,
+                CoordAction::Ignored { from, what } => tracing::warn!(peer = from, "ignored {what}"),
+                CoordAction::Say(line) => super::say(&line),
+                CoordAction::Done { missing_byes } if !missing_byes.is_empty() => tracing::warn!(
+                    "node(s) {missing_byes:?} did not say goodbye: their traffic is not in the report"
+                ),
+                _ => {}
             }
         }
-        Err(e) => abort(ep, &workers, e).await,
+        let Some(until) = session.poll_timeout() else {
+            continue;
+        };
+        let late = tokio::time::timeout_at(until.into(), late.recv()).await;
+        let now = Instant::now();
+        match late {
+            Ok(Some(Late::Bye(bye))) => {
+                if session.handle_message(bye.node, SessionMsg::Bye, now) == Verdict::Accept {
+                    match MetricsSnapshot::from_bytes(&bye.metrics) {
+                        Ok(m) => remote_metrics.merge(&m),
+                        Err(e) => tracing::warn!(peer = bye.node, "{e}; not in the report"),
+                    }
+                    nodes.push(NodeTraffic {
+                        node: bye.node,
+                        addr: addrs.get(&bye.node).cloned().unwrap_or_default(),
+                        partitions: parts_of(&placement, bye.node),
+                        bytes_sent: bye.bytes_sent,
+                        bytes_received: bye.bytes_received,
+                    })
+                }
+            }
+            Ok(Some(Late::Down { node, detail })) => session.handle_peer_down(node, &detail, now),
+            Ok(None) => break,
+            Err(_) => session.handle_timeout(now),
+        }
     }
     let recoveries = std::mem::take(&mut coord.recoveries);
     drop(coord);
@@ -673,16 +659,22 @@ fn parts_of(placement: &[u32], node: u32) -> Vec<u32> {
 }
 
 /// Tells every node the run failed (best effort, bounded).
-async fn abort(ep: &NodeEndpoint, workers: &[u32], e: &ActorError) {
+async fn abort(ep: &NodeEndpoint, workers: &[u32], reason: &str) {
     for &w in workers {
-        let _ = ep.send(
-            w,
-            &ControlMsg::Abort {
-                reason: e.to_string(),
-            },
-        );
+        let reason = reason.to_string();
+        let _ = ep.send(w, &ControlMsg::Abort { reason });
     }
     ep.flush(Duration::from_secs(1)).await;
+}
+
+/// What the dispatcher passes on to the end of the run.
+enum Late {
+    Bye(Bye),
+    /// A node's connection failed (also told to the requests waiting on it).
+    Down {
+        node: u32,
+        detail: String,
+    },
 }
 
 /// A node's last words: its traffic and the metrics it recorded.
@@ -698,7 +690,7 @@ struct Bye {
 async fn dispatch(
     mut inbox: ControlInbox,
     client: Arc<ControlClient>,
-    byes: tmpsc::UnboundedSender<Bye>,
+    late: tmpsc::UnboundedSender<Late>,
     set: PartitionSet,
     replicas: Arc<crate::replica::ReplicaStore>,
 ) {
@@ -718,15 +710,18 @@ async fn dispatch(
                     metrics,
                 },
             )) => {
-                let _ = byes.send(Bye {
+                let _ = late.send(Late::Bye(Bye {
                     node: from,
                     bytes_sent,
                     bytes_received,
                     metrics,
-                });
+                }));
             }
             Ok((from, other)) => tracing::warn!(peer = from, "ignored {other:?}"),
-            Err(ActorError::Node { node, detail }) => client.fail_node(node, detail),
+            Err(ActorError::Node { node, detail }) => {
+                client.fail_node(node, detail.clone());
+                let _ = late.send(Late::Down { node, detail });
+            }
             Err(ActorError::NoMessage { .. }) => {}
             Err(e) => {
                 tracing::warn!("control dispatch ends: {e}");

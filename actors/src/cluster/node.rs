@@ -10,7 +10,7 @@ use crate::ActorError;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::sync::broadcast;
 use trellis_gpu::{Stream, ThreadBudget};
 use trellis_runtime::partition::PartitionSet;
@@ -105,22 +105,43 @@ impl NodeEndpoint {
     }
 }
 
+/// What the control inbox delivered, for the session machines' pumps.
+pub(crate) enum InboxEvent {
+    Message {
+        from: u32,
+        msg: ControlMsg,
+    },
+    /// The watched peer's connection failed, or it hung up.
+    PeerDown {
+        node: u32,
+        detail: String,
+    },
+    /// Nothing came by the deadline.
+    Timeout,
+}
+
 impl ControlInbox {
-    /// The next control message, or an error when `watch` fails (a failure of another peer
-    /// is logged and skipped) or nothing arrives within `within` ([`ActorError::NoMessage`]
-    /// when no node is watched). Undecodable messages are
-    /// logged and skipped: a bad peer cannot stop the node.
-    pub async fn next(
+    /// The next message, a failure of peer `watch` (of any peer when `None`; a watched peer's
+    /// departure too), or [`InboxEvent::Timeout`] at `until` (never, when `None`).
+    /// Undecodable messages are logged and skipped: a bad peer cannot stop the node.
+    pub(crate) async fn next_event(
         &mut self,
         watch: Option<u32>,
-        within: Duration,
-    ) -> Result<(u32, ControlMsg), ActorError> {
-        let deadline = tokio::time::Instant::now() + within;
+        until: Option<Instant>,
+    ) -> Result<InboxEvent, ActorError> {
+        let deadline = until.map(tokio::time::Instant::from_std);
+        let timeout = async {
+            match deadline {
+                Some(d) => tokio::time::sleep_until(d).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::pin!(timeout);
         loop {
             tokio::select! {
                 m = self.control.recv() => match m {
                     Some((from, bytes)) => match ControlMsg::decode(&bytes) {
-                        Ok(msg) => return Ok((from, msg)),
+                        Ok(msg) => return Ok(InboxEvent::Message { from, msg }),
                         Err(e) => tracing::warn!(peer = from, "node {from}: {e}; dropped"),
                     },
                     None => return Err(ActorError::System("the control channel closed".into())),
@@ -128,7 +149,7 @@ impl ControlInbox {
                 f = self.failures.recv() => match f {
                     Ok(e) => match e.node() {
                         Some(n) if Some(n) == watch || watch.is_none() => {
-                            return Err(ActorError::Node { node: n, detail: e.to_string() })
+                            return Ok(InboxEvent::PeerDown { node: n, detail: e.to_string() })
                         }
                         _ => tracing::warn!("{e}"),
                     },
@@ -139,23 +160,42 @@ impl ControlInbox {
                 },
                 d = self.departures.recv() => match d {
                     Ok(n) if Some(n) == watch => {
-                        return Err(ActorError::Node { node: n, detail: "shut down and closed the connection".into() })
+                        let detail = "shut down and closed the connection".into();
+                        return Ok(InboxEvent::PeerDown { node: n, detail });
                     }
                     Err(broadcast::error::RecvError::Closed) => {
                         return Err(ActorError::System("the QUIC node closed".into()))
                     }
                     _ => {}
                 },
-                _ = tokio::time::sleep_until(deadline) => {
-                    let ms = within.as_millis() as u64;
-                    return Err(match watch {
-                        Some(node) => ActorError::Node {
-                            node,
-                            detail: format!("no message from node {node} within {ms} ms"),
-                        },
-                        None => ActorError::NoMessage { ms },
-                    });
-                }
+                _ = &mut timeout => return Ok(InboxEvent::Timeout),
+            }
+        }
+    }
+
+    /// The next control message, or an error when `watch` fails (a failure of another peer
+    /// is logged and skipped) or nothing arrives within `within` ([`ActorError::NoMessage`]
+    /// when no node is watched).
+    pub async fn next(
+        &mut self,
+        watch: Option<u32>,
+        within: Duration,
+    ) -> Result<(u32, ControlMsg), ActorError> {
+        match self
+            .next_event(watch, Some(Instant::now() + within))
+            .await?
+        {
+            InboxEvent::Message { from, msg } => Ok((from, msg)),
+            InboxEvent::PeerDown { node, detail } => Err(ActorError::Node { node, detail }),
+            InboxEvent::Timeout => {
+                let ms = within.as_millis() as u64;
+                Err(match watch {
+                    Some(node) => ActorError::Node {
+                        node,
+                        detail: format!("no message from node {node} within {ms} ms"),
+                    },
+                    None => ActorError::NoMessage { ms },
+                })
             }
         }
     }

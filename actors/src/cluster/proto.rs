@@ -198,6 +198,35 @@ pub enum WireOutcome {
 pub struct DecodeError(pub String);
 
 impl ControlMsg {
+    /// What the cluster session machines see of this message.
+    pub(crate) fn session(&self) -> crate::protocol::session::SessionMsg {
+        use crate::protocol::session::SessionMsg as S;
+        match self {
+            ControlMsg::Join { addr } => S::Join { addr: addr.clone() },
+            ControlMsg::Setup(s) => S::Setup {
+                deadline_ms: s.deadline_ms,
+            },
+            ControlMsg::Ready { .. } => S::Ready,
+            ControlMsg::SetupFailed { error } => S::SetupFailed {
+                error: error.clone(),
+            },
+            ControlMsg::FetchPart { part } => S::FetchPart { part: *part },
+            ControlMsg::Request { req, .. } => S::Request {
+                step_epoch: match req {
+                    Request::Step { epoch, .. } => Some(*epoch),
+                    _ => None,
+                },
+            },
+            ControlMsg::Replica(_) => S::Replica,
+            ControlMsg::Finish => S::Finish,
+            ControlMsg::Bye { .. } => S::Bye,
+            ControlMsg::Abort { reason } => S::Abort {
+                reason: reason.clone(),
+            },
+            ControlMsg::PartChunk { part, .. } => S::Other(format!("a chunk of partition {part}")),
+            ControlMsg::Reply { id, .. } => S::Other(format!("reply {id}")),
+        }
+    }
     /// The archived bytes.
     pub fn encode(&self) -> Vec<u8> {
         rkyv::to_bytes::<rkyv::rancor::Error>(self)

@@ -4,6 +4,7 @@
 use super::config::replicated_by;
 use super::config::ClusterFile;
 use super::files::PartDownload;
+use super::node::InboxEvent;
 use super::node::{
     adopt_partitions, apply_link_faults, host_partitions, reroute, ControlInbox, NodeEndpoint,
     ReplicaShipper, Standby,
@@ -12,6 +13,7 @@ use super::proto::{phase_from, ControlMsg, ReplyBody, Request, Setup};
 use crate::checkpoint::Checkpoint;
 use crate::faults::FaultPlan;
 use crate::protocol::messages::{ApplyStep, ResetEpoch, Step};
+use crate::protocol::session::{LinkDown, Verdict, WorkerAction, WorkerConfig, WorkerSession};
 use crate::shells::partition::PartitionRef;
 use crate::shells::supervisor::NodeSupervisor;
 use crate::ActorError;
@@ -22,6 +24,7 @@ use std::time::{Duration, Instant};
 use trellis_runtime::metrics::Metrics;
 use trellis_runtime::partition::{PartitionBook, PartitionSet};
 use trellis_runtime::{NodeTraffic, TrainConfig};
+use trellis_transport::quic::{QuicError, REFUSED_PREFIX};
 use trellis_transport::{RunId, TraceContext};
 
 /// Runs node `id` of `cluster` until the coordinator ends the run. Returns this node's
@@ -49,6 +52,9 @@ pub fn run_worker(
     result
 }
 
+/// The pump of this node's [`WorkerSession`]: feeds it what the inbox delivers and carries
+/// out its actions; the coordinator's requests are answered here once the session accepts
+/// them.
 async fn serve(
     cluster: &ClusterFile,
     ep: &NodeEndpoint,
@@ -57,219 +63,202 @@ async fn serve(
 ) -> Result<NodeTraffic, ActorError> {
     let coord = cluster.coordinator;
     let metrics_before = Metrics::global().snapshot();
-    let setup = join_coordinator(cluster, ep, &mut inbox).await?;
-    let mut hosted = match setup_node(cluster, ep, &mut inbox, &setup, threads).await {
-        Ok(v) => v,
-        Err(e) => {
-            let _ = ep.send(
-                coord,
-                &ControlMsg::SetupFailed {
-                    error: e.to_string(),
-                },
-            );
-            ep.flush(Duration::from_secs(2)).await;
-            return Err(e);
-        }
-    };
-    ep.send(
-        coord,
-        &ControlMsg::Ready {
-            parts: hosted.parts.clone(),
+    let quic = ep.transport.node();
+    let mut session = WorkerSession::new(
+        WorkerConfig {
+            me: ep.id,
+            coord,
+            coord_addr: cluster.node(coord)?.addr.to_string(),
+            join_within: Duration::from_millis(cluster.join_timeout_ms),
         },
-    )?;
-    // A step takes at most the deadline; allow two before calling the coordinator silent.
-    let quiet = Duration::from_millis(setup.deadline_ms.saturating_mul(2).max(10_000));
-    let run = hosted.run;
-    let mut epoch = 0u32;
-    let outcome = loop {
-        match inbox.next(Some(coord), quiet).await {
-            Ok((from, ControlMsg::Request { id, part, req })) if from == coord => match req {
-                Request::Adopt {
-                    parts,
-                    epoch: committed,
-                    digest,
-                } => {
-                    let body = match hosted
-                        .adopt(ep, &mut inbox, coord, &parts, committed, &digest)
-                        .await
-                    {
-                        Ok(digest_ok) => ReplyBody::Adopted { digest_ok },
-                        Err(e) => ReplyBody::of_error(e),
-                    };
-                    ep.send(coord, &ControlMsg::Reply { id, body })?;
-                }
-                Request::Evict { part } => {
-                    hosted.node.evict(trellis_transport::PartId(part));
-                    hosted.addrs.remove(&part);
-                    hosted.parts.retain(|&p| p != part);
-                    let body = ReplyBody::Evicted;
-                    ep.send(coord, &ControlMsg::Reply { id, body })?;
-                }
-                Request::Reroute { placement, fenced } => {
-                    for n in fenced {
-                        ep.transport.fence(n);
+        Instant::now(),
+    );
+    let mut setup: Option<Setup> = None;
+    let mut hosted: Option<Hosted> = None;
+    let mut traffic: Option<NodeTraffic> = None;
+    // A message the session accepted, carried out after the actions it caused (an epoch's
+    // faults and filter come before its first step is answered).
+    let mut pending: Option<ControlMsg> = None;
+    loop {
+        while let Some(action) = session.poll_action() {
+            match action {
+                WorkerAction::SendJoin { reset } => {
+                    if reset {
+                        quic.reset_peer(coord);
                     }
-                    reroute(&ep.transport, &placement, ep.id);
-                    hosted.shipper.reroute(&placement);
-                    let body = ReplyBody::Rerouted;
-                    ep.send(coord, &ControlMsg::Reply { id, body })?;
+                    let addr = ep.addr().to_string();
+                    ep.send(coord, &ControlMsg::Join { addr })?;
                 }
-                req => {
-                    if let Request::Step { epoch: e, .. } = req {
-                        if hosted.faults.kill_due(ep.id, e) {
+                WorkerAction::StartSetup => {
+                    let s = setup.as_ref().ok_or_else(|| {
+                        ActorError::System("the session started a setup it did not get".into())
+                    })?;
+                    let result = setup_node(cluster, ep, &mut inbox, s, threads).await;
+                    let result = result.map(|h| hosted = Some(h)).map_err(|e| e.to_string());
+                    session.handle_setup_done(result, Instant::now());
+                }
+                WorkerAction::SendReady => {
+                    let parts = hosted.as_ref().map(|h| h.parts.clone()).unwrap_or_default();
+                    ep.send(coord, &ControlMsg::Ready { parts })?;
+                }
+                WorkerAction::SendSetupFailed { error } => {
+                    let _ = ep.send(coord, &ControlMsg::SetupFailed { error });
+                    ep.flush(Duration::from_secs(2)).await;
+                }
+                WorkerAction::EpochStarted(e) => {
+                    if let Some(h) = &hosted {
+                        if h.faults.kill_due(ep.id, e) {
                             kill_self(ep.id, e);
                         }
-                        apply_link_faults(&ep.transport, &hosted.faults, ep.id, e);
-                        if e > epoch {
-                            epoch = e;
-                            ep.transport.set_epoch(run, e);
-                        }
-                    }
-                    match hosted.addrs.get(&part) {
-                        Some(addr) => answer(ep, coord, id, run, addr.clone(), req),
-                        None => ep.send(
-                            coord,
-                            &ControlMsg::Reply {
-                                id,
-                                body: ReplyBody::Failed {
-                                    message: format!(
-                                        "partition {part} is not hosted on node {}",
-                                        ep.id
-                                    ),
-                                },
-                            },
-                        )?,
+                        apply_link_faults(&ep.transport, &h.faults, ep.id, e);
+                        ep.transport.set_epoch(h.run, e);
                     }
                 }
-            },
-            Ok((_, ControlMsg::Replica(r))) => hosted.node.replicas().put_remote(r.into()),
-            Ok((_, ControlMsg::Finish)) => break Ok(()),
-            Ok((_, ControlMsg::Abort { reason })) => break Err(aborted(coord, reason)),
-            Ok((from, other)) => tracing::warn!(peer = from, "ignored {other:?}"),
-            Err(e) => break Err(e),
+                WorkerAction::SendBye => {
+                    let t = stop(ep, hosted.take());
+                    ep.send(
+                        coord,
+                        &ControlMsg::Bye {
+                            bytes_sent: t.bytes_sent,
+                            bytes_received: t.bytes_received,
+                            metrics: Metrics::global()
+                                .snapshot()
+                                .since(&metrics_before)
+                                .to_bytes(),
+                        },
+                    )?;
+                    traffic = Some(t);
+                    ep.flush(Duration::from_secs(5)).await;
+                }
+                WorkerAction::Ignored { from, what } => {
+                    tracing::warn!(peer = from, "ignored {what}")
+                }
+                WorkerAction::Say(line) => super::say(&line),
+                WorkerAction::Done => return Ok(traffic.unwrap_or_else(|| stop(ep, hosted.take()))),
+                WorkerAction::Failed(e) => {
+                    stop(ep, hosted.take());
+                    return Err(e);
+                }
+            }
         }
+        match (pending.take(), hosted.as_mut()) {
+            (Some(ControlMsg::Replica(r)), Some(h)) => h.node.replicas().put_remote(r.into()),
+            (Some(ControlMsg::Request { id, part, req }), Some(h)) => {
+                on_request(ep, &mut inbox, coord, h, id, part, req).await?
+            }
+            _ => {}
+        }
+        let event = inbox
+            .next_event(Some(coord), session.poll_timeout())
+            .await?;
+        let now = Instant::now();
+        match event {
+            InboxEvent::Message { from, msg } => {
+                if let ControlMsg::Setup(s) = &msg {
+                    if from == coord && setup.is_none() {
+                        setup = Some(s.clone());
+                    }
+                }
+                if session.handle_message(from, msg.session(), now) == Verdict::Accept {
+                    pending = Some(msg);
+                }
+            }
+            InboxEvent::PeerDown { node, detail } if node == coord => {
+                let failure = quic.peer_failure(coord);
+                let refused = match &failure {
+                    Some(
+                        QuicError::PeerLost { reason, .. } | QuicError::Connect { reason, .. },
+                    ) if reason.starts_with(REFUSED_PREFIX) => Some(reason.clone()),
+                    _ => None,
+                };
+                let down = LinkDown {
+                    detail,
+                    still_connected: quic.connected_peers().contains(&coord),
+                    refused,
+                    was_up: matches!(failure, Some(QuicError::PeerLost { .. })),
+                };
+                session.handle_link_down(down, now);
+            }
+            InboxEvent::PeerDown { node, detail } => {
+                tracing::warn!(peer = node, "node {node}: {detail}")
+            }
+            InboxEvent::Timeout => {
+                if quic.connected_peers().contains(&coord) {
+                    session.handle_coordinator_up(now);
+                }
+                session.handle_timeout(now);
+            }
+        }
+    }
+}
+
+/// Answers one request of the coordinator: node requests (adopt, evict, reroute) here,
+/// partition requests by the partition's actor.
+async fn on_request(
+    ep: &NodeEndpoint,
+    inbox: &mut ControlInbox,
+    coord: u32,
+    hosted: &mut Hosted,
+    id: u64,
+    part: u32,
+    req: Request,
+) -> Result<(), ActorError> {
+    let body = match req {
+        Request::Adopt {
+            parts,
+            epoch: committed,
+            digest,
+        } => match hosted
+            .adopt(ep, inbox, coord, &parts, committed, &digest)
+            .await
+        {
+            Ok(digest_ok) => ReplyBody::Adopted { digest_ok },
+            Err(e) => ReplyBody::of_error(e),
+        },
+        Request::Evict { part } => {
+            hosted.node.evict(trellis_transport::PartId(part));
+            hosted.addrs.remove(&part);
+            hosted.parts.retain(|&p| p != part);
+            ReplyBody::Evicted
+        }
+        Request::Reroute { placement, fenced } => {
+            for n in fenced {
+                ep.transport.fence(n);
+            }
+            reroute(&ep.transport, &placement, ep.id);
+            hosted.shipper.reroute(&placement);
+            ReplyBody::Rerouted
+        }
+        req => match hosted.addrs.get(&part) {
+            Some(addr) => {
+                answer(ep, coord, id, hosted.run, addr.clone(), req);
+                return Ok(());
+            }
+            None => ReplyBody::Failed {
+                message: format!("partition {part} is not hosted on node {}", ep.id),
+            },
+        },
     };
-    let parts = hosted.parts.clone();
-    hosted.node.shutdown();
-    ep.transport.end_run(run);
+    ep.send(coord, &ControlMsg::Reply { id, body })
+}
+
+/// Stops the hosted partitions and ends the run's traffic; this node's traffic.
+fn stop(ep: &NodeEndpoint, hosted: Option<Hosted>) -> NodeTraffic {
+    let parts = match hosted {
+        Some(h) => {
+            h.node.shutdown();
+            ep.transport.end_run(h.run);
+            h.parts
+        }
+        None => Vec::new(),
+    };
     let stats = ep.transport.stats();
-    let traffic = NodeTraffic {
+    NodeTraffic {
         node: ep.id,
         addr: ep.addr().to_string(),
         partitions: parts,
         bytes_sent: stats.bytes_sent,
         bytes_received: stats.bytes_received,
-    };
-    if outcome.is_ok() {
-        ep.send(
-            coord,
-            &ControlMsg::Bye {
-                bytes_sent: traffic.bytes_sent,
-                bytes_received: traffic.bytes_received,
-                metrics: Metrics::global()
-                    .snapshot()
-                    .since(&metrics_before)
-                    .to_bytes(),
-            },
-        )?;
-        ep.flush(Duration::from_secs(5)).await;
-        // Closing now could drop the Bye before it is acknowledged: the coordinator hangs up
-        // first, once it has every node's Bye.
-        while inbox
-            .next(Some(coord), Duration::from_secs(5))
-            .await
-            .is_ok()
-        {}
-    }
-    outcome.map(|_| traffic)
-}
-
-/// First wait between two attempts to reach the coordinator; it doubles up to [`MAX_BACKOFF`].
-const FIRST_BACKOFF: Duration = Duration::from_millis(200);
-/// Longest wait between two attempts to reach the coordinator.
-const MAX_BACKOFF: Duration = Duration::from_secs(5);
-
-/// Joins the coordinator and returns its setup. Nodes start in any order: while the
-/// coordinator cannot be reached (not started yet, still loading its data, restarting), the
-/// `Join` is sent again with exponential backoff; the node gives up when the coordinator has
-/// been unreachable for the cluster's `join_timeout_ms`, which is printed once when the first
-/// attempt fails. While connected, it waits for the setup as long as the coordinator waits
-/// for the other nodes (the coordinator aborts the run when they do not come).
-async fn join_coordinator(
-    cluster: &ClusterFile,
-    ep: &NodeEndpoint,
-    inbox: &mut ControlInbox,
-) -> Result<Setup, ActorError> {
-    let coord = cluster.coordinator;
-    let coord_addr = cluster.node(coord)?.addr;
-    let within = Duration::from_millis(cluster.join_timeout_ms);
-    let quic = ep.transport.node();
-    let connected = || quic.connected_peers().contains(&coord);
-    // The coordinator was last known to be up (or this node started) then.
-    let mut reachable_at = Instant::now();
-    let mut backoff = FIRST_BACKOFF;
-    let mut attempts = 0u32;
-    loop {
-        attempts += 1;
-        let join = ControlMsg::Join {
-            addr: ep.addr().to_string(),
-        };
-        ep.send(coord, &join)?;
-        let failure = loop {
-            let left = (reachable_at + within).saturating_duration_since(Instant::now());
-            match inbox.next(Some(coord), left).await {
-                Ok((from, ControlMsg::Setup(s))) if from == coord => return Ok(s),
-                Ok((_, ControlMsg::Abort { reason })) => return Err(aborted(coord, reason)),
-                Ok((from, other)) => tracing::warn!(peer = from, "ignored {other:?} before setup"),
-                // Joined: the coordinator is up and waits for the other nodes.
-                Err(ActorError::Node { node, .. }) if node == coord && connected() => {
-                    reachable_at = Instant::now();
-                }
-                Err(ActorError::Node { node, detail }) if node == coord => break detail,
-                Err(e) => return Err(e),
-            }
-        };
-        // The coordinator refused this node (another process holds its id): retrying is futile.
-        use trellis_transport::quic::QuicError;
-        if let Some(QuicError::PeerLost { reason, .. } | QuicError::Connect { reason, .. }) =
-            quic.peer_failure(coord)
-        {
-            if reason.starts_with(trellis_transport::quic::REFUSED_PREFIX) {
-                return Err(ActorError::Node {
-                    node: coord,
-                    detail: format!("the coordinator at {coord_addr} {reason}"),
-                });
-            }
-        }
-        // A connection that was up and broke: the coordinator was reachable until now.
-        if matches!(
-            quic.peer_failure(coord),
-            Some(trellis_transport::quic::QuicError::PeerLost { .. })
-        ) {
-            reachable_at = Instant::now();
-        }
-        let left = (reachable_at + within).saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(ActorError::Node {
-                node: coord,
-                detail: format!(
-                    "the coordinator at {coord_addr} did not answer within {} s \
-                     (join_timeout_ms; {attempts} attempt(s)), last: {failure}",
-                    within.as_secs()
-                ),
-            });
-        }
-        if attempts == 1 {
-            super::say(&format!(
-                "node {}: the coordinator (node {coord} at {coord_addr}) is not reachable yet \
-                 ({failure}); retrying for up to {} s (join_timeout_ms)",
-                ep.id,
-                left.as_secs()
-            ));
-        }
-        tokio::time::sleep(backoff.min(left)).await;
-        backoff = (backoff * 2).min(MAX_BACKOFF);
-        quic.reset_peer(coord);
     }
 }
 

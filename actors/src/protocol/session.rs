@@ -511,7 +511,8 @@ pub struct WorkerSession {
     reachable_at: Instant,
     backoff: Duration,
     last_failure: String,
-    epoch: u32,
+    /// The newest epoch a step was requested for.
+    epoch: Option<u32>,
     actions: VecDeque<WorkerAction>,
 }
 
@@ -529,7 +530,7 @@ impl WorkerSession {
             reachable_at: now,
             backoff: FIRST_BACKOFF,
             last_failure: String::new(),
-            epoch: 0,
+            epoch: None,
             actions,
         }
     }
@@ -592,8 +593,8 @@ impl WorkerSession {
             (WorkerState::Serving { heard, .. }, SessionMsg::Request { step_epoch }) => {
                 *heard = now;
                 if let Some(e) = step_epoch {
-                    if e > self.epoch {
-                        self.epoch = e;
+                    if self.epoch.is_none_or(|newest| e > newest) {
+                        self.epoch = Some(e);
                         self.actions.push_back(WorkerAction::EpochStarted(e));
                     }
                 }

@@ -313,8 +313,10 @@ fn a_worker_joins_sets_up_serves_and_says_bye() {
     let step = |e| SessionMsg::Request {
         step_epoch: Some(e),
     };
+    w.handle_message(0, step(0), t0 + 3 * S);
     w.handle_message(0, step(1), t0 + 3 * S);
     w.handle_message(0, step(1), t0 + 3 * S);
+    w.handle_message(0, step(0), t0 + 3 * S);
     w.handle_message(0, SessionMsg::Request { step_epoch: None }, t0 + 3 * S);
     w.handle_message(0, step(2), t0 + 4 * S);
     let acts = drain(|| w.poll_action());
