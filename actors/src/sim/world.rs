@@ -10,6 +10,9 @@ use crate::protocol::epoch::{
 };
 use crate::protocol::messages::Step;
 use crate::protocol::partition::PartitionAction;
+use crate::protocol::session::{
+    CoordAction, CoordState, CoordinatorConfig, CoordinatorSession, SessionMsg, Verdict,
+};
 use crate::protocol::state::{GlobalCounts, PartitionState};
 use crate::{ActorError, Recovery};
 use std::cmp::Reverse;
@@ -289,6 +292,8 @@ pub struct SimRun<'g> {
     unrecoverable: bool,
     /// Replicas sent and not delivered yet: (to, part, step) -> copies.
     replicas_in_flight: BTreeMap<(u32, u32, u32), u32>,
+    /// The coordinator's cluster session (join, setup, fencing, finish) of this incarnation.
+    session: CoordinatorSession,
 }
 
 impl<'g> SimRun<'g> {
@@ -332,7 +337,107 @@ impl<'g> SimRun<'g> {
             coordinator_crash: false,
             unrecoverable: false,
             replicas_in_flight: BTreeMap::new(),
+            session: Self::new_session(s.nodes, Instant::now()),
             s,
+        }
+    }
+
+    fn new_session(nodes: u32, now: Instant) -> CoordinatorSession {
+        CoordinatorSession::new(
+            CoordinatorConfig {
+                me: COORDINATOR,
+                workers: (0..nodes).filter(|&n| n != COORDINATOR).collect(),
+                addr: format!("sim-node-{COORDINATOR}"),
+                join_within: Duration::from_secs(300),
+                setup_within: Duration::from_secs(300),
+            },
+            now,
+        )
+    }
+
+    /// Every node process (re)starts: each joins and, once set up, is ready; the session must
+    /// then start training, having sent one setup naming every node.
+    fn open_session(&mut self) {
+        let now = self.coord_now();
+        self.session = Self::new_session(self.s.nodes, now);
+        for n in 0..self.s.nodes {
+            if n != COORDINATOR {
+                let addr = format!("sim-node-{n}");
+                self.session
+                    .handle_message(n, SessionMsg::Join { addr }, now);
+            }
+        }
+        for n in 0..self.s.nodes {
+            if n != COORDINATOR {
+                self.session.handle_message(n, SessionMsg::Ready, now);
+            }
+        }
+        let mut setups = 0;
+        while let Some(a) = self.session.poll_action() {
+            match a {
+                CoordAction::SendSetups { peers } if peers.len() == self.s.nodes as usize => {
+                    setups += 1
+                }
+                CoordAction::StartTraining => {}
+                other => {
+                    self.violation
+                        .get_or_insert(format!("session start: unexpected {other:?}"));
+                }
+            }
+        }
+        if setups != 1 || self.session.state() != &CoordState::Training {
+            self.violation.get_or_insert(format!(
+                "session start: {setups} setups, state {:?}",
+                self.session.state()
+            ));
+        }
+    }
+
+    /// Training ended: the session finishes every live node and none that was fenced, each
+    /// answers `Bye`, and the session is over with none missing.
+    fn close_session(&mut self, outcome: Result<(), String>) {
+        let now = self.coord_now();
+        for (n, node) in self.nodes.iter().enumerate() {
+            if node.fenced {
+                self.session.handle_fenced(n as u32);
+            }
+        }
+        let ok = outcome.is_ok();
+        self.session.handle_training_over(outcome, now);
+        let mut told = Vec::new();
+        while let Some(a) = self.session.poll_action() {
+            match a {
+                CoordAction::SendFinish { nodes } | CoordAction::SendAbort { nodes, .. } => {
+                    told = nodes
+                }
+                CoordAction::Done { .. } => {}
+                other => {
+                    self.violation
+                        .get_or_insert(format!("session end: unexpected {other:?}"));
+                }
+            }
+        }
+        if let Some(n) = told.iter().find(|&&n| self.nodes[n as usize].fenced) {
+            self.violation.get_or_insert(format!(
+                "the session told fenced node {n} that the run ended"
+            ));
+        }
+        if ok {
+            for &n in &told {
+                self.session.handle_message(n, SessionMsg::Bye, now);
+            }
+            while let Some(a) = self.session.poll_action() {
+                if !matches!(&a, CoordAction::Done { missing_byes } if missing_byes.is_empty()) {
+                    self.violation
+                        .get_or_insert(format!("session bye: unexpected {a:?}"));
+                }
+            }
+        }
+        if self.session.state() != &CoordState::Over {
+            self.violation.get_or_insert(format!(
+                "the session did not end: {:?}",
+                self.session.state()
+            ));
         }
     }
 
@@ -375,6 +480,7 @@ impl<'g> SimRun<'g> {
         if let Err(e) = self.start_partitions(None) {
             self.violation = Some(format!("setting up the partitions failed: {e}"));
         } else {
+            self.open_session();
             self.machine.start(self.coord_now());
             self.main_loop();
         }
@@ -587,7 +693,22 @@ impl<'g> SimRun<'g> {
             n.waiting.push((from, msg));
             return;
         }
-        // The transport refuses everything from a fenced node.
+        // The session must refuse whatever a fenced node sends the coordinator (checked
+        // against the simulator's own record); the transport refuses it first.
+        if to == COORDINATOR {
+            let kind = match &msg {
+                Msg::Replica(_) => SessionMsg::Replica,
+                _ => SessionMsg::Other("a reply".into()),
+            };
+            let now = self.coord_now();
+            let verdict = self.session.handle_message(from, kind, now);
+            while self.session.poll_action().is_some() {}
+            if self.nodes[from as usize].fenced && verdict == Verdict::Accept {
+                self.violation.get_or_insert(format!(
+                    "the session accepted a message from fenced node {from}"
+                ));
+            }
+        }
         if self.nodes[from as usize].fenced {
             return;
         }
@@ -800,11 +921,13 @@ impl<'g> SimRun<'g> {
                     }
                 }
                 EpochAction::Finished(done) => {
+                    self.close_session(Ok(()));
                     self.outcome = Some(SimOutcome::Finished {
                         digest: done.digest,
                     });
                 }
                 EpochAction::Failed(e) => {
+                    self.close_session(Err(e.to_string()));
                     let expected = self.unrecoverable;
                     self.outcome = Some(SimOutcome::Failed {
                         error: e.to_string(),
@@ -929,6 +1052,7 @@ impl<'g> SimRun<'g> {
             let old = self.placement[p as usize];
             if self.lost.contains(&old) {
                 self.nodes[old as usize].fenced = true;
+                self.session.handle_fenced(old);
             }
             let candidate = (1..self.s.nodes).find(|&n| {
                 let node = &self.nodes[n as usize];
@@ -1051,6 +1175,7 @@ impl<'g> SimRun<'g> {
             return;
         }
         self.machine = Self::new_machine(self.graph, &self.s, committed, logs);
+        self.open_session();
         let now = self.coord_now();
         self.machine.start(now);
     }

@@ -323,7 +323,11 @@ fn a_worker_joins_sets_up_serves_and_says_bye() {
     assert!(
         matches!(
             acts[..],
-            [WorkerAction::EpochStarted(1), WorkerAction::EpochStarted(2)]
+            [
+                WorkerAction::EpochStarted(0),
+                WorkerAction::EpochStarted(1),
+                WorkerAction::EpochStarted(2)
+            ]
         ),
         "each epoch starts once: {acts:?}"
     );
