@@ -151,6 +151,16 @@ fn a_killed_node_is_recovered_with_identical_weights() {
         .map(|(_, v)| v.as_u64().unwrap())
         .sum();
     assert!(shipped > 0, "no replica bytes in {counters}");
+    // ...and timed each transfer until the replica node acknowledged it.
+    let latency = faulty.report.as_ref().unwrap()["latency"].clone();
+    let acked: u64 = latency
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| k.starts_with("replica_transfer{"))
+        .map(|(_, v)| v["count"].as_u64().unwrap())
+        .sum();
+    assert!(acked > 0, "no replica transfer timed in {latency}");
     let nodes = faulty.report.as_ref().unwrap()["nodes"]
         .as_array()
         .unwrap()

@@ -32,10 +32,20 @@ pub mod names {
     pub const RESTARTS: &str = "restarts";
     /// Bytes of committed partition state shipped to replica nodes, per partition.
     pub const REPLICA_BYTES: &str = "replica_bytes";
+    /// From shipping a partition's state to a replica node until that node acknowledged
+    /// storing it (QUIC transfer, queueing behind other traffic included), per partition.
+    pub const REPLICA_TRANSFER: &str = "replica_transfer";
     /// Connections a node refused (foreign or missing certificate, wrong node id, bad hello).
     pub const REFUSED_CONNECTIONS: &str = "refused_connections";
     /// Every histogram name.
-    pub const HISTOGRAMS: [&str; 5] = [STEP, HALO_EXCHANGE, ALL_REDUCE, RECOVERY, REPLICATE];
+    pub const HISTOGRAMS: [&str; 6] = [
+        STEP,
+        HALO_EXCHANGE,
+        ALL_REDUCE,
+        RECOVERY,
+        REPLICATE,
+        REPLICA_TRANSFER,
+    ];
     /// Every counter name.
     pub const COUNTERS: [&str; 5] = [
         HALO_BYTES,

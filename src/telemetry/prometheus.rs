@@ -26,6 +26,9 @@ pub fn help(name: &str) -> &'static str {
         names::HALO_MESSAGES => "Halo blocks sent",
         names::RESTARTS => "Partition restarts",
         names::REPLICA_BYTES => "Bytes of committed partition state shipped to replica nodes",
+        names::REPLICA_TRANSFER => {
+            "From shipping a partition's state to a replica node until it acknowledged storing it"
+        }
         names::REFUSED_CONNECTIONS => {
             "Connections refused: foreign or missing certificate, wrong node id, bad hello"
         }

@@ -266,6 +266,7 @@ async fn drive(
         late_tx,
         job.set.clone(),
         local.replicas().clone(),
+        shipper.clone(),
     ));
     let mut handles = local_handles(&local);
     for (p, &node) in placement.iter().enumerate() {
@@ -693,11 +694,18 @@ async fn dispatch(
     late: tmpsc::UnboundedSender<Late>,
     set: PartitionSet,
     replicas: Arc<crate::replica::ReplicaStore>,
+    shipper: Arc<ReplicaShipper>,
 ) {
     loop {
         match inbox.next(None, Duration::from_secs(3600)).await {
             Ok((from, ControlMsg::Reply { id, body })) => client.on_reply(from, id, body),
-            Ok((_, ControlMsg::Replica(r))) => replicas.put_remote(r.into()),
+            Ok((from, ControlMsg::Replica(r))) => {
+                let (part, epoch) = (r.part, r.epoch);
+                replicas.put_remote(r.into());
+                let ack = ControlMsg::ReplicaAck { part, epoch }.encode();
+                let _ = client.transport().send_control(from, ack);
+            }
+            Ok((from, ControlMsg::ReplicaAck { part, epoch })) => shipper.acked(from, part, epoch),
             // A node adopting a lost node's partition may lack its file.
             Ok((from, ControlMsg::FetchPart { part })) => {
                 ship(client.transport().clone(), &set, from, part)

@@ -7,6 +7,7 @@ use crate::protocol::state::{GlobalCounts, PartitionState};
 use crate::replica::ReplicaStore;
 use crate::shells::supervisor::NodeSupervisor;
 use crate::ActorError;
+use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
@@ -238,6 +239,16 @@ pub struct ReplicaShipper {
     ids: Vec<u32>,
     replicas: usize,
     placement: std::sync::Mutex<Vec<u32>>,
+    /// When each replica not yet acknowledged was shipped.
+    in_flight: std::sync::Mutex<HashMap<ShippedReplica, Instant>>,
+}
+
+/// One replica on its way: partition `part`'s state after step `epoch`, to node `to`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct ShippedReplica {
+    part: u32,
+    epoch: u32,
+    to: u32,
 }
 
 impl ReplicaShipper {
@@ -252,7 +263,28 @@ impl ReplicaShipper {
             ids,
             replicas,
             placement: std::sync::Mutex::new(placement),
+            in_flight: std::sync::Mutex::new(HashMap::new()),
         })
+    }
+
+    /// Node `from` stored partition `part`'s state of step `epoch`: the transfer's time goes
+    /// into the `replica_transfer` histogram.
+    pub fn acked(&self, from: u32, part: u32, epoch: u32) {
+        let key = ShippedReplica {
+            part,
+            epoch,
+            to: from,
+        };
+        let shipped = self
+            .in_flight
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&key);
+        if let Some(at) = shipped {
+            use trellis_runtime::metrics::{names, Key, Metrics};
+            let key = Key::new(names::REPLICA_TRANSFER).with("partition", part);
+            Metrics::global().record(key, at.elapsed());
+        }
     }
 
     /// Follows a re-placement: replicas go to the new owner's replica nodes.
@@ -271,7 +303,23 @@ impl ReplicaShipper {
             return;
         };
         let msg = ControlMsg::Replica((&bytes).into()).encode();
-        for node in super::config::replica_nodes(&self.ids, owner, self.replicas) {
+        let nodes = super::config::replica_nodes(&self.ids, owner, self.replicas);
+        {
+            let mut in_flight = self.in_flight.lock().unwrap_or_else(|p| p.into_inner());
+            // Replicas of older steps that were never acknowledged (their node was lost)
+            // are forgotten: at most two steps per partition are in flight.
+            in_flight.retain(|k, _| k.part != bytes.part || k.epoch + 1 >= bytes.epoch);
+            let now = Instant::now();
+            for &to in &nodes {
+                let key = ShippedReplica {
+                    part: bytes.part,
+                    epoch: bytes.epoch,
+                    to,
+                };
+                in_flight.insert(key, now);
+            }
+        }
+        for node in nodes {
             if let Err(e) = self.transport.send_control(node, msg.clone()) {
                 tracing::warn!("replica of partition {} to node {node}: {e}", bytes.part);
             }

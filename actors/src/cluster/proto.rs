@@ -45,6 +45,9 @@ pub enum ControlMsg {
     Abort { reason: String },
     /// Node -> replica node: a partition's committed state after a step.
     Replica(ReplicaWire),
+    /// Replica node -> the node that shipped it: partition `part`'s state after step `epoch`
+    /// is stored (the shipper times the transfer).
+    ReplicaAck { part: u32, epoch: u32 },
 }
 
 /// A partition's committed state after step `epoch`, and the BLAKE3 digest the sender
@@ -217,7 +220,7 @@ impl ControlMsg {
                     _ => None,
                 },
             },
-            ControlMsg::Replica(_) => S::Replica,
+            ControlMsg::Replica(_) | ControlMsg::ReplicaAck { .. } => S::Replica,
             ControlMsg::Finish => S::Finish,
             ControlMsg::Bye { .. } => S::Bye,
             ControlMsg::Abort { reason } => S::Abort {

@@ -78,7 +78,7 @@ async fn serve(
     let mut traffic: Option<NodeTraffic> = None;
     // A message the session accepted, carried out after the actions it caused (an epoch's
     // faults and filter come before its first step is answered).
-    let mut pending: Option<ControlMsg> = None;
+    let mut pending: Option<(u32, ControlMsg)> = None;
     loop {
         while let Some(action) = session.poll_action() {
             match action {
@@ -142,8 +142,15 @@ async fn serve(
             }
         }
         match (pending.take(), hosted.as_mut()) {
-            (Some(ControlMsg::Replica(r)), Some(h)) => h.node.replicas().put_remote(r.into()),
-            (Some(ControlMsg::Request { id, part, req }), Some(h)) => {
+            (Some((from, ControlMsg::Replica(r))), Some(h)) => {
+                let (part, epoch) = (r.part, r.epoch);
+                h.node.replicas().put_remote(r.into());
+                let _ = ep.send(from, &ControlMsg::ReplicaAck { part, epoch });
+            }
+            (Some((from, ControlMsg::ReplicaAck { part, epoch })), Some(h)) => {
+                h.shipper.acked(from, part, epoch)
+            }
+            (Some((_, ControlMsg::Request { id, part, req })), Some(h)) => {
                 on_request(ep, &mut inbox, coord, h, id, part, req).await?
             }
             _ => {}
@@ -160,7 +167,7 @@ async fn serve(
                     }
                 }
                 if session.handle_message(from, msg.session(), now) == Verdict::Accept {
-                    pending = Some(msg);
+                    pending = Some((from, msg));
                 }
             }
             InboxEvent::PeerDown { node, detail } if node == coord => {
