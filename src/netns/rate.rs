@@ -98,6 +98,11 @@ impl FromStr for LinkRate {
             .find(|c: char| !(c.is_ascii_digit() || c == '.'))
             .ok_or_else(|| bad("a unit is missing: write e.g. 100mbit, 1gbit or 10gbit"))?;
         let (number, unit) = text.split_at(split);
+        if number.is_empty() {
+            return Err(bad(
+                "not a number before the unit: write e.g. 100mbit, 1gbit or 10gbit",
+            ));
+        }
         let scale: f64 = match unit.trim() {
             "bit" => 1.0,
             "kbit" => 1e3,
