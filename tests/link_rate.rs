@@ -274,3 +274,39 @@ fn a_link_delay_works_with_netem_or_is_refused_saying_netem_is_missing() {
     // Either way nothing of it remains.
     assert_eq!(leftovers(&format!("trellis-{pid}-")), Vec::<String>::new());
 }
+
+#[test]
+fn bench_comm_prints_the_reference_and_the_emulated_rows() {
+    if !can_build_networks("bench comm") {
+        return;
+    }
+    let out = trellis()
+        .args(["bench", "comm", "--nodes", "2", "--epochs", "2", "--seeds", "2"])
+        .args(["--data", DATA, "--link-rate", "100mbit", "--probe-ms", "500"])
+        .output()
+        .unwrap();
+    let text = binary::assert_ok(&out);
+    let row = |label: &str| -> Vec<String> {
+        let line = text
+            .lines()
+            .find(|l| l.starts_with(&format!("| {label} |")))
+            .unwrap_or_else(|| panic!("no row {label:?} in\n{text}"));
+        line.split('|').map(|c| c.trim().to_string()).collect()
+    };
+    let reference = row("exact (loopback, reference)");
+    let limited = row("exact (100 Mbit/s)");
+    // | name | halo | wire | epoch | ratio | acc | weights |
+    for cells in [&reference, &limited] {
+        let halo: f64 = cells[2].parse().unwrap();
+        let epoch: f64 = cells[4].parse().unwrap();
+        assert!(halo > 0.0 && epoch > 0.0, "{cells:?}");
+        assert_eq!(cells[7], "= reference", "{cells:?}");
+    }
+    // Exactness does not depend on the network: same bytes, same accuracy.
+    assert_eq!(reference[2], limited[2]);
+    assert_eq!(reference[6], limited[6]);
+    assert_eq!(reference[5], "1.00x");
+    let link = text.lines().find(|l| l.starts_with("link: ")).unwrap();
+    assert!(link.contains("100 Mbit/s configured"), "{link}");
+    assert!(text.contains("a perfect overlap would hide"), "{text}");
+}
