@@ -295,17 +295,24 @@ fn bench_comm_prints_the_reference_and_the_emulated_rows() {
     };
     let reference = row("exact (loopback, reference)");
     let limited = row("exact (100 Mbit/s)");
-    // | name | halo | wire | epoch | ratio | acc | weights |
+    // | name | halo | link | drops | epoch | ratio | acc | weights |
     for cells in [&reference, &limited] {
         let halo: f64 = cells[2].parse().unwrap();
-        let epoch: f64 = cells[4].parse().unwrap();
+        let epoch: f64 = cells[5].parse().unwrap();
         assert!(halo > 0.0 && epoch > 0.0, "{cells:?}");
-        assert_eq!(cells[7], "= reference", "{cells:?}");
+        assert_eq!(cells[8], "= reference", "{cells:?}");
     }
     // Exactness does not depend on the network: same bytes, same accuracy.
     assert_eq!(reference[2], limited[2]);
-    assert_eq!(reference[6], limited[6]);
-    assert_eq!(reference[5], "1.00x");
+    assert_eq!(reference[7], limited[7]);
+    assert_eq!(reference[6], "1.00x");
+    // One partition per node: every halo row crossed a link, so the links carried at least
+    // the halo bytes (loopback has no link counters).
+    assert_eq!(reference[3], "-");
+    let link: f64 = limited[3].parse().unwrap();
+    let halo: f64 = limited[2].parse().unwrap();
+    assert!(link >= halo, "{limited:?}");
+    assert!(limited[4].parse::<u64>().is_ok(), "{limited:?}");
     let link = text.lines().find(|l| l.starts_with("link: ")).unwrap();
     assert!(link.contains("100 Mbit/s configured"), "{link}");
     assert!(text.contains("a perfect overlap would hide"), "{text}");

@@ -3,11 +3,12 @@
 //! node link) for each configuration of [`CONFIGS`], and the exact configuration also on
 //! loopback as the reference; runs alternate (every configuration per seed before the next
 //! seed), so drift during the command weighs on all alike. Numbers come from the run
-//! reports: halo bytes and epoch times from the epoch log, bytes on the wire from each node's
-//! QUIC traffic, test accuracy (mean over `--seeds`). The link's achieved rate is measured on
-//! the same network before the runs.
+//! reports (halo bytes and epoch times from the epoch log, test accuracy as the mean over
+//! `--seeds`) and from the links themselves: the bytes each node's link carried (kernel
+//! counters: every frame, headers included) and the packets its token buckets dropped. The
+//! link's achieved rate is measured on the same network before the runs.
 use super::launch::{create_net, launch_cluster_on, stopped, ClusterOptions};
-use crate::netns::{EmulatedNet, LinkRate, NetSpec};
+use crate::netns::{EmulatedNet, LinkCounters, LinkRate, NetSpec};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::path::Path;
@@ -94,19 +95,43 @@ struct RunNumbers {
     seed: u32,
     /// Halo bytes moved between partitions per epoch (forward, backward and evaluation).
     halo_bytes: f64,
-    /// QUIC bytes all nodes sent per epoch (halo rows across nodes, gradients, control,
-    /// replicas).
-    wire_bytes: f64,
-    /// The busiest node link's bytes per epoch: the larger of what one node sent and received.
-    busiest_link_bytes: f64,
+    /// What the emulated links carried (none on loopback).
+    link: Option<LinkNumbers>,
     /// Whole epochs (training step and evaluation), ms, the first left out when there are more.
     epoch_ms: Vec<f64>,
     test_acc: f64,
     digest: String,
 }
 
+/// What the links carried during one run, per epoch.
+struct LinkNumbers {
+    /// Bytes all nodes sent.
+    bytes: f64,
+    /// The busiest node link's bytes: the larger of what one node sent and received.
+    busiest: f64,
+    /// Packets the token buckets dropped (whole run).
+    drops: u64,
+}
+
+impl LinkNumbers {
+    fn of(counters: &[LinkCounters], epochs: usize) -> Self {
+        let per_epoch = |b: u64| b as f64 / epochs.max(1) as f64;
+        LinkNumbers {
+            bytes: per_epoch(counters.iter().map(|c| c.tx_bytes).sum()),
+            busiest: per_epoch(
+                counters
+                    .iter()
+                    .map(|c| c.tx_bytes.max(c.rx_bytes))
+                    .max()
+                    .unwrap_or(0),
+            ),
+            drops: counters.iter().map(|c| c.drops).sum(),
+        }
+    }
+}
+
 impl RunNumbers {
-    fn of(seed: u32, r: &RunReport) -> Result<Self> {
+    fn of(seed: u32, r: &RunReport, link: Option<&[LinkCounters]>) -> Result<Self> {
         let epochs = r.epochs_log.len();
         if epochs == 0 {
             bail!("the run's report has no epochs");
@@ -116,14 +141,7 @@ impl RunNumbers {
         Ok(Self {
             seed,
             halo_bytes: per_epoch(r.epochs_log.iter().map(|l| l.halo_bytes).sum()),
-            wire_bytes: per_epoch(r.nodes.iter().map(|n| n.bytes_sent).sum()),
-            busiest_link_bytes: per_epoch(
-                r.nodes
-                    .iter()
-                    .map(|n| n.bytes_sent.max(n.bytes_received))
-                    .max()
-                    .unwrap_or(0),
-            ),
+            link: link.map(|c| LinkNumbers::of(c, epochs)),
             epoch_ms: r
                 .epochs_log
                 .iter()
@@ -146,6 +164,12 @@ impl Row {
 
     fn mean(&self, f: impl Fn(&RunNumbers) -> f64) -> f64 {
         self.runs.iter().map(f).sum::<f64>() / self.runs.len() as f64
+    }
+
+    /// The mean of `f` over the runs' link numbers; `None` on loopback.
+    fn link_mean(&self, f: impl Fn(&LinkNumbers) -> f64) -> Option<f64> {
+        let values: Vec<f64> = self.runs.iter().filter_map(|r| r.link.as_ref()).map(f).collect();
+        (!values.is_empty()).then(|| values.iter().sum::<f64>() / values.len() as f64)
     }
 
     fn epoch_ms(&self) -> f64 {
@@ -222,9 +246,20 @@ pub fn run(a: CommBenchArgs) -> Result<()> {
             let on = (row.network == Network::Emulated).then_some(&net);
             eprintln!("bench comm: {} seed {seed} ...", row.label(a.link_rate));
             let name = format!("run-{i}-{seed}");
+            let before = on.map(EmulatedNet::counters).transpose()?;
             let report = run_one(&a, on, tmp.path(), &name, seed, config.args)
                 .with_context(|| format!("{} seed {seed}", row.label(a.link_rate)))?;
-            row.runs.push(RunNumbers::of(seed, &report)?);
+            let link = match (on, before) {
+                (Some(net), Some(before)) => Some(
+                    net.counters()?
+                        .iter()
+                        .zip(&before)
+                        .map(|(after, before)| after.since(before))
+                        .collect::<Vec<_>>(),
+                ),
+                _ => None,
+            };
+            row.runs.push(RunNumbers::of(seed, &report, link.as_deref())?);
         }
     }
     drop(net);
@@ -293,9 +328,9 @@ fn print_table(a: &CommBenchArgs, rows: &[Row], probe: &str) {
     );
     println!("link: {probe}");
     println!(
-        "| configuration | halo MB/epoch | wire MB/epoch | epoch ms | vs reference | test acc % | weights |"
+        "| configuration | halo MB/epoch | link MB/epoch | tbf drops | epoch ms | vs reference | test acc % | weights |"
     );
-    println!("|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|");
     let reference = &rows[0];
     let ref_ms = reference.epoch_ms();
     for row in rows {
@@ -305,11 +340,21 @@ fn print_table(a: &CommBenchArgs, rows: &[Row], probe: &str) {
             .iter()
             .zip(&reference.runs)
             .all(|(r, base)| r.seed == base.seed && r.digest == base.digest);
+        let (link, drops) = match row.link_mean(|l| l.bytes) {
+            Some(bytes) => (
+                format!("{:.2}", mb(bytes)),
+                row.runs
+                    .iter()
+                    .filter_map(|r| r.link.as_ref().map(|l| l.drops))
+                    .sum::<u64>()
+                    .to_string(),
+            ),
+            None => ("-".to_string(), "-".to_string()),
+        };
         println!(
-            "| {} | {:.2} | {:.2} | {:.1} | {:.2}x | {acc:.2} ± {sd:.2} | {} |",
+            "| {} | {:.2} | {link} | {drops} | {:.1} | {:.2}x | {acc:.2} ± {sd:.2} | {} |",
             row.label(a.link_rate),
             mb(row.mean(|r| r.halo_bytes)),
-            mb(row.mean(|r| r.wire_bytes)),
             row.epoch_ms(),
             row.epoch_ms() / ref_ms,
             if same { "= reference" } else { "differ" }
@@ -317,10 +362,12 @@ fn print_table(a: &CommBenchArgs, rows: &[Row], probe: &str) {
     }
     println!(
         "epoch = training step + evaluation (median over runs, the first epoch of each left out); \
-         wire = QUIC bytes all nodes sent (halo rows between nodes, gradients, control, replicas)"
+         halo = rows and gradients moved between partitions (run report); link = bytes all \
+         nodes' links sent (kernel counters: halo, gradients, replicas, control, all headers); \
+         tbf drops = packets the token buckets dropped (all runs)"
     );
     for row in rows.iter().filter(|r| r.network == Network::Emulated) {
-        let busiest = row.mean(|r| r.busiest_link_bytes);
+        let busiest = row.link_mean(|l| l.busiest).unwrap_or(0.0);
         let o = overlap(busiest, a.link_rate, ref_ms);
         println!(
             "{}: the busiest node link carries {:.2} MB/epoch = {:.1} ms at {}; beside {:.1} ms of \

@@ -5,19 +5,22 @@
 //!
 //! This module owns the namespaces, links and qdiscs of one emulated network: it creates them
 //! ([`EmulatedNet::create`]), runs processes inside them ([`EmulatedNet::enter`]), measures the
-//! rate the links achieve ([`EmulatedNet::probe`]) and removes everything when dropped (and
+//! rate the links achieve ([`EmulatedNet::probe`]), reads what crossed each link
+//! ([`EmulatedNet::counters`]) and removes everything when dropped (and
 //! removes what a killed launcher left behind: [`remove_leftovers`]). `trellis launch
 //! --link-rate` and `trellis bench comm` use it.
 //!
 //! Names carry the creating process's pid (`trellis-<pid>-n<i>`, `trellis-<pid>-br`), so
 //! concurrent launchers never collide and leftovers are recognised by their prefix.
 mod command;
+mod counters;
 mod net;
 mod probe;
 mod rate;
 mod subnet;
 
 pub use command::check_privileges;
+pub use counters::LinkCounters;
 pub use net::{remove_leftovers, EmulatedNet, NetSpec, MAX_NODES};
 pub use probe::ProbeResult;
 pub use rate::{LinkRate, TbfParams};

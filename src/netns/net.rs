@@ -211,6 +211,11 @@ impl EmulatedNet {
         self.subnet.node_addr(i)
     }
 
+    /// The bridge's namespace name.
+    pub fn bridge_namespace(&self) -> &str {
+        &self.bridge
+    }
+
     /// Node `i`'s namespace name.
     pub fn namespace(&self, i: u32) -> &str {
         &self.nodes[i as usize].name
