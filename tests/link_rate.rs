@@ -38,7 +38,10 @@ fn can_build_networks(test: &str) -> bool {
 fn leftovers(prefix: &str) -> Vec<String> {
     let mut found = Vec::new();
     for args in [&["netns", "list"][..], &["-o", "link", "show"][..]] {
-        let out = std::process::Command::new("ip").args(args).output().unwrap();
+        let out = std::process::Command::new("ip")
+            .args(args)
+            .output()
+            .unwrap();
         found.extend(
             String::from_utf8_lossy(&out.stdout)
                 .lines()
@@ -67,7 +70,15 @@ fn processes_mentioning(text: &str) -> Vec<u32> {
 fn launch(dir: &Path, extra: &[&str], epochs: u32) -> (Output, std::path::PathBuf, u32) {
     let report = dir.join(format!("report-{}.json", extra.len()));
     let child = trellis()
-        .args(["launch", "--nodes", "2", "--partitions", "3", "--data", DATA])
+        .args([
+            "launch",
+            "--nodes",
+            "2",
+            "--partitions",
+            "3",
+            "--data",
+            DATA,
+        ])
         .args(["--epochs", &epochs.to_string(), "--report"])
         .arg(&report)
         .args(extra)
@@ -93,7 +104,15 @@ fn bad_link_options_are_refused_naming_the_value() {
         ("3parsecs", "unknown unit"),
     ] {
         let out = trellis()
-            .args(["launch", "--nodes", "2", "--epochs", "1", "--link-rate", rate])
+            .args([
+                "launch",
+                "--nodes",
+                "2",
+                "--epochs",
+                "1",
+                "--link-rate",
+                rate,
+            ])
             .output()
             .unwrap();
         let err = stderr(&out);
@@ -111,7 +130,15 @@ fn bad_link_options_are_refused_naming_the_value() {
     assert!(!out.status.success());
     assert!(stderr(&out).contains("--link-rate"), "{}", stderr(&out));
     let out = trellis()
-        .args(["launch", "--link-rate", "1gbit", "--link-mtu", "100", "--epochs", "1"])
+        .args([
+            "launch",
+            "--link-rate",
+            "1gbit",
+            "--link-mtu",
+            "100",
+            "--epochs",
+            "1",
+        ])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
@@ -123,7 +150,9 @@ fn without_network_privileges_the_launch_says_what_it_needs() {
     let mut cmd = if can_build_networks("privileged half of the refusal test") {
         // Root here: drop the two capabilities from the bounding set, so the launcher runs
         // without them (as root in a restricted container would).
-        let setpriv = std::process::Command::new("setpriv").arg("--version").output();
+        let setpriv = std::process::Command::new("setpriv")
+            .arg("--version")
+            .output();
         if !setpriv.is_ok_and(|o| o.status.success()) {
             println!("SKIPPED: refusal without privileges: `setpriv` is not installed");
             return;
@@ -136,7 +165,15 @@ fn without_network_privileges_the_launch_says_what_it_needs() {
         trellis()
     };
     let out = cmd
-        .args(["launch", "--nodes", "2", "--link-rate", "1gbit", "--data", DATA])
+        .args([
+            "launch",
+            "--nodes",
+            "2",
+            "--link-rate",
+            "1gbit",
+            "--data",
+            DATA,
+        ])
         .args(["--epochs", "1"])
         .output()
         .unwrap();
@@ -172,11 +209,17 @@ fn a_rate_limited_launch_ends_with_the_loopback_weights_and_leaves_nothing() {
     assert!(limited.status.success(), "{}\n{out}", stderr(&limited));
     let a = read_report(&loop_report);
     let b = read_report(&limited_report);
-    assert_eq!(a["weights_digest"], b["weights_digest"], "the network changed the result");
+    assert_eq!(
+        a["weights_digest"], b["weights_digest"],
+        "the network changed the result"
+    );
     assert_eq!(a["epochs_log"].as_array().unwrap().len(), 4);
     // The nodes ran on the emulated network's addresses, not loopback.
     let cluster = std::fs::read_to_string(run_dir.join("cluster.toml")).unwrap();
-    assert!(cluster.contains("addr = \"10.") || cluster.contains("addr = \"172."), "{cluster}");
+    assert!(
+        cluster.contains("addr = \"10.") || cluster.contains("addr = \"172."),
+        "{cluster}"
+    );
     for node in b["nodes"].as_array().unwrap() {
         let addr = node["addr"].as_str().unwrap();
         assert!(!addr.starts_with("127."), "node on loopback: {addr}");
@@ -206,7 +249,15 @@ fn a_launcher_stopped_by_sigterm_mid_run_removes_its_network_and_nodes() {
     let dir = tempfile::tempdir().unwrap();
     let run_dir = dir.path().join("run");
     let mut child: Child = trellis()
-        .args(["launch", "--nodes", "3", "--partitions", "3", "--data", DATA])
+        .args([
+            "launch",
+            "--nodes",
+            "3",
+            "--partitions",
+            "3",
+            "--data",
+            DATA,
+        ])
         .args(["--epochs", "100000", "--link-rate", "100mbit", "--dir"])
         .arg(&run_dir)
         .stdout(Stdio::null())
@@ -227,28 +278,50 @@ fn a_launcher_stopped_by_sigterm_mid_run_removes_its_network_and_nodes() {
     let start = Instant::now();
     let run_text = run_dir.to_str().unwrap().to_string();
     while !(run_dir.join("node-0.addr").exists() && processes_mentioning(&run_text).len() >= 3) {
-        assert!(start.elapsed() < Duration::from_secs(30), "the cluster never started");
-        assert!(guard.0.try_wait().unwrap().is_none(), "the launcher exited early");
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "the cluster never started"
+        );
+        assert!(
+            guard.0.try_wait().unwrap().is_none(),
+            "the launcher exited early"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
     std::thread::sleep(Duration::from_millis(500));
-    assert!(!leftovers(&prefix).is_empty(), "no namespaces named {prefix}*");
+    assert!(
+        !leftovers(&prefix).is_empty(),
+        "no namespaces named {prefix}*"
+    );
     // SAFETY: kill(2) with a pid this test spawned and has not reaped.
     assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGTERM) }, 0);
     let status = loop {
         if let Some(s) = guard.0.try_wait().unwrap() {
             break s;
         }
-        assert!(start.elapsed() < Duration::from_secs(60), "SIGTERM did not stop it");
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "SIGTERM did not stop it"
+        );
         std::thread::sleep(Duration::from_millis(20));
     };
     let mut err = String::new();
     use std::io::Read;
-    guard.0.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    guard
+        .0
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
     assert!(!status.success(), "{err}");
     assert!(err.contains("interrupted"), "{err}");
     assert_eq!(leftovers(&prefix), Vec::<String>::new(), "{err}");
-    assert_eq!(processes_mentioning(&run_text), Vec::<u32>::new(), "nodes still run");
+    assert_eq!(
+        processes_mentioning(&run_text),
+        Vec::<u32>::new(),
+        "nodes still run"
+    );
 }
 
 #[test]
@@ -257,8 +330,11 @@ fn a_link_delay_works_with_netem_or_is_refused_saying_netem_is_missing() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let (out, report, pid) =
-        launch(dir.path(), &["--link-rate", "1gbit", "--link-delay", "2"], 2);
+    let (out, report, pid) = launch(
+        dir.path(),
+        &["--link-rate", "1gbit", "--link-delay", "2"],
+        2,
+    );
     if out.status.success() {
         let (looped, loop_report, _) = launch(dir.path(), &[], 2);
         assert!(looped.status.success(), "{}", stderr(&looped));
@@ -281,8 +357,17 @@ fn bench_comm_prints_the_reference_and_the_emulated_rows() {
         return;
     }
     let out = trellis()
-        .args(["bench", "comm", "--nodes", "2", "--epochs", "2", "--seeds", "2"])
-        .args(["--data", DATA, "--link-rate", "100mbit", "--probe-ms", "500"])
+        .args([
+            "bench", "comm", "--nodes", "2", "--epochs", "2", "--seeds", "2",
+        ])
+        .args([
+            "--data",
+            DATA,
+            "--link-rate",
+            "100mbit",
+            "--probe-ms",
+            "500",
+        ])
         .output()
         .unwrap();
     let text = binary::assert_ok(&out);

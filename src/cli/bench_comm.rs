@@ -3,7 +3,7 @@
 //! node link) for each configuration of [`CONFIGS`], and the exact configuration also on
 //! loopback as the reference; runs alternate (every configuration per seed before the next
 //! seed), so drift during the command weighs on all alike. Numbers come from the run
-//! reports (halo bytes and epoch times from the epoch log, test accuracy as the mean over
+//! reports (halo bytes from the counters, epoch times from the epoch log, test accuracy as the mean over
 //! `--seeds`) and from the links themselves: the bytes each node's link carried (kernel
 //! counters: every frame, headers included) and the packets its token buckets dropped. The
 //! link's achieved rate is measured on the same network before the runs.
@@ -13,6 +13,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::path::Path;
 use std::time::Duration;
+use trellis_runtime::metrics::names;
 use trellis_runtime::{report::median, RunReport};
 
 /// One row of the table: a name and the `train` options it adds to the common ones.
@@ -93,7 +94,8 @@ struct Row {
 /// What one run's report says, per epoch.
 struct RunNumbers {
     seed: u32,
-    /// Halo bytes moved between partitions per epoch (forward, backward and evaluation).
+    /// Halo bytes moved between partitions per epoch (forward, backward and evaluation: the
+    /// report's `halo_bytes` counters over the run, per epoch).
     halo_bytes: f64,
     /// What the emulated links carried (none on loopback).
     link: Option<LinkNumbers>,
@@ -140,7 +142,15 @@ impl RunNumbers {
         let skip = usize::from(epochs > 1);
         Ok(Self {
             seed,
-            halo_bytes: per_epoch(r.epochs_log.iter().map(|l| l.halo_bytes).sum()),
+            // The counters cover the whole epoch; the epoch log's `halo_bytes` only the
+            // training step (evaluation moves rows too).
+            halo_bytes: per_epoch(
+                r.counters
+                    .iter()
+                    .filter(|(k, _)| k.starts_with(&format!("{}{{", names::HALO_BYTES)))
+                    .map(|(_, v)| v)
+                    .sum(),
+            ),
             link: link.map(|c| LinkNumbers::of(c, epochs)),
             epoch_ms: r
                 .epochs_log
@@ -168,7 +178,12 @@ impl Row {
 
     /// The mean of `f` over the runs' link numbers; `None` on loopback.
     fn link_mean(&self, f: impl Fn(&LinkNumbers) -> f64) -> Option<f64> {
-        let values: Vec<f64> = self.runs.iter().filter_map(|r| r.link.as_ref()).map(f).collect();
+        let values: Vec<f64> = self
+            .runs
+            .iter()
+            .filter_map(|r| r.link.as_ref())
+            .map(f)
+            .collect();
         (!values.is_empty()).then(|| values.iter().sum::<f64>() / values.len() as f64)
     }
 
@@ -259,7 +274,8 @@ pub fn run(a: CommBenchArgs) -> Result<()> {
                 ),
                 _ => None,
             };
-            row.runs.push(RunNumbers::of(seed, &report, link.as_deref())?);
+            row.runs
+                .push(RunNumbers::of(seed, &report, link.as_deref())?);
         }
     }
     drop(net);
@@ -280,7 +296,9 @@ fn run_one(
     let parts = tmp.join("parts");
     let report = dir.join("report.json");
     let path = |p: &Path| -> Result<String> {
-        Ok(p.to_str().context("temporary path is not UTF-8")?.to_string())
+        Ok(p.to_str()
+            .context("temporary path is not UTF-8")?
+            .to_string())
     };
     let mut args: Vec<String> = vec![
         "--data".into(),
@@ -362,7 +380,7 @@ fn print_table(a: &CommBenchArgs, rows: &[Row], probe: &str) {
     }
     println!(
         "epoch = training step + evaluation (median over runs, the first epoch of each left out); \
-         halo = rows and gradients moved between partitions (run report); link = bytes all \
+         halo = rows and gradients moved between partitions in training and evaluation (run report's counters); link = bytes all \
          nodes' links sent (kernel counters: halo, gradients, replicas, control, all headers); \
          tbf drops = packets the token buckets dropped (all runs)"
     );

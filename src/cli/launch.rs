@@ -5,8 +5,8 @@
 //! when any node fails or on Ctrl-C / SIGTERM / SIGHUP. With `--link-rate` the nodes run in
 //! an emulated rate-limited network instead of loopback (`crate::netns`), removed on exit.
 use super::train::TrainArgs;
-use anyhow::{bail, Context, Result};
 use crate::netns::{remove_leftovers, EmulatedNet, LinkRate, NetSpec};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus};
@@ -66,7 +66,12 @@ pub struct LinkOptions {
     #[arg(long, value_name = "MS", requires = "link_rate")]
     pub link_delay: Option<u32>,
     /// MTU of the emulated links, bytes.
-    #[arg(long, value_name = "BYTES", default_value_t = 1500, requires = "link_rate")]
+    #[arg(
+        long,
+        value_name = "BYTES",
+        default_value_t = 1500,
+        requires = "link_rate"
+    )]
     pub link_mtu: u32,
     /// Measure the rate node 0 -> node 1 achieves (TCP, 2 s) before training, and print it.
     #[arg(long, requires = "link_rate")]
@@ -118,7 +123,10 @@ pub fn run(a: LaunchArgs) -> Result<()> {
     if let Some(net) = &net {
         println!("network: {}", net.describe());
         if a.link.probe_link && net.nodes() >= 2 {
-            println!("link: {}", net.probe(0, 1, Duration::from_secs(2))?.summary());
+            println!(
+                "link: {}",
+                net.probe(0, 1, Duration::from_secs(2))?.summary()
+            );
         }
     }
     let (dir, _tmp) = match &a.dir {
@@ -131,7 +139,14 @@ pub fn run(a: LaunchArgs) -> Result<()> {
         }
     };
     let parts = a.train.partition_dir.as_deref();
-    launch_cluster_on(&a.cluster, net.as_ref(), &dir, parts, &forwarded_args(), false)
+    launch_cluster_on(
+        &a.cluster,
+        net.as_ref(),
+        &dir,
+        parts,
+        &forwarded_args(),
+        false,
+    )
 }
 
 /// Removes what killed launchers left behind, then builds the network of `spec`.

@@ -37,11 +37,14 @@ const CAP_SYS_ADMIN: u32 = 21;
 pub fn check_privileges() -> Result<(), NetError> {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     let effective = parse_cap_eff(&status).unwrap_or(0);
-    let missing: Vec<&str> = [(CAP_NET_ADMIN, "CAP_NET_ADMIN"), (CAP_SYS_ADMIN, "CAP_SYS_ADMIN")]
-        .into_iter()
-        .filter(|(bit, _)| effective & (1u64 << bit) == 0)
-        .map(|(_, name)| name)
-        .collect();
+    let missing: Vec<&str> = [
+        (CAP_NET_ADMIN, "CAP_NET_ADMIN"),
+        (CAP_SYS_ADMIN, "CAP_SYS_ADMIN"),
+    ]
+    .into_iter()
+    .filter(|(bit, _)| effective & (1u64 << bit) == 0)
+    .map(|(_, name)| name)
+    .collect();
     if missing.is_empty() {
         Ok(())
     } else {
@@ -74,8 +77,14 @@ mod tests {
     fn a_failing_command_names_itself_and_its_stderr() {
         let e = run("sh", &["-c", "echo no such device >&2; exit 3"]).unwrap_err();
         let text = e.to_string();
-        assert!(text.contains("`sh -c echo no such device >&2; exit 3`"), "{text}");
-        assert!(text.contains("exit status: 3") && text.ends_with(": no such device"), "{text}");
+        assert!(
+            text.contains("`sh -c echo no such device >&2; exit 3`"),
+            "{text}"
+        );
+        assert!(
+            text.contains("exit status: 3") && text.ends_with(": no such device"),
+            "{text}"
+        );
         let e = run("trellis-no-such-program", &[]).unwrap_err();
         assert!(e.to_string().contains("iproute2"), "{e}");
     }

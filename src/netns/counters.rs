@@ -65,7 +65,10 @@ fn bad(ns: &str, text: &str) -> NetError {
 fn parse_link_bytes(json: &str) -> Option<(u64, u64)> {
     let v: serde_json::Value = serde_json::from_str(json).ok()?;
     let stats = &v.get(0)?["stats64"];
-    Some((stats["tx"]["bytes"].as_u64()?, stats["rx"]["bytes"].as_u64()?))
+    Some((
+        stats["tx"]["bytes"].as_u64()?,
+        stats["rx"]["bytes"].as_u64()?,
+    ))
 }
 
 /// Drops of the tbf qdisc in `tc -s -j qdisc show dev X`.

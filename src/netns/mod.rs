@@ -68,7 +68,9 @@ pub enum NetError {
     )]
     NetemMissing { detail: String },
     /// Every candidate subnet overlaps an address or route of the host.
-    #[error("no free /24 for the emulated network: {tried} all overlap the host's addresses or routes")]
+    #[error(
+        "no free /24 for the emulated network: {tried} all overlap the host's addresses or routes"
+    )]
     NoSubnet { tried: String },
     /// More nodes than one /24 holds.
     #[error("an emulated network holds at most {max} nodes, not {nodes}")]

@@ -151,7 +151,8 @@ impl EmulatedNet {
             tc(&br, &bridge_side)?;
             if let Some(delay) = self.spec.delay_ms {
                 // Room for everything in flight during the delay at the link's rate.
-                let packets = (self.spec.rate.bytes_per_sec() * f64::from(delay) / 1000.0
+                let packets = (self.spec.rate.bytes_per_sec() * f64::from(delay)
+                    / 1000.0
                     / f64::from(self.spec.mtu)) as u64
                     + 1000;
                 tc(

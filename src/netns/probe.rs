@@ -178,7 +178,13 @@ mod tests {
         let t0 = Instant::now();
         let at = |ms: u64, bytes: u64| (t0 + Duration::from_millis(ms), bytes);
         // A burst of 1000 bytes, then 100 bytes per 100 ms.
-        let samples = [at(0, 1000), at(100, 1100), at(200, 1200), at(300, 1300), at(500, 1500)];
+        let samples = [
+            at(0, 1000),
+            at(100, 1100),
+            at(200, 1200),
+            at(300, 1300),
+            at(500, 1500),
+        ];
         let (bytes, seconds) = sustained(&samples, Duration::from_millis(150)).unwrap();
         assert_eq!(bytes, 300);
         assert!((seconds - 0.3).abs() < 1e-9);

@@ -163,8 +163,14 @@ mod tests {
         assert_eq!(r("2.5gbit"), 2_500_000_000);
         assert_eq!(r("64kbit"), 64_000);
         assert_eq!("1gbit".parse::<LinkRate>().unwrap().to_string(), "1 Gbit/s");
-        assert_eq!("2.5gbit".parse::<LinkRate>().unwrap().to_string(), "2.5 Gbit/s");
-        assert_eq!("100mbit".parse::<LinkRate>().unwrap().to_string(), "100 Mbit/s");
+        assert_eq!(
+            "2.5gbit".parse::<LinkRate>().unwrap().to_string(),
+            "2.5 Gbit/s"
+        );
+        assert_eq!(
+            "100mbit".parse::<LinkRate>().unwrap().to_string(),
+            "100 Mbit/s"
+        );
     }
 
     #[test]
@@ -181,7 +187,10 @@ mod tests {
             ("900gbit", "between"),
         ] {
             let e = s.parse::<LinkRate>().unwrap_err().to_string();
-            assert!(e.contains(says) && e.contains(&format!("{s:?}")), "{s}: {e}");
+            assert!(
+                e.contains(says) && e.contains(&format!("{s:?}")),
+                "{s}: {e}"
+            );
         }
     }
 

@@ -120,9 +120,15 @@ mod tests {
         assert_eq!(s.node_addr(0), Ipv4Addr::new(10, 77, 0, 1));
         // A VPN route over 10.77.0.0/16 pushes it to 10.78.0.0/24.
         let vpn = parse_networks("10.77.0.0/16 dev tun0");
-        assert_eq!(Subnet::first_free(&vpn).unwrap().to_string(), "10.78.0.0/24");
+        assert_eq!(
+            Subnet::first_free(&vpn).unwrap().to_string(),
+            "10.78.0.0/24"
+        );
         let all = parse_networks("10.0.0.0/8 dev a\n172.16.0.0/12 dev b");
         let e = Subnet::first_free(&all).unwrap_err().to_string();
-        assert!(e.contains("10.77.0.0/24") && e.contains("172.31.77.0/24"), "{e}");
+        assert!(
+            e.contains("10.77.0.0/24") && e.contains("172.31.77.0/24"),
+            "{e}"
+        );
     }
 }
