@@ -371,6 +371,18 @@ fn bench_comm_prints_the_reference_and_the_emulated_rows() {
         .output()
         .unwrap();
     let text = binary::assert_ok(&out);
+    // "37.2 kB" -> bytes.
+    let bytes = |cell: &str| -> f64 {
+        let (v, unit) = cell.split_once(' ').unwrap_or_else(|| panic!("{cell:?}"));
+        let scale = match unit {
+            "B" => 1.0,
+            "kB" => 1e3,
+            "MB" => 1e6,
+            "GB" => 1e9,
+            _ => panic!("unit of {cell:?}"),
+        };
+        v.parse::<f64>().unwrap() * scale
+    };
     let row = |label: &str| -> Vec<String> {
         let line = text
             .lines()
@@ -382,7 +394,7 @@ fn bench_comm_prints_the_reference_and_the_emulated_rows() {
     let limited = row("exact (100 Mbit/s)");
     // | name | halo | link | drops | epoch | ratio | acc | weights |
     for cells in [&reference, &limited] {
-        let halo: f64 = cells[2].parse().unwrap();
+        let halo = bytes(&cells[2]);
         let epoch: f64 = cells[5].parse().unwrap();
         assert!(halo > 0.0 && epoch > 0.0, "{cells:?}");
         assert_eq!(cells[8], "= reference", "{cells:?}");
@@ -394,9 +406,7 @@ fn bench_comm_prints_the_reference_and_the_emulated_rows() {
     // One partition per node: every halo row crossed a link, so the links carried at least
     // the halo bytes (loopback has no link counters).
     assert_eq!(reference[3], "-");
-    let link: f64 = limited[3].parse().unwrap();
-    let halo: f64 = limited[2].parse().unwrap();
-    assert!(link >= halo, "{limited:?}");
+    assert!(bytes(&limited[3]) >= bytes(&limited[2]), "{limited:?}");
     assert!(limited[4].parse::<u64>().is_ok(), "{limited:?}");
     let link = text.lines().find(|l| l.starts_with("link: ")).unwrap();
     assert!(link.contains("100 Mbit/s configured"), "{link}");

@@ -42,7 +42,7 @@ pub enum BenchWhat {
     /// where the partitioned step's time goes.
     Partitions(super::bench_partitions::PartitionsArgs),
     /// Communication cost: node processes on an emulated rate-limited network (default
-    /// 1 Gbit/s) per configuration, beside the exact run on loopback; halo and wire bytes,
+    /// 1 Gbit/s) per configuration, beside the exact run on loopback; halo and link bytes,
     /// epoch time, accuracy. Needs root (network namespaces).
     Comm(super::bench_comm::CommBenchArgs),
     /// The serving service under open-loop Poisson load over HTTP: latency quantiles and

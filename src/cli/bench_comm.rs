@@ -62,6 +62,9 @@ pub struct CommBenchArgs {
     /// MTU of the emulated links, bytes.
     #[arg(long, default_value_t = 1500)]
     pub link_mtu: u32,
+    /// One-way delay added to what every node sends, ms (needs the kernel's netem qdisc).
+    #[arg(long, value_name = "MS")]
+    pub link_delay: Option<u32>,
     /// How long the link probe sends, ms.
     #[arg(long, default_value_t = 2000)]
     pub probe_ms: u64,
@@ -234,7 +237,7 @@ pub fn run(a: CommBenchArgs) -> Result<()> {
     let net = create_net(NetSpec {
         nodes: a.nodes,
         rate: a.link_rate,
-        delay_ms: None,
+        delay_ms: a.link_delay,
         mtu: a.link_mtu,
     })?;
     eprintln!("bench comm: network {}", net.describe());
@@ -334,8 +337,25 @@ fn run_one(
     Ok(RunReport::read(&report)?)
 }
 
-fn mb(bytes: f64) -> f64 {
-    bytes / 1e6
+/// `37.2 kB`, `1.32 MB`, `200 MB`: three significant digits in decimal units.
+fn size(bytes: f64) -> String {
+    let (v, unit) = if bytes >= 1e9 {
+        (bytes / 1e9, "GB")
+    } else if bytes >= 1e6 {
+        (bytes / 1e6, "MB")
+    } else if bytes >= 1e3 {
+        (bytes / 1e3, "kB")
+    } else {
+        (bytes, "B")
+    };
+    let decimals = if unit == "B" || v >= 100.0 {
+        0
+    } else if v >= 10.0 {
+        1
+    } else {
+        2
+    };
+    format!("{v:.decimals$} {unit}")
 }
 
 fn print_table(a: &CommBenchArgs, rows: &[Row], probe: &str) {
@@ -346,7 +366,7 @@ fn print_table(a: &CommBenchArgs, rows: &[Row], probe: &str) {
     );
     println!("link: {probe}");
     println!(
-        "| configuration | halo MB/epoch | link MB/epoch | tbf drops | epoch ms | vs reference | test acc % | weights |"
+        "| configuration | halo/epoch | link/epoch | tbf drops | epoch ms | vs reference | test acc % | weights |"
     );
     println!("|---|---|---|---|---|---|---|---|");
     let reference = &rows[0];
@@ -360,7 +380,7 @@ fn print_table(a: &CommBenchArgs, rows: &[Row], probe: &str) {
             .all(|(r, base)| r.seed == base.seed && r.digest == base.digest);
         let (link, drops) = match row.link_mean(|l| l.bytes) {
             Some(bytes) => (
-                format!("{:.2}", mb(bytes)),
+                size(bytes),
                 row.runs
                     .iter()
                     .filter_map(|r| r.link.as_ref().map(|l| l.drops))
@@ -370,9 +390,9 @@ fn print_table(a: &CommBenchArgs, rows: &[Row], probe: &str) {
             None => ("-".to_string(), "-".to_string()),
         };
         println!(
-            "| {} | {:.2} | {link} | {drops} | {:.1} | {:.2}x | {acc:.2} ± {sd:.2} | {} |",
+            "| {} | {} | {link} | {drops} | {:.1} | {:.2}x | {acc:.2} ± {sd:.2} | {} |",
             row.label(a.link_rate),
-            mb(row.mean(|r| r.halo_bytes)),
+            size(row.mean(|r| r.halo_bytes)),
             row.epoch_ms(),
             row.epoch_ms() / ref_ms,
             if same { "= reference" } else { "differ" }
@@ -388,16 +408,20 @@ fn print_table(a: &CommBenchArgs, rows: &[Row], probe: &str) {
         let busiest = row.link_mean(|l| l.busiest).unwrap_or(0.0);
         let o = overlap(busiest, a.link_rate, ref_ms);
         println!(
-            "{}: the busiest node link carries {:.2} MB/epoch = {:.1} ms at {}; beside {:.1} ms of \
-             computation (the loopback epoch) a perfect overlap would hide {:.2} MB of it ({:.0}%), \
+            "{}: the busiest node link carries {}/epoch = {:.1} ms at {}; beside {:.1} ms of \
+             computation (the loopback epoch) a perfect overlap would hide {} of it ({:.0}%), \
              and the epoch would take {:.1} ms",
             row.label(a.link_rate),
-            mb(busiest),
+            size(busiest),
             o.link_ms,
             a.link_rate,
             ref_ms,
-            mb(o.hidden_bytes),
-            if busiest > 0.0 { 100.0 * o.hidden_bytes / busiest } else { 100.0 },
+            size(o.hidden_bytes),
+            if busiest > 0.0 {
+                100.0 * o.hidden_bytes / busiest
+            } else {
+                100.0
+            },
             o.link_ms.max(ref_ms)
         );
     }
@@ -416,6 +440,15 @@ mod tests {
         assert!((o.hidden_bytes - 125e6).abs() < 1e-3);
         // Less traffic than the compute time carries: all of it is hidden.
         assert_eq!(overlap(1e6, gbit, 1000.0).hidden_bytes, 1e6);
+    }
+
+    #[test]
+    fn sizes_keep_three_significant_digits() {
+        assert_eq!(size(37_215.0), "37.2 kB");
+        assert_eq!(size(1_320_000.0), "1.32 MB");
+        assert_eq!(size(200_004_000.0), "200 MB");
+        assert_eq!(size(12.0), "12 B");
+        assert_eq!(size(3.2e9), "3.20 GB");
     }
 
     #[test]
