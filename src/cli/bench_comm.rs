@@ -48,7 +48,7 @@ pub struct CommBenchArgs {
     #[arg(long, default_value_t = 3, value_parser = super::validate::positive_u32)]
     pub nodes: u32,
     /// Partitions (default: one per node, so every halo row crosses the network).
-    #[arg(long, value_parser = super::validate::partitions)]
+    #[arg(long, value_name = "P", value_parser = super::validate::partitions)]
     pub partitions: Option<usize>,
     /// Epochs per run (the first is not timed when there are more).
     #[arg(long, default_value_t = 5, value_parser = super::validate::positive_u32)]
@@ -57,10 +57,10 @@ pub struct CommBenchArgs {
     #[arg(long, default_value_t = 1, value_parser = super::validate::positive_u32)]
     pub seeds: u32,
     /// Rate of every node's link, each direction.
-    #[arg(long, default_value = "1gbit", value_parser = parse_rate)]
+    #[arg(long, value_name = "RATE", default_value = "1gbit", value_parser = parse_rate)]
     pub link_rate: LinkRate,
     /// MTU of the emulated links, bytes.
-    #[arg(long, default_value_t = 1500)]
+    #[arg(long, value_name = "BYTES", default_value_t = 1500)]
     pub link_mtu: u32,
     /// One-way delay added to what every node sends, ms (needs the kernel's netem qdisc).
     #[arg(long, value_name = "MS")]
