@@ -368,6 +368,7 @@ fn bench_comm_prints_the_reference_and_the_emulated_rows() {
             "--probe-ms",
             "500",
         ])
+        .args(["--", "--dropout", "0.3"])
         .output()
         .unwrap();
     let text = binary::assert_ok(&out);
@@ -408,7 +409,27 @@ fn bench_comm_prints_the_reference_and_the_emulated_rows() {
     assert_eq!(reference[3], "-");
     assert!(bytes(&limited[3]) >= bytes(&limited[2]), "{limited:?}");
     assert!(limited[4].parse::<u64>().is_ok(), "{limited:?}");
+    // The options after `--` are named in the header ...
+    assert!(text.starts_with("gcn (--dropout 0.3) on "), "{text}");
     let link = text.lines().find(|l| l.starts_with("link: ")).unwrap();
     assert!(link.contains("100 Mbit/s configured"), "{link}");
     assert!(text.contains("a perfect overlap would hide"), "{text}");
+    // ... and reach the runs: a bad one fails the bench with the run's own message.
+    let bad = trellis()
+        .args([
+            "bench", "comm", "--nodes", "2", "--epochs", "1", "--data", DATA,
+        ])
+        .args([
+            "--link-rate",
+            "100mbit",
+            "--probe-ms",
+            "200",
+            "--",
+            "--dropout",
+            "1.5",
+        ])
+        .output()
+        .unwrap();
+    assert!(!bad.status.success());
+    assert!(stderr(&bad).contains("--dropout"), "{}", stderr(&bad));
 }

@@ -74,6 +74,9 @@ pub struct CommBenchArgs {
     /// CPU threads per node process (0: one per CPU).
     #[arg(long, default_value_t = 0, value_parser = super::validate::threads)]
     pub threads: usize,
+    /// More `train` options for every run, after `--` (e.g. `-- --dropout 0.3`).
+    #[arg(last = true, value_name = "TRAIN_OPTIONS")]
+    pub train_options: Vec<String>,
 }
 
 fn parse_rate(s: &str) -> Result<LinkRate, String> {
@@ -324,6 +327,7 @@ fn run_one(
     if let Some(h) = a.hidden {
         args.extend(["--hidden".into(), h.to_string()]);
     }
+    args.extend(a.train_options.iter().cloned());
     args.extend(config_args.iter().map(|s| s.to_string()));
     let opts = ClusterOptions {
         nodes: a.nodes,
@@ -360,8 +364,13 @@ fn size(bytes: f64) -> String {
 
 fn print_table(a: &CommBenchArgs, rows: &[Row], probe: &str) {
     let partitions = a.partitions.unwrap_or(a.nodes as usize);
+    let extra = if a.train_options.is_empty() {
+        String::new()
+    } else {
+        format!(" ({})", a.train_options.join(" "))
+    };
     println!(
-        "{} on {}: {partitions} partitions on {} node processes, {} epochs, seeds 0..{}",
+        "{}{extra} on {}: {partitions} partitions on {} node processes, {} epochs, seeds 0..{}",
         a.model, a.data, a.nodes, a.epochs, a.seeds
     );
     println!("link: {probe}");
