@@ -34,6 +34,16 @@ fn can_build_networks(test: &str) -> bool {
     true
 }
 
+/// A started launcher, killed and reaped on drop (also when the test fails).
+struct Reap(Child);
+
+impl Drop for Reap {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// Every namespace and host link whose name contains `prefix`.
 fn leftovers(prefix: &str) -> Vec<String> {
     let mut found = Vec::new();
@@ -248,7 +258,7 @@ fn a_launcher_stopped_by_sigterm_mid_run_removes_its_network_and_nodes() {
     }
     let dir = tempfile::tempdir().unwrap();
     let run_dir = dir.path().join("run");
-    let mut child: Child = trellis()
+    let child: Child = trellis()
         .args([
             "launch",
             "--nodes",
@@ -264,15 +274,8 @@ fn a_launcher_stopped_by_sigterm_mid_run_removes_its_network_and_nodes() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    struct Reap<'a>(&'a mut Child);
-    impl Drop for Reap<'_> {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
     let pid = child.id();
-    let guard = Reap(&mut child);
+    let mut guard = Reap(child);
     let prefix = format!("trellis-{pid}-");
     // Training has started once the coordinator listens and the other nodes run.
     let start = Instant::now();
@@ -432,4 +435,60 @@ fn bench_comm_prints_the_reference_and_the_emulated_rows() {
         .unwrap();
     assert!(!bad.status.success());
     assert!(stderr(&bad).contains("--dropout"), "{}", stderr(&bad));
+}
+
+#[test]
+fn namespaces_of_a_launcher_killed_with_sigkill_are_removed_by_the_next_one() {
+    if !can_build_networks("SIGKILL leftovers") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let run_dir = dir.path().join("killed");
+    let child = trellis()
+        .args([
+            "launch",
+            "--nodes",
+            "2",
+            "--partitions",
+            "2",
+            "--data",
+            DATA,
+        ])
+        .args(["--epochs", "100000", "--link-rate", "100mbit", "--dir"])
+        .arg(&run_dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let prefix = format!("trellis-{}-", child.id());
+    let mut child = Reap(child);
+    let run_text = run_dir.to_str().unwrap().to_string();
+    let start = Instant::now();
+    while !(run_dir.join("node-0.addr").exists() && processes_mentioning(&run_text).len() >= 2) {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "the cluster never started"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    child.0.kill().unwrap();
+    child.0.wait().unwrap();
+    // Its nodes die with it (parent-death signal); its namespaces stay behind, empty.
+    while !processes_mentioning(&run_text).is_empty() {
+        assert!(
+            start.elapsed() < Duration::from_secs(40),
+            "nodes outlived the launcher"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert!(
+        !leftovers(&prefix).is_empty(),
+        "nothing was left to clean up"
+    );
+    // The next launcher removes them before it builds its own network (another test's
+    // launcher, running at the same time, may get there first: either way they go).
+    let (out, _, pid) = launch(dir.path(), &["--link-rate", "100mbit"], 1);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(leftovers(&prefix), Vec::<String>::new(), "{}", stderr(&out));
+    assert_eq!(leftovers(&format!("trellis-{pid}-")), Vec::<String>::new());
 }

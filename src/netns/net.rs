@@ -320,8 +320,9 @@ fn check_netem(ns: &str) -> Result<(), NetError> {
 }
 
 /// Removes the namespaces earlier launchers left behind (a launcher killed with SIGKILL
-/// cannot clean up): those named after this process's pid (a recycled pid), and those of
-/// a pid that no longer runs and with no process inside. Returns the names removed.
+/// cannot clean up): those named after this process's pid (a recycled pid) while this
+/// process has created none, and those of a pid that no longer runs and with no process
+/// inside. Returns the names removed.
 pub fn remove_leftovers() -> Result<Vec<String>, NetError> {
     let own = std::process::id();
     let mut removed = Vec::new();
@@ -329,8 +330,10 @@ pub fn remove_leftovers() -> Result<Vec<String>, NetError> {
         let Some(pid) = creator_pid(&name) else {
             continue;
         };
-        let abandoned = pid == own
-            || (!std::path::Path::new(&format!("/proc/{pid}")).exists()
+        // Our own pid's are an earlier process's until this one creates networks itself.
+        let abandoned = (pid == own && CREATED.load(Ordering::SeqCst) == 0)
+            || (pid != own
+                && !std::path::Path::new(&format!("/proc/{pid}")).exists()
                 && run("ip", &["netns", "pids", &name])?.trim().is_empty());
         if abandoned {
             run("ip", &["netns", "del", &name])?;
