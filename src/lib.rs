@@ -8,7 +8,8 @@
 //! - [`transport`]: halo-exchange messages and transports.
 //!
 //! and owns the process-level pieces: [`telemetry`] (OpenTelemetry traces and metrics, the
-//! Prometheus endpoint), [`plots`] (run reports as PNG charts and an HTML page) and the CLI.
+//! Prometheus endpoint), [`plots`] (run reports as PNG charts and an HTML page), [`netns`]
+//! (an emulated rate-limited network of namespaces for local clusters) and the CLI.
 
 pub use trellis_actors as actors;
 pub use trellis_gpu as gpu;
@@ -17,6 +18,7 @@ pub use trellis_transport as transport;
 
 pub mod build_info;
 pub mod cli;
+pub mod netns;
 pub mod plots;
 pub mod serve;
 pub mod telemetry;

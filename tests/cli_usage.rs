@@ -41,13 +41,14 @@ fn undocumented_options(help: &str) -> Vec<String> {
 
 #[test]
 fn every_option_of_every_command_has_help() {
-    let commands: [&[&str]; 10] = [
+    let commands: [&[&str]; 11] = [
         &["train"],
         &["partition"],
         &["accuracy"],
         &["bench"],
         &["bench", "partitions"],
         &["bench", "recovery"],
+        &["bench", "comm"],
         &["report"],
         &["node"],
         &["launch"],

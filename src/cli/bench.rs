@@ -41,6 +41,10 @@ pub enum BenchWhat {
     /// P partition actors vs one process, epochs alternated in one run: times, ratio, and
     /// where the partitioned step's time goes.
     Partitions(super::bench_partitions::PartitionsArgs),
+    /// Communication cost: node processes on an emulated rate-limited network (default
+    /// 1 Gbit/s) per configuration, beside the exact run on loopback; halo and link bytes,
+    /// epoch time, accuracy. Needs root (network namespaces).
+    Comm(super::bench_comm::CommBenchArgs),
     /// The serving service under open-loop Poisson load over HTTP: latency quantiles and
     /// achieved rates of existing-node predictions and new-node inductive queries.
     Serve(super::bench_serve::ServeBenchArgs),
@@ -52,6 +56,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
     }
     if let Some(BenchWhat::Serve(s)) = a.what {
         return super::bench_serve::run(s);
+    }
+    if let Some(BenchWhat::Comm(c)) = a.what {
+        return super::bench_comm::run(c);
     }
     if let Some(BenchWhat::Partitions(p)) = a.what {
         return super::bench_partitions::run(p);

@@ -2,13 +2,16 @@
 //! and node certificates, writes a cluster file on loopback with ephemeral ports, starts K
 //! `trellis node` processes (the coordinator first, the others once it listens), and waits
 //! for them. Every child dies with the launcher (PR_SET_PDEATHSIG) and is killed and reaped
-//! when any node fails or on Ctrl-C.
+//! when any node fails or on Ctrl-C / SIGTERM / SIGHUP. With `--link-rate` the nodes run in
+//! an emulated rate-limited network instead of loopback (`crate::netns`), removed on exit.
 use super::train::TrainArgs;
+use crate::netns::{remove_leftovers, EmulatedNet, LinkRate, NetSpec};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus};
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
 use trellis_transport::certs::ClusterCa;
 
@@ -20,6 +23,8 @@ pub struct LaunchArgs {
     pub dir: Option<PathBuf>,
     #[command(flatten)]
     pub cluster: ClusterOptions,
+    #[command(flatten)]
+    pub link: LinkOptions,
     /// Training options, passed to the coordinator node.
     #[command(flatten)]
     pub train: TrainArgs,
@@ -49,8 +54,48 @@ pub struct ClusterOptions {
     pub step_deadline_ms: u64,
 }
 
+/// The emulated network (`--link-rate`): each node in its own network namespace.
+#[derive(Debug, Clone, Args)]
+pub struct LinkOptions {
+    /// Run every node in its own network namespace, its link limited to RATE in each
+    /// direction by a token bucket (tc tbf): e.g. 100mbit, 1gbit, 10gbit. Needs root
+    /// (CAP_NET_ADMIN and CAP_SYS_ADMIN).
+    #[arg(long, value_name = "RATE", value_parser = parse_rate)]
+    pub link_rate: Option<LinkRate>,
+    /// One-way delay added to what every node sends, ms (needs the kernel's netem qdisc).
+    #[arg(long, value_name = "MS", requires = "link_rate")]
+    pub link_delay: Option<u32>,
+    /// MTU of the emulated links, bytes.
+    #[arg(
+        long,
+        value_name = "BYTES",
+        default_value_t = 1500,
+        requires = "link_rate"
+    )]
+    pub link_mtu: u32,
+    /// Measure the rate node 0 -> node 1 achieves (TCP, 2 s) before training, and print it.
+    #[arg(long, requires = "link_rate")]
+    pub probe_link: bool,
+}
+
+impl LinkOptions {
+    /// The network to build for `nodes` nodes, if `--link-rate` was given.
+    pub fn spec(&self, nodes: u32) -> Option<NetSpec> {
+        self.link_rate.map(|rate| NetSpec {
+            nodes,
+            rate,
+            delay_ms: self.link_delay,
+            mtu: self.link_mtu,
+        })
+    }
+}
+
+fn parse_rate(s: &str) -> Result<LinkRate, String> {
+    s.parse().map_err(|e: crate::netns::NetError| e.to_string())
+}
+
 /// Options of `launch` itself, which are not passed on to the coordinator.
-const OWN_OPTIONS: [&str; 7] = [
+const OWN_OPTIONS: [&str; 10] = [
     "--step-deadline-ms",
     "--nodes",
     "--dir",
@@ -58,11 +103,31 @@ const OWN_OPTIONS: [&str; 7] = [
     "--idle-timeout-ms",
     "--replicas",
     "--max-restarts",
+    "--link-rate",
+    "--link-delay",
+    "--link-mtu",
 ];
+
+/// Flags (no value) of `launch` itself.
+const OWN_FLAGS: [&str; 1] = ["--probe-link"];
 
 pub fn run(a: LaunchArgs) -> Result<()> {
     if let Some(path) = &a.train.report {
         super::train::check_report_path(path)?;
+    }
+    install_stop_handler()?;
+    let net = match a.link.spec(a.cluster.nodes) {
+        Some(spec) => Some(create_net(spec)?),
+        None => None,
+    };
+    if let Some(net) = &net {
+        println!("network: {}", net.describe());
+        if a.link.probe_link && net.nodes() >= 2 {
+            println!(
+                "link: {}",
+                net.probe(0, 1, Duration::from_secs(2))?.summary()
+            );
+        }
     }
     let (dir, _tmp) = match &a.dir {
         Some(d) => (d.clone(), None),
@@ -74,11 +139,50 @@ pub fn run(a: LaunchArgs) -> Result<()> {
         }
     };
     let parts = a.train.partition_dir.as_deref();
-    launch_cluster(&a.cluster, &dir, parts, &forwarded_args(), false)
+    launch_cluster_on(
+        &a.cluster,
+        net.as_ref(),
+        &dir,
+        parts,
+        &forwarded_args(),
+        false,
+    )
 }
 
-/// Set by Ctrl-C: every launched cluster stops.
-static STOP: AtomicBool = AtomicBool::new(false);
+/// Removes what killed launchers left behind, then builds the network of `spec`.
+pub fn create_net(spec: NetSpec) -> Result<EmulatedNet> {
+    crate::netns::check_privileges()?;
+    for name in remove_leftovers()? {
+        eprintln!("removed network namespace {name}, left behind by a launcher that is gone");
+    }
+    Ok(EmulatedNet::create(spec)?)
+}
+
+/// Set by Ctrl-C, SIGTERM or SIGHUP: every launched cluster stops (its nodes are killed and
+/// reaped, then its network removed).
+static STOP: LazyLock<Arc<AtomicBool>> = LazyLock::new(|| Arc::new(AtomicBool::new(false)));
+
+/// Makes SIGINT, SIGTERM and SIGHUP set [`STOP`] instead of killing the launcher, so that it
+/// can clean up (once per process).
+pub fn install_stop_handler() -> Result<()> {
+    static INSTALLED: std::sync::OnceLock<Result<(), String>> = std::sync::OnceLock::new();
+    INSTALLED
+        .get_or_init(|| {
+            use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+            for sig in [SIGINT, SIGTERM, SIGHUP] {
+                signal_hook::flag::register(sig, Arc::clone(&STOP))
+                    .map_err(|e| format!("cannot handle signal {sig}: {e}"))?;
+            }
+            Ok(())
+        })
+        .clone()
+        .map_err(anyhow::Error::msg)
+}
+
+/// Whether a stop signal arrived.
+pub fn stopped() -> bool {
+    STOP.load(Ordering::SeqCst)
+}
 
 /// Starts `opts.nodes` node processes on loopback with fresh certificates in `dir`, passes
 /// `train_args` to the coordinator, and waits for the run to end. Partition files are read
@@ -91,8 +195,30 @@ pub fn launch_cluster(
     train_args: &[String],
     quiet: bool,
 ) -> Result<()> {
+    launch_cluster_on(opts, None, dir, parts, train_args, quiet)
+}
+
+/// [`launch_cluster`] on the emulated network `net` when given (node `i` in its namespace,
+/// at its address), else on loopback.
+pub fn launch_cluster_on(
+    opts: &ClusterOptions,
+    net: Option<&EmulatedNet>,
+    dir: &Path,
+    parts: Option<&Path>,
+    train_args: &[String],
+    quiet: bool,
+) -> Result<()> {
     if opts.nodes == 0 {
         bail!("--nodes must be at least 1");
+    }
+    if let Some(net) = net {
+        if net.nodes() != opts.nodes {
+            bail!(
+                "the emulated network has {} nodes, the cluster {}",
+                net.nodes(),
+                opts.nodes
+            );
+        }
     }
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let certs = dir.join("certs");
@@ -116,18 +242,19 @@ pub fn launch_cluster(
         Some(p) => std::path::absolute(p)?,
         None => dir.join("parts"),
     };
-    std::fs::write(&cluster, cluster_file(opts, &parts, "127.0.0.1:0"))?;
+    let host = |n: u32| match net {
+        Some(net) => net.addr(n).to_string(),
+        None => "127.0.0.1".to_string(),
+    };
+    std::fs::write(&cluster, cluster_file(opts, &parts, &host, None))?;
     let exe = std::env::current_exe()?;
-    static HANDLER: std::sync::Once = std::sync::Once::new();
-    HANDLER.call_once(|| {
-        let _ = ctrlc::set_handler(|| STOP.store(true, Ordering::SeqCst));
-    });
-    let stop = &STOP;
+    install_stop_handler()?;
+    let stop: &AtomicBool = &STOP;
 
     let mut nodes = Nodes::default();
     let addr_file = dir.join("node-0.addr");
     let _ = std::fs::remove_file(&addr_file);
-    let mut coord = node_command(&exe, &cluster, 0, quiet);
+    let mut coord = node_command(&exe, &cluster, 0, quiet, net);
     coord.arg("--addr-file").arg(&addr_file).args(train_args);
     nodes.spawn(0, coord)?;
     // The coordinator loads and partitions the data before it listens.
@@ -138,17 +265,29 @@ pub fn launch_cluster(
         nodes.check_running(stop)?;
         std::thread::sleep(Duration::from_millis(50));
     };
-    std::fs::write(&cluster, cluster_file(opts, &parts, coord_addr.trim()))?;
+    std::fs::write(
+        &cluster,
+        cluster_file(opts, &parts, &host, Some(coord_addr.trim())),
+    )?;
     // The other nodes' stdout is only their traffic, which the coordinator's summary lists:
     // each node's traffic is printed once. Their errors (stderr) are shown.
     for n in 1..opts.nodes {
-        nodes.spawn(n, node_command(&exe, &cluster, n, true))?;
+        nodes.spawn(n, node_command(&exe, &cluster, n, true, net))?;
     }
     nodes.wait_all(stop)
 }
 
-fn node_command(exe: &Path, cluster: &Path, id: u32, quiet: bool) -> Command {
+fn node_command(
+    exe: &Path,
+    cluster: &Path,
+    id: u32,
+    quiet: bool,
+    net: Option<&EmulatedNet>,
+) -> Command {
     let mut c = Command::new(exe);
+    if let Some(net) = net {
+        net.enter(id, &mut c);
+    }
     if quiet {
         c.stdout(std::process::Stdio::null());
     }
@@ -161,9 +300,14 @@ fn node_command(exe: &Path, cluster: &Path, id: u32, quiet: bool) -> Command {
     c
 }
 
-/// The cluster file of `a.nodes` loopback nodes; node 0 at `coord_addr`, the others on
-/// ephemeral ports (they tell the coordinator theirs).
-fn cluster_file(a: &ClusterOptions, parts: &Path, coord_addr: &str) -> String {
+/// The cluster file of `a.nodes` nodes, node `n` at address `host(n)`; node 0 at
+/// `coord_addr` once known, the others on ephemeral ports (they tell the coordinator theirs).
+fn cluster_file(
+    a: &ClusterOptions,
+    parts: &Path,
+    host: &dyn Fn(u32) -> String,
+    coord_addr: Option<&str>,
+) -> String {
     let mut s = format!(
         "certs = \"certs\"\npartitions = {:?}\ncoordinator = 0\nheartbeat_ms = {}\nidle_timeout_ms = {}\nreplicas = {}\nmax_restarts = {}\nstep_deadline_ms = {}\n",
         parts.display().to_string(),
@@ -174,7 +318,10 @@ fn cluster_file(a: &ClusterOptions, parts: &Path, coord_addr: &str) -> String {
         a.step_deadline_ms
     );
     for n in 0..a.nodes {
-        let addr = if n == 0 { coord_addr } else { "127.0.0.1:0" };
+        let addr = match coord_addr {
+            Some(addr) if n == 0 => addr.to_string(),
+            _ => format!("{}:0", host(n)),
+        };
         s += &format!("\n[[node]]\nid = {n}\naddr = \"{addr}\"\n");
     }
     s
@@ -189,6 +336,9 @@ fn forwarded_args() -> Vec<String> {
         .skip(1);
     while let Some(arg) = args.next() {
         let name = arg.split('=').next().unwrap_or_default();
+        if OWN_FLAGS.contains(&name) {
+            continue;
+        }
         if OWN_OPTIONS.contains(&name) {
             if !arg.contains('=') {
                 args.next();

@@ -4,6 +4,7 @@ use clap::{Parser, Subcommand};
 
 mod accuracy;
 mod bench;
+mod bench_comm;
 mod bench_partitions;
 mod bench_recovery;
 mod bench_serve;
