@@ -86,9 +86,10 @@ pub struct NodeTraffic {
     pub node: u32,
     pub addr: String,
     pub partitions: Vec<u32>,
-    /// Halo payload and control bytes this node sent to other nodes.
+    /// Halo payload bytes this node sent to other nodes (control messages — requests,
+    /// gradients, replicas — are not counted here; replicas are `replica_bytes`).
     pub bytes_sent: u64,
-    /// Halo payload and control bytes this node received from other nodes.
+    /// Halo payload bytes this node received from other nodes.
     pub bytes_received: u64,
 }
 
