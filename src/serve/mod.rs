@@ -4,6 +4,7 @@
 //! else to the serving engine ([`trellis_actors::serving::engine`]), waiting for the answer
 //! within the request's deadline; `/healthz`, `/readyz` and Prometheus `/metrics` ([`metrics`]).
 pub mod api;
+pub mod beside;
 pub mod loadgen;
 pub mod metrics;
 
