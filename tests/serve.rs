@@ -882,6 +882,8 @@ fn bench_serve_reports_every_workload() {
             "16",
             "--seconds",
             "1",
+            "--beside-seconds",
+            "1",
         ])
         .args([
             "--rate-predict",

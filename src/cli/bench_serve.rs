@@ -13,6 +13,7 @@ use clap::Args;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 use trellis_actors::serving::engine::{self, EngineConfig};
+use trellis_actors::serving::priority::Class;
 use trellis_actors::serving::scheduler::SchedulerConfig;
 use trellis_gpu::{bench, Stream};
 use trellis_runtime::inference::NodeGraph;
@@ -61,13 +62,30 @@ pub struct ServeBenchArgs {
     /// HTTP worker threads of the service.
     #[arg(long, default_value_t = 1)]
     pub http_workers: usize,
-    /// (c): epochs timed alone, then training beside (a)'s load for as long as it lasts
+    /// (c): epochs timed alone, then training beside (a)'s load for --beside-seconds
     /// (0 skips (c)).
     #[arg(long, default_value_t = 2)]
     pub beside_epochs: u32,
     /// (c): publish the trainer's weights every K epochs.
     #[arg(long, default_value_t = 2)]
     pub publish_every: u32,
+    /// (c): the training threads' CPU class beside the service: `idle` (SCHED_IDLE) or a
+    /// nice value 1-19 in the normal class.
+    #[arg(long, default_value = "idle", value_parser = parse_class)]
+    pub beside_priority: Class,
+    /// (c): seconds of (a)'s load beside training (long enough for epochs and a publish).
+    #[arg(long, default_value_t = 40)]
+    pub beside_seconds: u64,
+}
+
+fn parse_class(s: &str) -> std::result::Result<Class, String> {
+    if s == "idle" {
+        return Ok(Class::Idle);
+    }
+    match s.parse::<i32>() {
+        Ok(n) if (1..=19).contains(&n) => Ok(Class::Nice(n)),
+        _ => Err(format!("`{s}` is neither `idle` nor a nice value 1-19")),
+    }
 }
 
 fn line(name: &str, rate: f64, r: &LoadResult) {
@@ -241,8 +259,12 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
             Some(t) => t,
             None => Trainer::new(&ds, train_cfg.clone())?,
         };
-        beside_training(&mut tr, &train_cfg, handle, &a, &existing, |rate| {
-            run_open_loop(&spec(one(rate), 6), query)
+        let beside_spec = LoadSpec {
+            duration: Duration::from_secs(a.beside_seconds.max(1)),
+            ..spec(one(a.rate_predict), 6)
+        };
+        beside_training(&mut tr, &train_cfg, handle, &a, &existing, || {
+            run_open_loop(&beside_spec, query)
         })?;
     }
     Ok(())
@@ -269,7 +291,7 @@ fn beside_training(
     handle: engine::EngineHandle,
     a: &ServeBenchArgs,
     alone_load: &LoadRun,
-    load: impl FnOnce(f64) -> std::io::Result<LoadRun>,
+    load: impl FnOnce() -> std::io::Result<LoadRun>,
 ) -> Result<()> {
     use std::sync::atomic::{AtomicBool, Ordering};
     let start_epoch = cfg.epochs + 1;
@@ -280,19 +302,14 @@ fn beside_training(
         alone.push(t.elapsed().as_secs_f64() * 1e3);
     }
     let alone_ms = median_ms(alone);
-    trellis_actors::serving::priority::lower_pool(
-        tr.stream().budget(),
-        trellis_actors::serving::priority::BACKGROUND_NICE,
-    );
+    trellis_actors::serving::priority::background_pool_as(tr.stream().budget(), a.beside_priority);
     let stop = AtomicBool::new(false);
     let first = start_epoch + a.beside_epochs;
     let mut publisher = Publisher::new(handle.clone(), meta(cfg, tr), a.publish_every);
     let v0 = handle.published.version();
     let (run, times) = std::thread::scope(|sc| {
         let trainer = sc.spawn(|| -> Result<Vec<f64>> {
-            trellis_actors::serving::priority::lower_this_thread(
-                trellis_actors::serving::priority::BACKGROUND_NICE,
-            );
+            trellis_actors::serving::priority::background_this_thread_as(a.beside_priority);
             let mut times = Vec::new();
             let mut e = first;
             while !stop.load(Ordering::Relaxed) {
@@ -304,7 +321,7 @@ fn beside_training(
             }
             Ok(times)
         });
-        let run = load(a.rate_predict);
+        let run = load();
         stop.store(true, Ordering::Relaxed);
         let times = trainer
             .join()
@@ -322,6 +339,10 @@ fn beside_training(
     } else {
         "the served version did not advance"
     };
+    println!(
+        "(c) training threads in the background as {:?}",
+        a.beside_priority
+    );
     println!(
         "(c) p99 {:.2}x (a)'s (goal <= 1.2x); training {} epoch(s) beside at {:.0} ms median vs {:.0} ms alone: {:.0}% of its epoch rate (goal >= 80%); {} publishes, {} skipped while one loaded, {versions}",
         r.ms(0.99) / alone_load.tenants[0].ms(0.99).max(1e-3),

@@ -125,9 +125,7 @@ impl Beside {
         println!("listening on http://{addr}");
         use std::io::Write;
         let _ = std::io::stdout().flush();
-        trellis_actors::serving::priority::lower_this_thread(
-            trellis_actors::serving::priority::BACKGROUND_NICE,
-        );
+        trellis_actors::serving::priority::background_this_thread();
         Ok(Beside {
             publisher: Publisher::new(engine, meta, every),
             http,
@@ -149,10 +147,7 @@ impl Beside {
     /// Lowers the trainer's kernel threads (the process's thread pool) below the query
     /// threads.
     pub fn lower_training(&self, stream: &Stream) {
-        trellis_actors::serving::priority::lower_pool(
-            stream.budget(),
-            trellis_actors::serving::priority::BACKGROUND_NICE,
-        );
+        trellis_actors::serving::priority::background_pool(stream.budget());
     }
 
     /// After training: keeps serving the last weights until the process is stopped.

@@ -1,54 +1,80 @@
-//! Inference before training on a shared CPU: background work (training kernels, a model
-//! swap's full recomputation) runs at a lower scheduling priority than the threads that
-//! answer queries, so that when both want the cores the kernel scheduler runs the queries
-//! first (Linux `nice`: a thread at nice 10 gets about a tenth of the CPU share of one at 0
-//! while both are runnable, and all of it while the query threads sleep).
+//! Inference before training on a shared CPU: background work (training beside serving)
+//! runs in Linux's `SCHED_IDLE` class, below every ordinary thread, so that whenever a
+//! thread that answers queries wants a core the kernel scheduler gives it one at once, and
+//! the training threads get every cycle the queries leave (where the class is refused, the
+//! thread falls back to the lowest `nice`, 19).
 //!
-//! Priorities are per thread on Linux, and new threads inherit their creator's.
+//! Policies are per thread on Linux, and new threads inherit their creator's.
 use trellis_gpu::ThreadBudget;
 
-/// The nice value background work runs at.
-pub const BACKGROUND_NICE: i32 = 10;
-
-/// Lowers the calling thread's priority to `nice` (never raises it: an unprivileged process
-/// may not). Returns false where the system refused.
-pub fn lower_this_thread(nice: i32) -> bool {
-    // SAFETY: plain syscalls on the calling thread's own id; no memory is passed.
-    unsafe {
-        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
-        *libc::__errno_location() = 0;
-        let now = libc::getpriority(libc::PRIO_PROCESS, tid);
-        if *libc::__errno_location() != 0 {
-            return false;
-        }
-        if now >= nice {
-            return true;
-        }
-        libc::setpriority(libc::PRIO_PROCESS, tid, nice) == 0
-    }
+/// How a thread was put in the background.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Background {
+    /// The `SCHED_IDLE` class.
+    Idle,
+    /// `nice 19` in the normal class.
+    Nice,
+    /// Neither was allowed.
+    Refused,
 }
 
-/// Lowers every thread of the kernel thread pool `budget` to `nice`; returns how many
-/// agreed. Queries answered from published rows do not use the pool, so they keep the
-/// priority of the threads that read them.
-pub fn lower_pool(budget: &ThreadBudget, nice: i32) -> usize {
-    budget.install(|| {
-        rayon::broadcast(|_| lower_this_thread(nice))
-            .into_iter()
-            .filter(|&ok| ok)
-            .count()
-    })
+fn tid() -> libc::pid_t {
+    // SAFETY: gettid has no arguments and cannot fail.
+    unsafe { libc::syscall(libc::SYS_gettid) as libc::pid_t }
 }
 
-/// The calling thread's nice value.
-pub fn this_thread_nice() -> Option<i32> {
-    // SAFETY: as in `lower_this_thread`.
+/// How far into the background to go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Class {
+    /// `SCHED_IDLE`: runs only on cycles no ordinary thread wants (also other processes'
+    /// threads: on a machine shared with other work, training can starve).
+    Idle,
+    /// The normal class at this nice value (10: about a tenth of a nice-0 thread's share
+    /// while both are runnable).
+    Nice(i32),
+}
+
+/// Puts the calling thread (and the threads it creates from now on) in the background.
+pub fn background_this_thread() -> Background {
+    background_this_thread_as(Class::Idle)
+}
+
+/// As [`background_this_thread`], in `class`.
+pub fn background_this_thread_as(class: Class) -> Background {
+    let param = libc::sched_param { sched_priority: 0 };
+    let nice = match class {
+        Class::Idle => 19,
+        Class::Nice(n) => n,
+    };
+    // SAFETY: `param` is a valid sched_param for the call's duration; the calls act on the
+    // calling thread's own id only.
     unsafe {
-        let tid = libc::syscall(libc::SYS_gettid) as libc::id_t;
-        *libc::__errno_location() = 0;
-        let n = libc::getpriority(libc::PRIO_PROCESS, tid);
-        (*libc::__errno_location() == 0).then_some(n)
+        if class == Class::Idle && libc::sched_setscheduler(tid(), libc::SCHED_IDLE, &param) == 0 {
+            return Background::Idle;
+        }
+        if libc::setpriority(libc::PRIO_PROCESS, tid() as libc::id_t, nice) == 0 {
+            return Background::Nice;
+        }
     }
+    Background::Refused
+}
+
+/// Puts every thread of the kernel thread pool `budget` in the background; returns what
+/// each got. Queries answered from published rows do not use the pool, so their threads
+/// keep their class.
+pub fn background_pool(budget: &ThreadBudget) -> Vec<Background> {
+    background_pool_as(budget, Class::Idle)
+}
+
+/// As [`background_pool`], in `class`.
+pub fn background_pool_as(budget: &ThreadBudget, class: Class) -> Vec<Background> {
+    budget.install(|| rayon::broadcast(|_| background_this_thread_as(class)))
+}
+
+/// True when the calling thread is in the `SCHED_IDLE` class.
+pub fn this_thread_is_idle_class() -> bool {
+    // SAFETY: a query of the calling thread's own policy.
+    unsafe { libc::sched_getscheduler(tid()) == libc::SCHED_IDLE }
 }
 
 #[cfg(test)]
@@ -56,15 +82,22 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_thread_lowers_its_own_priority_and_not_its_parents() {
-        let before = this_thread_nice().unwrap();
-        let child = std::thread::spawn(|| {
-            assert!(lower_this_thread(BACKGROUND_NICE));
-            this_thread_nice().unwrap()
+    fn a_thread_goes_to_the_background_and_its_parent_does_not() {
+        let parent = this_thread_is_idle_class();
+        let (got, idle, inherited) = std::thread::spawn(|| {
+            let got = background_this_thread();
+            let idle = this_thread_is_idle_class();
+            let inherited = std::thread::spawn(this_thread_is_idle_class)
+                .join()
+                .unwrap();
+            (got, idle, inherited)
         })
         .join()
         .unwrap();
-        assert!(child >= BACKGROUND_NICE);
-        assert_eq!(this_thread_nice().unwrap(), before);
+        assert_ne!(got, Background::Refused);
+        if got == Background::Idle {
+            assert!(idle && inherited);
+        }
+        assert_eq!(this_thread_is_idle_class(), parent);
     }
 }
