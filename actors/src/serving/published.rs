@@ -7,8 +7,9 @@
 //! only the rows that changed (an update's last-layer region) or, after a model swap or a
 //! recovery, the whole table and the new version, each under one short write lock. A reader
 //! holds the read lock for one whole answer, so an answer never mixes two versions or two
-//! graph states; a write lasts as long as copying the changed rows (an update of a few
-//! thousand rows: tens of microseconds), which is the longest a reader can wait.
+//! graph states; a write lasts as long as copying the changed rows (one new node on a
+//! degree-20 graph: about 4,300 rows of 16 floats), which is the longest a reader can wait
+//! (and, when new nodes outgrow the table's capacity, one reallocation of it).
 use super::engine::{Answer, NodePrediction};
 use super::ServeError;
 use std::sync::RwLock;
