@@ -13,10 +13,12 @@ use trellis::runtime::{DataSource, Dataset};
 
 const DATA: &str = "synthetic:nodes=1500,degree=8,features=16,classes=4,seed=2";
 
-/// A running `trellis serve`, stopped on drop.
+/// A running `trellis serve` (or `trellis train --serve`), stopped on drop.
 struct Server {
     child: Child,
     url: String,
+    /// Its stdout lines after `listening on`.
+    lines: std::sync::mpsc::Receiver<String>,
 }
 
 impl Drop for Server {
@@ -28,10 +30,16 @@ impl Drop for Server {
 
 impl Server {
     fn start(model: &Path, extra: &[&str]) -> Server {
+        let mut args = vec!["serve", "--model", s(model), "--data", DATA];
+        args.extend(["--listen", "127.0.0.1:0", "--threads", "2"]);
+        args.extend(extra);
+        Server::spawn(&args)
+    }
+
+    /// Runs `trellis ARGS` and waits for its `listening on http://...` line.
+    fn spawn(args: &[&str]) -> Server {
         let mut child = Command::new(env!("CARGO_BIN_EXE_trellis"))
-            .args(["serve", "--model", s(model), "--data", DATA])
-            .args(["--listen", "127.0.0.1:0", "--threads", "2"])
-            .args(extra)
+            .args(args)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
@@ -53,7 +61,11 @@ impl Server {
         };
         assert!(url.starts_with("http://127.0.0.1:"), "{url}");
         assert!(!url.ends_with(":0"), "port 0 was resolved: {url}");
-        Server { child, url }
+        Server {
+            child,
+            url,
+            lines: rx,
+        }
     }
 
     fn addr(&self) -> String {
@@ -773,6 +785,92 @@ fn a_failed_update_is_recovered_under_load_without_wrong_answers() {
 }
 
 #[test]
+fn training_serves_its_last_published_weights_while_it_trains() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("last.safetensors");
+    let server = Server::spawn(&[
+        "train",
+        "--data",
+        DATA,
+        "--model",
+        "gcn",
+        "--epochs",
+        "3000",
+        "--threads",
+        "2",
+        "--serve",
+        "127.0.0.1:0",
+        "--publish-every",
+        "150",
+        "--save-model",
+        s(&file),
+        "--save-model-at",
+        "last",
+    ]);
+    // Query while it trains: every answer is whole and names one version; versions advance.
+    let agent = agent();
+    let mut versions: Vec<String> = Vec::new();
+    let mut answers = 0;
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let finished = loop {
+        assert!(Instant::now() < deadline, "training did not finish in time");
+        let r = call(
+            &agent,
+            "POST",
+            &format!("{}/v1/predict", server.url),
+            b"{\"nodes\":[0,7,1499,7]}",
+            None,
+        );
+        assert_eq!(r.status, 200, "{}", r.text);
+        let version = r.body["model_version"].as_str().unwrap().to_string();
+        assert_eq!(version.len(), 12, "{}", r.text);
+        let preds = r.body["predictions"].as_array().unwrap();
+        assert_eq!(preds.len(), 4);
+        for (p, v) in preds.iter().zip([0, 7, 1499, 7]) {
+            assert_eq!(p["node"], v);
+            let row: Vec<f64> = p["probabilities"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap())
+                .collect();
+            assert_eq!(row.len(), 4);
+            assert!((row.iter().sum::<f64>() - 1.0).abs() < 1e-5, "{row:?}");
+        }
+        assert_eq!(preds[1], preds[3], "one node, one answer within a version");
+        answers += 1;
+        if versions.last() != Some(&version) {
+            assert!(
+                !versions.contains(&version),
+                "version {version} came back after a newer one: {versions:?}"
+            );
+            versions.push(version);
+        }
+        // The model is written after the last publish has been served.
+        if let Ok(line) = server.lines.try_recv() {
+            if line.contains("written to") {
+                break line;
+            }
+        }
+    };
+    assert!(finished.contains("epoch 3000"), "{finished}");
+    println!("{answers} answers while training, versions served: {versions:?}");
+    assert!(
+        versions.len() >= 3,
+        "the version advanced only {} time(s) over 20 publishes: {versions:?}",
+        versions.len() - 1
+    );
+    // Now it serves the last weights: exactly `trellis predict` with the saved model.
+    let (version, probs) = served(&server, &(0..1500).collect::<Vec<u32>>());
+    assert_eq!(version.len(), 12);
+    assert_close(
+        &probs,
+        &predict(&file, DATA, dir.path()),
+        "after training, the last weights",
+    );
+}
+
+#[test]
 fn bench_serve_reports_every_workload() {
     let out = Command::new(env!("CARGO_BIN_EXE_trellis"))
         .args([
@@ -783,6 +881,8 @@ fn bench_serve_reports_every_workload() {
             "--hidden",
             "16",
             "--seconds",
+            "1",
+            "--beside-seconds",
             "1",
         ])
         .args([
@@ -808,6 +908,7 @@ fn bench_serve_reports_every_workload() {
         "(b) new-node inductive",
         "(d) light tenant alone",
         "(d) light beside 10x heavy",
+        "(c) (a) beside training",
     ] {
         let line = text
             .lines()
@@ -818,4 +919,9 @@ fn bench_serve_reports_every_workload() {
             "{line}"
         );
     }
+    assert!(text.contains("load generator CPU"), "{text}");
+    assert!(
+        text.contains("the served version advanced"),
+        "training beside the service published no weights: {text}"
+    );
 }

@@ -19,7 +19,6 @@ use crate::model::{LayerInput, Model, StepCtx};
 use crate::train::normalize_rows;
 use crate::{Block, Graph, Result, RuntimeError};
 use std::borrow::Cow;
-use std::collections::HashMap;
 use trellis_gpu::{Stream, Tensor};
 
 /// A symmetric graph without self loops or duplicate edges that can grow and change: row `i`
@@ -27,6 +26,9 @@ use trellis_gpu::{Stream, Tensor};
 #[derive(Debug, Clone, Default)]
 pub struct NodeGraph {
     nbrs: Vec<Vec<u32>>,
+    /// `nbrs[i].len()`, kept apart: blocks read the degrees of every halo node, and this
+    /// table is a sixth of the size of the rows' headers (fewer cache misses).
+    deg: Vec<u32>,
     entries: usize,
 }
 
@@ -36,8 +38,12 @@ impl NodeGraph {
         let nbrs = (0..g.num_nodes())
             .map(|i| g.neighbors(i).to_vec())
             .collect();
+        let deg = (0..g.num_nodes())
+            .map(|i| g.neighbors(i).len() as u32)
+            .collect();
         NodeGraph {
             nbrs,
+            deg,
             entries: g.num_entries(),
         }
     }
@@ -56,12 +62,13 @@ impl NodeGraph {
     }
     /// Degree of `i` (no self loop).
     pub fn degree(&self, i: u32) -> usize {
-        self.nbrs[i as usize].len()
+        self.deg[i as usize] as usize
     }
 
     /// Adds an isolated node and returns its id.
     pub fn add_node(&mut self) -> u32 {
         self.nbrs.push(Vec::new());
+        self.deg.push(0);
         (self.nbrs.len() - 1) as u32
     }
 
@@ -91,6 +98,8 @@ impl NodeGraph {
         let row = &mut self.nbrs[b as usize];
         let pos = row.binary_search(&a).unwrap_err();
         row.insert(pos, a);
+        self.deg[a as usize] += 1;
+        self.deg[b as usize] += 1;
         self.entries += 2;
         Ok(true)
     }
@@ -106,6 +115,8 @@ impl NodeGraph {
         let row = &mut self.nbrs[b as usize];
         let pos = row.binary_search(&a).expect("rows are symmetric");
         row.remove(pos);
+        self.deg[a as usize] -= 1;
+        self.deg[b as usize] -= 1;
         self.entries -= 2;
         Ok(true)
     }
@@ -127,6 +138,19 @@ impl NodeGraph {
     /// neighbours outside `inner`, ascending, weights from the current degrees (as
     /// [`Block::build`] over the same graph).
     pub fn block(&self, inner: &[u32], agg: Aggregation) -> Result<Block> {
+        self.block_with(inner, agg, &mut LocalIds::default(), true)
+    }
+
+    /// [`NodeGraph::block`] with a reusable global-to-local table; with `sorted_halo` false
+    /// the halo rows come in the order first met (a row's entries are in global-id order
+    /// either way, so every output row has the same bits).
+    fn block_with(
+        &self,
+        inner: &[u32],
+        agg: Aggregation,
+        map: &mut LocalIds,
+        sorted_halo: bool,
+    ) -> Result<Block> {
         let n = self.num_nodes();
         if inner.windows(2).any(|w| w[0] >= w[1]) || inner.last().is_some_and(|&v| v as usize >= n)
         {
@@ -134,35 +158,46 @@ impl NodeGraph {
                 "inner nodes must be ascending, distinct and in range".into(),
             ));
         }
-        let entries: usize = inner.iter().map(|&g| self.degree(g)).sum();
-        let mut map = LocalIds::new(n, inner.len() + entries);
+        map.reserve(n);
         for (l, &g) in inner.iter().enumerate() {
             map.insert(g, l as u32);
         }
-        let mut halo: Vec<u32> = inner
-            .iter()
-            .flat_map(|&g| self.neighbors(g).iter().copied())
-            .filter(|&j| map.get(j).is_none())
-            .collect();
-        halo.sort_unstable();
-        halo.dedup();
-        for (k, &g) in halo.iter().enumerate() {
-            map.insert(g, (inner.len() + k) as u32);
+        let entries: usize = inner.iter().map(|&g| self.degree(g)).sum();
+        let mut gids = Vec::with_capacity(inner.len() + entries.min(n));
+        gids.extend_from_slice(inner);
+        if sorted_halo {
+            let mut halo: Vec<u32> = inner
+                .iter()
+                .flat_map(|&g| self.neighbors(g).iter().copied())
+                .filter(|&j| map.get(j).is_none())
+                .collect();
+            halo.sort_unstable();
+            halo.dedup();
+            for &g in &halo {
+                map.insert(g, gids.len() as u32);
+                gids.push(g);
+            }
         }
         let mut indptr = Vec::with_capacity(inner.len() + 1);
         indptr.push(0usize);
-        let mut indices = Vec::new();
+        let mut indices = Vec::with_capacity(entries);
         for &g in inner {
-            indices.extend(
-                self.neighbors(g)
-                    .iter()
-                    .map(|&j| map.get(j).expect("mapped above")),
-            );
+            for &j in self.neighbors(g) {
+                let l = match map.get(j) {
+                    Some(l) => l,
+                    None => {
+                        let l = gids.len() as u32;
+                        map.insert(j, l);
+                        gids.push(j);
+                        l
+                    }
+                };
+                indices.push(l);
+            }
             indptr.push(indices.len());
         }
-        let mut gids = inner.to_vec();
-        gids.extend_from_slice(&halo);
-        let degrees: Vec<u32> = gids.iter().map(|&g| self.degree(g) as u32).collect();
+        map.clear(&gids);
+        let degrees: Vec<u32> = gids.iter().map(|&g| self.deg[g as usize]).collect();
         Block::from_local(inner.len(), gids, &indptr, &indices, &degrees, agg)
     }
 
@@ -178,35 +213,32 @@ impl NodeGraph {
     }
 }
 
-/// Global-to-local ids of a block: a dense table unless the block is tiny against the graph
-/// (a table of `n` entries is cleared in a fraction of the time that many hash map inserts
-/// and lookups take; incremental updates build blocks of a few rows over graphs of millions).
-enum LocalIds {
-    Dense(Vec<u32>),
-    Sparse(HashMap<u32, u32>),
+/// Global-to-local ids of a block: a table with one entry per node of the graph, kept between
+/// blocks (an incremental update builds blocks of a few thousand rows over graphs of
+/// millions: allocating, clearing or hashing per block cost more than the kernels). Only the
+/// entries a block set are cleared after it.
+#[derive(Debug, Default)]
+struct LocalIds {
+    table: Vec<u32>,
 }
 
 impl LocalIds {
-    /// For a block of about `rows` input rows over `n` nodes.
-    fn new(n: usize, rows: usize) -> Self {
-        if rows * 64 >= n {
-            LocalIds::Dense(vec![u32::MAX; n])
-        } else {
-            LocalIds::Sparse(HashMap::with_capacity(rows))
+    /// Room for node ids below `n`.
+    fn reserve(&mut self, n: usize) {
+        if self.table.len() < n {
+            self.table.resize(n, u32::MAX);
         }
     }
     fn insert(&mut self, g: u32, l: u32) {
-        match self {
-            LocalIds::Dense(v) => v[g as usize] = l,
-            LocalIds::Sparse(m) => {
-                m.insert(g, l);
-            }
-        }
+        self.table[g as usize] = l;
     }
     fn get(&self, g: u32) -> Option<u32> {
-        match self {
-            LocalIds::Dense(v) => Some(v[g as usize]).filter(|&l| l != u32::MAX),
-            LocalIds::Sparse(m) => m.get(&g).copied(),
+        Some(self.table[g as usize]).filter(|&l| l != u32::MAX)
+    }
+    /// Forgets the ids `set` (every entry set since the last clear).
+    fn clear(&mut self, set: &[u32]) {
+        for &g in set {
+            self.table[g as usize] = u32::MAX;
         }
     }
 }
@@ -288,6 +320,8 @@ pub struct UpdateStats {
     pub rows_per_layer: Vec<usize>,
     /// Rows recomputed per part, summed over layers.
     pub rows_per_part: Vec<usize>,
+    /// The last layer's recomputed rows (ascending): the only logits that can have changed.
+    pub last_rows: Vec<u32>,
 }
 
 /// A model ready for layer-wise inference on one stream.
@@ -297,6 +331,8 @@ pub struct Inference {
     normalize: bool,
     /// Layer 0's input layout, fixed by the first full run's features.
     sparse_input: Option<bool>,
+    /// The global-to-local table every block is built with.
+    ids: LocalIds,
 }
 
 impl std::fmt::Debug for Inference {
@@ -324,6 +360,7 @@ impl Inference {
             stream,
             normalize,
             sparse_input: None,
+            ids: LocalIds::default(),
         })
     }
 
@@ -422,13 +459,29 @@ impl Inference {
         if inner.is_empty() {
             return Ok(Vec::new());
         }
-        let block = graph.block(inner, self.model.config().kind.aggregation())?;
+        // The transform reads only the inner rows: a block without edges.
+        let degrees: Vec<u32> = inner.iter().map(|&g| graph.degree(g) as u32).collect();
+        let indptr = vec![0usize; inner.len() + 1];
+        let block = Block::from_local(
+            inner.len(),
+            inner.to_vec(),
+            &indptr,
+            &[],
+            &degrees,
+            self.model.config().kind.aggregation(),
+        )?;
         let x = Tensor::from_vec(inner.len(), input.width, input.gather(inner))?;
         let x = self.stream.place(x)?;
         let z = self
             .model
             .forward_transform(&self.stream, l, &block, x, EVAL)?;
         Ok(self.stream.download(&z)?)
+    }
+
+    /// The block of the nodes `inner` (ascending) over the current graph.
+    fn block(&mut self, graph: &NodeGraph, inner: &[u32]) -> Result<Block> {
+        let agg = self.model.config().kind.aggregation();
+        graph.block_with(inner, agg, &mut self.ids, false)
     }
 
     /// Layer `l`'s rows of `inner`: from the transformed table for a split layer, else from
@@ -447,7 +500,7 @@ impl Inference {
         if inner.is_empty() {
             return Ok(Vec::new());
         }
-        let block = graph.block(inner, self.model.config().kind.aggregation())?;
+        let block = self.block(graph, inner)?;
         let zt = Tensor::from_vec(block.n_in(), z.width, z.gather(block.gids()))?;
         let zt = self.stream.place(zt)?;
         let y = self
@@ -468,7 +521,7 @@ impl Inference {
         if inner.is_empty() {
             return Ok(Vec::new());
         }
-        let block = graph.block(inner, self.model.config().kind.aggregation())?;
+        let block = self.block(graph, inner)?;
         let x = Tensor::from_vec(block.n_in(), input.width, input.gather(block.gids()))?;
         let x = if l == 0 {
             let sparse = self.sparse_input.unwrap_or(false);
@@ -505,6 +558,7 @@ impl Inference {
         let mut stats = UpdateStats {
             rows_per_layer: Vec::new(),
             rows_per_part: vec![0; parts],
+            last_rows: Vec::new(),
         };
         let mut set: Vec<u32> = changed.to_vec();
         set.sort_unstable();
@@ -535,6 +589,7 @@ impl Inference {
                 stats.rows_per_part[p] += inner.len();
             }
         }
+        stats.last_rows = set;
         Ok(stats)
     }
 }

@@ -329,6 +329,18 @@ impl Trainer {
 
     /// Trains for the configured epochs, calling `on_epoch` after each, and returns the report.
     pub fn run(&mut self, mut on_epoch: impl FnMut(&EpochLog)) -> Result<RunReport> {
+        self.run_with_model(|log, _, _| {
+            on_epoch(log);
+            Ok(())
+        })
+    }
+
+    /// As [`Trainer::run`]; `on_epoch` also gets the model after the epoch's update and its
+    /// stream (to publish the weights, say), and an error from it stops the run.
+    pub fn run_with_model(
+        &mut self,
+        mut on_epoch: impl FnMut(&EpochLog, &Model, &Stream) -> Result<()>,
+    ) -> Result<RunReport> {
         let _span =
             tracing::info_span!("run", partitions = 1i64, model = %self.cfg.model.kind).entered();
         let before = Metrics::global().snapshot();
@@ -349,7 +361,7 @@ impl Trainer {
                     values: self.model.values_on_host(&self.stream)?,
                 });
             }
-            on_epoch(&log);
+            on_epoch(&log, &self.model, &self.stream)?;
             logs.push(log);
         }
         let mut report = build_report(

@@ -1,15 +1,19 @@
 //! `trellis bench serve`: the serving service under open-loop Poisson load over real HTTP on
-//! loopback, for (a) predictions of existing nodes and (b) new-node inductive queries, with
-//! latency quantiles, the achieved rate and this machine's memory bandwidth.
+//! loopback, for (a) predictions of existing nodes, (b) new-node inductive queries, (d) a
+//! light tenant alone and beside a 10x heavier one, and (c) (a) while a trainer trains
+//! beside the service and publishes its weights; latency quantiles, achieved rates, the
+//! load generator's own CPU use and this machine's memory bandwidth.
 use super::train::load_data;
 use crate::serve::api::Limits;
-use crate::serve::loadgen::{run_open_loop, LoadResult, LoadSpec};
+use crate::serve::beside::Publisher;
+use crate::serve::loadgen::{run_open_loop, LoadResult, LoadRun, LoadSpec, TenantLoad};
 use crate::serve::{run_http, HttpConfig};
 use anyhow::{Context, Result};
 use clap::Args;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 use trellis_actors::serving::engine::{self, EngineConfig};
+use trellis_actors::serving::priority::Class;
 use trellis_actors::serving::scheduler::SchedulerConfig;
 use trellis_gpu::{bench, Stream};
 use trellis_runtime::inference::NodeGraph;
@@ -55,6 +59,33 @@ pub struct ServeBenchArgs {
     pub partitions: usize,
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
+    /// HTTP worker threads of the service.
+    #[arg(long, default_value_t = 1)]
+    pub http_workers: usize,
+    /// (c): epochs timed alone, then training beside (a)'s load for --beside-seconds
+    /// (0 skips (c)).
+    #[arg(long, default_value_t = 2)]
+    pub beside_epochs: u32,
+    /// (c): publish the trainer's weights every K epochs.
+    #[arg(long, default_value_t = 2)]
+    pub publish_every: u32,
+    /// (c): the training threads' CPU class beside the service: `idle` (SCHED_IDLE) or a
+    /// nice value 1-19 in the normal class.
+    #[arg(long, default_value = "idle", value_parser = parse_class)]
+    pub beside_priority: Class,
+    /// (c): seconds of (a)'s load beside training (long enough for epochs and a publish).
+    #[arg(long, default_value_t = 40)]
+    pub beside_seconds: u64,
+}
+
+fn parse_class(s: &str) -> std::result::Result<Class, String> {
+    if s == "idle" {
+        return Ok(Class::Idle);
+    }
+    match s.parse::<i32>() {
+        Ok(n) if (1..=19).contains(&n) => Ok(Class::Nice(n)),
+        _ => Err(format!("`{s}` is neither `idle` nor a nice value 1-19")),
+    }
 }
 
 fn line(name: &str, rate: f64, r: &LoadResult) {
@@ -71,38 +102,47 @@ fn line(name: &str, rate: f64, r: &LoadResult) {
     );
 }
 
+fn generator(run: &LoadRun) {
+    println!(
+        "{:<28} load generator CPU {:.2} s = {:.2} cores (same machine as the server)",
+        "",
+        run.generator_cpu.as_secs_f64(),
+        run.generator_cores()
+    );
+}
+
+/// Median of some epoch times, ms.
+fn median_ms(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+}
+
 pub fn run(a: ServeBenchArgs) -> Result<()> {
     let ds = load_data(&a.data)?;
     let stream = Stream::cpu(a.threads)?;
     let triad = bench::triad_bandwidth_gbs(256 << 20, stream.budget());
+    let mut train_cfg =
+        TrainConfig::paper_defaults(ModelKind::Gcn, ds.num_features, ds.num_classes, 0);
+    train_cfg.model.hidden = a.hidden;
+    train_cfg.epochs = a.train_epochs;
+    train_cfg.threads = a.threads;
+    let mut trainer = None;
     let saved = match &a.model {
         Some(p) => model_file::load(p)?,
         None => {
-            let mut cfg =
-                TrainConfig::paper_defaults(ModelKind::Gcn, ds.num_features, ds.num_classes, 0);
-            cfg.model.hidden = a.hidden;
-            cfg.epochs = a.train_epochs;
-            cfg.threads = a.threads;
             let t = Instant::now();
-            let mut trainer = Trainer::new(&ds, cfg.clone())?;
-            trainer.run(|_| {})?;
+            let mut tr = Trainer::new(&ds, train_cfg.clone())?;
+            tr.run(|_| {})?;
             eprintln!(
                 "trained GCN hidden {} for {} epoch(s) in {:.1} s",
                 a.hidden,
                 a.train_epochs,
                 t.elapsed().as_secs_f64()
             );
-            let meta = ModelMeta {
-                config: cfg.model.clone(),
-                train_config: None,
-                normalize_features: cfg.normalize_features,
-                data_digest: trainer.data_digest().to_string(),
-                weights_digest: String::new(),
-                epoch: cfg.epochs,
-                code_version: env!("CARGO_PKG_VERSION").to_string(),
-            };
-            let bytes = model_file::to_bytes(trainer.model(), trainer.stream(), &meta)?;
-            model_file::from_bytes(&bytes, std::path::Path::new("trained model"))?
+            let bytes = model_file::to_bytes(tr.model(), tr.stream(), &meta(&train_cfg, &tr))?;
+            let m = model_file::from_bytes(&bytes, std::path::Path::new("trained model"))?;
+            trainer = Some(tr);
+            m
         }
     };
     saved.check_fits(ds.num_features, ds.num_classes)?;
@@ -111,7 +151,7 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
     let parts = a.partitions.max(1);
     let owner = assign(&graph, &ds, parts, PartitionMethod::Metis, 0)?;
     let t = Instant::now();
-    let handle = start_engine(saved, &graph, ds.features, owner, &a)?;
+    let handle = start_engine(saved, &graph, ds.features.clone(), owner, &a)?;
     drop(graph);
     eprintln!(
         "layer-wise inference over {n} nodes: {:.1} s",
@@ -127,12 +167,13 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
         client_timeout: Duration::from_secs(5),
         features: width,
         classes: ds.num_classes,
-        workers: 1,
+        workers: a.http_workers.max(1),
     };
     let (tx, rx) = std::sync::mpsc::channel();
+    let server = handle.clone();
     std::thread::spawn(move || {
         let _ = run_http(
-            handle,
+            server,
             cfg,
             "127.0.0.1:0".parse().expect("an address"),
             |addr| {
@@ -143,65 +184,175 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
     let addr = rx
         .recv_timeout(Duration::from_secs(30))
         .context("the HTTP server did not start")?;
-    let spec = |rate: f64, seed: u64| LoadSpec {
+    let spec = |tenants: Vec<TenantLoad>, seed: u64| LoadSpec {
         addr,
-        rate,
+        tenants,
         duration: Duration::from_secs(a.seconds),
         connections: a.connections,
         seed,
-        api_key: None,
+    };
+    let one = |rate: f64| {
+        vec![TenantLoad {
+            api_key: None,
+            rate,
+        }]
     };
     println!(
-        "trellis bench serve: {} ({n} nodes), GCN hidden {}, {parts} part(s), SLO {} ms, {} s per workload, memory bandwidth (STREAM triad) {triad:.1} GB/s",
-        ds.name, a.hidden, a.slo_ms, a.seconds
+        "trellis bench serve: {} ({n} nodes), GCN hidden {}, {parts} part(s), SLO {} ms, {} s per workload, {} HTTP worker(s), memory bandwidth (STREAM triad) {triad:.1} GB/s",
+        ds.name, a.hidden, a.slo_ms, a.seconds, a.http_workers.max(1)
     );
-    let existing = run_open_loop(&spec(a.rate_predict, 1), |rng| {
+    let query = move |_: usize, rng: &mut crate::serve::loadgen::Rng| {
         let v = rng.below(n as u64);
         ("/v1/predict", format!("{{\"nodes\":[{v}]}}").into_bytes())
-    })?;
-    line("(a) existing-node predict", a.rate_predict, &existing);
-    let k = a.new_edges;
-    let new = run_open_loop(&spec(a.rate_new, 2), |rng| {
-        let feats: Vec<String> = (0..width).map(|_| format!("{:.3}", rng.unit())).collect();
-        let edges: Vec<String> = (0..k).map(|_| rng.below(n as u64).to_string()).collect();
-        (
-            "/v1/nodes",
-            format!(
-                "{{\"nodes\":[{{\"features\":[{}],\"edges\":[{}]}}]}}",
-                feats.join(","),
-                edges.join(",")
+    };
+    let existing = run_open_loop(&spec(one(a.rate_predict), 1), query)?;
+    line(
+        "(a) existing-node predict",
+        a.rate_predict,
+        &existing.tenants[0],
+    );
+    generator(&existing);
+    if a.rate_new > 0.0 {
+        let k = a.new_edges;
+        let new = run_open_loop(&spec(one(a.rate_new), 2), |_, rng| {
+            let feats: Vec<String> = (0..width).map(|_| format!("{:.3}", rng.unit())).collect();
+            let edges: Vec<String> = (0..k).map(|_| rng.below(n as u64).to_string()).collect();
+            (
+                "/v1/nodes",
+                format!(
+                    "{{\"nodes\":[{{\"features\":[{}],\"edges\":[{}]}}]}}",
+                    feats.join(","),
+                    edges.join(",")
+                )
+                .into_bytes(),
             )
-            .into_bytes(),
-        )
-    })?;
-    line("(b) new-node inductive", a.rate_new, &new);
+        })?;
+        line("(b) new-node inductive", a.rate_new, &new.tenants[0]);
+        generator(&new);
+    }
     if a.rate_light > 0.0 {
-        let query = move |rng: &mut crate::serve::loadgen::Rng| {
-            let v = rng.below(n as u64);
-            ("/v1/predict", format!("{{\"nodes\":[{v}]}}").into_bytes())
-        };
-        let light = |seed| LoadSpec {
+        let light = TenantLoad {
             api_key: Some("light".into()),
-            ..spec(a.rate_light, seed)
+            rate: a.rate_light,
         };
-        let alone = run_open_loop(&light(3), query)?;
-        line("(d) light tenant alone", a.rate_light, &alone);
-        let heavy_spec = LoadSpec {
+        let heavy = TenantLoad {
             api_key: Some("heavy".into()),
-            ..spec(10.0 * a.rate_light, 4)
+            rate: 10.0 * a.rate_light,
         };
-        let heavy = std::thread::spawn(move || run_open_loop(&heavy_spec, query));
-        let beside = run_open_loop(&light(5), query)?;
-        let heavy = heavy
-            .join()
-            .map_err(|_| anyhow::anyhow!("the heavy tenant's load thread panicked"))??;
-        line("(d) light beside 10x heavy", a.rate_light, &beside);
-        line("(d) the heavy tenant", 10.0 * a.rate_light, &heavy);
+        let alone = run_open_loop(&spec(vec![light.clone()], 3), query)?;
+        line("(d) light tenant alone", a.rate_light, &alone.tenants[0]);
+        let both = run_open_loop(&spec(vec![light, heavy], 5), query)?;
+        line("(d) light beside 10x heavy", a.rate_light, &both.tenants[0]);
+        line(
+            "(d) the heavy tenant",
+            10.0 * a.rate_light,
+            &both.tenants[1],
+        );
+        generator(&both);
         println!(
             "light tenant p99 beside the heavy one: {:.2}x alone (goal <= 1.2x)",
-            beside.ms(0.99) / alone.ms(0.99).max(1e-3)
+            both.tenants[0].ms(0.99) / alone.tenants[0].ms(0.99).max(1e-3)
         );
     }
+    if a.beside_epochs > 0 {
+        let mut tr = match trainer {
+            Some(t) => t,
+            None => Trainer::new(&ds, train_cfg.clone())?,
+        };
+        let beside_spec = LoadSpec {
+            duration: Duration::from_secs(a.beside_seconds.max(1)),
+            ..spec(one(a.rate_predict), 6)
+        };
+        beside_training(&mut tr, &train_cfg, handle, &a, &existing, || {
+            run_open_loop(&beside_spec, query)
+        })?;
+    }
+    Ok(())
+}
+
+/// The model metadata of the trainer's weights.
+fn meta(cfg: &TrainConfig, tr: &Trainer) -> ModelMeta {
+    ModelMeta {
+        config: cfg.model.clone(),
+        train_config: None,
+        normalize_features: cfg.normalize_features,
+        data_digest: tr.data_digest().to_string(),
+        weights_digest: String::new(),
+        epoch: cfg.epochs,
+        code_version: env!("CARGO_PKG_VERSION").to_string(),
+    }
+}
+
+/// (c): the epoch time of `tr` alone, then (a)'s load while `tr` trains beside the service
+/// at a lower priority, publishing its weights every `--publish-every` epochs.
+fn beside_training(
+    tr: &mut Trainer,
+    cfg: &TrainConfig,
+    handle: engine::EngineHandle,
+    a: &ServeBenchArgs,
+    alone_load: &LoadRun,
+    load: impl FnOnce() -> std::io::Result<LoadRun>,
+) -> Result<()> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let start_epoch = cfg.epochs + 1;
+    let mut alone = Vec::new();
+    for e in start_epoch..start_epoch + a.beside_epochs {
+        let t = Instant::now();
+        tr.epoch(e)?;
+        alone.push(t.elapsed().as_secs_f64() * 1e3);
+    }
+    let alone_ms = median_ms(alone);
+    trellis_actors::serving::priority::background_pool_as(tr.stream().budget(), a.beside_priority);
+    let stop = AtomicBool::new(false);
+    let first = start_epoch + a.beside_epochs;
+    let mut publisher = Publisher::new(handle.clone(), meta(cfg, tr), a.publish_every);
+    let v0 = handle.published.version();
+    let (run, times) = std::thread::scope(|sc| {
+        let trainer = sc.spawn(|| -> Result<Vec<f64>> {
+            trellis_actors::serving::priority::background_this_thread_as(a.beside_priority);
+            let mut times = Vec::new();
+            let mut e = first;
+            while !stop.load(Ordering::Relaxed) {
+                let t = Instant::now();
+                tr.epoch(e)?;
+                times.push(t.elapsed().as_secs_f64() * 1e3);
+                publisher.after_epoch(e, false, tr.model(), tr.stream())?;
+                e += 1;
+            }
+            Ok(times)
+        });
+        let run = load();
+        stop.store(true, Ordering::Relaxed);
+        let times = trainer
+            .join()
+            .map_err(|_| anyhow::anyhow!("the training thread panicked"));
+        (run, times)
+    });
+    let run = run?;
+    let times = times??;
+    let beside_ms = median_ms(times.clone());
+    let r = &run.tenants[0];
+    line("(c) (a) beside training", a.rate_predict, r);
+    generator(&run);
+    let versions = if handle.published.version() != v0 {
+        "the served version advanced"
+    } else {
+        "the served version did not advance"
+    };
+    println!(
+        "(c) training threads in the background as {:?}",
+        a.beside_priority
+    );
+    println!(
+        "(c) p99 {:.2}x (a)'s (goal <= 1.2x); training {} epoch(s) beside at {:.0} ms median vs {:.0} ms alone: {:.0}% of its epoch rate (goal >= 80%); {} publishes, {} skipped while one loaded, {versions}",
+        r.ms(0.99) / alone_load.tenants[0].ms(0.99).max(1e-3),
+        times.len(),
+        beside_ms,
+        alone_ms,
+        100.0 * alone_ms / beside_ms,
+        publisher.published,
+        publisher.skipped,
+    );
     Ok(())
 }
 

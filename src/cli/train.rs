@@ -100,6 +100,14 @@ pub struct TrainArgs {
     /// which the report's test accuracy comes from) or `last`.
     #[arg(long, value_enum, default_value_t = SaveAt::Best, requires = "save_model")]
     pub save_model_at: SaveAt,
+    /// Serve the model while it trains (HTTP/JSON API of `trellis serve`; port 0: any free
+    /// port, printed as `listening on http://HOST:PORT`): answers come from the last
+    /// published weights; after training the service keeps running until stopped.
+    #[arg(long, value_name = "ADDR")]
+    pub serve: Option<std::net::SocketAddr>,
+    /// With --serve: publish the trainer's weights every K epochs (and after the last).
+    #[arg(long, value_name = "K", default_value_t = 10, requires = "serve", value_parser = clap::value_parser!(u32).range(1..))]
+    pub publish_every: u32,
     /// Print one line per epoch.
     #[arg(long)]
     pub verbose: bool,
@@ -351,14 +359,26 @@ pub fn run(a: TrainArgs) -> Result<()> {
              (without --partitions, --partition-dir, --chaos, --checkpoint-dir) to save a model"
         );
     }
+    if partitioned && a.serve.is_some() {
+        bail!(
+            "--serve is not available for partitioned runs yet: train single-process \
+             (without --partitions, --partition-dir, --chaos, --checkpoint-dir) to serve beside it"
+        );
+    }
     if let Some(path) = &a.report {
         check_report_path(path)?;
     }
     let telemetry = a.telemetry.start(0)?;
     let ds = load_data(&a.data)?;
     let cfg = a.config(&ds)?;
+    let mut beside = None;
     let report = if partitioned {
         train_partitioned(&ds, cfg, &a)?
+    } else if let Some(listen) = a.serve {
+        let save = a.save_model.as_deref().map(|p| (p, a.save_model_at));
+        let (report, service) = train_serving(ds, cfg, listen, a.publish_every, a.verbose, save)?;
+        beside = Some(service);
+        report
     } else {
         let save = a.save_model.as_deref().map(|p| (p, a.save_model_at));
         train_single_saving(ds, cfg, a.verbose, save)?
@@ -370,7 +390,41 @@ pub fn run(a: TrainArgs) -> Result<()> {
         write_report(&report, path)?;
     }
     a.telemetry.finish(telemetry);
+    if let Some(service) = beside {
+        service.serve_until_stopped()?;
+    }
     Ok(())
+}
+
+/// Trains single-process with the service of `--serve` beside it (see
+/// [`crate::serve::beside`]); returns the report and the service, still running.
+fn train_serving(
+    ds: Dataset,
+    cfg: TrainConfig,
+    listen: std::net::SocketAddr,
+    every: u32,
+    verbose: bool,
+    save: Option<(&Path, SaveAt)>,
+) -> Result<(RunReport, crate::serve::beside::Beside)> {
+    let mut service = crate::serve::beside::Beside::start(&ds, &cfg, &ds.digest(), listen, every)?;
+    let epochs = cfg.epochs;
+    let mut trainer = Trainer::from_dataset(ds, cfg)?;
+    service.lower_training(trainer.stream());
+    let report = trainer.run_with_model(|log, model, stream| {
+        if verbose {
+            println!(
+                "epoch {:>4}  loss {:.4}  train {:.3}  val {:.3}  test {:.3}  {:.1} ms",
+                log.epoch, log.loss, log.train_acc, log.val_acc, log.test_acc, log.ms
+            );
+        }
+        service
+            .after_epoch(log.epoch, log.epoch == epochs, model, stream)
+            .map_err(|e| trellis_runtime::RuntimeError::Config(format!("--serve: {e:#}")))
+    })?;
+    if let Some((path, at)) = save {
+        save_model(&trainer, at, path)?;
+    }
+    Ok((report, service))
 }
 
 /// Fails unless a report can be created at `path`: its folder exists and is writable, and

@@ -11,21 +11,30 @@ use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, Mutex};
 
+/// One caller of the load: its API key and arrival rate.
+#[derive(Debug, Clone)]
+pub struct TenantLoad {
+    /// Sent as `x-api-key`, if set.
+    pub api_key: Option<String>,
+    /// Mean arrivals per second.
+    pub rate: f64,
+}
+
 /// What to send, how fast, for how long.
 #[derive(Debug, Clone)]
 pub struct LoadSpec {
     pub addr: SocketAddr,
-    /// Mean arrivals per second.
-    pub rate: f64,
+    /// The callers; their arrivals are independent Poisson processes, generated as one
+    /// (the sum of the rates, each arrival drawn to a caller by its share of the rate), on
+    /// one clock thread and one set of connections.
+    pub tenants: Vec<TenantLoad>,
     pub duration: Duration,
     /// Keep-alive connections (requests beyond them wait on the client, timed).
     pub connections: usize,
     pub seed: u64,
-    /// Sent as `x-api-key` (the tenant), if set.
-    pub api_key: Option<String>,
 }
 
-/// What happened.
+/// What happened to one caller's requests.
 #[derive(Debug)]
 pub struct LoadResult {
     pub sent: u64,
@@ -50,17 +59,61 @@ impl LoadResult {
     }
 }
 
+/// A whole run: each caller's results (in [`LoadSpec::tenants`] order) and the CPU time
+/// the generator itself used (its clock thread and connection threads), so a reader can
+/// tell how much of the machine the client took from the server.
+#[derive(Debug)]
+pub struct LoadRun {
+    pub tenants: Vec<LoadResult>,
+    pub generator_cpu: Duration,
+    pub elapsed: Duration,
+}
+
+impl LoadRun {
+    /// The generator's CPU use in cores (1.0 = one core busy the whole run).
+    pub fn generator_cores(&self) -> f64 {
+        self.generator_cpu.as_secs_f64() / self.elapsed.as_secs_f64().max(1e-9)
+    }
+}
+
+/// CPU time the calling thread has used.
+fn thread_cpu() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec; CLOCK_THREAD_CPUTIME_ID is always
+    // supported on Linux.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    if rc != 0 {
+        return Duration::ZERO;
+    }
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
 struct Job {
+    tenant: usize,
     scheduled: Instant,
     path: &'static str,
     body: Vec<u8>,
 }
 
-#[derive(Default)]
 struct Tally {
     ok: u64,
     shed: u64,
     failed: u64,
+    latency_us: Histogram<u64>,
+}
+
+impl Tally {
+    fn new() -> Self {
+        Tally {
+            ok: 0,
+            shed: 0,
+            failed: 0,
+            latency_us: Histogram::new_with_bounds(1, 600_000_000, 3).expect("valid bounds"),
+        }
+    }
 }
 
 /// Arrival gaps and request contents come from the simulator's seeded generator.
@@ -100,15 +153,15 @@ async fn read_response(r: &mut BufReader<tokio::net::tcp::OwnedReadHalf>) -> std
 
 async fn connection(
     addr: SocketAddr,
-    key_header: Arc<str>,
+    key_headers: Arc<Vec<String>>,
     jobs: Arc<Mutex<mpsc::UnboundedReceiver<Job>>>,
-    hist: Arc<std::sync::Mutex<Histogram<u64>>>,
-    tally: Arc<std::sync::Mutex<Tally>>,
+    tallies: Arc<Vec<std::sync::Mutex<Tally>>>,
 ) {
     let mut conn: Option<(BufReader<_>, tokio::net::tcp::OwnedWriteHalf)> = None;
     loop {
         let job = { jobs.lock().await.recv().await };
         let Some(job) = job else { return };
+        let tally = &tallies[job.tenant];
         if conn.is_none() {
             if let Ok(s) = TcpStream::connect(addr).await {
                 let _ = s.set_nodelay(true);
@@ -121,8 +174,9 @@ async fn connection(
             continue;
         };
         let head = format!(
-            "POST {} HTTP/1.1\r\nHost: bench\r\n{key_header}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            "POST {} HTTP/1.1\r\nHost: bench\r\n{}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n",
             job.path,
+            key_headers[job.tenant],
             job.body.len()
         );
         let sent = async {
@@ -136,7 +190,7 @@ async fn connection(
             Ok(s) if (200..300).contains(&s) => {
                 t.ok += 1;
                 let us = job.scheduled.elapsed().as_micros() as u64;
-                let _ = hist.lock().expect("hist").record(us.max(1));
+                let _ = t.latency_us.record(us.max(1));
             }
             Ok(429) | Ok(503) => t.shed += 1,
             Ok(_) => t.failed += 1,
@@ -148,50 +202,84 @@ async fn connection(
     }
 }
 
-/// Runs the load: `make(rng)` gives each request's path and body.
+/// Runs the load: `make(tenant, rng)` gives each request's path and body.
 pub fn run_open_loop(
     spec: &LoadSpec,
-    mut make: impl FnMut(&mut Rng) -> (&'static str, Vec<u8>) + Send,
-) -> std::io::Result<LoadResult> {
+    mut make: impl FnMut(usize, &mut Rng) -> (&'static str, Vec<u8>) + Send,
+) -> std::io::Result<LoadRun> {
+    let total: f64 = spec.tenants.iter().map(|t| t.rate.max(0.0)).sum();
+    if !(total > 0.0 && total.is_finite()) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!("the load's arrival rates sum to {total}/s: nothing to send"),
+        ));
+    }
+    let worker_cpu = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let on_stop = worker_cpu.clone();
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
+        .thread_name("trellis-loadgen")
+        .on_thread_stop(move || {
+            on_stop.fetch_add(
+                thread_cpu().as_nanos() as u64,
+                std::sync::atomic::Ordering::Relaxed,
+            );
+        })
         .enable_all()
         .build()?;
-    let hist = Arc::new(std::sync::Mutex::new(
-        Histogram::new_with_bounds(1, 600_000_000, 3).expect("valid bounds"),
-    ));
-    let tally = Arc::new(std::sync::Mutex::new(Tally::default()));
+    let tallies: Arc<Vec<std::sync::Mutex<Tally>>> = Arc::new(
+        spec.tenants
+            .iter()
+            .map(|_| std::sync::Mutex::new(Tally::new()))
+            .collect(),
+    );
     let (tx, rx) = mpsc::unbounded_channel::<Job>();
     let rx = Arc::new(Mutex::new(rx));
-    let key_header: Arc<str> = match &spec.api_key {
-        Some(k) => format!("x-api-key: {k}\r\n").into(),
-        None => "".into(),
-    };
+    let key_headers: Arc<Vec<String>> = Arc::new(
+        spec.tenants
+            .iter()
+            .map(|t| match &t.api_key {
+                Some(k) => format!("x-api-key: {k}\r\n"),
+                None => String::new(),
+            })
+            .collect(),
+    );
     let workers: Vec<_> = (0..spec.connections.max(1))
         .map(|_| {
             rt.spawn(connection(
                 spec.addr,
-                key_header.clone(),
+                key_headers.clone(),
                 rx.clone(),
-                hist.clone(),
-                tally.clone(),
+                tallies.clone(),
             ))
         })
         .collect();
-    // The arrival clock runs on its own thread: sleeps to each scheduled time (Linux timers
+    // The arrival clock runs on this thread: sleeps to each scheduled time (Linux timers
     // are ~0.1 ms precise; tokio's are 1 ms), never waiting for answers.
+    let clock_cpu = thread_cpu();
     let mut rng = Rng::new(spec.seed);
     let start = Instant::now();
     let mut next = start;
-    let mut sent = 0u64;
+    let mut sent = vec![0u64; spec.tenants.len()];
     while next < start + spec.duration {
         let now = Instant::now();
         if next > now {
             std::thread::sleep(next - now);
         }
-        let (path, body) = make(&mut rng);
+        // Which caller this arrival belongs to, by its share of the rate.
+        let mut pick = rng.unit() * total;
+        let tenant = spec
+            .tenants
+            .iter()
+            .position(|t| {
+                pick -= t.rate.max(0.0);
+                pick < 0.0
+            })
+            .unwrap_or(spec.tenants.len() - 1);
+        let (path, body) = make(tenant, &mut rng);
         if tx
             .send(Job {
+                tenant,
                 scheduled: next,
                 path,
                 body,
@@ -200,8 +288,8 @@ pub fn run_open_loop(
         {
             break;
         }
-        sent += 1;
-        next += Duration::from_secs_f64(-rng.unit().ln() / spec.rate);
+        sent[tenant] += 1;
+        next += Duration::from_secs_f64(-rng.unit().ln() / total);
     }
     drop(tx);
     rt.block_on(async {
@@ -210,14 +298,28 @@ pub fn run_open_loop(
         }
     });
     let elapsed = start.elapsed();
-    let t = tally.lock().expect("tally");
-    let latency_us = hist.lock().expect("hist").clone();
-    Ok(LoadResult {
-        sent,
-        ok: t.ok,
-        shed: t.shed,
-        failed: t.failed,
-        latency_us,
+    let clock_cpu = thread_cpu().saturating_sub(clock_cpu);
+    drop(rt); // joins the worker thread, which adds its CPU time
+    let generator_cpu =
+        clock_cpu + Duration::from_nanos(worker_cpu.load(std::sync::atomic::Ordering::Relaxed));
+    let tenants = tallies
+        .iter()
+        .zip(sent)
+        .map(|(t, sent)| {
+            let t = t.lock().expect("tally");
+            LoadResult {
+                sent,
+                ok: t.ok,
+                shed: t.shed,
+                failed: t.failed,
+                latency_us: t.latency_us.clone(),
+                elapsed,
+            }
+        })
+        .collect();
+    Ok(LoadRun {
+        tenants,
+        generator_cpu,
         elapsed,
     })
 }

@@ -80,9 +80,20 @@ impl HttpMetrics {
                 "trellis_serve_requests_total{{route=\"{route}\",status=\"{status}\"}} {n}"
             );
         }
-        out.push_str("# HELP trellis_serve_batch_size Queries per engine step.\n");
+        out.push_str(
+            "# HELP trellis_serve_batch_size Queries per engine step (embedding queries; other predictions read the published rows).\n",
+        );
         out.push_str("# TYPE trellis_serve_batch_size histogram\n");
-        if let Some(h) = engine.batches.lock().expect("stats lock").as_ref() {
+        {
+            let batches = engine.batches.lock().expect("stats lock");
+            let empty;
+            let h = match batches.as_ref() {
+                Some(h) => h,
+                None => {
+                    empty = hdrhistogram::Histogram::<u64>::new(3).expect("valid precision");
+                    &empty
+                }
+            };
             for b in [1u64, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096] {
                 let _ = writeln!(
                     out,

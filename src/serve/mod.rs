@@ -1,8 +1,10 @@
 //! `trellis serve`'s HTTP front end (actix-web): reads and bounds request bodies, parses and
-//! validates them ([`api`]), forwards them to the serving engine
-//! ([`trellis_actors::serving::engine`]) and waits for the answer within the request's
-//! deadline; `/healthz`, `/readyz` and Prometheus `/metrics` ([`metrics`]).
+//! validates them ([`api`]), charges quotas, answers existing-node predictions from the
+//! engine's published rows ([`trellis_actors::serving::published`]) and forwards everything
+//! else to the serving engine ([`trellis_actors::serving::engine`]), waiting for the answer
+//! within the request's deadline; `/healthz`, `/readyz` and Prometheus `/metrics` ([`metrics`]).
 pub mod api;
+pub mod beside;
 pub mod loadgen;
 pub mod metrics;
 
@@ -192,6 +194,11 @@ async fn predict(
             .and_then(|v| v.to_str().ok())
             .unwrap_or("anonymous")
             .to_string();
+        state.engine.admit(&tenant).map_err(|e| serve_error(&e))?;
+        if p.embeddings.is_none() {
+            // Existing nodes' classes are published rows: answered here, in this worker.
+            return Ok(answer_json(state.engine.predict_published(&nodes)));
+        }
         let deadline = t0 + state.cfg.deadline;
         Ok::<_, HttpResponse>(answer_json(
             ask(

@@ -8,8 +8,9 @@
 //! (copy-on-write: the graph and features are copied only if an update comes meanwhile),
 //! then the updates made since are replayed onto it and it replaces the old one between two
 //! batches, so every answer comes from one model version and names it.
+use super::published::Published;
 use super::routing::{place_new_node, route};
-use super::scheduler::{Action, Pending, Refusal, Scheduler, SchedulerConfig};
+use super::scheduler::{Action, Pending, Quotas, Refusal, Scheduler, SchedulerConfig};
 use super::ServeError;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -111,14 +112,15 @@ pub struct EngineStats {
 }
 
 impl EngineStats {
-    fn record_batch(&self, size: usize) {
+    pub(crate) fn record_batch(&self, size: usize) {
         let mut h = self.batches.lock().expect("stats lock");
         let h = h.get_or_insert_with(|| {
             hdrhistogram::Histogram::new_with_bounds(1, 1 << 24, 3).expect("valid bounds")
         });
         let _ = h.record(size.max(1) as u64);
     }
-    fn record_shed(&self, why: Refusal) {
+    /// Counts a refused request.
+    pub fn record_shed(&self, why: Refusal) {
         let key = match why {
             Refusal::Overloaded => "overloaded",
             Refusal::Quota => "quota",
@@ -145,17 +147,42 @@ pub struct EngineConfig {
     pub panic_on_updates: Vec<u64>,
 }
 
-/// A handle to a running engine: send commands, read its stats.
+/// A handle to a running engine: send commands, read its stats, answer existing-node
+/// predictions from its published rows.
 #[derive(Clone)]
 pub struct EngineHandle {
     tx: Sender<Command>,
     pub stats: Arc<EngineStats>,
+    /// The last layer's rows and their version, as the engine last published them.
+    pub published: Arc<Published>,
+    /// Every query's quota (one bucket per tenant, whichever path answers it).
+    quotas: Arc<Mutex<Quotas>>,
 }
 
 impl EngineHandle {
     /// Sends a command; false if the engine has stopped.
     pub fn send(&self, c: Command) -> bool {
         self.tx.send(c).is_ok()
+    }
+
+    /// Charges one query to `tenant`'s quota: [`ServeError::Quota`] (counted as shed) when
+    /// it is spent.
+    pub fn admit(&self, tenant: &str) -> Result<(), ServeError> {
+        let r = self
+            .quotas
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .admit(tenant, Instant::now());
+        r.map_err(|retry_after| {
+            self.stats.record_shed(Refusal::Quota);
+            ServeError::Quota { retry_after }
+        })
+    }
+
+    /// Class and probabilities of existing nodes, from the published rows: no engine round
+    /// trip, never behind an update or a model load; the answer names its version.
+    pub fn predict_published(&self, nodes: &[u32]) -> Result<Answer, ServeError> {
+        self.published.predict(nodes)
     }
 }
 
@@ -166,12 +193,15 @@ struct Engine {
     features: Arc<Rows>,
     outputs: LayerOutputs,
     owner: Vec<u32>,
+    /// Nodes per part (where new nodes go).
+    part_sizes: Vec<usize>,
     parts: usize,
     version: String,
     scheduler: Scheduler,
     waiting: HashMap<u64, WaitingQuery>,
     next_id: u64,
     stats: Arc<EngineStats>,
+    published: Arc<Published>,
     swap: Option<SwapInFlight>,
     threads: usize,
     /// Node additions received in this round: applied together, as one update.
@@ -219,10 +249,22 @@ pub fn start(
     let outputs = inference.run(&graph, &features, &parts_of(&owner, parts))?;
     let stats = Arc::new(EngineStats::default());
     *stats.version.lock().expect("stats lock") = version.clone();
+    let published = Arc::new(Published::new(version.clone(), outputs.logits().clone()));
+    // Quotas are charged where a query arrives (the front end), for both paths.
+    let quotas = Arc::new(Mutex::new(Quotas::new(cfg.scheduler.quota_rps)));
+    let scheduler = Scheduler::new(SchedulerConfig {
+        quota_rps: None,
+        ..cfg.scheduler
+    });
     stats.ready.store(true, Ordering::SeqCst);
     stats.nodes.store(graph.num_nodes(), Ordering::Relaxed);
     let (tx, rx) = mpsc::channel();
+    let mut part_sizes = vec![0usize; parts];
+    for &o in &owner {
+        part_sizes[o as usize] += 1;
+    }
     let mut engine = Engine {
+        part_sizes,
         inference,
         graph: Arc::new(graph),
         features: Arc::new(features),
@@ -230,10 +272,11 @@ pub fn start(
         owner,
         parts,
         version,
-        scheduler: Scheduler::new(cfg.scheduler),
+        scheduler,
         waiting: HashMap::new(),
         next_id: 0,
         stats: stats.clone(),
+        published: published.clone(),
         swap: None,
         threads: cfg.threads,
         adds: Vec::new(),
@@ -244,7 +287,12 @@ pub fn start(
         .name("trellis-serve-engine".into())
         .spawn(move || engine.run(rx))
         .map_err(|e| ServeError::Internal(format!("cannot start the engine thread: {e}")))?;
-    Ok(EngineHandle { tx, stats })
+    Ok(EngineHandle {
+        tx,
+        stats,
+        published,
+        quotas,
+    })
 }
 
 impl Engine {
@@ -540,14 +588,10 @@ impl Engine {
         features.data.extend_from_slice(&rows.data);
         let mut changed = Vec::new();
         let mut ids = Vec::with_capacity(nodes.len());
-        let mut sizes = vec![0usize; self.parts];
-        for &o in &self.owner {
-            sizes[o as usize] += 1;
-        }
         for node in &nodes {
             let id = graph.add_node();
-            let part = place_new_node(&node.edges, &self.owner, &sizes);
-            sizes[part as usize] += 1;
+            let part = place_new_node(&node.edges, &self.owner, &self.part_sizes);
+            self.part_sizes[part as usize] += 1;
             self.owner.push(part);
             for &e in &node.edges {
                 graph.add_edge(id, e)?;
@@ -630,7 +674,12 @@ impl Engine {
             )
         }));
         match attempt {
-            Ok(r) => Ok(r?.rows_per_layer),
+            Ok(r) => {
+                let stats = r?;
+                self.published
+                    .update_rows(&stats.last_rows, self.outputs.logits());
+                Ok(stats.rows_per_layer)
+            }
             Err(panic) => {
                 let what = panic
                     .downcast_ref::<String>()
@@ -652,6 +701,8 @@ impl Engine {
                     ServeError::Internal(format!("recovery after `{what}` failed: {e}"))
                 })?;
                 self.outputs = out;
+                self.published
+                    .replace(self.version.clone(), self.outputs.logits().clone());
                 tracing::warn!(
                     "serving engine recovered from `{what}` in {:.1} ms",
                     t.elapsed().as_secs_f64() * 1e3
@@ -747,6 +798,8 @@ impl Engine {
                 self.inference = inf;
                 self.outputs = out;
                 self.version = s.version;
+                self.published
+                    .replace(self.version.clone(), self.outputs.logits().clone());
                 *self.stats.version.lock().expect("stats lock") = self.version.clone();
                 let _ = s.reply.send(Ok(Answer {
                     model_version: self.version.clone(),

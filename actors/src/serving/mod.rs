@@ -2,6 +2,10 @@
 //!
 //! - [`scheduler`]: the sans-I/O request scheduler (dynamic batching against a latency
 //!   objective, load shedding, per-tenant fair shares and quotas);
+//! - [`published`]: the last layer's rows and their model version as the engine last
+//!   published them, read by the HTTP workers to answer existing-node predictions;
+//! - [`priority`]: background work (training beside serving) at a lower CPU priority than
+//!   the threads that answer queries;
 //! - [`routing`]: which part owns a queried node, and which part a new node joins;
 //! - [`engine`]: the thread that owns the served graph, features, every layer's embeddings
 //!   and the model; it runs the scheduler's decisions, applies graph updates by recomputing
@@ -10,6 +14,8 @@
 //! The HTTP front end (`trellis serve`) lives in the facade; it only parses, validates sizes
 //! and forwards [`engine::Command`]s.
 pub mod engine;
+pub mod priority;
+pub mod published;
 pub mod routing;
 pub mod scheduler;
 

@@ -86,6 +86,48 @@ struct Bucket {
     at: Instant,
 }
 
+/// Per-tenant quotas: a token bucket of `rps` requests per second per tenant, bursts of up
+/// to one second's worth (sans-I/O: the time comes in).
+#[derive(Debug, Clone, Default)]
+pub struct Quotas {
+    rps: Option<f64>,
+    buckets: BTreeMap<String, Bucket>,
+}
+
+impl Quotas {
+    /// `rps` requests per second per tenant (`None`: unlimited).
+    pub fn new(rps: Option<f64>) -> Self {
+        Quotas {
+            rps,
+            buckets: BTreeMap::new(),
+        }
+    }
+
+    /// Takes a token of `tenant`'s bucket, or says how long until one is there.
+    pub fn admit(&mut self, tenant: &str, now: Instant) -> Result<(), Duration> {
+        let Some(rps) = self.rps else {
+            return Ok(());
+        };
+        let burst = rps.max(1.0);
+        let b = match self.buckets.get_mut(tenant) {
+            Some(b) => b,
+            None => self.buckets.entry(tenant.to_string()).or_insert(Bucket {
+                tokens: burst,
+                at: now,
+            }),
+        };
+        let dt = now.saturating_duration_since(b.at).as_secs_f64();
+        b.tokens = (b.tokens + dt * rps).min(burst);
+        b.at = now;
+        if b.tokens < 1.0 {
+            let wait = (1.0 - b.tokens) / rps;
+            return Err(Duration::from_secs_f64(wait.max(1.0).ceil()));
+        }
+        b.tokens -= 1.0;
+        Ok(())
+    }
+}
+
 #[derive(Debug, Default)]
 struct TenantQueue {
     queue: VecDeque<Pending>,
@@ -98,7 +140,7 @@ struct TenantQueue {
 pub struct Scheduler {
     cfg: SchedulerConfig,
     tenants: BTreeMap<String, TenantQueue>,
-    buckets: BTreeMap<String, Bucket>,
+    quotas: Quotas,
     /// Round-robin position: the tenant after which the next batch starts.
     cursor: Option<String>,
     queued_cost: usize,
@@ -113,10 +155,11 @@ pub struct Scheduler {
 impl Scheduler {
     pub fn new(cfg: SchedulerConfig) -> Self {
         let target = (cfg.max_batch / 8).max(1);
+        let quotas = Quotas::new(cfg.quota_rps);
         Scheduler {
             cfg,
+            quotas,
             tenants: BTreeMap::new(),
-            buckets: BTreeMap::new(),
             cursor: None,
             queued_cost: 0,
             target,
@@ -156,23 +199,12 @@ impl Scheduler {
     /// A request arrives: queued, or refused at once.
     pub fn arrive(&mut self, req: Pending, now: Instant) -> Vec<Action> {
         let cost = req.cost.max(1);
-        if let Some(rps) = self.cfg.quota_rps {
-            let b = self.buckets.entry(req.tenant.clone()).or_insert(Bucket {
-                tokens: rps.max(1.0),
-                at: now,
-            });
-            let dt = now.saturating_duration_since(b.at).as_secs_f64();
-            b.tokens = (b.tokens + dt * rps).min(rps.max(1.0));
-            b.at = now;
-            if b.tokens < 1.0 {
-                let wait = (1.0 - b.tokens) / rps;
-                return vec![Action::Refuse {
-                    id: req.id,
-                    why: Refusal::Quota,
-                    retry_after: Duration::from_secs_f64(wait.max(1.0).ceil()),
-                }];
-            }
-            b.tokens -= 1.0;
+        if let Err(retry_after) = self.quotas.admit(&req.tenant, now) {
+            return vec![Action::Refuse {
+                id: req.id,
+                why: Refusal::Quota,
+                retry_after,
+            }];
         }
         let wait = self.expected(self.queued_cost + cost);
         let budget = req.deadline.saturating_duration_since(now);

@@ -1,0 +1,242 @@
+//! Serving beside training (`trellis train --serve ADDR --publish-every K`): the service
+//! starts with the model's initial weights before the first epoch and answers from the last
+//! weights training committed, while training goes on in the same process. Every K epochs
+//! (and after the last) the trainer's weights are published through the engine's model-swap
+//! path (what `PUT /v1/model` does): the new version's tables are computed in the
+//! background and replace the old ones between two answers, so no answer fails or mixes
+//! versions, and each names the version it came from.
+//!
+//! Training runs at a lower CPU priority than the query threads
+//! ([`trellis_actors::serving::priority`]); a publish that comes while the previous one is
+//! still being computed is skipped (the next one carries newer weights anyway), except the
+//! last, which waits for it.
+use super::api::Limits;
+use super::{run_http, HttpConfig};
+use anyhow::{anyhow, Context, Result};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::time::Duration;
+use tokio::sync::oneshot;
+use trellis_actors::serving::engine::{self, Answer, Command, EngineConfig, EngineHandle};
+use trellis_actors::serving::scheduler::SchedulerConfig;
+use trellis_actors::serving::ServeError;
+use trellis_gpu::Stream;
+use trellis_runtime::inference::NodeGraph;
+use trellis_runtime::model_file::{self, ModelMeta, SavedModel};
+use trellis_runtime::{Dataset, Graph, Model, TrainConfig};
+
+type Pending = oneshot::Receiver<Result<Answer, ServeError>>;
+
+/// Publishes a trainer's weights to a serving engine every K epochs and after the last.
+pub struct Publisher {
+    engine: EngineHandle,
+    every: u32,
+    meta: ModelMeta,
+    in_flight: Option<(u32, Pending)>,
+    /// Publishes done, and skipped because the previous one was still loading.
+    pub published: u32,
+    pub skipped: u32,
+}
+
+/// A service running beside a training run.
+pub struct Beside {
+    pub publisher: Publisher,
+    http: std::thread::JoinHandle<()>,
+    /// Where it listens.
+    pub addr: SocketAddr,
+}
+
+/// The model file bytes of `model` (`epoch`'s weights) read back as a served model.
+fn saved(model: &Model, stream: &Stream, meta: &ModelMeta) -> Result<SavedModel> {
+    let bytes = model_file::to_bytes(model, stream, meta)?;
+    Ok(model_file::from_bytes(
+        &bytes,
+        Path::new(&format!("the weights of epoch {}", meta.epoch)),
+    )?)
+}
+
+impl Beside {
+    /// Computes every layer of `ds` with the initial weights of `cfg`'s model, starts the
+    /// engine and the HTTP front end on `listen`, prints `listening on http://HOST:PORT`,
+    /// and lowers the calling thread's priority (the trainer it then builds inherits it).
+    pub fn start(
+        ds: &Dataset,
+        cfg: &TrainConfig,
+        data_digest: &str,
+        listen: SocketAddr,
+        every: u32,
+    ) -> Result<Beside> {
+        let meta = ModelMeta {
+            config: cfg.model.clone(),
+            train_config: serde_json::to_value(cfg).ok(),
+            normalize_features: cfg.normalize_features,
+            data_digest: data_digest.to_string(),
+            weights_digest: String::new(),
+            epoch: 0,
+            code_version: env!("CARGO_PKG_VERSION").to_string(),
+        };
+        // The trainer builds the same initial model from the same seed.
+        let initial = Model::new(cfg.model.clone())?;
+        let first = saved(&initial, &Stream::cpu(cfg.threads)?, &meta)?;
+        let graph = Graph::from_dataset(ds)?;
+        let engine = engine::start(
+            first,
+            NodeGraph::from_graph(&graph),
+            ds.features.clone(),
+            vec![0; ds.num_nodes],
+            EngineConfig {
+                scheduler: SchedulerConfig::default(),
+                parts: 1,
+                threads: cfg.threads,
+                panic_on_updates: Vec::new(),
+            },
+        )
+        .map_err(|e| anyhow!("cannot start serving beside training: {e}"))?;
+        drop(graph);
+        let http_cfg = HttpConfig {
+            limits: Limits {
+                max_batch: 10_000,
+                max_body: 4 << 20,
+                max_model_body: 1 << 30,
+            },
+            deadline: Duration::from_secs(1),
+            client_timeout: Duration::from_secs(2),
+            features: ds.num_features,
+            classes: ds.num_classes,
+            workers: 2,
+        };
+        let (tx, rx) = std::sync::mpsc::channel();
+        let handle = engine.clone();
+        let http = std::thread::Builder::new()
+            .name("trellis-serve-http".into())
+            .spawn(move || {
+                let bound = tx.clone();
+                if let Err(e) = run_http(handle, http_cfg, listen, move |addr| {
+                    let _ = bound.send(Ok(addr));
+                }) {
+                    let _ = tx.send(Err(e));
+                }
+            })
+            .context("cannot start the HTTP thread")?;
+        let addr = rx
+            .recv_timeout(Duration::from_secs(60))
+            .map_err(|_| anyhow!("the HTTP server did not start within 60 s"))?
+            .with_context(|| format!("cannot serve on {listen}"))?;
+        println!("listening on http://{addr}");
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
+        trellis_actors::serving::priority::background_this_thread();
+        Ok(Beside {
+            publisher: Publisher::new(engine, meta, every),
+            http,
+            addr,
+        })
+    }
+
+    /// Called after each epoch (see [`Publisher::after_epoch`]).
+    pub fn after_epoch(
+        &mut self,
+        epoch: u32,
+        last: bool,
+        model: &Model,
+        stream: &Stream,
+    ) -> Result<()> {
+        self.publisher.after_epoch(epoch, last, model, stream)
+    }
+
+    /// Lowers the trainer's kernel threads (the process's thread pool) below the query
+    /// threads.
+    pub fn lower_training(&self, stream: &Stream) {
+        trellis_actors::serving::priority::background_pool(stream.budget());
+    }
+
+    /// After training: keeps serving the last weights until the process is stopped.
+    pub fn serve_until_stopped(mut self) -> Result<()> {
+        self.publisher.settle(true);
+        eprintln!(
+            "training finished ({} publishes, {} skipped while one was loading); still serving on http://{} until stopped",
+            self.publisher.published, self.publisher.skipped, self.addr
+        );
+        self.http
+            .join()
+            .map_err(|_| anyhow!("the HTTP thread panicked"))
+    }
+}
+
+impl Publisher {
+    /// Publishes to `engine`; `meta` describes the weights (its epoch is set per publish).
+    pub fn new(engine: EngineHandle, meta: ModelMeta, every: u32) -> Self {
+        Publisher {
+            engine,
+            every: every.max(1),
+            meta,
+            in_flight: None,
+            published: 0,
+            skipped: 0,
+        }
+    }
+
+    /// Looks at the publish in flight: true if none is (any more).
+    fn settle(&mut self, wait: bool) -> bool {
+        let Some((epoch, mut rx)) = self.in_flight.take() else {
+            return true;
+        };
+        let r = if wait {
+            rx.blocking_recv().map_err(|_| ())
+        } else {
+            match rx.try_recv() {
+                Err(oneshot::error::TryRecvError::Empty) => {
+                    self.in_flight = Some((epoch, rx));
+                    return false;
+                }
+                Err(oneshot::error::TryRecvError::Closed) => Err(()),
+                Ok(r) => Ok(r),
+            }
+        };
+        match r {
+            Ok(Ok(a)) => eprintln!(
+                "serving the weights of epoch {epoch} (version {})",
+                a.model_version
+            ),
+            Ok(Err(e)) => eprintln!("warning: the weights of epoch {epoch} were not served: {e}"),
+            Err(()) => eprintln!("warning: the serving engine stopped"),
+        }
+        true
+    }
+
+    /// Called after each epoch: publishes the weights every K epochs and after the last
+    /// (without waiting for the engine to compute them, except after the last).
+    pub fn after_epoch(
+        &mut self,
+        epoch: u32,
+        last: bool,
+        model: &Model,
+        stream: &Stream,
+    ) -> Result<()> {
+        if !last && !epoch.is_multiple_of(self.every) {
+            return Ok(());
+        }
+        if !self.settle(last) {
+            self.skipped += 1;
+            return Ok(());
+        }
+        let meta = ModelMeta {
+            epoch,
+            ..self.meta.clone()
+        };
+        let model = saved(model, stream, &meta)?;
+        let (tx, rx) = oneshot::channel();
+        if !self.engine.send(Command::SwapModel {
+            model: Box::new(model),
+            reply: tx,
+        }) {
+            return Err(anyhow!("the serving engine has stopped"));
+        }
+        self.published += 1;
+        self.in_flight = Some((epoch, rx));
+        if last {
+            self.settle(true);
+        }
+        Ok(())
+    }
+}
