@@ -27,9 +27,12 @@ pub struct TrainArgs {
     /// Adam learning rate (finite, above 0) [default: gcn and sage 0.01, gat 0.005].
     #[arg(long, value_name = "RATE", value_parser = validate::learning_rate)]
     pub lr: Option<f32>,
-    /// Hidden layer width (per head for GAT) [default: gcn and sage 16, gat 8].
-    #[arg(long, value_name = "WIDTH", value_parser = validate::width)]
-    pub hidden: Option<usize>,
+    /// Hidden layer width (per head for GAT), or one width per hidden layer, comma separated
+    /// (`256,256,128`: --layers minus 1 of them) [default: gcn and sage 16, gat 8].
+    #[arg(long, value_name = "WIDTH[,WIDTH...]", value_parser = super::shape::hidden_widths)]
+    pub hidden: Option<super::shape::HiddenWidths>,
+    #[command(flatten)]
+    pub shape: super::shape::ShapeArgs,
     /// GAT attention heads of the hidden layer (the output layer has 1) [default: 8; GAT only].
     #[arg(long, value_name = "N", value_parser = validate::heads)]
     pub heads: Option<usize>,
@@ -139,9 +142,7 @@ impl TrainArgs {
         if let Some(v) = self.lr {
             cfg.lr = v;
         }
-        if let Some(v) = self.hidden {
-            cfg.model.hidden = v;
-        }
+        self.shape.apply(&mut cfg.model, self.hidden.as_ref())?;
         if let Some(v) = self.heads {
             cfg.model.heads = v;
         }
