@@ -7,6 +7,7 @@
 
 pub mod data;
 mod error;
+pub mod grad_codec;
 pub mod graph;
 pub mod inference;
 pub mod metrics;
