@@ -96,7 +96,13 @@ impl GradCompression {
         }
     }
 
-    /// The step of `epoch` was applied: its residual is now the committed one.
+    /// Whether the residual of `epoch`'s compressed gradients is at hand (always, exact).
+    fn ready_to_apply(&self, epoch: u32) -> bool {
+        self.codec.is_none() || matches!(self.pending, Some((e, _)) if e == epoch)
+    }
+
+    /// The step of `epoch` was applied: its residual is now the committed one. (A pending
+    /// residual survives an epoch reset: a replayed backward recomputes the same one.)
     fn commit(&mut self, epoch: u32) {
         if let Some((e, ef)) = self.pending.take() {
             if e == epoch {
@@ -628,6 +634,19 @@ impl PartitionState {
                 ),
             ));
         }
+        if !self.grads.ready_to_apply(epoch) {
+            // A partition restarted during its optimizer step: the step is replayed from the
+            // all-reduced sum, but this partition's new residual died with it.
+            return Err(proto(
+                self.part,
+                &format!(
+                    "the error-feedback residual of epoch {epoch}'s compressed gradients was lost \
+                     (restarted during the optimizer step); --grad-codec {} cannot recover from \
+                     that yet",
+                    self.grads.codec
+                ),
+            ));
+        }
         let mut off = 0;
         for p in self.model.params_mut() {
             let ((rows, cols), n) = (p.grad.shape(), p.grad.len());
@@ -658,7 +677,6 @@ impl PartitionState {
         self.own_out = None;
         self.grad_inner = None;
         self.staged = None;
-        self.grads.pending = None;
         self.model.clear_caches();
         self.model.zero_grad(&self.stream)
     }
@@ -695,6 +713,7 @@ impl PartitionState {
         // The optimizer moves its (host) state onto the stream at its next step.
         self.opt.restore(snap.opt_steps, snap.opt_state.clone());
         self.grads.committed = ErrorFeedback::from_residual(snap.grad_residual.clone());
+        self.grads.pending = None;
         self.epoch_done = snap.epoch;
         self.reset_epoch()?;
         Ok(self.model.weights_digest(&self.stream)? == snap.digest)
