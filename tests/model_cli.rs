@@ -226,3 +226,47 @@ fn the_binary_trains_with_a_codec_through_a_panic_and_refuses_what_it_cannot_do(
     assert!(err.contains("residuals"), "{err}");
     assert_eq!("none".parse::<GradCodec>().unwrap(), GradCodec::None);
 }
+
+/// A node process SIGKILLed mid-run with `--grad-codec int8`: its partition is re-placed on
+/// the node that keeps its replica, whose bytes carry the error-feedback residual, and the
+/// run ends with the weights of the same partitions trained in one process.
+#[test]
+fn a_cluster_with_compressed_gradients_survives_a_node_loss_with_identical_weights() {
+    let data = "synthetic:nodes=1000,degree=6,features=12,classes=3,seed=4";
+    let common = [
+        "--data",
+        data,
+        "--epochs",
+        "5",
+        "--threads",
+        "1",
+        "--partitions",
+        "3",
+        "--grad-codec",
+        "int8",
+    ];
+    let digest = |text: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix("weights_digest "))
+            .unwrap_or_else(|| panic!("no digest in {text}"))
+            .to_string()
+    };
+    let single = ok(&[&["train"][..], &common].concat());
+    let cluster = ok(&[
+        &[
+            "launch",
+            "--nodes",
+            "3",
+            "--chaos",
+            "kill-node:node=2:epoch=3",
+        ][..],
+        &common,
+    ]
+    .concat());
+    assert!(cluster.contains("loss of node 2"), "{cluster}");
+    assert!(
+        cluster.contains("restored state matched its digest"),
+        "{cluster}"
+    );
+    assert_eq!(digest(&single), digest(&cluster), "{cluster}");
+}
