@@ -524,7 +524,7 @@ impl Model {
                 x.cols()
             )));
         }
-        let res = self.residual_forward(s, l, block, &x, ctx)?;
+        let res = self.residual_forward(s, l, block, x.as_ref(), ctx)?;
         let params = &self.params[spec.first_param..];
         let a = self.args(s, &spec, block);
         let (mut out, cache) = match self.cfg.kind {

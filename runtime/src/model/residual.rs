@@ -10,7 +10,6 @@
 use super::{Init, LayerInput, LayerSpec, Model, Residual, StepCtx};
 use crate::graph::Block;
 use crate::{Result, RuntimeError};
-use std::borrow::Cow;
 use trellis_gpu::{Stream, Tensor};
 
 /// The projection matrix of a [`Residual::Projection`] layer: `in_dim x out_width`.
@@ -27,14 +26,14 @@ impl Model {
         s: &Stream,
         l: usize,
         block: &Block,
-        x: &Cow<'_, LayerInput>,
+        x: &LayerInput,
         ctx: StepCtx,
     ) -> Result<Option<Tensor>> {
         let spec = self.layers[l];
         if spec.residual == Residual::None {
             return Ok(None);
         }
-        let LayerInput::Dense(xt) = x.as_ref() else {
+        let LayerInput::Dense(xt) = x else {
             return Err(RuntimeError::Config(format!(
                 "layer {l} has a residual connection but a sparse input (only hidden rows can be added)"
             )));
