@@ -135,7 +135,7 @@ fn one_name_per_concept_across_commands() {
 
 #[test]
 fn absurd_values_are_refused_before_any_work() {
-    let cases: [(&[&str], &str); 12] = [
+    let cases: [(&[&str], &str); 14] = [
         (&["--epochs", "0"], "'--epochs <N>': must be at least 1"),
         (
             &["--partitions", "0"],
