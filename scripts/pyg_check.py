@@ -5,7 +5,10 @@ Usage: pyg_check.py MODEL.safetensors DATA_DIR TRELLIS_LOGITS.npy
 
 Reads the tensors by their PyTorch Geometric names (conv1.lin.weight [out, in], ...), computes
 the PyG modules' forward passes (GCNConv, SAGEConv with mean aggregation, GATConv) in float64
-over the data folder's edge_index.npy and x.npy, and prints the largest absolute difference to
+over the data folder's edge_index.npy and x.npy, for any number of layers, with Trellis's
+residual connections (`trellis.model_config` "residual": hidden layers after the first add
+their input after the activation, through `convN.res.weight` where the widths differ), and
+prints the largest absolute difference to
 the logits Trellis wrote. Exits 1 if it exceeds 1e-5.
 """
 import json
@@ -79,7 +82,9 @@ def main():
     with safe_open(model_path, framework="np") as f:
         meta = f.metadata()
     kind = meta["trellis.model_kind"]
-    layers = json.loads(meta["trellis.model_config"])["layers"]
+    config = json.loads(meta["trellis.model_config"])
+    layers = config["layers"]
+    residual = config.get("residual", False)
     x = np.load(f"{data_dir}/x.npy").astype(np.float64)
     n = x.shape[0]
     if meta["trellis.normalize_features"] == "true":
@@ -90,6 +95,7 @@ def main():
     for l in range(layers):
         p = f"conv{l + 1}."
         last = l + 1 == layers
+        h_in = h
         if kind == "gcn":
             h = gcn_layer(h, tensors, p, rows, cols, n)
         elif kind == "sage":
@@ -100,6 +106,9 @@ def main():
             sys.exit(f"unknown model kind {kind}")
         if not last:
             h = np.maximum(h, 0.0) if kind != "gat" else np.where(h > 0, h, np.expm1(h))
+            if residual and l > 0:
+                res = tensors.get(p + "res.weight")
+                h = h + (h_in if res is None else h_in @ res.astype(np.float64).T)
     ours = np.load(logits_path)
     if ours.shape != h.shape:
         sys.exit(f"shape {ours.shape} vs numpy {h.shape}")

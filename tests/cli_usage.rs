@@ -136,20 +136,28 @@ fn one_name_per_concept_across_commands() {
 
 #[test]
 fn absurd_values_are_refused_before_any_work() {
-    let cases: [(&[&str], &str); 12] = [
+    let cases: [(&[&str], &str); 14] = [
         (&["--epochs", "0"], "'--epochs <N>': must be at least 1"),
         (
             &["--partitions", "0"],
             "'--partitions <P>': must be between 1",
         ),
-        (&["--hidden", "0"], "'--hidden <WIDTH>': must be between 1"),
+        (
+            &["--hidden", "0"],
+            "'--hidden <WIDTH[,WIDTH...]>': `0`: must be between 1",
+        ),
+        (
+            &["--layers", "0"],
+            "'--layers <N>': must be between 1 and 128",
+        ),
+        (&["--grad-codec", "int4"], "unknown gradient codec `int4`"),
         (
             &["--hidden", "100000000"],
-            "'--hidden <WIDTH>': must be between 1",
+            "'--hidden <WIDTH[,WIDTH...]>': `100000000`: must be between 1",
         ),
         (
             &["--hidden", "4294967295"],
-            "'--hidden <WIDTH>': must be between 1",
+            "'--hidden <WIDTH[,WIDTH...]>': `4294967295`: must be between 1",
         ),
         (
             &["--model", "gat", "--heads", "1000000"],

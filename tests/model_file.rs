@@ -73,10 +73,25 @@ fn python_reproduces_the_logits_of_every_model_on_cora() {
     let Some(py) = python() else { return };
     let dir = tempfile::tempdir().unwrap();
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/pyg_check.py");
-    for (model, epochs) in [("gcn", "200"), ("sage", "60"), ("gat", "40")] {
-        let file = dir.path().join(format!("{model}.safetensors"));
-        let logits = dir.path().join(format!("{model}.npy"));
-        let text = ok(&[
+    // The paper models, then deeper ones with residual connections (an identity one, and a
+    // projection where the widths differ).
+    let deep: [&[&str]; 3] = [
+        &["--layers", "4", "--residual", "--hidden", "32,32,16"],
+        &["--layers", "3", "--residual", "--hidden", "32,16"],
+        &["--layers", "3", "--residual", "--hidden", "8,4"],
+    ];
+    let runs = [
+        ("gcn", "200", &[][..]),
+        ("sage", "60", &[][..]),
+        ("gat", "40", &[][..]),
+        ("gcn", "30", deep[0]),
+        ("sage", "20", deep[1]),
+        ("gat", "10", deep[2]),
+    ];
+    for (i, (model, epochs, extra)) in runs.into_iter().enumerate() {
+        let file = dir.path().join(format!("{model}{i}.safetensors"));
+        let logits = dir.path().join(format!("{model}{i}.npy"));
+        let mut args = vec![
             "train",
             "--data",
             s(&data),
@@ -88,7 +103,9 @@ fn python_reproduces_the_logits_of_every_model_on_cora() {
             "2",
             "--save-model",
             s(&file),
-        ]);
+        ];
+        args.extend_from_slice(extra);
+        let text = ok(&args);
         assert!(text.contains("model (epoch"), "{text}");
         ok(&[
             "predict",
@@ -108,7 +125,7 @@ fn python_reproduces_the_logits_of_every_model_on_cora() {
         println!("{text}");
         assert!(
             out.status.success(),
-            "numpy does not reproduce the {model} logits: {text}{}",
+            "numpy does not reproduce the {model} {extra:?} logits: {text}{}",
             String::from_utf8_lossy(&out.stderr)
         );
         assert!(text.contains("max |trellis - numpy|"), "{text}");

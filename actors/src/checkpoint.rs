@@ -327,6 +327,8 @@ impl Checkpoint {
                 opt_state,
                 opt_steps: f.opt_steps,
                 digest: f.digest,
+                // Checkpoints are refused with a gradient codec: no residual to restore.
+                grad_residual: Vec::new(),
             },
             logs,
             config,

@@ -13,6 +13,7 @@ struct SnapshotWire {
     moments: Vec<(WireTensor, WireTensor)>,
     opt_steps: u64,
     digest: String,
+    grad_residual: Vec<f32>,
 }
 
 #[derive(Archive, Serialize, Deserialize)]
@@ -63,6 +64,7 @@ impl ReplicaBytes {
                 .collect(),
             opt_steps: snap.opt_steps,
             digest: snap.digest.clone(),
+            grad_residual: snap.grad_residual.clone(),
         };
         let bytes = rkyv::to_bytes::<rkyv::rancor::Error>(&wire)
             .map(|b| b.into_vec())
@@ -104,6 +106,7 @@ impl ReplicaBytes {
                 .collect::<Result<_, String>>()?,
             opt_steps: w.opt_steps,
             digest: w.digest,
+            grad_residual: w.grad_residual,
         })
     }
 }
@@ -119,6 +122,9 @@ pub struct Snapshot {
     pub opt_steps: u64,
     /// Digest of `params` when the snapshot was taken.
     pub digest: String,
+    /// The partition's gradient-compression residual (error feedback) after the step; empty
+    /// with exact gradients.
+    pub grad_residual: Vec<f32>,
 }
 
 /// Ships a partition's committed state to the nodes that keep its replica (cluster runs).
@@ -256,6 +262,7 @@ mod tests {
             opt_state: vec![(Tensor::zeros(2, 3), Tensor::zeros(2, 3))],
             opt_steps: 7,
             digest: "abc".into(),
+            grad_residual: vec![0.25, -1.0],
         }
     }
 

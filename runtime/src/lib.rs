@@ -7,6 +7,7 @@
 
 pub mod data;
 mod error;
+pub mod grad_codec;
 pub mod graph;
 pub mod inference;
 pub mod metrics;
@@ -20,7 +21,10 @@ pub mod train;
 pub use data::{DataSource, Dataset};
 pub use error::RuntimeError;
 pub use graph::{Aggregation, Block, Graph};
-pub use model::{LayerInput, Model, ModelConfig, ModelKind, Optimizer, OptimizerKind, StepCtx};
+pub use model::{
+    LayerInput, Model, ModelConfig, ModelKind, Optimizer, OptimizerKind, Residual, StepCtx,
+    MAX_LAYERS,
+};
 pub use report::{EpochLog, NodeTraffic, RunReport};
 pub use train::{TrainConfig, Trainer};
 

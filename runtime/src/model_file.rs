@@ -8,6 +8,7 @@
 //! | GCN (`GCNConv`) | `lin.weight` `[out, in]`, `bias` `[out]` |
 //! | GraphSAGE (`SAGEConv`, mean) | `lin_l.weight` `[out, in]`, `lin_l.bias` `[out]`, `lin_r.weight` `[out, in]` |
 //! | GAT (`GATConv`) | `lin.weight` `[heads*out, in]`, `att_src` and `att_dst` `[1, heads, out]`, `bias` `[heads*out]` (hidden) or `[out]` (last layer) |
+//! | a residual layer whose input and output widths differ (any model) | `res.weight` `[out, in]` |
 //!
 //! Trellis keeps weights as `[in, out]` (it computes `X W`), so they are transposed on the way
 //! out and back. The header's `__metadata__` holds `format = pt` and the `trellis.*` keys of
@@ -73,6 +74,7 @@ fn pyg_name(kind: ModelKind, layer: usize, name: &str) -> Option<(String, Layout
         (ModelKind::Gat, "att_src") => ("att_src", Layout::Heads),
         (ModelKind::Gat, "att_dst") => ("att_dst", Layout::Heads),
         (ModelKind::Gat, "bias") => ("bias", Layout::Vector),
+        (_, "res.weight") => ("res.weight", Layout::Transposed),
         _ => return None,
     };
     Some((format!("conv{}.{}", layer + 1, layout.0), layout.1))
@@ -123,6 +125,7 @@ mod key {
     pub const KIND: &str = "trellis.model_kind";
     pub const LAYER_SIZES: &str = "trellis.layer_sizes";
     pub const HEADS: &str = "trellis.heads";
+    pub const RESIDUAL: &str = "trellis.residual";
     pub const OUT_HEADS: &str = "trellis.out_heads";
     pub const MODEL_CONFIG: &str = "trellis.model_config";
     pub const TRAIN_CONFIG: &str = "trellis.train_config";
@@ -133,17 +136,10 @@ mod key {
     pub const CODE_VERSION: &str = "trellis.code_version";
 }
 
-/// Layer widths `[in, hidden * heads, ..., out]` as the metadata writes them.
+/// Layer widths `[in, hidden_0 * heads, ..., out]` as the metadata writes them.
 fn layer_sizes(cfg: &ModelConfig) -> String {
     let mut sizes = vec![cfg.in_dim];
-    for _ in 1..cfg.layers {
-        sizes.push(if cfg.kind == ModelKind::Gat {
-            cfg.hidden * cfg.heads
-        } else {
-            cfg.hidden
-        });
-    }
-    sizes.push(cfg.out_dim);
+    sizes.extend((0..cfg.layers).map(|l| cfg.output_width(l)));
     sizes
         .iter()
         .map(|s| s.to_string())
@@ -178,6 +174,7 @@ pub fn to_bytes(model: &Model, s: &Stream, meta: &ModelMeta) -> Result<Vec<u8>> 
     info.insert(key::KIND.into(), cfg.kind.to_string());
     info.insert(key::LAYER_SIZES.into(), layer_sizes(cfg));
     info.insert(key::HEADS.into(), cfg.heads.to_string());
+    info.insert(key::RESIDUAL.into(), cfg.residual.to_string());
     info.insert(key::OUT_HEADS.into(), cfg.out_heads.to_string());
     info.insert(key::MODEL_CONFIG.into(), json(cfg)?);
     if let Some(t) = &meta.train_config {

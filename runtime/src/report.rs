@@ -24,6 +24,13 @@ pub struct EpochLog {
     pub comm_ms: f64,
     /// Bytes of halo embeddings and gradients moved between partitions in this epoch.
     pub halo_bytes: u64,
+    /// Bytes of weight gradients the partitions sent to the all-reduce in this epoch, as
+    /// sent (compressed with `grad_codec`)...
+    #[serde(default)]
+    pub grad_bytes: u64,
+    /// ...and as they would have been exact (f32). Both 0 for one process.
+    #[serde(default)]
+    pub grad_bytes_exact: u64,
     /// Hex BLAKE3 digest of the parameters after this epoch's step (every partition's replica
     /// had it: the coordinator checks).
     #[serde(default)]

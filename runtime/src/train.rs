@@ -2,6 +2,7 @@
 //!
 //! This is the reference the partitioned runtime is compared against: the partition actors run
 //! the same layers on their blocks and must reproduce its losses.
+use crate::grad_codec::GradCodec;
 use crate::metrics::{names, Key, Metrics};
 use crate::model::{LayerInput, StepCtx};
 use crate::report::{self, BestTracker, EpochLog, RunReport};
@@ -37,6 +38,10 @@ pub struct TrainConfig {
     /// the model's seed, so a run with a new training seed reuses the same partition files.
     #[serde(default)]
     pub partition_seed: u64,
+    /// How partitions compress the gradients they send to the all-reduce (with error
+    /// feedback; partitioned runs only). `none`: exact.
+    #[serde(default, skip_serializing_if = "GradCodec::is_none")]
+    pub grad_codec: GradCodec,
 }
 
 /// [`Device`] as its text form (`cpu`, `cuda:0`) in serialized configs.
@@ -71,6 +76,7 @@ impl TrainConfig {
             device: Device::Cpu,
             halo_overlap: None,
             partition_seed: 0,
+            grad_codec: GradCodec::None,
         }
     }
 
@@ -293,6 +299,8 @@ impl Trainer {
             test_acc,
             ms,
             eval_ms,
+            grad_bytes: 0,
+            grad_bytes_exact: 0,
             compute_ms: ms,
             comm_ms: 0.0,
             halo_bytes: 0,

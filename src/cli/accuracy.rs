@@ -21,6 +21,11 @@ pub struct AccuracyArgs {
     /// CPU threads for kernels (0 = one per CPU).
     #[arg(long, value_name = "N", default_value_t = 0, value_parser = super::validate::threads)]
     pub threads: usize,
+    /// Hidden width(s) instead of each paper's (one, or one per hidden layer).
+    #[arg(long, value_name = "WIDTH[,WIDTH...]", value_parser = super::shape::hidden_widths)]
+    pub hidden: Option<super::shape::HiddenWidths>,
+    #[command(flatten)]
+    pub shape: super::shape::ShapeArgs,
 }
 
 /// Where the shared Cora export is looked for when `--data` is not given.
@@ -58,6 +63,7 @@ pub fn run(a: AccuracyArgs) -> Result<()> {
         for seed in 0..a.seeds {
             let mut cfg = TrainConfig::paper_defaults(kind, ds.num_features, ds.num_classes, seed);
             cfg.threads = a.threads;
+            a.shape.apply(&mut cfg.model, a.hidden.as_ref())?;
             let report = Trainer::new(&ds, cfg)?.run(|_| {})?;
             accs.push(report.test_acc);
             ms.push(report.epoch_ms_median);

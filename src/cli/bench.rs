@@ -21,9 +21,11 @@ pub struct BenchArgs {
     /// The architecture timed: gcn, sage or gat (paper settings but --hidden).
     #[arg(long, default_value = "gcn")]
     pub model: ModelKind,
-    /// Hidden layer width.
-    #[arg(long, default_value_t = 256, value_parser = super::validate::width)]
-    pub hidden: usize,
+    /// Hidden layer width, or one per hidden layer (comma separated).
+    #[arg(long, default_value = "256", value_parser = super::shape::hidden_widths)]
+    pub hidden: super::shape::HiddenWidths,
+    #[command(flatten)]
+    pub shape: super::shape::ShapeArgs,
     /// Epochs timed.
     #[arg(long, default_value_t = 5, value_parser = super::validate::positive_u32)]
     pub epochs: u32,
@@ -77,7 +79,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     let (spmm, n, nnz) = {
         let graph = Graph::from_dataset(&ds)?;
         let block = Block::full(&graph, Aggregation::GcnNorm)?;
-        let x = bench::random_tensor(block.n_in(), a.hidden, 1);
+        let x = bench::random_tensor(block.n_in(), a.hidden.first(), 1);
         (
             bench::spmm_gbs(&stream, block.adj(), EdgeWeights::Stored, &x)?,
             block.n_in(),
@@ -86,7 +88,7 @@ pub fn run(a: BenchArgs) -> Result<()> {
     };
     let name = ds.name.clone();
     let mut cfg = TrainConfig::paper_defaults(a.model, ds.num_features, ds.num_classes, 0);
-    cfg.model.hidden = a.hidden;
+    a.shape.apply(&mut cfg.model, Some(&a.hidden))?;
     cfg.epochs = a.epochs;
     cfg.threads = a.threads;
     let report = train_single(ds, cfg, false)?;
@@ -95,14 +97,16 @@ pub fn run(a: BenchArgs) -> Result<()> {
     println!("memory (triad)  {triad:.1} GB/s   <- the physical limit on this machine");
     println!(
         "SpMM width {:<4} {spmm:.1} GB/s   ({:.0}% of triad)",
-        a.hidden,
+        a.hidden.first(),
         100.0 * spmm / triad
     );
     println!(
-        "{} epoch       {:.1} ms median over {} epochs (hidden {}), peak RSS {:.1} MiB",
+        "{} epoch       {:.1} ms median over {} epochs ({} layers{}, hidden {}), peak RSS {:.1} MiB",
         a.model,
         report.epoch_ms_median,
         a.epochs,
+        a.shape.layers.unwrap_or(2),
+        if a.shape.residual { ", residual" } else { "" },
         a.hidden,
         report.peak_rss_bytes as f64 / (1 << 20) as f64
     );

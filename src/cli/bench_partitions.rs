@@ -30,9 +30,11 @@ pub struct PartitionsArgs {
     /// The architecture: gcn, sage or gat (paper settings but --hidden).
     #[arg(long, default_value = "gcn")]
     pub model: ModelKind,
-    /// Hidden layer width.
-    #[arg(long, default_value_t = 256, value_parser = super::validate::width)]
-    pub hidden: usize,
+    /// Hidden layer width, or one per hidden layer (comma separated).
+    #[arg(long, default_value = "256", value_parser = super::shape::hidden_widths)]
+    pub hidden: super::shape::HiddenWidths,
+    #[command(flatten)]
+    pub shape: super::shape::ShapeArgs,
     /// Epochs of each (they alternate); the first is a warm-up for both.
     #[arg(long, default_value_t = 5, value_parser = super::validate::positive_u32)]
     pub epochs: u32,
@@ -63,7 +65,7 @@ pub fn run(a: PartitionsArgs) -> Result<()> {
     let name = ds.name.clone();
     let n = ds.num_nodes;
     let mut cfg = TrainConfig::paper_defaults(a.model, ds.num_features, ds.num_classes, 0);
-    cfg.model.hidden = a.hidden;
+    a.shape.apply(&mut cfg.model, Some(&a.hidden))?;
     cfg.epochs = a.epochs;
     cfg.threads = a.threads;
     let topo = Topology::partition(
@@ -113,8 +115,11 @@ pub fn run(a: PartitionsArgs) -> Result<()> {
     let (c1, cp) = (med(&ones, |s| s.cpu_ms), med(&many, |s| s.cpu_ms));
     let p = a.partitions;
     println!(
-        "data       {name} ({n} nodes), {} hidden {}",
-        a.model, a.hidden
+        "data       {name} ({n} nodes), {} {} layers{} hidden {}",
+        a.model,
+        a.shape.layers.unwrap_or(2),
+        if a.shape.residual { " residual" } else { "" },
+        a.hidden
     );
     println!(
         "partitions {p} (METIS): edge cut {} of {} edges; inner/halo nodes per part: {}",

@@ -16,6 +16,7 @@ mod partition;
 pub mod predict;
 mod report;
 mod serve;
+mod shape;
 mod sim;
 pub mod telemetry;
 mod train;

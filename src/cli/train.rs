@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use trellis_actors::checkpoint::CheckpointPolicy;
 use trellis_actors::{FaultPlan, RunEvent, Topology, TrainingRun};
 use trellis_gpu::Device;
+use trellis_runtime::grad_codec::GradCodec;
 use trellis_runtime::model_file::{self, ModelMeta};
 use trellis_runtime::partition::PartitionMethod;
 use trellis_runtime::{progress, DataSource, Dataset, ModelKind, RunReport, TrainConfig, Trainer};
@@ -27,9 +28,19 @@ pub struct TrainArgs {
     /// Adam learning rate (finite, above 0) [default: gcn and sage 0.01, gat 0.005].
     #[arg(long, value_name = "RATE", value_parser = validate::learning_rate)]
     pub lr: Option<f32>,
-    /// Hidden layer width (per head for GAT) [default: gcn and sage 16, gat 8].
-    #[arg(long, value_name = "WIDTH", value_parser = validate::width)]
-    pub hidden: Option<usize>,
+    /// Hidden layer width (per head for GAT), or one width per hidden layer, comma separated
+    /// (`256,256,128`: --layers minus 1 of them) [default: gcn and sage 16, gat 8].
+    #[arg(long, value_name = "WIDTH[,WIDTH...]", value_parser = super::shape::hidden_widths)]
+    pub hidden: Option<super::shape::HiddenWidths>,
+    #[command(flatten)]
+    pub shape: super::shape::ShapeArgs,
+    /// How partitions compress the weight gradients they send to the all-reduce, with error
+    /// feedback (what was dropped is added to the next step's gradient): `none` (exact f32),
+    /// `int8` (blocks of 256 with one scale, stochastic rounding from the seeded counter-based
+    /// RNG: ~4x fewer bytes) or `topk:F` (the fraction F of largest magnitude, e.g. topk:0.01).
+    /// Partitioned runs only; not with --checkpoint-dir yet.
+    #[arg(long, value_name = "CODEC", default_value = "none")]
+    pub grad_codec: GradCodec,
     /// GAT attention heads of the hidden layer (the output layer has 1) [default: 8; GAT only].
     #[arg(long, value_name = "N", value_parser = validate::heads)]
     pub heads: Option<usize>,
@@ -147,9 +158,7 @@ impl TrainArgs {
         if let Some(v) = self.lr {
             cfg.lr = v;
         }
-        if let Some(v) = self.hidden {
-            cfg.model.hidden = v;
-        }
+        self.shape.apply(&mut cfg.model, self.hidden.as_ref())?;
         if let Some(v) = self.heads {
             cfg.model.heads = v;
         }
@@ -162,6 +171,15 @@ impl TrainArgs {
         if let Some(v) = self.weight_decay {
             cfg.weight_decay = v;
         }
+        if !self.grad_codec.is_none() && self.checkpoint_dir.is_some() {
+            bail!(
+                "--grad-codec {} with --checkpoint-dir: checkpoints do not hold the partitions' \
+                 error-feedback residuals yet, so a resumed run would not equal an uninterrupted \
+                 one; use --grad-codec none to checkpoint",
+                self.grad_codec
+            );
+        }
+        cfg.grad_codec = self.grad_codec;
         cfg.threads = self.threads;
         cfg.partition_seed = self.partition_seed;
         cfg.normalize_features = !self.no_normalize_features;
@@ -353,6 +371,13 @@ pub fn run(a: TrainArgs) -> Result<()> {
         || a.partition_dir.is_some()
         || a.chaos.is_some()
         || a.checkpoint_dir.is_some();
+    if !partitioned && !a.grad_codec.is_none() {
+        bail!(
+            "--grad-codec {} compresses what partition actors send to the all-reduce: use it \
+             with --partitions P (P >= 2)",
+            a.grad_codec
+        );
+    }
     if partitioned && a.save_model.is_some() {
         bail!(
             "--save-model is not available for partitioned runs yet: train single-process \
@@ -490,6 +515,18 @@ pub fn print_summary(r: &RunReport) {
         r.peak_rss_bytes as f64 / (1 << 20) as f64,
         r.weights_digest
     );
+    let (sent, exact) = r.epochs_log.iter().fold((0u64, 0u64), |(s, e), l| {
+        (s + l.grad_bytes, e + l.grad_bytes_exact)
+    });
+    if sent != exact && !r.epochs_log.is_empty() {
+        let per_epoch = |b: u64| b as f64 / r.epochs_log.len() as f64 / 1024.0;
+        println!(
+            "gradients to the all-reduce: {:.1} KiB per epoch sent, {:.1} KiB exact ({:.1}x fewer bytes)",
+            per_epoch(sent),
+            per_epoch(exact),
+            exact as f64 / sent.max(1) as f64
+        );
+    }
     for n in &r.nodes {
         println!(
             "node {} at {}: partitions {:?}, sent {:.1} MiB, received {:.1} MiB",

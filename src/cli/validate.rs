@@ -132,9 +132,10 @@ fn available_memory() -> Option<u64> {
     Some(kib.saturating_mul(1024))
 }
 
-/// A lower bound of the memory `cfg` needs on `ds`: the hidden layer's activations and
-/// their gradients for every node, the attention coefficients of every edge (GAT), and the
-/// weights with Adam's two moments. The real peak is a few times higher.
+/// A lower bound of the memory `cfg` needs on `ds`: every hidden layer's activations and
+/// their gradients for every node (the training step keeps each layer's), the attention
+/// coefficients of every edge in every GAT layer, and the weights (residual projections
+/// included) with Adam's two moments. The real peak is a few times higher.
 pub fn memory_lower_bound(cfg: &TrainConfig, nodes: u64, edges: u64, features: u64) -> u64 {
     let m = &cfg.model;
     let heads = if m.kind == ModelKind::Gat {
@@ -142,16 +143,36 @@ pub fn memory_lower_bound(cfg: &TrainConfig, nodes: u64, edges: u64, features: u
     } else {
         1
     };
-    let width = (m.hidden as u64).saturating_mul(heads);
-    let activations = nodes.saturating_mul(width).saturating_mul(2);
+    let layers = m.layers.max(1);
+    // The first layer's input width is the data's (`features`), whatever `m.in_dim` says.
+    let in_width = |l: usize| {
+        if l == 0 {
+            features
+        } else {
+            m.output_width(l - 1) as u64
+        }
+    };
+    let hidden_widths: u64 = (0..layers - 1)
+        .map(|l| m.output_width(l) as u64)
+        .fold(0, u64::saturating_add);
+    let activations = nodes.saturating_mul(hidden_widths).saturating_mul(2);
     let attention = if m.kind == ModelKind::Gat {
-        edges.saturating_mul(heads).saturating_mul(2)
+        edges
+            .saturating_mul(heads)
+            .saturating_mul(2)
+            .saturating_mul(layers as u64)
     } else {
         0
     };
-    let weights = features
-        .saturating_add(m.out_dim as u64)
-        .saturating_mul(width)
+    let weights = (0..layers)
+        .map(|l| {
+            let w = in_width(l).saturating_mul(m.output_width(l) as u64);
+            match m.residual_of(l) {
+                trellis_runtime::Residual::Projection => w.saturating_mul(2),
+                _ => w,
+            }
+        })
+        .fold(0, u64::saturating_add)
         .saturating_mul(3);
     activations
         .saturating_add(attention)
@@ -179,8 +200,12 @@ fn check_fits_in(cfg: &TrainConfig, ds: &Dataset, avail: Option<u64>) -> Result<
     let gib = |b: u64| b as f64 / (1u64 << 30) as f64;
     Err(TooLarge {
         what: format!(
-            "hidden {}{} on {} nodes, {} edges, {} features",
-            cfg.model.hidden,
+            "{} layers, hidden {}{} on {} nodes, {} edges, {} features",
+            cfg.model.layers,
+            (0..cfg.model.layers.saturating_sub(1))
+                .map(|l| cfg.model.hidden_of(l).to_string())
+                .collect::<Vec<_>>()
+                .join(","),
             if gat {
                 format!(" x {} heads", cfg.model.heads)
             } else {
@@ -236,8 +261,19 @@ mod tests {
         let err = check_fits_in(&cfg, &ds, Some(1 << 30)).unwrap_err();
         let text = err.to_string();
         assert!(text.contains("x 256 heads on 2000 nodes"), "{text}");
+        assert!(text.contains("2 layers, hidden 65536"), "{text}");
         assert!(text.contains("--heads"), "{text}");
         assert!(err.need_gib > err.avail_gib);
+        // Deeper models need more: each hidden layer's activations are kept.
+        let mut deep = TrainConfig::paper_defaults(ModelKind::Gcn, 16, 3, 0);
+        let shallow = memory_lower_bound(&deep, 2000, 8000, 16);
+        deep.model.layers = 4;
+        deep.model.hidden_sizes = vec![16, 16, 16];
+        let four = memory_lower_bound(&deep, 2000, 8000, 16);
+        assert!(
+            four >= shallow + 2 * 2000 * 16 * 2 * 4,
+            "{shallow} vs {four}"
+        );
         // Unknown available memory: nothing to compare with, nothing refused.
         assert!(check_fits_in(&cfg, &ds, None).is_ok());
     }

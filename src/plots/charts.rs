@@ -430,6 +430,8 @@ mod tests {
                 compute_ms: 6.0,
                 comm_ms: 4.0,
                 halo_bytes: 1 << 20,
+                grad_bytes: 0,
+                grad_bytes_exact: 0,
                 weights_digest: String::new(),
                 part_compute_ms: vec![6.0; parts],
             })

@@ -188,6 +188,7 @@ pub enum WireOutcome {
         correct: u64,
     },
     Grads(Vec<f32>),
+    CompressedGrads(trellis_runtime::grad_codec::GradPayload),
     Eval {
         train: u64,
         val: u64,
@@ -278,6 +279,7 @@ impl From<&Outcome> for WireOutcome {
                 correct: *correct as u64,
             },
             Outcome::Grads(g) => WireOutcome::Grads(g.to_vec()),
+            Outcome::CompressedGrads(g) => WireOutcome::CompressedGrads((**g).clone()),
             Outcome::Eval { train, val, test } => WireOutcome::Eval {
                 train: *train as u64,
                 val: *val as u64,
@@ -301,6 +303,7 @@ impl From<WireOutcome> for Outcome {
                 correct: correct as usize,
             },
             WireOutcome::Grads(g) => Outcome::Grads(Arc::from(g)),
+            WireOutcome::CompressedGrads(g) => Outcome::CompressedGrads(Arc::new(g)),
             WireOutcome::Eval { train, val, test } => Outcome::Eval {
                 train: train as usize,
                 val: val as usize,

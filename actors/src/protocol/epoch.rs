@@ -216,6 +216,7 @@ enum Unit {
 struct UnitWork {
     compute_ms: Vec<f64>,
     halo_bytes: u64,
+    grad_bytes: GradBytes,
     loss_sum: f64,
     count: usize,
     grads: Vec<Option<Arc<[f32]>>>,
@@ -223,11 +224,19 @@ struct UnitWork {
     eval: SplitTotals,
 }
 
+/// Gradient bytes of a training step, as sent and as they would have been exact.
+#[derive(Debug, Default, Clone, Copy)]
+struct GradBytes {
+    sent: u64,
+    exact: u64,
+}
+
 /// The gathered results of the training step of the epoch in progress.
 #[derive(Debug, Default, Clone)]
 struct StepResults {
     compute_ms: Vec<f64>,
     halo_bytes: u64,
+    grad_bytes: GradBytes,
     loss_sum: f64,
     count: usize,
     grads: Option<Arc<[f32]>>,
@@ -731,8 +740,28 @@ impl EpochMachine {
                             self.work.count += count;
                         }
                         Outcome::Grads(g) => {
+                            self.work.grad_bytes.sent += 4 * g.len() as u64;
+                            self.work.grad_bytes.exact += 4 * g.len() as u64;
                             if let Some(slot) = self.work.grads.get_mut(q) {
                                 *slot = Some(g.clone());
+                            }
+                        }
+                        // Decoded here, before the fixed-order sum.
+                        Outcome::CompressedGrads(c) => {
+                            self.work.grad_bytes.sent += c.wire_bytes();
+                            self.work.grad_bytes.exact += c.exact_bytes();
+                            match c.decode() {
+                                Ok(g) => {
+                                    if let Some(slot) = self.work.grads.get_mut(q) {
+                                        *slot = Some(Arc::from(g));
+                                    }
+                                }
+                                Err(e) => {
+                                    return self.fail(ActorError::Protocol {
+                                        part: q as u32,
+                                        detail: e.to_string(),
+                                    })
+                                }
                             }
                         }
                         Outcome::Eval { train, val, test } => {
@@ -797,6 +826,7 @@ impl EpochMachine {
                 }
                 self.step.compute_ms = std::mem::take(&mut self.work.compute_ms);
                 self.step.halo_bytes = self.work.halo_bytes;
+                self.step.grad_bytes = self.work.grad_bytes;
                 self.step.loss_sum = self.work.loss_sum;
                 self.step.count = self.work.count;
                 self.step.grads = Some(Arc::from(sum));
@@ -840,6 +870,8 @@ impl EpochMachine {
                     compute_ms,
                     comm_ms: (s.step_ms - compute_ms).max(0.0),
                     halo_bytes: s.halo_bytes,
+                    grad_bytes: s.grad_bytes.sent,
+                    grad_bytes_exact: s.grad_bytes.exact,
                     weights_digest: self.committed.digest.clone(),
                     part_compute_ms: s.compute_ms,
                 };

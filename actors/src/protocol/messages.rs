@@ -4,6 +4,7 @@ use crate::ActorError;
 use actix::Message;
 use std::sync::Arc;
 use trellis_gpu::KernelTimes;
+use trellis_runtime::grad_codec::GradPayload;
 use trellis_transport::{HaloBlock, Phase, RunId, TraceContext};
 
 /// Run one layer of a pass on a partition.
@@ -57,6 +58,8 @@ pub enum Outcome {
     },
     /// The backward finished: this partition's weight gradients, concatenated.
     Grads(Arc<[f32]>),
+    /// The same, compressed (`TrainConfig::grad_codec`, error feedback at the partition).
+    CompressedGrads(Arc<GradPayload>),
     /// The evaluation forward finished: correct predictions per split.
     Eval {
         train: usize,

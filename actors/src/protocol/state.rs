@@ -13,6 +13,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 use trellis_gpu::{CancelToken, Stream, Tensor};
+use trellis_runtime::grad_codec::{ErrorFeedback, GradCodec, RoundingKey};
 use trellis_runtime::model::StepCtx;
 use trellis_runtime::partition::{block, PartitionFile};
 use trellis_runtime::train::{normalize_rows, TrainConfig};
@@ -61,6 +62,54 @@ pub struct PartitionState {
     /// received (pinned on a GPU, reused every step).
     send_staging: Staging,
     recv_staging: Staging,
+    /// Gradient compression of the all-reduce and its error feedback.
+    grads: GradCompression,
+}
+
+/// A partition's gradient compression: the codec, the error-feedback residual committed
+/// with the last applied step, and the one computed by the step in progress (it becomes the
+/// committed one when that step is applied, so a replayed step starts from the same residual).
+#[derive(Debug, Default)]
+struct GradCompression {
+    codec: GradCodec,
+    seed: u64,
+    committed: ErrorFeedback,
+    pending: Option<(u32, ErrorFeedback)>,
+}
+
+impl GradCompression {
+    /// The outcome carrying this step's gradients `flat` of `epoch`: exact, or compressed
+    /// from `flat` plus the committed residual.
+    fn outcome(&mut self, part: PartId, epoch: u32, flat: Vec<f32>) -> Outcome {
+        let mut ef = self.committed.clone();
+        let key = RoundingKey {
+            seed: self.seed,
+            epoch,
+            partition: part.0,
+        };
+        match ef.compress(self.codec, &flat, key) {
+            None => Outcome::Grads(Arc::from(flat)),
+            Some(payload) => {
+                self.pending = Some((epoch, ef));
+                Outcome::CompressedGrads(Arc::new(payload))
+            }
+        }
+    }
+
+    /// Whether the residual of `epoch`'s compressed gradients is at hand (always, exact).
+    fn ready_to_apply(&self, epoch: u32) -> bool {
+        self.codec.is_none() || matches!(self.pending, Some((e, _)) if e == epoch)
+    }
+
+    /// The step of `epoch` was applied: its residual is now the committed one. (A pending
+    /// residual survives an epoch reset: a replayed backward recomputes the same one.)
+    fn commit(&mut self, epoch: u32) {
+        if let Some((e, ef)) = self.pending.take() {
+            if e == epoch {
+                self.committed = ef;
+            }
+        }
+    }
 }
 
 /// Which stage of its step a request is at.
@@ -174,6 +223,11 @@ impl PartitionState {
             overlap: cfg.overlaps_halo(),
             send_staging: Staging::default(),
             recv_staging: Staging::default(),
+            grads: GradCompression {
+                codec: cfg.grad_codec,
+                seed: cfg.model.seed,
+                ..GradCompression::default()
+            },
         })
     }
 
@@ -491,7 +545,7 @@ impl PartitionState {
             }
             _ => Vec::new(),
         };
-        self.backward_done(gx, out)
+        self.backward_done(tag.epoch, gx, out)
     }
 
     /// First stage of a split layer's backward: `gZ` for every input row; sends its halo rows
@@ -545,12 +599,12 @@ impl PartitionState {
         let gx = self
             .model
             .backward_transform(&self.stream, l, &self.block, gz, l > 0)?;
-        self.backward_done(gx, Vec::new())
+        self.backward_done(tag.epoch, gx, Vec::new())
     }
 
     /// After a layer's backward: keeps the inner rows' input gradient for the layer below, or
     /// returns the weight gradients after the first layer.
-    fn backward_done(&mut self, gx: Option<Tensor>, out: Vec<HaloBlock>) -> StageOut {
+    fn backward_done(&mut self, epoch: u32, gx: Option<Tensor>, out: Vec<HaloBlock>) -> StageOut {
         match gx {
             Some(mut gx) => {
                 gx.truncate_rows(self.block.n_out());
@@ -562,7 +616,8 @@ impl PartitionState {
                 for p in self.model.params() {
                     flat.extend(self.stream.download(&p.grad)?);
                 }
-                Ok((Some(Outcome::Grads(Arc::from(flat))), Vec::new()))
+                let outcome = self.grads.outcome(self.part, epoch, flat);
+                Ok((Some(outcome), Vec::new()))
             }
         }
     }
@@ -579,6 +634,19 @@ impl PartitionState {
                 ),
             ));
         }
+        if !self.grads.ready_to_apply(epoch) {
+            // A partition restarted during its optimizer step: the step is replayed from the
+            // all-reduced sum, but this partition's new residual died with it.
+            return Err(proto(
+                self.part,
+                &format!(
+                    "the error-feedback residual of epoch {epoch}'s compressed gradients was lost \
+                     (restarted during the optimizer step); --grad-codec {} cannot recover from \
+                     that yet",
+                    self.grads.codec
+                ),
+            ));
+        }
         let mut off = 0;
         for p in self.model.params_mut() {
             let ((rows, cols), n) = (p.grad.shape(), p.grad.len());
@@ -589,6 +657,7 @@ impl PartitionState {
         self.opt
             .step(&self.stream.uncancellable(), &mut self.model)?;
         self.model.zero_grad(&self.stream)?;
+        self.grads.commit(epoch);
         self.epoch_done = epoch;
         self.model.weights_digest(&self.stream)
     }
@@ -631,6 +700,7 @@ impl PartitionState {
                 .collect::<Result<_>>()?,
             opt_steps: self.opt.steps(),
             digest: self.model.weights_digest(s)?,
+            grad_residual: self.grads.committed.residual().to_vec(),
         })
     }
 
@@ -642,6 +712,8 @@ impl PartitionState {
         }
         // The optimizer moves its (host) state onto the stream at its next step.
         self.opt.restore(snap.opt_steps, snap.opt_state.clone());
+        self.grads.committed = ErrorFeedback::from_residual(snap.grad_residual.clone());
+        self.grads.pending = None;
         self.epoch_done = snap.epoch;
         self.reset_epoch()?;
         Ok(self.model.weights_digest(&self.stream)? == snap.digest)

@@ -52,25 +52,41 @@ fn check_layer(kind: ModelKind, layer: usize, dropout: f32) {
     }
 }
 
-/// With `sparse`, the input is mostly zeros and held as a sparse matrix.
-fn check_layer_with(kind: ModelKind, layer: usize, dropout: f32, sparse: bool) {
-    let s = stream();
-    let graph = small_graph();
-    // Inner nodes 1,2,3,5,8 (not ascending by degree), the rest become halo.
-    let block = Block::build(&graph, &[1, 2, 3, 5, 8], kind.aggregation()).unwrap();
+/// The small model every check uses: 6 inputs, 3 classes, hidden 4 (2 heads for GAT).
+fn small_config(kind: ModelKind, dropout: f32) -> ModelConfig {
     let mut cfg = ModelConfig::paper_defaults(kind, 6, 3, 11);
     cfg.hidden = 4;
     cfg.heads = 2;
     cfg.out_heads = 2;
     cfg.dropout = dropout;
     cfg.attn_dropout = dropout;
+    cfg
+}
+
+/// `cfg`'s model with non-zero biases, so no pre-activation sits exactly on a ReLU kink.
+fn small_model(cfg: ModelConfig) -> Model {
     let mut model = Model::new(cfg).unwrap();
-    // Non-zero biases, so no pre-activation sits exactly on a ReLU kink.
     for (k, p) in model.params_mut().iter_mut().enumerate() {
         if p.name.ends_with("bias") {
             p.value = rand_tensor(p.value.rows(), p.value.cols(), 100 + k as u64);
         }
     }
+    model
+}
+
+/// With `sparse`, the input is mostly zeros and held as a sparse matrix.
+fn check_layer_with(kind: ModelKind, layer: usize, dropout: f32, sparse: bool) {
+    check_layer_of(small_config(kind, dropout), layer, sparse);
+}
+
+/// Checks layer `layer` of `cfg`'s model on a block with halo rows.
+fn check_layer_of(cfg: ModelConfig, layer: usize, sparse: bool) {
+    let s = stream();
+    let kind = cfg.kind;
+    let graph = small_graph();
+    // Inner nodes 1,2,3,5,8 (not ascending by degree), the rest become halo.
+    let block = Block::build(&graph, &[1, 2, 3, 5, 8], kind.aggregation()).unwrap();
+    let mut model = small_model(cfg);
     let in_dim = model.layer_in_dim(layer);
     let mut x = rand_tensor(block.n_in(), in_dim, 3);
     if sparse {
@@ -181,6 +197,146 @@ fn gat_output_layer() {
 #[test]
 fn gat_hidden_layer_with_dropout() {
     check_layer(ModelKind::Gat, 0, 0.3);
+}
+
+/// A deep config: `layers` layers with hidden widths `widths` (per head), with or without
+/// residual connections.
+fn deep_config(kind: ModelKind, widths: &[usize], residual: bool, dropout: f32) -> ModelConfig {
+    let mut cfg = small_config(kind, dropout);
+    cfg.layers = widths.len() + 1;
+    cfg.hidden = widths[0];
+    cfg.hidden_sizes = widths.to_vec();
+    cfg.residual = residual;
+    cfg
+}
+
+/// Every layer of deep models (3 and 4 layers, with and without residual connections, an
+/// identity and a projected one) on a block with halo rows: weights and every input row.
+#[test]
+fn deep_and_residual_layers_of_every_model() {
+    for kind in [ModelKind::Gcn, ModelKind::Sage, ModelKind::Gat] {
+        for widths in [&[4, 4][..], &[4, 4, 3][..]] {
+            for residual in [false, true] {
+                let cfg = deep_config(kind, widths, residual, 0.2);
+                if residual {
+                    assert_eq!(cfg.residual_of(1), Residual::Identity);
+                    let last_hidden = widths.len() - 1;
+                    let want = if widths.len() == 3 {
+                        Residual::Projection
+                    } else {
+                        Residual::Identity
+                    };
+                    assert_eq!(cfg.residual_of(last_hidden), want);
+                    assert_eq!(cfg.residual_of(0), Residual::None);
+                    assert_eq!(cfg.residual_of(widths.len()), Residual::None);
+                }
+                for layer in 0..cfg.layers {
+                    check_layer_of(cfg.clone(), layer, false);
+                }
+            }
+        }
+    }
+}
+
+/// The whole stack, forward and backward through every layer (residual connections
+/// included), against central differences of `sum(logits * R)` in every parameter.
+fn check_whole_model(cfg: ModelConfig) {
+    let s = stream();
+    let kind = cfg.kind;
+    let graph = small_graph();
+    let block = Block::full(&graph, kind.aggregation()).unwrap();
+    let mut model = small_model(cfg);
+    let x = LayerInput::Dense(rand_tensor(block.n_in(), 6, 3));
+    let ctx = StepCtx {
+        epoch: 2,
+        train: true,
+    };
+    let out = model.forward_full(&s, &block, &x, ctx).unwrap();
+    let r = rand_tensor(out.rows(), out.cols(), 5);
+    model.zero_grad(&s).unwrap();
+    model.backward_full(&s, &block, r.clone()).unwrap();
+    let full_loss = |m: &mut Model| -> f64 {
+        let out = m.forward_full(&s, &block, &x, ctx).unwrap();
+        m.clear_caches();
+        out.as_slice()
+            .iter()
+            .zip(r.as_slice())
+            .map(|(&a, &b)| a as f64 * b as f64)
+            .sum()
+    };
+    let eps = 1e-3f32;
+    let tol = |a: f64, n: f64| (a - n).abs() <= 2e-2 * n.abs().max(a.abs()) + 2e-3;
+    let l0 = full_loss(&mut model);
+    let grads: Vec<Tensor> = model.params().iter().map(|p| p.grad.clone()).collect();
+    for (pi, g) in grads.iter().enumerate() {
+        let name = model.params()[pi].name.clone();
+        for i in 0..g.len() {
+            let orig = model.params()[pi].value.as_slice()[i];
+            model.params_mut()[pi].value.as_mut_slice()[i] = orig + eps;
+            let lp = full_loss(&mut model);
+            model.params_mut()[pi].value.as_mut_slice()[i] = orig - eps;
+            let lm = full_loss(&mut model);
+            model.params_mut()[pi].value.as_mut_slice()[i] = orig;
+            let e = eps as f64;
+            let central = (lp - lm) / (2.0 * e);
+            // A ReLU kink between `orig - eps` and `orig + eps` bends the central difference;
+            // the one-sided difference on the kink-free side still follows the gradient.
+            let (left, right) = ((l0 - lm) / e, (lp - l0) / e);
+            let ana = g.as_slice()[i] as f64;
+            assert!(
+                tol(ana, central) || tol(ana, left) || tol(ana, right),
+                "{kind} {} layers: d/d{name}[{i}]: analytic {ana} vs numeric {central} \
+                 (left {left}, right {right})",
+                model.num_layers()
+            );
+        }
+    }
+}
+
+#[test]
+fn whole_deep_models_with_and_without_residual() {
+    for kind in [ModelKind::Gcn, ModelKind::Sage, ModelKind::Gat] {
+        for widths in [&[4, 4][..], &[5, 5, 3][..]] {
+            for residual in [false, true] {
+                check_whole_model(deep_config(kind, widths, residual, 0.2));
+            }
+        }
+    }
+}
+
+#[test]
+fn residual_projections_are_parameters_and_shallow_residual_models_are_refused() {
+    let cfg = deep_config(ModelKind::Gat, &[4, 4, 3], true, 0.0);
+    let m = Model::new(cfg.clone()).unwrap();
+    let res: Vec<&Param> = m
+        .params()
+        .iter()
+        .filter(|p| p.name.ends_with("res.weight"))
+        .collect();
+    assert_eq!(res.len(), 1, "only layer 2 (8 -> 6 wide) projects");
+    assert_eq!(res[0].name, "layers.2.res.weight");
+    assert_eq!(res[0].value.shape(), (8, 6));
+    let plain = Model::new(ModelConfig {
+        residual: false,
+        ..cfg.clone()
+    })
+    .unwrap();
+    assert!(!cfg.same_architecture(plain.config()));
+    assert_eq!(plain.params().len() + 1, m.params().len());
+    let mut shallow = small_config(ModelKind::Gcn, 0.0);
+    shallow.residual = true;
+    let err = Model::new(shallow).unwrap_err().to_string();
+    assert!(err.contains("at least 3 layers"), "{err}");
+    let mut miscounted = deep_config(ModelKind::Sage, &[4, 4], false, 0.0);
+    miscounted.hidden_sizes = vec![4];
+    let err = Model::new(miscounted).unwrap_err().to_string();
+    assert!(err.contains("1 hidden widths for a 3-layer model"), "{err}");
+    // A config saved before per-layer widths and residuals existed still loads.
+    let old = r#"{"kind":"gcn","in_dim":6,"hidden":4,"out_dim":3,"layers":2,"heads":1,
+        "out_heads":1,"dropout":0.5,"attn_dropout":0.0,"seed":1}"#;
+    let old: ModelConfig = serde_json::from_str(old).unwrap();
+    assert!(!old.residual && old.hidden_sizes.is_empty());
+    assert!(!serde_json::to_string(&old).unwrap().contains("residual"));
 }
 
 #[test]

@@ -15,6 +15,7 @@ mod gat;
 mod gcn;
 mod input;
 mod optim;
+mod residual;
 mod sage;
 mod split;
 
@@ -85,6 +86,35 @@ pub struct ModelConfig {
     pub attn_dropout: f32,
     /// Seed of init and dropout.
     pub seed: u64,
+    /// Widths of the hidden layers, one per hidden layer (`layers - 1`; per head for GAT).
+    /// Empty: every hidden layer is `hidden` wide (what models saved before this field say).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hidden_sizes: Vec<usize>,
+    /// Residual connections (DeepGCNs): every hidden layer after the first adds its input to
+    /// its output, `h_{l+1} = act(layer(h_l)) + h_l`, or a learned projection `h_l P` of its
+    /// input where the widths differ (see [`ModelConfig::residual_of`]).
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub residual: bool,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
+}
+
+/// Most layers a model may have (deep GCNs of the literature reach 56 to 112).
+pub const MAX_LAYERS: usize = 128;
+
+/// How a layer's residual connection maps its input to its output's width.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Residual {
+    /// No residual connection (the first and the last layer, or `residual` off).
+    None,
+    /// The input itself (input and output widths are equal).
+    Identity,
+    /// The input times a learned `in x out` matrix (`res.weight`, no bias): where the
+    /// widths differ.
+    Projection,
 }
 
 impl ModelConfig {
@@ -108,35 +138,95 @@ impl ModelConfig {
             dropout,
             attn_dropout: attn,
             seed,
+            hidden_sizes: Vec::new(),
+            residual: false,
+        }
+    }
+
+    /// Width (per head for GAT) of hidden layer `l` (`l < layers - 1`).
+    pub fn hidden_of(&self, l: usize) -> usize {
+        self.hidden_sizes.get(l).copied().unwrap_or(self.hidden)
+    }
+
+    /// Output width of layer `l` as the next layer reads it (heads concatenated).
+    pub fn output_width(&self, l: usize) -> usize {
+        if l + 1 == self.layers {
+            self.out_dim
+        } else if self.kind == ModelKind::Gat {
+            self.hidden_of(l) * self.heads
+        } else {
+            self.hidden_of(l)
+        }
+    }
+
+    /// Input width of layer `l`.
+    pub fn input_width(&self, l: usize) -> usize {
+        if l == 0 {
+            self.in_dim
+        } else {
+            self.output_width(l - 1)
+        }
+    }
+
+    /// The residual connection of layer `l`: none on the first layer (its input is the
+    /// features) and the last (its output is the logits), nor without `residual`; else the
+    /// identity where the input is as wide as the output, a projection where it is not.
+    pub fn residual_of(&self, l: usize) -> Residual {
+        if !self.residual || l == 0 || l + 1 >= self.layers {
+            Residual::None
+        } else if self.input_width(l) == self.output_width(l) {
+            Residual::Identity
+        } else {
+            Residual::Projection
         }
     }
 
     /// Whether `other` has this architecture (kind, widths, layers, heads): its parameters
     /// have the same names and shapes, whatever its seed or regularisation.
     pub fn same_architecture(&self, other: &ModelConfig) -> bool {
+        let widths = |c: &ModelConfig| (0..c.layers).map(|l| c.output_width(l)).collect::<Vec<_>>();
         (
             self.kind,
             self.in_dim,
-            self.hidden,
             self.out_dim,
             self.layers,
+            self.residual,
         ) == (
             other.kind,
             other.in_dim,
-            other.hidden,
             other.out_dim,
             other.layers,
-        ) && (self.kind != ModelKind::Gat
-            || (self.heads, self.out_heads) == (other.heads, other.out_heads))
+            other.residual,
+        ) && widths(self) == widths(other)
+            && (self.kind != ModelKind::Gat
+                || (self.heads, self.out_heads) == (other.heads, other.out_heads))
     }
 
     fn validate(&self) -> Result<()> {
         let bad = |m: &str| Err(RuntimeError::Config(m.to_string()));
-        if self.layers == 0 {
-            return bad("a model needs at least one layer");
+        if self.layers == 0 || self.layers > MAX_LAYERS {
+            return Err(RuntimeError::Config(format!(
+                "a model has 1 to {MAX_LAYERS} layers, not {}",
+                self.layers
+            )));
         }
-        if self.in_dim == 0 || self.out_dim == 0 || (self.layers > 1 && self.hidden == 0) {
+        if !self.hidden_sizes.is_empty() && self.hidden_sizes.len() != self.layers - 1 {
+            return Err(RuntimeError::Config(format!(
+                "{} hidden widths for a {}-layer model, which has {} hidden layers \
+                 (give one width for all, or one per hidden layer)",
+                self.hidden_sizes.len(),
+                self.layers,
+                self.layers - 1
+            )));
+        }
+        let hidden_zero = (0..self.layers.saturating_sub(1)).any(|l| self.hidden_of(l) == 0);
+        if self.in_dim == 0 || self.out_dim == 0 || hidden_zero {
             return bad("input, hidden and output widths must be > 0");
+        }
+        if self.residual && self.layers < 3 {
+            return bad(
+                "residual connections join hidden layers: a residual model needs at least 3 layers",
+            );
         }
         if self.kind == ModelKind::Gat && (self.heads == 0 || self.out_heads == 0) {
             return bad("GAT needs at least one head");
@@ -206,6 +296,10 @@ pub(crate) struct LayerSpec {
     pub attn_dropout: f32,
     /// Index of this layer's first parameter in the model's list.
     pub first_param: usize,
+    /// The layer's residual connection.
+    pub residual: Residual,
+    /// Index of the projection matrix of a [`Residual::Projection`] layer.
+    pub residual_param: usize,
 }
 
 impl LayerSpec {
@@ -225,6 +319,9 @@ pub struct Model {
     layers: Vec<LayerSpec>,
     params: Vec<Param>,
     caches: Vec<Option<Cache>>,
+    /// Per layer with a projected residual, in training: the inner input rows its weight
+    /// gradient needs.
+    residual_inputs: Vec<Option<Tensor>>,
 }
 
 impl std::fmt::Debug for Model {
@@ -246,9 +343,9 @@ impl Model {
         for l in 0..cfg.layers {
             let last = l + 1 == cfg.layers;
             let (heads, concat, out_dim) = match (cfg.kind, last) {
-                (ModelKind::Gat, false) => (cfg.heads, true, cfg.hidden),
+                (ModelKind::Gat, false) => (cfg.heads, true, cfg.hidden_of(l)),
                 (ModelKind::Gat, true) => (cfg.out_heads, false, cfg.out_dim),
-                (_, false) => (1, true, cfg.hidden),
+                (_, false) => (1, true, cfg.hidden_of(l)),
                 (_, true) => (1, true, cfg.out_dim),
             };
             let act = match (cfg.kind, last) {
@@ -266,12 +363,19 @@ impl Model {
                 dropout: cfg.dropout,
                 attn_dropout: cfg.attn_dropout,
                 first_param: params.len(),
+                residual: cfg.residual_of(l),
+                residual_param: 0,
             };
-            let shapes: Vec<(String, usize, usize, Init)> = match cfg.kind {
+            let mut shapes: Vec<(String, usize, usize, Init)> = match cfg.kind {
                 ModelKind::Gcn => gcn::param_shapes(&spec),
                 ModelKind::Sage => sage::param_shapes(&spec),
                 ModelKind::Gat => gat::param_shapes(&spec),
             };
+            let mut spec = spec;
+            if spec.residual == Residual::Projection {
+                spec.residual_param = params.len() + shapes.len();
+                shapes.push(residual::param_shape(&spec, cfg.output_width(l)));
+            }
             for (name, r, c, init) in shapes {
                 let idx = params.len();
                 params.push(Param::new(
@@ -283,11 +387,13 @@ impl Model {
             in_dim = if concat { out_dim * heads } else { out_dim };
         }
         let caches = (0..layers.len()).map(|_| None).collect();
+        let residual_inputs = (0..layers.len()).map(|_| None).collect();
         Ok(Model {
             cfg,
             layers,
             params,
             caches,
+            residual_inputs,
         })
     }
 
@@ -370,6 +476,11 @@ impl Model {
     /// Drops the caches of the last forward pass.
     pub fn clear_caches(&mut self) {
         self.caches.iter_mut().for_each(|c| *c = None);
+        self.residual_inputs.iter_mut().for_each(|c| *c = None);
+    }
+    /// The residual connection of layer `l`.
+    pub fn residual(&self, l: usize) -> Residual {
+        self.layers[l].residual
     }
     /// Hex digest of all parameter values, in order (`s` holds them).
     pub fn weights_digest(&self, s: &Stream) -> Result<String> {
@@ -413,9 +524,10 @@ impl Model {
                 x.cols()
             )));
         }
+        let res = self.residual_forward(s, l, block, x.as_ref(), ctx)?;
         let params = &self.params[spec.first_param..];
         let a = self.args(s, &spec, block);
-        let (out, cache) = match self.cfg.kind {
+        let (mut out, cache) = match self.cfg.kind {
             ModelKind::Gcn => {
                 let (o, c) = gcn::forward(&a, params, x, ctx)?;
                 (o, c.map(Cache::Gcn))
@@ -430,6 +542,9 @@ impl Model {
             }
         };
         self.caches[l] = cache;
+        if let Some(r) = res {
+            s.axpy(1.0, &r, &mut out)?;
+        }
         Ok(out)
     }
 
@@ -447,15 +562,23 @@ impl Model {
         let cache = self.caches[l].take().ok_or_else(|| {
             RuntimeError::Config(format!("backward of layer {l} without a training forward"))
         })?;
+        let res_grad = self.residual_backward(s, l, &grad_out, need_input_grad)?;
         let a = self.args(s, &spec, block);
         let params = &mut self.params[spec.first_param..];
-        match cache {
+        let gx = match cache {
             Cache::Gcn(c) => gcn::backward(&a, params, c, grad_out, need_input_grad),
             Cache::Sage(c) => sage::backward(&a, params, c, grad_out, need_input_grad),
             Cache::Gat(c) => gat::backward(&a, params, *c, grad_out, need_input_grad),
             Cache::GcnInput(_) => Err(RuntimeError::Config(format!(
                 "backward of layer {l} before its forward finished"
             ))),
+        }?;
+        match (gx, res_grad) {
+            (Some(mut gx), Some(r)) => {
+                s.add_rows_prefix(&r, &mut gx)?;
+                Ok(Some(gx))
+            }
+            (gx, _) => Ok(gx),
         }
     }
 

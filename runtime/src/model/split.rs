@@ -11,7 +11,7 @@
 //! enqueued right after the sends start, and 2b, which adds the halo rows' part once they
 //! arrive. Between the stages the model keeps what
 //! stage 2 needs in the layer's cache; [`Model::clear_caches`] forgets it.
-use super::{gcn, Cache, LayerInput, Model, ModelKind, StepCtx};
+use super::{gcn, Cache, LayerInput, Model, ModelKind, Residual, StepCtx};
 use crate::graph::Block;
 use crate::{Result, RuntimeError};
 use trellis_gpu::halo::HaloRows;
@@ -21,9 +21,14 @@ impl Model {
     /// True when layer `l` runs split in a partitioned run: a GCN layer after the first that
     /// narrows (`out_dim < in_dim`), so exchanging its transformed rows moves fewer bytes and
     /// transforms no halo row. (The first layer's halo inputs are static: never exchanged.)
+    /// A layer with a residual connection does not run split: it runs whole, as
+    /// [`Model::forward_layer`] adds its residual.
     pub fn is_split(&self, l: usize) -> bool {
         let spec = &self.layers[l];
-        self.cfg.kind == ModelKind::Gcn && l > 0 && spec.out_dim < spec.in_dim
+        self.cfg.kind == ModelKind::Gcn
+            && l > 0
+            && spec.out_dim < spec.in_dim
+            && spec.residual == Residual::None
     }
 
     fn check_split(&self, l: usize) -> Result<()> {
