@@ -470,9 +470,12 @@ impl FaultPlan {
         fire.then(|| {
             self.count(FaultKind::Panic);
             let stage = if second_stage { " (second stage)" } else { "" };
-            format!(
-                "{INJECTED_PANIC} partition {part}, epoch {epoch}, {phase:?} layer {layer}{stage}"
-            )
+            let at = if layer == APPLY_LAYER {
+                "the optimizer step".to_string()
+            } else {
+                format!("{phase:?} layer {layer}")
+            };
+            format!("{INJECTED_PANIC} partition {part}, epoch {epoch}, {at}{stage}")
         })
     }
 

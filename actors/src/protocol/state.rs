@@ -647,19 +647,21 @@ impl PartitionState {
                 ),
             ));
         }
+        // Never cancelled half-way (a cancel between the optimizer step and `epoch_done`
+        // would leave the weights stepped and the epoch not done, so the retried apply would
+        // step them twice): a retried apply of this epoch is then a no-op.
+        let s = self.stream.uncancellable();
         let mut off = 0;
         for p in self.model.params_mut() {
             let ((rows, cols), n) = (p.grad.shape(), p.grad.len());
-            p.grad = self.stream.upload(&grads[off..off + n], rows, cols)?;
+            p.grad = s.upload(&grads[off..off + n], rows, cols)?;
             off += n;
         }
-        // Never cancelled half-way: a retried apply of this epoch is then a no-op.
-        self.opt
-            .step(&self.stream.uncancellable(), &mut self.model)?;
-        self.model.zero_grad(&self.stream)?;
+        self.opt.step(&s, &mut self.model)?;
+        self.model.zero_grad(&s)?;
         self.grads.commit(epoch);
         self.epoch_done = epoch;
-        self.model.weights_digest(&self.stream)
+        self.model.weights_digest(&s)
     }
 
     /// Overwrites every other parameter of the model replica (weights and biases alike) with

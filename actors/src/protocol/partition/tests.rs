@@ -155,3 +155,38 @@ fn the_optimizer_step_is_applied_once_and_replicated() {
     m.handle_apply(RequestId(3), run, 2, &grads[1..], None);
     assert_eq!(answers(&drain(&mut m)), [(RequestId(3), false)]);
 }
+
+#[test]
+fn regression_a_cancel_during_the_optimizer_step_does_not_step_twice() {
+    // A rollback elsewhere cancels this partition's stream while its optimizer step runs;
+    // the step must complete (and the epoch count with it), so that the retried apply of the
+    // same epoch is a no-op instead of a second step.
+    let g = SimGraph::new().unwrap();
+    let (mut clean, mut cancelled) = (
+        machine(&g, 1, 0, FaultPlan::none()),
+        machine(&g, 1, 0, FaultPlan::none()),
+    );
+    let token = trellis_gpu::CancelToken::default();
+    cancelled.state_mut().set_cancel(token.clone());
+    let grads = vec![0.01f32; clean.state().model().num_parameters()];
+    let run = RunId::from_u128(RUN);
+    clean.handle_apply(RequestId(1), run, 1, &grads, None);
+    token.cancel();
+    cancelled.handle_apply(RequestId(1), run, 1, &grads, None);
+    token.clear();
+    cancelled.handle_apply(RequestId(2), run, 1, &grads, None);
+    let digest = |acts: Vec<PartitionAction>| {
+        acts.into_iter()
+            .filter_map(|a| match a {
+                PartitionAction::Answer {
+                    result: Ok(Response::Applied(a)),
+                    ..
+                } => Some(a.digest),
+                _ => None,
+            })
+            .collect::<Vec<_>>()
+    };
+    let want = digest(drain(&mut clean));
+    let got = digest(drain(&mut cancelled));
+    assert_eq!(got, [want[0].clone(), want[0].clone()]);
+}
