@@ -2,6 +2,7 @@
 //!
 //! This is the reference the partitioned runtime is compared against: the partition actors run
 //! the same layers on their blocks and must reproduce its losses.
+use crate::comm::HaloConfig;
 use crate::metrics::{names, Key, Metrics};
 use crate::model::{LayerInput, StepCtx};
 use crate::report::{self, BestTracker, EpochLog, RunReport};
@@ -37,6 +38,10 @@ pub struct TrainConfig {
     /// the model's seed, so a run with a new training seed reuses the same partition files.
     #[serde(default)]
     pub partition_seed: u64,
+    /// Partitioned runs: how halo rows are encoded (exact fp32 unless set; then not written,
+    /// so exact runs' configurations read as before).
+    #[serde(default, skip_serializing_if = "HaloConfig::is_exact")]
+    pub halo: HaloConfig,
 }
 
 /// [`Device`] as its text form (`cpu`, `cuda:0`) in serialized configs.
@@ -71,6 +76,7 @@ impl TrainConfig {
             device: Device::Cpu,
             halo_overlap: None,
             partition_seed: 0,
+            halo: HaloConfig::default(),
         }
     }
 
@@ -296,6 +302,7 @@ impl Trainer {
             compute_ms: ms,
             comm_ms: 0.0,
             halo_bytes: 0,
+            halo_fp32_bytes: 0,
             weights_digest: self.model.weights_digest(&self.stream)?,
             part_compute_ms: vec![ms],
         })

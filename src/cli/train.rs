@@ -1,4 +1,5 @@
 //! `trellis train`.
+use super::halo::HaloArgs;
 use super::telemetry::TelemetryArgs;
 use super::validate;
 use anyhow::{anyhow, bail, Context, Result};
@@ -108,6 +109,8 @@ pub struct TrainArgs {
     #[arg(long, default_value = "cpu")]
     pub device: String,
     #[command(flatten)]
+    pub halo: HaloArgs,
+    #[command(flatten)]
     pub telemetry: TelemetryArgs,
 }
 
@@ -156,6 +159,7 @@ impl TrainArgs {
         }
         cfg.threads = self.threads;
         cfg.partition_seed = self.partition_seed;
+        cfg.halo = self.halo.config();
         cfg.normalize_features = !self.no_normalize_features;
         cfg.device = self
             .device
@@ -299,8 +303,8 @@ pub fn follow(run: TrainingRun, epochs: u64, verbose: bool) -> Result<RunReport>
                 if verbose {
                     pb.suspend(|| {
                         println!(
-                            "epoch {:>4}  loss {:.4}  val {:.3}  test {:.3}  {:.1} ms (compute {:.1}, comm {:.1}, halo {} KiB)",
-                            log.epoch, log.loss, log.val_acc, log.test_acc, log.ms, log.compute_ms, log.comm_ms, log.halo_bytes / 1024
+                            "epoch {:>4}  loss {:.4}  val {:.3}  test {:.3}  {:.1} ms (compute {:.1}, comm {:.1}, halo {} KiB, fp32 {} KiB)",
+                            log.epoch, log.loss, log.val_acc, log.test_acc, log.ms, log.compute_ms, log.comm_ms, log.halo_bytes / 1024, log.halo_fp32_bytes / 1024
                         )
                     });
                 }
@@ -345,6 +349,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
         || a.partition_dir.is_some()
         || a.chaos.is_some()
         || a.checkpoint_dir.is_some();
+    a.halo.check_partitioned(partitioned)?;
     if partitioned && a.save_model.is_some() {
         bail!(
             "--save-model is not available for partitioned runs yet: train single-process \
@@ -445,6 +450,9 @@ pub fn print_summary(r: &RunReport) {
             n.bytes_sent as f64 / (1 << 20) as f64,
             n.bytes_received as f64 / (1 << 20) as f64
         );
+    }
+    if let Some(line) = super::halo::summary(r) {
+        println!("{line}");
     }
     if let Some(t) = &r.trace_id {
         println!("trace_id {t}");

@@ -430,6 +430,7 @@ mod tests {
                 compute_ms: 6.0,
                 comm_ms: 4.0,
                 halo_bytes: 1 << 20,
+                halo_fp32_bytes: 1 << 20,
                 weights_digest: String::new(),
                 part_compute_ms: vec![6.0; parts],
             })

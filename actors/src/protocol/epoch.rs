@@ -216,6 +216,7 @@ enum Unit {
 struct UnitWork {
     compute_ms: Vec<f64>,
     halo_bytes: u64,
+    halo_fp32_bytes: u64,
     loss_sum: f64,
     count: usize,
     grads: Vec<Option<Arc<[f32]>>>,
@@ -228,6 +229,7 @@ struct UnitWork {
 struct StepResults {
     compute_ms: Vec<f64>,
     halo_bytes: u64,
+    halo_fp32_bytes: u64,
     loss_sum: f64,
     count: usize,
     grads: Option<Arc<[f32]>>,
@@ -722,6 +724,7 @@ impl EpochMachine {
                             *c += s.compute_ms;
                         }
                         self.work.halo_bytes += s.halo_bytes;
+                        self.work.halo_fp32_bytes += s.halo_fp32_bytes;
                     }
                     match &s.outcome {
                         Outcome::Loss {
@@ -797,6 +800,7 @@ impl EpochMachine {
                 }
                 self.step.compute_ms = std::mem::take(&mut self.work.compute_ms);
                 self.step.halo_bytes = self.work.halo_bytes;
+                self.step.halo_fp32_bytes = self.work.halo_fp32_bytes;
                 self.step.loss_sum = self.work.loss_sum;
                 self.step.count = self.work.count;
                 self.step.grads = Some(Arc::from(sum));
@@ -840,6 +844,7 @@ impl EpochMachine {
                     compute_ms,
                     comm_ms: (s.step_ms - compute_ms).max(0.0),
                     halo_bytes: s.halo_bytes,
+                    halo_fp32_bytes: s.halo_fp32_bytes,
                     weights_digest: self.committed.digest.clone(),
                     part_compute_ms: s.compute_ms,
                 };

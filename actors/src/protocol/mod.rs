@@ -9,6 +9,7 @@
 //! - `halo`: halo row lists, block building and checking.
 //! - [`messages`]: requests and replies between the coordinator and partitions.
 pub mod epoch;
+pub(crate) mod codec;
 pub(crate) mod halo;
 pub mod messages;
 pub mod partition;
