@@ -42,11 +42,14 @@ impl HaloArgs {
 }
 
 fn parse_codec(s: &str) -> Result<HaloCodec, String> {
-    s.parse().map_err(|e: trellis_runtime::RuntimeError| e.to_string())
+    s.parse()
+        .map_err(|e: trellis_runtime::RuntimeError| e.to_string())
 }
 
 fn parse_bound(s: &str) -> Result<f32, String> {
-    let v: f32 = s.parse().map_err(|e| format!("{s:?} is not a number: {e}"))?;
+    let v: f32 = s
+        .parse()
+        .map_err(|e| format!("{s:?} is not a number: {e}"))?;
     HaloConfig {
         codec: HaloCodec::Adaptive,
         error_bound: v,

@@ -5,13 +5,13 @@
 mod common;
 
 use common::{block, encoded_block, traced_block};
-use trellis_transport::codec::Codec;
-use trellis_transport::HaloPayload;
 use proptest::collection::vec;
 use proptest::prelude::*;
 use proptest::test_runner::FileFailurePersistence;
 use std::path::PathBuf;
+use trellis_transport::codec::Codec;
 use trellis_transport::wire::*;
+use trellis_transport::HaloPayload;
 
 const LIMITS: Limits = Limits {
     max_meta: 1 << 16,

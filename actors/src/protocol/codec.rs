@@ -128,10 +128,16 @@ mod tests {
         let t = tag(3, 1, Phase::Forward);
         // Rows of global nodes 5, 9, 11 sent by partition 0, and the rows of 11 and 5 sent by
         // partition 2 in another order: row 11 and row 5 encode to the same bytes.
-        let a = encoded(enc.payload(PartId(0), t, &[5, 9, 11], 10, Arc::from(&rows[..])).unwrap());
+        let a = encoded(
+            enc.payload(PartId(0), t, &[5, 9, 11], 10, Arc::from(&rows[..]))
+                .unwrap(),
+        );
         let mut swapped = rows[20..30].to_vec();
         swapped.extend_from_slice(&rows[0..10]);
-        let b = encoded(enc.payload(PartId(2), t, &[11, 5], 10, Arc::from(swapped)).unwrap());
+        let b = encoded(
+            enc.payload(PartId(2), t, &[11, 5], 10, Arc::from(swapped))
+                .unwrap(),
+        );
         let row = |p: &[u8], n: usize, k: usize| {
             let header = p[2 + 4 * k..2 + 4 * k + 4].to_vec();
             let codes = p[2 + 4 * n + 5 * k..2 + 4 * n + 5 * (k + 1)].to_vec();
@@ -140,8 +146,15 @@ mod tests {
         assert_eq!(row(&a, 3, 2), row(&b, 2, 0));
         assert_eq!(row(&a, 3, 0), row(&b, 2, 1));
         // Another epoch, layer or phase draws other bits.
-        for other in [tag(4, 1, Phase::Forward), tag(3, 2, Phase::Forward), tag(3, 1, Phase::Eval)] {
-            let c = encoded(enc.payload(PartId(0), other, &[5, 9, 11], 10, Arc::from(&rows[..])).unwrap());
+        for other in [
+            tag(4, 1, Phase::Forward),
+            tag(3, 2, Phase::Forward),
+            tag(3, 1, Phase::Eval),
+        ] {
+            let c = encoded(
+                enc.payload(PartId(0), other, &[5, 9, 11], 10, Arc::from(&rows[..]))
+                    .unwrap(),
+            );
             assert_ne!(a, c);
         }
     }
@@ -150,7 +163,10 @@ mod tests {
     fn fp32_is_the_shared_buffer_itself() {
         let enc = HaloEncoder::new(&HaloConfig::default(), 1);
         let data: Arc<[f32]> = Arc::from(vec![1.0, 2.0]);
-        let HaloPayload::F32(got) = enc.payload(PartId(0), tag(1, 0, Phase::Forward), &[0], 2, data.clone()).unwrap() else {
+        let HaloPayload::F32(got) = enc
+            .payload(PartId(0), tag(1, 0, Phase::Forward), &[0], 2, data.clone())
+            .unwrap()
+        else {
             panic!("fp32 was encoded")
         };
         assert!(Arc::ptr_eq(&got, &data));
@@ -163,7 +179,13 @@ mod tests {
             ..HaloConfig::default()
         };
         let e = HaloEncoder::new(&cfg, 1)
-            .payload(PartId(3), tag(1, 0, Phase::Backward), &[0], 2, Arc::from(vec![1.0, f32::NAN]))
+            .payload(
+                PartId(3),
+                tag(1, 0, Phase::Backward),
+                &[0],
+                2,
+                Arc::from(vec![1.0, f32::NAN]),
+            )
             .unwrap_err()
             .to_string();
         assert!(e.contains("partition 3") && e.contains("not finite"), "{e}");

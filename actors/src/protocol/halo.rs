@@ -231,9 +231,9 @@ impl HaloLists {
                 ),
             ));
         }
-        let data = b.values().map_err(|e| {
-            proto(self.part, &format!("halo block from partition {from}: {e}"))
-        })?;
+        let data = b
+            .values()
+            .map_err(|e| proto(self.part, &format!("halo block from partition {from}: {e}")))?;
         if data.len() != rows * cols {
             return Err(proto(
                 self.part,

@@ -8,8 +8,8 @@
 //! - [`state`]: a partition's compute state and the per-layer steps (the model math).
 //! - `halo`: halo row lists, block building and checking.
 //! - [`messages`]: requests and replies between the coordinator and partitions.
-pub mod epoch;
 pub(crate) mod codec;
+pub mod epoch;
 pub(crate) mod halo;
 pub mod messages;
 pub mod partition;

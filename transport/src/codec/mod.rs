@@ -123,7 +123,9 @@ pub enum CodecError {
         codec: &'static str,
         section: &'static str,
     },
-    #[error("halo row {row}, column {col} is not finite ({value}); codec {codec} cannot encode it")]
+    #[error(
+        "halo row {row}, column {col} is not finite ({value}); codec {codec} cannot encode it"
+    )]
     NonFinite {
         codec: &'static str,
         row: usize,
@@ -134,7 +136,11 @@ pub enum CodecError {
     #[error("halo row {row} spans a range too wide for codec {codec}'s scales")]
     Range { codec: &'static str, row: usize },
     #[error("{rows}x{cols} rows do not match {len} values")]
-    Shape { rows: usize, cols: usize, len: usize },
+    Shape {
+        rows: usize,
+        cols: usize,
+        len: usize,
+    },
 }
 
 /// Encodes `rows x cols` values (row-major `data`) with `codec`; integer codecs draw their
@@ -212,7 +218,9 @@ impl Widths<'_> {
         match self {
             Widths::Float(_) => 16,
             Widths::Fixed(b) => *b,
-            Widths::PerRow(codes) => ADAPTIVE_WIDTHS[((codes[r / 4] >> (2 * (r % 4))) & 3) as usize],
+            Widths::PerRow(codes) => {
+                ADAPTIVE_WIDTHS[((codes[r / 4] >> (2 * (r % 4))) & 3) as usize]
+            }
         }
     }
 }
@@ -370,11 +378,13 @@ fn walk(
         let n = quant::row_bytes(cols, bits).expect("checked by parse");
         let (row, rest) = body.split_at(n);
         body = rest;
-        quant::unpack_row(row, cols, bits, |c, q| put(r * cols + c, min + q as f32 * step))
-            .map_err(|()| CodecError::Padding {
-                codec: p.codec,
-                section: "a row of codes",
-            })?;
+        quant::unpack_row(row, cols, bits, |c, q| {
+            put(r * cols + c, min + q as f32 * step)
+        })
+        .map_err(|()| CodecError::Padding {
+            codec: p.codec,
+            section: "a row of codes",
+        })?;
     }
     Ok(())
 }

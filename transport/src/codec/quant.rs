@@ -97,7 +97,10 @@ pub(crate) fn encode_rows(
         let top = levels(b);
         dither.fill(r, &mut draws);
         let start = out.len();
-        out.resize(start + row_bytes(cols, b).expect("fits: the values are in memory"), 0);
+        out.resize(
+            start + row_bytes(cols, b).expect("fits: the values are in memory"),
+            0,
+        );
         let dst = &mut out[start..];
         for (c, (&x, &u)) in row.iter().zip(&draws).enumerate() {
             let q = if step == 0.0 {

@@ -56,7 +56,9 @@ pub struct Hashed;
 impl trellis_transport::codec::Dither for Hashed {
     fn fill(&self, row: usize, out: &mut [u32]) {
         for (c, o) in out.iter_mut().enumerate() {
-            *o = ((row as u32) << 16 ^ c as u32).wrapping_mul(0x9E37_79B9).rotate_left(13);
+            *o = ((row as u32) << 16 ^ c as u32)
+                .wrapping_mul(0x9E37_79B9)
+                .rotate_left(13);
         }
     }
 }
@@ -70,8 +72,9 @@ pub fn encoded_block(
     cols: u32,
 ) -> HaloBlock {
     let b = block(from, to, 3, rows, cols);
-    let bytes = trellis_transport::codec::encode(codec, rows as usize, cols as usize, f32s(&b), &Hashed)
-        .expect("finite rows encode");
+    let bytes =
+        trellis_transport::codec::encode(codec, rows as usize, cols as usize, f32s(&b), &Hashed)
+            .expect("finite rows encode");
     HaloBlock {
         payload: HaloPayload::Encoded(Arc::from(bytes)),
         ..b
