@@ -80,12 +80,26 @@ pub fn summary(r: &RunReport) -> Option<String> {
         HaloCodec::Adaptive => format!("adaptive, error bound {}", h.error_bound),
         c => c.to_string(),
     };
-    let epochs = r.epochs_log.len().max(1) as f64;
-    let mib = |b: u64| b as f64 / epochs / (1 << 20) as f64;
+    let epochs = r.epochs_log.len().max(1) as u64;
+    if h.is_exact() {
+        return Some(format!(
+            "halo exchange (fp32, exact): {} per epoch",
+            size(sent / epochs)
+        ));
+    }
     Some(format!(
-        "halo exchange ({codec}): {:.3} MiB per epoch sent, {:.3} MiB as fp32 ({:.2}x fewer bytes)",
-        mib(sent),
-        mib(fp32),
+        "halo exchange ({codec}): {} per epoch sent, {} as fp32 ({:.2}x fewer bytes)",
+        size(sent / epochs),
+        size(fp32 / epochs),
         fp32 as f64 / sent.max(1) as f64
     ))
+}
+
+/// `bytes` in KiB below a MiB, else in MiB.
+fn size(bytes: u64) -> String {
+    if bytes < 1 << 20 {
+        format!("{:.1} KiB", bytes as f64 / 1024.0)
+    } else {
+        format!("{:.2} MiB", bytes as f64 / (1 << 20) as f64)
+    }
 }

@@ -51,7 +51,7 @@ fn same(a: &Frame, b: &Frame) -> bool {
             x.header == y.header
                 && x.rows == y.rows
                 && x.cols == y.cols
-                && f32s(&x)[..] == f32s(&y)[..]
+                && f32s(x)[..] == f32s(y)[..]
                 && x.trace == y.trace
         }
         _ => format!("{a:?}") == format!("{b:?}"),
@@ -116,7 +116,7 @@ fn the_body_lands_in_the_blocks_only_buffer() {
         panic!("no block")
     };
     assert_eq!(
-        std::sync::Arc::strong_count(&f32s(&got)),
+        std::sync::Arc::strong_count(f32s(&got)),
         1,
         "the decoder keeps no other reference"
     );
@@ -352,7 +352,7 @@ fn trace_context_travels_and_invalid_ones_are_ignored() {
         panic!("{out:?}")
     };
     assert_eq!(got.trace, None);
-    assert_eq!(f32s(&got)[..], f32s(&b)[..]);
+    assert_eq!(f32s(got)[..], f32s(&b)[..]);
 }
 
 #[test]

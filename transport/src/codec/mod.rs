@@ -284,7 +284,7 @@ fn parse(bytes: &[u8], rows: usize, cols: usize) -> Result<Parsed<'_>, CodecErro
                 length(None)?;
             }
             let (codes, rest) = rest.split_at(n);
-            if rows % 4 != 0 && codes[n - 1] >> (2 * (rows % 4)) != 0 {
+            if !rows.is_multiple_of(4) && codes[n - 1] >> (2 * (rows % 4)) != 0 {
                 return Err(CodecError::Padding {
                     codec,
                     section: "the row width codes",
