@@ -6,11 +6,12 @@ mod binary;
 
 use binary::{assert_ok, read_report, trellis};
 use std::path::Path;
-use trellis::actors::Topology;
+use trellis::actors::{FaultPlan, Topology};
 use trellis::runtime::comm::{HaloCodec, HaloConfig};
 use trellis::runtime::partition::PartitionMethod;
 use trellis::runtime::train::TrainConfig;
 use trellis::runtime::{DataSource, Dataset, ModelKind, RunReport};
+use trellis::transport::Phase;
 
 const DATA: &str = "synthetic:nodes=1500,degree=8,features=24,classes=4,seed=3";
 
@@ -215,7 +216,32 @@ fn a_cluster_of_processes_encodes_exactly_as_one_process() {
             .output()
             .unwrap(),
     );
+    // The same cluster with partition 1 panicking in epoch 3 (restarted from its replica,
+    // the epoch replayed over QUIC with the codec on) ends with the same weights.
+    let faulty = dir.path().join("faulty.json");
+    assert_ok(
+        &trellis()
+            .args(["launch", "--nodes", "2", "--dir"])
+            .arg(dir.path().join("f"))
+            .args(common)
+            .args([
+                "--chaos",
+                "panic:part=1:epoch=3:layer=1:phase=backward",
+                "--report",
+            ])
+            .arg(&faulty)
+            .output()
+            .unwrap(),
+    );
+    let faulty = read_report(&faulty);
+    assert_eq!(
+        faulty["recoveries"].as_array().unwrap().len(),
+        1,
+        "{}",
+        faulty["recoveries"]
+    );
     let (a, b) = (read_report(&inproc), read_report(&cluster));
+    assert_eq!(faulty["weights_digest"], b["weights_digest"]);
     assert_eq!(a["config"]["halo"]["codec"], "adaptive");
     assert_eq!(
         b["config"]["halo"]["error_bound"].as_f64().unwrap() as f32,
@@ -230,6 +256,29 @@ fn a_cluster_of_processes_encodes_exactly_as_one_process() {
     {
         assert_eq!(x["halo_bytes"], y["halo_bytes"]);
         assert!(x["halo_bytes"].as_u64().unwrap() < x["halo_fp32_bytes"].as_u64().unwrap());
+    }
+}
+
+/// A codec is a pure function of the restored weights and (seed, epoch, layer, phase): a
+/// replayed step sends exactly the blocks of the failed attempt, so recovery stays verifiable.
+#[test]
+fn panics_with_a_codec_on_recover_to_identical_weights() {
+    let ds = synthetic();
+    for codec in [HaloCodec::Int8, HaloCodec::Adaptive] {
+        let cfg = config(&ds, ModelKind::Gcn, 6, 1, codec);
+        let clean = run(&ds, &cfg, 3);
+        for (phase, layer) in [(Phase::Forward, 1), (Phase::Backward, 1), (Phase::Eval, 1)] {
+            let faults = FaultPlan::none().panic_at(2, 3, layer, phase);
+            let topo = Topology::partition(&ds, 3, PartitionMethod::Metis, None, cfg.clone())
+                .unwrap()
+                .with_faults(faults);
+            let faulty = topo.spawn().unwrap().wait().unwrap();
+            assert_eq!(faulty.recoveries.as_array().map_or(0, |a| a.len()), 1);
+            assert_eq!(
+                faulty.weights_digest, clean.weights_digest,
+                "{codec}: fault in {phase:?} layer {layer}"
+            );
+        }
     }
 }
 
