@@ -18,7 +18,7 @@
 //! refuse anything else — an unknown codec or version, a wrong length, a scale or value that is
 //! not finite, non-zero padding — with a [`CodecError`], never a panic.
 //!
-//! Integer codecs round stochastically (see [`quant`]): unbiased, with per-element variance at
+//! Integer codecs round stochastically (`codec/quant.rs`): unbiased, with per-element variance at
 //! most `step^2 / 4`. The random bits come from a [`Dither`] the caller supplies (Trellis keys
 //! Philox by seed, epoch, layer and phase, with the row's global node id and the column in the
 //! counter), so an encoding is a pure function of the rows and that key.

@@ -94,6 +94,8 @@ pub(crate) fn encode_rows(
     for (r, row) in data.chunks(cols.max(1)).take(rows).enumerate() {
         let b = bits(r);
         let (lo, step) = grids[r];
+        // Multiplying by the reciprocal is not division, but the same on every machine.
+        let inv = if step == 0.0 { 0.0 } else { 1.0 / step };
         let top = levels(b);
         dither.fill(r, &mut draws);
         let start = out.len();
@@ -103,13 +105,9 @@ pub(crate) fn encode_rows(
         );
         let dst = &mut out[start..];
         for (c, (&x, &u)) in row.iter().zip(&draws).enumerate() {
-            let q = if step == 0.0 {
-                0
-            } else {
-                let t = (x as f64 - lo) / step;
-                let u = (u >> 8) as f64 * (1.0 / 16_777_216.0);
-                ((t + u).floor().max(0.0) as u32).min(top)
-            };
+            let t = (x as f64 - lo) * inv;
+            let u = (u >> 8) as f64 * (1.0 / 16_777_216.0);
+            let q = ((t + u).floor().max(0.0) as u32).min(top);
             put_code(dst, c, b, q);
         }
     }
