@@ -278,7 +278,7 @@ fn a_halo_block_carries_its_send_span_between_quic_nodes() {
         header,
         rows: 2,
         cols: 2,
-        data: Arc::from(vec![1.0f32, 2.0, 3.0, 4.0]),
+        payload: trellis_transport::HaloPayload::F32(Arc::from(vec![1.0f32, 2.0, 3.0, 4.0])),
         trace: context_of(&send),
     };
     let sent = block.trace.expect("an exported span has a context");

@@ -5,6 +5,7 @@
 //! (inner nodes, then halo nodes). A single process uses one block over the whole graph; a
 //! partition actor uses its partition's block and fills the halo rows by exchange between layers.
 
+pub mod comm;
 pub mod data;
 mod error;
 pub mod grad_codec;

@@ -22,7 +22,8 @@ pub struct EpochLog {
     pub compute_ms: f64,
     /// Time spent waiting for halo exchange and all-reduce (max over partitions), ms.
     pub comm_ms: f64,
-    /// Bytes of halo embeddings and gradients moved between partitions in this epoch.
+    /// Bytes of halo embeddings and gradients moved between partitions in this epoch, as sent
+    /// (encoded when a halo codec is on).
     pub halo_bytes: u64,
     /// Bytes of weight gradients the partitions sent to the all-reduce in this epoch, as
     /// sent (compressed with `grad_codec`)...
@@ -31,6 +32,9 @@ pub struct EpochLog {
     /// ...and as they would have been exact (f32). Both 0 for one process.
     #[serde(default)]
     pub grad_bytes_exact: u64,
+    /// What the same halo rows would have taken as exact fp32 (`halo_bytes` without a codec).
+    #[serde(default)]
+    pub halo_fp32_bytes: u64,
     /// Hex BLAKE3 digest of the parameters after this epoch's step (every partition's replica
     /// had it: the coordinator checks).
     #[serde(default)]

@@ -2,6 +2,7 @@
 //!
 //! This is the reference the partitioned runtime is compared against: the partition actors run
 //! the same layers on their blocks and must reproduce its losses.
+use crate::comm::HaloConfig;
 use crate::grad_codec::GradCodec;
 use crate::metrics::{names, Key, Metrics};
 use crate::model::{LayerInput, StepCtx};
@@ -42,6 +43,10 @@ pub struct TrainConfig {
     /// feedback; partitioned runs only). `none`: exact.
     #[serde(default, skip_serializing_if = "GradCodec::is_none")]
     pub grad_codec: GradCodec,
+    /// Partitioned runs: how halo rows are encoded (exact fp32 unless set; then not written,
+    /// so exact runs' configurations read as before).
+    #[serde(default, skip_serializing_if = "HaloConfig::is_exact")]
+    pub halo: HaloConfig,
 }
 
 /// [`Device`] as its text form (`cpu`, `cuda:0`) in serialized configs.
@@ -77,6 +82,7 @@ impl TrainConfig {
             halo_overlap: None,
             partition_seed: 0,
             grad_codec: GradCodec::None,
+            halo: HaloConfig::default(),
         }
     }
 
@@ -304,6 +310,7 @@ impl Trainer {
             compute_ms: ms,
             comm_ms: 0.0,
             halo_bytes: 0,
+            halo_fp32_bytes: 0,
             weights_digest: self.model.weights_digest(&self.stream)?,
             part_compute_ms: vec![ms],
         })

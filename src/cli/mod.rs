@@ -10,6 +10,7 @@ mod bench_recovery;
 mod bench_serve;
 mod cert;
 mod demo;
+mod halo;
 mod launch;
 mod node;
 mod partition;

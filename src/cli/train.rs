@@ -1,4 +1,5 @@
 //! `trellis train`.
+use super::halo::HaloArgs;
 use super::telemetry::TelemetryArgs;
 use super::validate;
 use anyhow::{anyhow, bail, Context, Result};
@@ -127,6 +128,8 @@ pub struct TrainArgs {
     #[arg(long, default_value = "cpu")]
     pub device: String,
     #[command(flatten)]
+    pub halo: HaloArgs,
+    #[command(flatten)]
     pub telemetry: TelemetryArgs,
 }
 
@@ -182,6 +185,7 @@ impl TrainArgs {
         cfg.grad_codec = self.grad_codec;
         cfg.threads = self.threads;
         cfg.partition_seed = self.partition_seed;
+        cfg.halo = self.halo.config();
         cfg.normalize_features = !self.no_normalize_features;
         cfg.device = self
             .device
@@ -325,8 +329,8 @@ pub fn follow(run: TrainingRun, epochs: u64, verbose: bool) -> Result<RunReport>
                 if verbose {
                     pb.suspend(|| {
                         println!(
-                            "epoch {:>4}  loss {:.4}  val {:.3}  test {:.3}  {:.1} ms (compute {:.1}, comm {:.1}, halo {} KiB)",
-                            log.epoch, log.loss, log.val_acc, log.test_acc, log.ms, log.compute_ms, log.comm_ms, log.halo_bytes / 1024
+                            "epoch {:>4}  loss {:.4}  val {:.3}  test {:.3}  {:.1} ms (compute {:.1}, comm {:.1}, halo {} KiB, fp32 {} KiB)",
+                            log.epoch, log.loss, log.val_acc, log.test_acc, log.ms, log.compute_ms, log.comm_ms, log.halo_bytes / 1024, log.halo_fp32_bytes / 1024
                         )
                     });
                 }
@@ -378,6 +382,7 @@ pub fn run(a: TrainArgs) -> Result<()> {
             a.grad_codec
         );
     }
+    a.halo.check_partitioned(partitioned)?;
     if partitioned && a.save_model.is_some() {
         bail!(
             "--save-model is not available for partitioned runs yet: train single-process \
@@ -536,6 +541,9 @@ pub fn print_summary(r: &RunReport) {
             n.bytes_sent as f64 / (1 << 20) as f64,
             n.bytes_received as f64 / (1 << 20) as f64
         );
+    }
+    if let Some(line) = super::halo::summary(r) {
+        println!("{line}");
     }
     if let Some(t) = &r.trace_id {
         println!("trace_id {t}");

@@ -432,6 +432,7 @@ mod tests {
                 halo_bytes: 1 << 20,
                 grad_bytes: 0,
                 grad_bytes_exact: 0,
+                halo_fp32_bytes: 1 << 20,
                 weights_digest: String::new(),
                 part_compute_ms: vec![6.0; parts],
             })

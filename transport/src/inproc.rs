@@ -71,7 +71,7 @@ mod tests {
             header,
             rows: 1,
             cols: data.len() as u32,
-            data,
+            payload: crate::HaloPayload::F32(data),
             trace: None,
         }
     }
@@ -91,8 +91,11 @@ mod tests {
         let data: Arc<[f32]> = Arc::from(vec![1.0, 2.0, 3.0]);
         t.send(block(1, data.clone())).unwrap();
         let got = got.lock().unwrap();
+        let crate::HaloPayload::F32(received) = &got[0].payload else {
+            panic!("an f32 block arrived as {:?}", got[0].payload)
+        };
         assert!(
-            Arc::ptr_eq(&got[0].data, &data),
+            Arc::ptr_eq(received, &data),
             "the buffer must be shared, not copied"
         );
         assert_eq!(t.bytes_sent(), 12);

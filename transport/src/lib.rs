@@ -13,7 +13,9 @@ mod trace;
 
 pub use inproc::Deliver;
 pub use inproc::InProcessTransport;
-pub use message::{HaloBlock, MsgHeader, PartId, Phase, RunId, SharedBuf, TRANSFORMED};
+pub use message::{
+    HaloBlock, HaloPayload, MsgHeader, PartId, Phase, RunId, SharedBuf, TRANSFORMED,
+};
 pub use trace::TraceContext;
 
 use thiserror::Error;
@@ -49,5 +51,6 @@ pub trait Transport: Send + Sync {
 
 pub mod bench;
 pub mod certs;
+pub mod codec;
 pub mod quic;
 pub mod wire;

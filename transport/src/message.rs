@@ -48,6 +48,25 @@ pub const TRANSFORMED: u16 = 0x8000;
 /// A shared, immutable f32 buffer: moving it between actors never copies the rows.
 pub type SharedBuf = Arc<[f32]>;
 
+/// A halo block's rows: exact fp32, or encoded by a halo codec ([`crate::codec`]).
+#[derive(Debug, Clone)]
+pub enum HaloPayload {
+    /// The rows as they are (`rows * cols` values), shared: in-process never copied.
+    F32(SharedBuf),
+    /// The rows encoded by a lossy codec: codec id, format version, scales, packed codes.
+    Encoded(Arc<[u8]>),
+}
+
+impl HaloPayload {
+    /// Bytes of the payload as it travels.
+    pub fn len_bytes(&self) -> u64 {
+        match self {
+            HaloPayload::F32(d) => d.len() as u64 * 4,
+            HaloPayload::Encoded(b) => b.len() as u64,
+        }
+    }
+}
+
 /// Rows of embeddings (forward) or gradients (backward) for the receiver's halo exchange.
 ///
 /// The rows are in the order both sides agreed on when the graph was partitioned: the
@@ -57,14 +76,32 @@ pub struct HaloBlock {
     pub header: MsgHeader,
     pub rows: u32,
     pub cols: u32,
-    pub data: SharedBuf,
+    pub payload: HaloPayload,
     /// The sending span's trace context, when the sender traces (W3C `traceparent`).
     pub trace: Option<TraceContext>,
 }
 
 impl HaloBlock {
-    /// Payload size in bytes.
+    /// Payload size in bytes, as sent (encoded when a codec is on).
     pub fn payload_bytes(&self) -> u64 {
-        self.data.len() as u64 * 4
+        self.payload.len_bytes()
+    }
+
+    /// What the payload would take as exact fp32 rows.
+    pub fn raw_bytes(&self) -> u64 {
+        self.rows as u64 * self.cols as u64 * 4
+    }
+
+    /// The rows as fp32 values (`rows * cols`, row-major): the shared buffer itself when
+    /// exact, decoded (and checked) when encoded.
+    pub fn values(&self) -> Result<std::borrow::Cow<'_, [f32]>, crate::codec::CodecError> {
+        match &self.payload {
+            HaloPayload::F32(d) => Ok(std::borrow::Cow::Borrowed(&d[..])),
+            HaloPayload::Encoded(b) => Ok(std::borrow::Cow::Owned(crate::codec::decode(
+                b,
+                self.rows as usize,
+                self.cols as usize,
+            )?)),
+        }
     }
 }

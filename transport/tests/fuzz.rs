@@ -4,12 +4,14 @@
 //! run finds there (see `write_seed_corpus` to regenerate the seeds).
 mod common;
 
-use common::{block, traced_block};
+use common::{block, encoded_block, traced_block};
 use proptest::collection::vec;
 use proptest::prelude::*;
 use proptest::test_runner::FileFailurePersistence;
 use std::path::PathBuf;
+use trellis_transport::codec::Codec;
 use trellis_transport::wire::*;
+use trellis_transport::HaloPayload;
 
 const LIMITS: Limits = Limits {
     max_meta: 1 << 16,
@@ -37,9 +39,12 @@ fn decode(bytes: &[u8], cuts: &[usize]) -> Vec<String> {
 fn summary(r: &Result<Frame, WireError>) -> String {
     match r {
         Ok(Frame::Halo(b)) => {
-            let bits: Vec<u32> = b.data.iter().map(|x| x.to_bits()).collect();
+            // A decoded frame's payload always decodes: the wire decoder validated it.
+            let values = b.values().expect("a decoded frame's payload is valid");
+            let bits: Vec<u32> = values.iter().map(|x| x.to_bits()).collect();
+            let encoded = matches!(b.payload, HaloPayload::Encoded(_));
             format!(
-                "halo {:?} {}x{} {:?} {:?}",
+                "halo {:?} {}x{} encoded={encoded} {:?} {:?}",
                 b.header, b.rows, b.cols, bits, b.trace
             )
         }
@@ -73,6 +78,24 @@ fn valid_frames() -> Vec<(&'static str, Vec<u8>)> {
             "halo-traced",
             encode_to_vec(&Frame::Halo(traced_block(1, 2, 3, 2, 2))),
         ),
+        (
+            "halo-fp16",
+            encode_to_vec(&Frame::Halo(encoded_block(Codec::Fp16, 1, 2, 3, 4))),
+        ),
+        (
+            "halo-int4",
+            encode_to_vec(&Frame::Halo(encoded_block(Codec::Int4, 1, 2, 3, 5))),
+        ),
+        (
+            "halo-adaptive",
+            encode_to_vec(&Frame::Halo(encoded_block(
+                Codec::Adaptive { error_bound: 1e-3 },
+                2,
+                1,
+                5,
+                3,
+            ))),
+        ),
     ]
 }
 
@@ -84,6 +107,28 @@ proptest! {
         ))),
         ..ProptestConfig::default()
     })]
+
+    #[test]
+    fn mutated_encoded_bodies_decode_or_are_codec_errors(
+        which in 6usize..9,
+        flips in vec((any::<usize>(), any::<u8>()), 1..4),
+    ) {
+        // Flip bytes of the body only (the halo-codec payload after header and envelope): the
+        // frame either decodes to finite values or is refused with a codec error.
+        let mut bytes = valid_frames()[which].1.clone();
+        let meta = u32::from_le_bytes(bytes[8..12].try_into().unwrap()) as usize;
+        let body = HEADER_LEN + meta;
+        for (at, x) in flips {
+            let n = bytes.len() - body;
+            bytes[body + at % n] ^= x;
+        }
+        let out = decode(&bytes, &[]);
+        prop_assert_eq!(out.len(), 1);
+        prop_assert!(
+            out[0].starts_with("halo ") || out[0].starts_with("error: halo block from partition"),
+            "{}", out[0]
+        );
+    }
 
     #[test]
     fn random_bytes_never_panic(bytes in vec(any::<u8>(), 0..512), cuts in vec(any::<usize>(), 0..8)) {
@@ -106,7 +151,7 @@ proptest! {
 
     #[test]
     fn mutated_frames_never_panic(
-        which in 0usize..6,
+        which in 0usize..9,
         flips in vec((any::<usize>(), any::<u8>()), 1..6),
         cut in any::<usize>(),
         cuts in vec(any::<usize>(), 0..6),
@@ -222,6 +267,7 @@ fn write_seed_corpus() {
         rows: 0,
         cols: 0,
         trace: None,
+        encoded: false,
     };
     seeds.push(("err-phase".into(), encode_head(&env, 0)));
     for (name, bytes) in seeds {

@@ -2,7 +2,7 @@
 //! on the wire, mutual-TLS refusals and peer loss. Every test is bounded by a timeout.
 mod common;
 
-use common::{block, run_id, traced_block};
+use common::{block, f32s, run_id, traced_block};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -80,12 +80,12 @@ async fn two_nodes_exchange_halo_blocks() {
         until("blocks at node 2", || ib.lock().unwrap().len() == 3).await;
         until("blocks at node 1", || ia.lock().unwrap().len() == 2).await;
         let mut got = ib.lock().unwrap().clone();
-        got.sort_by_key(|b| b.data.len());
+        got.sort_by_key(|b| f32s(b).len());
         for (s, g) in sent.iter().zip(&got) {
             assert_eq!((s.header, s.rows, s.cols), (g.header, g.rows, g.cols));
-            assert_eq!(s.data[..], g.data[..]);
+            assert_eq!(f32s(s)[..], f32s(g)[..]);
             assert_eq!(
-                Arc::strong_count(&g.data),
+                Arc::strong_count(f32s(g)),
                 2,
                 "one buffer: the inbox's copy of the block and ours"
             );
@@ -385,7 +385,7 @@ async fn trace_context_crosses_nodes() {
         a.flush(Duration::from_secs(10)).await.unwrap();
         until("blocks at node 2", || ib.lock().unwrap().len() == 2).await;
         let mut got = ib.lock().unwrap().clone();
-        got.sort_by_key(|b| b.data.len());
+        got.sort_by_key(|b| f32s(b).len());
         assert_eq!(got[0].trace, None, "an untraced block stays untraced");
         assert_eq!(got[1].trace, traced_block(10, 20, 1, 4, 4).trace);
         a.close().await;

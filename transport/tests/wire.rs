@@ -1,7 +1,7 @@
 //! The frame format and decoder: round trips, chunking, and every kind of bad input.
 mod common;
 
-use common::{block, header, run_id, traced_block};
+use common::{block, f32s, header, run_id, traced_block};
 use trellis_transport::wire::*;
 use trellis_transport::PartId;
 
@@ -51,7 +51,7 @@ fn same(a: &Frame, b: &Frame) -> bool {
             x.header == y.header
                 && x.rows == y.rows
                 && x.cols == y.cols
-                && x.data[..] == y.data[..]
+                && f32s(x)[..] == f32s(y)[..]
                 && x.trace == y.trace
         }
         _ => format!("{a:?}") == format!("{b:?}"),
@@ -116,12 +116,12 @@ fn the_body_lands_in_the_blocks_only_buffer() {
         panic!("no block")
     };
     assert_eq!(
-        std::sync::Arc::strong_count(&got.data),
+        std::sync::Arc::strong_count(f32s(&got)),
         1,
         "the decoder keeps no other reference"
     );
-    assert_eq!(got.data.len(), 1024 * 64);
-    assert_eq!(got.data[..], sent.data[..]);
+    assert_eq!(f32s(&got).len(), 1024 * 64);
+    assert_eq!(f32s(&got)[..], f32s(&sent)[..]);
 }
 
 #[test]
@@ -250,6 +250,7 @@ fn inconsistent_frames_are_refused() {
         rows: 0,
         cols: 0,
         trace: None,
+        encoded: false,
     };
     assert_eq!(
         one_error(&encode_head(&env, 0), Limits::default()),
@@ -345,11 +346,59 @@ fn trace_context_travels_and_invalid_ones_are_ignored() {
         });
     }
     let mut bytes = encode_head(&env, b.payload_bytes());
-    bytes.extend_from_slice(&halo_body(&b.data));
+    bytes.extend_from_slice(&halo_body(&b.payload));
     let out = decode_all(&bytes, Limits::default());
     let Ok(Frame::Halo(got)) = &out[0] else {
         panic!("{out:?}")
     };
     assert_eq!(got.trace, None);
-    assert_eq!(got.data[..], b.data[..]);
+    assert_eq!(f32s(got)[..], f32s(&b)[..]);
+}
+
+#[test]
+fn encoded_blocks_cross_the_wire_and_corrupt_payloads_are_codec_errors() {
+    use common::encoded_block;
+    use trellis_transport::codec::{Codec, CodecError};
+    use trellis_transport::HaloPayload;
+    for codec in [
+        Codec::Fp16,
+        Codec::Bf16,
+        Codec::Int8,
+        Codec::Int4,
+        Codec::Adaptive { error_bound: 1e-2 },
+    ] {
+        let sent = encoded_block(codec, 1, 2, 7, 9);
+        let bytes = encode_to_vec(&Frame::Halo(sent.clone()));
+        let out = decode_all(&bytes, Limits::default());
+        let [Ok(Frame::Halo(got))] = &out[..] else {
+            panic!("{out:?}")
+        };
+        let (HaloPayload::Encoded(a), HaloPayload::Encoded(b)) = (&sent.payload, &got.payload)
+        else {
+            panic!("{} arrived as {:?}", codec.name(), got.payload)
+        };
+        assert_eq!(a[..], b[..]);
+        assert_eq!(got.payload_bytes(), sent.payload_bytes());
+        assert!(got.payload_bytes() < got.raw_bytes());
+        // The codec byte replaced by an unknown one: refused, naming the sender.
+        let mut bad = bytes.clone();
+        let at = bad.len() - a.len();
+        bad[at] = 42;
+        assert_eq!(
+            one_error(&bad, Limits::default()),
+            WireError::Codec {
+                from: 1,
+                to: 2,
+                source: CodecError::UnknownCodec(42)
+            }
+        );
+    }
+    // An encoded body longer than any codec writes for its shape is refused before it is read.
+    let b = encoded_block(Codec::Int8, 0, 1, 2, 2);
+    let mut bytes = encode_head(&Envelope::halo(&b), 1 << 16);
+    bytes.extend_from_slice(&[0; 64]);
+    assert!(matches!(
+        one_error(&bytes, Limits::default()),
+        WireError::BodyMismatch { .. }
+    ));
 }

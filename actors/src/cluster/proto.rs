@@ -148,6 +148,8 @@ pub enum ReplyBody {
     Step {
         compute_ms: f64,
         halo_bytes: u64,
+        /// What those halo rows would have taken as exact fp32.
+        halo_fp32_bytes: u64,
         outcome: WireOutcome,
         /// The state restored since the last reply (a supervised restart): its step and its
         /// weights digest; `None` when nothing was restored.
@@ -320,6 +322,7 @@ impl ReplyBody {
             Ok(s) => ReplyBody::Step {
                 compute_ms: s.compute_ms,
                 halo_bytes: s.halo_bytes,
+                halo_fp32_bytes: s.halo_fp32_bytes,
                 outcome: WireOutcome::from(&s.outcome),
                 restored: s.restored.map(|r| (r.epoch, r.digest)),
                 kernels: [s.kernels.gemm_ms, s.kernels.spmm_ms, s.kernels.other_ms],
@@ -393,6 +396,7 @@ mod tests {
                 body: ReplyBody::Step {
                     compute_ms: 1.5,
                     halo_bytes: 42,
+                    halo_fp32_bytes: 168,
                     restored: Some((3, "ab12".into())),
                     kernels: [1.0, 2.0, 3.0],
                     outcome: WireOutcome::Loss {

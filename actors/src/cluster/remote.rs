@@ -172,6 +172,7 @@ impl RemotePart {
             ReplyBody::Step {
                 compute_ms,
                 halo_bytes,
+                halo_fp32_bytes,
                 outcome,
                 restored,
                 kernels,
@@ -179,6 +180,7 @@ impl RemotePart {
                 part: self.part,
                 compute_ms,
                 halo_bytes,
+                halo_fp32_bytes,
                 kernels: trellis_gpu::KernelTimes {
                     gemm_ms: kernels[0],
                     spmm_ms: kernels[1],

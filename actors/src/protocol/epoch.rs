@@ -217,6 +217,7 @@ struct UnitWork {
     compute_ms: Vec<f64>,
     halo_bytes: u64,
     grad_bytes: GradBytes,
+    halo_fp32_bytes: u64,
     loss_sum: f64,
     count: usize,
     grads: Vec<Option<Arc<[f32]>>>,
@@ -237,6 +238,7 @@ struct StepResults {
     compute_ms: Vec<f64>,
     halo_bytes: u64,
     grad_bytes: GradBytes,
+    halo_fp32_bytes: u64,
     loss_sum: f64,
     count: usize,
     grads: Option<Arc<[f32]>>,
@@ -731,6 +733,7 @@ impl EpochMachine {
                             *c += s.compute_ms;
                         }
                         self.work.halo_bytes += s.halo_bytes;
+                        self.work.halo_fp32_bytes += s.halo_fp32_bytes;
                     }
                     match &s.outcome {
                         Outcome::Loss {
@@ -827,6 +830,7 @@ impl EpochMachine {
                 self.step.compute_ms = std::mem::take(&mut self.work.compute_ms);
                 self.step.halo_bytes = self.work.halo_bytes;
                 self.step.grad_bytes = self.work.grad_bytes;
+                self.step.halo_fp32_bytes = self.work.halo_fp32_bytes;
                 self.step.loss_sum = self.work.loss_sum;
                 self.step.count = self.work.count;
                 self.step.grads = Some(Arc::from(sum));
@@ -872,6 +876,7 @@ impl EpochMachine {
                     halo_bytes: s.halo_bytes,
                     grad_bytes: s.grad_bytes.sent,
                     grad_bytes_exact: s.grad_bytes.exact,
+                    halo_fp32_bytes: s.halo_fp32_bytes,
                     weights_digest: self.committed.digest.clone(),
                     part_compute_ms: s.compute_ms,
                 };

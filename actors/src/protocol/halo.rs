@@ -1,6 +1,9 @@
-//! Halo blocks of one partition: gathering the rows each neighbour needs into shared buffers,
-//! assembling `[own rows; halo rows]` from received blocks, and adding received gradient rows
-//! into the owner's rows (ARCHITECTURE.md, "Halo exchange").
+//! Halo blocks of one partition: gathering the rows each neighbour needs into shared buffers
+//! (encoded by the run's halo codec, `protocol::codec`), assembling `[own rows; halo rows]`
+//! from received blocks (decoded), and adding received gradient rows into the owner's rows
+//! (ARCHITECTURE.md, "Halo exchange").
+use crate::protocol::codec::HaloEncoder;
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use trellis_gpu::halo::HaloStaging;
@@ -18,6 +21,12 @@ pub(crate) struct HaloLists {
     pub recv: Vec<(PartId, Vec<u32>)>,
     /// `recv` numbered from the first halo row (rows of a halo-rows-only tensor).
     pub recv_halo: Vec<(PartId, Vec<u32>)>,
+    /// Global node ids of the rows of `send` and of `recv`, by part (the codec's rounding is
+    /// keyed by them).
+    pub send_gids: BTreeMap<PartId, Vec<u32>>,
+    pub recv_gids: BTreeMap<PartId, Vec<u32>>,
+    /// The codec of every block this partition sends.
+    pub encoder: HaloEncoder,
 }
 
 /// Where a message goes and what it holds.
@@ -83,10 +92,10 @@ impl HaloLists {
             let b = blocks.get(q).ok_or_else(|| {
                 proto(self.part, &format!("missing halo block from partition {q}"))
             })?;
-            self.check(b, rows.len(), width)?;
+            let data = self.values(b, rows.len(), width)?;
             for (k, &r) in rows.iter().enumerate() {
                 let at = (r as usize - first) * width;
-                halo[at..at + width].copy_from_slice(&b.data[k * width..(k + 1) * width]);
+                halo[at..at + width].copy_from_slice(&data[k * width..(k + 1) * width]);
             }
         }
         Ok(halo)
@@ -104,13 +113,13 @@ impl HaloLists {
         let w = g.cols();
         for (q, rows) in &self.send {
             if let Some(b) = blocks.get(q) {
-                self.check(b, rows.len(), w)?;
+                let data = self.values(b, rows.len(), w)?;
                 if g.device() == Device::Cpu {
-                    s.scatter_add_slice(&b.data, rows, g)?;
+                    s.scatter_add_slice(&data, rows, g)?;
                 } else {
                     // Through a pinned buffer; the scatter waits for the rows' arrival.
                     let staging = staging.get(*q, rows.len(), w);
-                    let received = s.rows_from_host(b.data.to_vec(), rows.len(), w, staging)?;
+                    let received = s.rows_from_host(data.into_owned(), rows.len(), w, staging)?;
                     s.scatter_add_rows(&s.arrived(received)?, rows, g)?;
                 }
             }
@@ -137,7 +146,7 @@ impl HaloLists {
             .iter()
             .map(|(q, rows)| {
                 let data = gather_shared(t, rows)?;
-                Ok(self.block(tag, *q, rows.len(), t.cols(), data))
+                self.block(tag, *q, rows.len(), t.cols(), data)
             })
             .collect()
     }
@@ -171,12 +180,14 @@ impl HaloLists {
             .iter()
             .map(|(q, rows)| {
                 let data = s.finish_rows_to_host(staging.get(*q, rows.len(), cols))?;
-                Ok(self.block(tag, *q, rows.len(), cols, data))
+                self.block(tag, *q, rows.len(), cols, data)
             })
             .collect()
     }
 
-    /// The block of `rows x cols` values `data` from this partition to `to`.
+    /// The block of `rows x cols` values `data` from this partition to `to`, encoded by the
+    /// run's codec: forward (and evaluation) rows are this partition's send list to `to`,
+    /// backward rows its halo rows owned by `to`.
     pub fn block(
         &self,
         tag: Tag,
@@ -184,8 +195,15 @@ impl HaloLists {
         rows: usize,
         cols: usize,
         data: Arc<[f32]>,
-    ) -> HaloBlock {
-        HaloBlock {
+    ) -> Result<HaloBlock> {
+        let gids = match tag.phase {
+            Phase::Backward => self.recv_gids.get(&to),
+            Phase::Forward | Phase::Eval => self.send_gids.get(&to),
+        }
+        .filter(|g| g.len() == rows)
+        .ok_or_else(|| proto(self.part, &format!("no {rows}-row list for partition {to}")))?;
+        let payload = self.encoder.payload(self.part, tag, gids, cols, data)?;
+        Ok(HaloBlock {
             header: MsgHeader {
                 run: tag.run,
                 epoch: tag.epoch,
@@ -197,22 +215,35 @@ impl HaloLists {
             trace: None,
             rows: rows as u32,
             cols: cols as u32,
-            data,
-        }
+            payload,
+        })
     }
 
-    /// Checks a received block's shape.
-    fn check(&self, b: &HaloBlock, rows: usize, cols: usize) -> Result<()> {
-        if b.rows as usize != rows || b.cols as usize != cols || b.data.len() != rows * cols {
+    /// A received block's rows (decoded when encoded), checked to be `rows x cols`.
+    fn values<'b>(&self, b: &'b HaloBlock, rows: usize, cols: usize) -> Result<Cow<'b, [f32]>> {
+        let from = b.header.from;
+        if b.rows as usize != rows || b.cols as usize != cols {
             return Err(proto(
                 self.part,
                 &format!(
-                    "halo block from partition {} is {}x{}, expected {rows}x{cols}",
-                    b.header.from, b.rows, b.cols
+                    "halo block from partition {from} is {}x{}, expected {rows}x{cols}",
+                    b.rows, b.cols
                 ),
             ));
         }
-        Ok(())
+        let data = b
+            .values()
+            .map_err(|e| proto(self.part, &format!("halo block from partition {from}: {e}")))?;
+        if data.len() != rows * cols {
+            return Err(proto(
+                self.part,
+                &format!(
+                    "halo block from partition {from} holds {} values, expected {rows}x{cols}",
+                    data.len()
+                ),
+            ));
+        }
+        Ok(data)
     }
 }
 

@@ -74,8 +74,10 @@ pub struct StepReply {
     pub part: u32,
     /// Time this partition spent computing the step.
     pub compute_ms: f64,
-    /// Halo payload bytes this partition sent during the step.
+    /// Halo payload bytes this partition sent during the step (encoded, as sent).
     pub halo_bytes: u64,
+    /// What those halo rows would have taken as exact fp32.
+    pub halo_fp32_bytes: u64,
     /// Time of the step's kernels by family (part of `compute_ms`).
     pub kernels: KernelTimes,
     pub outcome: Outcome,

@@ -10,6 +10,7 @@
 //! - [`messages`]: requests and replies between the coordinator and partitions.
 //! - [`session`]: the cluster session of the coordinator node and of every other node
 //!   ([`session::CoordinatorSession`], [`session::WorkerSession`]).
+pub(crate) mod codec;
 pub mod epoch;
 pub(crate) mod halo;
 pub mod messages;

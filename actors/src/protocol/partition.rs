@@ -57,6 +57,7 @@ struct Parked {
     parked_at: Instant,
     compute_ms: f64,
     halo_bytes: u64,
+    halo_fp32_bytes: u64,
     kernels: KernelTimes,
 }
 
@@ -178,6 +179,7 @@ impl PartitionMachine {
             parked_at: now,
             compute_ms: 0.0,
             halo_bytes: 0,
+            halo_fp32_bytes: 0,
             kernels: KernelTimes::default(),
         };
         if let StepSlot::Parked(old) = std::mem::replace(&mut self.slot, StepSlot::Parked(new)) {
@@ -476,6 +478,7 @@ impl PartitionMachine {
                 for mut b in out {
                     let bytes = b.payload_bytes();
                     p.halo_bytes += bytes;
+                    p.halo_fp32_bytes += b.raw_bytes();
                     let (to, layer) = (b.header.to.0, b.header.layer);
                     let send = tracing::info_span!(
                         "halo_send",
@@ -500,6 +503,7 @@ impl PartitionMachine {
                     part: part.0,
                     compute_ms: p.compute_ms,
                     halo_bytes: p.halo_bytes,
+                    halo_fp32_bytes: p.halo_fp32_bytes,
                     kernels: p.kernels,
                     outcome,
                     restored: self.restored.take(),

@@ -5,6 +5,7 @@
 //! first sends the layer's transformed rows (forward) or their gradients (backward), the
 //! second runs once the neighbours' blocks of those are in. Between the stages the state
 //! holds a `Staged` record; [`PartitionState::reset_epoch`] forgets it.
+use crate::protocol::codec::HaloEncoder;
 use crate::protocol::halo::{proto, HaloLists, Staging, Tag};
 use crate::protocol::messages::Outcome;
 use crate::replica::Snapshot;
@@ -171,6 +172,7 @@ impl PartitionState {
         stream: Stream,
     ) -> Result<Self> {
         let part = PartId(file.part() as u32);
+        cfg.halo.validate()?;
         let block = block(file, cfg.model.kind.aggregation())?;
         let f = file.num_features();
         let mut feats = file.features().to_vec();
@@ -195,6 +197,14 @@ impl PartitionState {
             .iter()
             .map(|(q, rows)| (*q, rows.iter().map(|r| r - n_inner).collect()))
             .collect();
+        let gids = block.gids();
+        let global = |lists: &[(PartId, Vec<u32>)]| {
+            lists
+                .iter()
+                .map(|(q, rows)| (*q, rows.iter().map(|&r| gids[r as usize]).collect()))
+                .collect()
+        };
+        let (send_gids, recv_gids) = (global(&send), global(&recv));
         let mut model = Model::new(cfg.model.clone())?;
         model.place(&stream)?;
         let opt = Optimizer::new(cfg.optimizer(), &model);
@@ -211,6 +221,9 @@ impl PartitionState {
                 send,
                 recv,
                 recv_halo,
+                send_gids,
+                recv_gids,
+                encoder: HaloEncoder::new(&cfg.halo, cfg.model.seed),
             },
             counts,
             model,

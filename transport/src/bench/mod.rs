@@ -259,7 +259,7 @@ impl QuicPair {
                 header,
                 rows,
                 cols,
-                data: data.clone(),
+                payload: crate::HaloPayload::F32(data.clone()),
                 trace: None,
             };
             self.a.send(block).map_err(|e| BenchError(e.to_string()))?;

@@ -98,7 +98,7 @@ mod tests {
             },
             rows: 2,
             cols: 2,
-            data: vec![1.0f32; 4].into(),
+            payload: crate::HaloPayload::F32(vec![1.0f32; 4].into()),
             trace: None,
         };
         let mut head = encode_head(&Envelope::halo(&block), 16);

@@ -19,7 +19,7 @@ pub type NodeId = u32;
 pub trait Inbound: Send + Sync + 'static {
     /// Admission check of a halo block, before its body is received.
     fn admit(&self, from: NodeId, header: &MsgHeader) -> Result<(), Rejection>;
-    /// A complete, admitted block; `block.data` is the buffer it was received into.
+    /// A complete, admitted block; `block.payload` is the buffer it was received into.
     fn halo(&self, from: NodeId, block: HaloBlock);
     /// A control message.
     fn control(&self, from: NodeId, bytes: Vec<u8>);

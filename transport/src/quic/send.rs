@@ -146,7 +146,7 @@ async fn send_halo(
     if corrupt {
         super::chaos::corrupt_head(&mut head);
     }
-    let mut chunks = [Bytes::from(head), halo_body(&block.data)];
+    let mut chunks = [Bytes::from(head), halo_body(&block.payload)];
     drop(block);
     let work = async {
         let mut s = conn

@@ -1,7 +1,8 @@
 //! [`FrameDecoder`]: bytes in, validated frames out; no I/O.
 use super::envelope::{access, halo_parts, small_frame, Frame, HaloParts};
 use super::header::{FrameHeader, FrameKind, Limits, WireError, HEADER_LEN};
-use crate::{HaloBlock, MsgHeader, TraceContext};
+use crate::codec;
+use crate::{HaloBlock, HaloPayload, MsgHeader, TraceContext};
 use rkyv::util::AlignedVec;
 use std::collections::VecDeque;
 use std::mem::MaybeUninit;
@@ -22,10 +23,18 @@ enum State {
         rows: u32,
         cols: u32,
         trace: Option<TraceContext>,
-        buf: Arc<[MaybeUninit<f32>]>,
+        buf: BodyBuf,
         have: u64,
     },
     Failed,
+}
+
+/// The buffer a halo body is received into.
+enum BodyBuf {
+    /// Exact rows: the block's final f32 buffer.
+    F32(Arc<[MaybeUninit<f32>]>),
+    /// A halo-codec payload, validated once complete.
+    Encoded(Vec<u8>),
 }
 
 impl State {
@@ -167,16 +176,23 @@ impl FrameDecoder {
                 header, buf, have, ..
             } => {
                 let n = ((header.body_len - *have) as usize).min(data.len());
-                let dst = Arc::get_mut(buf).expect("the body buffer is owned by the decoder");
-                // SAFETY: `have + n <= body_len == dst.len() * 4`, so the copy stays inside the
-                // allocation; MaybeUninit<f32> accepts any bytes; the regions cannot overlap.
-                unsafe {
-                    let base = dst.as_mut_ptr().cast::<u8>().add(*have as usize);
-                    std::ptr::copy_nonoverlapping(data.as_ptr(), base, n);
+                match buf {
+                    BodyBuf::F32(buf) => {
+                        let dst =
+                            Arc::get_mut(buf).expect("the body buffer is owned by the decoder");
+                        // SAFETY: `have + n <= body_len == dst.len() * 4`, so the copy stays
+                        // inside the allocation; MaybeUninit<f32> accepts any bytes; the
+                        // regions cannot overlap.
+                        unsafe {
+                            let base = dst.as_mut_ptr().cast::<u8>().add(*have as usize);
+                            std::ptr::copy_nonoverlapping(data.as_ptr(), base, n);
+                        }
+                    }
+                    BodyBuf::Encoded(buf) => buf.extend_from_slice(&data[..n]),
                 }
                 *have += n as u64;
                 if *have == header.body_len {
-                    self.finish_body();
+                    self.finish_body()?;
                 }
                 Ok(n)
             }
@@ -189,11 +205,19 @@ impl FrameDecoder {
             rows,
             cols,
             trace,
+            encoded,
         } = parts;
-        let fits = (rows as u64)
-            .checked_mul(cols as u64)
-            .and_then(|n| n.checked_mul(4))
-            == Some(header.body_len);
+        // An encoded body is at least its codec id and version and at most what the widest
+        // codec writes for the shape; its exact length is checked once it is complete.
+        let fits = if encoded {
+            let max = codec::max_encoded_len(rows as usize, cols as usize);
+            header.body_len >= 2 && max.is_some_and(|m| header.body_len <= m as u64)
+        } else {
+            (rows as u64)
+                .checked_mul(cols as u64)
+                .and_then(|n| n.checked_mul(4))
+                == Some(header.body_len)
+        };
         if header.kind != FrameKind::Halo || !fits {
             return Err(WireError::BodyMismatch {
                 rows,
@@ -201,7 +225,13 @@ impl FrameDecoder {
                 body_len: header.body_len,
             });
         }
-        let buf = Arc::<[f32]>::new_uninit_slice((header.body_len / 4) as usize);
+        let buf = if encoded {
+            BodyBuf::Encoded(Vec::with_capacity(header.body_len as usize))
+        } else {
+            BodyBuf::F32(Arc::<[f32]>::new_uninit_slice(
+                (header.body_len / 4) as usize,
+            ))
+        };
         self.state = State::Body {
             header,
             halo,
@@ -212,12 +242,12 @@ impl FrameDecoder {
             have: 0,
         };
         if header.body_len == 0 {
-            self.finish_body();
+            self.finish_body()?;
         }
         Ok(())
     }
 
-    fn finish_body(&mut self) {
+    fn finish_body(&mut self) -> Result<(), WireError> {
         let State::Body {
             halo,
             rows,
@@ -229,19 +259,35 @@ impl FrameDecoder {
         else {
             unreachable!("finish_body outside a body");
         };
-        // SAFETY: every byte of the buffer was written (have == body_len == len * 4).
-        let mut data: Arc<[f32]> = unsafe { buf.assume_init() };
-        if cfg!(target_endian = "big") {
-            for x in Arc::get_mut(&mut data).expect("unique") {
-                *x = f32::from_bits(u32::from_le(x.to_bits()));
+        let payload = match buf {
+            BodyBuf::F32(buf) => {
+                // SAFETY: every byte of the buffer was written (have == body_len == len * 4).
+                let mut data: Arc<[f32]> = unsafe { buf.assume_init() };
+                if cfg!(target_endian = "big") {
+                    for x in Arc::get_mut(&mut data).expect("unique") {
+                        *x = f32::from_bits(u32::from_le(x.to_bits()));
+                    }
+                }
+                HaloPayload::F32(data)
             }
-        }
+            BodyBuf::Encoded(bytes) => {
+                codec::validate(&bytes, rows as usize, cols as usize).map_err(|e| {
+                    WireError::Codec {
+                        from: halo.from.0,
+                        to: halo.to.0,
+                        source: e,
+                    }
+                })?;
+                HaloPayload::Encoded(Arc::from(bytes))
+            }
+        };
         self.ready.push_back(Ok(Frame::Halo(HaloBlock {
             header: halo,
             rows,
             cols,
-            data,
+            payload,
             trace,
         })));
+        Ok(())
     }
 }

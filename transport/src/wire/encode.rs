@@ -1,7 +1,7 @@
 //! Frame encoding. A halo body is never copied: [`halo_body`] wraps the block's shared buffer.
 use super::envelope::{Envelope, Frame};
 use super::header::{FrameHeader, FrameKind, HEADER_LEN};
-use crate::SharedBuf;
+use crate::HaloPayload;
 use bytes::Bytes;
 
 /// Header and envelope archive of a frame whose body (if any) has `body_len` bytes.
@@ -29,15 +29,20 @@ pub fn encode_to_vec(frame: &Frame) -> Vec<u8> {
     match frame {
         Frame::Halo(b) => {
             let mut out = encode_head(&Envelope::halo(b), b.payload_bytes());
-            out.extend_from_slice(&halo_body(&b.data));
+            out.extend_from_slice(&halo_body(&b.payload));
             out
         }
         f => encode_head(&Envelope::of(f), 0),
     }
 }
 
-/// The body of a halo frame: the buffer's bytes, shared, not copied (little-endian hosts).
-pub fn halo_body(data: &SharedBuf) -> Bytes {
+/// The body of a halo frame: the payload's bytes, shared, not copied (f32 rows: on
+/// little-endian hosts).
+pub fn halo_body(payload: &HaloPayload) -> Bytes {
+    let data = match payload {
+        HaloPayload::Encoded(bytes) => return Bytes::from_owner(bytes.clone()),
+        HaloPayload::F32(data) => data,
+    };
     if cfg!(target_endian = "little") {
         Bytes::from_owner(F32Bytes(data.clone()))
     } else {
@@ -50,7 +55,7 @@ pub fn halo_body(data: &SharedBuf) -> Bytes {
 }
 
 /// Views a shared f32 buffer as bytes.
-struct F32Bytes(SharedBuf);
+struct F32Bytes(crate::SharedBuf);
 
 impl AsRef<[u8]> for F32Bytes {
     fn as_ref(&self) -> &[u8] {

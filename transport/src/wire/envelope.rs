@@ -1,6 +1,6 @@
 //! The rkyv-archived envelope and the decoded [`Frame`] it turns into once validated.
 use super::header::WireError;
-use crate::{HaloBlock, MsgHeader, PartId, Phase, RunId, TraceContext};
+use crate::{HaloBlock, HaloPayload, MsgHeader, PartId, Phase, RunId, TraceContext};
 use rkyv::{Archive, Deserialize, Serialize};
 
 /// What travels in a frame's meta section, archived with rkyv.
@@ -20,7 +20,9 @@ pub enum Envelope {
     },
     /// Opaque bytes for the cluster layer (coordinator requests and replies).
     Control(Vec<u8>),
-    /// A halo block's header; `rows * cols` little-endian f32 follow as the frame's body.
+    /// A halo block's header; the frame's body follows: `rows * cols` little-endian f32, or,
+    /// when `encoded`, a halo-codec payload (codec id and format version first; see
+    /// [`crate::codec`]).
     Halo {
         run: [u8; 16],
         epoch: u32,
@@ -32,6 +34,8 @@ pub enum Envelope {
         cols: u32,
         /// The sending span's W3C trace context, if the sender traces.
         trace: Option<TraceParent>,
+        /// The body is encoded by a halo codec (protocol version 3).
+        encoded: bool,
     },
 }
 
@@ -63,7 +67,8 @@ pub enum Frame {
     Ping(u64),
     Pong(u64),
     Control(Vec<u8>),
-    /// The block's `data` is the buffer the body was received into.
+    /// The block's payload is the buffer the body was received into (an encoded one has
+    /// been validated).
     Halo(HaloBlock),
 }
 
@@ -98,6 +103,7 @@ impl Envelope {
             rows: block.rows,
             cols: block.cols,
             trace: block.trace.map(TraceParent::from),
+            encoded: matches!(block.payload, HaloPayload::Encoded(_)),
         }
     }
 
@@ -122,12 +128,13 @@ pub(crate) fn access(meta: &[u8]) -> Result<&ArchivedEnvelope, WireError> {
         .map_err(|e| WireError::Invalid(e.to_string()))
 }
 
-/// What a halo envelope announces: addressing, shape and trace context.
+/// What a halo envelope announces: addressing, shape, trace context and body format.
 pub(crate) struct HaloParts {
     pub header: MsgHeader,
     pub rows: u32,
     pub cols: u32,
     pub trace: Option<TraceContext>,
+    pub encoded: bool,
 }
 
 /// A halo envelope's header, shape and trace context, checked. A trace context with an
@@ -143,6 +150,7 @@ pub(crate) fn halo_parts(env: &ArchivedEnvelope) -> Result<Option<HaloParts>, Wi
         rows,
         cols,
         trace,
+        encoded,
     } = env
     else {
         return Ok(None);
@@ -163,6 +171,7 @@ pub(crate) fn halo_parts(env: &ArchivedEnvelope) -> Result<Option<HaloParts>, Wi
         rows: rows.to_native(),
         cols: cols.to_native(),
         trace,
+        encoded: *encoded,
     }))
 }
 

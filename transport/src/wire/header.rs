@@ -4,8 +4,9 @@ use thiserror::Error;
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"TRLS";
 /// The protocol version this build speaks; frames of any other version are refused.
-/// Version 2 added the trace context of halo envelopes.
-pub const PROTOCOL_VERSION: u16 = 2;
+/// Version 2 added the trace context of halo envelopes, version 3 encoded halo bodies
+/// (halo codecs).
+pub const PROTOCOL_VERSION: u16 = 3;
 /// Bytes in a frame header.
 pub const HEADER_LEN: usize = 20;
 
@@ -15,7 +16,7 @@ pub const HEADER_LEN: usize = 20;
 pub enum FrameKind {
     /// An envelope alone (hello, ping, control...).
     Message = 1,
-    /// A halo envelope followed by its f32 body.
+    /// A halo envelope followed by its body (f32 rows or a halo-codec payload).
     Halo = 2,
 }
 
@@ -68,6 +69,12 @@ pub enum WireError {
     BodyMismatch { rows: u32, cols: u32, body_len: u64 },
     #[error("unknown phase {0}")]
     Phase(u8),
+    #[error("halo block from partition {from} to {to}: {source}")]
+    Codec {
+        from: u32,
+        to: u32,
+        source: crate::codec::CodecError,
+    },
     #[error("stream ended inside a frame ({section}: {have} of {need} bytes)")]
     Truncated {
         section: &'static str,
@@ -123,7 +130,8 @@ impl FrameHeader {
         }
         let shape_ok = match kind {
             FrameKind::Message => body_len == 0,
-            FrameKind::Halo => body_len % 4 == 0,
+            // f32 bodies are checked against their envelope's shape; encoded ones have any length.
+            FrameKind::Halo => true,
         };
         if !shape_ok || meta_len == 0 {
             return Err(WireError::BodyShape { kind, body_len });

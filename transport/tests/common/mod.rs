@@ -1,7 +1,7 @@
 //! Helpers shared by the transport tests.
 #![allow(dead_code)]
 use std::sync::Arc;
-use trellis_transport::{HaloBlock, MsgHeader, PartId, Phase, RunId, TraceContext};
+use trellis_transport::{HaloBlock, HaloPayload, MsgHeader, PartId, Phase, RunId, TraceContext};
 
 pub fn run_id() -> RunId {
     RunId::from_bytes([7; 16])
@@ -24,7 +24,7 @@ pub fn block(from: u32, to: u32, epoch: u32, rows: u32, cols: u32) -> HaloBlock 
         header: header(from, to, epoch),
         rows,
         cols,
-        data,
+        payload: HaloPayload::F32(data),
         trace: None,
     }
 }
@@ -39,5 +39,44 @@ pub fn traced_block(from: u32, to: u32, epoch: u32, rows: u32, cols: u32) -> Hal
     HaloBlock {
         trace: Some(trace()),
         ..block(from, to, epoch, rows, cols)
+    }
+}
+
+/// The f32 rows of an exact block (the tests' blocks are never encoded).
+pub fn f32s(b: &HaloBlock) -> &Arc<[f32]> {
+    match &b.payload {
+        HaloPayload::F32(d) => d,
+        HaloPayload::Encoded(_) => panic!("block {:?} is encoded", b.header),
+    }
+}
+
+/// Rounding bits for test encodings: a fixed hash of (row, column).
+pub struct Hashed;
+
+impl trellis_transport::codec::Dither for Hashed {
+    fn fill(&self, row: usize, out: &mut [u32]) {
+        for (c, o) in out.iter_mut().enumerate() {
+            *o = ((row as u32) << 16 ^ c as u32)
+                .wrapping_mul(0x9E37_79B9)
+                .rotate_left(13);
+        }
+    }
+}
+
+/// `block(...)` with its rows encoded by `codec`.
+pub fn encoded_block(
+    codec: trellis_transport::codec::Codec,
+    from: u32,
+    to: u32,
+    rows: u32,
+    cols: u32,
+) -> HaloBlock {
+    let b = block(from, to, 3, rows, cols);
+    let bytes =
+        trellis_transport::codec::encode(codec, rows as usize, cols as usize, f32s(&b), &Hashed)
+            .expect("finite rows encode");
+    HaloBlock {
+        payload: HaloPayload::Encoded(Arc::from(bytes)),
+        ..b
     }
 }

@@ -145,6 +145,7 @@ fn reply(part: u32, phase: Phase, layer: u16) -> StepReply {
         part,
         compute_ms: 1.0,
         halo_bytes: 100,
+        halo_fp32_bytes: 400,
         kernels: KernelTimes::default(),
         outcome,
         restored: None,
@@ -205,6 +206,7 @@ fn an_epoch_runs_its_rounds_in_order_and_sums_gradients_in_partition_order() {
     );
     assert!((log.val_acc - 12.0 / 30.0).abs() < 1e-12);
     assert_eq!(log.halo_bytes, 100 * P as u64 * 2 * L as u64);
+    assert_eq!(log.halo_fp32_bytes, 4 * log.halo_bytes);
     assert!(d
         .events
         .iter()

@@ -1,0 +1,144 @@
+//! How partitioned runs communicate: the halo codec settings (`--halo-codec`,
+//! `--halo-error-bound`), part of [`crate::TrainConfig`] so they reach every node of a cluster
+//! with the rest of the configuration. The codecs themselves are `trellis_transport::codec`.
+use crate::{Result, RuntimeError};
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::str::FromStr;
+
+/// The encoding of halo rows (forward embeddings and backward gradients) between partitions.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum HaloCodec {
+    /// Exact fp32 rows (bit-identical to one process).
+    #[default]
+    Fp32,
+    /// IEEE half precision, round to nearest.
+    Fp16,
+    /// bfloat16, round to nearest.
+    Bf16,
+    /// 8-bit codes, per-row minimum and step, stochastic rounding.
+    Int8,
+    /// 4-bit codes, as int8.
+    Int4,
+    /// 2, 4, 8 or 16 bits per row, the fewest that keep the rounding variance under
+    /// [`HaloConfig::error_bound`] times the row's energy.
+    Adaptive,
+}
+
+impl HaloCodec {
+    /// Every codec, in the order `--help` lists them.
+    pub const ALL: [HaloCodec; 6] = [
+        HaloCodec::Fp32,
+        HaloCodec::Fp16,
+        HaloCodec::Bf16,
+        HaloCodec::Int8,
+        HaloCodec::Int4,
+        HaloCodec::Adaptive,
+    ];
+
+    /// The codec's name, as `--halo-codec` spells it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            HaloCodec::Fp32 => "fp32",
+            HaloCodec::Fp16 => "fp16",
+            HaloCodec::Bf16 => "bf16",
+            HaloCodec::Int8 => "int8",
+            HaloCodec::Int4 => "int4",
+            HaloCodec::Adaptive => "adaptive",
+        }
+    }
+}
+
+impl fmt::Display for HaloCodec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for HaloCodec {
+    type Err = RuntimeError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        HaloCodec::ALL
+            .into_iter()
+            .find(|c| c.name() == s)
+            .ok_or_else(|| {
+                RuntimeError::Config(format!(
+                    "unknown halo codec {s:?} (one of fp32, fp16, bf16, int8, int4, adaptive)"
+                ))
+            })
+    }
+}
+
+/// The halo exchange's settings.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct HaloConfig {
+    pub codec: HaloCodec,
+    /// `adaptive` only: the bound on each row's expected squared rounding error relative to
+    /// its squared norm.
+    #[serde(default = "default_error_bound")]
+    pub error_bound: f32,
+}
+
+/// The default of [`HaloConfig::error_bound`].
+pub const DEFAULT_ERROR_BOUND: f32 = 0.01;
+
+fn default_error_bound() -> f32 {
+    DEFAULT_ERROR_BOUND
+}
+
+impl Default for HaloConfig {
+    fn default() -> Self {
+        HaloConfig {
+            codec: HaloCodec::Fp32,
+            error_bound: DEFAULT_ERROR_BOUND,
+        }
+    }
+}
+
+impl HaloConfig {
+    /// True for the exact exchange (fp32 rows): what runs before codecs existed did.
+    pub fn is_exact(&self) -> bool {
+        self.codec == HaloCodec::Fp32
+    }
+
+    /// Checks the values (the error bound must be finite and above 0).
+    pub fn validate(&self) -> Result<()> {
+        if !(self.error_bound.is_finite() && self.error_bound > 0.0) {
+            return Err(RuntimeError::Config(format!(
+                "halo error bound {} must be finite and above 0",
+                self.error_bound
+            )));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_parse_back_and_unknown_ones_are_refused() {
+        for c in HaloCodec::ALL {
+            assert_eq!(c.name().parse::<HaloCodec>().unwrap(), c);
+            assert_eq!(
+                serde_json::to_string(&c).unwrap(),
+                format!("\"{}\"", c.name())
+            );
+        }
+        let e = "int3".parse::<HaloCodec>().unwrap_err().to_string();
+        assert!(e.contains("int3") && e.contains("adaptive"), "{e}");
+    }
+
+    #[test]
+    fn error_bounds_are_checked() {
+        let mut h = HaloConfig::default();
+        assert!(h.validate().is_ok() && h.is_exact());
+        for bad in [0.0, -1.0, f32::NAN, f32::INFINITY] {
+            h.error_bound = bad;
+            assert!(h.validate().is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,105 @@
+//! The halo exchange options shared by `train`, `launch` and `node` (`--halo-codec`,
+//! `--halo-error-bound`) and the summary line of what the exchange sent.
+use anyhow::{bail, Result};
+use clap::Args;
+use trellis_runtime::comm::{HaloCodec, HaloConfig, DEFAULT_ERROR_BOUND};
+use trellis_runtime::RunReport;
+
+/// How partitions encode the halo rows they exchange.
+#[derive(Debug, Clone, Args)]
+pub struct HaloArgs {
+    /// Encoding of halo rows (forward embeddings and backward gradients) between partitions:
+    /// fp32 (exact), fp16 or bf16 (round to nearest), int8 or int4 (per-row minimum and step,
+    /// stochastic rounding), adaptive (2, 4, 8 or 16 bits per row, under --halo-error-bound).
+    #[arg(long, value_name = "CODEC", default_value = "fp32", value_parser = parse_codec)]
+    pub halo_codec: HaloCodec,
+    /// adaptive: the bound on each row's expected squared rounding error relative to its
+    /// squared norm (finite, above 0).
+    #[arg(long, value_name = "E", default_value_t = DEFAULT_ERROR_BOUND, value_parser = parse_bound)]
+    pub halo_error_bound: f32,
+}
+
+impl HaloArgs {
+    /// The configuration these options give.
+    pub fn config(&self) -> HaloConfig {
+        HaloConfig {
+            codec: self.halo_codec,
+            error_bound: self.halo_error_bound,
+        }
+    }
+
+    /// Refuses a codec for a run that exchanges no halo rows (one process).
+    pub fn check_partitioned(&self, partitioned: bool) -> Result<()> {
+        if !partitioned && self.halo_codec != HaloCodec::Fp32 {
+            bail!(
+                "--halo-codec {} encodes the rows partitions exchange: it needs --partitions 2 \
+                 or more (a single process exchanges none)",
+                self.halo_codec
+            );
+        }
+        Ok(())
+    }
+}
+
+fn parse_codec(s: &str) -> Result<HaloCodec, String> {
+    s.parse()
+        .map_err(|e: trellis_runtime::RuntimeError| e.to_string())
+}
+
+fn parse_bound(s: &str) -> Result<f32, String> {
+    let v: f32 = s
+        .parse()
+        .map_err(|e| format!("{s:?} is not a number: {e}"))?;
+    HaloConfig {
+        codec: HaloCodec::Adaptive,
+        error_bound: v,
+    }
+    .validate()
+    .map_err(|e| e.to_string())?;
+    Ok(v)
+}
+
+/// The codec a report's configuration names (fp32 when absent) and its error bound.
+fn report_codec(r: &RunReport) -> HaloConfig {
+    r.config
+        .get("halo")
+        .and_then(|h| serde_json::from_value(h.clone()).ok())
+        .unwrap_or_default()
+}
+
+/// One line on the halo bytes a partitioned run sent against what fp32 rows would take, or
+/// `None` when nothing was exchanged.
+pub fn summary(r: &RunReport) -> Option<String> {
+    let sent: u64 = r.epochs_log.iter().map(|l| l.halo_bytes).sum();
+    let fp32: u64 = r.epochs_log.iter().map(|l| l.halo_fp32_bytes).sum();
+    if fp32 == 0 {
+        return None;
+    }
+    let h = report_codec(r);
+    let codec = match h.codec {
+        HaloCodec::Adaptive => format!("adaptive, error bound {}", h.error_bound),
+        c => c.to_string(),
+    };
+    let epochs = r.epochs_log.len().max(1) as u64;
+    if h.is_exact() {
+        return Some(format!(
+            "halo exchange (fp32, exact): {} per epoch",
+            size(sent / epochs)
+        ));
+    }
+    Some(format!(
+        "halo exchange ({codec}): {} per epoch sent, {} as fp32 ({:.2}x fewer bytes)",
+        size(sent / epochs),
+        size(fp32 / epochs),
+        fp32 as f64 / sent.max(1) as f64
+    ))
+}
+
+/// `bytes` in KiB below a MiB, else in MiB.
+fn size(bytes: u64) -> String {
+    if bytes < 1 << 20 {
+        format!("{:.1} KiB", bytes as f64 / 1024.0)
+    } else {
+        format!("{:.2} MiB", bytes as f64 / (1 << 20) as f64)
+    }
+}

@@ -1,0 +1,402 @@
+//! Halo codecs: lossy, versioned encodings of a halo block's rows (forward embeddings and
+//! backward gradients), and their validating decoder.
+//!
+//! An encoded payload is self-describing (all integers little-endian):
+//!
+//! ```text
+//! codec id u8 | format version u8 | codec-specific body
+//! fp16, bf16 : rows*cols u16 (IEEE half / bfloat16 bits, round to nearest even)
+//! int8, int4 : per row: min bf16, step bf16        then per row: ceil(cols*b/8) packed codes
+//! adaptive   : ceil(rows/4) bytes of 2-bit width codes (row r at bits 2*(r%4); 0=2, 1=4,
+//!              2=8, 3=16 bits), then per row: min bf16, step bf16, then per row its codes
+//! ```
+//!
+//! The block's shape (rows, cols) travels beside the payload (the halo envelope), so the
+//! decoder knows exactly how long every section must be. An integer code `q` of `b` bits
+//! stands for `min + q * step` (`q` in `0..=2^b-1`); codes are packed low bits first, each row
+//! starts on a byte boundary, and unused padding bits are zero. [`decode`] and [`validate`]
+//! refuse anything else — an unknown codec or version, a wrong length, a scale or value that is
+//! not finite, non-zero padding — with a [`CodecError`], never a panic.
+//!
+//! Integer codecs round stochastically (`codec/quant.rs`): unbiased, with per-element variance at
+//! most `step^2 / 4`. The random bits come from a [`Dither`] the caller supplies (Trellis keys
+//! Philox by seed, epoch, layer and phase, with the row's global node id and the column in the
+//! counter), so an encoding is a pure function of the rows and that key.
+mod adaptive;
+mod quant;
+
+pub use adaptive::{choose_bits, ADAPTIVE_WIDTHS};
+pub use quant::Dither;
+
+use half::{bf16, f16};
+use thiserror::Error;
+
+/// The format version this build writes and reads.
+pub const CODEC_VERSION: u8 = 1;
+
+/// A lossy halo encoding (fp32, the exact path, is no codec: its rows travel as they are).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Codec {
+    /// IEEE half precision, round to nearest even; magnitudes beyond 65504 saturate.
+    Fp16,
+    /// bfloat16 (f32's exponent range, 8 significant bits), round to nearest even.
+    Bf16,
+    /// 8-bit codes with a per-row minimum (zero point) and step, stochastic rounding.
+    Int8,
+    /// 4-bit codes, as `Int8`.
+    Int4,
+    /// Per row, the fewest bits among [`ADAPTIVE_WIDTHS`] whose stochastic-rounding variance
+    /// stays under `error_bound` times the row's energy (see [`choose_bits`]).
+    Adaptive { error_bound: f32 },
+}
+
+/// Codec ids on the wire.
+const ID_FP16: u8 = 1;
+const ID_BF16: u8 = 2;
+const ID_INT8: u8 = 3;
+const ID_INT4: u8 = 4;
+const ID_ADAPTIVE: u8 = 5;
+
+/// Bytes of one row's header (min and step, bfloat16 each) in the integer formats.
+const ROW_HEADER: usize = 4;
+
+impl Codec {
+    /// The codec's id on the wire.
+    pub fn id(&self) -> u8 {
+        match self {
+            Codec::Fp16 => ID_FP16,
+            Codec::Bf16 => ID_BF16,
+            Codec::Int8 => ID_INT8,
+            Codec::Int4 => ID_INT4,
+            Codec::Adaptive { .. } => ID_ADAPTIVE,
+        }
+    }
+
+    /// The codec's name (as the `--halo-codec` option spells it).
+    pub fn name(&self) -> &'static str {
+        codec_name(self.id())
+    }
+}
+
+fn codec_name(id: u8) -> &'static str {
+    match id {
+        ID_FP16 => "fp16",
+        ID_BF16 => "bf16",
+        ID_INT8 => "int8",
+        ID_INT4 => "int4",
+        ID_ADAPTIVE => "adaptive",
+        _ => "unknown",
+    }
+}
+
+/// Why rows could not be encoded, or a payload was refused.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum CodecError {
+    #[error("encoded halo payload of {0} bytes is too short for its codec id and version")]
+    TooShort(usize),
+    #[error("unknown halo codec id {0}")]
+    UnknownCodec(u8),
+    #[error("halo codec {codec} format version {got} is not supported (this build reads {CODEC_VERSION})")]
+    Version { codec: &'static str, got: u8 },
+    #[error("halo codec {codec}: {rows}x{cols} rows need {need} bytes, the payload has {have}")]
+    Length {
+        codec: &'static str,
+        rows: usize,
+        cols: usize,
+        need: usize,
+        have: usize,
+    },
+    #[error("halo codec {codec}: row {row} has a {what} that is not finite or negative")]
+    BadScale {
+        codec: &'static str,
+        row: usize,
+        what: &'static str,
+    },
+    #[error("halo codec {codec}: value {col} of row {row} is not finite")]
+    BadValue {
+        codec: &'static str,
+        row: usize,
+        col: usize,
+    },
+    #[error("halo codec {codec}: non-zero padding bits in {section}")]
+    Padding {
+        codec: &'static str,
+        section: &'static str,
+    },
+    #[error(
+        "halo row {row}, column {col} is not finite ({value}); codec {codec} cannot encode it"
+    )]
+    NonFinite {
+        codec: &'static str,
+        row: usize,
+        col: usize,
+        /// The value as text (`NaN`, `inf`, ...).
+        value: String,
+    },
+    #[error("halo row {row} spans a range too wide for codec {codec}'s scales")]
+    Range { codec: &'static str, row: usize },
+    #[error("{rows}x{cols} rows do not match {len} values")]
+    Shape {
+        rows: usize,
+        cols: usize,
+        len: usize,
+    },
+}
+
+/// Encodes `rows x cols` values (row-major `data`) with `codec`; integer codecs draw their
+/// rounding bits from `dither`. Refuses values that are not finite.
+pub fn encode(
+    codec: Codec,
+    rows: usize,
+    cols: usize,
+    data: &[f32],
+    dither: &impl Dither,
+) -> Result<Vec<u8>, CodecError> {
+    if rows.checked_mul(cols) != Some(data.len()) {
+        return Err(CodecError::Shape {
+            rows,
+            cols,
+            len: data.len(),
+        });
+    }
+    if let Some(at) = data.iter().position(|x| !x.is_finite()) {
+        return Err(CodecError::NonFinite {
+            codec: codec.name(),
+            row: at / cols.max(1),
+            col: at % cols.max(1),
+            value: data[at].to_string(),
+        });
+    }
+    let mut out = vec![codec.id(), CODEC_VERSION];
+    match codec {
+        Codec::Fp16 => {
+            out.reserve(data.len() * 2);
+            for &x in data {
+                let h = f16::from_f32(x.clamp(-f16::MAX.to_f32(), f16::MAX.to_f32()));
+                out.extend_from_slice(&h.to_bits().to_le_bytes());
+            }
+        }
+        Codec::Bf16 => {
+            out.reserve(data.len() * 2);
+            for &x in data {
+                out.extend_from_slice(&bf16::from_f32(x).to_bits().to_le_bytes());
+            }
+        }
+        Codec::Int8 | Codec::Int4 => {
+            let bits = if codec == Codec::Int8 { 8 } else { 4 };
+            quant::encode_rows(&mut out, data, cols, |_| bits, dither, codec.name())?;
+        }
+        Codec::Adaptive { error_bound } => {
+            let widths: Vec<u32> = data
+                .chunks(cols.max(1))
+                .take(rows)
+                .map(|row| choose_bits(row, error_bound))
+                .collect();
+            let mut codes = vec![0u8; rows.div_ceil(4)];
+            for (r, &b) in widths.iter().enumerate() {
+                codes[r / 4] |= adaptive::width_code(b) << (2 * (r % 4));
+            }
+            out.extend_from_slice(&codes);
+            quant::encode_rows(&mut out, data, cols, |r| widths[r], dither, codec.name())?;
+        }
+    }
+    Ok(out)
+}
+
+/// The widths (bits per value) of the rows of a payload, after its id and version.
+enum Widths<'a> {
+    /// 16-bit floats, no row headers.
+    Float(fn(u16) -> f32),
+    /// Every row has the same number of bits.
+    Fixed(u32),
+    /// Per row, from packed 2-bit codes.
+    PerRow(&'a [u8]),
+}
+
+impl Widths<'_> {
+    fn of_row(&self, r: usize) -> u32 {
+        match self {
+            Widths::Float(_) => 16,
+            Widths::Fixed(b) => *b,
+            Widths::PerRow(codes) => {
+                ADAPTIVE_WIDTHS[((codes[r / 4] >> (2 * (r % 4))) & 3) as usize]
+            }
+        }
+    }
+}
+
+/// A payload whose framing (id, version, length, widths) has been checked.
+struct Parsed<'a> {
+    codec: &'static str,
+    widths: Widths<'a>,
+    /// Row headers (integer formats), `rows * ROW_HEADER` bytes.
+    headers: &'a [u8],
+    /// Values: 16-bit floats, or each row's packed codes.
+    body: &'a [u8],
+}
+
+fn parse(bytes: &[u8], rows: usize, cols: usize) -> Result<Parsed<'_>, CodecError> {
+    let [id, version, rest @ ..] = bytes else {
+        return Err(CodecError::TooShort(bytes.len()));
+    };
+    let codec = codec_name(*id);
+    if !(ID_FP16..=ID_ADAPTIVE).contains(id) {
+        return Err(CodecError::UnknownCodec(*id));
+    }
+    if *version != CODEC_VERSION {
+        return Err(CodecError::Version {
+            codec,
+            got: *version,
+        });
+    }
+    let length = |need: Option<usize>| -> Result<(), CodecError> {
+        match need {
+            Some(n) if n == rest.len() => Ok(()),
+            n => Err(CodecError::Length {
+                codec,
+                rows,
+                cols,
+                need: n.map_or(usize::MAX, |n| n + 2),
+                have: bytes.len(),
+            }),
+        }
+    };
+    let (widths, rest) = match *id {
+        ID_FP16 | ID_BF16 => {
+            length(rows.checked_mul(cols).and_then(|n| n.checked_mul(2)))?;
+            let f: fn(u16) -> f32 = if *id == ID_FP16 {
+                |b| f16::from_bits(b).to_f32()
+            } else {
+                |b| bf16::from_bits(b).to_f32()
+            };
+            return Ok(Parsed {
+                codec,
+                widths: Widths::Float(f),
+                headers: &[],
+                body: rest,
+            });
+        }
+        ID_INT8 => (Widths::Fixed(8), rest),
+        ID_INT4 => (Widths::Fixed(4), rest),
+        _ => {
+            let n = rows.div_ceil(4);
+            if rest.len() < n {
+                length(None)?;
+            }
+            let (codes, rest) = rest.split_at(n);
+            if !rows.is_multiple_of(4) && codes[n - 1] >> (2 * (rows % 4)) != 0 {
+                return Err(CodecError::Padding {
+                    codec,
+                    section: "the row width codes",
+                });
+            }
+            (Widths::PerRow(codes), rest)
+        }
+    };
+    let mut need = rows.checked_mul(ROW_HEADER);
+    for r in 0..rows {
+        let row = quant::row_bytes(cols, widths.of_row(r));
+        need = need.and_then(|n| row.and_then(|b| n.checked_add(b)));
+    }
+    let offset = bytes.len() - rest.len();
+    match need {
+        Some(n) if n == rest.len() => {}
+        n => {
+            return Err(CodecError::Length {
+                codec,
+                rows,
+                cols,
+                need: n.map_or(usize::MAX, |n| n + offset),
+                have: bytes.len(),
+            })
+        }
+    }
+    let (headers, body) = rest.split_at(rows * ROW_HEADER);
+    Ok(Parsed {
+        codec,
+        widths,
+        headers,
+        body,
+    })
+}
+
+/// Checks an encoded payload of `rows x cols` values completely, without decoding it.
+pub fn validate(bytes: &[u8], rows: usize, cols: usize) -> Result<(), CodecError> {
+    walk(bytes, rows, cols, |_, _| {})
+}
+
+/// Decodes (and checks) an encoded payload of `rows x cols` values, row-major.
+pub fn decode(bytes: &[u8], rows: usize, cols: usize) -> Result<Vec<f32>, CodecError> {
+    // The framing first: the length check bounds `rows * cols` by the payload's size.
+    parse(bytes, rows, cols)?;
+    let mut out = vec![0.0f32; rows * cols];
+    walk(bytes, rows, cols, |i, x| out[i] = x)?;
+    Ok(out)
+}
+
+/// Visits every decoded value (flat index, value) after checking the payload's framing, and
+/// fails on the first scale, value or padding that is not allowed.
+fn walk(
+    bytes: &[u8],
+    rows: usize,
+    cols: usize,
+    mut put: impl FnMut(usize, f32),
+) -> Result<(), CodecError> {
+    let p = parse(bytes, rows, cols)?;
+    if let Widths::Float(f) = p.widths {
+        for (i, b) in p.body.chunks_exact(2).enumerate() {
+            let x = f(u16::from_le_bytes([b[0], b[1]]));
+            if !x.is_finite() {
+                return Err(CodecError::BadValue {
+                    codec: p.codec,
+                    row: i / cols,
+                    col: i % cols,
+                });
+            }
+            put(i, x);
+        }
+        return Ok(());
+    }
+    let mut body = p.body;
+    for r in 0..rows {
+        let h = &p.headers[r * ROW_HEADER..(r + 1) * ROW_HEADER];
+        let min = bf16::from_bits(u16::from_le_bytes([h[0], h[1]])).to_f32();
+        let step = bf16::from_bits(u16::from_le_bytes([h[2], h[3]])).to_f32();
+        let bits = p.widths.of_row(r);
+        let top = min + step * quant::levels(bits) as f32;
+        let bad = |what| CodecError::BadScale {
+            codec: p.codec,
+            row: r,
+            what,
+        };
+        if !min.is_finite() {
+            return Err(bad("minimum"));
+        }
+        if !(step.is_finite() && step >= 0.0 && top.is_finite()) {
+            return Err(bad("step"));
+        }
+        let n = quant::row_bytes(cols, bits).expect("checked by parse");
+        let (row, rest) = body.split_at(n);
+        body = rest;
+        quant::unpack_row(row, cols, bits, |c, q| {
+            put(r * cols + c, min + q as f32 * step)
+        })
+        .map_err(|()| CodecError::Padding {
+            codec: p.codec,
+            section: "a row of codes",
+        })?;
+    }
+    Ok(())
+}
+
+/// The longest payload any codec writes for `rows x cols` values (a decoder's bound before it
+/// reads a body), or `None` on overflow.
+pub fn max_encoded_len(rows: usize, cols: usize) -> Option<usize> {
+    let per_row = quant::row_bytes(cols, 16)?.checked_add(ROW_HEADER)?;
+    rows.checked_mul(per_row)?
+        .checked_add(rows.div_ceil(4))?
+        .checked_add(2)
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,355 @@
+//! Codec round trips and error bounds, unbiasedness of stochastic rounding, determinism, and
+//! the decoder's refusals.
+use super::*;
+
+/// Uniform draws from a SplitMix64 stream keyed by (seed, row, column): deterministic, and
+/// independent across rows and columns (the tests' stand-in for Trellis's Philox dither).
+struct TestDither(u64);
+
+impl Dither for TestDither {
+    fn fill(&self, row: usize, out: &mut [u32]) {
+        for (c, o) in out.iter_mut().enumerate() {
+            let mut z =
+                self.0 ^ ((row as u64) << 32 | c as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            *o = ((z ^ (z >> 31)) >> 32) as u32;
+        }
+    }
+}
+
+/// Rows with a spread of magnitudes: embeddings-like (non-negative, ~1), gradient-like
+/// (signed, ~1e-6), one constant row and one with a large offset.
+fn sample(rows: usize, cols: usize) -> Vec<f32> {
+    let mut v = Vec::with_capacity(rows * cols);
+    for r in 0..rows {
+        for c in 0..cols {
+            let t = ((r * 31 + c * 17) % 97) as f32 / 97.0;
+            v.push(match r % 4 {
+                0 => t * 3.0,
+                1 => (t - 0.5) * 2e-6,
+                2 => 0.25,
+                _ => 1000.0 + t,
+            });
+        }
+    }
+    v
+}
+
+const ALL: [Codec; 5] = [
+    Codec::Fp16,
+    Codec::Bf16,
+    Codec::Int8,
+    Codec::Int4,
+    Codec::Adaptive { error_bound: 1e-3 },
+];
+
+#[test]
+fn round_trips_stay_within_each_codecs_error_bound() {
+    let (rows, cols) = (12, 13);
+    let x = sample(rows, cols);
+    for codec in ALL {
+        let enc = encode(codec, rows, cols, &x, &TestDither(1)).unwrap();
+        assert_eq!(enc[0], codec.id());
+        assert_eq!(enc[1], CODEC_VERSION);
+        let y = decode(&enc, rows, cols).unwrap();
+        for r in 0..rows {
+            let row = &x[r * cols..(r + 1) * cols];
+            let (min, max) = quant::range(row);
+            for c in 0..cols {
+                let (a, b) = (row[c], y[r * cols + c]);
+                let bound = match codec {
+                    // Round to nearest: half a unit in the last place.
+                    Codec::Fp16 => a.abs() * 2f32.powi(-11) + 6e-8,
+                    Codec::Bf16 => a.abs() * 2f32.powi(-8),
+                    // Stochastic rounding moves a value by less than one step, and the step
+                    // is the row's range (widened to bfloat16 grid points) over 2^b - 1.
+                    Codec::Int8 | Codec::Int4 | Codec::Adaptive { .. } => {
+                        let bits = match codec {
+                            Codec::Int8 => 8,
+                            Codec::Int4 => 4,
+                            _ => choose_bits(row, 1e-3),
+                        };
+                        let (lo, step) = quant::grid(min, max, bits);
+                        assert!(
+                            lo.to_f32() <= min
+                                && (max - lo.to_f32())
+                                    <= step.to_f32() * quant::levels(bits) as f32 * 1.0001
+                        );
+                        assert!(
+                            step.to_f32()
+                                <= (max - lo.to_f32()) / quant::levels(bits) as f32 * 1.01 + 1e-30
+                        );
+                        step.to_f32() * 1.0001 + a.abs() * 1e-6
+                    }
+                };
+                assert!(
+                    (a - b).abs() <= bound,
+                    "{} row {r} col {c}: {a} -> {b} (bound {bound})",
+                    codec.name()
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn encodings_are_deterministic_and_depend_only_on_the_dither() {
+    let (rows, cols) = (8, 20);
+    let x = sample(rows, cols);
+    for codec in ALL {
+        let a = encode(codec, rows, cols, &x, &TestDither(7)).unwrap();
+        assert_eq!(a, encode(codec, rows, cols, &x, &TestDither(7)).unwrap());
+        let b = encode(codec, rows, cols, &x, &TestDither(8)).unwrap();
+        let stochastic = !matches!(codec, Codec::Fp16 | Codec::Bf16);
+        assert_eq!(a != b, stochastic, "{}", codec.name());
+    }
+}
+
+#[test]
+fn stochastic_rounding_is_unbiased() {
+    // One row whose values sit at every fraction between grid points; the mean of many
+    // independently dithered decodings converges to the value (error ~ step / (2 sqrt(n))).
+    let cols = 64;
+    let row: Vec<f32> = (0..cols).map(|c| (c as f32 * 0.37).sin()).collect();
+    let draws = 4000;
+    for bits in [2u32, 4, 8] {
+        let codec = match bits {
+            8 => Codec::Int8,
+            4 => Codec::Int4,
+            _ => Codec::Adaptive { error_bound: 1e9 }, // every row takes 2 bits
+        };
+        let mut sum = vec![0f64; cols];
+        let mut sq = vec![0f64; cols];
+        for d in 0..draws {
+            let y = decode(
+                &encode(codec, 1, cols, &row, &TestDither(d)).unwrap(),
+                1,
+                cols,
+            )
+            .unwrap();
+            for c in 0..cols {
+                let e = (y[c] - row[c]) as f64;
+                sum[c] += e;
+                sq[c] += e * e;
+            }
+        }
+        let (min, max) = quant::range(&row);
+        let step = quant::grid(min, max, bits).1.to_f64();
+        for c in 0..cols {
+            let mean = sum[c] / draws as f64;
+            // Five standard errors of the mean, with the variance bound step^2 / 4.
+            let tol = 5.0 * step / 2.0 / (draws as f64).sqrt();
+            assert!(
+                mean.abs() <= tol,
+                "{bits} bits col {c}: bias {mean} > {tol}"
+            );
+            let var = sq[c] / draws as f64 - mean * mean;
+            assert!(
+                var <= step * step / 4.0 * 1.1,
+                "{bits} bits col {c}: variance {var}"
+            );
+        }
+    }
+}
+
+#[test]
+fn adaptive_widths_keep_the_variance_under_the_bound() {
+    let cols = 32;
+    let smooth: Vec<f32> = (0..cols).map(|c| 1.0 + c as f32 * 1e-3).collect();
+    let spiky: Vec<f32> = (0..cols).map(|c| if c == 3 { 5.0 } else { 0.01 }).collect();
+    let zeros = vec![0f32; cols];
+    for (row, e) in [
+        (&smooth, 1e-2f32),
+        (&smooth, 1e-8),
+        (&spiky, 1e-1),
+        (&spiky, 1e-4),
+        (&zeros, 1e-6),
+    ] {
+        let bits = choose_bits(row, e);
+        let (min, max) = quant::range(row);
+        let step = quant::grid(min, max, bits).1.to_f64();
+        let energy: f64 = row.iter().map(|&x| (x as f64).powi(2)).sum();
+        let var = cols as f64 * step * step / 4.0;
+        assert!(
+            var <= e as f64 * energy || bits == 16,
+            "{bits} bits, {var} > {e} * {energy}"
+        );
+        // Fewest bits: the next narrower width would break the bound.
+        if let Some(i) = ADAPTIVE_WIDTHS
+            .iter()
+            .position(|&b| b == bits)
+            .filter(|&i| i > 0)
+        {
+            let narrower = quant::grid(min, max, ADAPTIVE_WIDTHS[i - 1]).1.to_f64();
+            assert!(cols as f64 * narrower * narrower / 4.0 > e as f64 * energy);
+        }
+    }
+    assert_eq!(choose_bits(&zeros, 1e-6), 2);
+    assert_eq!(
+        choose_bits(&smooth, 1e-2),
+        2,
+        "an offset row has a small relative range"
+    );
+    assert!(choose_bits(&spiky, 1e-4) >= 8);
+}
+
+#[test]
+fn encoded_sizes_are_what_the_format_says() {
+    let (rows, cols) = (10, 16);
+    let x = sample(rows, cols);
+    let len = |c| encode(c, rows, cols, &x, &TestDither(0)).unwrap().len();
+    assert_eq!(len(Codec::Fp16), 2 + rows * cols * 2);
+    assert_eq!(len(Codec::Bf16), 2 + rows * cols * 2);
+    assert_eq!(len(Codec::Int8), 2 + rows * (4 + cols));
+    assert_eq!(len(Codec::Int4), 2 + rows * (4 + cols / 2));
+    let adaptive = len(Codec::Adaptive { error_bound: 1e-2 });
+    assert!(
+        adaptive >= 2 + 3 + rows * (4 + cols / 4)
+            && adaptive <= max_encoded_len(rows, cols).unwrap()
+    );
+}
+
+#[test]
+fn values_that_are_not_finite_are_refused_by_the_encoder() {
+    let mut x = sample(3, 4);
+    x[6] = f32::NAN;
+    for codec in ALL {
+        let e = encode(codec, 3, 4, &x, &TestDither(0)).unwrap_err();
+        assert!(
+            matches!(e, CodecError::NonFinite { row: 1, col: 2, .. }),
+            "{e}"
+        );
+    }
+    assert!(matches!(
+        encode(Codec::Int8, 3, 5, &x, &TestDither(0)),
+        Err(CodecError::Shape { .. })
+    ));
+    let wide = [-3e38f32, 3e38];
+    assert!(matches!(
+        encode(Codec::Int8, 1, 2, &wide, &TestDither(0)),
+        Err(CodecError::Range { row: 0, .. })
+    ));
+}
+
+#[test]
+fn fp16_saturates_instead_of_overflowing() {
+    let x = [1e6f32, -1e6, 3.0];
+    let y = decode(
+        &encode(Codec::Fp16, 1, 3, &x, &TestDither(0)).unwrap(),
+        1,
+        3,
+    )
+    .unwrap();
+    assert_eq!(y, vec![65504.0, -65504.0, 3.0]);
+}
+
+#[test]
+fn corrupt_payloads_are_typed_errors() {
+    let (rows, cols) = (5, 3);
+    let x = sample(rows, cols);
+    let good = encode(
+        Codec::Adaptive { error_bound: 1e-3 },
+        rows,
+        cols,
+        &x,
+        &TestDither(0),
+    )
+    .unwrap();
+    assert!(validate(&good, rows, cols).is_ok());
+    assert!(matches!(
+        decode(&[], rows, cols),
+        Err(CodecError::TooShort(0))
+    ));
+    assert!(matches!(
+        decode(&[9, 1], rows, cols),
+        Err(CodecError::UnknownCodec(9))
+    ));
+    let mut v = good.clone();
+    v[1] = 2;
+    assert!(matches!(
+        decode(&v, rows, cols),
+        Err(CodecError::Version { got: 2, .. })
+    ));
+    assert!(matches!(
+        decode(&good[..good.len() - 1], rows, cols),
+        Err(CodecError::Length { .. })
+    ));
+    assert!(matches!(
+        decode(&good, rows + 1, cols),
+        Err(CodecError::Length { .. })
+    ));
+    // Row width codes: 5 rows leave 6 padding bits in the second byte.
+    let mut v = good.clone();
+    v[3] |= 0x80;
+    assert!(matches!(
+        decode(&v, rows, cols),
+        Err(CodecError::Padding { .. })
+    ));
+    // A step that is NaN (bfloat16 0x7fc0) in row 0's header.
+    let mut v = good.clone();
+    let h = 2 + rows.div_ceil(4);
+    v[h + 2..h + 4].copy_from_slice(&0x7fc0u16.to_le_bytes());
+    assert!(matches!(
+        decode(&v, rows, cols),
+        Err(CodecError::BadScale {
+            row: 0,
+            what: "step",
+            ..
+        })
+    ));
+    let mut v = good.clone();
+    v[h..h + 2].copy_from_slice(&0xff80u16.to_le_bytes()); // -inf
+    assert!(matches!(
+        decode(&v, rows, cols),
+        Err(CodecError::BadScale {
+            row: 0,
+            what: "minimum",
+            ..
+        })
+    ));
+    // Int4 with an odd column count has a zero nibble at the end of every row.
+    let int4 = encode(Codec::Int4, rows, cols, &x, &TestDither(0)).unwrap();
+    let mut v = int4.clone();
+    let row0 = 2 + rows * 4;
+    v[row0 + 1] |= 0xf0;
+    assert!(matches!(
+        decode(&v, rows, cols),
+        Err(CodecError::Padding { .. })
+    ));
+    // fp16 infinity.
+    let mut v = encode(Codec::Fp16, rows, cols, &x, &TestDither(0)).unwrap();
+    v[2..4].copy_from_slice(&0x7c00u16.to_le_bytes());
+    assert!(matches!(
+        decode(&v, rows, cols),
+        Err(CodecError::BadValue { row: 0, col: 0, .. })
+    ));
+    // Shapes whose sizes overflow are refused without allocating.
+    assert!(matches!(
+        decode(&good, usize::MAX, usize::MAX),
+        Err(CodecError::Length { .. })
+    ));
+}
+
+#[test]
+fn every_mutation_of_a_payload_decodes_or_fails_cleanly() {
+    let (rows, cols) = (6, 5);
+    let x = sample(rows, cols);
+    for codec in ALL {
+        let good = encode(codec, rows, cols, &x, &TestDither(3)).unwrap();
+        for at in 0..good.len() {
+            for flip in [0x01u8, 0x10, 0x80, 0xff] {
+                let mut v = good.clone();
+                v[at] ^= flip;
+                // Either a typed error or finite values, and validate agrees with decode.
+                match decode(&v, rows, cols) {
+                    Ok(y) => {
+                        assert!(y.iter().all(|x| x.is_finite()));
+                        assert!(validate(&v, rows, cols).is_ok());
+                    }
+                    Err(e) => assert_eq!(validate(&v, rows, cols), Err(e)),
+                }
+            }
+        }
+    }
+}
