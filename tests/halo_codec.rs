@@ -284,7 +284,7 @@ fn panics_with_a_codec_on_recover_to_identical_weights() {
 
 #[test]
 fn bad_codec_options_are_clear_errors() {
-    let cases: [(&[&str], &str); 4] = [
+    let cases: [(&[&str], &str); 6] = [
         (&["--halo-codec", "int3"], "unknown halo codec \"int3\""),
         (
             &[
@@ -302,6 +302,18 @@ fn bad_codec_options_are_clear_errors() {
             "must be finite and above 0",
         ),
         (&["--halo-codec", "int8"], "needs --partitions 2 or more"),
+        (&["--comm", "efficient"], "use it with --partitions P"),
+        (
+            &[
+                "--comm",
+                "efficient",
+                "--halo-codec",
+                "int8",
+                "--partitions",
+                "2",
+            ],
+            "cannot be used with",
+        ),
     ];
     for (args, want) in cases {
         let out = trellis()
@@ -314,5 +326,34 @@ fn bad_codec_options_are_clear_errors() {
             !out.status.success() && err.contains(want),
             "{args:?}: {err}"
         );
+    }
+}
+
+#[test]
+fn comm_efficient_is_the_adaptive_halo_codec_with_int8_gradients() {
+    let dir = tempfile::tempdir().unwrap();
+    let report = dir.path().join("r.json");
+    let out = trellis()
+        .args([
+            "train",
+            "--data",
+            DATA,
+            "--epochs",
+            "4",
+            "--partitions",
+            "3",
+        ])
+        .args(["--comm", "efficient", "--report"])
+        .arg(&report)
+        .output()
+        .unwrap();
+    assert_ok(&out);
+    let r = read_report(&report);
+    assert_eq!(r["config"]["halo"]["codec"], "adaptive", "{}", r["config"]);
+    assert_eq!(r["config"]["grad_codec"], "int8", "{}", r["config"]);
+    for log in r["epochs_log"].as_array().unwrap() {
+        let n = |k: &str| log[k].as_u64().unwrap();
+        assert!(n("halo_bytes") < n("halo_fp32_bytes"), "{log}");
+        assert!(n("grad_bytes") < n("grad_bytes_exact"), "{log}");
     }
 }

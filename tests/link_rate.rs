@@ -370,6 +370,8 @@ fn bench_comm_prints_the_reference_and_the_emulated_rows() {
             "100mbit",
             "--probe-ms",
             "500",
+            "--configs",
+            "efficient",
         ])
         .args(["--", "--dropout", "0.3"])
         .output()
@@ -412,6 +414,14 @@ fn bench_comm_prints_the_reference_and_the_emulated_rows() {
     assert_eq!(reference[3], "-");
     assert!(bytes(&limited[3]) >= bytes(&limited[2]), "{limited:?}");
     assert!(limited[4].parse::<u64>().is_ok(), "{limited:?}");
+    // `--comm efficient` sends fewer halo bytes and other weights (its rounding is not exact).
+    let efficient = row("efficient (100 Mbit/s)");
+    assert!(bytes(&efficient[2]) < bytes(&limited[2]), "{efficient:?}");
+    assert_ne!(efficient[8], "= reference", "{efficient:?}");
+    assert!(
+        !text.contains("| fp16 ("),
+        "a configuration not asked for ran:\n{text}"
+    );
     // The options after `--` are named in the header ...
     assert!(text.starts_with("gcn (--dropout 0.3) on "), "{text}");
     let link = text.lines().find(|l| l.starts_with("link: ")).unwrap();

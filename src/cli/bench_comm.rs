@@ -17,6 +17,7 @@ use trellis_runtime::metrics::names;
 use trellis_runtime::{report::median, RunReport};
 
 /// One row of the table: a name and the `train` options it adds to the common ones.
+#[derive(Debug)]
 pub struct Config {
     pub name: &'static str,
     pub args: &'static [&'static str],
@@ -24,10 +25,32 @@ pub struct Config {
 
 /// The configurations compared on the emulated network (each is one line; the exact one
 /// also runs on loopback as the reference).
-pub const CONFIGS: &[Config] = &[Config {
-    name: "exact",
-    args: &[],
-}];
+pub const CONFIGS: &[Config] = &[
+    Config {
+        name: "exact",
+        args: &[],
+    },
+    Config {
+        name: "fp16",
+        args: &["--halo-codec", "fp16"],
+    },
+    Config {
+        name: "int8",
+        args: &["--halo-codec", "int8"],
+    },
+    Config {
+        name: "adaptive",
+        args: &["--halo-codec", "adaptive"],
+    },
+    Config {
+        name: "grad-int8",
+        args: &["--grad-codec", "int8"],
+    },
+    Config {
+        name: "efficient",
+        args: &["--comm", "efficient"],
+    },
+];
 
 #[derive(Debug, Clone, Args)]
 pub struct CommBenchArgs {
@@ -74,9 +97,34 @@ pub struct CommBenchArgs {
     /// CPU threads per node process (0: one per CPU).
     #[arg(long, default_value_t = 0, value_parser = super::validate::threads)]
     pub threads: usize,
+    /// The configurations to compare, comma separated (`exact` always runs, on loopback
+    /// too) [default: every one: exact, fp16, int8, adaptive, grad-int8, efficient].
+    #[arg(long, value_name = "NAMES", value_delimiter = ',')]
+    pub configs: Vec<String>,
     /// More `train` options for every run, after `--` (e.g. `-- --dropout 0.3`).
     #[arg(last = true, value_name = "TRAIN_OPTIONS")]
     pub train_options: Vec<String>,
+}
+
+/// The configurations `names` selects (all when empty), `exact` first.
+fn select(names: &[String]) -> Result<Vec<&'static Config>> {
+    if names.is_empty() {
+        return Ok(CONFIGS.iter().collect());
+    }
+    let mut chosen = vec![&CONFIGS[0]];
+    for n in names {
+        let Some(c) = CONFIGS.iter().find(|c| c.name == n.as_str()) else {
+            let known: Vec<&str> = CONFIGS.iter().map(|c| c.name).collect();
+            bail!(
+                "--configs: unknown configuration `{n}` (expected {})",
+                known.join(", ")
+            );
+        };
+        if !chosen.iter().any(|k| std::ptr::eq(*k, c)) {
+            chosen.push(c);
+        }
+    }
+    Ok(chosen)
 }
 
 fn parse_rate(s: &str) -> Result<LinkRate, String> {
@@ -92,7 +140,7 @@ enum Network {
 
 /// A configuration on a network, and what its runs measured.
 struct Row {
-    name: &'static str,
+    config: &'static Config,
     network: Network,
     runs: Vec<RunNumbers>,
 }
@@ -173,8 +221,8 @@ impl RunNumbers {
 impl Row {
     fn label(&self, rate: LinkRate) -> String {
         match self.network {
-            Network::Loopback => format!("{} (loopback, reference)", self.name),
-            Network::Emulated => format!("{} ({rate})", self.name),
+            Network::Loopback => format!("{} (loopback, reference)", self.config.name),
+            Network::Emulated => format!("{} ({rate})", self.config.name),
         }
     }
 
@@ -237,6 +285,7 @@ pub fn run(a: CommBenchArgs) -> Result<()> {
         bail!("bench comm needs at least 2 nodes (a network between them)");
     }
     super::launch::install_stop_handler()?;
+    let chosen = select(&a.configs)?;
     let net = create_net(NetSpec {
         nodes: a.nodes,
         rate: a.link_rate,
@@ -249,12 +298,12 @@ pub fn run(a: CommBenchArgs) -> Result<()> {
         .prefix("trellis-bench-comm-")
         .tempdir()?;
     let mut rows = vec![Row {
-        name: CONFIGS[0].name,
+        config: &CONFIGS[0],
         network: Network::Loopback,
         runs: Vec::new(),
     }];
-    rows.extend(CONFIGS.iter().map(|c| Row {
-        name: c.name,
+    rows.extend(chosen.into_iter().map(|config| Row {
+        config,
         network: Network::Emulated,
         runs: Vec::new(),
     }));
@@ -263,7 +312,7 @@ pub fn run(a: CommBenchArgs) -> Result<()> {
             if stopped() {
                 bail!("interrupted");
             }
-            let config = if i == 0 { &CONFIGS[0] } else { &CONFIGS[i - 1] };
+            let config = row.config;
             let on = (row.network == Network::Emulated).then_some(&net);
             eprintln!("bench comm: {} seed {seed} ...", row.label(a.link_rate));
             let name = format!("run-{i}-{seed}");
@@ -463,6 +512,18 @@ mod tests {
     #[test]
     fn the_reference_is_the_first_configuration_and_exact() {
         assert_eq!(CONFIGS[0].name, "exact");
+        let names = |v: Vec<&Config>| v.iter().map(|c| c.name).collect::<Vec<_>>();
+        let pick = |l: &[&str]| select(&l.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+        assert_eq!(names(pick(&[]).unwrap()).len(), CONFIGS.len());
+        assert_eq!(
+            names(pick(&["efficient", "int8", "efficient"]).unwrap()),
+            ["exact", "efficient", "int8"]
+        );
+        let e = pick(&["zstd"]).unwrap_err().to_string();
+        assert!(
+            e.contains("unknown configuration `zstd`") && e.contains("adaptive"),
+            "{e}"
+        );
         assert!(CONFIGS[0].args.is_empty());
     }
 }

@@ -42,6 +42,12 @@ pub struct TrainArgs {
     /// Partitioned runs only; not with --checkpoint-dir yet.
     #[arg(long, value_name = "CODEC", default_value = "none")]
     pub grad_codec: GradCodec,
+    /// Communication of partitioned runs: `exact` (bit-exact fp32 halo rows and gradients) or
+    /// `efficient`, the setting `trellis bench comm` measured best: --halo-codec adaptive
+    /// (under --halo-error-bound) with --grad-codec int8. Not together with --halo-codec or
+    /// --grad-codec.
+    #[arg(long, value_enum, default_value_t = CommMode::Exact, conflicts_with_all = ["halo_codec", "grad_codec"])]
+    pub comm: CommMode,
     /// GAT attention heads of the hidden layer (the output layer has 1) [default: 8; GAT only].
     #[arg(long, value_name = "N", value_parser = validate::heads)]
     pub heads: Option<usize>,
@@ -174,24 +180,52 @@ impl TrainArgs {
         if let Some(v) = self.weight_decay {
             cfg.weight_decay = v;
         }
-        if !self.grad_codec.is_none() && self.checkpoint_dir.is_some() {
+        let grad_codec = self.grad_codec();
+        if !grad_codec.is_none() && self.checkpoint_dir.is_some() {
             bail!(
-                "--grad-codec {} with --checkpoint-dir: checkpoints do not hold the partitions' \
-                 error-feedback residuals yet, so a resumed run would not equal an uninterrupted \
-                 one; use --grad-codec none to checkpoint",
-                self.grad_codec
+                "--grad-codec {grad_codec} with --checkpoint-dir: checkpoints do not hold the \
+                 partitions' error-feedback residuals yet, so a resumed run would not equal an \
+                 uninterrupted one; use --grad-codec none (or --comm exact) to checkpoint"
             );
         }
-        cfg.grad_codec = self.grad_codec;
+        cfg.grad_codec = grad_codec;
         cfg.threads = self.threads;
         cfg.partition_seed = self.partition_seed;
-        cfg.halo = self.halo.config();
+        cfg.halo = self.halo_config();
         cfg.normalize_features = !self.no_normalize_features;
         cfg.device = self
             .device
             .parse()
             .with_context(|| format!("cannot use --device {}", self.device))?;
         Ok(cfg)
+    }
+}
+
+/// How partitions communicate (`--comm`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum CommMode {
+    /// Bit-exact: fp32 halo rows, f32 gradients.
+    Exact,
+    /// Adaptive-width halo rows and int8 gradients with error feedback.
+    Efficient,
+}
+
+impl TrainArgs {
+    /// The gradient codec `--grad-codec` or `--comm` chose.
+    pub fn grad_codec(&self) -> GradCodec {
+        match self.comm {
+            CommMode::Exact => self.grad_codec,
+            CommMode::Efficient => GradCodec::Int8,
+        }
+    }
+
+    /// The halo settings `--halo-codec` or `--comm` chose.
+    pub fn halo_config(&self) -> trellis_runtime::comm::HaloConfig {
+        let mut halo = self.halo.config();
+        if self.comm == CommMode::Efficient {
+            halo.codec = trellis_runtime::comm::HaloCodec::Adaptive;
+        }
+        halo
     }
 }
 
@@ -375,6 +409,9 @@ pub fn run(a: TrainArgs) -> Result<()> {
         || a.partition_dir.is_some()
         || a.chaos.is_some()
         || a.checkpoint_dir.is_some();
+    if !partitioned && a.comm == CommMode::Efficient {
+        bail!("--comm efficient sets how partition actors communicate: use it with --partitions P (P >= 2)");
+    }
     if !partitioned && !a.grad_codec.is_none() {
         bail!(
             "--grad-codec {} compresses what partition actors send to the all-reduce: use it \
