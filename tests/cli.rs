@@ -1,25 +1,20 @@
 //! The `trellis` binary as a user runs it: reports, determinism, partitioning, the demo, and
 //! clear errors with a non-zero exit on bad input.
 use std::path::Path;
-use std::process::{Command, Output};
+mod binary;
+
+use std::process::Output;
 
 const DATA: &str = "synthetic:nodes=600,degree=6,features=12,classes=3,seed=4";
 
+/// Runs `trellis ARGS` to its end.
 fn trellis(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_trellis"))
-        .args(args)
-        .output()
-        .expect("run trellis")
+    binary::trellis().args(args).output().expect("run trellis")
 }
 
+/// Runs `trellis ARGS`, which must succeed; its stdout.
 fn ok(args: &[&str]) -> String {
-    let out = trellis(args);
-    assert!(
-        out.status.success(),
-        "trellis {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    binary::assert_ok(&trellis(args))
 }
 
 fn report(path: &Path) -> serde_json::Value {

@@ -2,26 +2,21 @@
 //! predict with a residual 3-layer model; train through a panic with `--grad-codec int8`; the
 //! flags that do not fit are clear errors.
 use std::path::Path;
-use std::process::{Command, Output};
+mod binary;
+
+use std::process::Output;
 use trellis::runtime::grad_codec::GradCodec;
 
 const DATA: &str = "synthetic:nodes=600,degree=6,features=12,classes=3,seed=4";
 
+/// Runs `trellis ARGS` to its end.
 fn trellis(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_trellis"))
-        .args(args)
-        .output()
-        .expect("run trellis")
+    binary::trellis().args(args).output().expect("run trellis")
 }
 
+/// Runs `trellis ARGS`, which must succeed; its stdout.
 fn ok(args: &[&str]) -> String {
-    let out = trellis(args);
-    assert!(
-        out.status.success(),
-        "trellis {args:?} failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    binary::assert_ok(&trellis(args))
 }
 
 fn fails(args: &[&str]) -> String {
@@ -165,7 +160,6 @@ fn model_shape_flags_that_do_not_fit_are_clear_errors() {
 
 #[test]
 fn the_binary_trains_with_a_codec_through_a_panic_and_refuses_what_it_cannot_do() {
-    let bin = env!("CARGO_BIN_EXE_trellis");
     let data = DATA;
     let train = |extra: &[&str]| {
         let mut args = vec![
@@ -182,15 +176,10 @@ fn the_binary_trains_with_a_codec_through_a_panic_and_refuses_what_it_cannot_do(
             "int8",
         ];
         args.extend_from_slice(extra);
-        Command::new(bin).args(&args).output().unwrap()
+        trellis(&args)
     };
-    let digest = |out: &std::process::Output| {
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let digest = |out: &Output| {
+        let text = binary::assert_ok(out);
         assert!(text.contains("gradients to the all-reduce"), "{text}");
         text.lines()
             .find_map(|l| l.strip_prefix("weights_digest "))
@@ -202,7 +191,7 @@ fn the_binary_trains_with_a_codec_through_a_panic_and_refuses_what_it_cannot_do(
     assert_eq!(clean, faulty);
 
     let refuse = |args: &[&str]| {
-        let out = Command::new(bin).args(args).output().unwrap();
+        let out = trellis(args);
         assert!(!out.status.success());
         String::from_utf8_lossy(&out.stderr).into_owned()
     };
