@@ -246,7 +246,8 @@ pub fn launch_cluster_on(
         Some(net) => net.addr(n).to_string(),
         None => "127.0.0.1".to_string(),
     };
-    std::fs::write(&cluster, cluster_file(opts, &parts, &host, None))?;
+    let link_mtu = net.map(|net| net.spec().mtu);
+    std::fs::write(&cluster, cluster_file(opts, &parts, &host, None, link_mtu))?;
     let exe = std::env::current_exe()?;
     install_stop_handler()?;
     let stop: &AtomicBool = &STOP;
@@ -267,7 +268,7 @@ pub fn launch_cluster_on(
     };
     std::fs::write(
         &cluster,
-        cluster_file(opts, &parts, &host, Some(coord_addr.trim())),
+        cluster_file(opts, &parts, &host, Some(coord_addr.trim()), link_mtu),
     )?;
     // The other nodes' stdout is only their traffic, which the coordinator's summary lists:
     // each node's traffic is printed once. Their errors (stderr) are shown.
@@ -301,12 +302,14 @@ fn node_command(
 }
 
 /// The cluster file of `a.nodes` nodes, node `n` at address `host(n)`; node 0 at
-/// `coord_addr` once known, the others on ephemeral ports (they tell the coordinator theirs).
+/// `coord_addr` once known, the others on ephemeral ports (they tell the coordinator theirs);
+/// on an emulated network, its links' MTU.
 fn cluster_file(
     a: &ClusterOptions,
     parts: &Path,
     host: &dyn Fn(u32) -> String,
     coord_addr: Option<&str>,
+    link_mtu: Option<u32>,
 ) -> String {
     let mut s = format!(
         "certs = \"certs\"\npartitions = {:?}\ncoordinator = 0\nheartbeat_ms = {}\nidle_timeout_ms = {}\nreplicas = {}\nmax_restarts = {}\nstep_deadline_ms = {}\n",
@@ -317,6 +320,9 @@ fn cluster_file(
         a.max_restarts,
         a.step_deadline_ms
     );
+    if let Some(mtu) = link_mtu {
+        s += &format!("link_mtu = {mtu}\n");
+    }
     for n in 0..a.nodes {
         let addr = match coord_addr {
             Some(addr) if n == 0 => addr.to_string(),
