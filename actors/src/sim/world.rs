@@ -11,7 +11,8 @@ use crate::protocol::epoch::{
 use crate::protocol::messages::Step;
 use crate::protocol::partition::PartitionAction;
 use crate::protocol::session::{
-    CoordAction, CoordState, CoordinatorConfig, CoordinatorSession, SessionMsg, Verdict,
+    CoordAction, CoordState, CoordinatorConfig, CoordinatorSession, LinkDown, SessionMsg, Verdict,
+    WorkerAction, WorkerConfig, WorkerSession, WorkerState,
 };
 use crate::protocol::state::{GlobalCounts, PartitionState};
 use crate::{ActorError, Recovery};
@@ -294,6 +295,8 @@ pub struct SimRun<'g> {
     replicas_in_flight: BTreeMap<(u32, u32, u32), u32>,
     /// The coordinator's cluster session (join, setup, fencing, finish) of this incarnation.
     session: CoordinatorSession,
+    /// Every other node's side of the session, while its process lives.
+    workers: BTreeMap<u32, WorkerSession>,
 }
 
 impl<'g> SimRun<'g> {
@@ -338,6 +341,7 @@ impl<'g> SimRun<'g> {
             unrecoverable: false,
             replicas_in_flight: BTreeMap::new(),
             session: Self::new_session(s.nodes, Instant::now()),
+            workers: BTreeMap::new(),
             s,
         }
     }
@@ -355,42 +359,82 @@ impl<'g> SimRun<'g> {
         )
     }
 
-    /// Every node process (re)starts: each joins and, once set up, is ready; the session must
-    /// then start training, having sent one setup naming every node.
+    /// Every node process (re)starts: each worker's session joins, receives the setup, sets
+    /// up and says it is ready; the coordinator's session must then start training, having
+    /// sent one setup naming every node, and every worker must be serving.
     fn open_session(&mut self) {
         let now = self.coord_now();
         self.session = Self::new_session(self.s.nodes, now);
-        for n in 0..self.s.nodes {
-            if n != COORDINATOR {
-                let addr = format!("sim-node-{n}");
-                self.session
-                    .handle_message(n, SessionMsg::Join { addr }, now);
+        self.workers.clear();
+        for n in (0..self.s.nodes).filter(|&n| n != COORDINATOR) {
+            let cfg = WorkerConfig {
+                me: n,
+                coord: COORDINATOR,
+                coord_addr: format!("sim-node-{COORDINATOR}"),
+                join_within: Duration::from_secs(300),
+            };
+            let mut w = WorkerSession::new(cfg, now);
+            match w.poll_action() {
+                Some(WorkerAction::SendJoin { reset: false }) => {
+                    let addr = format!("sim-node-{n}");
+                    self.session
+                        .handle_message(n, SessionMsg::Join { addr }, now);
+                }
+                other => self.note(format!("node {n} joining: {other:?}")),
             }
-        }
-        for n in 0..self.s.nodes {
-            if n != COORDINATOR {
-                self.session.handle_message(n, SessionMsg::Ready, now);
-            }
+            self.workers.insert(n, w);
         }
         let mut setups = 0;
         while let Some(a) = self.session.poll_action() {
             match a {
                 CoordAction::SendSetups { peers } if peers.len() == self.s.nodes as usize => {
-                    setups += 1
+                    setups += 1;
+                    self.set_up_workers(now);
                 }
                 CoordAction::StartTraining => {}
-                other => {
-                    self.violation
-                        .get_or_insert(format!("session start: unexpected {other:?}"));
-                }
+                other => self.note(format!("session start: unexpected {other:?}")),
             }
         }
         if setups != 1 || self.session.state() != &CoordState::Training {
-            self.violation.get_or_insert(format!(
-                "session start: {setups} setups, state {:?}",
-                self.session.state()
+            let state = format!("{:?}", self.session.state());
+            self.note(format!("session start: {setups} setups, state {state}"));
+        }
+        let not_serving: Vec<u32> = self
+            .workers
+            .iter()
+            .filter(|(_, w)| !matches!(w.state(), WorkerState::Serving { .. }))
+            .map(|(n, _)| *n)
+            .collect();
+        if !not_serving.is_empty() {
+            self.note(format!(
+                "nodes {not_serving:?} are not serving after the setup"
             ));
         }
+    }
+
+    /// Each worker receives the setup, carries it out and answers `Ready`.
+    fn set_up_workers(&mut self, now: Instant) {
+        let setup = SessionMsg::Setup {
+            deadline_ms: DEADLINE.as_millis() as u64,
+        };
+        let mut ready = Vec::new();
+        for (&n, w) in &mut self.workers {
+            w.handle_message(COORDINATOR, setup.clone(), now);
+            if let Some(WorkerAction::StartSetup) = w.poll_action() {
+                w.handle_setup_done(Ok(()), now);
+                if let Some(WorkerAction::SendReady) = w.poll_action() {
+                    ready.push(n);
+                }
+            }
+        }
+        for n in ready {
+            self.session.handle_message(n, SessionMsg::Ready, now);
+        }
+    }
+
+    /// Records the first broken invariant.
+    fn note(&mut self, violation: String) {
+        self.violation.get_or_insert(violation);
     }
 
     /// Training ended: the session finishes every live node and none that was fenced, each
@@ -422,9 +466,49 @@ impl<'g> SimRun<'g> {
                 "the session told fenced node {n} that the run ended"
             ));
         }
+        for &n in &told {
+            let Some(w) = self.workers.get_mut(&n) else {
+                continue;
+            };
+            let msg = if ok {
+                SessionMsg::Finish
+            } else {
+                SessionMsg::Abort {
+                    reason: "the run failed".into(),
+                }
+            };
+            w.handle_message(COORDINATOR, msg, now);
+            let acts: Vec<WorkerAction> = std::iter::from_fn(|| w.poll_action()).collect();
+            let expected = matches!(
+                (ok, acts.as_slice()),
+                (true, [WorkerAction::SendBye]) | (false, [WorkerAction::Failed(_)])
+            );
+            if !expected {
+                self.violation
+                    .get_or_insert(format!("node {n} at the end of the run: {acts:?}"));
+            }
+        }
         if ok {
             for &n in &told {
                 self.session.handle_message(n, SessionMsg::Bye, now);
+            }
+            // The coordinator hangs up last: every worker that said goodbye is done.
+            for &n in &told {
+                if let Some(w) = self.workers.get_mut(&n) {
+                    w.handle_link_down(
+                        LinkDown {
+                            detail: "the coordinator closed the connection".into(),
+                            still_connected: false,
+                            refused: None,
+                            was_up: true,
+                        },
+                        now,
+                    );
+                    if !matches!(w.poll_action(), Some(WorkerAction::Done)) {
+                        self.violation
+                            .get_or_insert(format!("node {n} did not end after its Bye"));
+                    }
+                }
             }
             while let Some(a) = self.session.poll_action() {
                 if !matches!(&a, CoordAction::Done { missing_byes } if missing_byes.is_empty()) {
@@ -1013,6 +1097,7 @@ impl<'g> SimRun<'g> {
         n.local.clear();
         n.replicas.clear();
         n.waiting.clear();
+        self.workers.remove(&node);
         self.failed_nodes.insert(node);
         self.schedule(IDLE_TIMEOUT_US, Event::LossDetected { node });
         self.fire(SimFault::NodeCrash);
