@@ -15,34 +15,36 @@ fn closed_port() -> u16 {
     l.local_addr().unwrap().port()
 }
 
-/// A collector that answers every request with `500 Internal Server Error` (served by a thread
-/// that ends with the test process).
-fn failing_collector() -> u16 {
+/// A collector that answers every request with `status` (e.g. `500 Internal Server Error`)
+/// after waiting `delay` (served by a thread that ends with the test process).
+fn collector(status: &'static str, delay: Duration) -> u16 {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let port = l.local_addr().unwrap().port();
     std::thread::spawn(move || {
         for conn in l.incoming().flatten() {
-            let _ = conn.set_read_timeout(Some(Duration::from_secs(5)));
-            let mut r = BufReader::new(conn);
-            let mut len = 0usize;
-            loop {
-                let mut line = String::new();
-                if r.read_line(&mut line).unwrap_or(0) == 0 {
-                    break;
+            std::thread::spawn(move || {
+                let _ = conn.set_read_timeout(Some(Duration::from_secs(60)));
+                let mut r = BufReader::new(conn);
+                let mut len = 0usize;
+                loop {
+                    let mut line = String::new();
+                    if r.read_line(&mut line).unwrap_or(0) == 0 {
+                        break;
+                    }
+                    let lower = line.to_ascii_lowercase();
+                    if let Some(v) = lower.strip_prefix("content-length:") {
+                        len = v.trim().parse().unwrap_or(0);
+                    }
+                    if line == "\r\n" {
+                        let mut body = vec![0; len];
+                        let _ = r.read_exact(&mut body);
+                        std::thread::sleep(delay);
+                        let answer = format!("HTTP/1.1 {status}\r\ncontent-length: 0\r\n\r\n");
+                        let _ = r.get_mut().write_all(answer.as_bytes());
+                        len = 0;
+                    }
                 }
-                let lower = line.to_ascii_lowercase();
-                if let Some(v) = lower.strip_prefix("content-length:") {
-                    len = v.trim().parse().unwrap_or(0);
-                }
-                if line == "\r\n" {
-                    let mut body = vec![0; len];
-                    let _ = r.read_exact(&mut body);
-                    let _ = r.get_mut().write_all(
-                        b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 0\r\n\r\n",
-                    );
-                    len = 0;
-                }
-            }
+            });
         }
     });
     port
@@ -56,8 +58,19 @@ fn telemetry_warnings(stderr: &[u8]) -> usize {
 }
 
 #[test]
-fn a_run_succeeds_when_the_collector_is_down_or_failing() {
-    for (what, port) in [("down", closed_port()), ("HTTP 500", failing_collector())] {
+fn a_run_succeeds_when_the_collector_is_down_failing_refusing_or_slow() {
+    let cases = [
+        ("down", closed_port()),
+        (
+            "HTTP 500",
+            collector("500 Internal Server Error", Duration::ZERO),
+        ),
+        ("HTTP 400", collector("400 Bad Request", Duration::ZERO)),
+        // Answers long after the exporter's own timeout.
+        ("slow", collector("200 OK", Duration::from_secs(40))),
+    ];
+    for (what, port) in cases {
+        let t = std::time::Instant::now();
         let out = trellis()
             .args([
                 "train",
@@ -77,6 +90,11 @@ fn a_run_succeeds_when_the_collector_is_down_or_failing() {
             warnings <= 1,
             "collector {what}: reported {warnings} times: {}",
             String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "collector {what}: the run took {:?}",
+            t.elapsed()
         );
     }
 }

@@ -101,13 +101,24 @@ impl Pipeline {
         traces.and(metrics)
     }
 
-    /// Exports what is buffered, then stops the exporters and their runtime.
+    /// Exports what is buffered, then stops the exporters and their runtime. Traces and
+    /// metrics are flushed at once, so a slow or unreachable collector delays the exit by one
+    /// export timeout, not two.
     pub(super) fn shutdown(self) -> Result<(), TelemetryError> {
-        let traces = self.tracer.shutdown().map_err(|e| TelemetryError::Flush {
-            signal: "traces",
-            detail: e.to_string(),
+        let (traces, metrics) = std::thread::scope(|s| {
+            let traces = s.spawn(|| self.tracer.shutdown());
+            let metrics = self.meter.shutdown();
+            (traces.join(), metrics)
         });
-        let metrics = self.meter.shutdown().map_err(|e| TelemetryError::Flush {
+        let traces = match traces {
+            Ok(r) => r.map_err(|e| e.to_string()),
+            Err(_) => Err("the flushing thread panicked".to_string()),
+        }
+        .map_err(|detail| TelemetryError::Flush {
+            signal: "traces",
+            detail,
+        });
+        let metrics = metrics.map_err(|e| TelemetryError::Flush {
             signal: "metrics",
             detail: e.to_string(),
         });
