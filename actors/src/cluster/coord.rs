@@ -364,8 +364,9 @@ async fn drive(
                 _ => {}
             }
         }
+        // Finishing always has a deadline; without one nothing more can arrive to wait for.
         let Some(until) = session.poll_timeout() else {
-            continue;
+            break;
         };
         let late = tokio::time::timeout_at(until.into(), late.recv()).await;
         let now = Instant::now();

@@ -380,7 +380,10 @@ impl<'g> SimRun<'g> {
                     self.session
                         .handle_message(n, SessionMsg::Join { addr }, now);
                 }
-                other => self.note(format!("node {n} joining: {other:?}")),
+                other => {
+                    self.violation
+                        .get_or_insert(format!("node {n} joining: {other:?}"));
+                }
             }
             self.workers.insert(n, w);
         }
@@ -392,12 +395,16 @@ impl<'g> SimRun<'g> {
                     self.set_up_workers(now);
                 }
                 CoordAction::StartTraining => {}
-                other => self.note(format!("session start: unexpected {other:?}")),
+                other => {
+                    self.violation
+                        .get_or_insert(format!("session start: unexpected {other:?}"));
+                }
             }
         }
         if setups != 1 || self.session.state() != &CoordState::Training {
             let state = format!("{:?}", self.session.state());
-            self.note(format!("session start: {setups} setups, state {state}"));
+            self.violation
+                .get_or_insert(format!("session start: {setups} setups, state {state}"));
         }
         let not_serving: Vec<u32> = self
             .workers
@@ -406,7 +413,7 @@ impl<'g> SimRun<'g> {
             .map(|(n, _)| *n)
             .collect();
         if !not_serving.is_empty() {
-            self.note(format!(
+            self.violation.get_or_insert(format!(
                 "nodes {not_serving:?} are not serving after the setup"
             ));
         }
@@ -430,11 +437,6 @@ impl<'g> SimRun<'g> {
         for n in ready {
             self.session.handle_message(n, SessionMsg::Ready, now);
         }
-    }
-
-    /// Records the first broken invariant.
-    fn note(&mut self, violation: String) {
-        self.violation.get_or_insert(violation);
     }
 
     /// Training ended: the session finishes every live node and none that was fenced, each
