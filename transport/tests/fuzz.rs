@@ -96,6 +96,10 @@ fn valid_frames() -> Vec<(&'static str, Vec<u8>)> {
                 3,
             ))),
         ),
+        (
+            "refused",
+            encode_to_vec(&Frame::Refused("node 1 is already connected".into())),
+        ),
     ]
 }
 
@@ -151,7 +155,7 @@ proptest! {
 
     #[test]
     fn mutated_frames_never_panic(
-        which in 0usize..9,
+        which in 0usize..valid_frames().len(),
         flips in vec((any::<usize>(), any::<u8>()), 1..6),
         cut in any::<usize>(),
         cuts in vec(any::<usize>(), 0..6),

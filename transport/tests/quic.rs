@@ -9,7 +9,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use trellis_transport::certs::{node_server_name, ClusterCa, NodeIdentity};
 use trellis_transport::quic::{tls, QuicConfig, QuicError, QuicTransport};
-use trellis_transport::wire::{encode_to_vec, Frame, FrameHeader, FrameKind, PROTOCOL_VERSION};
+use trellis_transport::wire::{
+    encode_to_vec, Frame, FrameDecoder, FrameHeader, FrameKind, Limits, PROTOCOL_VERSION,
+};
 use trellis_transport::{HaloBlock, PartId, Transport};
 
 type Inbox = Arc<Mutex<Vec<HaloBlock>>>;
@@ -166,12 +168,24 @@ async fn unknown_partitions_runs_and_stale_epochs_are_refused() {
 }
 
 /// A raw client connection with identity `id` (or none), trusting `trust`, that performs the
-/// hello exchange as node `claim`.
+/// hello exchange as node `claim`; a refusal is `Err("refused: <reason>")`.
 async fn raw_client(
     trust: &ClusterCa,
     id: Option<&NodeIdentity>,
     claim: u32,
     server: (u32, SocketAddr),
+) -> Result<(quinn::Endpoint, quinn::Connection), String> {
+    raw_client_reading_after(trust, id, claim, server, Duration::ZERO).await
+}
+
+/// [`raw_client`] that waits `delay` after sending its hello before reading the answer (a
+/// dialler the machine did not schedule for a while).
+async fn raw_client_reading_after(
+    trust: &ClusterCa,
+    id: Option<&NodeIdentity>,
+    claim: u32,
+    server: (u32, SocketAddr),
+    delay: Duration,
 ) -> Result<(quinn::Endpoint, quinn::Connection), String> {
     let rustls_cfg = tls::client_config(&trust.cert_der(), id, tls::ALPN).unwrap();
     let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(rustls_cfg).unwrap();
@@ -191,13 +205,17 @@ async fn raw_client(
         .await
         .map_err(|e| e.to_string())?;
         s.finish().map_err(|e| e.to_string())?;
+        tokio::time::sleep(delay).await;
         let reply = r.read_to_end(1024).await.map_err(|e| e.to_string())?;
-        if reply.is_empty() {
-            return Err("no hello back".to_string());
+        let mut dec = FrameDecoder::new(Limits::default());
+        dec.handle_bytes(&reply);
+        match dec.poll_frame() {
+            Some(Ok(Frame::Hello { .. })) => Ok(conn),
+            Some(Ok(Frame::Refused(why))) => Err(format!("refused: {why}")),
+            other => Err(format!("answered {other:?}")),
         }
-        Ok(conn)
     };
-    let conn = tokio::time::timeout(Duration::from_secs(5), work)
+    let conn = tokio::time::timeout(Duration::from_secs(10), work)
         .await
         .map_err(|_| "timed out".to_string())??;
     Ok((ep, conn))
@@ -218,11 +236,18 @@ async fn mutual_tls_refuses_foreign_and_missing_certificates() {
             .await
             .expect_err("client without certificate accepted");
         until("second refusal", || b.stats().refused_handshakes == 2).await;
-        // A genuine node 3 claiming to be node 1 is refused too.
+        // A genuine node 3 claiming to be node 1 is refused too, and told why on its hello
+        // stream even when it reads the answer long after the refusal (far beyond the few
+        // probe timeouts a closed QUIC connection is remembered for).
         let three = ca.issue_identity(3).unwrap();
-        raw_client(&ca, Some(&three), 1, server)
-            .await
-            .expect_err("impersonation accepted");
+        let why =
+            raw_client_reading_after(&ca, Some(&three), 1, server, Duration::from_millis(800))
+                .await
+                .expect_err("impersonation accepted");
+        assert!(
+            why.starts_with("refused: claims to be node 1 but its certificate is not for"),
+            "{why}"
+        );
         until("refusals counted", || b.stats().refused_handshakes == 3).await;
         // ...and a good client is still served.
         raw_client(&ca, Some(&three), 3, server)

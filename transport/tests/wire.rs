@@ -29,6 +29,8 @@ fn samples() -> Vec<Frame> {
         },
         Frame::Ping(42),
         Frame::Pong(u64::MAX),
+        Frame::Refused("node 3 is already connected from 127.0.0.1:9".into()),
+        Frame::Refused(String::new()),
         Frame::Control(b"coordinator: start epoch 4".to_vec()),
         Frame::Control(Vec::new()),
         Frame::Halo(block(1, 2, 5, 3, 4)),

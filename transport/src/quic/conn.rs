@@ -115,6 +115,10 @@ impl Shared {
             Frame::Hello { node: n, protocol } if n == node && protocol == PROTOCOL_VERSION => {
                 Ok(conn)
             }
+            Frame::Refused(why) => {
+                conn.close(StopCode::Refused.varint(), b"told");
+                Err(err(format!("{REFUSED_PREFIX} {why}")))
+            }
             Frame::Hello { node: n, protocol } => {
                 conn.close(StopCode::Refused.varint(), b"unexpected hello");
                 Err(err(format!(
@@ -150,6 +154,18 @@ fn refuse(core: &Core, from: SocketAddr, reason: &str) {
     core.inbound.refused(from, reason);
 }
 
+/// How the accepting side of a handshake ended.
+enum Handshake {
+    /// The peer is who it says it is and was answered with our hello.
+    Accepted { node: u32, conn: Connection },
+    /// The peer said a hello we will not accept: it is told why on its hello stream.
+    Refused {
+        conn: Connection,
+        stream: quinn::SendStream,
+        why: String,
+    },
+}
+
 async fn handle_incoming(shared: Weak<Shared>, core: Arc<Core>, incoming: quinn::Incoming) {
     let from = incoming.remote_address();
     let handshake = async {
@@ -161,14 +177,18 @@ async fn handle_incoming(shared: Weak<Shared>, core: Arc<Core>, incoming: quinn:
             Frame::Hello { node, protocol } => (node, protocol),
             other => return Err(format!("first message {other:?} is not a hello")),
         };
-        let refused = |why: String| {
-            conn.close(StopCode::Refused.varint(), why.as_bytes());
-            Err(why)
+        let refused = |why: String, stream| {
+            Ok(Handshake::Refused {
+                conn: conn.clone(),
+                stream,
+                why,
+            })
         };
         if protocol != PROTOCOL_VERSION {
-            return refused(format!(
-                "node {node} speaks protocol {protocol}, this node {PROTOCOL_VERSION}"
-            ));
+            return refused(
+                format!("node {node} speaks protocol {protocol}, this node {PROTOCOL_VERSION}"),
+                s,
+            );
         }
         let certs = conn
             .peer_identity()
@@ -178,16 +198,30 @@ async fn handle_incoming(shared: Weak<Shared>, core: Arc<Core>, incoming: quinn:
             .and_then(|c| c.first())
             .is_some_and(|c| cert_is_for_node(c, node))
         {
-            return refused(format!(
-                "claims to be node {node} but its certificate is not for {}",
-                node_server_name(node)
-            ));
+            return refused(
+                format!(
+                    "claims to be node {node} but its certificate is not for {}",
+                    node_server_name(node)
+                ),
+                s,
+            );
+        }
+        // A second process claiming a node id that is connected from another address (a
+        // copied certificate, an operator's mistake) is refused at once, instead of taking
+        // over the node's traffic.
+        let live = shared
+            .upgrade()
+            .and_then(|sh| sh.peer(node, Some(from)).ok())
+            .and_then(|peer| peer.live_conn())
+            .map(|c| c.remote_address());
+        if let Some(at) = live.filter(|at| *at != from) {
+            return refused(format!("node {node} is already connected from {at}"), s);
         }
         s.write_all(&hello(core.me))
             .await
             .map_err(|e| e.to_string())?;
         let _ = s.finish();
-        Ok((node, conn))
+        Ok(Handshake::Accepted { node, conn })
     };
     let (node, conn) = match timeout(core.cfg.connect_timeout, handshake).await {
         Err(_) => {
@@ -198,29 +232,41 @@ async fn handle_incoming(shared: Weak<Shared>, core: Arc<Core>, incoming: quinn:
             )
         }
         Ok(Err(reason)) => return refuse(&core, from, &reason),
-        Ok(Ok(v)) => v,
+        Ok(Ok(Handshake::Refused { conn, stream, why })) => {
+            refuse(&core, from, &why);
+            return tell_refused(&core, conn, stream, &why).await;
+        }
+        Ok(Ok(Handshake::Accepted { node, conn })) => (node, conn),
     };
     let Some(shared) = shared.upgrade() else {
         return;
     };
     match shared.peer(node, Some(from)) {
         Ok(peer) => {
-            // A second process claiming a node id that is connected from another address
-            // (a copied certificate, an operator's mistake) is refused at once, instead of
-            // taking over the node's traffic.
-            if let Some(live) = peer.live_conn() {
-                let at = live.remote_address();
-                if at != from {
-                    let why = format!("node {node} is already connected from {at}");
-                    conn.close(StopCode::Refused.varint(), why.as_bytes());
-                    return refuse(&core, from, &why);
-                }
-            }
             tracing::debug!(peer = node, %from, "accepted connection");
             adopt(&core, &peer, conn);
         }
         Err(e) => conn.close(StopCode::Shutdown.varint(), e.to_string().as_bytes()),
     }
+}
+
+/// Answers a refused hello with `Refused{why}` on its stream and waits (up to the connect
+/// timeout) for the dialler to close the connection once it has read it; then closes it with
+/// the reason too. A `CONNECTION_CLOSE` alone is sent once and forgotten after a few probe
+/// timeouts: a dialler that was not scheduled meanwhile (a loaded machine) would see only a
+/// stateless reset, not the reason, and keep retrying.
+async fn tell_refused(core: &Core, conn: Connection, mut stream: quinn::SendStream, why: &str) {
+    let told = async {
+        stream
+            .write_all(&encode_to_vec(&Frame::Refused(why.to_string())))
+            .await
+            .ok()?;
+        stream.finish().ok()?;
+        conn.closed().await;
+        Some(())
+    };
+    let _ = timeout(core.cfg.connect_timeout, told).await;
+    conn.close(StopCode::Refused.varint(), why.as_bytes());
 }
 
 /// Makes `conn` `peer`'s connection (unless it has a live one), serves its incoming streams

@@ -126,8 +126,11 @@ async fn read_stream(core: Arc<Core>, peer: Arc<Peer>, mut recv: RecvStream) {
                     }
                 }
                 Ok(Frame::Pong(nonce)) => tracing::trace!(peer = peer.node, nonce, "pong"),
-                Ok(Frame::Hello { .. }) => {
-                    tracing::debug!(peer = peer.node, "ignored a hello on a data stream")
+                Ok(Frame::Hello { .. } | Frame::Refused(_)) => {
+                    tracing::debug!(
+                        peer = peer.node,
+                        "ignored a handshake frame on a data stream"
+                    )
                 }
                 Err(e) => {
                     return drop_stream(&core, &peer, &mut recv, StopCode::BadFrame, &e.to_string())

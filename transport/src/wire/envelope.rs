@@ -37,6 +37,12 @@ pub enum Envelope {
         /// The body is encoded by a halo codec (protocol version 3).
         encoded: bool,
     },
+    /// The answer to a hello the node will not accept, saying why (protocol version 4). It
+    /// travels on the hello stream, which QUIC delivers reliably, so the dialler learns the
+    /// reason even when a `CONNECTION_CLOSE` frame would be lost or come too late.
+    Refused {
+        reason: String,
+    },
 }
 
 /// A W3C `traceparent` on the wire: trace id, span id, trace flags.
@@ -70,6 +76,8 @@ pub enum Frame {
     /// The block's payload is the buffer the body was received into (an encoded one has
     /// been validated).
     Halo(HaloBlock),
+    /// A refused hello and why (see [`Envelope::Refused`]).
+    Refused(String),
 }
 
 pub(crate) fn phase_code(p: Phase) -> u8 {
@@ -118,6 +126,9 @@ impl Envelope {
             Frame::Pong(n) => Envelope::Pong { nonce: *n },
             Frame::Control(b) => Envelope::Control(b.clone()),
             Frame::Halo(b) => Envelope::halo(b),
+            Frame::Refused(reason) => Envelope::Refused {
+                reason: reason.clone(),
+            },
         }
     }
 }
@@ -185,6 +196,7 @@ pub(crate) fn small_frame(env: &ArchivedEnvelope) -> Frame {
         ArchivedEnvelope::Ping { nonce } => Frame::Ping(nonce.to_native()),
         ArchivedEnvelope::Pong { nonce } => Frame::Pong(nonce.to_native()),
         ArchivedEnvelope::Control(b) => Frame::Control(b.as_slice().to_vec()),
+        ArchivedEnvelope::Refused { reason } => Frame::Refused(reason.as_str().to_string()),
         ArchivedEnvelope::Halo { .. } => unreachable!("halo envelopes carry a body"),
     }
 }
