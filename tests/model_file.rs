@@ -245,6 +245,121 @@ fn best_and_last_epochs_are_saved_as_asked() {
     assert_eq!(tensors.tensor("conv2.bias").unwrap().shape(), [4]);
 }
 
+/// The metadata of the model file at `path`.
+fn metadata(path: &Path) -> std::collections::HashMap<String, String> {
+    let bytes = std::fs::read(path).unwrap();
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    meta.metadata().clone().unwrap()
+}
+
+/// The tensors of the model file at `path`, by name, as f32 values.
+fn tensors(path: &Path) -> std::collections::BTreeMap<String, Vec<f32>> {
+    let bytes = std::fs::read(path).unwrap();
+    let t = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    t.tensors()
+        .into_iter()
+        .map(|(name, v)| {
+            let vals = v
+                .data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+                .collect();
+            (name, vals)
+        })
+        .collect()
+}
+
+/// The report a `--report` file holds.
+fn report(path: &Path) -> serde_json::Value {
+    serde_json::from_slice(&std::fs::read(path).unwrap()).unwrap()
+}
+
+#[test]
+fn a_partitioned_run_saves_its_model_also_with_faults() {
+    let dir = tempfile::tempdir().unwrap();
+    let common = ["train", "--data", SYNTH, "--epochs", "20"];
+    let file = |name: &str| dir.path().join(format!("{name}.safetensors"));
+    let rep = |name: &str| dir.path().join(format!("{name}.json"));
+    for at in ["best", "last"] {
+        fn save<'a>(f: &'a Path, r: &'a Path, at: &'a str) -> [&'a str; 6] {
+            [
+                "--save-model",
+                s(f),
+                "--save-model-at",
+                at,
+                "--report",
+                s(r),
+            ]
+        }
+        let (one, parts, faulted) = (file("one"), file("parts"), file("faulted"));
+        let (r_one, r_parts, r_faulted) = (rep("one"), rep("parts"), rep("faulted"));
+        ok(&[&common[..], &save(&one, &r_one, at)].concat());
+        let text = ok(&[
+            &common[..],
+            &["--partitions", "3"],
+            &save(&parts, &r_parts, at),
+        ]
+        .concat());
+        assert!(text.contains("model (epoch "), "{text}");
+        // A partition that panics in the backward pass of epoch 3 is restored from its
+        // replica; the saved model is the same, bit for bit.
+        let chaos = [
+            "--partitions",
+            "3",
+            "--chaos",
+            "panic:part=1:epoch=3:layer=1:phase=backward",
+        ];
+        let text = ok(&[&common[..], &chaos, &save(&faulted, &r_faulted, at)].concat());
+        assert!(
+            text.contains("recovered:"),
+            "the fault did not fire: {text}"
+        );
+        let (m_parts, m_faulted) = (metadata(&parts), metadata(&faulted));
+        assert_eq!(
+            m_parts["trellis.weights_digest"], m_faulted["trellis.weights_digest"],
+            "{at}: a fault changed the saved model"
+        );
+        assert!(
+            tensors(&parts) == tensors(&faulted),
+            "{at}: a fault changed the saved values"
+        );
+        // The saved epoch is the one the report's test accuracy comes from (or the last).
+        let r = report(&r_parts);
+        let epoch = match at {
+            "best" => r["best_epoch"].to_string(),
+            _ => "20".to_string(),
+        };
+        assert_eq!(m_parts["trellis.epoch"], epoch, "{at}");
+        if at == "last" {
+            assert_eq!(
+                m_parts["trellis.weights_digest"],
+                r["weights_digest"].as_str().unwrap(),
+                "the last model is the run's final weights"
+            );
+        }
+        // Partitioned training equals one process up to the order of the gradient sums: the
+        // same epoch is saved, with the same parameters to 1e-4.
+        let m_one = metadata(&one);
+        assert_eq!(m_one["trellis.epoch"], m_parts["trellis.epoch"], "{at}");
+        assert_eq!(m_one["trellis.data_digest"], m_parts["trellis.data_digest"]);
+        let (t_one, t_parts) = (tensors(&one), tensors(&parts));
+        assert_eq!(
+            t_one.keys().collect::<Vec<_>>(),
+            t_parts.keys().collect::<Vec<_>>()
+        );
+        for (name, a) in &t_one {
+            let b = &t_parts[name];
+            let worst = a
+                .iter()
+                .zip(b)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max);
+            assert!(worst <= 1e-4, "{at}: {name} differs by {worst}");
+        }
+        let _ = std::fs::remove_file(&r_one);
+    }
+}
+
 /// `bytes` with its metadata entry `key` set to `value`.
 fn with_metadata(bytes: &[u8], key: &str, value: &str) -> Vec<u8> {
     let (_, header) = safetensors::SafeTensors::read_metadata(bytes).unwrap();

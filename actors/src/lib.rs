@@ -18,6 +18,7 @@ pub mod cluster;
 mod error;
 mod failure_clock;
 pub mod faults;
+mod kept_model;
 pub mod profile;
 pub mod protocol;
 pub mod replica;
@@ -29,6 +30,7 @@ mod topology;
 
 pub use error::ActorError;
 pub use faults::{FaultKind, FaultPlan, LinkAction};
+pub use kept_model::{KeptModel, KeptModels};
 pub use profile::{EpochProfile, StepProfile};
 pub use protocol::epoch::{Recovery, RestartPolicy};
 pub use protocol::messages::{Outcome, RestoreReport, StepReply};

@@ -6,6 +6,7 @@
 //! [`spawn`]: Topology::spawn
 use crate::checkpoint::{Checkpoint, CheckpointPolicy, CheckpointWriter};
 pub use crate::faults::FaultPlan;
+use crate::kept_model::{KeptModels, ModelKeeper};
 use crate::profile::EpochProfile;
 use crate::protocol::state::{GlobalCounts, PartitionState};
 use crate::replica::ReplicaStore;
@@ -16,7 +17,7 @@ use crate::telemetry;
 use crate::ActorError;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 use tracing::Instrument;
@@ -47,6 +48,7 @@ pub struct Topology {
     checkpoints: Option<CheckpointPolicy>,
     dataset: String,
     gate: Option<mpsc::Receiver<()>>,
+    keep_models: bool,
     _tmp: Option<TempDir>,
 }
 
@@ -70,6 +72,7 @@ impl Topology {
             deadline: Duration::from_secs(300),
             dataset,
             gate: None,
+            keep_models: false,
             _tmp: None,
             checkpoints: None,
         })
@@ -121,6 +124,13 @@ impl Topology {
     /// run's epochs with other work in the same process.
     pub fn with_epoch_gate(mut self, gate: mpsc::Receiver<()>) -> Self {
         self.gate = Some(gate);
+        self
+    }
+
+    /// Keeps the trained parameters of the best validation epoch and of the last epoch, for
+    /// [`TrainingRun::wait_with_models`] (`trellis train --save-model` on partitions).
+    pub fn keeping_models(mut self) -> Self {
+        self.keep_models = true;
         self
     }
 
@@ -189,6 +199,12 @@ impl Topology {
         let dataset = self.dataset.clone();
         let tmp = self._tmp;
         let gate = self.gate;
+        let prior_logs = resume
+            .as_ref()
+            .map(|ck| ck.logs.clone())
+            .unwrap_or_default();
+        let kept: Option<Arc<Mutex<KeptModels>>> = self.keep_models.then(Arc::default);
+        let kept_out = kept.clone();
         let thread = std::thread::Builder::new()
             .name("trellis-coordinator".into())
             .spawn(move || {
@@ -214,6 +230,12 @@ impl Topology {
                         let mut coord = Coordinator::new(run, handles, &cfg, deadline, cancel2);
                         if let Some(g) = gate {
                             coord = coord.with_epoch_gate(g);
+                        }
+                        if let Some(into) = kept {
+                            let mut keeper =
+                                ModelKeeper::new(node.replicas().clone(), &prior_logs, into);
+                            coord =
+                                coord.with_epoch_done(Box::new(move |log| keeper.epoch_done(log)));
                         }
                         if let Some(ck) = resume {
                             let s = &ck.snapshot;
@@ -264,6 +286,7 @@ impl Topology {
             events: rx,
             cancel,
             thread: Some(thread),
+            kept: kept_out,
         })
     }
 }
@@ -288,6 +311,8 @@ pub struct TrainingRun {
     events: mpsc::Receiver<RunEvent>,
     cancel: Arc<AtomicBool>,
     thread: Option<JoinHandle<Result<RunReport, ActorError>>>,
+    /// What [`Topology::keeping_models`] keeps, filled as epochs end.
+    kept: Option<Arc<Mutex<KeptModels>>>,
 }
 
 impl TrainingRun {
@@ -300,6 +325,7 @@ impl TrainingRun {
             events,
             cancel,
             thread: Some(thread),
+            kept: None,
         }
     }
 
@@ -323,6 +349,17 @@ impl TrainingRun {
         let t = self.thread.take().expect("joined once");
         t.join()
             .map_err(|_| ActorError::System("the coordinator thread panicked".into()))?
+    }
+
+    /// [`TrainingRun::wait`], and the models the run kept (empty unless the topology was
+    /// [`Topology::keeping_models`]).
+    pub fn wait_with_models(mut self) -> Result<(RunReport, KeptModels), ActorError> {
+        let kept = self.kept.take();
+        let report = self.wait()?;
+        let models = kept
+            .map(|k| k.lock().expect("poisoned").clone())
+            .unwrap_or_default();
+        Ok((report, models))
     }
 }
 

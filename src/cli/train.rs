@@ -6,7 +6,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use clap::Args;
 use std::path::{Path, PathBuf};
 use trellis_actors::checkpoint::CheckpointPolicy;
-use trellis_actors::{FaultPlan, RunEvent, Topology, TrainingRun};
+use trellis_actors::{FaultPlan, KeptModels, RunEvent, Topology, TrainingRun};
 use trellis_gpu::Device;
 use trellis_runtime::grad_codec::GradCodec;
 use trellis_runtime::model_file::{self, ModelMeta};
@@ -240,36 +240,86 @@ pub enum SaveAt {
 
 /// Writes the trainer's model (the epoch `at` says) to `path`.
 pub fn save_model(trainer: &Trainer, at: SaveAt, path: &Path) -> Result<()> {
-    let s = trainer.stream();
-    let (epoch, best);
-    let model = match (at, trainer.best_model()?) {
-        (SaveAt::Best, Some((e, m))) => {
-            epoch = e;
-            best = m;
-            &best
-        }
-        _ => {
-            epoch = trainer.config().epochs;
-            trainer.model()
-        }
+    let best = match at {
+        SaveAt::Best => trainer.best_model()?,
+        SaveAt::Last => None,
     };
-    let cfg = trainer.config();
+    match &best {
+        Some((epoch, model)) => {
+            // A host copy: its values are read on a host stream.
+            let host = trellis_gpu::Stream::cpu(0)?;
+            write_model(
+                path,
+                model,
+                &host,
+                *epoch,
+                trainer.config(),
+                trainer.data_digest(),
+            )
+        }
+        None => write_model(
+            path,
+            trainer.model(),
+            trainer.stream(),
+            trainer.config().epochs,
+            trainer.config(),
+            trainer.data_digest(),
+        ),
+    }
+}
+
+/// Writes the model a partitioned run kept (the epoch `at` says) to `path`. A best epoch
+/// trained before the run resumed from a checkpoint is not kept (checkpoints hold the last
+/// state only): the last epoch's model is written instead, saying so.
+pub fn save_kept_model(
+    kept: &KeptModels,
+    at: SaveAt,
+    cfg: &TrainConfig,
+    data_digest: &str,
+    best_epoch: u32,
+    path: &Path,
+) -> Result<()> {
+    let chosen = match (at, &kept.best) {
+        (SaveAt::Best, Some(b)) => b,
+        (SaveAt::Best, None) => {
+            eprintln!(
+                "warning: --save-model: the best validation epoch ({best_epoch}) was trained \
+                 before this run resumed from its checkpoint, and its parameters are not kept; \
+                 writing the last epoch's"
+            );
+            kept.last
+                .as_ref()
+                .ok_or_else(|| anyhow!("the run kept no model"))?
+        }
+        (SaveAt::Last, _) => kept
+            .last
+            .as_ref()
+            .ok_or_else(|| anyhow!("the run kept no model"))?,
+    };
+    let model =
+        trellis_runtime::Model::with_values(cfg.model.clone(), chosen.snapshot.params.clone())?;
+    let host = trellis_gpu::Stream::cpu(0)?;
+    write_model(path, &model, &host, chosen.epoch, cfg, data_digest)
+}
+
+/// Writes `model` (its values read on `stream`), trained for `epoch` epochs with `cfg` on
+/// data `data_digest`, to `path` as a model file.
+fn write_model(
+    path: &Path,
+    model: &trellis_runtime::Model,
+    stream: &trellis_gpu::Stream,
+    epoch: u32,
+    cfg: &TrainConfig,
+    data_digest: &str,
+) -> Result<()> {
     let meta = ModelMeta {
         config: cfg.model.clone(),
         train_config: serde_json::to_value(cfg).ok(),
         normalize_features: cfg.normalize_features,
-        data_digest: trainer.data_digest().to_string(),
+        data_digest: data_digest.to_string(),
         weights_digest: String::new(),
         epoch,
         code_version: env!("CARGO_PKG_VERSION").to_string(),
-    };
-    // A host model's values are read on the host stream; the trained one on its own stream.
-    let host;
-    let stream = if std::ptr::eq(model, trainer.model()) {
-        s
-    } else {
-        host = trellis_gpu::Stream::cpu(0)?;
-        &host
     };
     model_file::save(path, model, stream, &meta)
         .with_context(|| format!("cannot write the model to {}", path.display()))?;
@@ -341,17 +391,40 @@ pub fn train_partitioned(ds: &Dataset, cfg: TrainConfig, a: &TrainArgs) -> Resul
         trellis_runtime::partition::remove_partitions(d)?;
     }
     let mut topo =
-        Topology::partition(ds, parts, a.partition_method, dir, cfg)?.with_faults(faults);
+        Topology::partition(ds, parts, a.partition_method, dir, cfg.clone())?.with_faults(faults);
     if let Some(pol) = a.checkpoints() {
         topo = topo.with_checkpoints(pol);
     }
-    let run = topo.spawn()?;
-    follow(run, epochs, a.verbose)
+    if a.save_model.is_some() {
+        topo = topo.keeping_models();
+    }
+    let data_digest = topo.book().data_digest.clone();
+    let (report, kept) = follow_keeping(topo.spawn()?, epochs, a.verbose)?;
+    if let Some(path) = &a.save_model {
+        save_kept_model(
+            &kept,
+            a.save_model_at,
+            &cfg,
+            &data_digest,
+            report.best_epoch,
+            path,
+        )?;
+    }
+    Ok(report)
 }
 
 /// Shows a run's progress (a bar on a terminal, per-epoch lines with `verbose`, every
 /// recovery), stops it on Ctrl-C, and returns its report.
 pub fn follow(run: TrainingRun, epochs: u64, verbose: bool) -> Result<RunReport> {
+    Ok(follow_keeping(run, epochs, verbose)?.0)
+}
+
+/// [`follow`], returning the models the run kept too.
+pub fn follow_keeping(
+    run: TrainingRun,
+    epochs: u64,
+    verbose: bool,
+) -> Result<(RunReport, KeptModels)> {
     let cancel = run.canceller();
     // Ctrl-C stops the run after the step in progress; actors and threads are joined.
     let _ = ctrlc::set_handler(move || cancel.store(true, std::sync::atomic::Ordering::SeqCst));
@@ -395,7 +468,7 @@ pub fn follow(run: TrainingRun, epochs: u64, verbose: bool) -> Result<RunReport>
         }
     }
     pb.finish_and_clear();
-    Ok(run.wait()?)
+    Ok(run.wait_with_models()?)
 }
 
 pub fn run(a: TrainArgs) -> Result<()> {
@@ -420,12 +493,6 @@ pub fn run(a: TrainArgs) -> Result<()> {
         );
     }
     a.halo.check_partitioned(partitioned)?;
-    if partitioned && a.save_model.is_some() {
-        bail!(
-            "--save-model is not available for partitioned runs yet: train single-process \
-             (without --partitions, --partition-dir, --chaos, --checkpoint-dir) to save a model"
-        );
-    }
     if partitioned && a.serve.is_some() {
         bail!(
             "--serve is not available for partitioned runs yet: train single-process \

@@ -57,6 +57,9 @@ pub trait NodeRecovery {
     ) -> Pin<Box<dyn Future<Output = Result<Replaced, ActorError>>>>;
 }
 
+/// Called with each epoch's log once the epoch is done (evaluated); an error fails the run.
+pub type EpochDoneFn = Box<dyn FnMut(&EpochLog) -> Result<(), ActorError>>;
+
 /// Writes a durable checkpoint: (epoch, committed digest, every epoch's log so far).
 pub type CheckpointFn = Box<dyn Fn(u32, &str, &[EpochLog]) -> Result<(), ActorError>>;
 
@@ -79,6 +82,7 @@ pub struct Coordinator {
     /// Epochs already done before this run resumed from a checkpoint, with their logs.
     prior: Vec<EpochLog>,
     checkpoint: Option<CheckpointFn>,
+    on_epoch_done: Option<EpochDoneFn>,
     /// Paces the run: each epoch starts once a token arrives; the run ends when it closes.
     gate: Option<mpsc::Receiver<()>>,
     /// Digest of the initial weights (what a restore before the first step must match).
@@ -119,6 +123,7 @@ impl Coordinator {
             committed: Committed::default(),
             prior: Vec::new(),
             checkpoint: None,
+            on_epoch_done: None,
             gate: None,
             initial_digest,
         }
@@ -152,6 +157,12 @@ impl Coordinator {
     /// Calls `f(epoch)` before each epoch's first step.
     pub fn with_epoch_hook(mut self, f: impl Fn(u32) + 'static) -> Self {
         self.on_epoch = Some(Box::new(f));
+        self
+    }
+
+    /// Calls `f(log)` after each epoch is done (e.g. to keep the parameters of the best one).
+    pub fn with_epoch_done(mut self, f: EpochDoneFn) -> Self {
+        self.on_epoch_done = Some(f);
         self
     }
 
@@ -357,6 +368,9 @@ impl Coordinator {
                 pump.all_reduce = None;
             }
             EpochAction::EpochDone(log) => {
+                if let Some(f) = &mut self.on_epoch_done {
+                    f(&log)?;
+                }
                 let _ = events.send(RunEvent::Epoch(log));
             }
             EpochAction::Checkpoint {
