@@ -109,7 +109,9 @@ fn three_node_cluster_matches_single_process() {
     let mut args = vec!["train", "--report", s(&single)];
     args.extend(common);
     run_ok("single", &args, limit);
+    let inproc_model = dir.path().join("inproc.safetensors");
     let mut args = vec!["train", "--partitions", "6", "--report", s(&inproc)];
+    args.extend(["--save-model", s(&inproc_model)]);
     args.extend(common);
     run_ok("in-process", &args, limit);
     let (single, inproc) = (report(&single), report(&inproc));
@@ -118,6 +120,7 @@ fn three_node_cluster_matches_single_process() {
     for i in 0..2 {
         let out = dir.path().join(format!("cluster{i}.json"));
         let cdir = dir.path().join(format!("cluster{i}"));
+        let model = dir.path().join(format!("cluster{i}.safetensors"));
         let mut args = vec![
             "launch",
             "--nodes",
@@ -130,8 +133,14 @@ fn three_node_cluster_matches_single_process() {
             s(&out),
         ];
         args.extend(common);
+        args.extend(["--save-model", s(&model)]);
         run_ok("launch", &args, limit);
         let r = report(&out);
+        // The coordinator saves the best epoch's model: the one the same partitions save in
+        // one process.
+        let (a, b) = (model_meta(&model), model_meta(&inproc_model));
+        assert_eq!(a["trellis.weights_digest"], b["trellis.weights_digest"]);
+        assert_eq!(a["trellis.epoch"], r["best_epoch"].to_string());
         assert_eq!(r["partitions"], 6);
         let nodes = r["nodes"].as_array().unwrap();
         assert_eq!(nodes.len(), 3, "{r}");
@@ -166,6 +175,13 @@ fn three_node_cluster_matches_single_process() {
         digests.push(r["weights_digest"].clone());
     }
     assert_eq!(digests[0], digests[1], "a fixed placement is deterministic");
+}
+
+/// The metadata of a model file.
+fn model_meta(path: &Path) -> std::collections::HashMap<String, String> {
+    let bytes = std::fs::read(path).unwrap();
+    let (_, meta) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+    meta.metadata().clone().unwrap()
 }
 
 /// `extra` lines for the top level of the cluster file, not a `[[node]]` table.
@@ -346,6 +362,35 @@ fn bad_cluster_files_and_ids_are_clear_errors() {
         .finish(Duration::from_secs(20));
     assert!(!status.success());
     assert!(err.contains("node 7 is not in the cluster file"), "{err}");
+    // Without replicas the coordinator has no replicated state to take a model from: said
+    // before any epoch is trained.
+    let bare = write_cluster(
+        dir.path(),
+        "r0.toml",
+        "127.0.0.1:0",
+        1,
+        &[(TOP, "replicas = 0")],
+    );
+    let model = dir.path().join("m.safetensors");
+    let args = [
+        "node",
+        "--cluster",
+        s(&bare),
+        "--id",
+        "0",
+        "--data",
+        DATA,
+        "--epochs",
+        "2",
+    ];
+    let (status, _, err) = Proc::start("node", &[&args[..], &["--save-model", s(&model)]].concat())
+        .finish(Duration::from_secs(60));
+    assert!(!status.success());
+    assert!(
+        err.contains("--save-model") && err.contains("replicas >= 1"),
+        "{err}"
+    );
+    assert!(!model.exists());
 }
 
 #[test]

@@ -329,6 +329,12 @@ impl TrainingRun {
         }
     }
 
+    /// The run keeps its models into `kept` (see [`Topology::keeping_models`]).
+    pub(crate) fn keeping(mut self, kept: Option<Arc<Mutex<KeptModels>>>) -> Self {
+        self.kept = kept;
+        self
+    }
+
     /// Per-epoch events; the channel closes when the run ends.
     pub fn events(&self) -> &mpsc::Receiver<RunEvent> {
         &self.events

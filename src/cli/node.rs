@@ -2,7 +2,10 @@
 //! node takes the training options (`--data`, `--model`, ...), partitions the data into the
 //! cluster's partition folder if it does not hold a matching partitioning yet, and drives the
 //! run; every other node only needs `--cluster` and `--id`.
-use super::train::{check_report_path, follow, load_data, print_summary, write_report, TrainArgs};
+use super::train::{
+    check_report_path, follow_keeping, load_data, print_summary, save_kept_model, write_report,
+    TrainArgs,
+};
 use anyhow::{Context, Result};
 use clap::Args;
 use std::path::PathBuf;
@@ -64,6 +67,7 @@ fn run_node(a: &NodeArgs, cluster: ClusterFile) -> Result<()> {
         .with_context(|| format!("cannot partition into {}", dir.display()))?;
     drop(ds);
     let epochs = cfg.epochs as u64;
+    let (cfg_saved, data_digest) = (cfg.clone(), set.book().data_digest.clone());
     let job = ClusterJob {
         cluster,
         id: a.id,
@@ -72,8 +76,19 @@ fn run_node(a: &NodeArgs, cluster: ClusterFile) -> Result<()> {
         chaos: t.chaos.clone().unwrap_or_default(),
         addr_file: a.addr_file.clone(),
         checkpoints: t.checkpoints(),
+        keep_models: t.save_model.is_some(),
     };
-    let mut report = follow(job.spawn()?, epochs, t.verbose)?;
+    let (mut report, kept) = follow_keeping(job.spawn()?, epochs, t.verbose)?;
+    if let Some(path) = &t.save_model {
+        save_kept_model(
+            &kept,
+            t.save_model_at,
+            &cfg_saved,
+            &data_digest,
+            report.best_epoch,
+            path,
+        )?;
+    }
     report.code_commit = crate::build_info::commit().map(str::to_string);
     print_summary(&report);
     if let Some(path) = &t.report {

@@ -414,12 +414,7 @@ pub fn train_partitioned(ds: &Dataset, cfg: TrainConfig, a: &TrainArgs) -> Resul
 }
 
 /// Shows a run's progress (a bar on a terminal, per-epoch lines with `verbose`, every
-/// recovery), stops it on Ctrl-C, and returns its report.
-pub fn follow(run: TrainingRun, epochs: u64, verbose: bool) -> Result<RunReport> {
-    Ok(follow_keeping(run, epochs, verbose)?.0)
-}
-
-/// [`follow`], returning the models the run kept too.
+/// recovery), stops it on Ctrl-C, and returns its report and the models it kept.
 pub fn follow_keeping(
     run: TrainingRun,
     epochs: u64,

@@ -11,6 +11,7 @@ use super::proto::{ControlMsg, Setup};
 use super::proto::{ReplyBody, Request};
 use super::remote::{ControlClient, RemotePart};
 use crate::checkpoint::{Checkpoint, CheckpointPolicy, CheckpointWriter};
+use crate::kept_model::{KeptModels, ModelKeeper};
 use crate::protocol::session::{CoordAction, CoordState, CoordinatorConfig, CoordinatorSession};
 use crate::protocol::session::{SessionMsg, Verdict};
 use crate::shells::coordinator::{Coordinator, NodeRecovery, Replaced, RestartPolicy};
@@ -25,7 +26,7 @@ use std::path::PathBuf;
 use std::pin::Pin;
 use std::rc::Rc;
 use std::sync::atomic::AtomicBool;
-use std::sync::{mpsc, Arc};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc as tmpsc;
 use tracing::Instrument;
@@ -48,6 +49,9 @@ pub struct ClusterJob {
     pub addr_file: Option<PathBuf>,
     /// Durable checkpoints (written by the coordinator from its own partitions' replicas).
     pub checkpoints: Option<CheckpointPolicy>,
+    /// Keep the trained models (best validation epoch, last epoch) from the coordinator's own
+    /// partitions' snapshots, for [`TrainingRun::wait_with_models`].
+    pub keep_models: bool,
 }
 
 impl ClusterJob {
@@ -66,6 +70,8 @@ impl ClusterJob {
         let (tx, rx) = mpsc::channel();
         let cancel = Arc::new(AtomicBool::new(false));
         let cancel2 = cancel.clone();
+        let kept: Option<Arc<Mutex<KeptModels>>> = self.keep_models.then(Arc::default);
+        let kept2 = kept.clone();
         let thread = std::thread::Builder::new()
             .name("trellis-coordinator".into())
             .spawn(move || {
@@ -82,7 +88,9 @@ impl ClusterJob {
                 let trace_id = crate::telemetry::context_of(&run_span).map(|t| t.trace_id_hex());
                 let before = Metrics::global().snapshot();
                 let result = sys
-                    .block_on(drive(self, &endpoint, inbox, tx, cancel2).instrument(run_span))
+                    .block_on(
+                        drive(self, &endpoint, inbox, tx, cancel2, kept2).instrument(run_span),
+                    )
                     .map(|(mut report, remote)| {
                         // This process's metrics, and those every other node sent with its Bye.
                         let mut metrics = Metrics::global().snapshot().since(&before);
@@ -97,7 +105,7 @@ impl ClusterJob {
                 result
             })
             .map_err(|e| ActorError::System(e.to_string()))?;
-        Ok(TrainingRun::new(rx, cancel, thread))
+        Ok(TrainingRun::new(rx, cancel, thread).keeping(kept))
     }
 }
 
@@ -108,6 +116,7 @@ async fn drive(
     mut inbox: ControlInbox,
     events: mpsc::Sender<RunEvent>,
     cancel: Arc<AtomicBool>,
+    kept: Option<Arc<Mutex<KeptModels>>>,
 ) -> Result<(RunReport, MetricsSnapshot), ActorError> {
     let cluster = &job.cluster;
     let book = job.set.book().clone();
@@ -125,6 +134,13 @@ async fn drive(
     if job.checkpoints.is_some() && cluster.replicas == 0 {
         return Err(ActorError::Cluster(
             "checkpoints are written from the replicated state: they need replicas >= 1".into(),
+        ));
+    }
+    if kept.is_some() && (cluster.replicas == 0 || !placement.contains(&ep.id)) {
+        return Err(ActorError::Cluster(
+            "--save-model takes the model from the coordinator's own partitions' replicated \
+             state: it needs replicas >= 1 and at least one partition placed on the coordinator"
+                .into(),
         ));
     }
     if job.checkpoints.is_some() && !placement.contains(&ep.id) {
@@ -315,6 +331,10 @@ async fn drive(
             window_epochs: cluster.restart_window_epochs,
         })
         .with_timeout_retry();
+    let prior_logs = resume
+        .as_ref()
+        .map(|ck| ck.logs.clone())
+        .unwrap_or_default();
     if let Some(ck) = resume {
         let s = &ck.snapshot;
         coord = coord.resumed(s.epoch, s.digest.clone(), ck.logs);
@@ -329,6 +349,10 @@ async fn drive(
             book.parts,
         );
         coord = coord.with_checkpoints(pol.every, writer.into_fn());
+    }
+    if let Some(into) = kept {
+        let mut keeper = ModelKeeper::new(local.borrow().replicas().clone(), &prior_logs, into);
+        coord = coord.with_epoch_done(Box::new(move |log| keeper.epoch_done(log)));
     }
     let totals = (book.train_nodes, book.val_nodes, book.test_nodes);
     let outcome = coord.run_epochs(job.cfg.epochs, totals, &events).await;
