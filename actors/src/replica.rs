@@ -127,6 +127,17 @@ pub struct Snapshot {
     pub grad_residual: Vec<f32>,
 }
 
+/// A partition's error-feedback residual computed by the step in progress, before its
+/// optimizer step commits it (`--grad-codec`). Kept in the node's store, outside the actor: a
+/// partition restarted *during* that optimizer step replays the step from the all-reduced sum
+/// alone, and resumes with this residual instead of losing it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PendingResidual {
+    /// The step (epoch) whose backward pass computed it.
+    pub epoch: u32,
+    pub residual: Vec<f32>,
+}
+
 /// Ships a partition's committed state to the nodes that keep its replica (cluster runs).
 pub type ReplicaSender = Arc<dyn Fn(ReplicaBytes) + Send + Sync>;
 
@@ -140,6 +151,8 @@ pub struct ReplicaStore {
     /// The two newest steps of each (a step can be replicated before the coordinator commits
     /// it; a recovery then resumes from the one before).
     remote: DashMap<u32, Vec<ReplicaBytes>>,
+    /// Each hosted partition's residual of the step in progress (see [`PendingResidual`]).
+    pending: DashMap<u32, PendingResidual>,
     sender: std::sync::OnceLock<ReplicaSender>,
     /// Replication off: nothing is stored (measures what replication costs).
     disabled: bool,
@@ -239,6 +252,22 @@ impl ReplicaStore {
         self.snaps.get(&part).map(|s| s.clone())
     }
 
+    /// Keeps `part`'s residual of the step in progress (replacing an older one).
+    pub fn hold_pending(&self, part: u32, pending: PendingResidual) {
+        if !self.disabled {
+            self.pending.insert(part, pending);
+        }
+    }
+
+    /// `part`'s residual of the step after `epoch` (the step a partition restored to `epoch`
+    /// may be replaying), if one is held.
+    pub fn pending_after(&self, part: u32, epoch: u32) -> Option<PendingResidual> {
+        self.pending
+            .get(&part)
+            .filter(|p| p.epoch == epoch + 1)
+            .map(|p| p.clone())
+    }
+
     /// The snapshot of the most advanced partition held here. Every partition's model
     /// replica and optimizer state are identical after a step (the all-reduce makes them so
     /// and the coordinator checks their digests), so this is the state a partition re-placed
@@ -264,6 +293,36 @@ mod tests {
             digest: "abc".into(),
             grad_residual: vec![0.25, -1.0],
         }
+    }
+
+    #[test]
+    fn a_held_residual_is_found_only_for_the_step_after_the_restored_one() {
+        let store = ReplicaStore::new();
+        let held = PendingResidual {
+            epoch: 4,
+            residual: vec![0.5, -0.25],
+        };
+        store.hold_pending(1, held.clone());
+        assert_eq!(store.pending_after(1, 3), Some(held));
+        assert_eq!(
+            store.pending_after(1, 4),
+            None,
+            "a committed step's residual"
+        );
+        assert_eq!(store.pending_after(0, 3), None, "another partition's");
+        let off = ReplicaStore::disabled();
+        off.hold_pending(
+            1,
+            PendingResidual {
+                epoch: 4,
+                residual: vec![],
+            },
+        );
+        assert_eq!(
+            off.pending_after(1, 3),
+            None,
+            "replication off keeps nothing"
+        );
     }
 
     #[test]

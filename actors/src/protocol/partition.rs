@@ -9,9 +9,9 @@
 //! [`PartitionMachine::restore`] with the replica it holds.
 use crate::faults::{FaultPlan, APPLY_LAYER};
 use crate::protocol::epoch::{RequestId, Response};
-use crate::protocol::messages::{Applied, RestoreReport, Step, StepReply};
+use crate::protocol::messages::{Applied, Outcome, RestoreReport, Step, StepReply};
 use crate::protocol::state::{timed, PartitionState, Stage};
-use crate::replica::Snapshot;
+use crate::replica::{PendingResidual, Snapshot};
 use crate::telemetry::{self, node_attr as node};
 use crate::ActorError;
 use std::collections::{BTreeMap, VecDeque};
@@ -37,6 +37,10 @@ pub enum PartitionAction {
     /// Store this snapshot of the committed state with the replicas (after an optimizer step);
     /// `ms`: the time taken to copy it out.
     Replicate { snapshot: Snapshot, ms: f64 },
+    /// Hold this residual of the step in progress in the node's store, outside the actor
+    /// (`--grad-codec`: a restart during the optimizer step resumes with it, see
+    /// [`PartitionMachine::resume_pending`]).
+    HoldResidual(PendingResidual),
     /// The computation panicked: restart the partition (then [`PartitionMachine::restore`]).
     Restart,
 }
@@ -372,6 +376,12 @@ impl PartitionMachine {
         Ok(report)
     }
 
+    /// After [`PartitionMachine::restore`]: the residual the node held for the step after the
+    /// restored one (a restart during that step's optimizer step replays it with this).
+    pub fn resume_pending(&mut self, pending: &PendingResidual) {
+        self.state.resume_pending(pending);
+    }
+
     /// A block the shell was asked to send could not leave (not a lost peer): the parked step,
     /// if any, fails with `detail`.
     pub fn abort_parked(&mut self, detail: String) {
@@ -496,6 +506,11 @@ impl PartitionMachine {
                 let Some(outcome) = outcome else {
                     return true;
                 };
+                if self.replicate && matches!(outcome, Outcome::CompressedGrads(_)) {
+                    if let Some(held) = self.state.pending_residual(step.epoch) {
+                        self.actions.push_back(PartitionAction::HoldResidual(held));
+                    }
+                }
                 let StepSlot::Parked(p) = std::mem::replace(&mut self.slot, StepSlot::Idle) else {
                     return false;
                 };

@@ -8,7 +8,7 @@
 use crate::protocol::codec::HaloEncoder;
 use crate::protocol::halo::{proto, HaloLists, Staging, Tag};
 use crate::protocol::messages::Outcome;
-use crate::replica::Snapshot;
+use crate::replica::{PendingResidual, Snapshot};
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -94,6 +94,14 @@ impl GradCompression {
                 self.pending = Some((epoch, ef));
                 Outcome::CompressedGrads(Arc::new(payload))
             }
+        }
+    }
+
+    /// The residual `epoch`'s compressed gradients left, before the optimizer step commits it.
+    fn pending(&self, epoch: u32) -> Option<&[f32]> {
+        match &self.pending {
+            Some((e, ef)) if *e == epoch => Some(ef.residual()),
+            _ => None,
         }
     }
 
@@ -648,14 +656,15 @@ impl PartitionState {
             ));
         }
         if !self.grads.ready_to_apply(epoch) {
-            // A partition restarted during its optimizer step: the step is replayed from the
-            // all-reduced sum, but this partition's new residual died with it.
+            // A partition restarted during its optimizer step replays it from the all-reduced
+            // sum with the residual its node held (`resume_pending`); without one (replication
+            // off) the step's new residual is gone.
             return Err(proto(
                 self.part,
                 &format!(
                     "the error-feedback residual of epoch {epoch}'s compressed gradients was lost \
-                     (restarted during the optimizer step); --grad-codec {} cannot recover from \
-                     that yet",
+                     (restarted during the optimizer step with no held residual: is replication \
+                     off?); --grad-codec {} cannot replay the step without it",
                     self.grads.codec
                 ),
             ));
@@ -717,6 +726,27 @@ impl PartitionState {
             digest: self.model.weights_digest(s)?,
             grad_residual: self.grads.committed.residual().to_vec(),
         })
+    }
+
+    /// The error-feedback residual `epoch`'s backward pass computed and its optimizer step has
+    /// not committed yet (`None` with exact gradients or once committed).
+    pub fn pending_residual(&self, epoch: u32) -> Option<PendingResidual> {
+        self.grads.pending(epoch).map(|r| PendingResidual {
+            epoch,
+            residual: r.to_vec(),
+        })
+    }
+
+    /// After a restore, resumes the step in progress with its held residual, so that its
+    /// optimizer step, replayed from the all-reduced sum, commits it (see
+    /// [`PendingResidual`]). A residual of any other step is ignored.
+    pub fn resume_pending(&mut self, pending: &PendingResidual) {
+        if pending.epoch == self.epoch_done + 1 && !self.grads.codec.is_none() {
+            self.grads.pending = Some((
+                pending.epoch,
+                ErrorFeedback::from_residual(pending.residual.clone()),
+            ));
+        }
     }
 
     /// Restores the dynamic state; returns whether the restored weights match the digest

@@ -124,6 +124,9 @@ impl PartitionActor {
                         };
                         let _ = tx.send(result);
                     }
+                    PartitionAction::HoldResidual(held) => {
+                        self.replicas.hold_pending(self.part.0, held)
+                    }
                     PartitionAction::Replicate { snapshot, ms } => {
                         self.replicas.put(self.part.0, snapshot);
                         Metrics::global().record_ms(
@@ -160,8 +163,13 @@ impl PartitionActor {
     fn restart(&mut self) {
         self.waiting.clear();
         let snap = self.replicas.get(self.part.0);
-        if let Err(e) = self.machine.restore(snap.as_deref()) {
-            tracing::error!("partition {}: restoring its replica failed: {e}", self.part);
+        match self.machine.restore(snap.as_deref()) {
+            Ok(restored) => {
+                if let Some(held) = self.replicas.pending_after(self.part.0, restored.epoch) {
+                    self.machine.resume_pending(&held);
+                }
+            }
+            Err(e) => tracing::error!("partition {}: restoring its replica failed: {e}", self.part),
         }
     }
 }

@@ -15,6 +15,7 @@ use crate::protocol::session::{
     WorkerAction, WorkerConfig, WorkerSession, WorkerState,
 };
 use crate::protocol::state::{GlobalCounts, PartitionState};
+use crate::replica::PendingResidual;
 use crate::{ActorError, Recovery};
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap};
@@ -249,6 +250,8 @@ struct SimNode {
     parts: BTreeMap<u32, PartitionMachine>,
     /// Its own partitions' latest committed state (what a restarted actor restores).
     local: BTreeMap<u32, ReplicaBytes>,
+    /// Its own partitions' residuals of the step in progress (`--grad-codec`).
+    held: BTreeMap<u32, PendingResidual>,
     /// Replicas it keeps for partitions hosted elsewhere: the two newest steps of each (a
     /// step can be replicated before the coordinator commits it, and a recovery then resumes
     /// from the one before).
@@ -923,6 +926,9 @@ impl<'g> SimRun<'g> {
                 PartitionAction::Replicate { snapshot, .. } => {
                     self.replicate(node, ReplicaBytes::encode(part, &snapshot));
                 }
+                PartitionAction::HoldResidual(held) => {
+                    self.nodes[node as usize].held.insert(part, held);
+                }
                 PartitionAction::Restart => {
                     self.fire(SimFault::ActorPanic);
                     // The node's supervisor restarts the actor from the node's own copy.
@@ -936,10 +942,19 @@ impl<'g> SimRun<'g> {
                         }
                         None => None,
                     };
-                    if let Some(m) = self.nodes[node as usize].parts.get_mut(&part) {
-                        if let Err(e) = m.restore(snap.as_ref()) {
-                            self.violation
-                                .get_or_insert(format!("restoring partition {part}: {e}"));
+                    let n = &mut self.nodes[node as usize];
+                    if let Some(m) = n.parts.get_mut(&part) {
+                        match m.restore(snap.as_ref()) {
+                            Ok(r) => {
+                                let held = n.held.get(&part).filter(|h| h.epoch == r.epoch + 1);
+                                if let Some(h) = held {
+                                    m.resume_pending(h);
+                                }
+                            }
+                            Err(e) => {
+                                self.violation
+                                    .get_or_insert(format!("restoring partition {part}: {e}"));
+                            }
                         }
                     }
                 }
