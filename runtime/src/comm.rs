@@ -1,5 +1,6 @@
 //! How partitioned runs communicate: the halo codec settings (`--halo-codec`,
-//! `--halo-error-bound`), part of [`crate::TrainConfig`] so they reach every node of a cluster
+//! `--halo-error-bound`) and the staleness of the rows a training step uses (`--staleness`),
+//! part of [`crate::TrainConfig`] so they reach every node of a cluster
 //! with the rest of the configuration. The codecs themselves are `trellis_transport::codec`.
 use crate::{Result, RuntimeError};
 use serde::{Deserialize, Serialize};
@@ -79,6 +80,19 @@ pub struct HaloConfig {
     /// its squared norm.
     #[serde(default = "default_error_bound")]
     pub error_bound: f32,
+    /// How many epochs old the halo rows and halo gradients a training step uses are: 0 (exact:
+    /// this epoch's), or 1 (PipeGCN: the ones exchanged in the previous epoch, so an epoch's
+    /// exchange overlaps all of its compute; the first epoch, which has no previous one, runs
+    /// exact). Evaluation always uses the current rows. Not written when 0.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub staleness: u32,
+}
+
+/// The largest [`HaloConfig::staleness`] implemented.
+pub const MAX_STALENESS: u32 = 1;
+
+fn is_zero(v: &u32) -> bool {
+    *v == 0
 }
 
 /// The default of [`HaloConfig::error_bound`].
@@ -93,18 +107,27 @@ impl Default for HaloConfig {
         HaloConfig {
             codec: HaloCodec::Fp32,
             error_bound: DEFAULT_ERROR_BOUND,
+            staleness: 0,
         }
     }
 }
 
 impl HaloConfig {
-    /// True for the exact exchange (fp32 rows): what runs before codecs existed did.
+    /// True for the exact exchange (this epoch's fp32 rows): what runs before codecs and
+    /// staleness existed did.
     pub fn is_exact(&self) -> bool {
-        self.codec == HaloCodec::Fp32
+        self.codec == HaloCodec::Fp32 && self.staleness == 0
     }
 
-    /// Checks the values (the error bound must be finite and above 0).
+    /// Checks the values (the error bound must be finite and above 0, the staleness at most
+    /// [`MAX_STALENESS`]).
     pub fn validate(&self) -> Result<()> {
+        if self.staleness > MAX_STALENESS {
+            return Err(RuntimeError::Config(format!(
+                "halo staleness {} is not supported (0: exact, or 1: the previous epoch's rows)",
+                self.staleness
+            )));
+        }
         if !(self.error_bound.is_finite() && self.error_bound > 0.0) {
             return Err(RuntimeError::Config(format!(
                 "halo error bound {} must be finite and above 0",
@@ -140,5 +163,18 @@ mod tests {
             h.error_bound = bad;
             assert!(h.validate().is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn staleness_is_checked_and_written_only_when_set() {
+        let mut h = HaloConfig::default();
+        assert_eq!(serde_json::to_value(h).unwrap().get("staleness"), None);
+        h.staleness = 1;
+        assert!(h.validate().is_ok() && !h.is_exact());
+        let back: HaloConfig = serde_json::from_value(serde_json::to_value(h).unwrap()).unwrap();
+        assert_eq!(back, h);
+        h.staleness = 2;
+        let e = h.validate().unwrap_err().to_string();
+        assert!(e.contains("staleness 2"), "{e}");
     }
 }

@@ -21,6 +21,9 @@ use trellis_runtime::train::{normalize_rows, TrainConfig};
 use trellis_runtime::{Block, LayerInput, Model, Optimizer, Result};
 use trellis_transport::{HaloBlock, PartId, Phase, RunId, TRANSFORMED};
 
+/// Halo blocks by (phase, layer tag) then sender: the training blocks of one epoch.
+pub type EpochBlocks = BTreeMap<(Phase, u16), BTreeMap<PartId, HaloBlock>>;
+
 /// What a stage returns: the step's outcome (`None` after the first stage of a split layer)
 /// and the blocks to send.
 pub type StageOut = Result<(Option<Outcome>, Vec<HaloBlock>)>;
@@ -65,6 +68,14 @@ pub struct PartitionState {
     recv_staging: Staging,
     /// Gradient compression of the all-reduce and its error feedback.
     grads: GradCompression,
+    /// Epochs old the halo rows of a training step are ([`HaloConfig::staleness`]: 0 or 1).
+    ///
+    /// [`HaloConfig::staleness`]: trellis_runtime::comm::HaloConfig::staleness
+    staleness: u32,
+    /// With staleness 1: the training blocks received in epoch `epoch_done`, which the
+    /// training pass of epoch `epoch_done + 1` uses (empty before the first step). Part of the
+    /// replicated snapshot: no other partition holds them.
+    held: EpochBlocks,
 }
 
 /// A partition's gradient compression: the codec, the error-feedback residual committed
@@ -241,6 +252,8 @@ impl PartitionState {
                 seed: cfg.model.seed,
                 ..GradCompression::default()
             },
+            staleness: cfg.halo.staleness,
+            held: EpochBlocks::new(),
         })
     }
 
@@ -274,6 +287,65 @@ impl PartitionState {
     /// layer, whose halo inputs are static, nor for split layers, which exchange `Z`).
     fn exchanges_input(&self, l: usize) -> bool {
         l > 0 && l < self.num_layers() && !self.model.is_split(l)
+    }
+
+    /// Whether the training pass uses the previous epoch's halo blocks (`--staleness 1`): its
+    /// blocks then stay in the inbox when used and are held at the optimizer step for the next
+    /// epoch.
+    pub fn is_stale(&self) -> bool {
+        self.staleness > 0
+    }
+
+    /// The held blocks a stage of `(epoch, phase)` with inputs tagged `tag` uses instead of
+    /// this epoch's: `Some` for a training pass after the first epoch with staleness on.
+    /// Errors when the held blocks are of another epoch than the one before `epoch`.
+    pub fn held_inputs(
+        &self,
+        epoch: u32,
+        phase: Phase,
+        tag: u16,
+    ) -> Result<Option<BTreeMap<PartId, HaloBlock>>> {
+        if !self.is_stale() || phase == Phase::Eval || self.epoch_done == 0 {
+            return Ok(None);
+        }
+        if epoch != self.epoch_done + 1 {
+            return Err(proto(
+                self.part,
+                &format!(
+                    "a {phase:?} step of epoch {epoch} with the halo rows of epoch {} held",
+                    self.epoch_done
+                ),
+            ));
+        }
+        Ok(Some(
+            self.held.get(&(phase, tag)).cloned().unwrap_or_default(),
+        ))
+    }
+
+    /// Every (phase, layer tag, senders) of halo blocks one epoch's training pass receives.
+    pub fn epoch_inputs(&self) -> Vec<(Phase, u16, Vec<PartId>)> {
+        let mut out = Vec::new();
+        for phase in [Phase::Forward, Phase::Backward] {
+            for l in 0..self.num_layers() as u16 {
+                let mut stages = vec![Stage::First];
+                if self.model.is_split(l as usize) {
+                    stages.push(Stage::Second);
+                }
+                for stage in stages {
+                    let (tag, from) = self.inputs(phase, l, stage);
+                    if !from.is_empty() {
+                        out.push((phase, tag, from));
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// Keeps `blocks`, the training blocks of the epoch just applied, for the next epoch's
+    /// training pass (staleness 1).
+    pub fn hold(&mut self, blocks: EpochBlocks) {
+        self.held = blocks;
     }
 
     /// The stage a request for `(epoch, phase, layer)` is at.
@@ -716,6 +788,11 @@ impl PartitionState {
             opt_steps: self.opt.steps(),
             digest: self.model.weights_digest(s)?,
             grad_residual: self.grads.committed.residual().to_vec(),
+            held_halo: self
+                .held
+                .values()
+                .flat_map(|by_sender| by_sender.values().cloned())
+                .collect(),
         })
     }
 
@@ -729,6 +806,13 @@ impl PartitionState {
         self.opt.restore(snap.opt_steps, snap.opt_state.clone());
         self.grads.committed = ErrorFeedback::from_residual(snap.grad_residual.clone());
         self.grads.pending = None;
+        self.held = EpochBlocks::new();
+        for b in &snap.held_halo {
+            self.held
+                .entry((b.header.phase, b.header.layer))
+                .or_default()
+                .insert(b.header.from, b.clone());
+        }
         self.epoch_done = snap.epoch;
         self.reset_epoch()?;
         Ok(self.model.weights_digest(&self.stream)? == snap.digest)

@@ -124,9 +124,18 @@ impl SimGraph {
         part: u32,
         model: ModelKind,
     ) -> Result<PartitionState, ActorError> {
+        self.state_with(parts, part, self.config(model))
+    }
+
+    /// The state of partition `part` of `parts` under `cfg` (a variant of a model's config).
+    pub(crate) fn state_with(
+        &self,
+        parts: u32,
+        part: u32,
+        cfg: &TrainConfig,
+    ) -> Result<PartitionState, ActorError> {
         let set = &self.sets[&parts];
         let file = set.open_part(part as usize)?;
-        let cfg = self.config(model);
         let stream = Stream::cpu(cfg.threads)?;
         Ok(PartitionState::new(&file, cfg, self.counts, stream)?)
     }
