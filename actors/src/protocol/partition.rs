@@ -271,18 +271,7 @@ impl PartitionMachine {
         if self.state.is_stale() && !self.epoch_blocks_in(epoch) {
             // Only after a restart during the optimizer step on a node that was lost (a
             // restart on the same node keeps the blocks of the epoch in progress).
-            return self.answer(
-                id,
-                Err(ActorError::Protocol {
-                    part,
-                    detail: format!(
-                        "the halo blocks of epoch {epoch}, which epoch {} uses with \
-                         --staleness 1, are not all here (lost with the partition's node \
-                         during the optimizer step); the run cannot go on from here",
-                        epoch + 1
-                    ),
-                }),
-            );
+            return self.answer(id, Err(ActorError::HeldRowsLost { part, epoch }));
         }
         let span = tracing::info_span!(
             "apply",

@@ -361,7 +361,9 @@ fn a_restored_replica_resumes_with_the_held_rows_and_missing_ones_are_clear_erro
         let grads = vec![0.01f32; m.state().model().num_parameters()];
         m.handle_apply(RequestId(99), RunId::from_u128(RUN), 2, &grads, None);
         match &drain(&mut m).answers[..] {
-            [(_, Err(e))] => assert!(e.to_string().contains("--staleness 1"), "{e}"),
+            [(_, Err(e @ ActorError::HeldRowsLost { part: 0, epoch: 2 }))] => {
+                assert!(e.to_string().contains("--staleness 1"), "{e}")
+            }
             other => panic!("{other:?}"),
         }
     }
