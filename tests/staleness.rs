@@ -215,7 +215,7 @@ fn bad_staleness_options_are_clear_errors() {
                 "--checkpoint-dir",
                 ckpt.to_str().unwrap(),
             ],
-            "--staleness 1 with --checkpoint-dir",
+            "with --checkpoint-dir: checkpoints do not hold the halo rows",
         ),
     ];
     for (args, want) in cases {

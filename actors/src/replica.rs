@@ -1,5 +1,6 @@
 //! The node's replica store: the latest committed state of each partition's model replica and
 //! optimizer, kept in memory so a restarted actor resumes from it without a checkpoint file.
+use crate::protocol::skip::SentRows;
 use dashmap::DashMap;
 use rkyv::{Archive, Deserialize, Serialize};
 use std::sync::Arc;
@@ -16,6 +17,57 @@ struct SnapshotWire {
     digest: String,
     grad_residual: Vec<f32>,
     held_halo: Vec<WireBlock>,
+    skip_sent: Vec<WireSent>,
+}
+
+/// A sender's record of the rows one receiver holds (`--skip-threshold`).
+#[derive(Archive, Serialize, Deserialize)]
+struct WireSent {
+    to: u32,
+    /// 0 forward, 1 backward.
+    phase: u8,
+    layer: u16,
+    cols: u32,
+    values: Vec<f32>,
+    sent: Vec<u32>,
+}
+
+impl WireSent {
+    fn of(s: &SentRows) -> Self {
+        WireSent {
+            to: s.to.0,
+            phase: u8::from(s.phase != Phase::Forward),
+            layer: s.layer,
+            cols: s.cols,
+            values: s.values.clone(),
+            sent: s.sent.clone(),
+        }
+    }
+
+    fn record(self) -> Result<SentRows, String> {
+        let phase = match self.phase {
+            0 => Phase::Forward,
+            1 => Phase::Backward,
+            p => return Err(format!("skip record with unknown phase {p}")),
+        };
+        if self.values.len() as u64 != self.sent.len() as u64 * u64::from(self.cols) {
+            return Err(format!(
+                "skip record for partition {} holds {} values for {} rows of {}",
+                self.to,
+                self.values.len(),
+                self.sent.len(),
+                self.cols
+            ));
+        }
+        Ok(SentRows {
+            to: PartId(self.to),
+            phase,
+            layer: self.layer,
+            cols: self.cols,
+            values: self.values,
+            sent: self.sent,
+        })
+    }
 }
 
 /// A held halo block (`--staleness`): its header without the run, its shape and its payload
@@ -146,6 +198,7 @@ impl ReplicaBytes {
             digest: snap.digest.clone(),
             grad_residual: snap.grad_residual.clone(),
             held_halo: snap.held_halo.iter().map(WireBlock::of).collect(),
+            skip_sent: snap.skip_sent.iter().map(WireSent::of).collect(),
         };
         let bytes = rkyv::to_bytes::<rkyv::rancor::Error>(&wire)
             .map(|b| b.into_vec())
@@ -194,6 +247,12 @@ impl ReplicaBytes {
                 .map(WireBlock::block)
                 .collect::<Result<_, _>>()
                 .map_err(|e| format!("replica of partition {}: {e}", self.part))?,
+            skip_sent: w
+                .skip_sent
+                .into_iter()
+                .map(WireSent::record)
+                .collect::<Result<_, _>>()
+                .map_err(|e| format!("replica of partition {}: {e}", self.part))?,
         })
     }
 }
@@ -216,12 +275,25 @@ pub struct Snapshot {
     /// pass, which the next epoch's training pass uses (ascending phase, layer tag, sender);
     /// empty otherwise.
     pub held_halo: Vec<HaloBlock>,
+    /// `--skip-threshold`: the partition's record of the rows each receiver holds (what it
+    /// sent them last); empty otherwise.
+    pub skip_sent: Vec<SentRows>,
 }
 
 impl Snapshot {
-    /// Payload bytes of the held halo blocks (what `--staleness` adds to a replica).
+    /// Bytes of the held halo blocks' payloads and of the skip records (what `--staleness`
+    /// and `--skip-threshold` add to a replica).
     pub fn held_halo_bytes(&self) -> u64 {
-        self.held_halo.iter().map(HaloBlock::payload_bytes).sum()
+        let records: usize = self
+            .skip_sent
+            .iter()
+            .map(|s| 4 * (s.values.len() + s.sent.len()))
+            .sum();
+        self.held_halo
+            .iter()
+            .map(HaloBlock::payload_bytes)
+            .sum::<u64>()
+            + records as u64
     }
 }
 
@@ -363,6 +435,7 @@ mod tests {
             digest: "abc".into(),
             grad_residual: vec![0.25, -1.0],
             held_halo: Vec::new(),
+            skip_sent: Vec::new(),
         }
     }
 

@@ -268,11 +268,21 @@ impl PartitionMachine {
                 .map_err(|source| ActorError::Compute { part, source });
             return self.answer(id, r);
         }
-        if self.state.is_stale() && !self.epoch_blocks_in(epoch) {
-            // Only after a restart during the optimizer step on a node that was lost (a
-            // restart on the same node keeps the blocks of the epoch in progress).
-            return self.answer(id, Err(ActorError::HeldRowsLost { part, epoch }));
-        }
+        // With staleness or skipping, the rows held for the next epoch (checked and merged
+        // before the step, so a bad block fails it without stepping).
+        let held = if self.state.holds_rows() {
+            if !self.epoch_blocks_in(epoch) {
+                // Only after a restart during the optimizer step on a node that was lost (a
+                // restart on the same node keeps the blocks of the epoch in progress).
+                return self.answer(id, Err(ActorError::HeldRowsLost { part, epoch }));
+            }
+            match self.state.merge_held(self.epoch_blocks(epoch)) {
+                Ok(h) => Some(h),
+                Err(source) => return self.answer(id, Err(ActorError::Compute { part, source })),
+            }
+        } else {
+            None
+        };
         let span = tracing::info_span!(
             "apply",
             partition = i64::from(part),
@@ -292,8 +302,7 @@ impl PartitionMachine {
         }));
         match result {
             Ok(Ok(digest)) => {
-                if self.state.is_stale() {
-                    let held = self.take_epoch_blocks(epoch);
+                if let Some(held) = held {
                     self.state.hold(held);
                 }
                 if self.replicate {
@@ -331,7 +340,7 @@ impl PartitionMachine {
         let part = self.part.0;
         // With staleness the epoch's training blocks stay: the next epoch uses them, and the
         // replay sends the same ones again.
-        let keep = self.state.is_stale();
+        let keep = self.state.holds_rows();
         self.inbox
             .retain(|k, _| k.0 != epoch || (keep && k.1 != Phase::Eval));
         if let StepSlot::Parked(p) = std::mem::replace(&mut self.slot, StepSlot::Idle) {
@@ -364,7 +373,7 @@ impl PartitionMachine {
         // The blocks other partitions sent are no part of the failure; with staleness the
         // training blocks of the epoch in progress are kept (its replay sends the same ones,
         // and an optimizer step replayed after a restart needs them for the next epoch).
-        let (keep, done) = (self.state.is_stale(), self.state.epoch_done());
+        let (keep, done) = (self.state.holds_rows(), self.state.epoch_done());
         self.inbox
             .retain(|k, _| keep && k.1 != Phase::Eval && k.0 > done);
         match result {
@@ -428,7 +437,7 @@ impl PartitionMachine {
             // With staleness a training pass keeps its blocks in the inbox (the optimizer step
             // holds them for the next epoch), and its last step waits until all of them are
             // in: the exchange overlaps the whole pass but ends with it.
-            let keep = self.state.is_stale() && step.phase != Phase::Eval;
+            let keep = self.state.holds_rows() && step.phase != Phase::Eval;
             let last = step.phase == Phase::Backward && step.layer == 0 && stage == Stage::First;
             if keep && last && !self.epoch_blocks_in(step.epoch) {
                 return;
@@ -461,10 +470,19 @@ impl PartitionMachine {
                         if !need.iter().all(|q| have.is_some_and(|m| m.contains_key(q))) {
                             return;
                         }
-                        if keep {
-                            have.cloned().unwrap_or_default()
-                        } else {
+                        if !keep {
                             self.inbox.remove(&key).unwrap_or_default()
+                        } else {
+                            let have = have.cloned().unwrap_or_default();
+                            match self.state.full_blocks(step.phase, tag, &have) {
+                                Ok(full) => full,
+                                Err(source) => {
+                                    return self.fail_parked(ActorError::Compute {
+                                        part: self.part.0,
+                                        source,
+                                    })
+                                }
+                            }
                         }
                     }
                     Err(source) => {
@@ -489,16 +507,12 @@ impl PartitionMachine {
         })
     }
 
-    /// Takes the training blocks of `epoch` out of the inbox.
-    fn take_epoch_blocks(&mut self, epoch: u32) -> EpochBlocks {
-        let keys: Vec<_> = self
-            .inbox
-            .keys()
-            .filter(|k| k.0 == epoch && k.1 != Phase::Eval)
-            .copied()
-            .collect();
-        keys.into_iter()
-            .filter_map(|k| Some(((k.1, k.2), self.inbox.remove(&k)?)))
+    /// The training blocks of `epoch` in the inbox (shared buffers: cheap copies).
+    fn epoch_blocks(&self, epoch: u32) -> EpochBlocks {
+        self.inbox
+            .iter()
+            .filter(|(k, _)| k.0 == epoch && k.1 != Phase::Eval)
+            .map(|(k, by)| ((k.1, k.2), by.clone()))
             .collect()
     }
 

@@ -127,6 +127,7 @@ impl SimGraph {
         self.references.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    #[cfg(test)]
     pub(crate) fn state(
         &self,
         parts: u32,

@@ -5,14 +5,30 @@
 use super::*;
 use crate::replica::ReplicaBytes;
 use crate::sim::SimGraph;
+use trellis_runtime::comm::HaloConfig;
 use trellis_runtime::ModelKind;
+use trellis_transport::{codec, HaloPayload};
 
 const RUN: u128 = 43;
 
 /// A machine of partition `part` of `parts`, with or without staleness.
 fn machine(g: &SimGraph, kind: ModelKind, parts: u32, part: u32, stale: bool) -> PartitionMachine {
+    let halo = HaloConfig {
+        staleness: u32::from(stale),
+        ..HaloConfig::default()
+    };
+    machine_with(g, kind, parts, part, halo)
+}
+
+fn machine_with(
+    g: &SimGraph,
+    kind: ModelKind,
+    parts: u32,
+    part: u32,
+    halo: HaloConfig,
+) -> PartitionMachine {
     let mut cfg = g.config(kind).clone();
-    cfg.halo.staleness = u32::from(stale);
+    cfg.halo = halo;
     let state = g.state_with(parts, part, &cfg).unwrap();
     PartitionMachine::new(
         state,
@@ -64,9 +80,17 @@ struct Cluster {
 
 impl Cluster {
     fn new(g: &SimGraph, kind: ModelKind, parts: u32, stale: bool) -> Self {
+        let halo = HaloConfig {
+            staleness: u32::from(stale),
+            ..HaloConfig::default()
+        };
+        Self::with(g, kind, parts, halo)
+    }
+
+    fn with(g: &SimGraph, kind: ModelKind, parts: u32, halo: HaloConfig) -> Self {
         Cluster {
             ms: (0..parts)
-                .map(|p| machine(g, kind, parts, p, stale))
+                .map(|p| machine_with(g, kind, parts, p, halo))
                 .collect(),
             next: 1,
             sent: Vec::new(),
@@ -393,4 +417,142 @@ fn a_reset_keeps_the_held_rows_and_the_replay_gives_the_same_losses() {
     let digests = |s: &[Snapshot]| s.iter().map(|s| s.digest.clone()).collect::<Vec<_>>();
     assert_eq!(digests(&sa), digests(&sb));
     assert!(sa.iter().all(|s| !s.held_halo.is_empty()));
+}
+
+/// The rows a training block carries: every one (dense) or the changed ones (sparse).
+fn carried(b: &HaloBlock) -> Option<usize> {
+    match &b.payload {
+        HaloPayload::Encoded(bytes) if codec::is_sparse(bytes) => Some(
+            codec::decode_sparse(bytes, b.rows as usize, b.cols as usize)
+                .unwrap()
+                .index
+                .len(),
+        ),
+        _ => None,
+    }
+}
+
+#[test]
+fn skipped_rows_are_kept_by_the_receiver_and_max_staleness_forces_a_resend() {
+    let g = SimGraph::new().unwrap();
+    for (kind, staleness) in [
+        (ModelKind::Gcn, 0),
+        (ModelKind::Sage, 0),
+        (ModelKind::Sage, 1),
+    ] {
+        // A threshold no change reaches: rows are resent only when max-staleness says so.
+        let halo = HaloConfig {
+            skip_threshold: 1e9,
+            max_staleness: Some(2),
+            staleness,
+            ..HaloConfig::default()
+        };
+        let mut c = Cluster::with(&g, kind, 3, halo);
+        let mut losses = Vec::new();
+        for e in 1..=5 {
+            losses.push(c.epoch(e).0);
+        }
+        let training = |e: u32| -> Vec<Option<usize>> {
+            c.sent
+                .iter()
+                .filter(|b| b.header.epoch == e && b.header.phase != Phase::Eval)
+                .map(carried)
+                .collect()
+        };
+        let rows = |e: u32| -> usize {
+            c.sent
+                .iter()
+                .filter(|b| b.header.epoch == e && b.header.phase != Phase::Eval)
+                .map(|b| b.rows as usize)
+                .sum()
+        };
+        // Epoch 1 sends every row (nothing was sent before): dense blocks.
+        assert!(training(1).iter().all(Option::is_none), "{kind}");
+        // Rows sent in epoch s are used in epoch s + staleness; at most 2 epochs old means
+        // they are resent when the next use would be 3 epochs after s.
+        let resend = 3 - staleness;
+        for e in 2..=5 {
+            let blocks = training(e);
+            assert!(!blocks.is_empty());
+            // Rows whose last sent value was all zeros go whenever they change (a relative
+            // change without bound), which moves their send epoch: so a forced epoch resends
+            // most rows, and the others few.
+            let sent: usize = c
+                .sent
+                .iter()
+                .filter(|b| b.header.epoch == e && b.header.phase != Phase::Eval)
+                .map(|b| carried(b).unwrap_or(b.rows as usize))
+                .sum();
+            if (e - 1) % resend == 0 {
+                assert!(2 * sent > rows(e), "{kind} epoch {e}: {blocks:?}");
+            } else {
+                assert!(
+                    blocks.iter().all(Option::is_some),
+                    "{kind} epoch {e}: {blocks:?}"
+                );
+                assert!(
+                    10 * sent < rows(e),
+                    "{kind} epoch {e}: {sent} of {} rows",
+                    rows(e)
+                );
+            }
+        }
+        // The skipped rows were replaced by the receivers' copies: the losses differ from a
+        // run without skipping after the first skipped epoch, and the run repeats exactly.
+        let mut exact = Cluster::with(
+            &g,
+            kind,
+            3,
+            HaloConfig {
+                staleness,
+                ..HaloConfig::default()
+            },
+        );
+        let plain: Vec<_> = (1..=5).map(|e| exact.epoch(e).0).collect();
+        assert_eq!(losses[0], plain[0], "{kind}");
+        assert_ne!(losses[2], plain[2], "{kind}");
+        let mut again = Cluster::with(&g, kind, 3, halo);
+        let repeat: Vec<_> = (1..=5).map(|e| again.epoch(e).0).collect();
+        assert_eq!(losses, repeat, "{kind}");
+    }
+}
+
+#[test]
+fn skipping_only_unchanged_rows_gives_the_exact_weights_and_restores_with_its_records() {
+    let g = SimGraph::new().unwrap();
+    // The smallest threshold skips only rows that did not change at all (e.g. zero gradient
+    // rows): the receivers' copies are those rows, bit for bit.
+    let halo = HaloConfig {
+        skip_threshold: f32::MIN_POSITIVE,
+        ..HaloConfig::default()
+    };
+    let mut c = Cluster::with(&g, ModelKind::Sage, 3, halo);
+    let mut exact = Cluster::new(&g, ModelKind::Sage, 3, false);
+    let digests = |s: &[Snapshot]| s.iter().map(|s| s.digest.clone()).collect::<Vec<_>>();
+    let mut last = Vec::new();
+    for e in 1..=4 {
+        let (la, sa) = c.epoch(e);
+        let (lb, sb) = exact.epoch(e);
+        assert_eq!(la, lb, "epoch {e}");
+        assert_eq!(digests(&sa), digests(&sb), "epoch {e}");
+        last = sa;
+    }
+    assert!(last.iter().all(|s| !s.skip_sent.is_empty()));
+    let sparse: Vec<usize> = c.sent.iter().filter_map(carried).collect();
+    let skipped: usize = c
+        .sent
+        .iter()
+        .filter_map(|b| Some(b.rows as usize - carried(b)?))
+        .sum();
+    assert!(skipped > 0, "nothing skipped: {sparse:?}");
+    // A partition adopted elsewhere from its replica's bytes resumes with its records and
+    // held rows: epoch 5 goes on exactly as in the uninterrupted run.
+    let bytes = ReplicaBytes::encode(1, &last[1]);
+    let mut adopted = machine_with(&g, ModelKind::Sage, 3, 1, halo);
+    adopted.restore(Some(&bytes.decode().unwrap())).unwrap();
+    c.ms[1] = adopted;
+    let (la, sa) = c.epoch(5);
+    let (lb, sb) = exact.epoch(5);
+    assert_eq!(la, lb);
+    assert_eq!(digests(&sa), digests(&sb));
 }
