@@ -1,8 +1,9 @@
-//! Halo staleness (`--staleness 1`, PipeGCN) in partitioned training, through the public API
-//! and the binary: runs repeat bit for bit, `--staleness 0` is the exact run, staleness sends
-//! the same bytes as exact and lands near it, a cluster of processes (QUIC) trains exactly as
-//! one process, faults in any phase recover to the fault-free weights, and bad options are
-//! clear errors.
+//! Halo staleness (`--staleness 1`, PipeGCN) and row skipping (`--skip-threshold`,
+//! `--max-staleness`) in partitioned training, through the public API and the binary: runs
+//! repeat bit for bit, `--staleness 0` is the exact run, staleness sends the same bytes as
+//! exact and lands near it, skipping sends fewer, a cluster of processes (QUIC) trains
+//! exactly as one process, faults in any phase recover to the fault-free weights, and bad
+//! options are clear errors.
 mod binary;
 
 use binary::{assert_ok, read_report, trellis};
@@ -16,6 +17,13 @@ const DATA: &str = "synthetic:nodes=1500,degree=8,features=24,classes=4,seed=3";
 
 fn synthetic() -> Dataset {
     DataSource::parse(DATA).unwrap().load().unwrap()
+}
+
+fn skipping(ds: &Dataset, kind: ModelKind, epochs: u32, threshold: f32) -> TrainConfig {
+    let mut cfg = config(ds, kind, epochs, 2, 0);
+    cfg.halo.skip_threshold = threshold;
+    cfg.halo.max_staleness = Some(4);
+    cfg
 }
 
 fn config(ds: &Dataset, kind: ModelKind, epochs: u32, seed: u64, staleness: u32) -> TrainConfig {
@@ -120,6 +128,54 @@ fn panics_with_staleness_on_recover_to_identical_weights() {
 }
 
 #[test]
+fn skipping_repeats_bit_for_bit_sends_fewer_bytes_and_recovers_from_panics() {
+    let ds = synthetic();
+    for kind in [ModelKind::Gcn, ModelKind::Sage] {
+        let exact = run(&ds, &config(&ds, kind, 30, 2, 0), 3);
+        let cfg = skipping(&ds, kind, 30, 0.3);
+        let (a, b) = (run(&ds, &cfg, 3), run(&ds, &cfg, 3));
+        assert_eq!(a.weights_digest, b.weights_digest, "{kind}");
+        let (sent, full): (u64, u64) =
+            (halo_bytes(&a).iter().sum(), halo_bytes(&exact).iter().sum());
+        // What fp32 would send is the same rows; fewer of them travel.
+        let fp32: u64 = a.epochs_log.iter().map(|l| l.halo_fp32_bytes).sum();
+        assert_eq!(fp32, full, "{kind}");
+        assert!(sent < full, "{kind}: {sent} vs {full}");
+        let (last, exact_last) = (a.epochs_log[29].loss, exact.epochs_log[29].loss);
+        assert!(
+            ((last - exact_last) / exact_last).abs() < 0.1,
+            "{kind}: final loss {last} vs exact {exact_last}"
+        );
+        eprintln!(
+            "{kind} skip 0.3: {:.2}x fewer halo bytes, loss {last:.4} (exact {exact_last:.4}), test {:.3} (exact {:.3})",
+            full as f64 / sent as f64,
+            a.test_acc,
+            exact.test_acc
+        );
+        // The sender's records and the receiver's copies are replicated: panics anywhere end
+        // with the fault-free weights.
+        let short = skipping(&ds, kind, 6, 0.3);
+        let clean = run(&ds, &short, 3);
+        for spec in [
+            "panic:part=1:epoch=3:layer=1:phase=backward",
+            "panic:part=2:epoch=4:phase=apply",
+            "panic:part=0:epoch=2:layer=1",
+        ] {
+            let faulty = run_with(&ds, &short, 3, FaultPlan::parse(spec).unwrap());
+            assert_eq!(
+                faulty.recoveries.as_array().map_or(0, |a| a.len()),
+                1,
+                "{spec}"
+            );
+            assert_eq!(
+                faulty.weights_digest, clean.weights_digest,
+                "{kind}: {spec}"
+            );
+        }
+    }
+}
+
+#[test]
 fn the_binary_takes_the_flag_and_a_cluster_trains_as_one_process() {
     let dir = tempfile::tempdir().unwrap();
     let path = |n: &str| dir.path().join(n);
@@ -193,13 +249,85 @@ fn the_binary_takes_the_flag_and_a_cluster_trains_as_one_process() {
         assert_eq!(x["halo_bytes"], y["halo_bytes"]);
         assert_eq!(x["weights_digest"], y["weights_digest"]);
     }
+    // Skipping with a codec, staleness and a bound, in one process and over QUIC: the same
+    // weights and bytes, fewer bytes than the codec alone.
+    let skip = [
+        "--staleness",
+        "1",
+        "--skip-threshold",
+        "0.3",
+        "--max-staleness",
+        "3",
+        "--halo-codec",
+        "int8",
+    ];
+    let out = train(&skip, "skip.json");
+    assert!(out.contains("rows changed by at most 0.3 skipped"), "{out}");
+    train(&["--halo-codec", "int8"], "int8.json");
+    assert_ok(
+        &trellis()
+            .args(["launch", "--nodes", "2", "--dir"])
+            .arg(path("s"))
+            .args(common)
+            .args(skip)
+            .arg("--report")
+            .arg(path("skip-cluster.json"))
+            .output()
+            .unwrap(),
+    );
+    let (one, many, int8) = (
+        read_report(&path("skip.json")),
+        read_report(&path("skip-cluster.json")),
+        read_report(&path("int8.json")),
+    );
+    assert_eq!(one["weights_digest"], many["weights_digest"]);
+    assert_eq!(
+        one["config"]["halo"]["skip_threshold"].as_f64(),
+        Some(0.3f32 as f64)
+    );
+    assert_eq!(one["config"]["halo"]["max_staleness"], 3);
+    let bytes = |r: &serde_json::Value| -> u64 {
+        r["epochs_log"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|l| l["halo_bytes"].as_u64().unwrap())
+            .sum()
+    };
+    assert_eq!(bytes(&one), bytes(&many));
+    assert!(
+        bytes(&one) < bytes(&int8),
+        "{} vs {}",
+        bytes(&one),
+        bytes(&int8)
+    );
 }
 
 #[test]
 fn bad_staleness_options_are_clear_errors() {
     let dir = tempfile::tempdir().unwrap();
     let ckpt = dir.path().join("ck");
-    let cases: [(&[&str], &str); 4] = [
+    let cases: [(&[&str], &str); 8] = [
+        (
+            &["--skip-threshold=-1", "--partitions", "2"],
+            "must be finite and at least 0",
+        ),
+        (
+            &["--skip-threshold", "nan", "--partitions", "2"],
+            "must be finite and at least 0",
+        ),
+        (&["--skip-threshold", "0.1"], "needs --partitions 2 or more"),
+        (
+            &[
+                "--staleness",
+                "1",
+                "--max-staleness",
+                "0",
+                "--partitions",
+                "2",
+            ],
+            "max staleness 0 is below the staleness 1",
+        ),
         (
             &["--staleness", "2", "--partitions", "2"],
             "2 epochs is not supported",
