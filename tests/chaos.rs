@@ -204,6 +204,86 @@ fn failures_in_a_row_and_during_a_recovery_end_with_identical_weights() {
     }
 }
 
+/// With `--staleness 1` each partition holds the halo rows of its last epoch for the next one,
+/// and with `--skip-threshold` the receivers' copies of rows not resent and the senders'
+/// records of them; all of it travels with the partition's replica, so partitions adopted
+/// after a node loss (and restarted ones) resume with it: the same weights after every epoch
+/// as the fault-free run of the same setting.
+#[test]
+fn a_killed_node_and_panics_with_staleness_and_skipping_on_end_with_identical_weights() {
+    let settings: [&[&str]; 2] = [
+        &["--staleness", "1"],
+        &[
+            "--staleness",
+            "1",
+            "--skip-threshold",
+            "0.3",
+            "--max-staleness",
+            "3",
+            "--halo-codec",
+            "int8",
+        ],
+    ];
+    for (i, setting) in settings.into_iter().enumerate() {
+        faults_with_held_rows(&format!("s{i}"), setting);
+    }
+}
+
+fn faults_with_held_rows(name: &str, setting: &[&str]) {
+    let dir = tempfile::tempdir().unwrap();
+    let clean = launch(dir.path(), &format!("{name}-clean"), 5, "", setting);
+    let chaos = "kill-node:node=2:epoch=3,panic:part=1:epoch=2:layer=1:phase=backward,\
+                 panic:part=3:epoch=4:phase=apply,panic:part=0:epoch=4:phase=eval";
+    let faulty = launch(dir.path(), name, 5, chaos, setting);
+    assert_eq!(digest(&faulty), digest(&clean), "{}", faulty.stdout);
+    let per_epoch = |r: &Run| -> Vec<serde_json::Value> {
+        r.report.as_ref().unwrap()["epochs_log"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["weights_digest"].clone())
+            .collect()
+    };
+    assert_eq!(per_epoch(&faulty), per_epoch(&clean));
+    // Every planned fault fired and was recovered from, each verified against the digest the
+    // coordinator committed.
+    let kinds: Vec<String> = recoveries(&faulty)
+        .iter()
+        .map(|r| format!("{}@{}", r["kind"].as_str().unwrap(), r["epoch"]))
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            "actor-panic@2",
+            "node-loss@3",
+            "actor-panic@4",
+            "actor-panic@4"
+        ],
+        "{}",
+        faulty.stdout
+    );
+    for r in recoveries(&faulty) {
+        assert_eq!(r["digest_ok"], true, "{r}");
+    }
+    // The held rows are part of what was shipped to the replica nodes.
+    let counters = faulty.report.as_ref().unwrap()["counters"].clone();
+    let sum = |prefix: &str| -> u64 {
+        counters
+            .as_object()
+            .unwrap()
+            .iter()
+            .filter(|(k, _)| k.starts_with(prefix))
+            .map(|(_, v)| v.as_u64().unwrap())
+            .sum()
+    };
+    let (held, shipped) = (sum("replica_halo_bytes"), sum("replica_bytes"));
+    assert!(held > 0 && held < shipped, "{counters}");
+    eprintln!(
+        "{}: {held} of {shipped} replica bytes are held halo rows and skip records",
+        setting.join(" ")
+    );
+}
+
 #[test]
 fn losing_a_partition_without_replica_is_a_clear_error() {
     let dir = tempfile::tempdir().unwrap();

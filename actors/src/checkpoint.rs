@@ -329,6 +329,9 @@ impl Checkpoint {
                 digest: f.digest,
                 // Checkpoints are refused with a gradient codec: no residual to restore.
                 grad_residual: Vec::new(),
+                // ...and with staleness or skipping: no held halo blocks, no skip records.
+                held_halo: Vec::new(),
+                skip_sent: Vec::new(),
             },
             logs,
             config,
@@ -424,6 +427,14 @@ impl CheckpointWriter {
                     format!("no local replica of the committed state of epoch {epoch} to write"),
                 )
             })?;
+        if !snap.held_halo.is_empty() || !snap.skip_sent.is_empty() {
+            return Err(bad(
+                &self.dir,
+                "the partitions hold halo rows for their next epoch (staleness 1, skipping), \
+                 which checkpoints do not store yet"
+                    .to_string(),
+            ));
+        }
         Checkpoint {
             snapshot: (*snap).clone(),
             logs: logs.to_vec(),

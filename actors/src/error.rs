@@ -23,6 +23,15 @@ pub enum ActorError {
     /// A message did not fit the protocol state (wrong run, stale epoch, ...).
     #[error("partition {part}: protocol violation: {detail}")]
     Protocol { part: u32, detail: String },
+    /// With `--staleness 1`, the halo rows a partition holds for its next epoch were lost: it
+    /// was restarted from its replica on another node while the optimizer step of `epoch` was
+    /// replayed, after its own node (which had received them) was lost.
+    #[error(
+        "partition {part}: the halo rows of epoch {epoch}, which epoch {} uses with \
+         --staleness 1, were lost with the partition's node during the optimizer step; the \
+         run cannot go on from here", epoch + 1
+    )]
+    HeldRowsLost { part: u32, epoch: u32 },
     /// Replicas disagree after an optimizer step.
     #[error("replicas diverged at epoch {epoch}: partition {part} has digest {got}, partition 0 has {want}")]
     Diverged {

@@ -86,6 +86,8 @@ mod tests {
             opt_steps: u64::from(epoch),
             digest: format!("d{epoch}"),
             grad_residual: vec![],
+            held_halo: vec![],
+            skip_sent: vec![],
         }
     }
 

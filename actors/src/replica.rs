@@ -1,9 +1,11 @@
 //! The node's replica store: the latest committed state of each partition's model replica and
 //! optimizer, kept in memory so a restarted actor resumes from it without a checkpoint file.
+use crate::protocol::skip::SentRows;
 use dashmap::DashMap;
 use rkyv::{Archive, Deserialize, Serialize};
 use std::sync::Arc;
 use trellis_gpu::Tensor;
+use trellis_transport::{HaloBlock, HaloPayload, MsgHeader, PartId, Phase, RunId};
 
 /// A snapshot as replicated bytes: shapes and values of every tensor.
 #[derive(Archive, Serialize, Deserialize)]
@@ -14,6 +16,136 @@ struct SnapshotWire {
     opt_steps: u64,
     digest: String,
     grad_residual: Vec<f32>,
+    held_halo: Vec<WireBlock>,
+    skip_sent: Vec<WireSent>,
+}
+
+/// A sender's record of the rows one receiver holds (`--skip-threshold`).
+#[derive(Archive, Serialize, Deserialize)]
+struct WireSent {
+    to: u32,
+    /// 0 forward, 1 backward.
+    phase: u8,
+    layer: u16,
+    cols: u32,
+    values: Vec<f32>,
+    sent: Vec<u32>,
+}
+
+impl WireSent {
+    fn of(s: &SentRows) -> Self {
+        WireSent {
+            to: s.to.0,
+            phase: u8::from(s.phase != Phase::Forward),
+            layer: s.layer,
+            cols: s.cols,
+            values: s.values.clone(),
+            sent: s.sent.clone(),
+        }
+    }
+
+    fn record(self) -> Result<SentRows, String> {
+        let phase = match self.phase {
+            0 => Phase::Forward,
+            1 => Phase::Backward,
+            p => return Err(format!("skip record with unknown phase {p}")),
+        };
+        if self.values.len() as u64 != self.sent.len() as u64 * u64::from(self.cols) {
+            return Err(format!(
+                "skip record for partition {} holds {} values for {} rows of {}",
+                self.to,
+                self.values.len(),
+                self.sent.len(),
+                self.cols
+            ));
+        }
+        Ok(SentRows {
+            to: PartId(self.to),
+            phase,
+            layer: self.layer,
+            cols: self.cols,
+            values: self.values,
+            sent: self.sent,
+        })
+    }
+}
+
+/// A held halo block (`--staleness`): its header without the run, its shape and its payload
+/// as it was received (fp32 values or encoded bytes).
+#[derive(Archive, Serialize, Deserialize)]
+struct WireBlock {
+    epoch: u32,
+    /// 0 forward, 1 backward (evaluation blocks are never held).
+    phase: u8,
+    layer: u16,
+    from: u32,
+    to: u32,
+    rows: u32,
+    cols: u32,
+    values: Vec<f32>,
+    encoded: Option<Vec<u8>>,
+}
+
+impl WireBlock {
+    fn of(b: &HaloBlock) -> Self {
+        let (values, encoded) = match &b.payload {
+            HaloPayload::F32(d) => (d.to_vec(), None),
+            HaloPayload::Encoded(e) => (Vec::new(), Some(e.to_vec())),
+        };
+        WireBlock {
+            epoch: b.header.epoch,
+            phase: match b.header.phase {
+                Phase::Forward => 0,
+                Phase::Backward | Phase::Eval => 1,
+            },
+            layer: b.header.layer,
+            from: b.header.from.0,
+            to: b.header.to.0,
+            rows: b.rows,
+            cols: b.cols,
+            values,
+            encoded,
+        }
+    }
+
+    /// The block (run id nil: a held block is only read for its rows). Fp32 values must be
+    /// exactly `rows x cols`; encoded payloads are checked by the decoder when used.
+    fn block(self) -> Result<HaloBlock, String> {
+        let phase = match self.phase {
+            0 => Phase::Forward,
+            1 => Phase::Backward,
+            p => return Err(format!("held halo block with unknown phase {p}")),
+        };
+        let payload = match self.encoded {
+            Some(bytes) => HaloPayload::Encoded(Arc::from(bytes)),
+            None if self.values.len() as u64 == self.rows as u64 * self.cols as u64 => {
+                HaloPayload::F32(Arc::from(self.values))
+            }
+            None => {
+                return Err(format!(
+                    "held halo block from partition {} holds {} values, not {}x{}",
+                    self.from,
+                    self.values.len(),
+                    self.rows,
+                    self.cols
+                ))
+            }
+        };
+        Ok(HaloBlock {
+            header: MsgHeader {
+                run: RunId::nil(),
+                epoch: self.epoch,
+                layer: self.layer,
+                phase,
+                from: PartId(self.from),
+                to: PartId(self.to),
+            },
+            rows: self.rows,
+            cols: self.cols,
+            payload,
+            trace: None,
+        })
+    }
 }
 
 #[derive(Archive, Serialize, Deserialize)]
@@ -65,6 +197,8 @@ impl ReplicaBytes {
             opt_steps: snap.opt_steps,
             digest: snap.digest.clone(),
             grad_residual: snap.grad_residual.clone(),
+            held_halo: snap.held_halo.iter().map(WireBlock::of).collect(),
+            skip_sent: snap.skip_sent.iter().map(WireSent::of).collect(),
         };
         let bytes = rkyv::to_bytes::<rkyv::rancor::Error>(&wire)
             .map(|b| b.into_vec())
@@ -107,6 +241,18 @@ impl ReplicaBytes {
             opt_steps: w.opt_steps,
             digest: w.digest,
             grad_residual: w.grad_residual,
+            held_halo: w
+                .held_halo
+                .into_iter()
+                .map(WireBlock::block)
+                .collect::<Result<_, _>>()
+                .map_err(|e| format!("replica of partition {}: {e}", self.part))?,
+            skip_sent: w
+                .skip_sent
+                .into_iter()
+                .map(WireSent::record)
+                .collect::<Result<_, _>>()
+                .map_err(|e| format!("replica of partition {}: {e}", self.part))?,
         })
     }
 }
@@ -125,6 +271,30 @@ pub struct Snapshot {
     /// The partition's gradient-compression residual (error feedback) after the step; empty
     /// with exact gradients.
     pub grad_residual: Vec<f32>,
+    /// `--staleness 1`: the halo blocks the partition received during the step's training
+    /// pass, which the next epoch's training pass uses (ascending phase, layer tag, sender);
+    /// empty otherwise.
+    pub held_halo: Vec<HaloBlock>,
+    /// `--skip-threshold`: the partition's record of the rows each receiver holds (what it
+    /// sent them last); empty otherwise.
+    pub skip_sent: Vec<SentRows>,
+}
+
+impl Snapshot {
+    /// Bytes of the held halo blocks' payloads and of the skip records (what `--staleness`
+    /// and `--skip-threshold` add to a replica).
+    pub fn held_halo_bytes(&self) -> u64 {
+        let records: usize = self
+            .skip_sent
+            .iter()
+            .map(|s| 4 * (s.values.len() + s.sent.len()))
+            .sum();
+        self.held_halo
+            .iter()
+            .map(HaloBlock::payload_bytes)
+            .sum::<u64>()
+            + records as u64
+    }
 }
 
 /// A partition's error-feedback residual computed by the step in progress, before its
@@ -203,14 +373,15 @@ impl ReplicaStore {
         }
         if let Some(send) = self.sender.get() {
             if snap.epoch > 0 {
+                use trellis_runtime::metrics::{names, Key, Metrics};
                 let bytes = ReplicaBytes::encode(part, &snap);
-                trellis_runtime::metrics::Metrics::global().add(
-                    trellis_runtime::metrics::Key::new(
-                        trellis_runtime::metrics::names::REPLICA_BYTES,
-                    )
-                    .with("partition", part),
-                    bytes.bytes.len() as u64,
-                );
+                let metrics = Metrics::global();
+                let key = |name| Key::new(name).with("partition", part);
+                metrics.add(key(names::REPLICA_BYTES), bytes.bytes.len() as u64);
+                let held = snap.held_halo_bytes();
+                if held > 0 {
+                    metrics.add(key(names::REPLICA_HALO_BYTES), held);
+                }
                 send(bytes);
             }
         }
@@ -292,6 +463,8 @@ mod tests {
             opt_steps: 7,
             digest: "abc".into(),
             grad_residual: vec![0.25, -1.0],
+            held_halo: Vec::new(),
+            skip_sent: Vec::new(),
         }
     }
 

@@ -1,5 +1,7 @@
 //! How partitioned runs communicate: the halo codec settings (`--halo-codec`,
-//! `--halo-error-bound`), part of [`crate::TrainConfig`] so they reach every node of a cluster
+//! `--halo-error-bound`), the staleness of the rows a training step uses (`--staleness`),
+//! the skipping of rows that barely changed (`--skip-threshold`) and the bound on both
+//! (`--max-staleness`), part of [`crate::TrainConfig`] so they reach every node of a cluster
 //! with the rest of the configuration. The codecs themselves are `trellis_transport::codec`.
 use crate::{Result, RuntimeError};
 use serde::{Deserialize, Serialize};
@@ -79,6 +81,33 @@ pub struct HaloConfig {
     /// its squared norm.
     #[serde(default = "default_error_bound")]
     pub error_bound: f32,
+    /// How many epochs old the halo rows and halo gradients a training step uses are: 0 (exact:
+    /// this epoch's), or 1 (PipeGCN: the ones exchanged in the previous epoch, so an epoch's
+    /// exchange overlaps all of its compute; the first epoch, which has no previous one, runs
+    /// exact). Evaluation always uses the current rows. Not written when 0.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub staleness: u32,
+    /// Training passes only: a halo row (embedding or gradient) whose change since it was
+    /// last sent is at most this fraction of its last sent value, in L2 norm
+    /// (`|x - x_sent| <= T |x_sent|`), is not resent; the receiver keeps its copy. 0: off.
+    /// Not written when 0.
+    #[serde(default, skip_serializing_if = "is_zero_f32")]
+    pub skip_threshold: f32,
+    /// The most epochs old a row may be where it is used: a skipped row is resent once it
+    /// would be older. `None`: unbounded. Not written when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_staleness: Option<u32>,
+}
+
+fn is_zero_f32(v: &f32) -> bool {
+    *v == 0.0
+}
+
+/// The largest [`HaloConfig::staleness`] implemented.
+pub const MAX_STALENESS: u32 = 1;
+
+fn is_zero(v: &u32) -> bool {
+    *v == 0
 }
 
 /// The default of [`HaloConfig::error_bound`].
@@ -93,18 +122,48 @@ impl Default for HaloConfig {
         HaloConfig {
             codec: HaloCodec::Fp32,
             error_bound: DEFAULT_ERROR_BOUND,
+            staleness: 0,
+            skip_threshold: 0.0,
+            max_staleness: None,
         }
     }
 }
 
 impl HaloConfig {
-    /// True for the exact exchange (fp32 rows): what runs before codecs existed did.
+    /// True for the exact exchange (this epoch's fp32 rows): what runs before codecs and
+    /// staleness existed did.
     pub fn is_exact(&self) -> bool {
-        self.codec == HaloCodec::Fp32
+        self.codec == HaloCodec::Fp32 && self.staleness == 0 && self.skip_threshold == 0.0
     }
 
-    /// Checks the values (the error bound must be finite and above 0).
+    /// Whether partitions keep the halo blocks of an epoch for the next one: the stale rows
+    /// (staleness 1) or the receiver's copy of rows not resent (skipping).
+    pub fn holds_rows(&self) -> bool {
+        self.staleness > 0 || self.skip_threshold > 0.0
+    }
+
+    /// Checks the values (the error bound must be finite and above 0, the staleness at most
+    /// [`MAX_STALENESS`], the skip threshold finite and at least 0, the maximum staleness at
+    /// least the staleness).
     pub fn validate(&self) -> Result<()> {
+        if !(self.skip_threshold.is_finite() && self.skip_threshold >= 0.0) {
+            return Err(RuntimeError::Config(format!(
+                "halo skip threshold {} must be finite and at least 0",
+                self.skip_threshold
+            )));
+        }
+        if let Some(k) = self.max_staleness.filter(|&k| k < self.staleness) {
+            return Err(RuntimeError::Config(format!(
+                "max staleness {k} is below the staleness {}: every row used is {} epoch(s) old",
+                self.staleness, self.staleness
+            )));
+        }
+        if self.staleness > MAX_STALENESS {
+            return Err(RuntimeError::Config(format!(
+                "halo staleness {} is not supported (0: exact, or 1: the previous epoch's rows)",
+                self.staleness
+            )));
+        }
         if !(self.error_bound.is_finite() && self.error_bound > 0.0) {
             return Err(RuntimeError::Config(format!(
                 "halo error bound {} must be finite and above 0",
@@ -140,5 +199,40 @@ mod tests {
             h.error_bound = bad;
             assert!(h.validate().is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn staleness_is_checked_and_written_only_when_set() {
+        let mut h = HaloConfig::default();
+        assert_eq!(serde_json::to_value(h).unwrap().get("staleness"), None);
+        h.staleness = 1;
+        assert!(h.validate().is_ok() && !h.is_exact());
+        let back: HaloConfig = serde_json::from_value(serde_json::to_value(h).unwrap()).unwrap();
+        assert_eq!(back, h);
+        h.staleness = 2;
+        let e = h.validate().unwrap_err().to_string();
+        assert!(e.contains("staleness 2"), "{e}");
+    }
+
+    #[test]
+    fn skip_thresholds_and_max_staleness_are_checked() {
+        let mut h = HaloConfig {
+            skip_threshold: 0.1,
+            ..HaloConfig::default()
+        };
+        assert!(h.validate().is_ok() && !h.is_exact() && h.holds_rows());
+        for bad in [-0.1, f32::NAN, f32::INFINITY] {
+            h.skip_threshold = bad;
+            assert!(h.validate().is_err(), "{bad}");
+        }
+        h.skip_threshold = 0.0;
+        h.staleness = 1;
+        h.max_staleness = Some(0);
+        let e = h.validate().unwrap_err().to_string();
+        assert!(e.contains("max staleness 0"), "{e}");
+        h.max_staleness = Some(1);
+        assert!(h.validate().is_ok());
+        let json = serde_json::to_value(HaloConfig::default()).unwrap();
+        assert!(json.get("skip_threshold").is_none() && json.get("max_staleness").is_none());
     }
 }

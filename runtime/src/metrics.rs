@@ -32,6 +32,9 @@ pub mod names {
     pub const RESTARTS: &str = "restarts";
     /// Bytes of committed partition state shipped to replica nodes, per partition.
     pub const REPLICA_BYTES: &str = "replica_bytes";
+    /// Of those, the payload bytes of the halo blocks a partition holds for its next epoch
+    /// (`--staleness 1`), per partition.
+    pub const REPLICA_HALO_BYTES: &str = "replica_halo_bytes";
     /// From shipping a partition's state to a replica node until that node acknowledged
     /// storing it (QUIC transfer, queueing behind other traffic included), per partition.
     pub const REPLICA_TRANSFER: &str = "replica_transfer";
@@ -47,11 +50,12 @@ pub mod names {
         REPLICA_TRANSFER,
     ];
     /// Every counter name.
-    pub const COUNTERS: [&str; 5] = [
+    pub const COUNTERS: [&str; 6] = [
         HALO_BYTES,
         HALO_MESSAGES,
         RESTARTS,
         REPLICA_BYTES,
+        REPLICA_HALO_BYTES,
         REFUSED_CONNECTIONS,
     ];
     /// Every label name.

@@ -79,6 +79,7 @@ pub fn run(a: AccuracyArgs) -> Result<()> {
     let halo = |codec| HaloConfig {
         codec,
         error_bound: a.halo_error_bound,
+        ..HaloConfig::default()
     };
     for c in &codecs {
         halo(*c).validate()?;

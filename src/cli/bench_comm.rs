@@ -50,6 +50,14 @@ pub const CONFIGS: &[Config] = &[
         name: "efficient",
         args: &["--comm", "efficient"],
     },
+    Config {
+        name: "staleness",
+        args: &["--staleness", "1"],
+    },
+    Config {
+        name: "combined",
+        args: &["--comm", "efficient", "--staleness", "1"],
+    },
 ];
 
 #[derive(Debug, Clone, Args)]
@@ -98,7 +106,8 @@ pub struct CommBenchArgs {
     #[arg(long, default_value_t = 0, value_parser = super::validate::threads)]
     pub threads: usize,
     /// The configurations to compare, comma separated (`exact` always runs, on loopback
-    /// too) [default: every one: exact, fp16, int8, adaptive, grad-int8, efficient].
+    /// too) [default: every one: exact, fp16, int8, adaptive, grad-int8, efficient,
+    /// staleness, combined].
     #[arg(long, value_name = "NAMES", value_delimiter = ',')]
     pub configs: Vec<String>,
     /// More `train` options for every run, after `--` (e.g. `-- --dropout 0.3`).

@@ -1,8 +1,9 @@
 //! The halo exchange options shared by `train`, `launch` and `node` (`--halo-codec`,
-//! `--halo-error-bound`) and the summary line of what the exchange sent.
+//! `--halo-error-bound`, `--staleness`, `--skip-threshold`, `--max-staleness`) and the
+//! summary line of what the exchange sent.
 use anyhow::{bail, Result};
 use clap::Args;
-use trellis_runtime::comm::{HaloCodec, HaloConfig, DEFAULT_ERROR_BOUND};
+use trellis_runtime::comm::{HaloCodec, HaloConfig, DEFAULT_ERROR_BOUND, MAX_STALENESS};
 use trellis_runtime::RunReport;
 
 /// How partitions encode the halo rows they exchange.
@@ -17,6 +18,20 @@ pub struct HaloArgs {
     /// squared norm (finite, above 0).
     #[arg(long, value_name = "E", default_value_t = DEFAULT_ERROR_BOUND, value_parser = parse_bound)]
     pub halo_error_bound: f32,
+    /// Epochs old the halo rows and gradients of a training step are: 0 (exact) or 1 (the
+    /// previous epoch's, PipeGCN: each epoch's exchange overlaps all of its compute; the first
+    /// epoch runs exact). Evaluation uses the current rows.
+    #[arg(long, value_name = "EPOCHS", default_value_t = 0, value_parser = parse_staleness)]
+    pub staleness: u32,
+    /// Training passes: do not resend a halo row (embedding or gradient) whose change since it
+    /// was last sent is at most T times its last sent value in L2 norm; the receiver keeps
+    /// its copy (blocks then carry only the changed rows). 0: off [finite, at least 0].
+    #[arg(long, value_name = "T", default_value_t = 0.0, value_parser = parse_threshold)]
+    pub skip_threshold: f32,
+    /// The most epochs old a halo row may be where it is used: a row not resent for that long
+    /// is resent (at least --staleness) [default: unbounded].
+    #[arg(long, value_name = "EPOCHS")]
+    pub max_staleness: Option<u32>,
 }
 
 impl HaloArgs {
@@ -25,11 +40,29 @@ impl HaloArgs {
         HaloConfig {
             codec: self.halo_codec,
             error_bound: self.halo_error_bound,
+            staleness: self.staleness,
+            skip_threshold: self.skip_threshold,
+            max_staleness: self.max_staleness,
         }
     }
 
-    /// Refuses a codec for a run that exchanges no halo rows (one process).
+    /// Refuses a codec or staleness for a run that exchanges no halo rows (one process).
     pub fn check_partitioned(&self, partitioned: bool) -> Result<()> {
+        self.config().validate()?;
+        if !partitioned && self.skip_threshold != 0.0 {
+            bail!(
+                "--skip-threshold {} skips rows partitions exchange: it needs --partitions 2 \
+                 or more (a single process exchanges none)",
+                self.skip_threshold
+            );
+        }
+        if !partitioned && self.staleness != 0 {
+            bail!(
+                "--staleness {} delays the rows partitions exchange: it needs --partitions 2 \
+                 or more (a single process exchanges none)",
+                self.staleness
+            );
+        }
         if !partitioned && self.halo_codec != HaloCodec::Fp32 {
             bail!(
                 "--halo-codec {} encodes the rows partitions exchange: it needs --partitions 2 \
@@ -46,6 +79,28 @@ fn parse_codec(s: &str) -> Result<HaloCodec, String> {
         .map_err(|e: trellis_runtime::RuntimeError| e.to_string())
 }
 
+fn parse_threshold(s: &str) -> Result<f32, String> {
+    let v: f32 = s
+        .parse()
+        .map_err(|e| format!("{s:?} is not a number: {e}"))?;
+    if !(v.is_finite() && v >= 0.0) {
+        return Err(format!("{v} must be finite and at least 0"));
+    }
+    Ok(v)
+}
+
+fn parse_staleness(s: &str) -> Result<u32, String> {
+    let v: u32 = s
+        .parse()
+        .map_err(|e| format!("{s:?} is not a number of epochs: {e}"))?;
+    if v > MAX_STALENESS {
+        return Err(format!(
+            "{v} epochs is not supported: 0 (exact) or {MAX_STALENESS} (the previous epoch's rows)"
+        ));
+    }
+    Ok(v)
+}
+
 fn parse_bound(s: &str) -> Result<f32, String> {
     let v: f32 = s
         .parse()
@@ -53,6 +108,7 @@ fn parse_bound(s: &str) -> Result<f32, String> {
     HaloConfig {
         codec: HaloCodec::Adaptive,
         error_bound: v,
+        ..HaloConfig::default()
     }
     .validate()
     .map_err(|e| e.to_string())?;
@@ -81,14 +137,26 @@ pub fn summary(r: &RunReport) -> Option<String> {
         c => c.to_string(),
     };
     let epochs = r.epochs_log.len().max(1) as u64;
-    if h.is_exact() {
+    let mut stale = match h.staleness {
+        0 => String::new(),
+        1 => ", rows of the previous epoch".to_string(),
+        n => format!(", rows {n} epochs old"),
+    };
+    if h.skip_threshold > 0.0 {
+        stale += &format!(", rows changed by at most {} skipped", h.skip_threshold);
+    }
+    if let Some(k) = h.max_staleness {
+        stale += &format!(", at most {k} epochs old");
+    }
+    if h.codec == HaloCodec::Fp32 && h.skip_threshold == 0.0 {
+        let exact = if h.staleness == 0 { ", exact" } else { "" };
         return Some(format!(
-            "halo exchange (fp32, exact): {} per epoch",
+            "halo exchange (fp32{exact}{stale}): {} per epoch",
             size(sent / epochs)
         ));
     }
     Some(format!(
-        "halo exchange ({codec}): {} per epoch sent, {} as fp32 ({:.2}x fewer bytes)",
+        "halo exchange ({codec}{stale}): {} per epoch sent, {} as fp32 ({:.2}x fewer bytes)",
         size(sent / epochs),
         size(fp32 / epochs),
         fp32 as f64 / sent.max(1) as f64

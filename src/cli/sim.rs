@@ -41,6 +41,10 @@ pub fn run(a: SimArgs) -> Result<()> {
         report.recoveries,
         report.longest_virtual_ms
     );
+    println!(
+        "{} schedules with halo staleness 1 ({} faults fired in them)",
+        report.stale, report.stale_fired
+    );
     println!("faults fired, by kind:");
     for (kind, n) in &report.fired {
         println!("  {:<24} {n}", kind.name());

@@ -188,6 +188,16 @@ impl TrainArgs {
                  uninterrupted one; use --grad-codec none (or --comm exact) to checkpoint"
             );
         }
+        if self.halo.config().holds_rows() && self.checkpoint_dir.is_some() {
+            bail!(
+                "--staleness {} / --skip-threshold {} with --checkpoint-dir: checkpoints do not \
+                 hold the halo rows the partitions kept from the last epoch yet, so a resumed \
+                 run would not equal an uninterrupted one; use --staleness 0 and \
+                 --skip-threshold 0 to checkpoint",
+                self.halo.staleness,
+                self.halo.skip_threshold
+            );
+        }
         cfg.grad_codec = grad_codec;
         cfg.threads = self.threads;
         cfg.partition_seed = self.partition_seed;

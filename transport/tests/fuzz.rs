@@ -4,12 +4,12 @@
 //! run finds there (see `write_seed_corpus` to regenerate the seeds).
 mod common;
 
-use common::{block, encoded_block, traced_block};
+use common::{block, encoded_block, sparse_block, traced_block};
 use proptest::collection::vec;
 use proptest::prelude::*;
 use proptest::test_runner::FileFailurePersistence;
 use std::path::PathBuf;
-use trellis_transport::codec::Codec;
+use trellis_transport::codec::{self, Codec};
 use trellis_transport::wire::*;
 use trellis_transport::HaloPayload;
 
@@ -39,8 +39,19 @@ fn decode(bytes: &[u8], cuts: &[usize]) -> Vec<String> {
 fn summary(r: &Result<Frame, WireError>) -> String {
     match r {
         Ok(Frame::Halo(b)) => {
-            // A decoded frame's payload always decodes: the wire decoder validated it.
-            let values = b.values().expect("a decoded frame's payload is valid");
+            // A decoded frame's payload always decodes: the wire decoder validated it (a
+            // sparse-row one into its row indices and rows).
+            let values = match &b.payload {
+                HaloPayload::Encoded(bytes) if codec::is_sparse(bytes) => {
+                    let s = codec::decode_sparse(bytes, b.rows as usize, b.cols as usize)
+                        .expect("a decoded frame's payload is valid");
+                    s.index.iter().map(|&r| r as f32).chain(s.values).collect()
+                }
+                _ => b
+                    .values()
+                    .expect("a decoded frame's payload is valid")
+                    .into_owned(),
+            };
             let bits: Vec<u32> = values.iter().map(|x| x.to_bits()).collect();
             let encoded = matches!(b.payload, HaloPayload::Encoded(_));
             format!(
@@ -95,6 +106,10 @@ fn valid_frames() -> Vec<(&'static str, Vec<u8>)> {
                 5,
                 3,
             ))),
+        ),
+        (
+            "halo-sparse",
+            encode_to_vec(&Frame::Halo(sparse_block(1, 2, 6, 4, &[0, 3, 5]))),
         ),
         (
             "refused",

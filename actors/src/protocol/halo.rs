@@ -3,6 +3,7 @@
 //! from received blocks (decoded), and adding received gradient rows into the owner's rows
 //! (ARCHITECTURE.md, "Halo exchange").
 use crate::protocol::codec::HaloEncoder;
+use crate::protocol::skip::SkipSender;
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -137,16 +138,17 @@ impl HaloLists {
         t: &Tensor,
         lists: &[(PartId, Vec<u32>)],
         staging: &mut Staging,
+        skip: &mut SkipSender,
     ) -> Result<Vec<HaloBlock>> {
         if t.device() != Device::Cpu {
             self.start_blocks(s, t, lists, staging)?;
-            return self.finish_blocks(s, tag, t.cols(), lists, staging);
+            return self.finish_blocks(s, tag, t.cols(), lists, staging, skip);
         }
         lists
             .iter()
             .map(|(q, rows)| {
                 let data = gather_shared(t, rows)?;
-                self.block(tag, *q, rows.len(), t.cols(), data)
+                self.block(tag, *q, rows.len(), t.cols(), data, skip)
             })
             .collect()
     }
@@ -175,19 +177,20 @@ impl HaloLists {
         cols: usize,
         lists: &[(PartId, Vec<u32>)],
         staging: &mut Staging,
+        skip: &mut SkipSender,
     ) -> Result<Vec<HaloBlock>> {
         lists
             .iter()
             .map(|(q, rows)| {
                 let data = s.finish_rows_to_host(staging.get(*q, rows.len(), cols))?;
-                self.block(tag, *q, rows.len(), cols, data)
+                self.block(tag, *q, rows.len(), cols, data, skip)
             })
             .collect()
     }
 
     /// The block of `rows x cols` values `data` from this partition to `to`, encoded by the
-    /// run's codec: forward (and evaluation) rows are this partition's send list to `to`,
-    /// backward rows its halo rows owned by `to`.
+    /// run's codec (only the rows that changed when `skip` is on): forward (and evaluation)
+    /// rows are this partition's send list to `to`, backward rows its halo rows owned by `to`.
     pub fn block(
         &self,
         tag: Tag,
@@ -195,6 +198,7 @@ impl HaloLists {
         rows: usize,
         cols: usize,
         data: Arc<[f32]>,
+        skip: &mut SkipSender,
     ) -> Result<HaloBlock> {
         let gids = match tag.phase {
             Phase::Backward => self.recv_gids.get(&to),
@@ -202,7 +206,7 @@ impl HaloLists {
         }
         .filter(|g| g.len() == rows)
         .ok_or_else(|| proto(self.part, &format!("no {rows}-row list for partition {to}")))?;
-        let payload = self.encoder.payload(self.part, tag, gids, cols, data)?;
+        let payload = skip.payload(&self.encoder, self.part, tag, to, gids, cols, data)?;
         Ok(HaloBlock {
             header: MsgHeader {
                 run: tag.run,

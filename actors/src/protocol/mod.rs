@@ -6,7 +6,8 @@
 //! - [`epoch`]: the coordinator's epoch protocol and recovery policy ([`epoch::EpochMachine`]).
 //! - [`partition`]: one partition's inbox and parked step ([`partition::PartitionMachine`]).
 //! - [`state`]: a partition's compute state and the per-layer steps (the model math).
-//! - `halo`: halo row lists, block building and checking.
+//! - `halo`: halo row lists, block building and checking; `skip`: the sender's record of
+//!   the rows each receiver holds, and the sparse payloads of rows that changed.
 //! - [`messages`]: requests and replies between the coordinator and partitions.
 //! - [`session`]: the cluster session of the coordinator node and of every other node
 //!   ([`session::CoordinatorSession`], [`session::WorkerSession`]).
@@ -16,4 +17,5 @@ pub(crate) mod halo;
 pub mod messages;
 pub mod partition;
 pub mod session;
+pub mod skip;
 pub mod state;

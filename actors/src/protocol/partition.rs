@@ -10,7 +10,7 @@
 use crate::faults::{FaultPlan, APPLY_LAYER};
 use crate::protocol::epoch::{RequestId, Response};
 use crate::protocol::messages::{Applied, Outcome, RestoreReport, Step, StepReply};
-use crate::protocol::state::{timed, PartitionState, Stage};
+use crate::protocol::state::{timed, EpochBlocks, PartitionState, Stage};
 use crate::replica::{PendingResidual, Snapshot};
 use crate::telemetry::{self, node_attr as node};
 use crate::ActorError;
@@ -272,6 +272,21 @@ impl PartitionMachine {
                 .map_err(|source| ActorError::Compute { part, source });
             return self.answer(id, r);
         }
+        // With staleness or skipping, the rows held for the next epoch (checked and merged
+        // before the step, so a bad block fails it without stepping).
+        let held = if self.state.holds_rows() {
+            if !self.epoch_blocks_in(epoch) {
+                // Only after a restart during the optimizer step on a node that was lost (a
+                // restart on the same node keeps the blocks of the epoch in progress).
+                return self.answer(id, Err(ActorError::HeldRowsLost { part, epoch }));
+            }
+            match self.state.merge_held(self.epoch_blocks(epoch)) {
+                Ok(h) => Some(h),
+                Err(source) => return self.answer(id, Err(ActorError::Compute { part, source })),
+            }
+        } else {
+            None
+        };
         let span = tracing::info_span!(
             "apply",
             partition = i64::from(part),
@@ -291,6 +306,9 @@ impl PartitionMachine {
         }));
         match result {
             Ok(Ok(digest)) => {
+                if let Some(held) = held {
+                    self.state.hold(held);
+                }
                 if self.replicate {
                     let _in_replicate = tracing::info_span!(
                         "replicate",
@@ -324,7 +342,11 @@ impl PartitionMachine {
             return;
         }
         let part = self.part.0;
-        self.inbox.retain(|k, _| k.0 != epoch);
+        // With staleness the epoch's training blocks stay: the next epoch uses them, and the
+        // replay sends the same ones again.
+        let keep = self.state.holds_rows();
+        self.inbox
+            .retain(|k, _| k.0 != epoch || (keep && k.1 != Phase::Eval));
         if let StepSlot::Parked(p) = std::mem::replace(&mut self.slot, StepSlot::Idle) {
             self.answer(
                 p.id,
@@ -347,12 +369,17 @@ impl PartitionMachine {
     /// against the digest it committed.
     pub fn restore(&mut self, replica: Option<&Snapshot>) -> Result<RestoreReport, ActorError> {
         let part = self.part.0;
-        self.inbox.clear();
         self.slot = StepSlot::Idle;
         let result = catch_unwind(AssertUnwindSafe(|| match replica {
             Some(snap) => self.state.restore(snap).map(|_| ()),
             None => self.state.reset_epoch(),
         }));
+        // The blocks other partitions sent are no part of the failure; with staleness the
+        // training blocks of the epoch in progress are kept (its replay sends the same ones,
+        // and an optimizer step replayed after a restart needs them for the next epoch).
+        let (keep, done) = (self.state.holds_rows(), self.state.epoch_done());
+        self.inbox
+            .retain(|k, _| keep && k.1 != Phase::Eval && k.0 > done);
         match result {
             Ok(Ok(())) => {}
             Ok(Err(source)) => return Err(ActorError::Compute { part, source }),
@@ -417,20 +444,92 @@ impl PartitionMachine {
             let step = p.step;
             let stage = self.state.stage_of(step.epoch, step.phase, step.layer);
             let (tag, need) = self.state.inputs(step.phase, step.layer, stage);
+            // With staleness a training pass keeps its blocks in the inbox (the optimizer step
+            // holds them for the next epoch), and its last step waits until all of them are
+            // in: the exchange overlaps the whole pass but ends with it.
+            let keep = self.state.holds_rows() && step.phase != Phase::Eval;
+            let last = step.phase == Phase::Backward && step.layer == 0 && stage == Stage::First;
+            if keep && last && !self.epoch_blocks_in(step.epoch) {
+                return;
+            }
             // A stage that needs no blocks leaves the inbox alone (they may be another's).
             let blocks = if need.is_empty() {
                 BTreeMap::new()
             } else {
-                let key = (step.epoch, step.phase, tag);
-                let have = self.inbox.get(&key);
-                if !need.iter().all(|q| have.is_some_and(|m| m.contains_key(q))) {
-                    return;
+                match self.state.held_inputs(step.epoch, step.phase, tag) {
+                    Ok(Some(held)) => match need.iter().find(|q| !held.contains_key(q)) {
+                        None => held,
+                        Some(q) => {
+                            let detail = format!(
+                                "no halo block of epoch {} (layer tag {tag:#x}) from partition \
+                                 {q} is held for {:?} step {} of epoch {}",
+                                step.epoch - 1,
+                                step.phase,
+                                step.layer,
+                                step.epoch
+                            );
+                            return self.fail_parked(ActorError::Protocol {
+                                part: self.part.0,
+                                detail,
+                            });
+                        }
+                    },
+                    Ok(None) => {
+                        let key = (step.epoch, step.phase, tag);
+                        let have = self.inbox.get(&key);
+                        if !need.iter().all(|q| have.is_some_and(|m| m.contains_key(q))) {
+                            return;
+                        }
+                        if !keep {
+                            self.inbox.remove(&key).unwrap_or_default()
+                        } else {
+                            let have = have.cloned().unwrap_or_default();
+                            match self.state.full_blocks(step.phase, tag, &have) {
+                                Ok(full) => full,
+                                Err(source) => {
+                                    return self.fail_parked(ActorError::Compute {
+                                        part: self.part.0,
+                                        source,
+                                    })
+                                }
+                            }
+                        }
+                    }
+                    Err(source) => {
+                        return self.fail_parked(ActorError::Compute {
+                            part: self.part.0,
+                            source,
+                        })
+                    }
                 }
-                self.inbox.remove(&key).unwrap_or_default()
             };
             if !self.run_stage(step, stage, &blocks) {
                 return;
             }
+        }
+    }
+
+    /// Whether every training block of `epoch` this partition receives is in the inbox.
+    fn epoch_blocks_in(&self, epoch: u32) -> bool {
+        self.state.epoch_inputs().iter().all(|(phase, tag, from)| {
+            let have = self.inbox.get(&(epoch, *phase, *tag));
+            from.iter().all(|q| have.is_some_and(|m| m.contains_key(q)))
+        })
+    }
+
+    /// The training blocks of `epoch` in the inbox (shared buffers: cheap copies).
+    fn epoch_blocks(&self, epoch: u32) -> EpochBlocks {
+        self.inbox
+            .iter()
+            .filter(|(k, _)| k.0 == epoch && k.1 != Phase::Eval)
+            .map(|(k, by)| ((k.1, k.2), by.clone()))
+            .collect()
+    }
+
+    /// The parked step fails with `error`.
+    fn fail_parked(&mut self, error: ActorError) {
+        if let StepSlot::Parked(p) = std::mem::replace(&mut self.slot, StepSlot::Idle) {
+            self.answer(p.id, Err(error));
         }
     }
 
@@ -564,5 +663,7 @@ fn phase_name(p: Phase) -> &'static str {
     }
 }
 
+#[cfg(test)]
+mod stale_tests;
 #[cfg(test)]
 mod tests;

@@ -8,6 +8,7 @@
 use crate::protocol::codec::HaloEncoder;
 use crate::protocol::halo::{proto, HaloLists, Staging, Tag};
 use crate::protocol::messages::Outcome;
+use crate::protocol::skip::SkipSender;
 use crate::replica::{PendingResidual, Snapshot};
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -19,7 +20,11 @@ use trellis_runtime::model::StepCtx;
 use trellis_runtime::partition::{block, PartitionFile};
 use trellis_runtime::train::{normalize_rows, TrainConfig};
 use trellis_runtime::{Block, LayerInput, Model, Optimizer, Result};
-use trellis_transport::{HaloBlock, PartId, Phase, RunId, TRANSFORMED};
+use trellis_transport::codec;
+use trellis_transport::{HaloBlock, HaloPayload, PartId, Phase, RunId, TRANSFORMED};
+
+/// Halo blocks by (phase, layer tag) then sender: the training blocks of one epoch.
+pub type EpochBlocks = BTreeMap<(Phase, u16), BTreeMap<PartId, HaloBlock>>;
 
 /// What a stage returns: the step's outcome (`None` after the first stage of a split layer)
 /// and the blocks to send.
@@ -65,6 +70,21 @@ pub struct PartitionState {
     recv_staging: Staging,
     /// Gradient compression of the all-reduce and its error feedback.
     grads: GradCompression,
+    /// Epochs old the halo rows of a training step are ([`HaloConfig::staleness`]: 0 or 1).
+    ///
+    /// [`HaloConfig::staleness`]: trellis_runtime::comm::HaloConfig::staleness
+    staleness: u32,
+    /// With staleness 1 or skipping: the training blocks received in epoch `epoch_done`
+    /// (sparse ones merged into the rows held before), which the training pass of epoch
+    /// `epoch_done + 1` uses (stale) or merges its sparse blocks into (skipping); empty before
+    /// the first step. Part of the replicated snapshot: no other partition holds them.
+    held: EpochBlocks,
+    /// Whether `held` is kept at all ([`HaloConfig::holds_rows`]).
+    ///
+    /// [`HaloConfig::holds_rows`]: trellis_runtime::comm::HaloConfig::holds_rows
+    holds: bool,
+    /// Skipping rows that barely changed: what each receiver holds.
+    skip: SkipSender,
 }
 
 /// A partition's gradient compression: the codec, the error-feedback residual committed
@@ -249,6 +269,10 @@ impl PartitionState {
                 seed: cfg.model.seed,
                 ..GradCompression::default()
             },
+            staleness: cfg.halo.staleness,
+            held: EpochBlocks::new(),
+            holds: cfg.halo.holds_rows(),
+            skip: SkipSender::new(&cfg.halo),
         })
     }
 
@@ -282,6 +306,124 @@ impl PartitionState {
     /// layer, whose halo inputs are static, nor for split layers, which exchange `Z`).
     fn exchanges_input(&self, l: usize) -> bool {
         l > 0 && l < self.num_layers() && !self.model.is_split(l)
+    }
+
+    /// Whether the training pass uses the previous epoch's halo blocks (`--staleness 1`).
+    pub fn is_stale(&self) -> bool {
+        self.staleness > 0
+    }
+
+    /// Whether the training blocks of an epoch are held for the next (staleness or skipping):
+    /// they then stay in the inbox when used and are held at the optimizer step.
+    pub fn holds_rows(&self) -> bool {
+        self.holds
+    }
+
+    /// `blocks` (by sender) of `(phase, tag)` with every sparse one merged into the rows held
+    /// from the last epoch: the rows a stage uses.
+    pub fn full_blocks(
+        &self,
+        phase: Phase,
+        tag: u16,
+        blocks: &BTreeMap<PartId, HaloBlock>,
+    ) -> Result<BTreeMap<PartId, HaloBlock>> {
+        let held = self.held.get(&(phase, tag));
+        blocks
+            .iter()
+            .map(|(q, b)| Ok((*q, self.merged(held.and_then(|h| h.get(q)), b)?)))
+            .collect()
+    }
+
+    /// The held blocks of the next epoch: `blocks` (the training blocks of the epoch being
+    /// applied) merged into the ones held now.
+    pub fn merge_held(&self, blocks: EpochBlocks) -> Result<EpochBlocks> {
+        blocks
+            .into_iter()
+            .map(|((phase, tag), by)| Ok(((phase, tag), self.full_blocks(phase, tag, &by)?)))
+            .collect()
+    }
+
+    /// `b` itself, or (a sparse block) `base` with the rows `b` carries overwritten.
+    fn merged(&self, base: Option<&HaloBlock>, b: &HaloBlock) -> Result<HaloBlock> {
+        let HaloPayload::Encoded(bytes) = &b.payload else {
+            return Ok(b.clone());
+        };
+        if !codec::is_sparse(bytes) {
+            return Ok(b.clone());
+        }
+        let (from, layer) = (b.header.from, b.header.layer);
+        let (rows, cols) = (b.rows as usize, b.cols as usize);
+        let bad = |what: String| {
+            proto(
+                self.part,
+                &format!("sparse halo block from partition {from} (layer tag {layer:#x}): {what}"),
+            )
+        };
+        let changed = codec::decode_sparse(bytes, rows, cols).map_err(|e| bad(e.to_string()))?;
+        let base = base
+            .filter(|h| (h.rows, h.cols) == (b.rows, b.cols))
+            .ok_or_else(|| bad(format!("no {rows}x{cols} rows held to merge it into")))?;
+        let mut values = base.values().map_err(|e| bad(e.to_string()))?.into_owned();
+        for (k, &r) in changed.index.iter().enumerate() {
+            let r = r as usize;
+            values[r * cols..(r + 1) * cols]
+                .copy_from_slice(&changed.values[k * cols..(k + 1) * cols]);
+        }
+        Ok(HaloBlock {
+            payload: HaloPayload::F32(Arc::from(values)),
+            ..b.clone()
+        })
+    }
+
+    /// The held blocks a stage of `(epoch, phase)` with inputs tagged `tag` uses instead of
+    /// this epoch's: `Some` for a training pass after the first epoch with staleness on.
+    /// Errors when the held blocks are of another epoch than the one before `epoch`.
+    pub fn held_inputs(
+        &self,
+        epoch: u32,
+        phase: Phase,
+        tag: u16,
+    ) -> Result<Option<BTreeMap<PartId, HaloBlock>>> {
+        if !self.is_stale() || phase == Phase::Eval || self.epoch_done == 0 {
+            return Ok(None);
+        }
+        if epoch != self.epoch_done + 1 {
+            return Err(proto(
+                self.part,
+                &format!(
+                    "a {phase:?} step of epoch {epoch} with the halo rows of epoch {} held",
+                    self.epoch_done
+                ),
+            ));
+        }
+        Ok(Some(
+            self.held.get(&(phase, tag)).cloned().unwrap_or_default(),
+        ))
+    }
+
+    /// Every (phase, layer tag, senders) of halo blocks one epoch's training pass receives.
+    pub fn epoch_inputs(&self) -> Vec<(Phase, u16, Vec<PartId>)> {
+        let mut out = Vec::new();
+        for phase in [Phase::Forward, Phase::Backward] {
+            for l in 0..self.num_layers() as u16 {
+                let mut stages = vec![Stage::First];
+                if self.model.is_split(l as usize) {
+                    stages.push(Stage::Second);
+                }
+                for stage in stages {
+                    let (tag, from) = self.inputs(phase, l, stage);
+                    if !from.is_empty() {
+                        out.push((phase, tag, from));
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// Keeps `blocks` ([`Self::merge_held`] of the epoch just applied) for the next epoch.
+    pub fn hold(&mut self, blocks: EpochBlocks) {
+        self.held = blocks;
     }
 
     /// The stage a request for `(epoch, phase, layer)` is at.
@@ -414,9 +556,14 @@ impl PartitionState {
             layer: tag.layer | TRANSFORMED,
             ..tag
         };
-        let out =
-            self.halo
-                .finish_blocks(s, transformed, z.cols(), lists, &mut self.send_staging)?;
+        let out = self.halo.finish_blocks(
+            s,
+            transformed,
+            z.cols(),
+            lists,
+            &mut self.send_staging,
+            &mut self.skip,
+        )?;
         self.staged = Some(Staged::of(tag, h));
         Ok((None, out))
     }
@@ -439,6 +586,7 @@ impl PartitionState {
             &rows,
             lists,
             &mut self.send_staging,
+            &mut self.skip,
         )?;
         rows.truncate_rows(self.block.n_out());
         self.staged = Some(Staged::of(tag, rows));
@@ -508,8 +656,14 @@ impl PartitionState {
         if l + 1 < self.num_layers() {
             let out = if self.exchanges_input(l + 1) {
                 let lists = &self.halo.send;
-                self.halo
-                    .blocks(&self.stream, tag, &y, lists, &mut self.send_staging)?
+                self.halo.blocks(
+                    &self.stream,
+                    tag,
+                    &y,
+                    lists,
+                    &mut self.send_staging,
+                    &mut self.skip,
+                )?
             } else {
                 Vec::new()
             };
@@ -561,8 +715,14 @@ impl PartitionState {
         let out = match &gx {
             Some(gx) if self.exchanges_input(l) => {
                 let lists = &self.halo.recv;
-                self.halo
-                    .blocks(&self.stream, tag, gx, lists, &mut self.send_staging)?
+                self.halo.blocks(
+                    &self.stream,
+                    tag,
+                    gx,
+                    lists,
+                    &mut self.send_staging,
+                    &mut self.skip,
+                )?
             }
             _ => Vec::new(),
         };
@@ -603,9 +763,14 @@ impl PartitionState {
             ..tag
         };
         let cols = gz_halo.cols();
-        let out = self
-            .halo
-            .finish_blocks(s, transformed, cols, lists, &mut self.send_staging)?;
+        let out = self.halo.finish_blocks(
+            s,
+            transformed,
+            cols,
+            lists,
+            &mut self.send_staging,
+            &mut self.skip,
+        )?;
         self.staged = Some(Staged::of(tag, gz_inner));
         Ok((None, out))
     }
@@ -655,6 +820,17 @@ impl PartitionState {
                 ),
             ));
         }
+        if self.skip.on() && !self.epoch_inputs().is_empty() && !self.skip.ready(epoch) {
+            // The records of what the receivers hold now died with a lost node.
+            return Err(proto(
+                self.part,
+                &format!(
+                    "the record of the halo rows sent in epoch {epoch} (--skip-threshold) was \
+                     lost with the partition's node during the optimizer step; the run cannot \
+                     go on from here"
+                ),
+            ));
+        }
         if !self.grads.ready_to_apply(epoch) {
             // A partition restarted during its optimizer step replays it from the all-reduced
             // sum with the residual its node held (`resume_pending`); without one (replication
@@ -682,6 +858,7 @@ impl PartitionState {
         self.opt.step(&s, &mut self.model)?;
         self.model.zero_grad(&s)?;
         self.grads.commit(epoch);
+        self.skip.commit(epoch);
         self.epoch_done = epoch;
         self.model.weights_digest(&s)
     }
@@ -725,6 +902,12 @@ impl PartitionState {
             opt_steps: self.opt.steps(),
             digest: self.model.weights_digest(s)?,
             grad_residual: self.grads.committed.residual().to_vec(),
+            held_halo: self
+                .held
+                .values()
+                .flat_map(|by_sender| by_sender.values().cloned())
+                .collect(),
+            skip_sent: self.skip.committed(),
         })
     }
 
@@ -759,6 +942,14 @@ impl PartitionState {
         self.opt.restore(snap.opt_steps, snap.opt_state.clone());
         self.grads.committed = ErrorFeedback::from_residual(snap.grad_residual.clone());
         self.grads.pending = None;
+        self.skip.restore(snap.epoch, &snap.skip_sent);
+        self.held = EpochBlocks::new();
+        for b in &snap.held_halo {
+            self.held
+                .entry((b.header.phase, b.header.layer))
+                .or_default()
+                .insert(b.header.from, b.clone());
+        }
         self.epoch_done = snap.epoch;
         self.reset_epoch()?;
         Ok(self.model.weights_digest(&self.stream)? == snap.digest)

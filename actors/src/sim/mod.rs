@@ -37,6 +37,8 @@ pub struct ScheduleReport {
     pub seed: u64,
     pub nodes: u32,
     pub parts: u32,
+    /// Halo staleness of the run.
+    pub staleness: u32,
     pub outcome: SimOutcome,
     /// Faults that fired, by kind.
     pub fired: BTreeMap<SimFault, u32>,
@@ -50,6 +52,9 @@ pub struct ScheduleReport {
 #[derive(Debug, Default, Clone)]
 pub struct SweepReport {
     pub schedules: u64,
+    /// Schedules that ran with halo staleness 1, and the faults that fired in them.
+    pub stale: u64,
+    pub stale_fired: u64,
     pub fired: BTreeMap<SimFault, u64>,
     /// Outcomes by name (`finished`, `no-live-replica`, ...).
     pub outcomes: BTreeMap<String, u64>,
@@ -62,6 +67,10 @@ pub struct SweepReport {
 impl SweepReport {
     fn add(&mut self, r: &ScheduleReport) {
         self.schedules += 1;
+        if r.staleness > 0 {
+            self.stale += 1;
+            self.stale_fired += r.fired.values().map(|&n| u64::from(n)).sum::<u64>();
+        }
         for (k, n) in &r.fired {
             *self.fired.entry(*k).or_default() += u64::from(*n);
         }
@@ -84,7 +93,7 @@ pub fn run_schedule(graph: &SimGraph, seed: u64) -> ScheduleReport {
     crate::faults::quiet_injected_panics(false);
     let schedule = Schedule::generate(seed, true);
     let run = SimRun::new(graph, schedule).run();
-    let reference = graph.reference(run.parts, run.model);
+    let reference = graph.reference(run.parts, run.model, run.staleness);
     check(run, reference.as_deref())
 }
 
@@ -115,6 +124,7 @@ pub fn check(run: world::SimResult, reference: Option<&str>) -> ScheduleReport {
         seed: run.seed,
         nodes: run.nodes,
         parts: run.parts,
+        staleness: run.staleness,
         outcome: run.outcome,
         fired: run.fired,
         virtual_ms: run.virtual_us as f64 / 1e3,

@@ -87,6 +87,9 @@ pub struct Schedule {
     /// Replica nodes per partition.
     pub replicas: u32,
     pub model: ModelKind,
+    /// Halo staleness of the run (0 or 1; 0 when the coordinator crashes: checkpoints do not
+    /// hold the rows partitions keep for their next epoch).
+    pub staleness: u32,
     pub net: NetSpec,
     /// Panics, fired by the partition machines themselves.
     pub panics: FaultPlan,
@@ -113,6 +116,7 @@ impl Schedule {
             parts,
             replicas,
             model,
+            staleness: 0,
             net: NetSpec::perfect(),
             panics: FaultPlan::none(),
             timed: Vec::new(),
@@ -180,6 +184,12 @@ impl Schedule {
                 fired: false,
             });
         }
+        // Drawn last, so the rest of every seed's schedule is what it was before staleness.
+        let crashes = s
+            .timed
+            .iter()
+            .any(|f| f.fault == TimedFault::CoordinatorCrash);
+        s.staleness = u32::from(r.chance(0.5) && !crashes);
         s
     }
 }

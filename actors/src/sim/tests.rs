@@ -23,11 +23,18 @@ fn fault_free_runs_agree_with_the_real_partition_actors() {
     let g = graph();
     for parts in [1, 3] {
         for model in MODELS {
-            let sim = g.reference(parts, model).expect("fault-free run finishes");
-            let topo =
-                crate::Topology::open(g.partition_dir(parts), g.config(model).clone()).unwrap();
-            let report = topo.spawn().unwrap().wait().unwrap();
-            assert_eq!(report.weights_digest, sim, "{parts} partitions, {model}");
+            for staleness in [0, 1] {
+                let sim = g
+                    .reference(parts, model, staleness)
+                    .expect("fault-free run finishes");
+                let cfg = g.config_with(model, staleness);
+                let topo = crate::Topology::open(g.partition_dir(parts), cfg).unwrap();
+                let report = topo.spawn().unwrap().wait().unwrap();
+                assert_eq!(
+                    report.weights_digest, sim,
+                    "{parts} partitions, {model}, staleness {staleness}"
+                );
+            }
         }
     }
 }
@@ -63,6 +70,8 @@ fn a_sweep_of_seeded_fault_schedules_keeps_every_invariant() {
     }
     assert!(report.recoveries > 0);
     assert!(report.outcomes.get("finished").copied().unwrap_or(0) > 200);
+    // About half the schedules hold halo rows between epochs (staleness 1), with faults.
+    assert!(report.stale > 100 && report.stale_fired > 100, "{report:?}");
 }
 
 /// Regression (found by the simulator, seed 6): a delayed or duplicated reset arriving after

@@ -45,8 +45,8 @@ pub struct SimGraph {
     sets: BTreeMap<u32, PartitionSet>,
     counts: GlobalCounts,
     configs: BTreeMap<&'static str, TrainConfig>,
-    /// Fault-free digests by (partitions, model).
-    references: Mutex<BTreeMap<(u32, &'static str), Option<String>>>,
+    /// Fault-free digests by (partitions, model, staleness).
+    references: Mutex<BTreeMap<(u32, &'static str, u32), Option<String>>>,
 }
 
 impl SimGraph {
@@ -88,21 +88,30 @@ impl SimGraph {
         &self.configs[model_key(model)]
     }
 
+    /// The training configuration of `model` with halo staleness `staleness`.
+    pub fn config_with(&self, model: ModelKind, staleness: u32) -> TrainConfig {
+        let mut cfg = self.config(model).clone();
+        cfg.halo.staleness = staleness;
+        cfg
+    }
+
     /// The folder of the partitioning into `parts`.
     pub fn partition_dir(&self, parts: u32) -> PathBuf {
         self._dir.path().join(format!("p{parts}"))
     }
 
-    /// The fault-free run's digest for `parts` partitions and `model`: a run on a perfect
-    /// network without faults, recorded once, before and apart from the faulty runs.
-    pub fn reference(&self, parts: u32, model: ModelKind) -> Option<String> {
-        let key = (parts, model_key(model));
+    /// The fault-free run's digest for `parts` partitions, `model` and halo `staleness`: a
+    /// run on a perfect network without faults, recorded once, before and apart from the
+    /// faulty runs.
+    pub fn reference(&self, parts: u32, model: ModelKind, staleness: u32) -> Option<String> {
+        let key = (parts, model_key(model), staleness);
         if let Some(d) = self.lock_refs().get(&key) {
             return d.clone();
         }
         let mut s = Schedule::generate(0, false);
         s.parts = parts;
         s.model = model;
+        s.staleness = staleness;
         s.nodes = parts + 1;
         let r = SimRun::new(self, s).run();
         let d = match r.outcome {
@@ -115,19 +124,29 @@ impl SimGraph {
 
     fn lock_refs(
         &self,
-    ) -> std::sync::MutexGuard<'_, BTreeMap<(u32, &'static str), Option<String>>> {
+    ) -> std::sync::MutexGuard<'_, BTreeMap<(u32, &'static str, u32), Option<String>>> {
         self.references.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    #[cfg(test)]
     pub(crate) fn state(
         &self,
         parts: u32,
         part: u32,
         model: ModelKind,
     ) -> Result<PartitionState, ActorError> {
+        self.state_with(parts, part, self.config(model))
+    }
+
+    /// The state of partition `part` of `parts` under `cfg` (a variant of a model's config).
+    pub(crate) fn state_with(
+        &self,
+        parts: u32,
+        part: u32,
+        cfg: &TrainConfig,
+    ) -> Result<PartitionState, ActorError> {
         let set = &self.sets[&parts];
         let file = set.open_part(part as usize)?;
-        let cfg = self.config(model);
         let stream = Stream::cpu(cfg.threads)?;
         Ok(PartitionState::new(&file, cfg, self.counts, stream)?)
     }
@@ -166,6 +185,7 @@ pub struct SimResult {
     pub nodes: u32,
     pub parts: u32,
     pub model: ModelKind,
+    pub staleness: u32,
     pub outcome: SimOutcome,
     pub fired: BTreeMap<SimFault, u32>,
     pub virtual_us: u64,
@@ -583,6 +603,7 @@ impl<'g> SimRun<'g> {
             nodes: self.s.nodes,
             parts: self.s.parts,
             model: self.s.model,
+            staleness: self.s.staleness,
             outcome,
             fired: self.fired.clone(),
             virtual_us: self.now,
@@ -608,7 +629,8 @@ impl<'g> SimRun<'g> {
             None => None,
         };
         for p in 0..self.s.parts {
-            let state = self.graph.state(self.s.parts, p, self.s.model)?;
+            let cfg = self.graph.config_with(self.s.model, self.s.staleness);
+            let state = self.graph.state_with(self.s.parts, p, &cfg)?;
             let mut m = PartitionMachine::new(state, self.run, self.faults.clone(), true);
             if let Some(snap) = &snap {
                 m.restore(Some(snap))?;
@@ -906,6 +928,11 @@ impl<'g> SimRun<'g> {
                     self.send(node, to, Msg::Halo(b));
                 }
                 PartitionAction::Answer { id, result } => {
+                    if matches!(result, Err(ActorError::HeldRowsLost { .. })) {
+                        // A node lost while the optimizer step was replayed took the rows its
+                        // partition held for the next epoch: unavoidable with staleness.
+                        self.unrecoverable = true;
+                    }
                     let reply = match result {
                         Ok(r) => WireReply::Ok(r),
                         Err(ActorError::Panicked { message, .. }) => WireReply::Panicked(message),
@@ -1206,7 +1233,8 @@ impl<'g> SimRun<'g> {
                 continue;
             };
             let snap = bytes.decode().map_err(ActorError::Cluster)?;
-            let state = self.graph.state(self.s.parts, p, self.s.model)?;
+            let cfg = self.graph.config_with(self.s.model, self.s.staleness);
+            let state = self.graph.state_with(self.s.parts, p, &cfg)?;
             let mut m = PartitionMachine::new(state, self.run, self.faults.clone(), true);
             let restored = m.restore(Some(&snap))?;
             let want = if committed.epoch == 0 {

@@ -9,6 +9,8 @@
 //! int8, int4 : per row: min bf16, step bf16        then per row: ceil(cols*b/8) packed codes
 //! adaptive   : ceil(rows/4) bytes of 2-bit width codes (row r at bits 2*(r%4); 0=2, 1=4,
 //!              2=8, 3=16 bits), then per row: min bf16, step bf16, then per row its codes
+//! sparse     : n u32, n row indices u32, then the n rows (raw fp32 or any codec above;
+//!              `codec/sparse.rs`): only the rows that changed, for a receiver that keeps the rest
 //! ```
 //!
 //! The block's shape (rows, cols) travels beside the payload (the halo envelope), so the
@@ -24,9 +26,11 @@
 //! counter), so an encoding is a pure function of the rows and that key.
 mod adaptive;
 mod quant;
+mod sparse;
 
 pub use adaptive::{choose_bits, ADAPTIVE_WIDTHS};
 pub use quant::Dither;
+pub use sparse::{encode_sparse, SparseInner, SparseRows};
 
 use half::{bf16, f16};
 use thiserror::Error;
@@ -56,6 +60,8 @@ const ID_BF16: u8 = 2;
 const ID_INT8: u8 = 3;
 const ID_INT4: u8 = 4;
 const ID_ADAPTIVE: u8 = 5;
+/// A sparse-row payload (`codec/sparse.rs`): not a codec of its own, a frame around one.
+const ID_SPARSE: u8 = 6;
 
 /// Bytes of one row's header (min and step, bfloat16 each) in the integer formats.
 const ROW_HEADER: usize = 4;
@@ -85,6 +91,7 @@ fn codec_name(id: u8) -> &'static str {
         ID_INT8 => "int8",
         ID_INT4 => "int4",
         ID_ADAPTIVE => "adaptive",
+        ID_SPARSE => "sparse",
         _ => "unknown",
     }
 }
@@ -135,6 +142,12 @@ pub enum CodecError {
     },
     #[error("halo row {row} spans a range too wide for codec {codec}'s scales")]
     Range { codec: &'static str, row: usize },
+    #[error("sparse halo payload: row index {row} at position {at} is not ascending or not below the block's {rows} rows")]
+    SparseIndex { at: usize, row: u32, rows: usize },
+    #[error("sparse halo payload inside a sparse payload")]
+    NestedSparse,
+    #[error("a sparse-row halo payload holds only the rows that changed: decode it with decode_sparse into the receiver's copy")]
+    Sparse,
     #[error("{rows}x{cols} rows do not match {len} values")]
     Shape {
         rows: usize,
@@ -320,13 +333,43 @@ fn parse(bytes: &[u8], rows: usize, cols: usize) -> Result<Parsed<'_>, CodecErro
     })
 }
 
-/// Checks an encoded payload of `rows x cols` values completely, without decoding it.
+/// Checks an encoded payload of `rows x cols` values completely, without decoding it
+/// (a sparse-row payload with its inner rows).
 pub fn validate(bytes: &[u8], rows: usize, cols: usize) -> Result<(), CodecError> {
+    if is_sparse(bytes) {
+        return decode_sparse(bytes, rows, cols).map(|_| ());
+    }
     walk(bytes, rows, cols, |_, _| {})
 }
 
-/// Decodes (and checks) an encoded payload of `rows x cols` values, row-major.
+/// Whether `bytes` is a sparse-row payload (only the rows that changed).
+pub fn is_sparse(bytes: &[u8]) -> bool {
+    bytes.first() == Some(&ID_SPARSE)
+}
+
+/// Decodes (and checks) a sparse-row payload of a `rows x cols` block: the indices of the
+/// rows it carries and their values.
+pub fn decode_sparse(bytes: &[u8], rows: usize, cols: usize) -> Result<SparseRows, CodecError> {
+    if !is_sparse(bytes) {
+        return Err(CodecError::UnknownCodec(
+            bytes.first().copied().unwrap_or(0),
+        ));
+    }
+    let (index, inner) = sparse::split(bytes, rows)?;
+    let values = if inner.first() == Some(&sparse::ID_RAW) {
+        sparse::decode_raw(inner, index.len(), cols)?
+    } else {
+        decode(inner, index.len(), cols)?
+    };
+    Ok(SparseRows { index, values })
+}
+
+/// Decodes (and checks) an encoded payload of `rows x cols` values, row-major. A sparse-row
+/// payload is refused ([`CodecError::Sparse`]): it needs the receiver's copy of the block.
 pub fn decode(bytes: &[u8], rows: usize, cols: usize) -> Result<Vec<f32>, CodecError> {
+    if is_sparse(bytes) {
+        return Err(CodecError::Sparse);
+    }
     // The framing first: the length check bounds `rows * cols` by the payload's size.
     parse(bytes, rows, cols)?;
     let mut out = vec![0.0f32; rows * cols];
@@ -390,12 +433,18 @@ fn walk(
 }
 
 /// The longest payload any codec writes for `rows x cols` values (a decoder's bound before it
-/// reads a body), or `None` on overflow.
+/// reads a body), or `None` on overflow: a sparse-row payload of every row in raw fp32, or
+/// of every row in the widest codec, whichever is longer.
 pub fn max_encoded_len(rows: usize, cols: usize) -> Option<usize> {
     let per_row = quant::row_bytes(cols, 16)?.checked_add(ROW_HEADER)?;
-    rows.checked_mul(per_row)?
+    let widest = rows
+        .checked_mul(per_row)?
         .checked_add(rows.div_ceil(4))?
-        .checked_add(2)
+        .checked_add(2)?;
+    let raw = rows.checked_mul(cols)?.checked_mul(4)?.checked_add(2)?;
+    widest
+        .max(raw)
+        .checked_add(rows.checked_mul(4)?.checked_add(6)?)
 }
 
 #[cfg(test)]

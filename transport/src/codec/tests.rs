@@ -353,3 +353,107 @@ fn every_mutation_of_a_payload_decodes_or_fails_cleanly() {
         }
     }
 }
+
+#[test]
+fn sparse_payloads_carry_the_changed_rows_raw_or_encoded() {
+    let (rows, cols) = (9, 5);
+    let data = sample(rows, cols);
+    let index = [1u32, 4, 8];
+    let picked: Vec<f32> = index
+        .iter()
+        .flat_map(|&r| data[r as usize * cols..(r as usize + 1) * cols].to_vec())
+        .collect();
+    let raw = encode_sparse(rows, &index, SparseInner::F32(&picked)).unwrap();
+    assert!(is_sparse(&raw));
+    assert_eq!(raw.len(), 6 + 4 * index.len() + 2 + 4 * picked.len());
+    let back = decode_sparse(&raw, rows, cols).unwrap();
+    assert_eq!(back.index, index);
+    assert_eq!(back.values, picked);
+    validate(&raw, rows, cols).unwrap();
+    // A plain decode needs the receiver's copy: refused, typed.
+    assert_eq!(decode(&raw, rows, cols), Err(CodecError::Sparse));
+    for codec in ALL {
+        let inner = encode(codec, index.len(), cols, &picked, &TestDither(3)).unwrap();
+        let bytes = encode_sparse(rows, &index, SparseInner::Encoded(&inner)).unwrap();
+        let back = decode_sparse(&bytes, rows, cols).unwrap();
+        assert_eq!(back.index, index);
+        assert_eq!(
+            back.values,
+            decode(&inner, index.len(), cols).unwrap(),
+            "{codec:?}"
+        );
+        assert!(bytes.len() <= max_encoded_len(rows, cols).unwrap());
+    }
+    // No rows changed: a valid, short payload.
+    let none = encode_sparse(rows, &[], SparseInner::F32(&[])).unwrap();
+    assert_eq!(decode_sparse(&none, rows, cols).unwrap().values.len(), 0);
+    // Every row, raw: the longest sparse payload, within the decoder's bound.
+    let all: Vec<u32> = (0..rows as u32).collect();
+    let full = encode_sparse(rows, &all, SparseInner::F32(&data)).unwrap();
+    assert!(full.len() <= max_encoded_len(rows, cols).unwrap());
+}
+
+#[test]
+fn corrupt_sparse_payloads_are_typed_errors() {
+    let (rows, cols) = (6, 3);
+    let vals = [1.0f32; 6];
+    let good = encode_sparse(rows, &[0, 5], SparseInner::F32(&vals)).unwrap();
+    // Indices not ascending, repeated, or past the block: refused by the encoder and decoder.
+    for bad in [[5u32, 0], [2, 2], [1, 6]] {
+        assert!(matches!(
+            encode_sparse(rows, &bad, SparseInner::F32(&vals)),
+            Err(CodecError::SparseIndex { .. })
+        ));
+        let mut b = good.clone();
+        b[6..10].copy_from_slice(&bad[0].to_le_bytes());
+        b[10..14].copy_from_slice(&bad[1].to_le_bytes());
+        assert!(
+            matches!(
+                decode_sparse(&b, rows, cols),
+                Err(CodecError::SparseIndex { .. })
+            ),
+            "{bad:?}"
+        );
+    }
+    // More rows than the block has, a truncated index, a short or long raw section.
+    let mut b = good.clone();
+    b[2..6].copy_from_slice(&7u32.to_le_bytes());
+    assert!(decode_sparse(&b, rows, cols).is_err());
+    assert!(decode_sparse(&good[..9], rows, cols).is_err());
+    assert!(matches!(
+        decode_sparse(&good[..good.len() - 1], rows, cols),
+        Err(CodecError::Length { .. })
+    ));
+    let mut long = good.clone();
+    long.push(0);
+    assert!(validate(&long, rows, cols).is_err());
+    // A non-finite raw value, another version, a sparse payload inside a sparse payload.
+    let mut b = good.clone();
+    let at = b.len() - 4;
+    b[at..].copy_from_slice(&f32::NAN.to_le_bytes());
+    assert!(matches!(
+        decode_sparse(&b, rows, cols),
+        Err(CodecError::BadValue { .. })
+    ));
+    let mut b = good.clone();
+    b[1] = 9;
+    assert!(matches!(
+        decode_sparse(&b, rows, cols),
+        Err(CodecError::Version { .. })
+    ));
+    let nested = encode_sparse(rows, &[0, 5], SparseInner::Encoded(&good)).unwrap();
+    assert_eq!(
+        decode_sparse(&nested, rows, cols),
+        Err(CodecError::NestedSparse)
+    );
+    assert!(encode_sparse(rows, &[1], SparseInner::F32(&[f32::INFINITY; 3])).is_err());
+    // Every single-byte mutation decodes or fails cleanly (never panics).
+    for i in 0..good.len() {
+        for x in [1u8, 0x80, 0xff] {
+            let mut b = good.clone();
+            b[i] ^= x;
+            let _ = decode_sparse(&b, rows, cols);
+            let _ = validate(&b, rows, cols);
+        }
+    }
+}

@@ -5,7 +5,8 @@ use thiserror::Error;
 pub const MAGIC: [u8; 4] = *b"TRLS";
 /// The protocol version this build speaks; frames of any other version are refused.
 /// Version 2 added the trace context of halo envelopes, version 3 encoded halo bodies
-/// (halo codecs), version 4 the `Refused` answer to a hello.
+/// (halo codecs), version 4 sparse-row halo bodies (`--skip-threshold`: only changed rows)
+/// and the `Refused` answer to a hello.
 pub const PROTOCOL_VERSION: u16 = 4;
 /// Bytes in a frame header.
 pub const HEADER_LEN: usize = 20;

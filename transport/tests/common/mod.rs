@@ -80,3 +80,22 @@ pub fn encoded_block(
         ..b
     }
 }
+
+/// A block of `rows x cols` whose payload is sparse: rows `index` of [`block`]'s values,
+/// int8-encoded.
+pub fn sparse_block(from: u32, to: u32, rows: u32, cols: u32, index: &[u32]) -> HaloBlock {
+    use trellis_transport::codec::{self, Codec, SparseInner};
+    let b = block(from, to, 3, rows, cols);
+    let c = cols as usize;
+    let picked: Vec<f32> = index
+        .iter()
+        .flat_map(|&r| f32s(&b)[r as usize * c..(r as usize + 1) * c].to_vec())
+        .collect();
+    let inner = codec::encode(Codec::Int8, index.len(), c, &picked, &Hashed).expect("finite");
+    let bytes = codec::encode_sparse(rows as usize, index, SparseInner::Encoded(&inner))
+        .expect("ascending rows");
+    HaloBlock {
+        payload: HaloPayload::Encoded(Arc::from(bytes)),
+        ..b
+    }
+}

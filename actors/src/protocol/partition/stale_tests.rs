@@ -1,0 +1,559 @@
+//! The partition machine with `--staleness 1`, driven by hand on real partitions of the
+//! simulator's graph: a training pass uses the previous epoch's halo blocks (the first epoch
+//! runs exact), its last step waits for the whole epoch's exchange, the optimizer step holds
+//! the blocks for the next epoch, and a restored replica resumes with them.
+use super::*;
+use crate::replica::ReplicaBytes;
+use crate::sim::SimGraph;
+use trellis_runtime::comm::HaloConfig;
+use trellis_runtime::ModelKind;
+use trellis_transport::{codec, HaloPayload};
+
+const RUN: u128 = 43;
+
+/// A machine of partition `part` of `parts`, with or without staleness.
+fn machine(g: &SimGraph, kind: ModelKind, parts: u32, part: u32, stale: bool) -> PartitionMachine {
+    let halo = HaloConfig {
+        staleness: u32::from(stale),
+        ..HaloConfig::default()
+    };
+    machine_with(g, kind, parts, part, halo)
+}
+
+fn machine_with(
+    g: &SimGraph,
+    kind: ModelKind,
+    parts: u32,
+    part: u32,
+    halo: HaloConfig,
+) -> PartitionMachine {
+    let mut cfg = g.config(kind).clone();
+    cfg.halo = halo;
+    let state = g.state_with(parts, part, &cfg).unwrap();
+    PartitionMachine::new(
+        state,
+        RunId::from_u128(RUN),
+        Arc::new(FaultPlan::none()),
+        true,
+    )
+}
+
+fn step(epoch: u32, layer: u16, phase: Phase) -> Step {
+    Step {
+        run: RunId::from_u128(RUN),
+        epoch,
+        layer,
+        phase,
+        trace: None,
+    }
+}
+
+/// What a machine did: its answers (in order) and the blocks it sent.
+#[derive(Default)]
+struct Done {
+    answers: Vec<(RequestId, Result<Response, ActorError>)>,
+    sent: Vec<HaloBlock>,
+    snapshots: Vec<Snapshot>,
+}
+
+fn drain(m: &mut PartitionMachine) -> Done {
+    let mut d = Done::default();
+    while let Some(a) = m.poll_action() {
+        match a {
+            PartitionAction::Answer { id, result } => d.answers.push((id, result)),
+            PartitionAction::Send(b) => d.sent.push(b),
+            PartitionAction::Replicate { snapshot, .. } => d.snapshots.push(snapshot),
+            PartitionAction::HoldResidual(_) => {}
+            PartitionAction::Restart => panic!("unexpected restart"),
+        }
+    }
+    d
+}
+
+/// A hand-driven cluster: every machine gets each request, and every block sent is delivered
+/// (unless held back) until nothing moves.
+struct Cluster {
+    ms: Vec<PartitionMachine>,
+    next: u64,
+    /// Every block sent so far.
+    sent: Vec<HaloBlock>,
+}
+
+impl Cluster {
+    fn new(g: &SimGraph, kind: ModelKind, parts: u32, stale: bool) -> Self {
+        let halo = HaloConfig {
+            staleness: u32::from(stale),
+            ..HaloConfig::default()
+        };
+        Self::with(g, kind, parts, halo)
+    }
+
+    fn with(g: &SimGraph, kind: ModelKind, parts: u32, halo: HaloConfig) -> Self {
+        Cluster {
+            ms: (0..parts)
+                .map(|p| machine_with(g, kind, parts, p, halo))
+                .collect(),
+            next: 1,
+            sent: Vec::new(),
+        }
+    }
+
+    fn id(&mut self) -> RequestId {
+        self.next += 1;
+        RequestId(self.next)
+    }
+
+    /// Delivers `blocks` and everything they cause; returns the answers per machine.
+    fn deliver(&mut self, mut blocks: Vec<HaloBlock>, answers: &mut [Vec<Response>]) {
+        let now = Instant::now();
+        while let Some(b) = blocks.pop() {
+            let to = b.header.to.0 as usize;
+            self.ms[to].handle_halo(b, now);
+            let d = drain(&mut self.ms[to]);
+            for (_, r) in d.answers {
+                answers[to].push(r.unwrap());
+            }
+            self.sent.extend(d.sent.iter().cloned());
+            blocks.extend(d.sent);
+        }
+    }
+
+    /// One round: `s` to every machine, blocks delivered; the responses by machine.
+    fn round(&mut self, s: Step) -> Vec<Response> {
+        let id = self.id();
+        let mut answers = vec![Vec::new(); self.ms.len()];
+        let mut out = Vec::new();
+        for (p, m) in self.ms.iter_mut().enumerate() {
+            m.handle_step(id, s, Instant::now());
+            let d = drain(m);
+            for (_, r) in d.answers {
+                answers[p].push(r.unwrap());
+            }
+            out.extend(d.sent);
+        }
+        self.sent.extend(out.iter().cloned());
+        self.deliver(out, &mut answers);
+        answers
+            .into_iter()
+            .enumerate()
+            .map(|(p, mut a)| {
+                assert_eq!(a.len(), 1, "partition {p}: {a:?}");
+                a.remove(0)
+            })
+            .collect()
+    }
+
+    /// A whole training pass and the optimizer step of `epoch` (the same fixed gradients
+    /// everywhere); returns the losses of the last forward layer and the snapshots.
+    fn epoch(&mut self, epoch: u32) -> (Vec<f64>, Vec<Snapshot>) {
+        let layers = self.ms[0].state().num_layers() as u16;
+        let mut losses = Vec::new();
+        for l in 0..layers {
+            for r in self.round(step(epoch, l, Phase::Forward)) {
+                if let Response::Step(StepReply {
+                    outcome: crate::protocol::messages::Outcome::Loss { loss_sum, .. },
+                    ..
+                }) = r
+                {
+                    losses.push(loss_sum);
+                }
+            }
+        }
+        for l in (0..layers).rev() {
+            self.round(step(epoch, l, Phase::Backward));
+        }
+        let n = self.ms[0].state().model().num_parameters();
+        let grads = vec![0.01f32; n];
+        let id = self.id();
+        let mut snaps = Vec::new();
+        for m in &mut self.ms {
+            m.handle_apply(id, RunId::from_u128(RUN), epoch, &grads, None);
+            let d = drain(m);
+            assert!(matches!(d.answers[..], [(_, Ok(Response::Applied(_)))]));
+            snaps.extend(d.snapshots);
+        }
+        (losses, snaps)
+    }
+}
+
+fn loss_of(r: &Response) -> f64 {
+    match r {
+        Response::Step(StepReply {
+            outcome: crate::protocol::messages::Outcome::Loss { loss_sum, .. },
+            ..
+        }) => *loss_sum,
+        other => panic!("not a loss: {other:?}"),
+    }
+}
+
+#[test]
+fn epoch_one_runs_exact_and_epoch_two_uses_the_rows_of_epoch_one() {
+    let g = SimGraph::new().unwrap();
+    for kind in [ModelKind::Gcn, ModelKind::Sage] {
+        let mut stale = Cluster::new(&g, kind, 2, true);
+        let mut exact = Cluster::new(&g, kind, 2, false);
+        let (ls, _) = stale.epoch(1);
+        let (le, _) = exact.epoch(1);
+        assert_eq!(ls, le, "{kind}: epoch 1 runs exact");
+        let from_1: Vec<HaloBlock> = exact
+            .sent
+            .iter()
+            .filter(|b| b.header.from.0 == 1 && b.header.phase == Phase::Forward)
+            .cloned()
+            .collect();
+        assert!(!from_1.is_empty(), "{kind}");
+        // Epoch 2, partition 0 alone: with staleness every forward layer answers at once,
+        // without a single block of epoch 2.
+        let last = stale.ms[0].state().num_layers() as u16 - 1;
+        let mut stale_loss = None;
+        for l in 0..=last {
+            let id = stale.id();
+            stale.ms[0].handle_step(id, step(2, l, Phase::Forward), Instant::now());
+            let d = drain(&mut stale.ms[0]);
+            match &d.answers[..] {
+                [(got, Ok(r))] if *got == id => {
+                    if l == last {
+                        stale_loss = Some(loss_of(r));
+                    }
+                }
+                other => panic!("{kind} layer {l}: {other:?}"),
+            }
+        }
+        // The exact run computes the same loss from partition 1's rows of epoch 1 labelled
+        // epoch 2, and another from its rows of epoch 2.
+        let exact_with = |cluster: &mut Cluster, rows: &[HaloBlock]| {
+            let m = &mut cluster.ms[0];
+            let mut loss = None;
+            for l in 0..=last {
+                let id = RequestId(1000 + l as u64);
+                m.handle_step(id, step(2, l, Phase::Forward), Instant::now());
+                for b in rows {
+                    let mut b = b.clone();
+                    b.header.epoch = 2;
+                    m.handle_halo(b, Instant::now());
+                }
+                let d = drain(m);
+                if l == last {
+                    loss = Some(loss_of(d.answers.last().unwrap().1.as_ref().unwrap()));
+                }
+            }
+            loss.unwrap()
+        };
+        assert_eq!(
+            exact_with(&mut exact, &from_1),
+            stale_loss.unwrap(),
+            "{kind}: the stale step used epoch 1's rows"
+        );
+        // ...which are not epoch 2's: the exact epoch 2 gives another loss.
+        let mut fresh = Cluster::new(&g, kind, 2, false);
+        fresh.epoch(1);
+        let exact_loss = (0..=last)
+            .map(|l| fresh.round(step(2, l, Phase::Forward)))
+            .last()
+            .map(|r| loss_of(&r[0]))
+            .unwrap();
+        assert_ne!(exact_loss, stale_loss.unwrap(), "{kind}");
+    }
+}
+
+#[test]
+fn the_last_step_waits_for_the_epochs_blocks_which_the_optimizer_step_holds_and_replicates() {
+    let g = SimGraph::new().unwrap();
+    for kind in [ModelKind::Gcn, ModelKind::Sage] {
+        let mut c = Cluster::new(&g, kind, 2, true);
+        c.epoch(1);
+        let layers = c.ms[0].state().num_layers() as u16;
+        // Epoch 2 on partition 0 alone: every step but the last answers at once; the last
+        // waits for partition 1's blocks of epoch 2.
+        let mut mine = Vec::new();
+        let steps: Vec<Step> = (0..layers)
+            .map(|l| step(2, l, Phase::Forward))
+            .chain((0..layers).rev().map(|l| step(2, l, Phase::Backward)))
+            .collect();
+        for (k, s) in steps.iter().enumerate() {
+            let id = c.id();
+            c.ms[0].handle_step(id, *s, Instant::now());
+            let d = drain(&mut c.ms[0]);
+            mine.extend(d.sent);
+            let last = k + 1 == steps.len();
+            assert_eq!(d.answers.len(), usize::from(!last), "{kind} step {s:?}");
+        }
+        // Partition 1 runs its pass the same way; the blocks of each reach the other, whose
+        // last step answers with the last of them.
+        let mut theirs = Vec::new();
+        for (k, s) in steps.iter().enumerate() {
+            let id = c.id();
+            c.ms[1].handle_step(id, *s, Instant::now());
+            let d = drain(&mut c.ms[1]);
+            let last = k + 1 == steps.len();
+            assert_eq!(d.answers.len(), usize::from(!last), "{kind} step {s:?}");
+            theirs.extend(d.sent);
+        }
+        let now = Instant::now();
+        let (n0, n1) = (theirs.len(), mine.len());
+        assert!(n0 > 0 && n1 > 0);
+        for (to, blocks) in [(0, theirs), (1, mine)] {
+            let n = blocks.len();
+            for (k, b) in blocks.into_iter().enumerate() {
+                c.ms[to].handle_halo(b, now);
+                let d = drain(&mut c.ms[to]);
+                assert_eq!(d.answers.len(), usize::from(k + 1 == n), "{kind} block {k}");
+            }
+        }
+        // The optimizer step holds epoch 2's blocks: the replica carries them, and survives
+        // the trip through its wire form.
+        let grads = vec![0.01f32; c.ms[0].state().model().num_parameters()];
+        let id = c.id();
+        c.ms[0].handle_apply(id, RunId::from_u128(RUN), 2, &grads, None);
+        let d = drain(&mut c.ms[0]);
+        let snap = d.snapshots.into_iter().next().unwrap();
+        assert_eq!(snap.held_halo.len(), n0, "{kind}");
+        assert!(snap.held_halo.iter().all(|b| b.header.epoch == 2));
+        assert!(snap.held_halo_bytes() > 0);
+        let back = ReplicaBytes::encode(0, &snap).decode().unwrap();
+        assert_eq!(back.held_halo.len(), n0);
+        for (a, b) in back.held_halo.iter().zip(&snap.held_halo) {
+            assert_eq!(a.values().unwrap(), b.values().unwrap());
+            assert_eq!(
+                (a.header.layer, a.header.from),
+                (b.header.layer, b.header.from)
+            );
+        }
+    }
+}
+
+#[test]
+fn a_restored_replica_resumes_with_the_held_rows_and_missing_ones_are_clear_errors() {
+    let g = SimGraph::new().unwrap();
+    for kind in [ModelKind::Gcn, ModelKind::Sage] {
+        let mut c = Cluster::new(&g, kind, 2, true);
+        let (_, snaps) = c.epoch(1);
+        let last = c.ms[0].state().num_layers() as u16 - 1;
+        let reference = {
+            let mut twin = Cluster::new(&g, kind, 2, true);
+            twin.epoch(1);
+            let mut loss = 0.0;
+            for l in 0..=last {
+                let r = twin.round(step(2, l, Phase::Forward));
+                if l == last {
+                    loss = loss_of(&r[0]);
+                }
+            }
+            loss
+        };
+        // A partition adopted elsewhere: a new machine restored from the replica's bytes.
+        let bytes = ReplicaBytes::encode(0, &snaps[0]);
+        let mut adopted = machine(&g, kind, 2, 0, true);
+        adopted.restore(Some(&bytes.decode().unwrap())).unwrap();
+        let mut loss = None;
+        for l in 0..=last {
+            adopted.handle_step(
+                RequestId(10 + l as u64),
+                step(2, l, Phase::Forward),
+                Instant::now(),
+            );
+            let d = drain(&mut adopted);
+            if l == last {
+                loss = Some(loss_of(d.answers[0].1.as_ref().unwrap()));
+            }
+        }
+        assert_eq!(loss, Some(reference), "{kind}");
+        // The same replica without its held rows: the stale step is a clear error naming the
+        // missing sender, not a hang.
+        let mut bare = snaps[0].clone();
+        bare.held_halo.clear();
+        let mut m = machine(&g, kind, 2, 0, true);
+        m.restore(Some(&bare)).unwrap();
+        let mut error = None;
+        for l in 0..=last {
+            m.handle_step(
+                RequestId(10 + l as u64),
+                step(2, l, Phase::Forward),
+                Instant::now(),
+            );
+            if let Some((_, Err(e))) = drain(&mut m).answers.into_iter().next() {
+                error = Some(e.to_string());
+                break;
+            }
+        }
+        let e = error.unwrap_or_else(|| panic!("{kind}: ran without held rows"));
+        assert!(
+            e.contains("from partition 1") && e.contains("epoch 1"),
+            "{e}"
+        );
+        // An optimizer step without the epoch's blocks (they were lost with a node) is refused
+        // instead of holding nothing for the next epoch.
+        let grads = vec![0.01f32; m.state().model().num_parameters()];
+        m.handle_apply(RequestId(99), RunId::from_u128(RUN), 2, &grads, None);
+        match &drain(&mut m).answers[..] {
+            [(_, Err(e @ ActorError::HeldRowsLost { part: 0, epoch: 2 }))] => {
+                assert!(e.to_string().contains("--staleness 1"), "{e}")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+}
+
+#[test]
+fn a_reset_keeps_the_held_rows_and_the_replay_gives_the_same_losses() {
+    let g = SimGraph::new().unwrap();
+    let mut c = Cluster::new(&g, ModelKind::Sage, 3, true);
+    let mut twin = Cluster::new(&g, ModelKind::Sage, 3, true);
+    c.epoch(1);
+    twin.epoch(1);
+    // Epoch 2 half-way (forward layer 0), then every partition resets it; the replayed epoch
+    // equals the twin's uninterrupted one.
+    c.round(step(2, 0, Phase::Forward));
+    let id = c.id();
+    for m in &mut c.ms {
+        m.handle_reset(id, 2);
+        assert!(matches!(
+            drain(m).answers[..],
+            [(_, Ok(Response::ResetDone))]
+        ));
+    }
+    let (a, sa) = c.epoch(2);
+    let (b, sb) = twin.epoch(2);
+    assert_eq!(a, b);
+    let digests = |s: &[Snapshot]| s.iter().map(|s| s.digest.clone()).collect::<Vec<_>>();
+    assert_eq!(digests(&sa), digests(&sb));
+    assert!(sa.iter().all(|s| !s.held_halo.is_empty()));
+}
+
+/// The rows a training block carries: every one (dense) or the changed ones (sparse).
+fn carried(b: &HaloBlock) -> Option<usize> {
+    match &b.payload {
+        HaloPayload::Encoded(bytes) if codec::is_sparse(bytes) => Some(
+            codec::decode_sparse(bytes, b.rows as usize, b.cols as usize)
+                .unwrap()
+                .index
+                .len(),
+        ),
+        _ => None,
+    }
+}
+
+#[test]
+fn skipped_rows_are_kept_by_the_receiver_and_max_staleness_forces_a_resend() {
+    let g = SimGraph::new().unwrap();
+    for (kind, staleness) in [
+        (ModelKind::Gcn, 0),
+        (ModelKind::Sage, 0),
+        (ModelKind::Sage, 1),
+    ] {
+        // A threshold no change reaches: rows are resent only when max-staleness says so.
+        let halo = HaloConfig {
+            skip_threshold: 1e9,
+            max_staleness: Some(2),
+            staleness,
+            ..HaloConfig::default()
+        };
+        let mut c = Cluster::with(&g, kind, 3, halo);
+        let mut losses = Vec::new();
+        for e in 1..=5 {
+            losses.push(c.epoch(e).0);
+        }
+        let training = |e: u32| -> Vec<Option<usize>> {
+            c.sent
+                .iter()
+                .filter(|b| b.header.epoch == e && b.header.phase != Phase::Eval)
+                .map(carried)
+                .collect()
+        };
+        let rows = |e: u32| -> usize {
+            c.sent
+                .iter()
+                .filter(|b| b.header.epoch == e && b.header.phase != Phase::Eval)
+                .map(|b| b.rows as usize)
+                .sum()
+        };
+        // Epoch 1 sends every row (nothing was sent before): dense blocks.
+        assert!(training(1).iter().all(Option::is_none), "{kind}");
+        // Rows sent in epoch s are used in epoch s + staleness; at most 2 epochs old means
+        // they are resent when the next use would be 3 epochs after s.
+        let resend = 3 - staleness;
+        for e in 2..=5 {
+            let blocks = training(e);
+            assert!(!blocks.is_empty());
+            // Rows whose last sent value was all zeros go whenever they change (a relative
+            // change without bound), which moves their send epoch: so a forced epoch resends
+            // most rows, and the others few.
+            let sent: usize = c
+                .sent
+                .iter()
+                .filter(|b| b.header.epoch == e && b.header.phase != Phase::Eval)
+                .map(|b| carried(b).unwrap_or(b.rows as usize))
+                .sum();
+            if (e - 1) % resend == 0 {
+                assert!(2 * sent > rows(e), "{kind} epoch {e}: {blocks:?}");
+            } else {
+                assert!(
+                    blocks.iter().all(Option::is_some),
+                    "{kind} epoch {e}: {blocks:?}"
+                );
+                assert!(
+                    10 * sent < rows(e),
+                    "{kind} epoch {e}: {sent} of {} rows",
+                    rows(e)
+                );
+            }
+        }
+        // The skipped rows were replaced by the receivers' copies: the losses differ from a
+        // run without skipping after the first skipped epoch, and the run repeats exactly.
+        let mut exact = Cluster::with(
+            &g,
+            kind,
+            3,
+            HaloConfig {
+                staleness,
+                ..HaloConfig::default()
+            },
+        );
+        let plain: Vec<_> = (1..=5).map(|e| exact.epoch(e).0).collect();
+        assert_eq!(losses[0], plain[0], "{kind}");
+        assert_ne!(losses[2], plain[2], "{kind}");
+        let mut again = Cluster::with(&g, kind, 3, halo);
+        let repeat: Vec<_> = (1..=5).map(|e| again.epoch(e).0).collect();
+        assert_eq!(losses, repeat, "{kind}");
+    }
+}
+
+#[test]
+fn skipping_only_unchanged_rows_gives_the_exact_weights_and_restores_with_its_records() {
+    let g = SimGraph::new().unwrap();
+    // The smallest threshold skips only rows that did not change at all (e.g. zero gradient
+    // rows): the receivers' copies are those rows, bit for bit.
+    let halo = HaloConfig {
+        skip_threshold: f32::MIN_POSITIVE,
+        ..HaloConfig::default()
+    };
+    let mut c = Cluster::with(&g, ModelKind::Sage, 3, halo);
+    let mut exact = Cluster::new(&g, ModelKind::Sage, 3, false);
+    let digests = |s: &[Snapshot]| s.iter().map(|s| s.digest.clone()).collect::<Vec<_>>();
+    let mut last = Vec::new();
+    for e in 1..=4 {
+        let (la, sa) = c.epoch(e);
+        let (lb, sb) = exact.epoch(e);
+        assert_eq!(la, lb, "epoch {e}");
+        assert_eq!(digests(&sa), digests(&sb), "epoch {e}");
+        last = sa;
+    }
+    assert!(last.iter().all(|s| !s.skip_sent.is_empty()));
+    let sparse: Vec<usize> = c.sent.iter().filter_map(carried).collect();
+    let skipped: usize = c
+        .sent
+        .iter()
+        .filter_map(|b| Some(b.rows as usize - carried(b)?))
+        .sum();
+    assert!(skipped > 0, "nothing skipped: {sparse:?}");
+    // A partition adopted elsewhere from its replica's bytes resumes with its records and
+    // held rows: epoch 5 goes on exactly as in the uninterrupted run.
+    let bytes = ReplicaBytes::encode(1, &last[1]);
+    let mut adopted = machine_with(&g, ModelKind::Sage, 3, 1, halo);
+    adopted.restore(Some(&bytes.decode().unwrap())).unwrap();
+    c.ms[1] = adopted;
+    let (la, sa) = c.epoch(5);
+    let (lb, sb) = exact.epoch(5);
+    assert_eq!(la, lb);
+    assert_eq!(digests(&sa), digests(&sb));
+}

@@ -1,0 +1,303 @@
+//! Skipping halo rows that barely changed (`--skip-threshold`, historical embeddings as in
+//! SANCUS), on the sending side: the sender's record of the rows each receiver holds, per
+//! (receiver, phase, layer tag), and the sparse-row payloads of the rows that changed.
+//!
+//! A row is resent when its change since it was last sent is above the threshold relative to
+//! the last sent value in L2 norm (`|x - x_sent|² > T² |x_sent|²`), or when the receiver
+//! would otherwise use it older than `--max-staleness` epochs; the others stay as the
+//! receiver has them. What the receiver holds is what it decoded, so the record keeps the
+//! decoded values. Records of the epoch in progress are pending until its optimizer step
+//! commits them (a replayed pass starts from the committed ones and sends the same blocks);
+//! the committed records are part of the partition's replicated snapshot.
+use crate::protocol::codec::HaloEncoder;
+use crate::protocol::halo::{proto, Tag};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use trellis_runtime::comm::HaloConfig;
+use trellis_runtime::Result;
+use trellis_transport::codec::{self, SparseInner};
+use trellis_transport::{HaloPayload, PartId, Phase};
+
+/// What one receiver holds of one (phase, layer tag)'s rows, as the sender last sent them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SentRows {
+    pub to: PartId,
+    pub phase: Phase,
+    pub layer: u16,
+    pub cols: u32,
+    /// `rows * cols` values, as the receiver decoded them.
+    pub values: Vec<f32>,
+    /// The epoch each row was last sent in.
+    pub sent: Vec<u32>,
+}
+
+type Key = (PartId, Phase, u16);
+
+/// A partition's skip state as a sender.
+#[derive(Debug, Default)]
+pub(crate) struct SkipSender {
+    threshold: f32,
+    max_staleness: Option<u32>,
+    staleness: u32,
+    committed: BTreeMap<Key, SentRows>,
+    /// The records of the epoch in progress (kept through an epoch reset: the replay
+    /// recomputes the same ones).
+    pending: Option<(u32, BTreeMap<Key, SentRows>)>,
+}
+
+impl SkipSender {
+    pub fn new(cfg: &HaloConfig) -> Self {
+        SkipSender {
+            threshold: cfg.skip_threshold,
+            max_staleness: cfg.max_staleness,
+            staleness: cfg.staleness,
+            ..SkipSender::default()
+        }
+    }
+
+    /// Whether rows may be skipped at all.
+    pub fn on(&self) -> bool {
+        self.threshold > 0.0
+    }
+
+    /// The payload of the `gids.len() x cols` rows `data` for `to` under `tag`: every row
+    /// (encoded by `encoder`) when nothing was sent before or every row changed, else a
+    /// sparse payload of the rows to resend. Evaluation rows are never skipped.
+    #[allow(clippy::too_many_arguments)]
+    pub fn payload(
+        &mut self,
+        encoder: &HaloEncoder,
+        from: PartId,
+        tag: Tag,
+        to: PartId,
+        gids: &[u32],
+        cols: usize,
+        data: Arc<[f32]>,
+    ) -> Result<HaloPayload> {
+        if !self.on() || tag.phase == Phase::Eval {
+            return encoder.payload(from, tag, gids, cols, data);
+        }
+        let rows = gids.len();
+        let key = (to, tag.phase, tag.layer);
+        let base = self
+            .committed
+            .get(&key)
+            .filter(|b| b.cols as usize == cols && b.sent.len() == rows);
+        let changed: Vec<u32> = match base {
+            None => (0..rows as u32).collect(),
+            Some(b) => (0..rows)
+                .filter(|&r| self.must_send(b, r, &data[r * cols..(r + 1) * cols], tag.epoch))
+                .map(|r| r as u32)
+                .collect(),
+        };
+        let (payload, values) = if changed.len() == rows {
+            let p = encoder.payload(from, tag, gids, cols, data)?;
+            let v = decoded(from, &p, rows, cols)?;
+            (p, v)
+        } else {
+            let mut sub = Vec::with_capacity(changed.len() * cols);
+            for &r in &changed {
+                sub.extend_from_slice(&data[r as usize * cols..(r as usize + 1) * cols]);
+            }
+            let sub_gids: Vec<u32> = changed.iter().map(|&r| gids[r as usize]).collect();
+            let inner = encoder.payload(from, tag, &sub_gids, cols, Arc::from(sub))?;
+            let v = decoded(from, &inner, changed.len(), cols)?;
+            let bytes = match &inner {
+                HaloPayload::F32(d) => codec::encode_sparse(rows, &changed, SparseInner::F32(d)),
+                HaloPayload::Encoded(b) => {
+                    codec::encode_sparse(rows, &changed, SparseInner::Encoded(b))
+                }
+            }
+            .map_err(|e| proto(from, &format!("sparse halo block for partition {to}: {e}")))?;
+            (HaloPayload::Encoded(Arc::from(bytes)), v)
+        };
+        let mut next = base.cloned().unwrap_or_else(|| SentRows {
+            to,
+            phase: tag.phase,
+            layer: tag.layer,
+            cols: cols as u32,
+            values: vec![0.0; rows * cols],
+            sent: vec![0; rows],
+        });
+        for (k, &r) in changed.iter().enumerate() {
+            let r = r as usize;
+            next.values[r * cols..(r + 1) * cols]
+                .copy_from_slice(&values[k * cols..(k + 1) * cols]);
+            next.sent[r] = tag.epoch;
+        }
+        let pending = match &mut self.pending {
+            Some((e, m)) if *e == tag.epoch => m,
+            slot => &mut slot.insert((tag.epoch, BTreeMap::new())).1,
+        };
+        pending.insert(key, next);
+        Ok(payload)
+    }
+
+    /// Whether row `r` (now `x`) must be resent in `epoch`.
+    fn must_send(&self, b: &SentRows, r: usize, x: &[f32], epoch: u32) -> bool {
+        // The epoch the receiver uses the rows of this one in, less the row's send epoch.
+        let age = (epoch + self.staleness).saturating_sub(b.sent[r]);
+        if self.max_staleness.is_some_and(|k| age > k) {
+            return true;
+        }
+        let cols = x.len();
+        let prev = &b.values[r * cols..(r + 1) * cols];
+        let (mut d2, mut p2) = (0.0f64, 0.0f64);
+        for (&a, &p) in x.iter().zip(prev) {
+            let d = f64::from(a) - f64::from(p);
+            d2 += d * d;
+            p2 += f64::from(p) * f64::from(p);
+        }
+        let t = f64::from(self.threshold);
+        d2 > t * t * p2
+    }
+
+    /// Whether the records of `epoch`'s pass are at hand (always, when nothing was sent).
+    pub fn ready(&self, epoch: u32) -> bool {
+        matches!(self.pending, Some((e, _)) if e == epoch)
+    }
+
+    /// The optimizer step of `epoch` was applied: its records become the committed ones.
+    pub fn commit(&mut self, epoch: u32) {
+        if let Some((e, m)) = self.pending.take() {
+            if e == epoch {
+                self.committed.extend(m);
+            }
+        }
+    }
+
+    /// The committed records (for the replicated snapshot), ascending key.
+    pub fn committed(&self) -> Vec<SentRows> {
+        self.committed.values().cloned().collect()
+    }
+
+    /// Restores the committed records of a snapshot taken after `epoch`; pending records of
+    /// the epoch after it survive (a restart on the same node during its optimizer step).
+    pub fn restore(&mut self, epoch: u32, records: &[SentRows]) {
+        self.committed = records
+            .iter()
+            .map(|s| ((s.to, s.phase, s.layer), s.clone()))
+            .collect();
+        if self.pending.as_ref().is_some_and(|(e, _)| *e != epoch + 1) {
+            self.pending = None;
+        }
+    }
+}
+
+/// The values a receiver decodes from `p` (`rows x cols`).
+fn decoded(from: PartId, p: &HaloPayload, rows: usize, cols: usize) -> Result<Vec<f32>> {
+    match p {
+        HaloPayload::F32(d) => Ok(d.to_vec()),
+        HaloPayload::Encoded(b) => codec::decode(b, rows, cols)
+            .map_err(|e| proto(from, &format!("decoding its own halo block: {e}"))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use trellis_transport::RunId;
+
+    fn tag(epoch: u32) -> Tag {
+        Tag {
+            run: RunId::nil(),
+            epoch,
+            layer: 1,
+            phase: Phase::Forward,
+        }
+    }
+
+    fn sender(threshold: f32, max_staleness: Option<u32>) -> (SkipSender, HaloEncoder) {
+        let cfg = HaloConfig {
+            skip_threshold: threshold,
+            max_staleness,
+            ..HaloConfig::default()
+        };
+        (SkipSender::new(&cfg), HaloEncoder::new(&cfg, 1))
+    }
+
+    /// Sends `rows` (3 rows of 2) in `epoch` and commits; the rows the payload carries.
+    fn send(s: &mut SkipSender, enc: &HaloEncoder, epoch: u32, rows: [f32; 6]) -> Vec<u32> {
+        let p = s
+            .payload(
+                enc,
+                PartId(0),
+                tag(epoch),
+                PartId(1),
+                &[10, 11, 12],
+                2,
+                Arc::from(rows),
+            )
+            .unwrap();
+        s.commit(epoch);
+        match p {
+            HaloPayload::F32(_) => vec![0, 1, 2],
+            HaloPayload::Encoded(b) => codec::decode_sparse(&b, 3, 2).unwrap().index,
+        }
+    }
+
+    #[test]
+    fn rows_that_barely_changed_are_not_resent() {
+        let (mut s, enc) = sender(0.1, None);
+        assert_eq!(
+            send(&mut s, &enc, 1, [1.0, 0.0, 0.0, 2.0, 5.0, 5.0]),
+            [0, 1, 2]
+        );
+        // Row 0 moves by 5% of its norm, row 1 by 50%, row 2 not at all.
+        assert_eq!(send(&mut s, &enc, 2, [1.05, 0.0, 0.0, 3.0, 5.0, 5.0]), [1]);
+        // Against what was last sent (1.0, not 1.05): 1.15 is 15% away.
+        assert_eq!(send(&mut s, &enc, 3, [1.15, 0.0, 0.0, 3.0, 5.0, 5.0]), [0]);
+        let rec = &s.committed()[0];
+        assert_eq!(rec.values, [1.15, 0.0, 0.0, 3.0, 5.0, 5.0]);
+        assert_eq!(rec.sent, [3, 2, 1]);
+    }
+
+    #[test]
+    fn max_staleness_forces_a_resend() {
+        let (mut s, enc) = sender(0.5, Some(2));
+        let rows = [1.0, 1.0, 2.0, 2.0, 3.0, 3.0];
+        assert_eq!(send(&mut s, &enc, 1, rows), [0, 1, 2]);
+        assert!(send(&mut s, &enc, 2, rows).is_empty());
+        assert!(send(&mut s, &enc, 3, rows).is_empty());
+        // In epoch 4 the rows of epoch 1 would be 3 epochs old: all resent, then skipped again.
+        assert_eq!(send(&mut s, &enc, 4, rows), [0, 1, 2]);
+        assert!(send(&mut s, &enc, 5, rows).is_empty());
+        // Unbounded, they are never resent.
+        let (mut s, enc) = sender(0.5, None);
+        send(&mut s, &enc, 1, rows);
+        assert!((2..10).all(|e| send(&mut s, &enc, e, rows).is_empty()));
+    }
+
+    #[test]
+    fn a_replayed_pass_starts_from_the_committed_records() {
+        let (mut s, enc) = sender(0.1, None);
+        send(&mut s, &enc, 1, [1.0, 0.0, 0.0, 2.0, 5.0, 5.0]);
+        let rows: Arc<[f32]> = Arc::from([1.0, 0.0, 0.0, 3.0, 5.0, 5.0]);
+        let once = s
+            .payload(
+                &enc,
+                PartId(0),
+                tag(2),
+                PartId(1),
+                &[10, 11, 12],
+                2,
+                rows.clone(),
+            )
+            .unwrap();
+        assert!(!s.ready(1) && s.ready(2));
+        let again = s
+            .payload(&enc, PartId(0), tag(2), PartId(1), &[10, 11, 12], 2, rows)
+            .unwrap();
+        let bytes = |p: HaloPayload| match p {
+            HaloPayload::Encoded(b) => b.to_vec(),
+            HaloPayload::F32(_) => panic!("dense"),
+        };
+        assert_eq!(bytes(once), bytes(again));
+        // A restore of the snapshot after epoch 1 keeps epoch 2's pending records.
+        let snap = s.committed();
+        s.restore(1, &snap);
+        assert!(s.ready(2));
+        s.restore(0, &snap);
+        assert!(!s.ready(2));
+    }
+}
