@@ -14,6 +14,8 @@
 //! The HTTP front end (`trellis serve`) lives in the facade; it only parses, validates sizes
 //! and forwards [`engine::Command`]s.
 pub mod engine;
+pub mod part;
+pub mod plan;
 pub mod priority;
 pub mod published;
 pub mod routing;
