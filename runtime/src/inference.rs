@@ -650,23 +650,8 @@ impl Inference {
     }
 
     /// Raw features (`n x in_dim`) as the first layer takes them.
-    pub fn prepare_features(&self, mut raw: Vec<f32>) -> Result<Rows> {
-        let width = self.model.config().in_dim;
-        if width == 0 || !raw.len().is_multiple_of(width) {
-            return Err(RuntimeError::BadData(format!(
-                "{} feature values are not rows of {width}",
-                raw.len()
-            )));
-        }
-        if raw.iter().any(|x| !x.is_finite()) {
-            return Err(RuntimeError::BadData(
-                "features contain NaN or infinity".into(),
-            ));
-        }
-        if self.normalize {
-            normalize_rows(&mut raw, width);
-        }
-        Ok(Rows { width, data: raw })
+    pub fn prepare_features(&self, raw: Vec<f32>) -> Result<Rows> {
+        prepare_features(raw, self.model.config().in_dim, self.normalize)
     }
 
     /// Width of layer `l`'s output.
@@ -870,6 +855,26 @@ impl Inference {
         stats.last_rows = set;
         Ok(stats)
     }
+}
+
+/// Raw features (rows of `width`) as a model's first layer takes them: checked to be finite,
+/// row-normalised when `normalize` (as training did).
+pub fn prepare_features(mut raw: Vec<f32>, width: usize, normalize: bool) -> Result<Rows> {
+    if width == 0 || !raw.len().is_multiple_of(width) {
+        return Err(RuntimeError::BadData(format!(
+            "{} feature values are not rows of {width}",
+            raw.len()
+        )));
+    }
+    if raw.iter().any(|x| !x.is_finite()) {
+        return Err(RuntimeError::BadData(
+            "features contain NaN or infinity".into(),
+        ));
+    }
+    if normalize {
+        normalize_rows(&mut raw, width);
+    }
+    Ok(Rows { width, data: raw })
 }
 
 /// The nodes of `set` (ascending) grouped by part, each group ascending.

@@ -88,7 +88,8 @@ impl Beside {
                 scheduler: SchedulerConfig::default(),
                 parts: 1,
                 threads: cfg.threads,
-                panic_on_updates: Vec::new(),
+                faults: Default::default(),
+                step_timeout: engine::STEP_TIMEOUT,
             },
         )
         .map_err(|e| anyhow!("cannot start serving beside training: {e}"))?;
