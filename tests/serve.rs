@@ -753,7 +753,14 @@ fn panicking_partition_actors_are_recovered_under_open_loop_load_without_wrong_a
             src.push(updates[k - 1].0 as i64);
             dst.push(updates[k - 1].1 as i64);
         }
-        let data = write_dataset_as(dir.path(), &format!("state{k}"), &ds.features, 16, &src, &dst);
+        let data = write_dataset_as(
+            dir.path(),
+            &format!("state{k}"),
+            &ds.features,
+            16,
+            &src,
+            &dst,
+        );
         let logits = predict(&file, s(&data), dir.path());
         let probs: Vec<Vec<f64>> = queried
             .iter()
@@ -778,7 +785,9 @@ fn panicking_partition_actors_are_recovered_under_open_loop_load_without_wrong_a
             std::thread::spawn(move || {
                 let agent = agent();
                 loop {
-                    let Ok(i) = rx.lock().unwrap().recv() else { return };
+                    let Ok(i) = rx.lock().unwrap().recv() else {
+                        return;
+                    };
                     let body = if i % 2 == 0 {
                         json!({ "nodes": queried, "embeddings": 1 })
                     } else {
@@ -889,7 +898,13 @@ fn panicking_partition_actors_are_recovered_under_open_loop_load_without_wrong_a
     assert_eq!(failed, 0);
     assert_eq!(wrong, 0);
     assert!(answered > 100, "answered {answered}");
-    let ready = call(&agent(), "GET", &format!("{}/readyz", server.url), b"", None);
+    let ready = call(
+        &agent(),
+        "GET",
+        &format!("{}/readyz", server.url),
+        b"",
+        None,
+    );
     assert_eq!(ready.status, 200);
     assert_eq!(ready.body["faults_fired"], 2, "{}", ready.text);
     assert_eq!(ready.body["recoveries"], 2, "{}", ready.text);

@@ -181,15 +181,14 @@ impl Adjacency for NodeGraph {
 /// the halo rows come in the order first met (a row's entries are in global-id order
 /// either way, so every output row has the same bits).
 pub(crate) fn build_block<G: Adjacency + ?Sized>(
-graph: &G,
+    graph: &G,
     inner: &[u32],
     agg: Aggregation,
     map: &mut LocalIds,
     sorted_halo: bool,
 ) -> Result<Block> {
     let n = graph.num_nodes();
-    if inner.windows(2).any(|w| w[0] >= w[1]) || inner.last().is_some_and(|&v| v as usize >= n)
-    {
+    if inner.windows(2).any(|w| w[0] >= w[1]) || inner.last().is_some_and(|&v| v as usize >= n) {
         return Err(RuntimeError::BadData(
             "inner nodes must be ascending, distinct and in range".into(),
         ));
@@ -236,7 +235,6 @@ graph: &G,
     let degrees: Vec<u32> = gids.iter().map(|&g| graph.degree(g) as u32).collect();
     Block::from_local(inner.len(), gids, &indptr, &indices, &degrees, agg)
 }
-
 
 /// Global-to-local ids of a block: a table with one entry per node of the graph, kept between
 /// blocks (an incremental update builds blocks of a few thousand rows over graphs of
@@ -295,7 +293,9 @@ impl PartGraph {
                 owner.len()
             )));
         }
-        let inner: Vec<u32> = (0..n as u32).filter(|&v| owner[v as usize] == part).collect();
+        let inner: Vec<u32> = (0..n as u32)
+            .filter(|&v| owner[v as usize] == part)
+            .collect();
         let mut local = vec![u32::MAX; n];
         for (l, &v) in inner.iter().enumerate() {
             local[v as usize] = l as u32;
@@ -362,7 +362,9 @@ impl PartGraph {
             )));
         }
         if a == b {
-            return Err(RuntimeError::BadData(format!("edge {a}-{b} is a self loop")));
+            return Err(RuntimeError::BadData(format!(
+                "edge {a}-{b} is a self loop"
+            )));
         }
         Ok(())
     }
@@ -374,7 +376,10 @@ impl PartGraph {
             if let Some(l) = self.local(x) {
                 let row = &mut self.nbrs[l as usize];
                 let pos = row.binary_search(&y).err().ok_or_else(|| {
-                    RuntimeError::BadData(format!("part {}: edge {a}-{b} already exists", self.part))
+                    RuntimeError::BadData(format!(
+                        "part {}: edge {a}-{b} already exists",
+                        self.part
+                    ))
                 })?;
                 row.insert(pos, y);
             }
@@ -390,14 +395,17 @@ impl PartGraph {
             if let Some(l) = self.local(x) {
                 let row = &mut self.nbrs[l as usize];
                 let pos = row.binary_search(&y).map_err(|_| {
-                    RuntimeError::BadData(format!("part {}: edge {a}-{b} does not exist", self.part))
+                    RuntimeError::BadData(format!(
+                        "part {}: edge {a}-{b} does not exist",
+                        self.part
+                    ))
                 })?;
                 row.remove(pos);
             }
             let d = &mut self.deg[x as usize];
-            *d = d.checked_sub(1).ok_or_else(|| {
-                RuntimeError::BadData(format!("node {x} has no edge to remove"))
-            })?;
+            *d = d
+                .checked_sub(1)
+                .ok_or_else(|| RuntimeError::BadData(format!("node {x} has no edge to remove")))?;
         }
         Ok(())
     }
@@ -767,7 +775,11 @@ impl Inference {
             return Ok(Vec::new());
         }
         let block = self.block(graph, inner)?;
-        let x = Tensor::from_vec(block.n_in(), source.width(), source.gather_rows(block.gids())?)?;
+        let x = Tensor::from_vec(
+            block.n_in(),
+            source.width(),
+            source.gather_rows(block.gids())?,
+        )?;
         if self.model.is_split(l) {
             let zt = self.stream.place(x)?;
             let y = self

@@ -381,7 +381,8 @@ impl FaultPlan {
                 .copied()
                 .ok_or_else(|| bad(format!("`{fault}` needs {k}=N")))
         };
-        let part = u32::try_from(need("part")?).map_err(|_| bad(format!("`{fault}`: part is too large")))?;
+        let part = u32::try_from(need("part")?)
+            .map_err(|_| bad(format!("`{fault}`: part is too large")))?;
         let update = need("update")?;
         if update == 0 {
             return Err(bad(format!("`{fault}`: updates count from 1")));
@@ -395,12 +396,11 @@ impl FaultPlan {
     /// can never fire on `parts` partitions and `layers` layers.
     pub fn check_serving(&self, parts: u32, layers: u16) -> Result<(), ActorError> {
         let bad = |m: String| {
-            ActorError::Runtime(trellis_runtime::RuntimeError::Config(format!("--chaos: {m}")))
+            ActorError::Runtime(trellis_runtime::RuntimeError::Config(format!(
+                "--chaos: {m}"
+            )))
         };
-        if !lock(&self.panics).is_empty()
-            || !lock(&self.stalls).is_empty()
-            || self.kills_nodes()
-        {
+        if !lock(&self.panics).is_empty() || !lock(&self.stalls).is_empty() || self.kills_nodes() {
             return Err(bad(
                 "only serve-panic faults can be injected into a service".into(),
             ));
@@ -721,7 +721,11 @@ mod tests {
         for (spec, parts, needle) in [
             ("serve-panic:part=1", 2, "update=N"),
             ("serve-panic:part=1:update=0", 2, "count from 1"),
-            ("serve-panic:part=1:update=1:epoch=3", 2, "unknown key `epoch`"),
+            (
+                "serve-panic:part=1:update=1:epoch=3",
+                2,
+                "unknown key `epoch`",
+            ),
             ("serve-panic:part=2:update=1", 2, "partition 2"),
             ("serve-panic:part=0:update=1:layer=2", 2, "layer 2"),
             ("panic:part=0:epoch=1", 2, "only serve-panic"),

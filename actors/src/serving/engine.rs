@@ -14,12 +14,14 @@
 //! A partition that panics in a pass is restored by its actor's shell from the store, the
 //! pass is aborted on the others and run again with the restarted partition computing every
 //! row (a recovery pass) before anything else is answered.
-use super::part::{ComputedRows, DeltaOp, ModelValues, PassStep, Target};
+use super::part::{ComputedRows, DeltaOp, LookedUp, ModelValues, PassStep, Target};
 use super::plan::{plan_pass, Coverage, LayerPlan};
 use super::published::Published;
 use super::routing::{place_new_node, route};
 use super::scheduler::{Action, Pending, Quotas, Refusal, Scheduler, SchedulerConfig};
-use super::shell::{Abort, Delta, DropStaged, Install, Lookup, ServeNode, ServeStore, Served, Stage, Step};
+use super::shell::{
+    Abort, Delta, DropStaged, Install, Lookup, ServeNode, ServeStore, Served, Stage, Step,
+};
 use super::ServeError;
 use crate::faults::FaultPlan;
 use crate::ActorError;
@@ -199,7 +201,6 @@ impl EngineHandle {
         self.published.predict(nodes)
     }
 }
-
 
 /// The state the engine thread owns.
 struct Engine {
@@ -396,11 +397,22 @@ pub fn start(
 
 impl Engine {
     /// Starts the partition actors and runs the start-up pass (every row of every layer).
-    async fn start_partitions(&mut self, threads: usize, faults: Arc<FaultPlan>) -> Result<(), ServeError> {
+    async fn start_partitions(
+        &mut self,
+        threads: usize,
+        faults: Arc<FaultPlan>,
+    ) -> Result<(), ServeError> {
         let run = uuid::Uuid::new_v4();
         let transport = Arc::new(InProcessTransport::new());
-        let node = ServeNode::start(self.parts, run, transport, self.store.clone(), faults, threads)
-            .map_err(actor_err)?;
+        let node = ServeNode::start(
+            self.parts,
+            run,
+            transport,
+            self.store.clone(),
+            faults,
+            threads,
+        )
+        .map_err(actor_err)?;
         self.node = Some(node);
         let _span = tracing::info_span!("serve_start", parts = self.parts as i64).entered();
         let mut attempt = 0;
@@ -572,12 +584,17 @@ impl Engine {
                 full: &full,
             });
             let seq = self.next_seq();
-            match self.run_pass(seq, &plans, Target::Live, Some(update), &full).await {
+            match self
+                .run_pass(seq, &plans, Target::Live, Some(update), &full)
+                .await
+            {
                 Ok(out) => break out,
                 Err(PassError::Failed(parts)) if attempt < MAX_RECOVERIES_PER_PASS => {
                     attempt += 1;
                     self.stats.ready.store(false, Ordering::SeqCst);
-                    self.stats.recoveries.fetch_add(parts.len(), Ordering::Relaxed);
+                    self.stats
+                        .recoveries
+                        .fetch_add(parts.len(), Ordering::Relaxed);
                     for &p in &parts {
                         full[p as usize] = true;
                     }
@@ -638,7 +655,9 @@ impl Engine {
     /// their live rows from the others' (nothing changed), then the swap starts again.
     async fn recover(&mut self, failed: Vec<u32>) -> Result<(), ServeError> {
         self.stats.ready.store(false, Ordering::SeqCst);
-        self.stats.recoveries.fetch_add(failed.len(), Ordering::Relaxed);
+        self.stats
+            .recoveries
+            .fetch_add(failed.len(), Ordering::Relaxed);
         let mut full = vec![false; self.parts];
         for &p in &failed {
             full[p as usize] = true;
@@ -776,7 +795,11 @@ impl Engine {
         for a in actions {
             match a {
                 Action::Run(ids) => self.run_batch(ids).await,
-                Action::Refuse { id, why, retry_after } => {
+                Action::Refuse {
+                    id,
+                    why,
+                    retry_after,
+                } => {
                     self.stats.record_shed(why);
                     if let Some(q) = self.waiting.remove(&id) {
                         let e = match why {
@@ -798,7 +821,10 @@ impl Engine {
         let t = Instant::now();
         let mut cost = 0;
         let mut oldest = t;
-        let queries: Vec<WaitingQuery> = ids.iter().filter_map(|id| self.waiting.remove(id)).collect();
+        let queries: Vec<WaitingQuery> = ids
+            .iter()
+            .filter_map(|id| self.waiting.remove(id))
+            .collect();
         // One lookup per (partition, layer) for the whole batch.
         let mut wanted: HashMap<(u32, Option<usize>), Vec<u32>> = HashMap::new();
         {
@@ -811,8 +837,7 @@ impl Engine {
                 }
             }
         }
-        let mut rows: HashMap<(u32, Option<usize>), HashMap<u32, (Vec<f32>, Option<Vec<f32>>)>> =
-            HashMap::new();
+        let mut rows: HashMap<(u32, Option<usize>), HashMap<u32, LookedUp>> = HashMap::new();
         let mut failure = None;
         for ((p, layer), mut nodes) in wanted {
             nodes.sort_unstable();
@@ -824,7 +849,13 @@ impl Engine {
                     break;
                 }
             };
-            match addr.send(Lookup { ids: nodes.clone(), layer }).await {
+            match addr
+                .send(Lookup {
+                    ids: nodes.clone(),
+                    layer,
+                })
+                .await
+            {
                 Ok(Ok(found)) => {
                     rows.insert((p, layer), nodes.into_iter().zip(found).collect());
                 }
@@ -848,12 +879,12 @@ impl Engine {
                 q.nodes
                     .iter()
                     .map(|&v| {
-                        let (logits, emb) = &rows[&(owner_of(v, &served), q.layer)][&v];
+                        let found = &rows[&(owner_of(v, &served), q.layer)][&v];
                         NodePrediction {
                             node: v,
-                            class: argmax(logits),
-                            probabilities: softmax_row(logits),
-                            embedding: emb.clone(),
+                            class: argmax(&found.logits),
+                            probabilities: softmax_row(&found.logits),
+                            embedding: found.embedding.clone(),
                         }
                     })
                     .collect()
@@ -965,7 +996,10 @@ impl Engine {
 
     /// Adds the nodes of `adds` (checked) to the graph and recomputes what they reach;
     /// returns their ids and the rows recomputed per layer.
-    async fn add_nodes(&mut self, adds: &[PendingAdd]) -> Result<(Vec<u32>, Vec<usize>), ServeError> {
+    async fn add_nodes(
+        &mut self,
+        adds: &[PendingAdd],
+    ) -> Result<(Vec<u32>, Vec<usize>), ServeError> {
         let nodes: Vec<&NewNode> = adds.iter().flat_map(|a| &a.nodes).collect();
         let mut ops = Vec::new();
         let mut changed = Vec::new();
@@ -994,7 +1028,9 @@ impl Engine {
                 changed.push(id);
                 ids.push(id);
             }
-            self.stats.nodes.store(served.graph.num_nodes(), Ordering::Relaxed);
+            self.stats
+                .nodes
+                .store(served.graph.num_nodes(), Ordering::Relaxed);
         }
         self.broadcast(ops).await?;
         self.note_changed(&changed);
@@ -1060,7 +1096,13 @@ impl Engine {
             )));
             return;
         }
-        let current = self.store.model.read().unwrap_or_else(|e| e.into_inner()).config.clone();
+        let current = self
+            .store
+            .model
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .config
+            .clone();
         if !saved.meta.config.same_architecture(&current) {
             let _ = reply.send(Err(ServeError::BadRequest(format!(
                 "the new model ({} {}->{}->{}, {} layers) is not the architecture being served",
@@ -1106,7 +1148,10 @@ impl Engine {
         if s.next < layers {
             let plan = self.plan(Coverage::Full).swap_remove(s.next);
             let all = vec![true; self.parts];
-            match self.run_pass(s.seq, &[plan], Target::Staged, None, &all).await {
+            match self
+                .run_pass(s.seq, &[plan], Target::Staged, None, &all)
+                .await
+            {
                 Ok(out) => {
                     for r in &out.last {
                         s.logits.grow(self.nodes());
@@ -1171,7 +1216,9 @@ impl Engine {
                 full: &full,
             });
             let seq = self.next_seq();
-            let out = self.run_pass(seq, &plans, Target::Staged, None, &full).await?;
+            let out = self
+                .run_pass(seq, &plans, Target::Staged, None, &full)
+                .await?;
             s.logits.grow(self.nodes());
             for r in &out.last {
                 s.logits.scatter(&r.ids, &r.data);

@@ -101,6 +101,15 @@ pub struct StepDone {
     pub halo_bytes: u64,
 }
 
+/// A node's rows as a lookup returns them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LookedUp {
+    /// Its last layer's row.
+    pub logits: Vec<f32>,
+    /// The asked-for layer's row.
+    pub embedding: Option<Vec<f32>>,
+}
+
 /// A model's parameters on the host, from which every partition builds its own copy.
 #[derive(Clone)]
 pub struct ModelValues {
@@ -169,7 +178,12 @@ struct Tables {
 }
 
 impl Tables {
-    fn new(model: &ModelValues, stream: Stream, sparse: bool, rows: usize) -> Result<Self, RuntimeError> {
+    fn new(
+        model: &ModelValues,
+        stream: Stream,
+        sparse: bool,
+        rows: usize,
+    ) -> Result<Self, RuntimeError> {
         let mut inference = model.build(stream)?;
         inference.set_sparse_input(sparse);
         let n = inference.model().num_layers();
@@ -192,7 +206,11 @@ impl Tables {
     }
 
     fn grow(&mut self, rows: usize) {
-        for t in self.layers.iter_mut().chain(self.transformed.iter_mut().flatten()) {
+        for t in self
+            .layers
+            .iter_mut()
+            .chain(self.transformed.iter_mut().flatten())
+        {
             t.grow(rows);
         }
     }
@@ -239,7 +257,12 @@ fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
 
 impl ServePartMachine {
     /// Partition `data.graph.part()` of run `run`, its stream on `threads` CPU threads.
-    pub fn new(data: PartData, run: RunId, faults: Arc<FaultPlan>, threads: usize) -> Result<Self, ActorError> {
+    pub fn new(
+        data: PartData,
+        run: RunId,
+        faults: Arc<FaultPlan>,
+        threads: usize,
+    ) -> Result<Self, ActorError> {
         let part = data.graph.part();
         let mut m = ServePartMachine {
             part,
@@ -309,7 +332,10 @@ impl ServePartMachine {
     }
 
     /// Runs `f` inside `catch_unwind`; a panic becomes [`ActorError::Panicked`] and a restart.
-    fn guarded<T>(&mut self, f: impl FnOnce(&mut Self) -> Result<T, ActorError>) -> Result<T, ActorError> {
+    fn guarded<T>(
+        &mut self,
+        f: impl FnOnce(&mut Self) -> Result<T, ActorError>,
+    ) -> Result<T, ActorError> {
         match std::panic::catch_unwind(AssertUnwindSafe(|| f(self))) {
             Ok(r) => r,
             Err(p) => {
@@ -367,12 +393,19 @@ impl ServePartMachine {
     pub fn handle_step(&mut self, id: u64, step: PassStep) {
         if step.seq < self.floor {
             let e = self.protocol(format!("pass {} was aborted", step.seq));
-            self.actions.push_back(ServeAction::Answer { id, result: Err(e) });
+            self.actions
+                .push_back(ServeAction::Answer { id, result: Err(e) });
             return;
         }
         if let Some(p) = self.parked.take() {
-            let e = self.protocol(format!("pass {} layer {} superseded", p.step.seq, p.step.layer));
-            self.actions.push_back(ServeAction::Answer { id: p.id, result: Err(e) });
+            let e = self.protocol(format!(
+                "pass {} layer {} superseded",
+                p.step.seq, p.step.layer
+            ));
+            self.actions.push_back(ServeAction::Answer {
+                id: p.id,
+                result: Err(e),
+            });
         }
         let t = Instant::now();
         let started = self.guarded(|m| m.start(&step));
@@ -387,7 +420,9 @@ impl ServePartMachine {
                 });
                 self.try_finish();
             }
-            Err(e) => self.actions.push_back(ServeAction::Answer { id, result: Err(e) }),
+            Err(e) => self
+                .actions
+                .push_back(ServeAction::Answer { id, result: Err(e) }),
         }
     }
 
@@ -413,7 +448,10 @@ impl ServePartMachine {
         if let Some(p) = self.parked.take() {
             if p.step.seq < floor {
                 let e = self.protocol(format!("pass {} was aborted", p.step.seq));
-                self.actions.push_back(ServeAction::Answer { id: p.id, result: Err(e) });
+                self.actions.push_back(ServeAction::Answer {
+                    id: p.id,
+                    result: Err(e),
+                });
             } else {
                 self.parked = Some(p);
             }
@@ -421,7 +459,10 @@ impl ServePartMachine {
     }
 
     fn tag(&self, step: &PassStep) -> Result<u16, ActorError> {
-        let st = self.state.as_ref().ok_or_else(|| self.protocol("no state".into()))?;
+        let st = self
+            .state
+            .as_ref()
+            .ok_or_else(|| self.protocol("no state".into()))?;
         let tables = match step.target {
             Target::Live => &st.live,
             Target::Staged => st
@@ -471,9 +512,12 @@ impl ServePartMachine {
         if let Some(mut z) = tables.transformed[l].take() {
             let r = (|| {
                 let input = &tables.layers[l - 1];
-                let zr = tables
-                    .inference
-                    .transform_rows(l, &*graph, &step.transform, &local_table(graph, input))?;
+                let zr = tables.inference.transform_rows(
+                    l,
+                    &*graph,
+                    &step.transform,
+                    &local_table(graph, input),
+                )?;
                 z.scatter(&graph.locals(&step.transform)?, &zr);
                 Ok(())
             })();
@@ -506,7 +550,8 @@ impl ServePartMachine {
                 payload: HaloPayload::F32(data),
             });
         }
-        self.actions.extend(blocks.into_iter().map(ServeAction::Send));
+        self.actions
+            .extend(blocks.into_iter().map(ServeAction::Send));
         Ok(bytes)
     }
 
@@ -518,7 +563,8 @@ impl ServePartMachine {
         let Ok(tag) = self.tag(step) else {
             let id = self.parked.take().expect("parked").id;
             let e = self.protocol("the step's tables are gone".into());
-            self.actions.push_back(ServeAction::Answer { id, result: Err(e) });
+            self.actions
+                .push_back(ServeAction::Answer { id, result: Err(e) });
             return;
         };
         let key = (step.seq, tag);
@@ -622,12 +668,11 @@ impl ServePartMachine {
 
     /// The last layer's rows (and layer `layer`'s, if asked) of the partition's nodes `ids`,
     /// from the live tables.
-    #[allow(clippy::type_complexity)]
     pub fn lookup(
         &mut self,
         ids: &[u32],
         layer: Option<usize>,
-    ) -> Result<Vec<(Vec<f32>, Option<Vec<f32>>)>, ActorError> {
+    ) -> Result<Vec<LookedUp>, ActorError> {
         if self.stale {
             return Err(ActorError::Unreachable {
                 part: self.part,
@@ -636,7 +681,10 @@ impl ServePartMachine {
         }
         let part = self.part;
         let st = self.state()?;
-        let locals = st.graph.locals(ids).map_err(|e| ActorError::Compute { part, source: e })?;
+        let locals = st
+            .graph
+            .locals(ids)
+            .map_err(|e| ActorError::Compute { part, source: e })?;
         let layers = &st.live.layers;
         if let Some(l) = layer.filter(|&l| l >= layers.len()) {
             return Err(ActorError::Protocol {
@@ -647,11 +695,9 @@ impl ServePartMachine {
         let last = layers.last().expect("a model has a layer");
         Ok(locals
             .iter()
-            .map(|&r| {
-                (
-                    last.row(r).to_vec(),
-                    layer.map(|l| layers[l].row(r).to_vec()),
-                )
+            .map(|&r| LookedUp {
+                logits: last.row(r).to_vec(),
+                embedding: layer.map(|l| layers[l].row(r).to_vec()),
             })
             .collect())
     }
@@ -697,7 +743,10 @@ impl ServePartMachine {
                 part: self.part,
                 detail: "the partition restarted".into(),
             };
-            self.actions.push_back(ServeAction::Answer { id: p.id, result: Err(e) });
+            self.actions.push_back(ServeAction::Answer {
+                id: p.id,
+                result: Err(e),
+            });
         }
         self.stale = true;
         self.state = None;

@@ -21,9 +21,9 @@ pub struct LayerPlan {
     pub compute: Vec<Ids>,
     /// Per partition: `(to, rows)`, the rows of its own it sends partition `to` (ascending
     /// `to`); layer `l-1`'s rows (the features for `l = 0`), or the `Z` rows of a split layer.
-    pub send: Vec<Vec<(u32, Ids)>>,
+    pub send: PeerLists,
     /// Per partition: `(from, rows)`, the rows it receives (the same lists as `send`).
-    pub recv: Vec<Vec<(u32, Ids)>>,
+    pub recv: PeerLists,
 }
 
 impl LayerPlan {
@@ -32,6 +32,9 @@ impl LayerPlan {
         self.compute.iter().map(|c| c.len()).sum()
     }
 }
+
+/// Per partition, `(peer, rows)` lists: the send lists or the receive lists of a layer.
+pub type PeerLists = Vec<Vec<(u32, Ids)>>;
 
 /// What a pass recomputes.
 #[derive(Debug, Clone, Copy)]
@@ -53,18 +56,25 @@ pub fn plan_pass(
     coverage: Coverage<'_>,
 ) -> Vec<LayerPlan> {
     let mut plans = Vec::with_capacity(split.len());
-    let everything = by_owner(&(0..graph.num_nodes() as u32).collect::<Vec<_>>(), owner, parts);
+    let everything = by_owner(
+        &(0..graph.num_nodes() as u32).collect::<Vec<_>>(),
+        owner,
+        parts,
+    );
     let (mut set, full) = match coverage {
         Coverage::Full => (None, vec![true; parts]),
         Coverage::Changed { nodes, full } => {
             let mut s = nodes.to_vec();
             s.sort_unstable();
             s.dedup();
-            (Some(s), (0..parts).map(|p| full.get(p) == Some(&true)).collect())
+            (
+                Some(s),
+                (0..parts).map(|p| full.get(p) == Some(&true)).collect(),
+            )
         }
     };
     // Full passes exchange the same lists at every layer: computed once.
-    let mut full_lists: Option<(Vec<Vec<(u32, Ids)>>, Vec<Vec<(u32, Ids)>>)> = None;
+    let mut full_lists: Option<(PeerLists, PeerLists)> = None;
     for (l, &is_split) in split.iter().enumerate() {
         let pick = |rows: &Option<Vec<u32>>| -> Vec<Ids> {
             let grouped = rows.as_ref().map(|r| by_owner(r, owner, parts));
@@ -78,7 +88,7 @@ pub fn plan_pass(
         let transform = if is_split {
             pick(&set)
         } else {
-            vec![Arc::new(Vec::new()); parts]
+            (0..parts).map(|_| Arc::new(Vec::new())).collect()
         };
         if let Some(s) = &set {
             set = Some(graph.expand(s));
@@ -116,15 +126,14 @@ fn by_owner(set: &[u32], owner: &[u32], parts: usize) -> Vec<Ids> {
 
 /// For each partition `p`, the rows of other partitions its `compute` rows' blocks read,
 /// grouped by owner: returns (send lists by sender, receive lists by receiver).
-#[allow(clippy::type_complexity)]
 fn halo_lists(
     graph: &NodeGraph,
     owner: &[u32],
     parts: usize,
     compute: &[Ids],
-) -> (Vec<Vec<(u32, Ids)>>, Vec<Vec<(u32, Ids)>>) {
-    let mut send: Vec<Vec<(u32, Ids)>> = vec![Vec::new(); parts];
-    let mut recv: Vec<Vec<(u32, Ids)>> = vec![Vec::new(); parts];
+) -> (PeerLists, PeerLists) {
+    let mut send: PeerLists = vec![Vec::new(); parts];
+    let mut recv: PeerLists = vec![Vec::new(); parts];
     for (p, rows) in compute.iter().enumerate() {
         let mut need: Vec<Vec<u32>> = vec![Vec::new(); parts];
         for &v in rows.iter() {
@@ -200,7 +209,10 @@ mod tests {
         );
         assert_eq!(*plans[0].compute[0], vec![0, 1]);
         assert!(plans[0].compute[1].is_empty());
-        assert!(plans[0].send.iter().all(|s| s.is_empty()), "no cut edge read");
+        assert!(
+            plans[0].send.iter().all(|s| s.is_empty()),
+            "no cut edge read"
+        );
         // Layer 1 is split: it re-transforms D_0 and aggregates D_1.
         assert_eq!(*plans[1].transform[0], vec![0, 1]);
         assert_eq!(*plans[1].compute[0], vec![0, 1, 2]);

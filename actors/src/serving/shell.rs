@@ -5,7 +5,7 @@
 //! through their reply channels, and restores the partition when the machine asks (a caught
 //! panic), from the [`ServeStore`]: the served graph, features and model the engine keeps.
 use super::part::{
-    DeltaOp, ModelValues, PartData, PassStep, ServeAction, ServePartMachine, StepDone,
+    DeltaOp, LookedUp, ModelValues, PartData, PassStep, ServeAction, ServePartMachine, StepDone,
 };
 use crate::faults::FaultPlan;
 use crate::ActorError;
@@ -77,7 +77,7 @@ pub struct ServeHalo(pub HaloBlock);
 
 /// The last layer's rows (and layer `layer`'s) of some of the partition's nodes.
 #[derive(Debug, Message)]
-#[rtype(result = "Result<Vec<(Vec<f32>, Option<Vec<f32>>)>, ActorError>")]
+#[rtype(result = "Result<Vec<LookedUp>, ActorError>")]
 pub struct Lookup {
     pub ids: Vec<u32>,
     pub layer: Option<usize>,
@@ -201,7 +201,7 @@ impl Handler<Abort> for ServeActor {
 }
 
 impl Handler<Lookup> for ServeActor {
-    type Result = Result<Vec<(Vec<f32>, Option<Vec<f32>>)>, ActorError>;
+    type Result = Result<Vec<LookedUp>, ActorError>;
     fn handle(&mut self, m: Lookup, _ctx: &mut Context<Self>) -> Self::Result {
         self.machine.lookup(&m.ids, m.layer)
     }

@@ -85,9 +85,16 @@ impl Harness {
             .collect()
     }
 
+    #[allow(clippy::needless_range_loop)]
     /// Runs the planned layers; returns the failed partitions (restarted and restored), or
     /// the last layer's rows as a whole table.
-    fn pass(&mut self, plans: &[LayerPlan], target: Target, update: Option<u64>, full: &[bool]) -> Result<Rows, Vec<u32>> {
+    fn pass(
+        &mut self,
+        plans: &[LayerPlan],
+        target: Target,
+        update: Option<u64>,
+        full: &[bool],
+    ) -> Result<Rows, Vec<u32>> {
         self.seq += 1;
         let mut logits = Rows::zeros(self.graph.num_nodes(), 4);
         for plan in plans {
@@ -155,7 +162,13 @@ impl Harness {
     }
 
     fn full_pass(&mut self, target: Target) -> Rows {
-        let plans = plan_pass(&self.graph, &self.owner, PARTS, &self.split(), Coverage::Full);
+        let plans = plan_pass(
+            &self.graph,
+            &self.owner,
+            PARTS,
+            &self.split(),
+            Coverage::Full,
+        );
         self.pass(&plans, target, None, &[true; PARTS]).unwrap()
     }
 
@@ -164,7 +177,12 @@ impl Harness {
     fn change(&mut self, update: u64) -> Vec<u32> {
         let v = self.graph.add_node();
         let feats: Vec<f32> = (0..12).map(|i| (i * update as usize % 5) as f32).collect();
-        let prepared = self.model.build(Stream::cpu(0).unwrap()).unwrap().prepare_features(feats).unwrap();
+        let prepared = self
+            .model
+            .build(Stream::cpu(0).unwrap())
+            .unwrap()
+            .prepare_features(feats)
+            .unwrap();
         self.features.data.extend_from_slice(&prepared.data);
         let owner = (update % 3) as u32;
         self.owner.push(owner);
@@ -211,7 +229,7 @@ impl Harness {
         let parts = parts_of(&self.owner, PARTS);
         for (p, ids) in parts.iter().enumerate() {
             let rows = self.machines[p].lookup(ids, None).unwrap();
-            let flat: Vec<f32> = rows.into_iter().flat_map(|(l, _)| l).collect();
+            let flat: Vec<f32> = rows.into_iter().flat_map(|r| r.logits).collect();
             out.scatter(ids, &flat);
         }
         out
@@ -245,7 +263,11 @@ fn partitions_compute_the_bits_of_the_whole_graph_before_and_after_updates() {
                     .collect();
                 assert!(!ids.is_empty());
                 for &v in &ids {
-                    assert_eq!(rows.row(v), want.row(v), "{kind} deep={deep} update {u} node {v}");
+                    assert_eq!(
+                        rows.row(v),
+                        want.row(v),
+                        "{kind} deep={deep} update {u} node {v}"
+                    );
                 }
                 assert_eq!(h.served(), want, "{kind} deep={deep} after update {u}");
             }
@@ -264,7 +286,10 @@ fn a_panicking_partition_is_restored_and_recomputed_and_lookups_wait_for_it() {
     let failed = h.update(2, &c2).unwrap_err();
     assert_eq!(failed, vec![1]);
     assert_eq!(h.restarts, 1);
-    assert_eq!(h.faults.fired().get(&crate::faults::FaultKind::ServePanic), Some(&1));
+    assert_eq!(
+        h.faults.fired().get(&crate::faults::FaultKind::ServePanic),
+        Some(&1)
+    );
     assert!(h.machines[1].is_stale());
     let mine = h.owner.iter().position(|&o| o == 1).unwrap() as u32;
     let e = h.machines[1].lookup(&[mine], None);
@@ -323,7 +348,10 @@ fn a_staged_model_is_computed_beside_the_live_one_and_installed() {
         },
     );
     match h.machines[0].poll_action() {
-        Some(ServeAction::Answer { id: 7, result: Err(e) }) => {
+        Some(ServeAction::Answer {
+            id: 7,
+            result: Err(e),
+        }) => {
             assert!(e.to_string().contains("aborted"), "{e}")
         }
         other => panic!("{other:?}"),
