@@ -379,6 +379,7 @@ fn start_engine(
             threads: a.threads,
             faults: Default::default(),
             step_timeout: engine::STEP_TIMEOUT,
+            priority: None,
         },
     )
     .map_err(|e| anyhow::anyhow!("cannot start the engine: {e}"))

@@ -121,6 +121,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
             threads: a.threads,
             faults,
             step_timeout: Duration::from_millis(a.step_timeout_ms.max(1)),
+            priority: None,
         },
     )
     .map_err(|e| anyhow::anyhow!("cannot start serving {}: {e}", a.model.display()))?;

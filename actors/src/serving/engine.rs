@@ -32,6 +32,7 @@ use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
+use trellis_gpu::PriorityGate;
 use trellis_runtime::inference::{argmax, prepare_features, softmax_row, NodeGraph, Rows};
 use trellis_runtime::model::LayerInput;
 use trellis_runtime::model_file::SavedModel;
@@ -159,6 +160,9 @@ pub struct EngineConfig {
     pub faults: Arc<FaultPlan>,
     /// Longest one layer of a pass may take on every partition before the pass fails.
     pub step_timeout: Duration,
+    /// Latency-bound steps (updates, on the live tables) are urgent work of this gate:
+    /// training streams yielding to it pause between kernel pieces while one computes.
+    pub priority: Option<PriorityGate>,
 }
 
 /// A handle to a running engine: send commands, read its stats, answer existing-node
@@ -362,7 +366,7 @@ pub fn start(
         seq: 0,
         step_timeout: cfg.step_timeout,
     };
-    let (threads, faults) = (cfg.threads, cfg.faults);
+    let (threads, faults, priority) = (cfg.threads, cfg.faults, cfg.priority);
     let plan = faults.clone();
     std::thread::Builder::new()
         .name("trellis-serve-engine".into())
@@ -370,7 +374,7 @@ pub fn start(
             let sys = actix::System::new();
             sys.block_on(async move {
                 let mut engine = engine;
-                let started = engine.start_partitions(threads, faults).await;
+                let started = engine.start_partitions(threads, faults, priority).await;
                 let ok = started.is_ok();
                 let _ = ready_tx.send(started);
                 if ok {
@@ -401,6 +405,7 @@ impl Engine {
         &mut self,
         threads: usize,
         faults: Arc<FaultPlan>,
+        priority: Option<PriorityGate>,
     ) -> Result<(), ServeError> {
         let run = uuid::Uuid::new_v4();
         let transport = Arc::new(InProcessTransport::new());
@@ -411,6 +416,7 @@ impl Engine {
             self.store.clone(),
             faults,
             threads,
+            priority,
         )
         .map_err(actor_err)?;
         self.node = Some(node);

@@ -24,7 +24,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Instant;
-use trellis_gpu::{Stream, Tensor};
+use trellis_gpu::{PriorityGate, Stream, Tensor, UrgentGuard};
 use trellis_runtime::inference::{HaloRows, Inference, PartGraph, PartInput, Rows};
 use trellis_runtime::{Model, ModelConfig, RuntimeError};
 use trellis_transport::{HaloBlock, HaloPayload, MsgHeader, PartId, Phase, RunId, TRANSFORMED};
@@ -245,6 +245,9 @@ pub struct ServePartMachine {
     floor: u32,
     stale: bool,
     actions: VecDeque<ServeAction>,
+    /// Steps on the live tables are urgent work of this gate: background (training) streams
+    /// of the same gate pause between their kernel pieces while one computes.
+    priority: Option<PriorityGate>,
 }
 
 /// The message of a caught panic.
@@ -275,6 +278,7 @@ impl ServePartMachine {
             floor: 0,
             stale: false,
             actions: VecDeque::new(),
+            priority: None,
         };
         m.state = Some(m.build_state(data)?);
         Ok(m)
@@ -298,6 +302,21 @@ impl ServePartMachine {
             staged: None,
             sparse: data.sparse_input,
         })
+    }
+
+    /// Makes this partition's live steps urgent work of `gate` (see [`PriorityGate`]); a new
+    /// model's tables stay background work.
+    pub fn with_priority(mut self, gate: Option<PriorityGate>) -> Self {
+        self.priority = gate;
+        self
+    }
+
+    /// Holds the gate while a live step computes.
+    fn urgent(&self, target: Target) -> Option<UrgentGuard> {
+        match target {
+            Target::Live => self.priority.as_ref().map(PriorityGate::urgent),
+            Target::Staged => None,
+        }
     }
 
     /// The partition id.
@@ -408,7 +427,9 @@ impl ServePartMachine {
             });
         }
         let t = Instant::now();
+        let urgent = self.urgent(step.target);
         let started = self.guarded(|m| m.start(&step));
+        drop(urgent);
         match started {
             Ok(bytes) => {
                 let ms = t.elapsed().as_secs_f64() * 1e3;
@@ -584,7 +605,9 @@ impl ServePartMachine {
         } = self.parked.take().expect("parked");
         let blocks = self.inbox.remove(&key).unwrap_or_default();
         let t = Instant::now();
+        let urgent = self.urgent(step.target);
         let result = self.guarded(|m| m.finish(&step, &blocks));
+        drop(urgent);
         let result = result.map(|rows| StepDone {
             part: self.part,
             rows,

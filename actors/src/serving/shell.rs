@@ -13,6 +13,7 @@ use actix::prelude::*;
 use std::collections::HashMap;
 use std::sync::{Arc, RwLock};
 use tokio::sync::oneshot;
+use trellis_gpu::PriorityGate;
 use trellis_runtime::inference::{NodeGraph, PartGraph, Rows};
 use trellis_transport::{HaloBlock, PartId, RunId, Transport};
 
@@ -248,6 +249,7 @@ impl ServeNode {
         store: Arc<ServeStore>,
         faults: Arc<FaultPlan>,
         threads: usize,
+        priority: Option<PriorityGate>,
     ) -> Result<Self, ActorError> {
         let mut node = ServeNode {
             arbiters: Vec::new(),
@@ -255,7 +257,8 @@ impl ServeNode {
             transport: transport.clone(),
         };
         for p in 0..parts as u32 {
-            let machine = ServePartMachine::new(store.part_data(p)?, run, faults.clone(), threads)?;
+            let machine = ServePartMachine::new(store.part_data(p)?, run, faults.clone(), threads)?
+                .with_priority(priority.clone());
             let arb = Arbiter::new();
             let (t, s) = (transport.clone(), store.clone());
             let addr = Supervisor::start_in_arbiter(&arb.handle(), move |_| ServeActor {

@@ -357,3 +357,53 @@ fn a_staged_model_is_computed_beside_the_live_one_and_installed() {
         other => panic!("{other:?}"),
     }
 }
+
+/// Live steps are urgent work of the priority gate, staged ones are not: a training GEMM
+/// on a stream yielding to the gate waits between its pieces while updates compute, never
+/// for a new model's tables; the answers stay those of the whole graph.
+#[test]
+fn live_steps_run_between_the_pieces_of_a_training_kernel() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let gate = trellis_gpu::PriorityGate::new();
+    let mut h = Harness::new(config(ModelKind::Gcn, false), FaultPlan::none());
+    h.machines = std::mem::take(&mut h.machines)
+        .into_iter()
+        .map(|m| m.with_priority(Some(gate.clone())))
+        .collect();
+    h.full_pass(Target::Live);
+    let stop = AtomicBool::new(false);
+    let training = Stream::cpu(0)
+        .unwrap()
+        .yielding_to(gate.clone())
+        .with_piece_divisor(512);
+    let a = Tensor::from_vec(512, 64, vec![0.5; 512 * 64]).unwrap();
+    let b = Tensor::from_vec(64, 64, vec![0.25; 64 * 64]).unwrap();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            while !stop.load(Ordering::Relaxed) {
+                training.matmul(&a, false, &b, false).unwrap();
+            }
+        });
+        // A new model's tables: background work, the trainer never waits for them.
+        let mut cfg = config(ModelKind::Gcn, false);
+        cfg.seed = 11;
+        let other = Arc::new(ModelValues::of(&Model::new(cfg).unwrap(), true).unwrap());
+        for m in &mut h.machines {
+            m.stage(other.clone()).unwrap();
+        }
+        let before = gate.yields();
+        h.full_pass(Target::Staged);
+        assert_eq!(gate.yields(), before, "staged steps never hold the gate");
+        let t = Instant::now();
+        let mut u = 0;
+        while gate.yields() == 0 && t.elapsed() < std::time::Duration::from_secs(20) {
+            u += 1;
+            let changed = h.change(u);
+            h.update(u, &changed).unwrap();
+        }
+        stop.store(true, Ordering::Relaxed);
+        assert!(gate.yields() > 0, "no training piece waited in {u} updates");
+    });
+    assert!(!gate.is_urgent());
+    assert_eq!(h.served(), h.reference(&h.model.clone()));
+}
