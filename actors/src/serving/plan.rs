@@ -56,11 +56,6 @@ pub fn plan_pass(
     coverage: Coverage<'_>,
 ) -> Vec<LayerPlan> {
     let mut plans = Vec::with_capacity(split.len());
-    let everything = by_owner(
-        &(0..graph.num_nodes() as u32).collect::<Vec<_>>(),
-        owner,
-        parts,
-    );
     let (mut set, full) = match coverage {
         Coverage::Full => (None, vec![true; parts]),
         Coverage::Changed { nodes, full } => {
@@ -72,6 +67,17 @@ pub fn plan_pass(
                 (0..parts).map(|p| full.get(p) == Some(&true)).collect(),
             )
         }
+    };
+    // Every partition's rows, only when some partition computes all of its own (an update
+    // touches a few thousand rows of graphs of millions).
+    let everything = if full.iter().any(|&f| f) {
+        by_owner(
+            &(0..graph.num_nodes() as u32).collect::<Vec<_>>(),
+            owner,
+            parts,
+        )
+    } else {
+        Vec::new()
     };
     // Full passes exchange the same lists at every layer: computed once.
     let mut full_lists: Option<(PeerLists, PeerLists)> = None;
