@@ -29,7 +29,7 @@ pub use digest::{digest_bytes, digest_f32};
 pub use error::{CudaLibrary, GpuError};
 pub use ops::{Activation, AdamConfig, EdgeWeights, LossOutput, SgdConfig};
 pub use rng::{DropoutKey, Philox4x32};
-pub use stream::{CancelToken, KernelTimes, Stream};
+pub use stream::{CancelToken, KernelTimes, PriorityGate, Stream, UrgentGuard};
 pub use tensor::{Bits, IndexBuffer, Tensor};
 
 /// Result type of this crate.

@@ -28,6 +28,9 @@ pub struct Stream {
     cancel: Option<CancelToken>,
     /// Divides the rows per piece of a cancellable stream (tests cut small kernels with it).
     piece_divisor: usize,
+    /// When set, this stream's work is background work: its long kernels run in pieces and
+    /// wait, before each piece, while urgent (inference) work holds the gate.
+    yield_to: Option<PriorityGate>,
 }
 
 /// What runs a stream's ops.
@@ -67,6 +70,71 @@ impl CancelToken {
     /// Whether cancellation was asked for.
     pub fn is_cancelled(&self) -> bool {
         self.0.load(Ordering::SeqCst)
+    }
+}
+
+/// Priority of inference over training on shared compute. Streams that carry the gate as
+/// background streams ([`Stream::yielding_to`]) cut their long kernels into row pieces (as a
+/// cancellable stream does) and, before each piece, wait while any urgent work holds the gate
+/// ([`PriorityGate::urgent`]): a waiting inference step runs between the pieces of a training
+/// kernel instead of behind the whole kernel. A piece already running is never interrupted.
+#[derive(Debug, Clone, Default)]
+pub struct PriorityGate(Arc<GateState>);
+
+#[derive(Debug, Default)]
+struct GateState {
+    urgent: std::sync::Mutex<usize>,
+    clear: std::sync::Condvar,
+    /// Times a background piece waited for urgent work.
+    yields: AtomicU64,
+}
+
+/// Urgent work in progress: background streams of the gate wait between pieces until it is
+/// dropped.
+#[derive(Debug)]
+pub struct UrgentGuard(PriorityGate);
+
+impl PriorityGate {
+    /// A gate no urgent work holds.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Marks urgent work (an inference step) as waiting or running until the guard drops.
+    pub fn urgent(&self) -> UrgentGuard {
+        *self.0.urgent.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        UrgentGuard(self.clone())
+    }
+
+    /// Whether urgent work holds the gate now.
+    pub fn is_urgent(&self) -> bool {
+        *self.0.urgent.lock().unwrap_or_else(|e| e.into_inner()) > 0
+    }
+
+    /// How many times a background piece waited for urgent work so far.
+    pub fn yields(&self) -> u64 {
+        self.0.yields.load(Ordering::Relaxed)
+    }
+
+    /// Blocks while urgent work holds the gate.
+    fn wait_turn(&self) {
+        let mut urgent = self.0.urgent.lock().unwrap_or_else(|e| e.into_inner());
+        if *urgent > 0 {
+            self.0.yields.fetch_add(1, Ordering::Relaxed);
+        }
+        while *urgent > 0 {
+            urgent = self.0.clear.wait(urgent).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
+impl Drop for UrgentGuard {
+    fn drop(&mut self) {
+        let mut urgent = (self.0).0.urgent.lock().unwrap_or_else(|e| e.into_inner());
+        *urgent = urgent.saturating_sub(1);
+        if *urgent == 0 {
+            (self.0).0.clear.notify_all();
+        }
     }
 }
 
@@ -145,6 +213,7 @@ impl Stream {
             clock: Arc::default(),
             cancel: None,
             piece_divisor: 1,
+            yield_to: None,
         })
     }
 
@@ -161,6 +230,15 @@ impl Stream {
     pub fn uncancellable(&self) -> Stream {
         Stream {
             cancel: None,
+            ..self.clone()
+        }
+    }
+
+    /// This stream (same id and kernel clock) as background work of `gate`: before each piece
+    /// of its long kernels it waits while urgent work holds the gate.
+    pub fn yielding_to(&self, gate: PriorityGate) -> Stream {
+        Stream {
+            yield_to: Some(gate),
             ..self.clone()
         }
     }
@@ -229,13 +307,16 @@ impl Stream {
         rows_per_piece: usize,
         mut f: impl FnMut(Range<usize>) + Send,
     ) -> Result<()> {
-        let step = if self.cancel.is_some() {
+        let step = if self.cancel.is_some() || self.yield_to.is_some() {
             (rows_per_piece / self.piece_divisor).max(1)
         } else {
             rows.max(1)
         };
         let mut start = 0;
         loop {
+            if let Some(g) = &self.yield_to {
+                g.wait_turn();
+            }
             self.check_cancelled()?;
             let end = (start + step).min(rows);
             self.run_as(kind, || f(start..end));
@@ -332,5 +413,70 @@ impl Stream {
             #[cfg(feature = "cuda")]
             Backend::Cuda(g) => g.download(t.on_device("Stream::download")?),
         }
+    }
+}
+
+#[cfg(test)]
+mod priority_tests {
+    use super::*;
+    use std::sync::Mutex;
+    use std::time::Duration;
+
+    /// A background kernel of 60 pieces (2 ms each) while urgent work takes the gate for
+    /// 50 ms in the middle: the urgent work runs between two pieces, no piece starts while it
+    /// holds the gate (but the one already past the gate), and the kernel then finishes.
+    #[test]
+    fn urgent_work_runs_between_the_pieces_of_a_background_kernel() {
+        let gate = PriorityGate::new();
+        let background = Stream::cpu(1).unwrap().yielding_to(gate.clone());
+        let starts = Mutex::new(Vec::new());
+        let window = Mutex::new(None);
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                background
+                    .run_rows(KernelKind::Gemm, 60, 1, |r| {
+                        starts.lock().unwrap().push((Instant::now(), r.start));
+                        std::thread::sleep(Duration::from_millis(2));
+                    })
+                    .unwrap();
+            });
+            std::thread::sleep(Duration::from_millis(30));
+            let guard = gate.urgent();
+            let from = Instant::now();
+            assert!(gate.is_urgent());
+            std::thread::sleep(Duration::from_millis(50));
+            let to = Instant::now();
+            drop(guard);
+            *window.lock().unwrap() = Some((from, to));
+        });
+        let (from, to) = window.into_inner().unwrap().unwrap();
+        let starts = starts.into_inner().unwrap();
+        assert_eq!(starts.len(), 60, "every piece ran once");
+        let before = starts.iter().filter(|(t, _)| *t < from).count();
+        let during = starts.iter().filter(|(t, _)| *t >= from && *t < to).count();
+        let after = starts.iter().filter(|(t, _)| *t >= to).count();
+        assert!(before >= 2 && after >= 2, "{before} before, {after} after");
+        assert!(
+            during <= 1,
+            "{during} pieces started while urgent work held the gate"
+        );
+        assert_eq!(gate.yields(), 1, "the kernel waited once");
+        // Pieces run in order, before and after the pause.
+        assert!(starts.windows(2).all(|w| w[0].1 < w[1].1));
+        assert!(!gate.is_urgent());
+    }
+
+    /// A stream without the gate runs its kernel in one piece, whatever the gate says.
+    #[test]
+    fn streams_without_the_gate_do_not_wait() {
+        let gate = PriorityGate::new();
+        let _urgent = gate.urgent();
+        let plain = Stream::cpu(1).unwrap();
+        let mut calls = 0;
+        plain
+            .run_rows(KernelKind::Other, 1000, 10, |_| calls += 1)
+            .unwrap();
+        assert_eq!(calls, 1);
+        assert_eq!(gate.yields(), 0);
     }
 }

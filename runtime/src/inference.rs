@@ -138,67 +138,7 @@ impl NodeGraph {
     /// neighbours outside `inner`, ascending, weights from the current degrees (as
     /// [`Block::build`] over the same graph).
     pub fn block(&self, inner: &[u32], agg: Aggregation) -> Result<Block> {
-        self.block_with(inner, agg, &mut LocalIds::default(), true)
-    }
-
-    /// [`NodeGraph::block`] with a reusable global-to-local table; with `sorted_halo` false
-    /// the halo rows come in the order first met (a row's entries are in global-id order
-    /// either way, so every output row has the same bits).
-    fn block_with(
-        &self,
-        inner: &[u32],
-        agg: Aggregation,
-        map: &mut LocalIds,
-        sorted_halo: bool,
-    ) -> Result<Block> {
-        let n = self.num_nodes();
-        if inner.windows(2).any(|w| w[0] >= w[1]) || inner.last().is_some_and(|&v| v as usize >= n)
-        {
-            return Err(RuntimeError::BadData(
-                "inner nodes must be ascending, distinct and in range".into(),
-            ));
-        }
-        map.reserve(n);
-        for (l, &g) in inner.iter().enumerate() {
-            map.insert(g, l as u32);
-        }
-        let entries: usize = inner.iter().map(|&g| self.degree(g)).sum();
-        let mut gids = Vec::with_capacity(inner.len() + entries.min(n));
-        gids.extend_from_slice(inner);
-        if sorted_halo {
-            let mut halo: Vec<u32> = inner
-                .iter()
-                .flat_map(|&g| self.neighbors(g).iter().copied())
-                .filter(|&j| map.get(j).is_none())
-                .collect();
-            halo.sort_unstable();
-            halo.dedup();
-            for &g in &halo {
-                map.insert(g, gids.len() as u32);
-                gids.push(g);
-            }
-        }
-        let mut indptr = Vec::with_capacity(inner.len() + 1);
-        indptr.push(0usize);
-        let mut indices = Vec::with_capacity(entries);
-        for &g in inner {
-            for &j in self.neighbors(g) {
-                let l = match map.get(j) {
-                    Some(l) => l,
-                    None => {
-                        let l = gids.len() as u32;
-                        map.insert(j, l);
-                        gids.push(j);
-                        l
-                    }
-                };
-                indices.push(l);
-            }
-            indptr.push(indices.len());
-        }
-        map.clear(&gids);
-        let degrees: Vec<u32> = gids.iter().map(|&g| self.deg[g as usize]).collect();
-        Block::from_local(inner.len(), gids, &indptr, &indices, &degrees, agg)
+        build_block(self, inner, agg, &mut LocalIds::default(), true)
     }
 
     /// Every node within one hop of `set` (ascending, `set` included).
@@ -213,12 +153,95 @@ impl NodeGraph {
     }
 }
 
+/// What a block is built from: every node's neighbours (ascending) and degree. The whole
+/// graph ([`NodeGraph`]) or one part's view of it ([`PartGraph`]: its own nodes' neighbours,
+/// every node's degree).
+pub trait Adjacency {
+    /// Number of nodes.
+    fn num_nodes(&self) -> usize;
+    /// Neighbours of `i`, ascending (only asked for nodes whose rows are computed).
+    fn neighbors(&self, i: u32) -> &[u32];
+    /// Degree of `i` (no self loop).
+    fn degree(&self, i: u32) -> usize;
+}
+
+impl Adjacency for NodeGraph {
+    fn num_nodes(&self) -> usize {
+        NodeGraph::num_nodes(self)
+    }
+    fn neighbors(&self, i: u32) -> &[u32] {
+        NodeGraph::neighbors(self, i)
+    }
+    fn degree(&self, i: u32) -> usize {
+        NodeGraph::degree(self, i)
+    }
+}
+
+/// The block of the nodes `inner` of `graph` with a reusable global-to-local table; with `sorted_halo` false
+/// the halo rows come in the order first met (a row's entries are in global-id order
+/// either way, so every output row has the same bits).
+pub(crate) fn build_block<G: Adjacency + ?Sized>(
+    graph: &G,
+    inner: &[u32],
+    agg: Aggregation,
+    map: &mut LocalIds,
+    sorted_halo: bool,
+) -> Result<Block> {
+    let n = graph.num_nodes();
+    if inner.windows(2).any(|w| w[0] >= w[1]) || inner.last().is_some_and(|&v| v as usize >= n) {
+        return Err(RuntimeError::BadData(
+            "inner nodes must be ascending, distinct and in range".into(),
+        ));
+    }
+    map.reserve(n);
+    for (l, &g) in inner.iter().enumerate() {
+        map.insert(g, l as u32);
+    }
+    let entries: usize = inner.iter().map(|&g| graph.degree(g)).sum();
+    let mut gids = Vec::with_capacity(inner.len() + entries.min(n));
+    gids.extend_from_slice(inner);
+    if sorted_halo {
+        let mut halo: Vec<u32> = inner
+            .iter()
+            .flat_map(|&g| graph.neighbors(g).iter().copied())
+            .filter(|&j| map.get(j).is_none())
+            .collect();
+        halo.sort_unstable();
+        halo.dedup();
+        for &g in &halo {
+            map.insert(g, gids.len() as u32);
+            gids.push(g);
+        }
+    }
+    let mut indptr = Vec::with_capacity(inner.len() + 1);
+    indptr.push(0usize);
+    let mut indices = Vec::with_capacity(entries);
+    for &g in inner {
+        for &j in graph.neighbors(g) {
+            let l = match map.get(j) {
+                Some(l) => l,
+                None => {
+                    let l = gids.len() as u32;
+                    map.insert(j, l);
+                    gids.push(j);
+                    l
+                }
+            };
+            indices.push(l);
+        }
+        indptr.push(indices.len());
+    }
+    map.clear(&gids);
+    let degrees: Vec<u32> = gids.iter().map(|&g| graph.degree(g) as u32).collect();
+    Block::from_local(inner.len(), gids, &indptr, &indices, &degrees, agg)
+}
+
 /// Global-to-local ids of a block: a table with one entry per node of the graph, kept between
 /// blocks (an incremental update builds blocks of a few thousand rows over graphs of
 /// millions: allocating, clearing or hashing per block cost more than the kernels). Only the
 /// entries a block set are cleared after it.
 #[derive(Debug, Default)]
-struct LocalIds {
+pub(crate) struct LocalIds {
     table: Vec<u32>,
 }
 
@@ -240,6 +263,271 @@ impl LocalIds {
         for &g in set {
             self.table[g as usize] = u32::MAX;
         }
+    }
+}
+
+/// One part's view of a [`NodeGraph`]: the neighbours of its own (inner) nodes and every
+/// node's degree (the weights of its blocks read the degrees of their halo nodes). Built from
+/// the whole graph, then changed by the same additions and removals as the whole graph, so its
+/// blocks equal the whole graph's blocks of the same nodes.
+#[derive(Debug, Clone, Default)]
+pub struct PartGraph {
+    part: u32,
+    /// The part's nodes, ascending global id (new nodes have the largest ids: they append).
+    inner: Vec<u32>,
+    /// Global id -> local row, `u32::MAX` for other parts' nodes.
+    local: Vec<u32>,
+    /// Neighbours of each inner node (ascending), by local row.
+    nbrs: Vec<Vec<u32>>,
+    /// Every node's degree.
+    deg: Vec<u32>,
+}
+
+impl PartGraph {
+    /// Part `part`'s view of `graph`, whose node `v` belongs to part `owner[v]`.
+    pub fn from_graph(graph: &NodeGraph, owner: &[u32], part: u32) -> Result<Self> {
+        let n = graph.num_nodes();
+        if owner.len() != n {
+            return Err(RuntimeError::BadData(format!(
+                "{} owners for a graph of {n} nodes",
+                owner.len()
+            )));
+        }
+        let inner: Vec<u32> = (0..n as u32)
+            .filter(|&v| owner[v as usize] == part)
+            .collect();
+        let mut local = vec![u32::MAX; n];
+        for (l, &v) in inner.iter().enumerate() {
+            local[v as usize] = l as u32;
+        }
+        Ok(PartGraph {
+            part,
+            nbrs: inner.iter().map(|&v| graph.neighbors(v).to_vec()).collect(),
+            inner,
+            local,
+            deg: graph.deg.clone(),
+        })
+    }
+
+    /// The part this view belongs to.
+    pub fn part(&self) -> u32 {
+        self.part
+    }
+    /// The part's nodes, ascending.
+    pub fn inner(&self) -> &[u32] {
+        &self.inner
+    }
+    /// Local row of node `v`, if it is one of the part's.
+    pub fn local(&self, v: u32) -> Option<u32> {
+        self.local
+            .get(v as usize)
+            .copied()
+            .filter(|&l| l != u32::MAX)
+    }
+    /// Local rows of the part's nodes `ids` (an error names the first that is not the part's).
+    pub fn locals(&self, ids: &[u32]) -> Result<Vec<u32>> {
+        ids.iter()
+            .map(|&v| {
+                self.local(v).ok_or_else(|| {
+                    RuntimeError::BadData(format!("node {v} is not one of part {}'s", self.part))
+                })
+            })
+            .collect()
+    }
+
+    /// Adds node `id` (the next id: `id == num_nodes()`), the part's own when `mine`.
+    pub fn add_node(&mut self, id: u32, mine: bool) -> Result<()> {
+        if id as usize != self.deg.len() {
+            return Err(RuntimeError::BadData(format!(
+                "new node {id} is not the next id ({})",
+                self.deg.len()
+            )));
+        }
+        self.deg.push(0);
+        if mine {
+            self.local.push(self.inner.len() as u32);
+            self.inner.push(id);
+            self.nbrs.push(Vec::new());
+        } else {
+            self.local.push(u32::MAX);
+        }
+        Ok(())
+    }
+
+    fn check(&self, a: u32, b: u32) -> Result<()> {
+        let n = self.deg.len();
+        if let Some(v) = [a, b].into_iter().find(|&v| v as usize >= n) {
+            return Err(RuntimeError::BadData(format!(
+                "node {v} does not exist ({n} nodes)"
+            )));
+        }
+        if a == b {
+            return Err(RuntimeError::BadData(format!(
+                "edge {a}-{b} is a self loop"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Adds the edge `a-b` (which the whole graph did not have).
+    pub fn add_edge(&mut self, a: u32, b: u32) -> Result<()> {
+        self.check(a, b)?;
+        for (x, y) in [(a, b), (b, a)] {
+            if let Some(l) = self.local(x) {
+                let row = &mut self.nbrs[l as usize];
+                let pos = row.binary_search(&y).err().ok_or_else(|| {
+                    RuntimeError::BadData(format!(
+                        "part {}: edge {a}-{b} already exists",
+                        self.part
+                    ))
+                })?;
+                row.insert(pos, y);
+            }
+            self.deg[x as usize] += 1;
+        }
+        Ok(())
+    }
+
+    /// Removes the edge `a-b` (which the whole graph had).
+    pub fn remove_edge(&mut self, a: u32, b: u32) -> Result<()> {
+        self.check(a, b)?;
+        for (x, y) in [(a, b), (b, a)] {
+            if let Some(l) = self.local(x) {
+                let row = &mut self.nbrs[l as usize];
+                let pos = row.binary_search(&y).map_err(|_| {
+                    RuntimeError::BadData(format!(
+                        "part {}: edge {a}-{b} does not exist",
+                        self.part
+                    ))
+                })?;
+                row.remove(pos);
+            }
+            let d = &mut self.deg[x as usize];
+            *d = d
+                .checked_sub(1)
+                .ok_or_else(|| RuntimeError::BadData(format!("node {x} has no edge to remove")))?;
+        }
+        Ok(())
+    }
+}
+
+impl Adjacency for PartGraph {
+    fn num_nodes(&self) -> usize {
+        self.deg.len()
+    }
+    fn neighbors(&self, i: u32) -> &[u32] {
+        match self.local(i) {
+            Some(l) => &self.nbrs[l as usize],
+            None => &[],
+        }
+    }
+    fn degree(&self, i: u32) -> usize {
+        self.deg[i as usize] as usize
+    }
+}
+
+/// Where the input rows of a layer's computation are read from.
+pub trait RowSource {
+    /// Width of every row.
+    fn width(&self) -> usize;
+    /// The rows of the nodes `ids`, in that order, as one `ids.len() x width` buffer.
+    fn gather_rows(&self, ids: &[u32]) -> Result<Vec<f32>>;
+}
+
+impl RowSource for Rows {
+    fn width(&self) -> usize {
+        self.width
+    }
+    fn gather_rows(&self, ids: &[u32]) -> Result<Vec<f32>> {
+        if let Some(&v) = ids.iter().find(|&&v| v as usize >= self.len()) {
+            return Err(RuntimeError::BadData(format!(
+                "row {v} of a table of {} rows",
+                self.len()
+            )));
+        }
+        Ok(self.gather(ids))
+    }
+}
+
+/// Rows received from other parts (a part's halo rows of one layer), by global id.
+#[derive(Debug, Clone, Default)]
+pub struct HaloRows {
+    pub width: usize,
+    index: std::collections::HashMap<u32, u32>,
+    data: Vec<f32>,
+}
+
+impl HaloRows {
+    /// No rows yet, `width` wide.
+    pub fn new(width: usize) -> Self {
+        HaloRows {
+            width,
+            ..Default::default()
+        }
+    }
+    /// Adds the rows of the nodes `ids` (one `width`-wide row each, in order).
+    pub fn extend(&mut self, ids: &[u32], rows: &[f32]) -> Result<()> {
+        if rows.len() != ids.len() * self.width {
+            return Err(RuntimeError::BadData(format!(
+                "{} values for {} rows of {}",
+                rows.len(),
+                ids.len(),
+                self.width
+            )));
+        }
+        let base = self.data.len().checked_div(self.width).unwrap_or(0);
+        self.index.reserve(ids.len());
+        for (k, &v) in ids.iter().enumerate() {
+            self.index.insert(v, (base + k) as u32);
+        }
+        self.data.extend_from_slice(rows);
+        Ok(())
+    }
+}
+
+/// A part's input rows of one layer: its own rows (its local table, by local row) and the
+/// halo rows it received.
+pub struct PartInput<'a> {
+    pub own: &'a Rows,
+    pub graph: &'a PartGraph,
+    pub halo: &'a HaloRows,
+}
+
+impl RowSource for PartInput<'_> {
+    fn width(&self) -> usize {
+        self.own.width
+    }
+    fn gather_rows(&self, ids: &[u32]) -> Result<Vec<f32>> {
+        let w = self.own.width;
+        if self.halo.width != w && !self.halo.index.is_empty() {
+            return Err(RuntimeError::BadData(format!(
+                "halo rows of width {} for a table of width {w}",
+                self.halo.width
+            )));
+        }
+        let mut out = Vec::with_capacity(ids.len() * w);
+        for &v in ids {
+            let row = match self.graph.local(v) {
+                Some(l) if (l as usize) < self.own.len() => self.own.row(l),
+                Some(l) => {
+                    return Err(RuntimeError::BadData(format!(
+                        "local row {l} (node {v}) of a table of {} rows",
+                        self.own.len()
+                    )))
+                }
+                None => {
+                    let k = *self.halo.index.get(&v).ok_or_else(|| {
+                        RuntimeError::BadData(format!(
+                            "part {}: no row of node {v} (neither its own nor received)",
+                            self.graph.part
+                        ))
+                    })? as usize;
+                    &self.halo.data[k * w..(k + 1) * w]
+                }
+            };
+            out.extend_from_slice(row);
+        }
+        Ok(out)
     }
 }
 
@@ -280,7 +568,7 @@ impl Rows {
         out
     }
     /// Writes `rows` (one per id) into rows `ids`.
-    fn scatter(&mut self, ids: &[u32], rows: &[f32]) {
+    pub fn scatter(&mut self, ids: &[u32], rows: &[f32]) {
         let w = self.width;
         for (k, &i) in ids.iter().enumerate() {
             self.data[i as usize * w..(i as usize + 1) * w]
@@ -288,7 +576,7 @@ impl Rows {
         }
     }
     /// Appends zero rows up to `n` rows.
-    fn grow(&mut self, n: usize) {
+    pub fn grow(&mut self, n: usize) {
         if n > self.len() {
             self.data.resize(n * self.width, 0.0);
         }
@@ -370,23 +658,8 @@ impl Inference {
     }
 
     /// Raw features (`n x in_dim`) as the first layer takes them.
-    pub fn prepare_features(&self, mut raw: Vec<f32>) -> Result<Rows> {
-        let width = self.model.config().in_dim;
-        if width == 0 || !raw.len().is_multiple_of(width) {
-            return Err(RuntimeError::BadData(format!(
-                "{} feature values are not rows of {width}",
-                raw.len()
-            )));
-        }
-        if raw.iter().any(|x| !x.is_finite()) {
-            return Err(RuntimeError::BadData(
-                "features contain NaN or infinity".into(),
-            ));
-        }
-        if self.normalize {
-            normalize_rows(&mut raw, width);
-        }
-        Ok(Rows { width, data: raw })
+    pub fn prepare_features(&self, raw: Vec<f32>) -> Result<Rows> {
+        prepare_features(raw, self.model.config().in_dim, self.normalize)
     }
 
     /// Width of layer `l`'s output.
@@ -438,8 +711,12 @@ impl Inference {
                 out.transformed[l] = Some(z);
             }
             for inner in parts {
-                let input = if l == 0 { features } else { &out.layers[l - 1] };
-                let r = self.compute_rows(l, graph, inner, input, out.transformed[l].as_ref())?;
+                let source = match &out.transformed[l] {
+                    Some(z) => z,
+                    None if l == 0 => features,
+                    None => &out.layers[l - 1],
+                };
+                let r = self.compute_rows(l, graph, inner, source)?;
                 rows.scatter(inner, &r);
             }
             out.layers.push(rows);
@@ -449,12 +726,12 @@ impl Inference {
 
     /// Split layer `l`'s transformed rows `Z = H W` of the nodes `inner` from `input` (the
     /// previous layer's rows).
-    fn transform_rows(
+    pub fn transform_rows<G: Adjacency + ?Sized>(
         &mut self,
         l: usize,
-        graph: &NodeGraph,
+        graph: &G,
         inner: &[u32],
-        input: &Rows,
+        input: &dyn RowSource,
     ) -> Result<Vec<f32>> {
         if inner.is_empty() {
             return Ok(Vec::new());
@@ -470,7 +747,7 @@ impl Inference {
             &degrees,
             self.model.config().kind.aggregation(),
         )?;
-        let x = Tensor::from_vec(inner.len(), input.width, input.gather(inner))?;
+        let x = Tensor::from_vec(inner.len(), input.width(), input.gather_rows(inner)?)?;
         let x = self.stream.place(x)?;
         let z = self
             .model
@@ -479,50 +756,37 @@ impl Inference {
     }
 
     /// The block of the nodes `inner` (ascending) over the current graph.
-    fn block(&mut self, graph: &NodeGraph, inner: &[u32]) -> Result<Block> {
+    fn block<G: Adjacency + ?Sized>(&mut self, graph: &G, inner: &[u32]) -> Result<Block> {
         let agg = self.model.config().kind.aggregation();
-        graph.block_with(inner, agg, &mut self.ids, false)
+        build_block(graph, inner, agg, &mut self.ids, false)
     }
 
-    /// Layer `l`'s rows of `inner`: from the transformed table for a split layer, else from
-    /// `input`.
-    fn compute_rows(
+    /// Layer `l`'s output rows of the nodes `inner` (ascending). `source` holds the rows the
+    /// layer reads: for a split layer ([`Model::is_split`]) the transformed rows `Z` of
+    /// [`Inference::transform_rows`], else layer `l-1`'s rows (the features for `l = 0`).
+    pub fn compute_rows<G: Adjacency + ?Sized>(
         &mut self,
         l: usize,
-        graph: &NodeGraph,
+        graph: &G,
         inner: &[u32],
-        input: &Rows,
-        transformed: Option<&Rows>,
-    ) -> Result<Vec<f32>> {
-        let Some(z) = transformed else {
-            return self.layer_rows(l, graph, inner, input);
-        };
-        if inner.is_empty() {
-            return Ok(Vec::new());
-        }
-        let block = self.block(graph, inner)?;
-        let zt = Tensor::from_vec(block.n_in(), z.width, z.gather(block.gids()))?;
-        let zt = self.stream.place(zt)?;
-        let y = self
-            .model
-            .forward_aggregate(&self.stream, l, &block, &zt, EVAL)?;
-        Ok(self.stream.download(&y)?)
-    }
-
-    /// Layer `l`'s output rows of the nodes `inner` (ascending), from `input` (layer `l-1`'s
-    /// rows, or the features) of their block's input rows.
-    pub fn layer_rows(
-        &mut self,
-        l: usize,
-        graph: &NodeGraph,
-        inner: &[u32],
-        input: &Rows,
+        source: &dyn RowSource,
     ) -> Result<Vec<f32>> {
         if inner.is_empty() {
             return Ok(Vec::new());
         }
         let block = self.block(graph, inner)?;
-        let x = Tensor::from_vec(block.n_in(), input.width, input.gather(block.gids()))?;
+        let x = Tensor::from_vec(
+            block.n_in(),
+            source.width(),
+            source.gather_rows(block.gids())?,
+        )?;
+        if self.model.is_split(l) {
+            let zt = self.stream.place(x)?;
+            let y = self
+                .model
+                .forward_aggregate(&self.stream, l, &block, &zt, EVAL)?;
+            return Ok(self.stream.download(&y)?);
+        }
         let x = if l == 0 {
             let sparse = self.sparse_input.unwrap_or(false);
             LayerInput::with_layout(&self.stream, x, sparse)?
@@ -533,6 +797,17 @@ impl Inference {
             .model
             .forward_layer(&self.stream, l, &block, Cow::Owned(x), EVAL)?;
         Ok(self.stream.download(&out)?)
+    }
+
+    /// Layer 0's input layout (sparse or dense), fixed by the whole feature matrix.
+    pub fn sparse_input(&self) -> Option<bool> {
+        self.sparse_input
+    }
+
+    /// Fixes layer 0's input layout (a part computing rows of a graph whose whole feature
+    /// matrix decided it), so every part computes the bits the whole graph does.
+    pub fn set_sparse_input(&mut self, sparse: bool) {
+        self.sparse_input = Some(sparse);
     }
 
     /// After the graph or the features changed at the nodes `changed` (new nodes, endpoints
@@ -578,12 +853,12 @@ impl Inference {
             outputs.layers[l].grow(n);
             for (p, inner) in split_by_owner(&set, owner, parts).iter().enumerate() {
                 let rows = {
-                    let input = if l == 0 {
-                        features
-                    } else {
-                        &outputs.layers[l - 1]
+                    let source = match &outputs.transformed[l] {
+                        Some(z) => z,
+                        None if l == 0 => features,
+                        None => &outputs.layers[l - 1],
                     };
-                    self.compute_rows(l, graph, inner, input, outputs.transformed[l].as_ref())?
+                    self.compute_rows(l, graph, inner, source)?
                 };
                 outputs.layers[l].scatter(inner, &rows);
                 stats.rows_per_part[p] += inner.len();
@@ -592,6 +867,26 @@ impl Inference {
         stats.last_rows = set;
         Ok(stats)
     }
+}
+
+/// Raw features (rows of `width`) as a model's first layer takes them: checked to be finite,
+/// row-normalised when `normalize` (as training did).
+pub fn prepare_features(mut raw: Vec<f32>, width: usize, normalize: bool) -> Result<Rows> {
+    if width == 0 || !raw.len().is_multiple_of(width) {
+        return Err(RuntimeError::BadData(format!(
+            "{} feature values are not rows of {width}",
+            raw.len()
+        )));
+    }
+    if raw.iter().any(|x| !x.is_finite()) {
+        return Err(RuntimeError::BadData(
+            "features contain NaN or infinity".into(),
+        ));
+    }
+    if normalize {
+        normalize_rows(&mut raw, width);
+    }
+    Ok(Rows { width, data: raw })
 }
 
 /// The nodes of `set` (ascending) grouped by part, each group ascending.

@@ -261,6 +261,12 @@ impl Trainer {
         &self.stream
     }
 
+    /// Makes the trainer's work background work of `gate` (serving beside training): its
+    /// long kernels pause between pieces while an inference step holds the gate.
+    pub fn yield_to(&mut self, gate: trellis_gpu::PriorityGate) {
+        self.stream = self.stream.yielding_to(gate);
+    }
+
     /// One training step (forward, backward, optimizer); `epoch` counts from 1. Returns the
     /// mean training loss and the step's wall time in ms.
     pub fn train_step(&mut self, epoch: u32) -> Result<(f64, f64)> {

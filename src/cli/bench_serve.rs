@@ -377,7 +377,9 @@ fn start_engine(
             },
             parts: a.partitions.max(1),
             threads: a.threads,
-            panic_on_updates: Vec::new(),
+            faults: Default::default(),
+            step_timeout: engine::STEP_TIMEOUT,
+            priority: None,
         },
     )
     .map_err(|e| anyhow::anyhow!("cannot start the engine: {e}"))

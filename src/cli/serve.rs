@@ -8,7 +8,9 @@ use clap::Args;
 use std::io::Write;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
+use trellis_actors::faults::FaultPlan;
 use trellis_actors::serving::engine::{self, EngineConfig};
 use trellis_actors::serving::scheduler::SchedulerConfig;
 use trellis_runtime::inference::NodeGraph;
@@ -65,10 +67,14 @@ pub struct ServeArgs {
     /// CPU threads for kernels (0 = all CPUs).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
-    /// Fault injection: make the computation of these graph updates (counting from 1,
-    /// comma separated) panic; the engine recovers and keeps serving.
-    #[arg(long, value_delimiter = ',')]
-    pub panic_on_updates: Vec<u64>,
+    /// Fault injection into the partition actors:
+    /// `serve-panic:part=P:update=U[:layer=L]` (comma separated) panics partition P when it
+    /// starts layer L of the U-th graph update; it is restarted and recomputed.
+    #[arg(long)]
+    pub chaos: Option<String>,
+    /// Longest one layer of a pass may take on every partition, ms.
+    #[arg(long, default_value_t = 120_000)]
+    pub step_timeout_ms: u64,
     #[command(flatten)]
     pub telemetry: TelemetryArgs,
 }
@@ -88,6 +94,15 @@ pub fn run(a: ServeArgs) -> Result<()> {
         saved.meta.config.seed,
     )
     .with_context(|| format!("cannot split the graph into {parts} parts"))?;
+    let faults = match &a.chaos {
+        Some(spec) => {
+            let plan = FaultPlan::parse(spec)?;
+            plan.check_serving(parts as u32, saved.meta.config.layers as u16)?;
+            trellis_actors::faults::quiet_injected_panics(true);
+            Arc::new(plan)
+        }
+        None => Arc::default(),
+    };
     let version = saved.version();
     let t = std::time::Instant::now();
     let handle = engine::start(
@@ -104,7 +119,9 @@ pub fn run(a: ServeArgs) -> Result<()> {
             },
             parts,
             threads: a.threads,
-            panic_on_updates: a.panic_on_updates.clone(),
+            faults,
+            step_timeout: Duration::from_millis(a.step_timeout_ms.max(1)),
+            priority: None,
         },
     )
     .map_err(|e| anyhow::anyhow!("cannot start serving {}: {e}", a.model.display()))?;

@@ -548,7 +548,7 @@ fn train_serving(
     let mut service = crate::serve::beside::Beside::start(&ds, &cfg, &ds.digest(), listen, every)?;
     let epochs = cfg.epochs;
     let mut trainer = Trainer::from_dataset(ds, cfg)?;
-    service.lower_training(trainer.stream());
+    service.lower_training(&mut trainer);
     let report = trainer.run_with_model(|log, model, stream| {
         if verbose {
             println!(

@@ -20,10 +20,10 @@ use tokio::sync::oneshot;
 use trellis_actors::serving::engine::{self, Answer, Command, EngineConfig, EngineHandle};
 use trellis_actors::serving::scheduler::SchedulerConfig;
 use trellis_actors::serving::ServeError;
-use trellis_gpu::Stream;
+use trellis_gpu::{PriorityGate, Stream};
 use trellis_runtime::inference::NodeGraph;
 use trellis_runtime::model_file::{self, ModelMeta, SavedModel};
-use trellis_runtime::{Dataset, Graph, Model, TrainConfig};
+use trellis_runtime::{Dataset, Graph, Model, TrainConfig, Trainer};
 
 type Pending = oneshot::Receiver<Result<Answer, ServeError>>;
 
@@ -41,6 +41,9 @@ pub struct Publisher {
 /// A service running beside a training run.
 pub struct Beside {
     pub publisher: Publisher,
+    /// The service's update steps are urgent work of this gate; the trainer's stream yields
+    /// to it between kernel pieces.
+    pub gate: PriorityGate,
     http: std::thread::JoinHandle<()>,
     /// Where it listens.
     pub addr: SocketAddr,
@@ -79,6 +82,7 @@ impl Beside {
         let initial = Model::new(cfg.model.clone())?;
         let first = saved(&initial, &Stream::cpu(cfg.threads)?, &meta)?;
         let graph = Graph::from_dataset(ds)?;
+        let gate = PriorityGate::new();
         let engine = engine::start(
             first,
             NodeGraph::from_graph(&graph),
@@ -88,7 +92,9 @@ impl Beside {
                 scheduler: SchedulerConfig::default(),
                 parts: 1,
                 threads: cfg.threads,
-                panic_on_updates: Vec::new(),
+                faults: Default::default(),
+                step_timeout: engine::STEP_TIMEOUT,
+                priority: Some(gate.clone()),
             },
         )
         .map_err(|e| anyhow!("cannot start serving beside training: {e}"))?;
@@ -128,6 +134,7 @@ impl Beside {
         trellis_actors::serving::priority::background_this_thread();
         Ok(Beside {
             publisher: Publisher::new(engine, meta, every),
+            gate,
             http,
             addr,
         })
@@ -145,9 +152,11 @@ impl Beside {
     }
 
     /// Lowers the trainer's kernel threads (the process's thread pool) below the query
-    /// threads.
-    pub fn lower_training(&self, stream: &Stream) {
-        trellis_actors::serving::priority::background_pool(stream.budget());
+    /// threads, and makes its stream yield to the service's update steps between kernel
+    /// pieces.
+    pub fn lower_training(&self, trainer: &mut Trainer) {
+        trellis_actors::serving::priority::background_pool(trainer.stream().budget());
+        trainer.yield_to(self.gate.clone());
     }
 
     /// After training: keeps serving the last weights until the process is stopped.

@@ -71,6 +71,7 @@ fn serve_error(e: &ServeError) -> HttpResponse {
         ServeError::Quota { retry_after } => (429, Some(*retry_after)),
         ServeError::Overloaded { retry_after } => (503, Some(*retry_after)),
         ServeError::Expired => (503, Some(Duration::from_secs(1))),
+        ServeError::Recovering { retry_after, .. } => (503, Some(*retry_after)),
         ServeError::Internal(_) => (500, None),
     };
     error_response(status, &e.to_string(), retry)
@@ -323,6 +324,7 @@ async fn readyz(state: web::Data<AppState>) -> HttpResponse {
         "ready": ready,
         "model_version": version,
         "recoveries": stats.recoveries.load(std::sync::atomic::Ordering::Relaxed),
+        "faults_fired": state.engine.faults.fired_total(),
     });
     json_response(if ready { 200 } else { 503 }, body.to_string())
 }

@@ -40,6 +40,17 @@ pub struct PlannedKill {
     pub fired: bool,
 }
 
+/// A serving partition actor panics when it starts computing `layer` of the `update`-th
+/// graph update (counting from 1) it takes part in; before panicking it overwrites its
+/// tables, as a kernel interrupted half-way would.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlannedServePanic {
+    pub part: u32,
+    pub update: u64,
+    pub layer: u16,
+    pub fired: bool,
+}
+
 /// What a link fault does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LinkAction {
@@ -72,6 +83,7 @@ pub enum FaultKind {
     CutLink,
     DelayLink,
     CorruptFrame,
+    ServePanic,
 }
 
 impl FaultKind {
@@ -84,6 +96,7 @@ impl FaultKind {
             FaultKind::CutLink => "cut-link",
             FaultKind::DelayLink => "delay",
             FaultKind::CorruptFrame => "corrupt",
+            FaultKind::ServePanic => "serve-panic",
         }
     }
 }
@@ -148,6 +161,7 @@ pub struct FaultPlan {
     stalls: Mutex<Vec<PlannedStall>>,
     kills: Mutex<Vec<PlannedKill>>,
     links: Mutex<Vec<LinkFault>>,
+    serve_panics: Mutex<Vec<PlannedServePanic>>,
     /// Faults that fired on this node, by kind.
     fired: Mutex<BTreeMap<FaultKind, u32>>,
 }
@@ -156,7 +170,7 @@ pub struct FaultPlan {
 pub const CHAOS_KINDS: &str =
     "panic:part=P:epoch=E[:layer=L][:phase=forward|backward|eval|apply][:stage=2], \
 kill-node:node=N:epoch=E, cut-link:a=N:b=M:epoch=E:ms=T, delay:a=N:b=M:ms=T[:epoch=E], \
-corrupt:a=N:b=M:epoch=E";
+corrupt:a=N:b=M:epoch=E, serve-panic:part=P:update=U[:layer=L] (trellis serve)";
 
 impl FaultPlan {
     /// No faults.
@@ -221,6 +235,18 @@ impl FaultPlan {
         self
     }
 
+    /// Panic serving partition `part` when it starts layer `layer` of graph update `update`
+    /// (counting from 1).
+    pub fn serve_panic_at(self, part: u32, update: u64, layer: u16) -> Self {
+        lock(&self.serve_panics).push(PlannedServePanic {
+            part,
+            update,
+            layer,
+            fired: false,
+        });
+        self
+    }
+
     /// Parses a `--chaos` spec: faults separated by `,` (see [`CHAOS_KINDS`]).
     pub fn parse(spec: &str) -> Result<Self, ActorError> {
         let mut plan = FaultPlan::none();
@@ -238,6 +264,9 @@ impl FaultPlan {
         };
         let mut fields = fault.split(':');
         let kind = fields.next().unwrap_or_default();
+        if kind == "serve-panic" {
+            return self.parse_serve_panic(fault, fields);
+        }
         if !["panic", "kill-node", "cut-link", "delay", "corrupt"].contains(&kind) {
             return Err(bad(format!(
                 "fault kind `{kind}` is not supported (supported: {CHAOS_KINDS})"
@@ -321,6 +350,97 @@ impl FaultPlan {
             s => return Err(bad(format!("`{fault}`: stage is 1 or 2, not {s}"))),
         };
         Ok(self.plan_panic(part, epoch, layer, phase, second))
+    }
+
+    /// `serve-panic:part=P:update=U[:layer=L]`.
+    fn parse_serve_panic<'a>(
+        self,
+        fault: &str,
+        fields: impl Iterator<Item = &'a str>,
+    ) -> Result<Self, ActorError> {
+        let bad = |m: String| {
+            ActorError::Runtime(trellis_runtime::RuntimeError::Config(format!(
+                "--chaos: {m}"
+            )))
+        };
+        let mut keys: BTreeMap<&str, u64> = BTreeMap::new();
+        for kv in fields {
+            let (k, v) = kv
+                .split_once('=')
+                .ok_or_else(|| bad(format!("`{kv}` is not key=value")))?;
+            if !["part", "update", "layer"].contains(&k) {
+                return Err(bad(format!("unknown key `{k}` in `{fault}`")));
+            }
+            let n = v
+                .parse::<u64>()
+                .map_err(|_| bad(format!("`{v}` is not a number for {k}")))?;
+            keys.insert(k, n);
+        }
+        let need = |k: &str| {
+            keys.get(k)
+                .copied()
+                .ok_or_else(|| bad(format!("`{fault}` needs {k}=N")))
+        };
+        let part = u32::try_from(need("part")?)
+            .map_err(|_| bad(format!("`{fault}`: part is too large")))?;
+        let update = need("update")?;
+        if update == 0 {
+            return Err(bad(format!("`{fault}`: updates count from 1")));
+        }
+        let layer = keys.get("layer").copied().unwrap_or(0);
+        let layer = u16::try_from(layer).map_err(|_| bad(format!("layer {layer} is too large")))?;
+        Ok(self.serve_panic_at(part, update, layer))
+    }
+
+    /// Refuses faults `trellis serve` cannot inject (training faults), and serving faults that
+    /// can never fire on `parts` partitions and `layers` layers.
+    pub fn check_serving(&self, parts: u32, layers: u16) -> Result<(), ActorError> {
+        let bad = |m: String| {
+            ActorError::Runtime(trellis_runtime::RuntimeError::Config(format!(
+                "--chaos: {m}"
+            )))
+        };
+        if !lock(&self.panics).is_empty() || !lock(&self.stalls).is_empty() || self.kills_nodes() {
+            return Err(bad(
+                "only serve-panic faults can be injected into a service".into(),
+            ));
+        }
+        for p in lock(&self.serve_panics).iter() {
+            if p.part >= parts {
+                return Err(bad(format!(
+                    "partition {} does not exist (the service has {parts}); it could never fire",
+                    p.part
+                )));
+            }
+            if p.layer >= layers {
+                return Err(bad(format!(
+                    "layer {} does not exist (the model has {layers}); it could never fire",
+                    p.layer
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// The serving panic due when partition `part` starts layer `layer` of graph update
+    /// `update`, if any (fires once): the panic message to raise.
+    pub fn serve_panic_due(&self, part: u32, update: u64, layer: u16) -> Option<String> {
+        let mut fire = false;
+        for f in lock(&self.serve_panics).iter_mut() {
+            if !f.fired && (f.part, f.update, f.layer) == (part, update, layer) {
+                f.fired = true;
+                fire = true;
+            }
+        }
+        fire.then(|| {
+            self.count(FaultKind::ServePanic);
+            format!("{INJECTED_PANIC} serving partition {part}, update {update}, layer {layer}")
+        })
+    }
+
+    /// The planned serving panics (with whether each fired).
+    pub fn serve_panics(&self) -> Vec<PlannedServePanic> {
+        lock(&self.serve_panics).clone()
     }
 
     /// Refuses faults that can never fire in a run of `epochs` epochs over `parts` partitions,
@@ -583,6 +703,39 @@ mod tests {
             1,
             "retired faults are not counted again"
         );
+    }
+
+    #[test]
+    fn serving_panics_parse_fire_once_and_are_counted() {
+        let plan = FaultPlan::parse("serve-panic:part=1:update=2:layer=1").unwrap();
+        plan.check_serving(2, 2).unwrap();
+        assert!(plan.serve_panic_due(1, 1, 1).is_none());
+        assert!(plan.serve_panic_due(0, 2, 1).is_none());
+        assert!(plan.serve_panic_due(1, 2, 0).is_none());
+        assert_eq!(plan.fired_total(), 0, "nothing fired yet");
+        let msg = plan.serve_panic_due(1, 2, 1).unwrap();
+        assert!(msg.starts_with(INJECTED_PANIC), "{msg}");
+        assert!(plan.serve_panic_due(1, 2, 1).is_none(), "fires once");
+        assert_eq!(plan.fired().get(&FaultKind::ServePanic), Some(&1));
+        assert!(plan.serve_panics()[0].fired);
+        for (spec, parts, needle) in [
+            ("serve-panic:part=1", 2, "update=N"),
+            ("serve-panic:part=1:update=0", 2, "count from 1"),
+            (
+                "serve-panic:part=1:update=1:epoch=3",
+                2,
+                "unknown key `epoch`",
+            ),
+            ("serve-panic:part=2:update=1", 2, "partition 2"),
+            ("serve-panic:part=0:update=1:layer=2", 2, "layer 2"),
+            ("panic:part=0:epoch=1", 2, "only serve-panic"),
+        ] {
+            let e = FaultPlan::parse(spec)
+                .and_then(|p| p.check_serving(parts, 2))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(needle), "{spec}: {e}");
+        }
     }
 
     #[test]

@@ -1,29 +1,42 @@
-//! The serving engine: one thread that owns the served graph, its features, every layer's
-//! embeddings and the model, and answers commands in order.
+//! The serving engine: the router and coordinator of the serving partition actors. It keeps
+//! the served graph (its replica of every partition's inputs, [`ServeStore`]) and the
+//! ownership table, plans every pass ([`plan_pass`]) and drives it layer by layer over the
+//! partition actors ([`ServeNode`]), which own the rows of every layer and compute them on
+//! their own streams, exchanging halo rows through the transport.
 //!
-//! Queries go through the [`Scheduler`] (batched, shed, shared fairly between tenants) and
-//! are answered from the stored last-layer rows; graph updates run between batches and
-//! recompute only the rows they reach, each part computing its own
-//! ([`Inference::update`]); a new model is computed in a background thread over a snapshot
-//! (copy-on-write: the graph and features are copied only if an update comes meanwhile),
-//! then the updates made since are replayed onto it and it replaces the old one between two
-//! batches, so every answer comes from one model version and names it.
+//! Commands are handled in rounds: queries go through the [`Scheduler`] (batched, shed,
+//! shared fairly between tenants) and are answered from the owning partitions' tables;
+//! graph updates are applied to the served graph, sent to every partition as a [`Delta`],
+//! and recomputed by an update pass over the rows they reach; a new model's tables are
+//! computed by the partitions beside the live ones, one layer per round (updates keep being
+//! applied between those layers and are replayed onto the new tables at the end), then
+//! installed between two rounds, so every answer comes from one model version and names it.
+//! A partition that panics in a pass is restored by its actor's shell from the store, the
+//! pass is aborted on the others and run again with the restarted partition computing every
+//! row (a recovery pass) before anything else is answered.
+use super::part::{ComputedRows, DeltaOp, LookedUp, ModelValues, PassStep, Target};
+use super::plan::{plan_pass, Coverage, LayerPlan};
 use super::published::Published;
 use super::routing::{place_new_node, route};
 use super::scheduler::{Action, Pending, Quotas, Refusal, Scheduler, SchedulerConfig};
+use super::shell::{
+    Abort, Delta, DropStaged, Install, Lookup, ServeNode, ServeStore, Served, Stage, Step,
+};
 use super::ServeError;
+use crate::faults::FaultPlan;
+use crate::ActorError;
+use futures_util::stream::{FuturesUnordered, StreamExt};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
-use trellis_gpu::Stream;
-use trellis_runtime::inference::{
-    argmax, parts_of, softmax_row, Inference, LayerOutputs, NodeGraph, Rows,
-};
+use trellis_gpu::PriorityGate;
+use trellis_runtime::inference::{argmax, prepare_features, softmax_row, NodeGraph, Rows};
+use trellis_runtime::model::LayerInput;
 use trellis_runtime::model_file::SavedModel;
-use trellis_runtime::Model;
+use trellis_transport::InProcessTransport;
 
 /// One node's answer.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
@@ -141,10 +154,15 @@ pub struct EngineConfig {
     pub scheduler: SchedulerConfig,
     /// Number of parts the graph's rows are computed in.
     pub parts: usize,
-    /// CPU threads of the engine's stream (0 = all).
+    /// CPU threads of each partition's stream (0 = all).
     pub threads: usize,
-    /// Fault injection: the graph updates (counting from 1) whose computation panics.
-    pub panic_on_updates: Vec<u64>,
+    /// Faults to inject into the partition actors (`serve-panic`).
+    pub faults: Arc<FaultPlan>,
+    /// Longest one layer of a pass may take on every partition before the pass fails.
+    pub step_timeout: Duration,
+    /// Latency-bound steps (updates, on the live tables) are urgent work of this gate:
+    /// training streams yielding to it pause between kernel pieces while one computes.
+    pub priority: Option<PriorityGate>,
 }
 
 /// A handle to a running engine: send commands, read its stats, answer existing-node
@@ -157,6 +175,8 @@ pub struct EngineHandle {
     pub published: Arc<Published>,
     /// Every query's quota (one bucket per tenant, whichever path answers it).
     quotas: Arc<Mutex<Quotas>>,
+    /// The faults injected into the partition actors (and which fired).
+    pub faults: Arc<FaultPlan>,
 }
 
 impl EngineHandle {
@@ -188,14 +208,14 @@ impl EngineHandle {
 
 /// The state the engine thread owns.
 struct Engine {
-    inference: Inference,
-    graph: Arc<NodeGraph>,
-    features: Arc<Rows>,
-    outputs: LayerOutputs,
-    owner: Vec<u32>,
-    /// Nodes per part (where new nodes go).
-    part_sizes: Vec<usize>,
+    store: Arc<ServeStore>,
+    node: Option<ServeNode>,
     parts: usize,
+    /// Whether each layer is split (the same for every model of this architecture).
+    split: Vec<bool>,
+    /// Width of the served logits.
+    classes: usize,
+    normalize: bool,
     version: String,
     scheduler: Scheduler,
     waiting: HashMap<u64, WaitingQuery>,
@@ -203,12 +223,15 @@ struct Engine {
     stats: Arc<EngineStats>,
     published: Arc<Published>,
     swap: Option<SwapInFlight>,
-    threads: usize,
+    /// Nodes per part (where new nodes go).
+    part_sizes: Vec<usize>,
     /// Node additions received in this round: applied together, as one update.
     adds: Vec<PendingAdd>,
-    /// Graph updates computed so far, and the ones to fail (fault injection).
+    /// Graph updates computed so far (their number keys `serve-panic` faults).
     updates: u64,
-    panic_on_updates: Vec<u64>,
+    /// The last pass number given out.
+    seq: u32,
+    step_timeout: Duration,
 }
 
 struct PendingAdd {
@@ -224,16 +247,57 @@ struct WaitingQuery {
     reply: Reply,
 }
 
-/// A new model being computed in the background.
+/// A new model whose tables the partitions are computing, one layer per round.
 struct SwapInFlight {
-    done: Receiver<Result<(Inference, LayerOutputs), ServeError>>,
+    model: Arc<ModelValues>,
     version: String,
-    /// Nodes changed since the snapshot it computes over.
+    seq: u32,
+    /// The next layer to compute.
+    next: usize,
+    /// Its last layer's rows, gathered from the partitions.
+    logits: Rows,
+    /// Nodes changed since the pass started (replayed onto the new tables at the end).
     changed: Vec<u32>,
     reply: Reply,
 }
 
-/// Runs layer-wise inference over the whole graph, then starts the engine thread.
+/// What a pass computed.
+struct PassOutput {
+    rows_per_layer: Vec<usize>,
+    /// The last layer's rows, by partition.
+    last: Vec<ComputedRows>,
+}
+
+/// Why a pass did not complete.
+enum PassError {
+    /// These partitions panicked (their shells restored them; the pass was aborted).
+    Failed(Vec<u32>),
+    Other(ServeError),
+}
+
+impl From<ServeError> for PassError {
+    fn from(e: ServeError) -> Self {
+        PassError::Other(e)
+    }
+}
+
+fn actor_err(e: ActorError) -> ServeError {
+    ServeError::Internal(e.to_string())
+}
+
+fn mailbox(part: usize, e: actix::MailboxError) -> ServeError {
+    ServeError::Internal(format!("serving partition {part} is unreachable: {e}"))
+}
+
+/// A default for [`EngineConfig::step_timeout`]: one layer of a 1M-node graph on one core
+/// takes seconds.
+pub const STEP_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// How many times one pass is retried after partition failures before it gives up.
+const MAX_RECOVERIES_PER_PASS: usize = 3;
+
+/// Computes every layer over the partition actors, then starts the engine thread (an actix
+/// system: one arbiter per partition actor, the engine's loop on the system's thread).
 pub fn start(
     saved: SavedModel,
     graph: NodeGraph,
@@ -242,35 +306,53 @@ pub fn start(
     cfg: EngineConfig,
 ) -> Result<EngineHandle, ServeError> {
     let version = saved.version();
-    let stream = Stream::cpu(cfg.threads).map_err(|e| ServeError::Internal(e.to_string()))?;
-    let mut inference = Inference::new(saved.model, stream, saved.meta.normalize_features)?;
-    let features = inference.prepare_features(raw_features)?;
+    let model = saved.model;
+    let normalize = saved.meta.normalize_features;
+    let in_dim = model.config().in_dim;
+    let classes = model.config().out_dim;
+    let split: Vec<bool> = (0..model.num_layers()).map(|l| model.is_split(l)).collect();
+    let values = Arc::new(ModelValues::of(&model, normalize)?);
+    let features = prepare_features(raw_features, in_dim, normalize)?;
     let parts = cfg.parts.max(1);
-    let outputs = inference.run(&graph, &features, &parts_of(&owner, parts))?;
+    if owner.len() != graph.num_nodes() || owner.iter().any(|&o| o as usize >= parts) {
+        return Err(ServeError::BadRequest(format!(
+            "the ownership table does not fit {} nodes on {parts} partitions",
+            graph.num_nodes()
+        )));
+    }
+    let mut part_sizes = vec![0usize; parts];
+    for &o in &owner {
+        part_sizes[o as usize] += 1;
+    }
     let stats = Arc::new(EngineStats::default());
     *stats.version.lock().expect("stats lock") = version.clone();
-    let published = Arc::new(Published::new(version.clone(), outputs.logits().clone()));
+    stats.nodes.store(graph.num_nodes(), Ordering::Relaxed);
+    let n = graph.num_nodes();
+    let store = Arc::new(ServeStore {
+        sparse_input: LayerInput::would_be_sparse(&features.data),
+        served: RwLock::new(Served {
+            graph,
+            features,
+            owner,
+        }),
+        model: RwLock::new(values),
+    });
+    let published = Arc::new(Published::new(version.clone(), Rows::zeros(n, classes)));
     // Quotas are charged where a query arrives (the front end), for both paths.
     let quotas = Arc::new(Mutex::new(Quotas::new(cfg.scheduler.quota_rps)));
     let scheduler = Scheduler::new(SchedulerConfig {
         quota_rps: None,
         ..cfg.scheduler
     });
-    stats.ready.store(true, Ordering::SeqCst);
-    stats.nodes.store(graph.num_nodes(), Ordering::Relaxed);
     let (tx, rx) = mpsc::channel();
-    let mut part_sizes = vec![0usize; parts];
-    for &o in &owner {
-        part_sizes[o as usize] += 1;
-    }
-    let mut engine = Engine {
-        part_sizes,
-        inference,
-        graph: Arc::new(graph),
-        features: Arc::new(features),
-        outputs,
-        owner,
+    let (ready_tx, ready_rx) = mpsc::channel();
+    let engine = Engine {
+        store,
+        node: None,
         parts,
+        split,
+        classes,
+        normalize,
         version,
         scheduler,
         waiting: HashMap::new(),
@@ -278,52 +360,366 @@ pub fn start(
         stats: stats.clone(),
         published: published.clone(),
         swap: None,
-        threads: cfg.threads,
+        part_sizes,
         adds: Vec::new(),
         updates: 0,
-        panic_on_updates: cfg.panic_on_updates,
+        seq: 0,
+        step_timeout: cfg.step_timeout,
     };
+    let (threads, faults, priority) = (cfg.threads, cfg.faults, cfg.priority);
+    let plan = faults.clone();
     std::thread::Builder::new()
         .name("trellis-serve-engine".into())
-        .spawn(move || engine.run(rx))
+        .spawn(move || {
+            let sys = actix::System::new();
+            sys.block_on(async move {
+                let mut engine = engine;
+                let started = engine.start_partitions(threads, faults, priority).await;
+                let ok = started.is_ok();
+                let _ = ready_tx.send(started);
+                if ok {
+                    engine.run(rx).await;
+                }
+                if let Some(node) = engine.node.take() {
+                    node.shutdown();
+                }
+            });
+        })
         .map_err(|e| ServeError::Internal(format!("cannot start the engine thread: {e}")))?;
+    ready_rx
+        .recv()
+        .map_err(|_| ServeError::Internal("the engine stopped while starting".into()))??;
+    stats.ready.store(true, Ordering::SeqCst);
     Ok(EngineHandle {
         tx,
         stats,
         published,
         quotas,
+        faults: plan,
     })
 }
 
 impl Engine {
-    fn run(&mut self, rx: Receiver<Command>) {
+    /// Starts the partition actors and runs the start-up pass (every row of every layer).
+    async fn start_partitions(
+        &mut self,
+        threads: usize,
+        faults: Arc<FaultPlan>,
+        priority: Option<PriorityGate>,
+    ) -> Result<(), ServeError> {
+        let run = uuid::Uuid::new_v4();
+        let transport = Arc::new(InProcessTransport::new());
+        let node = ServeNode::start(
+            self.parts,
+            run,
+            transport,
+            self.store.clone(),
+            faults,
+            threads,
+            priority,
+        )
+        .map_err(actor_err)?;
+        self.node = Some(node);
+        let _span = tracing::info_span!("serve_start", parts = self.parts as i64).entered();
+        let mut attempt = 0;
+        let out = loop {
+            let plans = self.plan(Coverage::Full);
+            let seq = self.next_seq();
+            let all = vec![true; self.parts];
+            match self.run_pass(seq, &plans, Target::Live, None, &all).await {
+                Ok(out) => break out,
+                Err(PassError::Failed(parts)) if attempt < MAX_RECOVERIES_PER_PASS => {
+                    attempt += 1;
+                    tracing::warn!("start-up pass: partitions {parts:?} failed; computing again");
+                }
+                Err(PassError::Failed(parts)) => {
+                    return Err(ServeError::Internal(format!(
+                        "partitions {parts:?} kept failing in the start-up pass"
+                    )))
+                }
+                Err(PassError::Other(e)) => return Err(e),
+            }
+        };
+        let n = self.nodes();
+        let mut logits = Rows::zeros(n, self.classes);
+        for r in &out.last {
+            logits.scatter(&r.ids, &r.data);
+        }
+        self.published.replace(self.version.clone(), logits);
+        Ok(())
+    }
+
+    fn next_seq(&mut self) -> u32 {
+        self.seq += 1;
+        self.seq
+    }
+
+    fn nodes(&self) -> usize {
+        self.served().graph.num_nodes()
+    }
+
+    fn served(&self) -> std::sync::RwLockReadGuard<'_, Served> {
+        self.store.served.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn plan(&self, coverage: Coverage<'_>) -> Vec<LayerPlan> {
+        let s = self.served();
+        plan_pass(&s.graph, &s.owner, self.parts, &self.split, coverage)
+    }
+
+    fn addrs(&self) -> Result<&[actix::Addr<super::shell::ServeActor>], ServeError> {
+        self.node
+            .as_ref()
+            .map(|n| n.addrs())
+            .ok_or_else(|| ServeError::Internal("the partitions are not running".into()))
+    }
+
+    /// Runs the layers `plans` of pass `seq` on every partition, layer by layer; a partition
+    /// that panics aborts the pass on the others (they may wait for its blocks).
+    async fn run_pass(
+        &mut self,
+        seq: u32,
+        plans: &[LayerPlan],
+        target: Target,
+        update: Option<u64>,
+        full: &[bool],
+    ) -> Result<PassOutput, PassError> {
+        let mut out = PassOutput {
+            rows_per_layer: Vec::with_capacity(plans.len()),
+            last: Vec::new(),
+        };
+        let layers = self.split.len();
+        for plan in plans {
+            let last = plan.layer + 1 == layers;
+            let addrs = self.addrs()?.to_vec();
+            let mut replies: FuturesUnordered<_> = addrs
+                .iter()
+                .enumerate()
+                .map(|(p, a)| {
+                    let step = PassStep {
+                        seq,
+                        layer: plan.layer as u16,
+                        target,
+                        update,
+                        transform: plan.transform[p].clone(),
+                        compute: plan.compute[p].clone(),
+                        send: plan.send[p].clone(),
+                        recv: plan.recv[p].clone(),
+                        return_rows: last,
+                        full: full.get(p) == Some(&true),
+                    };
+                    let f = a.send(Step(step));
+                    async move { (p, f.await) }
+                })
+                .collect();
+            let mut failed = Vec::new();
+            let mut error = None;
+            let deadline = tokio::time::Instant::now() + self.step_timeout;
+            let mut answered = vec![false; addrs.len()];
+            while !answered.iter().all(|&a| a) {
+                let next = tokio::time::timeout_at(deadline, replies.next()).await;
+                let (p, r) = match next {
+                    Ok(Some(x)) => x,
+                    Ok(None) => break,
+                    Err(_) => {
+                        let late: Vec<usize> = (0..addrs.len()).filter(|&p| !answered[p]).collect();
+                        for a in &addrs {
+                            a.do_send(Abort(seq));
+                        }
+                        return Err(PassError::Other(ServeError::Internal(format!(
+                            "partitions {late:?} did not finish layer {} within {} ms",
+                            plan.layer,
+                            self.step_timeout.as_millis()
+                        ))));
+                    }
+                };
+                answered[p] = true;
+                match r {
+                    Ok(Ok(done)) => {
+                        if let Some(rows) = done.rows {
+                            out.last.push(rows);
+                        }
+                    }
+                    Ok(Err(ActorError::Panicked { part, message })) => {
+                        tracing::warn!("serving partition {part} panicked: {message}");
+                        if failed.is_empty() && error.is_none() {
+                            for a in &addrs {
+                                a.do_send(Abort(seq));
+                            }
+                        }
+                        failed.push(part);
+                    }
+                    Ok(Err(e)) => {
+                        if failed.is_empty() && error.is_none() {
+                            for a in &addrs {
+                                a.do_send(Abort(seq));
+                            }
+                        }
+                        error.get_or_insert(actor_err(e));
+                    }
+                    Err(e) => {
+                        error.get_or_insert(mailbox(p, e));
+                    }
+                }
+            }
+            if !failed.is_empty() {
+                failed.sort_unstable();
+                return Err(PassError::Failed(failed));
+            }
+            if let Some(e) = error {
+                return Err(PassError::Other(e));
+            }
+            out.rows_per_layer.push(plan.rows());
+        }
+        Ok(out)
+    }
+
+    /// A graph change at `changed` (already applied to the store and every partition):
+    /// the update pass, recovered from partition failures; publishes the logits it changed
+    /// and returns the rows recomputed per layer.
+    async fn recompute(&mut self, changed: &[u32]) -> Result<Vec<usize>, ServeError> {
+        self.updates += 1;
+        let update = self.updates;
+        let _span = tracing::info_span!("serve_update", update = update as i64).entered();
+        let mut full = vec![false; self.parts];
+        let mut recovered = false;
+        let mut attempt = 0;
+        let out = loop {
+            let plans = self.plan(Coverage::Changed {
+                nodes: changed,
+                full: &full,
+            });
+            let seq = self.next_seq();
+            match self
+                .run_pass(seq, &plans, Target::Live, Some(update), &full)
+                .await
+            {
+                Ok(out) => break out,
+                Err(PassError::Failed(parts)) if attempt < MAX_RECOVERIES_PER_PASS => {
+                    attempt += 1;
+                    self.stats.ready.store(false, Ordering::SeqCst);
+                    self.stats
+                        .recoveries
+                        .fetch_add(parts.len(), Ordering::Relaxed);
+                    for &p in &parts {
+                        full[p as usize] = true;
+                    }
+                    recovered = true;
+                }
+                Err(PassError::Failed(parts)) => {
+                    return Err(ServeError::Internal(format!(
+                        "partitions {parts:?} kept failing in update {update}"
+                    )))
+                }
+                Err(PassError::Other(e)) => return Err(e),
+            }
+        };
+        let n = self.nodes();
+        for r in &out.last {
+            self.published.write_rows(&r.ids, &r.data, r.width, n);
+        }
+        if recovered {
+            self.after_recovery(&full).await;
+        }
+        Ok(out.rows_per_layer)
+    }
+
+    /// After restarted partitions were recomputed: a model swap in flight starts again (the
+    /// restarted partitions lost its tables), and the service is ready again.
+    async fn after_recovery(&mut self, restarted: &[bool]) {
+        if let Some(mut s) = self.swap.take() {
+            match self.stage_everywhere(&s.model).await {
+                Ok(()) => {
+                    s.seq = self.next_seq();
+                    s.next = 0;
+                    s.changed.clear();
+                    s.logits = Rows::zeros(self.nodes(), self.classes);
+                    self.swap = Some(s);
+                }
+                Err(e) => {
+                    let _ = s.reply.send(Err(e));
+                }
+            }
+        }
+        let which: Vec<usize> = (0..restarted.len()).filter(|&p| restarted[p]).collect();
+        tracing::warn!("serving partitions {which:?} restarted and recomputed");
+        self.stats.ready.store(true, Ordering::SeqCst);
+    }
+
+    async fn stage_everywhere(&self, model: &Arc<ModelValues>) -> Result<(), ServeError> {
+        let addrs = self.addrs()?.to_vec();
+        for (p, a) in addrs.iter().enumerate() {
+            a.send(Stage(model.clone()))
+                .await
+                .map_err(|e| mailbox(p, e))?
+                .map_err(actor_err)?;
+        }
+        Ok(())
+    }
+
+    /// Recovers partitions that failed outside an update (in a swap's layer): they recompute
+    /// their live rows from the others' (nothing changed), then the swap starts again.
+    async fn recover(&mut self, failed: Vec<u32>) -> Result<(), ServeError> {
+        self.stats.ready.store(false, Ordering::SeqCst);
+        self.stats
+            .recoveries
+            .fetch_add(failed.len(), Ordering::Relaxed);
+        let mut full = vec![false; self.parts];
+        for &p in &failed {
+            full[p as usize] = true;
+        }
+        for _ in 0..MAX_RECOVERIES_PER_PASS {
+            let plans = self.plan(Coverage::Changed {
+                nodes: &[],
+                full: &full,
+            });
+            let seq = self.next_seq();
+            match self.run_pass(seq, &plans, Target::Live, None, &full).await {
+                Ok(_) => {
+                    self.after_recovery(&full).await;
+                    return Ok(());
+                }
+                Err(PassError::Failed(more)) => {
+                    for &p in &more {
+                        full[p as usize] = true;
+                    }
+                }
+                Err(PassError::Other(e)) => return Err(e),
+            }
+        }
+        Err(ServeError::Internal(format!(
+            "partitions {failed:?} could not be recovered"
+        )))
+    }
+
+    async fn run(&mut self, rx: Receiver<Command>) {
         loop {
             let now = Instant::now();
             let wait = match (self.scheduler.next_wake(), &self.swap) {
-                (Some(w), _) => w.saturating_duration_since(now),
-                (None, Some(_)) => Duration::from_millis(5),
+                (_, Some(_)) => Duration::ZERO,
+                (Some(w), None) => w.saturating_duration_since(now),
                 (None, None) => Duration::from_secs(3600),
             };
             match rx.recv_timeout(wait) {
-                Ok(c) => self.handle(c),
+                Ok(c) => self.handle(c).await,
                 Err(RecvTimeoutError::Timeout) => {}
                 Err(RecvTimeoutError::Disconnected) => return,
             }
             // Everything that arrived meanwhile joins the same scheduling round.
             while let Ok(c) = rx.try_recv() {
-                self.handle(c);
+                self.handle(c).await;
             }
-            self.apply_adds();
-            self.finish_swap();
+            self.apply_adds().await;
+            self.swap_step().await;
             let actions = self.scheduler.poll(Instant::now());
-            self.act(actions);
+            self.act(actions).await;
             self.stats
                 .queue_depth
                 .store(self.scheduler.queued(), Ordering::Relaxed);
         }
     }
 
-    fn handle(&mut self, c: Command) {
+    async fn handle(&mut self, c: Command) {
         match c {
             Command::Predict {
                 tenant,
@@ -359,7 +755,7 @@ impl Engine {
                     },
                     now,
                 );
-                self.act(actions);
+                self.act(actions).await;
             }
             Command::AddNodes {
                 nodes,
@@ -376,39 +772,35 @@ impl Engine {
                 deadline,
                 reply,
             } => {
-                // Additions that arrived before keep their order.
-                self.apply_adds();
-                let r = if Instant::now() > deadline {
-                    Err(ServeError::Expired)
-                } else {
-                    self.edges(&add, &remove)
-                };
+                if Instant::now() > deadline {
+                    let _ = reply.send(Err(ServeError::Expired));
+                    return;
+                }
+                let r = self.edges(&add, &remove).await;
                 let _ = reply.send(r);
             }
-            Command::SwapModel { model, reply } => self.begin_swap(*model, reply),
+            Command::SwapModel { model, reply } => self.begin_swap(*model, reply).await,
         }
     }
 
     fn check_query(&self, nodes: &[u32], layer: Option<usize>) -> Result<(), ServeError> {
-        let n = self.graph.num_nodes();
+        let n = self.nodes();
         if let Some(&v) = nodes.iter().find(|&&v| v as usize >= n) {
             return Err(ServeError::UnknownNode { node: v, nodes: n });
         }
-        if let Some(l) = layer {
-            let layers = self.outputs.layers.len();
-            if l >= layers {
-                return Err(ServeError::BadRequest(format!(
-                    "embeddings of layer {l} asked for: the model has layers 0..{}",
-                    layers - 1
-                )));
-            }
+        let layers = self.split.len();
+        if let Some(l) = layer.filter(|&l| l >= layers) {
+            return Err(ServeError::BadRequest(format!(
+                "layer {l} does not exist (the model has layers 0..{layers})"
+            )));
         }
         Ok(())
     }
 
-    fn act(&mut self, actions: Vec<Action>) {
+    async fn act(&mut self, actions: Vec<Action>) {
         for a in actions {
             match a {
+                Action::Run(ids) => self.run_batch(ids).await,
                 Action::Refuse {
                     id,
                     why,
@@ -416,71 +808,92 @@ impl Engine {
                 } => {
                     self.stats.record_shed(why);
                     if let Some(q) = self.waiting.remove(&id) {
-                        let _ = q.reply.send(Err(match why {
-                            Refusal::Quota => ServeError::Quota { retry_after },
+                        let e = match why {
                             Refusal::Overloaded => ServeError::Overloaded { retry_after },
+                            Refusal::Quota => ServeError::Quota { retry_after },
                             Refusal::Expired => ServeError::Expired,
-                        }));
+                        };
+                        let _ = q.reply.send(Err(e));
                     }
                 }
-                Action::Run(ids) => self.run_batch(ids),
             }
         }
     }
 
-    fn answer_rows(&self, nodes: &[u32], layer: Option<usize>) -> Vec<NodePrediction> {
-        let logits = self.outputs.logits();
-        nodes
-            .iter()
-            .map(|&v| {
-                let row = logits.row(v);
-                NodePrediction {
-                    node: v,
-                    class: argmax(row),
-                    probabilities: softmax_row(row),
-                    embedding: layer.map(|l| self.outputs.layers[l].row(v).to_vec()),
-                }
-            })
-            .collect()
-    }
-
-    /// One engine step: every query of the batch answered from the same model version.
-    fn run_batch(&mut self, ids: Vec<u64>) {
+    /// One engine step: every query of the batch answered from the same tables, each
+    /// owning partition asked once for the rows of all the batch's nodes it owns.
+    async fn run_batch(&mut self, ids: Vec<u64>) {
         let _span = tracing::info_span!("serve_batch", size = ids.len() as i64).entered();
         let t = Instant::now();
         let mut cost = 0;
         let mut oldest = t;
-        let by_part_span = tracing::info_span!("serve_lookup", parts = self.parts as i64);
-        let _g = by_part_span.enter();
-        for id in &ids {
-            let Some(q) = self.waiting.remove(id) else {
-                continue;
-            };
-            cost += q.nodes.len().max(1);
-            oldest = oldest.min(q.arrived);
-            // Rows are read where their owners keep them (one lookup per owning part).
-            let groups = route(&q.nodes, &self.owner);
-            let mut preds = Vec::with_capacity(q.nodes.len());
-            for (_, nodes) in groups {
-                preds.extend(self.answer_rows(&nodes, q.layer));
+        let queries: Vec<WaitingQuery> = ids
+            .iter()
+            .filter_map(|id| self.waiting.remove(id))
+            .collect();
+        // One lookup per (partition, layer) for the whole batch.
+        let mut wanted: HashMap<(u32, Option<usize>), Vec<u32>> = HashMap::new();
+        {
+            let served = self.served();
+            for q in &queries {
+                cost += q.nodes.len().max(1);
+                oldest = oldest.min(q.arrived);
+                for (p, nodes) in route(&q.nodes, &served.owner) {
+                    wanted.entry((p, q.layer)).or_default().extend(nodes);
+                }
             }
-            let order: HashMap<u32, usize> =
-                q.nodes.iter().enumerate().map(|(i, &v)| (v, i)).collect();
-            preds.sort_by_key(|p| order[&p.node]);
-            let dedup = q.nodes.len() != order.len();
-            let predictions = if dedup {
+        }
+        let mut rows: HashMap<(u32, Option<usize>), HashMap<u32, LookedUp>> = HashMap::new();
+        let mut failure = None;
+        for ((p, layer), mut nodes) in wanted {
+            nodes.sort_unstable();
+            nodes.dedup();
+            let addr = match self.addrs() {
+                Ok(a) => a[p as usize].clone(),
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            };
+            match addr
+                .send(Lookup {
+                    ids: nodes.clone(),
+                    layer,
+                })
+                .await
+            {
+                Ok(Ok(found)) => {
+                    rows.insert((p, layer), nodes.into_iter().zip(found).collect());
+                }
+                Ok(Err(e)) => {
+                    failure = Some(ServeError::Recovering {
+                        retry_after: Duration::from_secs(1),
+                        detail: e.to_string(),
+                    })
+                }
+                Err(e) => failure = Some(mailbox(p as usize, e)),
+            }
+        }
+        let owner_of = |v: u32, served: &Served| served.owner[v as usize];
+        for q in queries {
+            if let Some(e) = &failure {
+                let _ = q.reply.send(Err(e.clone()));
+                continue;
+            }
+            let predictions = {
+                let served = self.served();
                 q.nodes
                     .iter()
-                    .map(|v| {
-                        preds
-                            .iter()
-                            .find(|p| p.node == *v)
-                            .cloned()
-                            .expect("routed")
+                    .map(|&v| {
+                        let found = &rows[&(owner_of(v, &served), q.layer)][&v];
+                        NodePrediction {
+                            node: v,
+                            class: argmax(&found.logits),
+                            probabilities: softmax_row(&found.logits),
+                            embedding: found.embedding.clone(),
+                        }
                     })
                     .collect()
-            } else {
-                preds
             };
             let _ = q.reply.send(Ok(Answer {
                 model_version: self.version.clone(),
@@ -507,8 +920,9 @@ impl Engine {
 
     /// Checks one request's new nodes against the model and the graph.
     fn check_new_nodes(&self, nodes: &[NewNode]) -> Result<(), ServeError> {
-        let width = self.features.width;
-        let n = self.graph.num_nodes();
+        let served = self.served();
+        let width = served.features.width;
+        let n = served.graph.num_nodes();
         for (i, node) in nodes.iter().enumerate() {
             if node.features.len() != width {
                 return Err(ServeError::BadRequest(format!(
@@ -530,7 +944,7 @@ impl Engine {
 
     /// Applies every node addition of this round as one update (the k-hop regions of all
     /// new nodes recomputed together), and answers each with its own nodes.
-    fn apply_adds(&mut self) {
+    async fn apply_adds(&mut self) {
         if self.adds.is_empty() {
             return;
         }
@@ -551,19 +965,20 @@ impl Engine {
         }
         let total: usize = accepted.iter().map(|a| a.nodes.len()).sum();
         let _span = tracing::info_span!("serve_add_nodes", nodes = total as i64).entered();
-        match self.add_nodes(&accepted) {
+        match self.add_nodes(&accepted).await {
             Ok((ids, rows)) => {
                 let mut next = 0;
                 for a in accepted {
                     let mine = &ids[next..next + a.nodes.len()];
                     next += a.nodes.len();
-                    let _ = a.reply.send(Ok(Answer {
-                        model_version: self.version.clone(),
-                        predictions: self.answer_rows(mine, None),
+                    let answer = self.published.predict(mine).map(|p| Answer {
+                        model_version: p.model_version,
+                        predictions: p.predictions,
                         recomputed_rows: rows.clone(),
                         edges_added: Some(a.nodes.iter().map(|n| n.edges.len()).sum()),
                         edges_removed: None,
-                    }));
+                    });
+                    let _ = a.reply.send(answer);
                 }
             }
             Err(e) => {
@@ -574,74 +989,103 @@ impl Engine {
         }
     }
 
+    /// Sends graph changes to every partition.
+    async fn broadcast(&self, ops: Vec<DeltaOp>) -> Result<(), ServeError> {
+        let ops = Arc::new(ops);
+        let addrs = self.addrs()?.to_vec();
+        let replies: Vec<_> = addrs.iter().map(|a| a.send(Delta(ops.clone()))).collect();
+        for (p, r) in replies.into_iter().enumerate() {
+            r.await.map_err(|e| mailbox(p, e))?.map_err(actor_err)?;
+        }
+        Ok(())
+    }
+
     /// Adds the nodes of `adds` (checked) to the graph and recomputes what they reach;
     /// returns their ids and the rows recomputed per layer.
-    fn add_nodes(&mut self, adds: &[PendingAdd]) -> Result<(Vec<u32>, Vec<usize>), ServeError> {
+    async fn add_nodes(
+        &mut self,
+        adds: &[PendingAdd],
+    ) -> Result<(Vec<u32>, Vec<usize>), ServeError> {
         let nodes: Vec<&NewNode> = adds.iter().flat_map(|a| &a.nodes).collect();
-        let raw: Vec<f32> = nodes
-            .iter()
-            .flat_map(|v| v.features.iter().copied())
-            .collect();
-        let rows = self.inference.prepare_features(raw)?;
-        let graph = Arc::make_mut(&mut self.graph);
-        let features = Arc::make_mut(&mut self.features);
-        features.data.extend_from_slice(&rows.data);
+        let mut ops = Vec::new();
         let mut changed = Vec::new();
         let mut ids = Vec::with_capacity(nodes.len());
-        for node in &nodes {
-            let id = graph.add_node();
-            let part = place_new_node(&node.edges, &self.owner, &self.part_sizes);
-            self.part_sizes[part as usize] += 1;
-            self.owner.push(part);
-            for &e in &node.edges {
-                graph.add_edge(id, e)?;
-                changed.push(e);
+        {
+            let mut served = self.store.served.write().unwrap_or_else(|e| e.into_inner());
+            let width = served.features.width;
+            for node in &nodes {
+                let rows = prepare_features(node.features.clone(), width, self.normalize)?;
+                let part = place_new_node(&node.edges, &served.owner, &self.part_sizes);
+                self.part_sizes[part as usize] += 1;
+                let id = served.graph.add_node();
+                served.owner.push(part);
+                served.features.data.extend_from_slice(&rows.data);
+                ops.push(DeltaOp::AddNode {
+                    id,
+                    owner: part,
+                    features: rows.data,
+                });
+                for &e in &node.edges {
+                    if served.graph.add_edge(id, e)? {
+                        ops.push(DeltaOp::AddEdge { a: id, b: e });
+                        changed.push(e);
+                    }
+                }
+                changed.push(id);
+                ids.push(id);
             }
-            changed.push(id);
-            ids.push(id);
+            self.stats
+                .nodes
+                .store(served.graph.num_nodes(), Ordering::Relaxed);
         }
-        self.stats.nodes.store(graph.num_nodes(), Ordering::Relaxed);
-        let rows = self.recompute(&changed)?;
+        self.broadcast(ops).await?;
         self.note_changed(&changed);
+        let rows = self.recompute(&changed).await?;
         Ok((ids, rows))
     }
 
-    fn edges(&mut self, add: &[Edge], remove: &[Edge]) -> Result<Answer, ServeError> {
+    async fn edges(&mut self, add: &[Edge], remove: &[Edge]) -> Result<Answer, ServeError> {
         let _span = tracing::info_span!(
             "serve_edges",
             add = add.len() as i64,
             remove = remove.len() as i64
         )
         .entered();
-        let n = self.graph.num_nodes();
-        for e in add.iter().chain(remove) {
-            if let Some(v) = [e.a, e.b].into_iter().find(|&v| v as usize >= n) {
-                return Err(ServeError::UnknownNode { node: v, nodes: n });
-            }
-            if e.a == e.b {
-                return Err(ServeError::BadRequest(format!(
-                    "edge {}-{} is a self loop (every layer already includes the node itself)",
-                    e.a, e.b
-                )));
-            }
-        }
-        let graph = Arc::make_mut(&mut self.graph);
+        let mut ops = Vec::new();
         let mut changed = Vec::new();
         let (mut added, mut removed) = (0, 0);
-        for e in remove {
-            if graph.remove_edge(e.a, e.b)? {
-                removed += 1;
-                changed.extend([e.a, e.b]);
+        {
+            let mut served = self.store.served.write().unwrap_or_else(|e| e.into_inner());
+            let n = served.graph.num_nodes();
+            for e in add.iter().chain(remove) {
+                if let Some(v) = [e.a, e.b].into_iter().find(|&v| v as usize >= n) {
+                    return Err(ServeError::UnknownNode { node: v, nodes: n });
+                }
+                if e.a == e.b {
+                    return Err(ServeError::BadRequest(format!(
+                        "edge {}-{} is a self loop (every layer already includes the node itself)",
+                        e.a, e.b
+                    )));
+                }
+            }
+            for e in remove {
+                if served.graph.remove_edge(e.a, e.b)? {
+                    removed += 1;
+                    ops.push(DeltaOp::RemoveEdge { a: e.a, b: e.b });
+                    changed.extend([e.a, e.b]);
+                }
+            }
+            for e in add {
+                if served.graph.add_edge(e.a, e.b)? {
+                    added += 1;
+                    ops.push(DeltaOp::AddEdge { a: e.a, b: e.b });
+                    changed.extend([e.a, e.b]);
+                }
             }
         }
-        for e in add {
-            if graph.add_edge(e.a, e.b)? {
-                added += 1;
-                changed.extend([e.a, e.b]);
-            }
-        }
-        let rows = self.recompute(&changed)?;
+        self.broadcast(ops).await?;
         self.note_changed(&changed);
+        let rows = self.recompute(&changed).await?;
         Ok(Answer {
             model_version: self.version.clone(),
             predictions: Vec::new(),
@@ -651,79 +1095,21 @@ impl Engine {
         })
     }
 
-    /// Recomputes the rows the graph change at `changed` reaches; returns the rows
-    /// recomputed per layer. A panic in the computation (a failed kernel, or one injected
-    /// with [`EngineConfig::panic_on_updates`]) is recovered as a partition actor's is: the
-    /// tables are rebuilt from the engine's graph and features (its replica of the served
-    /// state, which the change had already been applied to) before anything else is
-    /// answered; meanwhile `/readyz` says not ready and queries wait within their deadline.
-    fn recompute(&mut self, changed: &[u32]) -> Result<Vec<usize>, ServeError> {
-        self.updates += 1;
-        let inject = self.panic_on_updates.contains(&self.updates);
-        let attempt = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            if inject {
-                panic!("injected failure in update {}", self.updates);
-            }
-            self.inference.update(
-                &self.graph,
-                &self.features,
-                &mut self.outputs,
-                changed,
-                &self.owner,
-                self.parts,
-            )
-        }));
-        match attempt {
-            Ok(r) => {
-                let stats = r?;
-                self.published
-                    .update_rows(&stats.last_rows, self.outputs.logits());
-                Ok(stats.rows_per_layer)
-            }
-            Err(panic) => {
-                let what = panic
-                    .downcast_ref::<String>()
-                    .cloned()
-                    .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
-                    .unwrap_or_else(|| "a panic".into());
-                let _span =
-                    tracing::info_span!("serve_recovery", update = self.updates as i64).entered();
-                let t = Instant::now();
-                self.stats.ready.store(false, Ordering::SeqCst);
-                let rebuilt = self.inference.run(
-                    &self.graph,
-                    &self.features,
-                    &parts_of(&self.owner, self.parts),
-                );
-                self.stats.ready.store(true, Ordering::SeqCst);
-                self.stats.recoveries.fetch_add(1, Ordering::Relaxed);
-                let out = rebuilt.map_err(|e| {
-                    ServeError::Internal(format!("recovery after `{what}` failed: {e}"))
-                })?;
-                self.outputs = out;
-                self.published
-                    .replace(self.version.clone(), self.outputs.logits().clone());
-                tracing::warn!(
-                    "serving engine recovered from `{what}` in {:.1} ms",
-                    t.elapsed().as_secs_f64() * 1e3
-                );
-                Ok(vec![self.graph.num_nodes(); self.outputs.layers.len()])
-            }
-        }
-    }
-
-    fn begin_swap(&mut self, saved: SavedModel, reply: Reply) {
+    async fn begin_swap(&mut self, saved: SavedModel, reply: Reply) {
         if self.swap.is_some() {
             let _ = reply.send(Err(ServeError::Conflict(
                 "another model is being loaded; retry when it is served".into(),
             )));
             return;
         }
-        if !saved
-            .meta
+        let current = self
+            .store
+            .model
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
             .config
-            .same_architecture(self.inference.model().config())
-        {
+            .clone();
+        if !saved.meta.config.same_architecture(&current) {
             let _ = reply.send(Err(ServeError::BadRequest(format!(
                 "the new model ({} {}->{}->{}, {} layers) is not the architecture being served",
                 saved.meta.config.kind,
@@ -735,82 +1121,135 @@ impl Engine {
             return;
         }
         let version = saved.version();
-        let graph = self.graph.clone();
-        let features = self.features.clone();
-        let owner = self.owner.clone();
-        let (parts, threads) = (self.parts, self.threads);
-        let normalize = saved.meta.normalize_features;
-        let model: Model = saved.model;
-        let (tx, rx) = mpsc::channel();
-        let spawned = std::thread::Builder::new()
-            .name("trellis-serve-swap".into())
-            .spawn(move || {
-                let r = (|| {
-                    let stream =
-                        Stream::cpu(threads).map_err(|e| ServeError::Internal(e.to_string()))?;
-                    let mut inf = Inference::new(model, stream, normalize)?;
-                    let out = inf.run(&graph, &features, &parts_of(&owner, parts))?;
-                    Ok((inf, out))
-                })();
-                let _ = tx.send(r);
-            });
-        if let Err(e) = spawned {
-            let _ = reply.send(Err(ServeError::Internal(format!(
-                "cannot start the model load: {e}"
-            ))));
+        let model = match ModelValues::of(&saved.model, saved.meta.normalize_features) {
+            Ok(m) => Arc::new(m),
+            Err(e) => {
+                let _ = reply.send(Err(e.into()));
+                return;
+            }
+        };
+        if let Err(e) = self.stage_everywhere(&model).await {
+            let _ = reply.send(Err(e));
             return;
         }
+        let seq = self.next_seq();
         self.swap = Some(SwapInFlight {
-            done: rx,
+            model,
             version,
+            seq,
+            next: 0,
+            logits: Rows::zeros(self.nodes(), self.classes),
             changed: Vec::new(),
             reply,
         });
     }
 
-    /// Puts a computed new model in place (between batches), after replaying the updates
-    /// made since its snapshot.
-    fn finish_swap(&mut self) {
-        let Some(s) = &self.swap else { return };
-        let result = match s.done.try_recv() {
-            Ok(r) => r,
-            Err(mpsc::TryRecvError::Empty) => return,
-            Err(mpsc::TryRecvError::Disconnected) => Err(ServeError::Internal(
-                "the model load stopped without an answer".into(),
-            )),
+    /// Computes the next layer of the new model's tables; after the last, replays the
+    /// changes made meanwhile onto them and installs them.
+    async fn swap_step(&mut self) {
+        let Some(mut s) = self.swap.take() else {
+            return;
         };
-        let s = self.swap.take().expect("checked above");
-        let outcome = result.and_then(|(mut inf, mut out)| {
-            if !s.changed.is_empty() {
-                inf.update(
-                    &self.graph,
-                    &self.features,
-                    &mut out,
-                    &s.changed,
-                    &self.owner,
-                    self.parts,
-                )?;
+        let layers = self.split.len();
+        if s.next < layers {
+            let plan = self.plan(Coverage::Full).swap_remove(s.next);
+            let all = vec![true; self.parts];
+            match self
+                .run_pass(s.seq, &[plan], Target::Staged, None, &all)
+                .await
+            {
+                Ok(out) => {
+                    for r in &out.last {
+                        s.logits.grow(self.nodes());
+                        s.logits.scatter(&r.ids, &r.data);
+                    }
+                    s.next += 1;
+                    self.swap = Some(s);
+                }
+                Err(PassError::Failed(parts)) => {
+                    self.swap = Some(s);
+                    if let Err(e) = self.recover(parts).await {
+                        tracing::error!("serving: {e}");
+                        if let Some(s) = self.swap.take() {
+                            let _ = s.reply.send(Err(e));
+                        }
+                    }
+                }
+                Err(PassError::Other(e)) => {
+                    self.drop_staged();
+                    let _ = s.reply.send(Err(e));
+                }
             }
-            Ok((inf, out))
-        });
-        match outcome {
-            Ok((inf, out)) => {
-                self.inference = inf;
-                self.outputs = out;
-                self.version = s.version;
-                self.published
-                    .replace(self.version.clone(), self.outputs.logits().clone());
+            return;
+        }
+        // Replay the changes made while the layers were computed, then install.
+        let result = self.finish_swap(&mut s).await;
+        match result {
+            Ok(()) => {
+                self.version = s.version.clone();
+                *self.store.model.write().unwrap_or_else(|e| e.into_inner()) = s.model.clone();
                 *self.stats.version.lock().expect("stats lock") = self.version.clone();
+                let n = self.nodes();
+                self.published.replace(self.version.clone(), s.logits);
                 let _ = s.reply.send(Ok(Answer {
                     model_version: self.version.clone(),
                     predictions: Vec::new(),
-                    recomputed_rows: vec![self.graph.num_nodes(); self.outputs.layers.len()],
+                    recomputed_rows: vec![n; layers],
                     edges_added: None,
                     edges_removed: None,
                 }));
             }
-            Err(e) => {
+            Err(PassError::Failed(parts)) => {
+                self.swap = Some(s);
+                if let Err(e) = self.recover(parts).await {
+                    if let Some(s) = self.swap.take() {
+                        let _ = s.reply.send(Err(e));
+                    }
+                }
+            }
+            Err(PassError::Other(e)) => {
+                self.drop_staged();
                 let _ = s.reply.send(Err(e));
+            }
+        }
+    }
+
+    async fn finish_swap(&mut self, s: &mut SwapInFlight) -> Result<(), PassError> {
+        if !s.changed.is_empty() {
+            let full = vec![false; self.parts];
+            let plans = self.plan(Coverage::Changed {
+                nodes: &s.changed,
+                full: &full,
+            });
+            let seq = self.next_seq();
+            let out = self
+                .run_pass(seq, &plans, Target::Staged, None, &full)
+                .await?;
+            s.logits.grow(self.nodes());
+            for r in &out.last {
+                s.logits.scatter(&r.ids, &r.data);
+            }
+        }
+        let addrs = self.addrs()?.to_vec();
+        for (p, a) in addrs.iter().enumerate() {
+            let installed = a
+                .send(Install)
+                .await
+                .map_err(|e| mailbox(p, e))?
+                .map_err(actor_err)?;
+            if !installed {
+                return Err(PassError::Other(ServeError::Internal(format!(
+                    "serving partition {p} had no new tables to install"
+                ))));
+            }
+        }
+        Ok(())
+    }
+
+    fn drop_staged(&self) {
+        if let Ok(addrs) = self.addrs() {
+            for a in addrs {
+                a.do_send(DropStaged);
             }
         }
     }

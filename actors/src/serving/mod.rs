@@ -7,17 +7,25 @@
 //! - [`priority`]: background work (training beside serving) at a lower CPU priority than
 //!   the threads that answer queries;
 //! - [`routing`]: which part owns a queried node, and which part a new node joins;
-//! - [`engine`]: the thread that owns the served graph, features, every layer's embeddings
-//!   and the model; it runs the scheduler's decisions, applies graph updates by recomputing
-//!   only the rows they reach (each part its own), and swaps models between batches.
+//! - [`part`]: a serving partition as a sans-I/O machine: its rows of every layer, the
+//!   per-layer steps of a pass (transform, halo sends, compute), restore after a panic;
+//! - [`shell`]: the actix actor around it, the node that starts one per partition under
+//!   actix's `Supervisor`, and the store a restarted partition is restored from;
+//! - [`plan`]: which rows each partition computes and exchanges at each layer of a pass;
+//! - [`engine`]: the router and coordinator: it owns the served graph and the ownership
+//!   table, runs the scheduler's decisions, and drives the start-up inference, graph updates
+//!   (only the rows they reach), recoveries and model swaps as passes over the partitions.
 //!
 //! The HTTP front end (`trellis serve`) lives in the facade; it only parses, validates sizes
 //! and forwards [`engine::Command`]s.
 pub mod engine;
+pub mod part;
+pub mod plan;
 pub mod priority;
 pub mod published;
 pub mod routing;
 pub mod scheduler;
+pub mod shell;
 
 use std::time::Duration;
 use thiserror::Error;
@@ -37,6 +45,12 @@ pub enum ServeError {
     /// The tenant is over its quota (HTTP 429).
     #[error("over this API key's quota, retry after {}s", retry_after.as_secs())]
     Quota { retry_after: Duration },
+    /// A partition is being recovered (HTTP 503).
+    #[error("a serving partition is being recovered ({detail}); retry after {}s", retry_after.as_secs())]
+    Recovering {
+        retry_after: Duration,
+        detail: String,
+    },
     /// Its deadline passed before it could run (HTTP 503).
     #[error("the request's deadline passed before it could run")]
     Expired,

@@ -60,6 +60,29 @@ impl Published {
         }
     }
 
+    /// Publishes rows `ids` (`width` values each, in order, from `rows`); the table grows
+    /// to `n` rows (new nodes).
+    pub fn write_rows(&self, ids: &[u32], rows: &[f32], width: usize, n: usize) {
+        let mut s = self.current.write().unwrap_or_else(|e| e.into_inner());
+        if s.logits.width != width || rows.len() != ids.len() * width {
+            tracing::error!(
+                "published rows of width {width} ({} values for {} rows) for a table of width {}",
+                rows.len(),
+                ids.len(),
+                s.logits.width
+            );
+            return;
+        }
+        if s.logits.len() < n {
+            s.logits.data.resize(n * width, 0.0);
+        }
+        for (k, &i) in ids.iter().enumerate() {
+            let i = i as usize;
+            s.logits.data[i * width..(i + 1) * width]
+                .copy_from_slice(&rows[k * width..(k + 1) * width]);
+        }
+    }
+
     /// The version being served.
     pub fn version(&self) -> String {
         self.current

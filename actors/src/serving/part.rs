@@ -1,0 +1,799 @@
+//! A serving partition as a sans-I/O machine: it owns its own (inner) nodes' rows of every
+//! layer's table (and of every split layer's transformed table), their features and its
+//! view of the graph ([`PartGraph`]), and computes them on its own stream, one layer of a
+//! pass at a time: a [`PassStep`] first transforms the rows it names (split layers), sends
+//! each other partition the rows that partition's blocks read (halo blocks through the
+//! transport), then, once every halo block it needs is in, computes its rows of the layer.
+//! Graph changes ([`DeltaOp`]) are applied between passes; a new model's tables are computed
+//! into a staged set ([`Target::Staged`]) while the live one keeps serving, and installed
+//! between two passes.
+//!
+//! Every computation runs inside `catch_unwind`: a panic answers the step with
+//! [`ActorError::Panicked`] and emits [`ServeAction::Restart`]; the shell then restores the
+//! partition ([`ServePartMachine::restore`]) from the served graph and features the engine
+//! keeps (its replica of every partition's inputs), with empty tables that the engine's
+//! recovery pass recomputes (`stale` until then: lookups are refused).
+//!
+//! States: the step slot is `Idle` or `Parked{id, step}` (waiting for halo blocks); the inbox
+//! holds blocks by `(pass, layer tag)` then sender; `floor` is the lowest pass still
+//! accepted (passes below it were aborted).
+use super::plan::Ids;
+use crate::faults::FaultPlan;
+use crate::ActorError;
+use std::collections::{BTreeMap, VecDeque};
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Instant;
+use trellis_gpu::{PriorityGate, Stream, Tensor, UrgentGuard};
+use trellis_runtime::inference::{HaloRows, Inference, PartGraph, PartInput, Rows};
+use trellis_runtime::{Model, ModelConfig, RuntimeError};
+use trellis_transport::{HaloBlock, HaloPayload, MsgHeader, PartId, Phase, RunId, TRANSFORMED};
+
+/// Which set of tables a step computes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Target {
+    /// The tables queries are answered from.
+    Live,
+    /// A new model's tables, being computed (installed by [`ServePartMachine::install`]).
+    Staged,
+}
+
+/// One change of the served graph, as the engine applied it to the whole graph (only
+/// changes that took effect), in order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DeltaOp {
+    /// A new node (the next id), owned by partition `owner`, with its prepared features.
+    AddNode {
+        id: u32,
+        owner: u32,
+        features: Vec<f32>,
+    },
+    AddEdge {
+        a: u32,
+        b: u32,
+    },
+    RemoveEdge {
+        a: u32,
+        b: u32,
+    },
+}
+
+/// One layer of a pass, for one partition (from [`super::plan::LayerPlan`]).
+#[derive(Debug, Clone)]
+pub struct PassStep {
+    /// The pass (unique per pass; halo blocks carry it as their epoch).
+    pub seq: u32,
+    pub layer: u16,
+    pub target: Target,
+    /// The graph update this pass computes (counting from 1), for fault plans.
+    pub update: Option<u64>,
+    /// Rows whose transformed rows are computed first (split layers).
+    pub transform: Ids,
+    /// Rows to compute.
+    pub compute: Ids,
+    /// `(to, rows)`: rows of this partition to send first.
+    pub send: Vec<(u32, Ids)>,
+    /// `(from, rows)`: rows to receive before computing.
+    pub recv: Vec<(u32, Ids)>,
+    /// Answer the computed rows (the last layer's: the engine publishes them).
+    pub return_rows: bool,
+    /// This layer recomputes every row of the partition (a recovery); after the last layer
+    /// the partition answers lookups again.
+    pub full: bool,
+}
+
+/// Rows a step computed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ComputedRows {
+    pub ids: Ids,
+    pub width: usize,
+    pub data: Vec<f32>,
+}
+
+/// A partition's answer to a [`PassStep`].
+#[derive(Debug, Clone)]
+pub struct StepDone {
+    pub part: u32,
+    /// The computed rows, when asked for.
+    pub rows: Option<ComputedRows>,
+    pub compute_ms: f64,
+    /// Halo payload bytes sent by this step.
+    pub halo_bytes: u64,
+}
+
+/// A node's rows as a lookup returns them.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LookedUp {
+    /// Its last layer's row.
+    pub logits: Vec<f32>,
+    /// The asked-for layer's row.
+    pub embedding: Option<Vec<f32>>,
+}
+
+/// A model's parameters on the host, from which every partition builds its own copy.
+#[derive(Clone)]
+pub struct ModelValues {
+    pub config: ModelConfig,
+    pub values: Vec<Tensor>,
+    /// Row-normalise raw features (as training did).
+    pub normalize: bool,
+}
+
+impl std::fmt::Debug for ModelValues {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ModelValues")
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+impl ModelValues {
+    /// The parameters of `model` (on the host).
+    pub fn of(model: &Model, normalize: bool) -> Result<Self, RuntimeError> {
+        let s = Stream::cpu(0)?;
+        Ok(ModelValues {
+            config: model.config().clone(),
+            values: model.values_on_host(&s)?,
+            normalize,
+        })
+    }
+
+    /// A copy of the model ready for inference on `stream`.
+    pub fn build(&self, stream: Stream) -> Result<Inference, RuntimeError> {
+        let model = Model::with_values(self.config.clone(), self.values.clone())?;
+        Inference::new(model, stream, self.normalize)
+    }
+}
+
+/// What a partition serves from: its view of the graph, its nodes' features, the model, and
+/// layer 0's input layout (decided by the whole feature matrix).
+#[derive(Debug, Clone)]
+pub struct PartData {
+    pub graph: PartGraph,
+    /// Prepared features of the partition's nodes, by local row.
+    pub features: Rows,
+    pub model: Arc<ModelValues>,
+    pub sparse_input: bool,
+}
+
+/// What the machine asks its shell to do.
+#[derive(Debug)]
+pub enum ServeAction {
+    /// Send a halo block through the transport.
+    Send(HaloBlock),
+    /// Answer step `id`.
+    Answer {
+        id: u64,
+        result: Result<StepDone, ActorError>,
+    },
+    /// The partition panicked: restore it (and drop requests in flight).
+    Restart,
+}
+
+/// One model's tables, by local row.
+struct Tables {
+    inference: Inference,
+    layers: Vec<Rows>,
+    transformed: Vec<Option<Rows>>,
+}
+
+impl Tables {
+    fn new(
+        model: &ModelValues,
+        stream: Stream,
+        sparse: bool,
+        rows: usize,
+    ) -> Result<Self, RuntimeError> {
+        let mut inference = model.build(stream)?;
+        inference.set_sparse_input(sparse);
+        let n = inference.model().num_layers();
+        let layers = (0..n)
+            .map(|l| Rows::zeros(rows, inference.layer_width(l)))
+            .collect();
+        let transformed = (0..n)
+            .map(|l| {
+                inference
+                    .model()
+                    .is_split(l)
+                    .then(|| Rows::zeros(rows, inference.layer_width(l)))
+            })
+            .collect();
+        Ok(Tables {
+            inference,
+            layers,
+            transformed,
+        })
+    }
+
+    fn grow(&mut self, rows: usize) {
+        for t in self
+            .layers
+            .iter_mut()
+            .chain(self.transformed.iter_mut().flatten())
+        {
+            t.grow(rows);
+        }
+    }
+}
+
+struct State {
+    graph: PartGraph,
+    features: Rows,
+    live: Tables,
+    staged: Option<Tables>,
+    sparse: bool,
+}
+
+/// A step waiting for its halo blocks.
+struct Parked {
+    id: u64,
+    step: PassStep,
+    /// Time its first stage took, and the halo bytes it sent.
+    ms: f64,
+    bytes: u64,
+}
+
+/// The serving partition machine (see the module's documentation).
+pub struct ServePartMachine {
+    part: u32,
+    run: RunId,
+    faults: Arc<FaultPlan>,
+    threads: usize,
+    state: Option<State>,
+    inbox: BTreeMap<(u32, u16), BTreeMap<u32, HaloBlock>>,
+    parked: Option<Parked>,
+    floor: u32,
+    stale: bool,
+    actions: VecDeque<ServeAction>,
+    /// Steps on the live tables are urgent work of this gate: background (training) streams
+    /// of the same gate pause between their kernel pieces while one computes.
+    priority: Option<PriorityGate>,
+}
+
+/// The message of a caught panic.
+fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<String>()
+        .cloned()
+        .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+        .unwrap_or_else(|| "a panic".into())
+}
+
+impl ServePartMachine {
+    /// Partition `data.graph.part()` of run `run`, its stream on `threads` CPU threads.
+    pub fn new(
+        data: PartData,
+        run: RunId,
+        faults: Arc<FaultPlan>,
+        threads: usize,
+    ) -> Result<Self, ActorError> {
+        let part = data.graph.part();
+        let mut m = ServePartMachine {
+            part,
+            run,
+            faults,
+            threads,
+            state: None,
+            inbox: BTreeMap::new(),
+            parked: None,
+            floor: 0,
+            stale: false,
+            actions: VecDeque::new(),
+            priority: None,
+        };
+        m.state = Some(m.build_state(data)?);
+        Ok(m)
+    }
+
+    fn build_state(&self, data: PartData) -> Result<State, ActorError> {
+        let rows = data.graph.inner().len();
+        if data.features.len() != rows {
+            return Err(self.protocol(format!(
+                "{} feature rows for {rows} nodes",
+                data.features.len()
+            )));
+        }
+        let stream = Stream::cpu(self.threads).map_err(RuntimeError::from)?;
+        let live = Tables::new(&data.model, stream, data.sparse_input, rows)
+            .map_err(|e| self.compute_err(e))?;
+        Ok(State {
+            graph: data.graph,
+            features: data.features,
+            live,
+            staged: None,
+            sparse: data.sparse_input,
+        })
+    }
+
+    /// Makes this partition's live steps urgent work of `gate` (see [`PriorityGate`]); a new
+    /// model's tables stay background work.
+    pub fn with_priority(mut self, gate: Option<PriorityGate>) -> Self {
+        self.priority = gate;
+        self
+    }
+
+    /// Holds the gate while a live step computes.
+    fn urgent(&self, target: Target) -> Option<UrgentGuard> {
+        match target {
+            Target::Live => self.priority.as_ref().map(PriorityGate::urgent),
+            Target::Staged => None,
+        }
+    }
+
+    /// The partition id.
+    pub fn part(&self) -> u32 {
+        self.part
+    }
+
+    /// The next action for the shell.
+    pub fn poll_action(&mut self) -> Option<ServeAction> {
+        self.actions.pop_front()
+    }
+
+    fn protocol(&self, detail: String) -> ActorError {
+        ActorError::Protocol {
+            part: self.part,
+            detail,
+        }
+    }
+    fn compute_err(&self, source: RuntimeError) -> ActorError {
+        ActorError::Compute {
+            part: self.part,
+            source,
+        }
+    }
+
+    fn state(&mut self) -> Result<&mut State, ActorError> {
+        let part = self.part;
+        self.state.as_mut().ok_or(ActorError::Unreachable {
+            part,
+            detail: "the partition could not be restored".into(),
+        })
+    }
+
+    /// Runs `f` inside `catch_unwind`; a panic becomes [`ActorError::Panicked`] and a restart.
+    fn guarded<T>(
+        &mut self,
+        f: impl FnOnce(&mut Self) -> Result<T, ActorError>,
+    ) -> Result<T, ActorError> {
+        match std::panic::catch_unwind(AssertUnwindSafe(|| f(self))) {
+            Ok(r) => r,
+            Err(p) => {
+                self.actions.push_back(ServeAction::Restart);
+                Err(ActorError::Panicked {
+                    part: self.part,
+                    message: panic_text(&*p),
+                })
+            }
+        }
+    }
+
+    /// Applies graph changes (the same ones the engine applied to the whole graph).
+    pub fn handle_delta(&mut self, ops: &[DeltaOp]) -> Result<(), ActorError> {
+        self.guarded(|m| {
+            let part = m.part;
+            let st = m.state()?;
+            for op in ops {
+                match op {
+                    DeltaOp::AddNode {
+                        id,
+                        owner,
+                        features,
+                    } => {
+                        let mine = *owner == part;
+                        st.graph.add_node(*id, mine)?;
+                        if mine {
+                            if features.len() != st.features.width {
+                                return Err(ActorError::Protocol {
+                                    part,
+                                    detail: format!(
+                                        "node {id} has {} features, the model takes {}",
+                                        features.len(),
+                                        st.features.width
+                                    ),
+                                });
+                            }
+                            st.features.data.extend_from_slice(features);
+                        }
+                    }
+                    DeltaOp::AddEdge { a, b } => st.graph.add_edge(*a, *b)?,
+                    DeltaOp::RemoveEdge { a, b } => st.graph.remove_edge(*a, *b)?,
+                }
+            }
+            let rows = st.graph.inner().len();
+            st.live.grow(rows);
+            if let Some(s) = &mut st.staged {
+                s.grow(rows);
+            }
+            Ok(())
+        })
+    }
+
+    /// Starts step `id`: transform, send, then compute at once or park for halo blocks.
+    pub fn handle_step(&mut self, id: u64, step: PassStep) {
+        if step.seq < self.floor {
+            let e = self.protocol(format!("pass {} was aborted", step.seq));
+            self.actions
+                .push_back(ServeAction::Answer { id, result: Err(e) });
+            return;
+        }
+        if let Some(p) = self.parked.take() {
+            let e = self.protocol(format!(
+                "pass {} layer {} superseded",
+                p.step.seq, p.step.layer
+            ));
+            self.actions.push_back(ServeAction::Answer {
+                id: p.id,
+                result: Err(e),
+            });
+        }
+        let t = Instant::now();
+        let urgent = self.urgent(step.target);
+        let started = self.guarded(|m| m.start(&step));
+        drop(urgent);
+        match started {
+            Ok(bytes) => {
+                let ms = t.elapsed().as_secs_f64() * 1e3;
+                self.parked = Some(Parked {
+                    id,
+                    step,
+                    ms,
+                    bytes,
+                });
+                self.try_finish();
+            }
+            Err(e) => self
+                .actions
+                .push_back(ServeAction::Answer { id, result: Err(e) }),
+        }
+    }
+
+    /// A halo block arrived.
+    pub fn handle_halo(&mut self, block: HaloBlock) {
+        let h = block.header;
+        if h.run != self.run || h.epoch < self.floor || h.to.0 != self.part {
+            return;
+        }
+        self.inbox
+            .entry((h.epoch, h.layer))
+            .or_default()
+            .insert(h.from.0, block);
+        self.try_finish();
+    }
+
+    /// Abandons pass `seq` (and every earlier one): a parked step answers an error, blocks are
+    /// dropped.
+    pub fn handle_abort(&mut self, seq: u32) {
+        self.floor = self.floor.max(seq + 1);
+        let floor = self.floor;
+        self.inbox.retain(|(s, _), _| *s >= floor);
+        if let Some(p) = self.parked.take() {
+            if p.step.seq < floor {
+                let e = self.protocol(format!("pass {} was aborted", p.step.seq));
+                self.actions.push_back(ServeAction::Answer {
+                    id: p.id,
+                    result: Err(e),
+                });
+            } else {
+                self.parked = Some(p);
+            }
+        }
+    }
+
+    fn tag(&self, step: &PassStep) -> Result<u16, ActorError> {
+        let st = self
+            .state
+            .as_ref()
+            .ok_or_else(|| self.protocol("no state".into()))?;
+        let tables = match step.target {
+            Target::Live => &st.live,
+            Target::Staged => st
+                .staged
+                .as_ref()
+                .ok_or_else(|| self.protocol("no new model is being computed".into()))?,
+        };
+        let split = tables.inference.model().is_split(step.layer as usize);
+        Ok(step.layer | if split { TRANSFORMED } else { 0 })
+    }
+
+    /// Stage one of a step: the fault check, the transform, the sends. Returns bytes sent.
+    fn start(&mut self, step: &PassStep) -> Result<u64, ActorError> {
+        let (part, run) = (self.part, self.run);
+        let l = step.layer as usize;
+        if let (Some(u), Target::Live) = (step.update, step.target) {
+            if let Some(msg) = self.faults.serve_panic_due(part, u, step.layer) {
+                // A kernel interrupted half-way leaves its tables half-written.
+                if let Some(st) = &mut self.state {
+                    for t in &mut st.live.layers {
+                        t.data.iter_mut().step_by(3).for_each(|x| *x = f32::NAN);
+                    }
+                }
+                panic!("{msg}");
+            }
+        }
+        let tag = self.tag(step)?;
+        let st = self.state()?;
+        let State {
+            graph,
+            features,
+            live,
+            staged,
+            ..
+        } = st;
+        let tables = match step.target {
+            Target::Live => live,
+            Target::Staged => staged.as_mut().expect("checked by tag"),
+        };
+        if l >= tables.layers.len() {
+            return Err(ActorError::Protocol {
+                part,
+                detail: format!("layer {l} of a {}-layer model", tables.layers.len()),
+            });
+        }
+        let err = |e: RuntimeError| ActorError::Compute { part, source: e };
+        if let Some(mut z) = tables.transformed[l].take() {
+            let r = (|| {
+                let input = &tables.layers[l - 1];
+                let zr = tables.inference.transform_rows(
+                    l,
+                    &*graph,
+                    &step.transform,
+                    &local_table(graph, input),
+                )?;
+                z.scatter(&graph.locals(&step.transform)?, &zr);
+                Ok(())
+            })();
+            tables.transformed[l] = Some(z);
+            r.map_err(err)?;
+        }
+        let source = match &tables.transformed[l] {
+            Some(z) => z,
+            None if l == 0 => &*features,
+            None => &tables.layers[l - 1],
+        };
+        let mut bytes = 0;
+        let mut blocks = Vec::with_capacity(step.send.len());
+        for (to, ids) in &step.send {
+            let locals = graph.locals(ids).map_err(err)?;
+            let data: Arc<[f32]> = source.gather(&locals).into();
+            bytes += data.len() as u64 * 4;
+            blocks.push(HaloBlock {
+                header: MsgHeader {
+                    run,
+                    epoch: step.seq,
+                    layer: tag,
+                    phase: Phase::Eval,
+                    from: PartId(part),
+                    to: PartId(*to),
+                },
+                trace: None,
+                rows: ids.len() as u32,
+                cols: source.width as u32,
+                payload: HaloPayload::F32(data),
+            });
+        }
+        self.actions
+            .extend(blocks.into_iter().map(ServeAction::Send));
+        Ok(bytes)
+    }
+
+    /// Computes the parked step if every block it needs is in.
+    fn try_finish(&mut self) {
+        let Some(Parked { step, .. }) = &self.parked else {
+            return;
+        };
+        let Ok(tag) = self.tag(step) else {
+            let id = self.parked.take().expect("parked").id;
+            let e = self.protocol("the step's tables are gone".into());
+            self.actions
+                .push_back(ServeAction::Answer { id, result: Err(e) });
+            return;
+        };
+        let key = (step.seq, tag);
+        let have = self.inbox.get(&key);
+        if step
+            .recv
+            .iter()
+            .any(|(from, _)| !have.is_some_and(|b| b.contains_key(from)))
+        {
+            return;
+        }
+        let Parked {
+            id,
+            step,
+            ms,
+            bytes,
+        } = self.parked.take().expect("parked");
+        let blocks = self.inbox.remove(&key).unwrap_or_default();
+        let t = Instant::now();
+        let urgent = self.urgent(step.target);
+        let result = self.guarded(|m| m.finish(&step, &blocks));
+        drop(urgent);
+        let result = result.map(|rows| StepDone {
+            part: self.part,
+            rows,
+            compute_ms: ms + t.elapsed().as_secs_f64() * 1e3,
+            halo_bytes: bytes,
+        });
+        if result.is_ok() && step.full && step.return_rows {
+            self.stale = false;
+        }
+        self.actions.push_back(ServeAction::Answer { id, result });
+    }
+
+    /// Stage two: the layer's rows of `step.compute` from own and received rows.
+    fn finish(
+        &mut self,
+        step: &PassStep,
+        blocks: &BTreeMap<u32, HaloBlock>,
+    ) -> Result<Option<ComputedRows>, ActorError> {
+        let part = self.part;
+        let l = step.layer as usize;
+        let st = self.state()?;
+        let State {
+            graph,
+            features,
+            live,
+            staged,
+            ..
+        } = st;
+        let tables = match step.target {
+            Target::Live => live,
+            Target::Staged => staged.as_mut().ok_or(ActorError::Protocol {
+                part,
+                detail: "no new model is being computed".into(),
+            })?,
+        };
+        let err = |e: RuntimeError| ActorError::Compute { part, source: e };
+        let source = match &tables.transformed[l] {
+            Some(z) => z,
+            None if l == 0 => &*features,
+            None => &tables.layers[l - 1],
+        };
+        let mut halo = HaloRows::new(source.width);
+        for (from, ids) in &step.recv {
+            let b = &blocks[from];
+            if b.rows as usize != ids.len() || b.cols as usize != source.width {
+                return Err(ActorError::Protocol {
+                    part,
+                    detail: format!(
+                        "halo block from partition {from} is {}x{}, expected {}x{}",
+                        b.rows,
+                        b.cols,
+                        ids.len(),
+                        source.width
+                    ),
+                });
+            }
+            let values = b.values().map_err(|e| ActorError::Protocol {
+                part,
+                detail: format!("halo block from partition {from}: {e}"),
+            })?;
+            halo.extend(ids, &values).map_err(err)?;
+        }
+        let input = PartInput {
+            own: source,
+            graph: &*graph,
+            halo: &halo,
+        };
+        let rows = tables
+            .inference
+            .compute_rows(l, &*graph, &step.compute, &input)
+            .map_err(err)?;
+        let locals = graph.locals(&step.compute).map_err(err)?;
+        tables.layers[l].scatter(&locals, &rows);
+        let width = tables.layers[l].width;
+        Ok(step.return_rows.then(|| ComputedRows {
+            ids: step.compute.clone(),
+            width,
+            data: rows,
+        }))
+    }
+
+    /// The last layer's rows (and layer `layer`'s, if asked) of the partition's nodes `ids`,
+    /// from the live tables.
+    pub fn lookup(
+        &mut self,
+        ids: &[u32],
+        layer: Option<usize>,
+    ) -> Result<Vec<LookedUp>, ActorError> {
+        if self.stale {
+            return Err(ActorError::Unreachable {
+                part: self.part,
+                detail: "restarted; its tables are being recomputed".into(),
+            });
+        }
+        let part = self.part;
+        let st = self.state()?;
+        let locals = st
+            .graph
+            .locals(ids)
+            .map_err(|e| ActorError::Compute { part, source: e })?;
+        let layers = &st.live.layers;
+        if let Some(l) = layer.filter(|&l| l >= layers.len()) {
+            return Err(ActorError::Protocol {
+                part,
+                detail: format!("layer {l} of a {}-layer model", layers.len()),
+            });
+        }
+        let last = layers.last().expect("a model has a layer");
+        Ok(locals
+            .iter()
+            .map(|&r| LookedUp {
+                logits: last.row(r).to_vec(),
+                embedding: layer.map(|l| layers[l].row(r).to_vec()),
+            })
+            .collect())
+    }
+
+    /// Starts computing `model`'s tables beside the live ones (zero rows until its passes).
+    pub fn stage(&mut self, model: Arc<ModelValues>) -> Result<(), ActorError> {
+        let threads = self.threads;
+        self.guarded(|m| {
+            let st = m.state()?;
+            let stream = Stream::cpu(threads).map_err(RuntimeError::from)?;
+            let t = Tables::new(&model, stream, st.sparse, st.graph.inner().len())?;
+            st.staged = Some(t);
+            Ok(())
+        })
+    }
+
+    /// Makes the staged tables the live ones (false if there were none).
+    pub fn install(&mut self) -> Result<bool, ActorError> {
+        let st = self.state()?;
+        Ok(match st.staged.take() {
+            Some(t) => {
+                st.live = t;
+                true
+            }
+            None => false,
+        })
+    }
+
+    /// Drops the staged tables.
+    pub fn drop_staged(&mut self) {
+        if let Some(st) = &mut self.state {
+            st.staged = None;
+        }
+    }
+
+    /// After a restart: everything is rebuilt from `data` (the engine's copy of this
+    /// partition's inputs); the tables are empty (`stale`) until a recovery pass
+    /// recomputes them. Blocks and parked steps are dropped.
+    pub fn restore(&mut self, data: Result<PartData, ActorError>) {
+        self.inbox.clear();
+        if let Some(p) = self.parked.take() {
+            let e = ActorError::Unreachable {
+                part: self.part,
+                detail: "the partition restarted".into(),
+            };
+            self.actions.push_back(ServeAction::Answer {
+                id: p.id,
+                result: Err(e),
+            });
+        }
+        self.stale = true;
+        self.state = None;
+        match data.and_then(|d| self.build_state(d)) {
+            Ok(s) => self.state = Some(s),
+            Err(e) => tracing::error!("serving partition {}: restore failed: {e}", self.part),
+        }
+    }
+
+    /// Whether the partition restarted and its tables are not recomputed yet.
+    pub fn is_stale(&self) -> bool {
+        self.stale
+    }
+}
+
+/// A part's own table read by global id (a transform reads only its inner rows).
+fn local_table<'a>(graph: &'a PartGraph, own: &'a Rows) -> PartInput<'a> {
+    static EMPTY: std::sync::OnceLock<HaloRows> = std::sync::OnceLock::new();
+    PartInput {
+        own,
+        graph,
+        halo: EMPTY.get_or_init(|| HaloRows::new(0)),
+    }
+}
+
+#[cfg(test)]
+mod tests;

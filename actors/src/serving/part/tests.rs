@@ -1,0 +1,409 @@
+//! The serving machines of several partitions driven by hand (blocks delivered at once):
+//! passes planned by [`plan_pass`] give the bits of a whole-graph [`Inference::run`], after
+//! updates, after a restart and its recovery pass, and for a staged model.
+use super::*;
+use crate::serving::plan::{plan_pass, Coverage, LayerPlan};
+use trellis_runtime::inference::{parts_of, NodeGraph};
+use trellis_runtime::{DataSource, Graph, ModelKind};
+
+const PARTS: usize = 3;
+
+struct Harness {
+    graph: NodeGraph,
+    features: Rows,
+    owner: Vec<u32>,
+    model: Arc<ModelValues>,
+    sparse: bool,
+    machines: Vec<ServePartMachine>,
+    faults: Arc<FaultPlan>,
+    run: RunId,
+    seq: u32,
+    restarts: usize,
+}
+
+fn config(kind: ModelKind, deep: bool) -> ModelConfig {
+    let mut cfg = ModelConfig::paper_defaults(kind, 12, 4, 5);
+    cfg.hidden = 8;
+    cfg.heads = 2;
+    if deep {
+        cfg.layers = 4;
+        cfg.hidden_sizes = vec![8, 8, 6];
+        cfg.residual = true;
+    }
+    cfg
+}
+
+impl Harness {
+    fn new(cfg: ModelConfig, faults: FaultPlan) -> Self {
+        let ds = DataSource::parse("synthetic:nodes=400,degree=6,features=12,classes=4,seed=3")
+            .unwrap()
+            .load()
+            .unwrap();
+        let graph = NodeGraph::from_graph(&Graph::from_dataset(&ds).unwrap());
+        let model = Model::new(cfg).unwrap();
+        let values = Arc::new(ModelValues::of(&model, true).unwrap());
+        let inf = values.build(Stream::cpu(0).unwrap()).unwrap();
+        let features = inf.prepare_features(ds.features.clone()).unwrap();
+        let sparse = trellis_runtime::model::LayerInput::would_be_sparse(&features.data);
+        let owner: Vec<u32> = (0..400u32).map(|v| v * 7 % 3).collect();
+        let mut h = Harness {
+            graph,
+            features,
+            owner,
+            model: values,
+            sparse,
+            machines: Vec::new(),
+            faults: Arc::new(faults),
+            run: uuid::Uuid::new_v4(),
+            seq: 0,
+            restarts: 0,
+        };
+        h.machines = (0..PARTS as u32)
+            .map(|p| ServePartMachine::new(h.data(p), h.run, h.faults.clone(), 0).unwrap())
+            .collect();
+        h
+    }
+
+    fn data(&self, p: u32) -> PartData {
+        let graph = PartGraph::from_graph(&self.graph, &self.owner, p).unwrap();
+        let features = Rows {
+            width: self.features.width,
+            data: self.features.gather(graph.inner()),
+        };
+        PartData {
+            graph,
+            features,
+            model: self.model.clone(),
+            sparse_input: self.sparse,
+        }
+    }
+
+    fn split(&self) -> Vec<bool> {
+        let inf = self.model.build(Stream::cpu(0).unwrap()).unwrap();
+        (0..inf.model().num_layers())
+            .map(|l| inf.model().is_split(l))
+            .collect()
+    }
+
+    #[allow(clippy::needless_range_loop)]
+    /// Runs the planned layers; returns the failed partitions (restarted and restored), or
+    /// the last layer's rows as a whole table.
+    fn pass(
+        &mut self,
+        plans: &[LayerPlan],
+        target: Target,
+        update: Option<u64>,
+        full: &[bool],
+    ) -> Result<Rows, Vec<u32>> {
+        self.seq += 1;
+        let mut logits = Rows::zeros(self.graph.num_nodes(), 4);
+        for plan in plans {
+            let last = plan.layer + 1 == plans.len();
+            for p in 0..PARTS {
+                let step = PassStep {
+                    seq: self.seq,
+                    layer: plan.layer as u16,
+                    target,
+                    update,
+                    transform: plan.transform[p].clone(),
+                    compute: plan.compute[p].clone(),
+                    send: plan.send[p].clone(),
+                    recv: plan.recv[p].clone(),
+                    return_rows: last,
+                    full: full[p],
+                };
+                self.machines[p].handle_step(p as u64, step);
+            }
+            let mut failed = Vec::new();
+            let mut answered = 0;
+            while answered < PARTS {
+                let mut progressed = false;
+                for p in 0..PARTS {
+                    while let Some(a) = self.machines[p].poll_action() {
+                        progressed = true;
+                        match a {
+                            ServeAction::Send(b) => {
+                                let to = b.header.to.0 as usize;
+                                self.machines[to].handle_halo(b);
+                            }
+                            ServeAction::Answer { result, .. } => {
+                                answered += 1;
+                                match result {
+                                    Ok(done) => {
+                                        if let Some(r) = done.rows {
+                                            logits.width = r.width;
+                                            logits.scatter(&r.ids, &r.data);
+                                        }
+                                    }
+                                    Err(ActorError::Panicked { part, .. }) => {
+                                        failed.push(part);
+                                        for m in &mut self.machines {
+                                            m.handle_abort(self.seq);
+                                        }
+                                    }
+                                    Err(e) => assert!(!failed.is_empty(), "{e}"),
+                                }
+                            }
+                            ServeAction::Restart => {
+                                self.restarts += 1;
+                                let d = self.data(p as u32);
+                                self.machines[p].restore(Ok(d));
+                            }
+                        }
+                    }
+                }
+                assert!(progressed || answered == PARTS, "a step is stuck");
+            }
+            if !failed.is_empty() {
+                return Err(failed);
+            }
+        }
+        Ok(logits)
+    }
+
+    fn full_pass(&mut self, target: Target) -> Rows {
+        let plans = plan_pass(
+            &self.graph,
+            &self.owner,
+            PARTS,
+            &self.split(),
+            Coverage::Full,
+        );
+        self.pass(&plans, target, None, &[true; PARTS]).unwrap()
+    }
+
+    /// Applies node and edge changes to the whole graph and every machine; returns the
+    /// changed nodes.
+    fn change(&mut self, update: u64) -> Vec<u32> {
+        let v = self.graph.add_node();
+        let feats: Vec<f32> = (0..12).map(|i| (i * update as usize % 5) as f32).collect();
+        let prepared = self
+            .model
+            .build(Stream::cpu(0).unwrap())
+            .unwrap()
+            .prepare_features(feats)
+            .unwrap();
+        self.features.data.extend_from_slice(&prepared.data);
+        let owner = (update % 3) as u32;
+        self.owner.push(owner);
+        let mut ops = vec![DeltaOp::AddNode {
+            id: v,
+            owner,
+            features: prepared.data,
+        }];
+        let mut changed = vec![v];
+        for (a, b) in [(v, 7 * update as u32), (v, 100 + update as u32)] {
+            assert!(self.graph.add_edge(a, b).unwrap());
+            ops.push(DeltaOp::AddEdge { a, b });
+            changed.extend([a, b]);
+        }
+        let cut = self.graph.neighbors(3)[0];
+        self.graph.remove_edge(3, cut).unwrap();
+        ops.push(DeltaOp::RemoveEdge { a: 3, b: cut });
+        changed.extend([3, cut]);
+        for m in &mut self.machines {
+            m.handle_delta(&ops).unwrap();
+        }
+        changed
+    }
+
+    fn update(&mut self, update: u64, changed: &[u32]) -> Result<Rows, Vec<u32>> {
+        let full = [false; PARTS];
+        let plans = plan_pass(
+            &self.graph,
+            &self.owner,
+            PARTS,
+            &self.split(),
+            Coverage::Changed {
+                nodes: changed,
+                full: &full,
+            },
+        );
+        self.pass(&plans, Target::Live, Some(update), &full)
+    }
+
+    /// Every node's live last-layer row, looked up from its owner.
+    fn served(&mut self) -> Rows {
+        let n = self.graph.num_nodes();
+        let mut out = Rows::zeros(n, 4);
+        let parts = parts_of(&self.owner, PARTS);
+        for (p, ids) in parts.iter().enumerate() {
+            let rows = self.machines[p].lookup(ids, None).unwrap();
+            let flat: Vec<f32> = rows.into_iter().flat_map(|r| r.logits).collect();
+            out.scatter(ids, &flat);
+        }
+        out
+    }
+
+    fn reference(&self, values: &ModelValues) -> Rows {
+        let mut inf = values.build(Stream::cpu(0).unwrap()).unwrap();
+        let out = inf
+            .run(&self.graph, &self.features, &parts_of(&self.owner, PARTS))
+            .unwrap();
+        out.logits().clone()
+    }
+}
+
+#[test]
+fn partitions_compute_the_bits_of_the_whole_graph_before_and_after_updates() {
+    for kind in [ModelKind::Gcn, ModelKind::Sage, ModelKind::Gat] {
+        for deep in [false, true] {
+            let mut h = Harness::new(config(kind, deep), FaultPlan::none());
+            let logits = h.full_pass(Target::Live);
+            let want = h.reference(&h.model.clone());
+            assert_eq!(logits, want, "{kind} deep={deep}: start-up pass");
+            assert_eq!(h.served(), want);
+            for u in 1..=3 {
+                let changed = h.change(u);
+                let rows = h.update(u, &changed).unwrap();
+                let want = h.reference(&h.model.clone());
+                // Every row the update returned equals the whole graph's.
+                let ids: Vec<u32> = (0..h.graph.num_nodes() as u32)
+                    .filter(|&v| rows.row(v).iter().any(|&x| x != 0.0))
+                    .collect();
+                assert!(!ids.is_empty());
+                for &v in &ids {
+                    assert_eq!(
+                        rows.row(v),
+                        want.row(v),
+                        "{kind} deep={deep} update {u} node {v}"
+                    );
+                }
+                assert_eq!(h.served(), want, "{kind} deep={deep} after update {u}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_panicking_partition_is_restored_and_recomputed_and_lookups_wait_for_it() {
+    let faults = FaultPlan::none().serve_panic_at(1, 2, 1);
+    let mut h = Harness::new(config(ModelKind::Gcn, true), faults);
+    h.full_pass(Target::Live);
+    let c1 = h.change(1);
+    h.update(1, &c1).unwrap();
+    let c2 = h.change(2);
+    let failed = h.update(2, &c2).unwrap_err();
+    assert_eq!(failed, vec![1]);
+    assert_eq!(h.restarts, 1);
+    assert_eq!(
+        h.faults.fired().get(&crate::faults::FaultKind::ServePanic),
+        Some(&1)
+    );
+    assert!(h.machines[1].is_stale());
+    let mine = h.owner.iter().position(|&o| o == 1).unwrap() as u32;
+    let e = h.machines[1].lookup(&[mine], None);
+    assert!(e.unwrap_err().to_string().contains("recomputed"));
+    // The recovery pass: the same change, partition 1 computing every row.
+    let full = [false, true, false];
+    let plans = plan_pass(
+        &h.graph,
+        &h.owner,
+        PARTS,
+        &h.split(),
+        Coverage::Changed {
+            nodes: &c2,
+            full: &full,
+        },
+    );
+    h.pass(&plans, Target::Live, Some(2), &full).unwrap();
+    assert!(!h.machines[1].is_stale());
+    let want = h.reference(&h.model.clone());
+    assert_eq!(h.served(), want, "after the recovery");
+}
+
+#[test]
+fn a_staged_model_is_computed_beside_the_live_one_and_installed() {
+    let mut h = Harness::new(config(ModelKind::Sage, false), FaultPlan::none());
+    h.full_pass(Target::Live);
+    let mut cfg = config(ModelKind::Sage, false);
+    cfg.seed = 99;
+    let other = Arc::new(ModelValues::of(&Model::new(cfg).unwrap(), true).unwrap());
+    for m in &mut h.machines {
+        m.stage(other.clone()).unwrap();
+    }
+    let staged = h.full_pass(Target::Staged);
+    assert_eq!(staged, h.reference(&other));
+    let old = h.reference(&h.model.clone());
+    assert_eq!(h.served(), old, "the live tables still serve the old model");
+    for m in &mut h.machines {
+        assert!(m.install().unwrap());
+    }
+    assert_eq!(h.served(), staged);
+    // An aborted pass: a step of it is refused, its blocks dropped.
+    h.machines[0].handle_abort(h.seq + 1);
+    h.machines[0].handle_step(
+        7,
+        PassStep {
+            seq: h.seq + 1,
+            layer: 0,
+            target: Target::Live,
+            update: None,
+            transform: Arc::new(vec![]),
+            compute: Arc::new(vec![]),
+            send: vec![],
+            recv: vec![],
+            return_rows: false,
+            full: false,
+        },
+    );
+    match h.machines[0].poll_action() {
+        Some(ServeAction::Answer {
+            id: 7,
+            result: Err(e),
+        }) => {
+            assert!(e.to_string().contains("aborted"), "{e}")
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Live steps are urgent work of the priority gate, staged ones are not: a training GEMM
+/// on a stream yielding to the gate waits between its pieces while updates compute, never
+/// for a new model's tables; the answers stay those of the whole graph.
+#[test]
+fn live_steps_run_between_the_pieces_of_a_training_kernel() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let gate = trellis_gpu::PriorityGate::new();
+    let mut h = Harness::new(config(ModelKind::Gcn, false), FaultPlan::none());
+    h.machines = std::mem::take(&mut h.machines)
+        .into_iter()
+        .map(|m| m.with_priority(Some(gate.clone())))
+        .collect();
+    h.full_pass(Target::Live);
+    let stop = AtomicBool::new(false);
+    let training = Stream::cpu(0)
+        .unwrap()
+        .yielding_to(gate.clone())
+        .with_piece_divisor(512);
+    let a = Tensor::from_vec(512, 64, vec![0.5; 512 * 64]).unwrap();
+    let b = Tensor::from_vec(64, 64, vec![0.25; 64 * 64]).unwrap();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            while !stop.load(Ordering::Relaxed) {
+                training.matmul(&a, false, &b, false).unwrap();
+            }
+        });
+        // A new model's tables: background work, the trainer never waits for them.
+        let mut cfg = config(ModelKind::Gcn, false);
+        cfg.seed = 11;
+        let other = Arc::new(ModelValues::of(&Model::new(cfg).unwrap(), true).unwrap());
+        for m in &mut h.machines {
+            m.stage(other.clone()).unwrap();
+        }
+        let before = gate.yields();
+        h.full_pass(Target::Staged);
+        assert_eq!(gate.yields(), before, "staged steps never hold the gate");
+        let t = Instant::now();
+        let mut u = 0;
+        while gate.yields() == 0 && t.elapsed() < std::time::Duration::from_secs(20) {
+            u += 1;
+            let changed = h.change(u);
+            h.update(u, &changed).unwrap();
+        }
+        stop.store(true, Ordering::Relaxed);
+        assert!(gate.yields() > 0, "no training piece waited in {u} updates");
+    });
+    assert!(!gate.is_urgent());
+    assert_eq!(h.served(), h.reference(&h.model.clone()));
+}

@@ -1,0 +1,303 @@
+//! The serving partition actor: a thin actix shell around the [`ServePartMachine`], and the
+//! node that starts one per partition on its own arbiter (thread) under actix's
+//! `Supervisor`, as training's node supervisor does. The shell turns messages into the
+//! machine's events, sends the halo blocks it emits through the transport, answers steps
+//! through their reply channels, and restores the partition when the machine asks (a caught
+//! panic), from the [`ServeStore`]: the served graph, features and model the engine keeps.
+use super::part::{
+    DeltaOp, LookedUp, ModelValues, PartData, PassStep, ServeAction, ServePartMachine, StepDone,
+};
+use crate::faults::FaultPlan;
+use crate::ActorError;
+use actix::prelude::*;
+use std::collections::HashMap;
+use std::sync::{Arc, RwLock};
+use tokio::sync::oneshot;
+use trellis_gpu::PriorityGate;
+use trellis_runtime::inference::{NodeGraph, PartGraph, Rows};
+use trellis_transport::{HaloBlock, PartId, RunId, Transport};
+
+/// The served graph as the engine keeps it: every partition's inputs, from which a restarted
+/// partition is restored (the engine's replica of the partitions' static state).
+#[derive(Debug)]
+pub struct Served {
+    pub graph: NodeGraph,
+    /// Prepared features of every node.
+    pub features: Rows,
+    /// Node -> partition.
+    pub owner: Vec<u32>,
+}
+
+/// What a restarted partition is restored from: the served graph and the live model.
+#[derive(Debug)]
+pub struct ServeStore {
+    pub served: RwLock<Served>,
+    pub model: RwLock<Arc<ModelValues>>,
+    /// Layer 0's input layout, decided by the start-up feature matrix.
+    pub sparse_input: bool,
+}
+
+impl ServeStore {
+    /// Partition `part`'s inputs as the engine has them now.
+    pub fn part_data(&self, part: u32) -> Result<PartData, ActorError> {
+        let s = self.served.read().unwrap_or_else(|e| e.into_inner());
+        let graph = PartGraph::from_graph(&s.graph, &s.owner, part)?;
+        let features = Rows {
+            width: s.features.width,
+            data: s.features.gather(graph.inner()),
+        };
+        let model = self.model.read().unwrap_or_else(|e| e.into_inner()).clone();
+        Ok(PartData {
+            graph,
+            features,
+            model,
+            sparse_input: self.sparse_input,
+        })
+    }
+}
+
+/// One layer of a pass.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<StepDone, ActorError>")]
+pub struct Step(pub PassStep);
+
+/// Graph changes, applied before the next pass.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<(), ActorError>")]
+pub struct Delta(pub Arc<Vec<DeltaOp>>);
+
+/// Abandon pass `.0` (a partition failed in it).
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct Abort(pub u32);
+
+/// A halo block delivered by the transport.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct ServeHalo(pub HaloBlock);
+
+/// The last layer's rows (and layer `layer`'s) of some of the partition's nodes.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<Vec<LookedUp>, ActorError>")]
+pub struct Lookup {
+    pub ids: Vec<u32>,
+    pub layer: Option<usize>,
+}
+
+/// Start computing a new model's tables beside the live ones.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<(), ActorError>")]
+pub struct Stage(pub Arc<ModelValues>);
+
+/// Make the staged tables live.
+#[derive(Debug, Message)]
+#[rtype(result = "Result<bool, ActorError>")]
+pub struct Install;
+
+/// Drop the staged tables.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct DropStaged;
+
+type Reply = oneshot::Sender<Result<StepDone, ActorError>>;
+
+/// The actor of one serving partition.
+pub struct ServeActor {
+    part: u32,
+    machine: ServePartMachine,
+    transport: Arc<dyn Transport>,
+    store: Arc<ServeStore>,
+    waiting: HashMap<u64, Reply>,
+    next_id: u64,
+}
+
+impl ServeActor {
+    fn drain(&mut self) {
+        while let Some(action) = self.machine.poll_action() {
+            match action {
+                ServeAction::Send(b) => {
+                    if let Err(e) = self.transport.send(b) {
+                        // The receiver's step then waits for a block that never comes; the
+                        // engine's step deadline turns that into an error naming it.
+                        tracing::error!("serving partition {}: {e}", self.part);
+                    }
+                }
+                ServeAction::Answer { id, result } => {
+                    if let Some(tx) = self.waiting.remove(&id) {
+                        let _ = tx.send(result);
+                    }
+                }
+                ServeAction::Restart => self.restart(),
+            }
+        }
+    }
+
+    /// The supervisor's restart, here and now (before the next message): the partition is
+    /// rebuilt from the engine's copy of its inputs.
+    fn restart(&mut self) {
+        tracing::warn!("serving partition {} restarts", self.part);
+        let data = self.store.part_data(self.part);
+        self.machine.restore(data);
+    }
+}
+
+impl Actor for ServeActor {
+    type Context = Context<Self>;
+}
+
+/// If the actor itself ever stops (a panic outside the machine's `catch_unwind`), actix's
+/// `Supervisor` starts it again through the same restore.
+impl Supervised for ServeActor {
+    fn restarting(&mut self, _ctx: &mut Context<Self>) {
+        self.waiting.clear();
+        self.restart();
+    }
+}
+
+impl Handler<Step> for ServeActor {
+    type Result = ResponseFuture<Result<StepDone, ActorError>>;
+
+    fn handle(&mut self, Step(step): Step, _ctx: &mut Context<Self>) -> Self::Result {
+        let part = self.part;
+        self.next_id += 1;
+        let id = self.next_id;
+        let (tx, rx) = oneshot::channel();
+        self.waiting.insert(id, tx);
+        self.machine.handle_step(id, step);
+        self.drain();
+        Box::pin(async move {
+            rx.await.unwrap_or_else(|_| {
+                Err(ActorError::Unreachable {
+                    part,
+                    detail: "the actor restarted".into(),
+                })
+            })
+        })
+    }
+}
+
+impl Handler<ServeHalo> for ServeActor {
+    type Result = ();
+    fn handle(&mut self, ServeHalo(b): ServeHalo, _ctx: &mut Context<Self>) {
+        self.machine.handle_halo(b);
+        self.drain();
+    }
+}
+
+impl Handler<Delta> for ServeActor {
+    type Result = Result<(), ActorError>;
+    fn handle(&mut self, Delta(ops): Delta, _ctx: &mut Context<Self>) -> Self::Result {
+        let r = self.machine.handle_delta(&ops);
+        self.drain();
+        r
+    }
+}
+
+impl Handler<Abort> for ServeActor {
+    type Result = ();
+    fn handle(&mut self, Abort(seq): Abort, _ctx: &mut Context<Self>) {
+        self.machine.handle_abort(seq);
+        self.drain();
+    }
+}
+
+impl Handler<Lookup> for ServeActor {
+    type Result = Result<Vec<LookedUp>, ActorError>;
+    fn handle(&mut self, m: Lookup, _ctx: &mut Context<Self>) -> Self::Result {
+        self.machine.lookup(&m.ids, m.layer)
+    }
+}
+
+impl Handler<Stage> for ServeActor {
+    type Result = Result<(), ActorError>;
+    fn handle(&mut self, Stage(model): Stage, _ctx: &mut Context<Self>) -> Self::Result {
+        let r = self.machine.stage(model);
+        self.drain();
+        r
+    }
+}
+
+impl Handler<Install> for ServeActor {
+    type Result = Result<bool, ActorError>;
+    fn handle(&mut self, _: Install, _ctx: &mut Context<Self>) -> Self::Result {
+        self.machine.install()
+    }
+}
+
+impl Handler<DropStaged> for ServeActor {
+    type Result = ();
+    fn handle(&mut self, _: DropStaged, _ctx: &mut Context<Self>) {
+        self.machine.drop_staged();
+    }
+}
+
+/// The serving partition actors of this process.
+pub struct ServeNode {
+    arbiters: Vec<Arbiter>,
+    addrs: Vec<Addr<ServeActor>>,
+    transport: Arc<dyn Transport>,
+}
+
+impl ServeNode {
+    /// Starts one supervised actor per partition `0..parts` (each from the store's copy of
+    /// its inputs), each on a new arbiter, with its halo blocks routed to it. Must run inside
+    /// an actix system.
+    pub fn start(
+        parts: usize,
+        run: RunId,
+        transport: Arc<dyn Transport>,
+        store: Arc<ServeStore>,
+        faults: Arc<FaultPlan>,
+        threads: usize,
+        priority: Option<PriorityGate>,
+    ) -> Result<Self, ActorError> {
+        let mut node = ServeNode {
+            arbiters: Vec::new(),
+            addrs: Vec::new(),
+            transport: transport.clone(),
+        };
+        for p in 0..parts as u32 {
+            let machine = ServePartMachine::new(store.part_data(p)?, run, faults.clone(), threads)?
+                .with_priority(priority.clone());
+            let arb = Arbiter::new();
+            let (t, s) = (transport.clone(), store.clone());
+            let addr = Supervisor::start_in_arbiter(&arb.handle(), move |_| ServeActor {
+                part: p,
+                machine,
+                transport: t,
+                store: s,
+                waiting: HashMap::new(),
+                next_id: 0,
+            });
+            let deliver = addr.clone();
+            transport.register(
+                PartId(p),
+                Arc::new(move |b| {
+                    let ok = deliver.connected();
+                    deliver.do_send(ServeHalo(b));
+                    ok
+                }),
+            );
+            node.arbiters.push(arb);
+            node.addrs.push(addr);
+        }
+        Ok(node)
+    }
+
+    /// The actors, by partition.
+    pub fn addrs(&self) -> &[Addr<ServeActor>] {
+        &self.addrs
+    }
+
+    /// Stops every actor and joins every arbiter thread.
+    pub fn shutdown(self) {
+        for p in 0..self.addrs.len() {
+            self.transport.unregister(PartId(p as u32));
+        }
+        drop(self.addrs);
+        for arb in self.arbiters {
+            arb.stop();
+            let _ = arb.join();
+        }
+    }
+}
