@@ -192,15 +192,22 @@ impl Harness {
             features: prepared.data,
         }];
         let mut changed = vec![v];
-        for (a, b) in [(v, 7 * update as u32), (v, 100 + update as u32)] {
-            assert!(self.graph.add_edge(a, b).unwrap());
-            ops.push(DeltaOp::AddEdge { a, b });
-            changed.extend([a, b]);
+        // Any number of updates: the ends stay among the existing nodes, and the removed edge
+        // is one of a node that still has some.
+        let n = v;
+        for (a, b) in [(v, 7 * update as u32 % n), (v, (100 + update as u32) % n)] {
+            if self.graph.add_edge(a, b).unwrap() {
+                ops.push(DeltaOp::AddEdge { a, b });
+                changed.extend([a, b]);
+            }
         }
-        let cut = self.graph.neighbors(3)[0];
-        self.graph.remove_edge(3, cut).unwrap();
-        ops.push(DeltaOp::RemoveEdge { a: 3, b: cut });
-        changed.extend([3, cut]);
+        let from = (3..n)
+            .find(|&x| !self.graph.neighbors(x).is_empty())
+            .expect("a node with an edge");
+        let cut = self.graph.neighbors(from)[0];
+        self.graph.remove_edge(from, cut).unwrap();
+        ops.push(DeltaOp::RemoveEdge { a: from, b: cut });
+        changed.extend([from, cut]);
         for m in &mut self.machines {
             m.handle_delta(&ops).unwrap();
         }
@@ -378,12 +385,21 @@ fn live_steps_run_between_the_pieces_of_a_training_kernel() {
         .with_piece_divisor(512);
     let a = Tensor::from_vec(512, 64, vec![0.5; 512 * 64]).unwrap();
     let b = Tensor::from_vec(64, 64, vec![0.25; 64 * 64]).unwrap();
+    /// Stops the training thread however the scope ends (a failed assertion too: the scope
+    /// would otherwise wait for it forever).
+    struct StopOnDrop<'a>(&'a AtomicBool);
+    impl Drop for StopOnDrop<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::Relaxed);
+        }
+    }
     std::thread::scope(|s| {
         s.spawn(|| {
             while !stop.load(Ordering::Relaxed) {
                 training.matmul(&a, false, &b, false).unwrap();
             }
         });
+        let _stop = StopOnDrop(&stop);
         // A new model's tables: background work, the trainer never waits for them.
         let mut cfg = config(ModelKind::Gcn, false);
         cfg.seed = 11;
