@@ -55,8 +55,21 @@ pub const CONFIGS: &[Config] = &[
         args: &["--staleness", "1"],
     },
     Config {
+        name: "skip",
+        args: &["--skip-threshold", "2", "--max-staleness", "8"],
+    },
+    Config {
         name: "combined",
-        args: &["--comm", "efficient", "--staleness", "1"],
+        args: &[
+            "--comm",
+            "efficient",
+            "--staleness",
+            "1",
+            "--skip-threshold",
+            "2",
+            "--max-staleness",
+            "8",
+        ],
     },
 ];
 
@@ -107,7 +120,7 @@ pub struct CommBenchArgs {
     pub threads: usize,
     /// The configurations to compare, comma separated (`exact` always runs, on loopback
     /// too) [default: every one: exact, fp16, int8, adaptive, grad-int8, efficient,
-    /// staleness, combined].
+    /// staleness, skip, combined].
     #[arg(long, value_name = "NAMES", value_delimiter = ',')]
     pub configs: Vec<String>,
     /// More `train` options for every run, after `--` (e.g. `-- --dropout 0.3`).
