@@ -58,11 +58,12 @@ pub const CONFIGS: &[Config] = &[
         name: "skip",
         args: &["--skip-threshold", "2", "--max-staleness", "8"],
     },
+    // `--comm efficient` spelled out.
     Config {
         name: "combined",
         args: &[
-            "--comm",
-            "efficient",
+            "--halo-codec",
+            "int4",
             "--staleness",
             "1",
             "--skip-threshold",
