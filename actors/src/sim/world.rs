@@ -38,6 +38,18 @@ const MAX_RECOVERIES: u32 = 24;
 const MAX_VIRTUAL_US: u64 = 600_000_000;
 const MAX_EVENTS: u64 = 2_000_000;
 
+/// What a fault-free reference run is recorded by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct RefKey {
+    parts: u32,
+    model: &'static str,
+    staleness: u32,
+    skip: bool,
+}
+
+/// Fault-free digests (`None`: the fault-free run did not finish).
+type References = BTreeMap<RefKey, Option<String>>;
+
 /// The graph, its partitionings and the training configurations, prepared once per sweep.
 pub struct SimGraph {
     _dir: tempfile::TempDir,
@@ -45,7 +57,7 @@ pub struct SimGraph {
     counts: GlobalCounts,
     configs: BTreeMap<&'static str, TrainConfig>,
     /// Fault-free digests by (partitions, model, staleness, skip).
-    references: Mutex<BTreeMap<(u32, &'static str, u32, bool), Option<String>>>,
+    references: Mutex<References>,
 }
 
 impl SimGraph {
@@ -114,7 +126,12 @@ impl SimGraph {
         staleness: u32,
         skip: bool,
     ) -> Option<String> {
-        let key = (parts, model_key(model), staleness, skip);
+        let key = RefKey {
+            parts,
+            model: model_key(model),
+            staleness,
+            skip,
+        };
         if let Some(d) = self.lock_refs().get(&key) {
             return d.clone();
         }
@@ -133,9 +150,7 @@ impl SimGraph {
         d
     }
 
-    fn lock_refs(
-        &self,
-    ) -> std::sync::MutexGuard<'_, BTreeMap<(u32, &'static str, u32, bool), Option<String>>> {
+    fn lock_refs(&self) -> std::sync::MutexGuard<'_, References> {
         self.references.lock().unwrap_or_else(|p| p.into_inner())
     }
 
