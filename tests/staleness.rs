@@ -229,7 +229,7 @@ fn the_binary_takes_the_flag_and_a_cluster_trains_as_one_process() {
         )
     };
     train(&[], "exact.json");
-    train(&["--staleness", "0"], "zero.json");
+    train(&["--staleness", "0", "--skip-threshold", "0"], "zero.json");
     let out = train(&["--staleness", "1"], "stale.json");
     assert!(out.contains("rows of the previous epoch"), "{out}");
     let (exact, zero, stale) = (
@@ -237,7 +237,7 @@ fn the_binary_takes_the_flag_and_a_cluster_trains_as_one_process() {
         read_report(&path("zero.json")),
         read_report(&path("stale.json")),
     );
-    // --staleness 0 is today's exact run, and is recorded as one.
+    // --staleness 0 --skip-threshold 0 is today's exact run, and is recorded as one.
     assert_eq!(zero["weights_digest"], exact["weights_digest"]);
     assert!(zero["config"].get("halo").is_none(), "{}", zero["config"]);
     assert_eq!(stale["config"]["halo"]["staleness"], 1);
