@@ -330,7 +330,7 @@ fn bad_codec_options_are_clear_errors() {
 }
 
 #[test]
-fn comm_efficient_is_the_adaptive_halo_codec_with_int8_gradients() {
+fn comm_efficient_is_int4_with_staleness_and_skipping_and_exact_gradients() {
     let dir = tempfile::tempdir().unwrap();
     let report = dir.path().join("r.json");
     let out = trellis()
@@ -349,11 +349,14 @@ fn comm_efficient_is_the_adaptive_halo_codec_with_int8_gradients() {
         .unwrap();
     assert_ok(&out);
     let r = read_report(&report);
-    assert_eq!(r["config"]["halo"]["codec"], "adaptive", "{}", r["config"]);
-    assert_eq!(r["config"]["grad_codec"], "int8", "{}", r["config"]);
+    let halo = &r["config"]["halo"];
+    assert_eq!(halo["codec"], "int4", "{}", r["config"]);
+    assert_eq!(halo["staleness"], 1, "{}", r["config"]);
+    assert_eq!(halo["skip_threshold"], 2.0, "{}", r["config"]);
+    assert_eq!(halo["max_staleness"], 8, "{}", r["config"]);
+    assert!(r["config"].get("grad_codec").is_none(), "{}", r["config"]);
     for log in r["epochs_log"].as_array().unwrap() {
         let n = |k: &str| log[k].as_u64().unwrap();
         assert!(n("halo_bytes") < n("halo_fp32_bytes"), "{log}");
-        assert!(n("grad_bytes") < n("grad_bytes_exact"), "{log}");
     }
 }

@@ -130,6 +130,19 @@ impl Default for HaloConfig {
 }
 
 impl HaloConfig {
+    /// `--comm efficient`, the setting `trellis bench comm` measured best on Cora (README,
+    /// "A network that costs something"): int4 rows, the previous epoch's rows (staleness 1),
+    /// rows that changed by at most twice their norm skipped, none older than 8 epochs.
+    pub fn efficient() -> Self {
+        HaloConfig {
+            codec: HaloCodec::Int4,
+            staleness: 1,
+            skip_threshold: 2.0,
+            max_staleness: Some(8),
+            ..HaloConfig::default()
+        }
+    }
+
     /// True for the exact exchange (this epoch's fp32 rows): what runs before codecs and
     /// staleness existed did.
     pub fn is_exact(&self) -> bool {

@@ -55,8 +55,22 @@ pub const CONFIGS: &[Config] = &[
         args: &["--staleness", "1"],
     },
     Config {
+        name: "skip",
+        args: &["--skip-threshold", "2", "--max-staleness", "8"],
+    },
+    // `--comm efficient` spelled out.
+    Config {
         name: "combined",
-        args: &["--comm", "efficient", "--staleness", "1"],
+        args: &[
+            "--halo-codec",
+            "int4",
+            "--staleness",
+            "1",
+            "--skip-threshold",
+            "2",
+            "--max-staleness",
+            "8",
+        ],
     },
 ];
 
@@ -107,7 +121,7 @@ pub struct CommBenchArgs {
     pub threads: usize,
     /// The configurations to compare, comma separated (`exact` always runs, on loopback
     /// too) [default: every one: exact, fp16, int8, adaptive, grad-int8, efficient,
-    /// staleness, combined].
+    /// staleness, skip, combined].
     #[arg(long, value_name = "NAMES", value_delimiter = ',')]
     pub configs: Vec<String>,
     /// More `train` options for every run, after `--` (e.g. `-- --dropout 0.3`).

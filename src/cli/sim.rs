@@ -42,8 +42,8 @@ pub fn run(a: SimArgs) -> Result<()> {
         report.longest_virtual_ms
     );
     println!(
-        "{} schedules with halo staleness 1 ({} faults fired in them)",
-        report.stale, report.stale_fired
+        "{} schedules with halo staleness 1 ({} faults fired in them), {} with skipped rows ({})",
+        report.stale, report.stale_fired, report.skip, report.skip_fired
     );
     println!("faults fired, by kind:");
     for (kind, n) in &report.fired {

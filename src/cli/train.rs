@@ -43,10 +43,10 @@ pub struct TrainArgs {
     #[arg(long, value_name = "CODEC", default_value = "none")]
     pub grad_codec: GradCodec,
     /// Communication of partitioned runs: `exact` (bit-exact fp32 halo rows and gradients) or
-    /// `efficient`, the setting `trellis bench comm` measured best: --halo-codec adaptive
-    /// (under --halo-error-bound) with --grad-codec int8. Not together with --halo-codec or
-    /// --grad-codec.
-    #[arg(long, value_enum, default_value_t = CommMode::Exact, conflicts_with_all = ["halo_codec", "grad_codec"])]
+    /// `efficient`, the setting `trellis bench comm` measured best: --halo-codec int4
+    /// --staleness 1 --skip-threshold 2 --max-staleness 8, exact gradients. Not together with
+    /// those options or --grad-codec.
+    #[arg(long, value_enum, default_value_t = CommMode::Exact, conflicts_with_all = ["halo_codec", "grad_codec", "staleness", "skip_threshold", "max_staleness"])]
     pub comm: CommMode,
     /// GAT attention heads of the hidden layer (the output layer has 1) [default: 8; GAT only].
     #[arg(long, value_name = "N", value_parser = validate::heads)]
@@ -188,14 +188,15 @@ impl TrainArgs {
                  uninterrupted one; use --grad-codec none (or --comm exact) to checkpoint"
             );
         }
-        if self.halo.config().holds_rows() && self.checkpoint_dir.is_some() {
+        let halo = self.halo_config();
+        if halo.holds_rows() && self.checkpoint_dir.is_some() {
             bail!(
                 "--staleness {} / --skip-threshold {} with --checkpoint-dir: checkpoints do not \
                  hold the halo rows the partitions kept from the last epoch yet, so a resumed \
                  run would not equal an uninterrupted one; use --staleness 0 and \
-                 --skip-threshold 0 to checkpoint",
-                self.halo.staleness,
-                self.halo.skip_threshold
+                 --skip-threshold 0 (and --comm exact) to checkpoint",
+                halo.staleness,
+                halo.skip_threshold
             );
         }
         cfg.grad_codec = grad_codec;
@@ -216,26 +217,25 @@ impl TrainArgs {
 pub enum CommMode {
     /// Bit-exact: fp32 halo rows, f32 gradients.
     Exact,
-    /// Adaptive-width halo rows and int8 gradients with error feedback.
+    /// int4 halo rows of the previous epoch, rows that barely changed skipped (at most 8
+    /// epochs old); exact gradients.
     Efficient,
 }
 
 impl TrainArgs {
-    /// The gradient codec `--grad-codec` or `--comm` chose.
+    /// The gradient codec `--grad-codec` chose (`--comm efficient` keeps gradients exact: on
+    /// Cora their error-feedback residual, replicated with every step, cost more link bytes
+    /// and epoch time than the compression saved).
     pub fn grad_codec(&self) -> GradCodec {
-        match self.comm {
-            CommMode::Exact => self.grad_codec,
-            CommMode::Efficient => GradCodec::Int8,
-        }
+        self.grad_codec
     }
 
-    /// The halo settings `--halo-codec` or `--comm` chose.
+    /// The halo settings the halo options or `--comm` chose.
     pub fn halo_config(&self) -> trellis_runtime::comm::HaloConfig {
-        let mut halo = self.halo.config();
-        if self.comm == CommMode::Efficient {
-            halo.codec = trellis_runtime::comm::HaloCodec::Adaptive;
+        match self.comm {
+            CommMode::Exact => self.halo.config(),
+            CommMode::Efficient => trellis_runtime::comm::HaloConfig::efficient(),
         }
-        halo
     }
 }
 

@@ -342,8 +342,8 @@ impl PartitionMachine {
             return;
         }
         let part = self.part.0;
-        // With staleness the epoch's training blocks stay: the next epoch uses them, and the
-        // replay sends the same ones again.
+        // With staleness or skipping the epoch's training blocks stay: the optimizer step
+        // holds them for the next epoch, and the replay sends the same ones again.
         let keep = self.state.holds_rows();
         self.inbox
             .retain(|k, _| k.0 != epoch || (keep && k.1 != Phase::Eval));
@@ -374,9 +374,9 @@ impl PartitionMachine {
             Some(snap) => self.state.restore(snap).map(|_| ()),
             None => self.state.reset_epoch(),
         }));
-        // The blocks other partitions sent are no part of the failure; with staleness the
-        // training blocks of the epoch in progress are kept (its replay sends the same ones,
-        // and an optimizer step replayed after a restart needs them for the next epoch).
+        // The blocks other partitions sent are no part of the failure; with staleness or
+        // skipping the training blocks of the epoch in progress are kept (its replay sends the
+        // same ones, and an optimizer step replayed after a restart holds them).
         let (keep, done) = (self.state.holds_rows(), self.state.epoch_done());
         self.inbox
             .retain(|k, _| keep && k.1 != Phase::Eval && k.0 > done);
@@ -444,9 +444,9 @@ impl PartitionMachine {
             let step = p.step;
             let stage = self.state.stage_of(step.epoch, step.phase, step.layer);
             let (tag, need) = self.state.inputs(step.phase, step.layer, stage);
-            // With staleness a training pass keeps its blocks in the inbox (the optimizer step
-            // holds them for the next epoch), and its last step waits until all of them are
-            // in: the exchange overlaps the whole pass but ends with it.
+            // With staleness or skipping a training pass keeps its blocks in the inbox (the
+            // optimizer step holds them for the next epoch), and its last step waits until all
+            // of them are in: the exchange overlaps the whole pass but ends with it.
             let keep = self.state.holds_rows() && step.phase != Phase::Eval;
             let last = step.phase == Phase::Backward && step.layer == 0 && stage == Stage::First;
             if keep && last && !self.epoch_blocks_in(step.epoch) {

@@ -37,8 +37,9 @@ pub struct ScheduleReport {
     pub seed: u64,
     pub nodes: u32,
     pub parts: u32,
-    /// Halo staleness of the run.
+    /// Halo staleness of the run, and whether rows were skipped.
     pub staleness: u32,
+    pub skip: bool,
     pub outcome: SimOutcome,
     /// Faults that fired, by kind.
     pub fired: BTreeMap<SimFault, u32>,
@@ -52,9 +53,12 @@ pub struct ScheduleReport {
 #[derive(Debug, Default, Clone)]
 pub struct SweepReport {
     pub schedules: u64,
-    /// Schedules that ran with halo staleness 1, and the faults that fired in them.
+    /// Schedules that ran with halo staleness 1, and the faults that fired in them; the same
+    /// for skipped rows.
     pub stale: u64,
     pub stale_fired: u64,
+    pub skip: u64,
+    pub skip_fired: u64,
     pub fired: BTreeMap<SimFault, u64>,
     /// Outcomes by name (`finished`, `no-live-replica`, ...).
     pub outcomes: BTreeMap<String, u64>,
@@ -67,9 +71,14 @@ pub struct SweepReport {
 impl SweepReport {
     fn add(&mut self, r: &ScheduleReport) {
         self.schedules += 1;
+        let fired = r.fired.values().map(|&n| u64::from(n)).sum::<u64>();
         if r.staleness > 0 {
             self.stale += 1;
-            self.stale_fired += r.fired.values().map(|&n| u64::from(n)).sum::<u64>();
+            self.stale_fired += fired;
+        }
+        if r.skip {
+            self.skip += 1;
+            self.skip_fired += fired;
         }
         for (k, n) in &r.fired {
             *self.fired.entry(*k).or_default() += u64::from(*n);
@@ -93,7 +102,7 @@ pub fn run_schedule(graph: &SimGraph, seed: u64) -> ScheduleReport {
     crate::faults::quiet_injected_panics(false);
     let schedule = Schedule::generate(seed, true);
     let run = SimRun::new(graph, schedule).run();
-    let reference = graph.reference(run.parts, run.model, run.staleness);
+    let reference = graph.reference(run.parts, run.model, run.staleness, run.skip);
     check(run, reference.as_deref())
 }
 
@@ -125,6 +134,7 @@ pub fn check(run: world::SimResult, reference: Option<&str>) -> ScheduleReport {
         nodes: run.nodes,
         parts: run.parts,
         staleness: run.staleness,
+        skip: run.skip,
         outcome: run.outcome,
         fired: run.fired,
         virtual_ms: run.virtual_us as f64 / 1e3,

@@ -90,6 +90,9 @@ pub struct Schedule {
     /// Halo staleness of the run (0 or 1; 0 when the coordinator crashes: checkpoints do not
     /// hold the rows partitions keep for their next epoch).
     pub staleness: u32,
+    /// Halo rows skipped when they barely changed (`--skip-threshold 0.5 --max-staleness
+    /// 2`); off when the coordinator crashes, as staleness.
+    pub skip: bool,
     pub net: NetSpec,
     /// Panics, fired by the partition machines themselves.
     pub panics: FaultPlan,
@@ -117,6 +120,7 @@ impl Schedule {
             replicas,
             model,
             staleness: 0,
+            skip: false,
             net: NetSpec::perfect(),
             panics: FaultPlan::none(),
             timed: Vec::new(),
@@ -190,6 +194,7 @@ impl Schedule {
             .iter()
             .any(|f| f.fault == TimedFault::CoordinatorCrash);
         s.staleness = u32::from(r.chance(0.5) && !crashes);
+        s.skip = r.chance(0.5) && !crashes;
         s
     }
 }

@@ -23,16 +23,16 @@ fn fault_free_runs_agree_with_the_real_partition_actors() {
     let g = graph();
     for parts in [1, 3] {
         for model in MODELS {
-            for staleness in [0, 1] {
+            for (staleness, skip) in [(0, false), (1, false), (0, true), (1, true)] {
                 let sim = g
-                    .reference(parts, model, staleness)
+                    .reference(parts, model, staleness, skip)
                     .expect("fault-free run finishes");
-                let cfg = g.config_with(model, staleness);
+                let cfg = g.config_with(model, staleness, skip);
                 let topo = crate::Topology::open(g.partition_dir(parts), cfg).unwrap();
                 let report = topo.spawn().unwrap().wait().unwrap();
                 assert_eq!(
                     report.weights_digest, sim,
-                    "{parts} partitions, {model}, staleness {staleness}"
+                    "{parts} partitions, {model}, staleness {staleness}, skip {skip}"
                 );
             }
         }
@@ -72,6 +72,7 @@ fn a_sweep_of_seeded_fault_schedules_keeps_every_invariant() {
     assert!(report.outcomes.get("finished").copied().unwrap_or(0) > 200);
     // About half the schedules hold halo rows between epochs (staleness 1), with faults.
     assert!(report.stale > 100 && report.stale_fired > 100, "{report:?}");
+    assert!(report.skip > 100 && report.skip_fired > 100, "{report:?}");
 }
 
 /// Regression (found by the simulator, seed 6): a delayed or duplicated reset arriving after

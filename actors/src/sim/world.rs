@@ -39,14 +39,26 @@ const MAX_RECOVERIES: u32 = 24;
 const MAX_VIRTUAL_US: u64 = 600_000_000;
 const MAX_EVENTS: u64 = 2_000_000;
 
+/// What a fault-free reference run is recorded by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct RefKey {
+    parts: u32,
+    model: &'static str,
+    staleness: u32,
+    skip: bool,
+}
+
+/// Fault-free digests (`None`: the fault-free run did not finish).
+type References = BTreeMap<RefKey, Option<String>>;
+
 /// The graph, its partitionings and the training configurations, prepared once per sweep.
 pub struct SimGraph {
     _dir: tempfile::TempDir,
     sets: BTreeMap<u32, PartitionSet>,
     counts: GlobalCounts,
     configs: BTreeMap<&'static str, TrainConfig>,
-    /// Fault-free digests by (partitions, model, staleness).
-    references: Mutex<BTreeMap<(u32, &'static str, u32), Option<String>>>,
+    /// Fault-free digests by (partitions, model, staleness, skip).
+    references: Mutex<References>,
 }
 
 impl SimGraph {
@@ -88,10 +100,15 @@ impl SimGraph {
         &self.configs[model_key(model)]
     }
 
-    /// The training configuration of `model` with halo staleness `staleness`.
-    pub fn config_with(&self, model: ModelKind, staleness: u32) -> TrainConfig {
+    /// The training configuration of `model` with halo staleness `staleness`, and with rows
+    /// skipped when they changed by at most half their norm (at most 2 epochs old) if `skip`.
+    pub fn config_with(&self, model: ModelKind, staleness: u32, skip: bool) -> TrainConfig {
         let mut cfg = self.config(model).clone();
         cfg.halo.staleness = staleness;
+        if skip {
+            cfg.halo.skip_threshold = 0.5;
+            cfg.halo.max_staleness = Some(2);
+        }
         cfg
     }
 
@@ -100,11 +117,22 @@ impl SimGraph {
         self._dir.path().join(format!("p{parts}"))
     }
 
-    /// The fault-free run's digest for `parts` partitions, `model` and halo `staleness`: a
-    /// run on a perfect network without faults, recorded once, before and apart from the
-    /// faulty runs.
-    pub fn reference(&self, parts: u32, model: ModelKind, staleness: u32) -> Option<String> {
-        let key = (parts, model_key(model), staleness);
+    /// The fault-free run's digest for `parts` partitions, `model`, halo `staleness` and
+    /// `skip`: a run on a perfect network without faults, recorded once, before and apart
+    /// from the faulty runs.
+    pub fn reference(
+        &self,
+        parts: u32,
+        model: ModelKind,
+        staleness: u32,
+        skip: bool,
+    ) -> Option<String> {
+        let key = RefKey {
+            parts,
+            model: model_key(model),
+            staleness,
+            skip,
+        };
         if let Some(d) = self.lock_refs().get(&key) {
             return d.clone();
         }
@@ -112,6 +140,7 @@ impl SimGraph {
         s.parts = parts;
         s.model = model;
         s.staleness = staleness;
+        s.skip = skip;
         s.nodes = parts + 1;
         let r = SimRun::new(self, s).run();
         let d = match r.outcome {
@@ -122,9 +151,7 @@ impl SimGraph {
         d
     }
 
-    fn lock_refs(
-        &self,
-    ) -> std::sync::MutexGuard<'_, BTreeMap<(u32, &'static str, u32), Option<String>>> {
+    fn lock_refs(&self) -> std::sync::MutexGuard<'_, References> {
         self.references.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -186,6 +213,7 @@ pub struct SimResult {
     pub parts: u32,
     pub model: ModelKind,
     pub staleness: u32,
+    pub skip: bool,
     pub outcome: SimOutcome,
     pub fired: BTreeMap<SimFault, u32>,
     pub virtual_us: u64,
@@ -604,6 +632,7 @@ impl<'g> SimRun<'g> {
             parts: self.s.parts,
             model: self.s.model,
             staleness: self.s.staleness,
+            skip: self.s.skip,
             outcome,
             fired: self.fired.clone(),
             virtual_us: self.now,
@@ -629,7 +658,9 @@ impl<'g> SimRun<'g> {
             None => None,
         };
         for p in 0..self.s.parts {
-            let cfg = self.graph.config_with(self.s.model, self.s.staleness);
+            let cfg = self
+                .graph
+                .config_with(self.s.model, self.s.staleness, self.s.skip);
             let state = self.graph.state_with(self.s.parts, p, &cfg)?;
             let mut m = PartitionMachine::new(state, self.run, self.faults.clone(), true);
             if let Some(snap) = &snap {
@@ -1233,7 +1264,9 @@ impl<'g> SimRun<'g> {
                 continue;
             };
             let snap = bytes.decode().map_err(ActorError::Cluster)?;
-            let cfg = self.graph.config_with(self.s.model, self.s.staleness);
+            let cfg = self
+                .graph
+                .config_with(self.s.model, self.s.staleness, self.s.skip);
             let state = self.graph.state_with(self.s.parts, p, &cfg)?;
             let mut m = PartitionMachine::new(state, self.run, self.faults.clone(), true);
             let restored = m.restore(Some(&snap))?;
