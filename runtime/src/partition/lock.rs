@@ -25,7 +25,7 @@ pub enum LockMode {
 #[derive(Debug)]
 pub struct DirLock {
     path: PathBuf,
-    _file: File,
+    file: File,
     mode: LockMode,
 }
 
@@ -76,11 +76,7 @@ impl DirLock {
             .set_len(0)
             .and_then(|_| file.seek(SeekFrom::Start(0)))
             .and_then(|_| file.write_all(me.as_bytes()));
-        Ok(DirLock {
-            path,
-            _file: file,
-            mode,
-        })
+        Ok(DirLock { path, file, mode })
     }
 
     /// The lock file.
@@ -90,6 +86,16 @@ impl DirLock {
 
     pub fn mode(&self) -> LockMode {
         self.mode
+    }
+}
+
+/// Unlocks explicitly instead of relying on the close: a `flock` belongs to the open file
+/// description, which a child forked meanwhile (a test or launcher spawning a process) shares
+/// until its `exec` closes it, so a lock released by closing alone could outlive the drop
+/// for that moment and refuse this same process ("in use by pid <itself>").
+impl Drop for DirLock {
+    fn drop(&mut self) {
+        let _ = self.file.unlock();
     }
 }
 
@@ -114,5 +120,17 @@ mod tests {
         let _r2 = DirLock::acquire(dir.path(), LockMode::Shared, "partition folder").unwrap();
         assert!(DirLock::acquire(dir.path(), LockMode::Exclusive, "partition folder").is_err());
         assert_eq!(r1.mode(), LockMode::Shared);
+    }
+
+    #[test]
+    fn a_dropped_lock_is_released_while_a_copy_of_its_descriptor_lives() {
+        let dir = tempfile::tempdir().unwrap();
+        let w = DirLock::acquire(dir.path(), LockMode::Exclusive, "partition folder").unwrap();
+        // What a child forked at this moment holds until its exec.
+        let inherited = w.file.try_clone().unwrap();
+        drop(w);
+        let again = DirLock::acquire(dir.path(), LockMode::Exclusive, "partition folder");
+        assert!(again.is_ok(), "{:?}", again.err());
+        drop(inherited);
     }
 }
