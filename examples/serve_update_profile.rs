@@ -1,15 +1,30 @@
-//! Times incremental inference updates (new nodes with random edges) on a synthetic graph:
-//! first `Inference::update` over the whole graph on one thread (the computation alone),
-//! then the same kind of updates through the serving engine on 1 and 2 partition actors
+//! Times incremental inference updates (new nodes with 10 random edges each) on a synthetic
+//! graph three ways, side by side in one run, each update given to all three in turn (so
+//! the machine's load falls on all three alike): `Inference::update` over the whole graph on
+//! one thread (the computation alone), and the serving engine on 1 and on 2 partition actors
 //! (`engine::start`, `Command::AddNodes`: planning, the delta to every partition, the
-//! per-layer steps and their halo exchange, publishing), side by side in one run.
+//! per-layer steps with their halo exchange, publishing). The 2 partitions split the nodes
+//! by id parity, so nearly every edge is cut (the most halo rows).
 //! `cargo run --release --example serve_update_profile -- [NODES]`
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use trellis::actors::serving::engine::{self, Command, EngineConfig, NewNode};
+use trellis::actors::serving::engine::{self, Command, EngineConfig, EngineHandle, NewNode};
 use trellis::gpu::Stream;
 use trellis::runtime::inference::{parts_of, Inference, NodeGraph};
+use trellis::runtime::model_file::{self, ModelMeta};
 use trellis::runtime::{DataSource, Graph, Model, ModelConfig, ModelKind};
+
+/// Sends one update of new nodes and waits for its answer: the rows it recomputed.
+fn add(handle: &EngineHandle, nodes: Vec<NewNode>) -> usize {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    assert!(handle.send(Command::AddNodes {
+        nodes,
+        deadline: Instant::now() + Duration::from_secs(600),
+        reply: tx,
+    }));
+    let answer = rx.blocking_recv().unwrap().unwrap();
+    answer.recomputed_rows.iter().sum()
+}
 
 fn main() {
     trellis::tune_allocator();
@@ -28,7 +43,7 @@ fn main() {
     cfg.hidden = 256;
     let model = Model::new(cfg.clone()).unwrap();
     let stream = Stream::cpu(2).unwrap();
-    let meta = trellis::runtime::model_file::ModelMeta {
+    let meta = ModelMeta {
         config: cfg.clone(),
         train_config: None,
         normalize_features: true,
@@ -37,18 +52,42 @@ fn main() {
         epoch: 0,
         code_version: String::new(),
     };
-    let bytes = trellis::runtime::model_file::to_bytes(&model, &stream, &meta).unwrap();
-    let saved = || {
-        trellis::runtime::model_file::from_bytes(&bytes, std::path::Path::new("profile")).unwrap()
-    };
-    let graph0 = g.clone();
+    let bytes = model_file::to_bytes(&model, &stream, &meta).unwrap();
+    let engines: Vec<(usize, EngineHandle)> = [1usize, 2]
+        .into_iter()
+        .map(|parts| {
+            let owner: Vec<u32> = (0..nodes as u32).map(|v| v % parts as u32).collect();
+            let t = Instant::now();
+            let saved = model_file::from_bytes(&bytes, std::path::Path::new("profile")).unwrap();
+            let handle = engine::start(
+                saved,
+                g.clone(),
+                ds.features.clone(),
+                owner,
+                EngineConfig {
+                    scheduler: Default::default(),
+                    parts,
+                    threads: 2,
+                    faults: Arc::default(),
+                    step_timeout: engine::STEP_TIMEOUT,
+                    priority: None,
+                },
+            )
+            .unwrap();
+            eprintln!(
+                "engine on {parts} partition actor(s): start-up pass {:.1} ms",
+                t.elapsed().as_secs_f64() * 1e3
+            );
+            (parts, handle)
+        })
+        .collect();
     let mut inf = Inference::new(model, stream, true).unwrap();
     let mut x = inf.prepare_features(ds.features.clone()).unwrap();
     let mut owner = vec![0u32; nodes];
     let t = Instant::now();
     let mut out = inf.run(&g, &x, &parts_of(&owner, 1)).unwrap();
     eprintln!(
-        "updates start\nfull run {:.1} ms",
+        "whole graph, one thread: full run {:.1} ms",
         t.elapsed().as_secs_f64() * 1e3
     );
     let mut state = 12345u64;
@@ -59,83 +98,52 @@ fn main() {
         (state >> 33) % m
     };
     for batch in [1usize, 1, 4, 16, 64] {
-        let reps = (256 / batch).max(16);
-        let t = Instant::now();
-        let mut rows = 0;
+        let reps = (128 / batch).max(8);
+        let mut ms = [0f64; 3];
+        let mut rows = [0usize; 3];
         for _ in 0..reps {
+            let new: Vec<NewNode> = (0..batch)
+                .map(|_| NewNode {
+                    features: (0..128).map(|_| rnd(1000) as f32 / 1000.0).collect(),
+                    edges: (0..10).map(|_| rnd(nodes as u64) as u32).collect(),
+                })
+                .collect();
+            let t = Instant::now();
             let mut changed = Vec::new();
-            for _ in 0..batch {
+            for n in &new {
                 let v = g.add_node();
-                let f: Vec<f32> = (0..128).map(|_| rnd(1000) as f32 / 1000.0).collect();
-                x.data.extend(inf.prepare_features(f).unwrap().data);
+                x.data
+                    .extend(inf.prepare_features(n.features.clone()).unwrap().data);
                 owner.push(0);
-                for _ in 0..10 {
-                    let e = rnd(nodes as u64) as u32;
-                    g.add_edge(v, e).unwrap();
-                    changed.push(e);
+                for &e in &n.edges {
+                    if g.add_edge(v, e).unwrap() {
+                        changed.push(e);
+                    }
                 }
                 changed.push(v);
             }
             let s = inf.update(&g, &x, &mut out, &changed, &owner, 1).unwrap();
-            rows += s.rows_per_layer.iter().sum::<usize>();
-        }
-        let per = t.elapsed().as_secs_f64() * 1e3 / reps as f64;
-        eprintln!(
-            "batch {batch:>3}: {per:.2} ms per update, {:.3} ms per node, {} rows per update",
-            per / batch as f64,
-            rows / reps
-        );
-    }
-    drop(out);
-    drop(inf);
-    // The same kind of updates through the serving engine and its partition actors.
-    for parts in [1usize, 2] {
-        let owner: Vec<u32> = (0..nodes as u32).map(|v| v % parts as u32).collect();
-        let t = Instant::now();
-        let handle = engine::start(
-            saved(),
-            graph0.clone(),
-            ds.features.clone(),
-            owner,
-            EngineConfig {
-                scheduler: Default::default(),
-                parts,
-                threads: 2,
-                faults: Arc::default(),
-                step_timeout: engine::STEP_TIMEOUT,
-                priority: None,
-            },
-        )
-        .unwrap();
-        eprintln!(
-            "engine on {parts} partition actor(s): start-up pass {:.1} ms",
-            t.elapsed().as_secs_f64() * 1e3
-        );
-        for batch in [1usize, 1, 4, 16, 64] {
-            let reps = (256 / batch).max(16);
-            let t = Instant::now();
-            let mut rows = 0;
-            for _ in 0..reps {
-                let nodes_now: Vec<NewNode> = (0..batch)
-                    .map(|_| NewNode {
-                        features: (0..128).map(|_| rnd(1000) as f32 / 1000.0).collect(),
-                        edges: (0..10).map(|_| rnd(nodes as u64) as u32).collect(),
-                    })
-                    .collect();
-                let (tx, rx) = tokio::sync::oneshot::channel();
-                assert!(handle.send(Command::AddNodes {
-                    nodes: nodes_now,
-                    deadline: Instant::now() + Duration::from_secs(600),
-                    reply: tx,
-                }));
-                let answer = rx.blocking_recv().unwrap().unwrap();
-                rows += answer.recomputed_rows.iter().sum::<usize>();
+            ms[0] += t.elapsed().as_secs_f64() * 1e3;
+            rows[0] += s.rows_per_layer.iter().sum::<usize>();
+            for (k, (_, handle)) in engines.iter().enumerate() {
+                let t = Instant::now();
+                rows[k + 1] += add(handle, new.clone());
+                ms[k + 1] += t.elapsed().as_secs_f64() * 1e3;
             }
-            let per = t.elapsed().as_secs_f64() * 1e3 / reps as f64;
+        }
+        let names = [
+            "whole graph, one thread".to_string(),
+            format!("engine, {} partition actor", engines[0].0),
+            format!("engine, {} partition actors", engines[1].0),
+        ];
+        for k in 0..3 {
+            let per = ms[k] / reps as f64;
             eprintln!(
-                "  batch {batch:>3}: {per:.2} ms per update, {:.3} ms per node, {} rows per update",
+                "batch {batch:>3} {:<28} {per:8.2} ms per update, {:.3} ms per node, {} rows per update ({:.2}x the whole-graph time)",
+                names[k],
                 per / batch as f64,
-                rows / reps
+                rows[k] / reps,
+                ms[k] / ms[0]
             );
         }
     }

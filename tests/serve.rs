@@ -2,7 +2,9 @@
 //! driven by a real HTTP client (ureq). Predictions equal `trellis predict`; after random
 //! sequences of updates they equal a fresh `trellis predict` on the updated graph; model
 //! swaps never fail or mix versions; every kind of bad request is a 4xx that says what is
-//! wrong while everyone else keeps being served.
+//! wrong while everyone else keeps being served; partition actors that panic under
+//! open-loop load are restarted and recomputed with no failed or wrong answer. Runs with 1,
+//! 2 and 3 partition actors.
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;

@@ -449,11 +449,16 @@ impl RowSource for Rows {
     }
 }
 
-/// Rows received from other parts (a part's halo rows of one layer), by global id.
+/// Rows received from other parts (a part's halo rows of one layer), by global id. The
+/// global-to-row table has one entry per node and is meant to be reused between steps
+/// ([`HaloRows::reuse`], [`HaloRows::into_slots`]): hashing the ids cost more than copying
+/// the rows.
 #[derive(Debug, Clone, Default)]
 pub struct HaloRows {
     pub width: usize,
-    index: std::collections::HashMap<u32, u32>,
+    /// Global id -> row, `u32::MAX` for none.
+    slots: Vec<u32>,
+    ids: Vec<u32>,
     data: Vec<f32>,
 }
 
@@ -465,6 +470,22 @@ impl HaloRows {
             ..Default::default()
         }
     }
+    /// No rows yet, with the table `slots` of an earlier step (every entry `u32::MAX`, as
+    /// [`HaloRows::into_slots`] leaves it).
+    pub fn reuse(width: usize, slots: Vec<u32>) -> Self {
+        HaloRows {
+            width,
+            slots,
+            ..Default::default()
+        }
+    }
+    /// The table, cleared, for the next step.
+    pub fn into_slots(mut self) -> Vec<u32> {
+        for &v in &self.ids {
+            self.slots[v as usize] = u32::MAX;
+        }
+        self.slots
+    }
     /// Adds the rows of the nodes `ids` (one `width`-wide row each, in order).
     pub fn extend(&mut self, ids: &[u32], rows: &[f32]) -> Result<()> {
         if rows.len() != ids.len() * self.width {
@@ -475,13 +496,23 @@ impl HaloRows {
                 self.width
             )));
         }
-        let base = self.data.len().checked_div(self.width).unwrap_or(0);
-        self.index.reserve(ids.len());
-        for (k, &v) in ids.iter().enumerate() {
-            self.index.insert(v, (base + k) as u32);
+        let base = self.ids.len();
+        if let Some(&top) = ids.iter().max() {
+            if self.slots.len() <= top as usize {
+                self.slots.resize(top as usize + 1, u32::MAX);
+            }
         }
+        for (k, &v) in ids.iter().enumerate() {
+            self.slots[v as usize] = (base + k) as u32;
+        }
+        self.ids.extend_from_slice(ids);
         self.data.extend_from_slice(rows);
         Ok(())
+    }
+    /// Row of node `v`, if received.
+    fn get(&self, v: u32) -> Option<&[f32]> {
+        let k = *self.slots.get(v as usize)?;
+        (k != u32::MAX).then(|| &self.data[k as usize * self.width..(k as usize + 1) * self.width])
     }
 }
 
@@ -499,7 +530,7 @@ impl RowSource for PartInput<'_> {
     }
     fn gather_rows(&self, ids: &[u32]) -> Result<Vec<f32>> {
         let w = self.own.width;
-        if self.halo.width != w && !self.halo.index.is_empty() {
+        if self.halo.width != w && !self.halo.ids.is_empty() {
             return Err(RuntimeError::BadData(format!(
                 "halo rows of width {} for a table of width {w}",
                 self.halo.width
@@ -515,15 +546,12 @@ impl RowSource for PartInput<'_> {
                         self.own.len()
                     )))
                 }
-                None => {
-                    let k = *self.halo.index.get(&v).ok_or_else(|| {
-                        RuntimeError::BadData(format!(
-                            "part {}: no row of node {v} (neither its own nor received)",
-                            self.graph.part
-                        ))
-                    })? as usize;
-                    &self.halo.data[k * w..(k + 1) * w]
-                }
+                None => self.halo.get(v).ok_or_else(|| {
+                    RuntimeError::BadData(format!(
+                        "part {}: no row of node {v} (neither its own nor received)",
+                        self.graph.part
+                    ))
+                })?,
             };
             out.extend_from_slice(row);
         }

@@ -222,6 +222,8 @@ struct State {
     live: Tables,
     staged: Option<Tables>,
     sparse: bool,
+    /// The halo rows' global-to-row table, reused by every step.
+    halo_slots: Vec<u32>,
 }
 
 /// A step waiting for its halo blocks.
@@ -301,6 +303,7 @@ impl ServePartMachine {
             live,
             staged: None,
             sparse: data.sparse_input,
+            halo_slots: Vec::new(),
         })
     }
 
@@ -634,6 +637,7 @@ impl ServePartMachine {
             features,
             live,
             staged,
+            halo_slots,
             ..
         } = st;
         let tables = match step.target {
@@ -649,7 +653,7 @@ impl ServePartMachine {
             None if l == 0 => &*features,
             None => &tables.layers[l - 1],
         };
-        let mut halo = HaloRows::new(source.width);
+        let mut halo = HaloRows::reuse(source.width, std::mem::take(halo_slots));
         for (from, ids) in &step.recv {
             let b = &blocks[from];
             if b.rows as usize != ids.len() || b.cols as usize != source.width {
@@ -677,8 +681,9 @@ impl ServePartMachine {
         };
         let rows = tables
             .inference
-            .compute_rows(l, &*graph, &step.compute, &input)
-            .map_err(err)?;
+            .compute_rows(l, &*graph, &step.compute, &input);
+        *halo_slots = halo.into_slots();
+        let rows = rows.map_err(err)?;
         let locals = graph.locals(&step.compute).map_err(err)?;
         tables.layers[l].scatter(&locals, &rows);
         let width = tables.layers[l].width;
