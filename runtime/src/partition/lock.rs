@@ -92,7 +92,7 @@ impl DirLock {
 /// Unlocks explicitly instead of relying on the close: a `flock` belongs to the open file
 /// description, which a child forked meanwhile (a test or launcher spawning a process) shares
 /// until its `exec` closes it, so a lock released by closing alone could outlive the drop
-/// for that moment and refuse this same process ("in use by pid <itself>").
+/// for that moment and refuse this same process (`in use by pid <itself>`).
 impl Drop for DirLock {
     fn drop(&mut self) {
         let _ = self.file.unlock();
