@@ -445,6 +445,30 @@ fn bench_comm_prints_the_reference_and_the_emulated_rows() {
         .unwrap();
     assert!(!bad.status.success());
     assert!(stderr(&bad).contains("--dropout"), "{}", stderr(&bad));
+    // A configuration that fails (compressed gradients refuse checkpoints) does not cost the
+    // others their numbers: its row says it failed, the bench exits non-zero naming it.
+    let ck = tempfile::tempdir().unwrap();
+    let one_fails = trellis()
+        .args([
+            "bench", "comm", "--nodes", "2", "--epochs", "2", "--data", DATA,
+        ])
+        .args(["--link-rate", "100mbit", "--probe-ms", "200"])
+        .args(["--configs", "grad-int8", "--", "--checkpoint-dir"])
+        .arg(ck.path())
+        .output()
+        .unwrap();
+    assert!(!one_fails.status.success());
+    let text = String::from_utf8_lossy(&one_fails.stdout);
+    assert!(text.contains("| exact (100 Mbit/s) | "), "{text}");
+    assert!(
+        text.contains("| grad-int8 (100 Mbit/s) | failed: seed 0"),
+        "{text}"
+    );
+    let err = stderr(&one_fails);
+    assert!(
+        err.contains("1 configuration(s) failed: grad-int8 (100 Mbit/s)"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -166,6 +166,9 @@ struct Row {
     config: &'static Config,
     network: Network,
     runs: Vec<RunNumbers>,
+    /// Why a run of this configuration failed (its later seeds are not run); the others go on,
+    /// so an hour of measurements is not lost to one configuration (e.g. killed for memory).
+    failed: Option<String>,
 }
 
 /// What one run's report says, per epoch.
@@ -324,24 +327,42 @@ pub fn run(a: CommBenchArgs) -> Result<()> {
         config: &CONFIGS[0],
         network: Network::Loopback,
         runs: Vec::new(),
+        failed: None,
     }];
     rows.extend(chosen.into_iter().map(|config| Row {
         config,
         network: Network::Emulated,
         runs: Vec::new(),
+        failed: None,
     }));
     for seed in 0..a.seeds {
         for (i, row) in rows.iter_mut().enumerate() {
             if stopped() {
                 bail!("interrupted");
             }
+            if row.failed.is_some() {
+                continue;
+            }
             let config = row.config;
             let on = (row.network == Network::Emulated).then_some(&net);
             eprintln!("bench comm: {} seed {seed} ...", row.label(a.link_rate));
             let name = format!("run-{i}-{seed}");
             let before = on.map(EmulatedNet::counters).transpose()?;
-            let report = run_one(&a, on, tmp.path(), &name, seed, config.args)
-                .with_context(|| format!("{} seed {seed}", row.label(a.link_rate)))?;
+            let report = match run_one(&a, on, tmp.path(), &name, seed, config.args) {
+                Ok(r) => r,
+                // Without the reference no ratio means anything.
+                Err(e) if i == 0 => {
+                    return Err(e.context(format!("{} seed {seed}", row.label(a.link_rate))))
+                }
+                Err(e) => {
+                    eprintln!(
+                        "bench comm: {} seed {seed} failed: {e:#}; going on without it",
+                        row.label(a.link_rate)
+                    );
+                    row.failed = Some(format!("seed {seed}: {e:#}"));
+                    continue;
+                }
+            };
             let link = match (on, before) {
                 (Some(net), Some(before)) => Some(
                     net.counters()?
@@ -358,6 +379,18 @@ pub fn run(a: CommBenchArgs) -> Result<()> {
     }
     drop(net);
     print_table(&a, &rows, &probe.summary());
+    let failed: Vec<String> = rows
+        .iter()
+        .filter(|r| r.failed.is_some())
+        .map(|r| r.label(a.link_rate))
+        .collect();
+    if !failed.is_empty() {
+        bail!(
+            "{} configuration(s) failed: {} (see the table)",
+            failed.len(),
+            failed.join(", ")
+        );
+    }
     Ok(())
 }
 
@@ -453,6 +486,12 @@ fn print_table(a: &CommBenchArgs, rows: &[Row], probe: &str) {
     let reference = &rows[0];
     let ref_ms = reference.epoch_ms();
     for row in rows {
+        if let Some(why) = &row.failed {
+            if row.runs.is_empty() {
+                println!("| {} | failed: {why} | | | | | | |", row.label(a.link_rate));
+                continue;
+            }
+        }
         let (acc, sd) = row.accuracy();
         let same = row
             .runs
@@ -485,7 +524,19 @@ fn print_table(a: &CommBenchArgs, rows: &[Row], probe: &str) {
          nodes' links sent (kernel counters: halo, gradients, replicas, control, all headers); \
          tbf drops = packets the token buckets dropped (all runs)"
     );
-    for row in rows.iter().filter(|r| r.network == Network::Emulated) {
+    for row in rows.iter().filter(|r| !r.runs.is_empty()) {
+        if let Some(why) = &row.failed {
+            let done = row.runs.len();
+            println!(
+                "{}: FAILED at {why} (its row shows the {done} seed(s) before the failure)",
+                row.label(a.link_rate)
+            );
+        }
+    }
+    for row in rows
+        .iter()
+        .filter(|r| r.network == Network::Emulated && !r.runs.is_empty())
+    {
         let busiest = row.link_mean(|l| l.busiest).unwrap_or(0.0);
         let o = overlap(busiest, a.link_rate, ref_ms);
         println!(
