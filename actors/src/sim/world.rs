@@ -1003,12 +1003,13 @@ impl<'g> SimRun<'g> {
                     let n = &mut self.nodes[node as usize];
                     if let Some(m) = n.parts.get_mut(&part) {
                         match m.restore(snap.as_ref()) {
-                            Ok(r) => {
-                                let held = n.held.get(&part).filter(|h| h.epoch == r.epoch + 1);
-                                if let Some(h) = held {
-                                    m.resume_pending(h);
-                                }
-                            }
+                            // A residual of another step than the restored one's next is
+                            // ignored by the machine.
+                            Ok(_) => n
+                                .held
+                                .get(&part)
+                                .into_iter()
+                                .for_each(|h| m.resume_pending(h)),
                             Err(e) => {
                                 self.violation
                                     .get_or_insert(format!("restoring partition {part}: {e}"));

@@ -156,8 +156,12 @@ fn refuse(core: &Core, from: SocketAddr, reason: &str) {
 
 /// How the accepting side of a handshake ended.
 enum Handshake {
-    /// The peer is who it says it is and was answered with our hello.
-    Accepted { node: u32, conn: Connection },
+    /// The peer is who it says it is and was answered with our hello; `peer` is its entry
+    /// (an error when this node is shutting down or gone).
+    Accepted {
+        conn: Connection,
+        peer: Result<Arc<Peer>, String>,
+    },
     /// The peer said a hello we will not accept: it is told why on its hello stream.
     Refused {
         conn: Connection,
@@ -209,44 +213,38 @@ async fn handle_incoming(shared: Weak<Shared>, core: Arc<Core>, incoming: quinn:
         // A second process claiming a node id that is connected from another address (a
         // copied certificate, an operator's mistake) is refused at once, instead of taking
         // over the node's traffic.
-        let live = shared
-            .upgrade()
-            .and_then(|sh| sh.peer(node, Some(from)).ok())
-            .and_then(|peer| peer.live_conn())
-            .map(|c| c.remote_address());
-        if let Some(at) = live.filter(|at| *at != from) {
+        let peer = match shared.upgrade() {
+            Some(sh) => sh.peer(node, Some(from)).map_err(|e| e.to_string()),
+            None => Err(format!("node {} is gone", core.me)),
+        };
+        let live = peer.as_ref().ok().and_then(|p| p.live_conn());
+        if let Some(at) = live.map(|c| c.remote_address()).filter(|at| *at != from) {
             return refused(format!("node {node} is already connected from {at}"), s);
         }
         s.write_all(&hello(core.me))
             .await
             .map_err(|e| e.to_string())?;
         let _ = s.finish();
-        Ok(Handshake::Accepted { node, conn })
+        Ok(Handshake::Accepted { conn, peer })
     };
-    let (node, conn) = match timeout(core.cfg.connect_timeout, handshake).await {
-        Err(_) => {
-            return refuse(
-                &core,
-                from,
-                &format!("no hello within {:?}", core.cfg.connect_timeout),
-            )
-        }
-        Ok(Err(reason)) => return refuse(&core, from, &reason),
+    match timeout(core.cfg.connect_timeout, handshake).await {
+        Err(_) => refuse(
+            &core,
+            from,
+            &format!("no hello within {:?}", core.cfg.connect_timeout),
+        ),
+        Ok(Err(reason)) => refuse(&core, from, &reason),
         Ok(Ok(Handshake::Refused { conn, stream, why })) => {
             refuse(&core, from, &why);
-            return tell_refused(&core, conn, stream, &why).await;
+            tell_refused(&core, conn, stream, &why).await;
         }
-        Ok(Ok(Handshake::Accepted { node, conn })) => (node, conn),
-    };
-    let Some(shared) = shared.upgrade() else {
-        return;
-    };
-    match shared.peer(node, Some(from)) {
-        Ok(peer) => {
-            tracing::debug!(peer = node, %from, "accepted connection");
-            adopt(&core, &peer, conn);
-        }
-        Err(e) => conn.close(StopCode::Shutdown.varint(), e.to_string().as_bytes()),
+        Ok(Ok(Handshake::Accepted { conn, peer })) => match peer {
+            Ok(peer) => {
+                tracing::debug!(peer = peer.node, %from, "accepted connection");
+                adopt(&core, &peer, conn);
+            }
+            Err(e) => conn.close(StopCode::Shutdown.varint(), e.as_bytes()),
+        },
     }
 }
 
