@@ -153,6 +153,12 @@ impl HttpMetrics {
                 recoveries,
             ),
             (
+                "trellis_serve_rebuilds_total",
+                "counter",
+                "Times every serving partition was started again from the engine's store.",
+                engine.rebuilds.load(Ordering::Relaxed) as u64,
+            ),
+            (
                 "trellis_serve_nodes",
                 "gauge",
                 "Nodes of the served graph.",

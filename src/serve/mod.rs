@@ -324,6 +324,7 @@ async fn readyz(state: web::Data<AppState>) -> HttpResponse {
         "ready": ready,
         "model_version": version,
         "recoveries": stats.recoveries.load(std::sync::atomic::Ordering::Relaxed),
+        "rebuilds": stats.rebuilds.load(std::sync::atomic::Ordering::Relaxed),
         "faults_fired": state.engine.faults.fired_total(),
     });
     json_response(if ready { 200 } else { 503 }, body.to_string())

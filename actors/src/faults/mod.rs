@@ -40,15 +40,33 @@ pub struct PlannedKill {
     pub fired: bool,
 }
 
-/// A serving partition actor panics when it starts computing `layer` of the `update`-th
-/// graph update (counting from 1) it takes part in; before panicking it overwrites its
-/// tables, as a kernel interrupted half-way would.
+/// A serving partition actor fails when it starts computing `layer` of the `update`-th
+/// graph update (counting from 1) it takes part in, as [`ServeFaultAction`] says.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PlannedServePanic {
+pub struct PlannedServeFault {
     pub part: u32,
     pub update: u64,
     pub layer: u16,
+    pub action: ServeFaultAction,
     pub fired: bool,
+}
+
+/// What a serving fault does to the partition.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ServeFaultAction {
+    /// It overwrites its tables, as a kernel interrupted half-way would, and panics
+    /// (`serve-panic`).
+    Panic,
+    /// It hangs this long before computing (a stuck kernel; `serve-stall`): past the
+    /// engine's step timeout the pass fails without a panic.
+    Stall(Duration),
+}
+
+/// A serving fault that fired: what to do, and the panic message of a panic.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DueServeFault {
+    pub action: ServeFaultAction,
+    pub message: String,
 }
 
 /// What a link fault does.
@@ -84,6 +102,7 @@ pub enum FaultKind {
     DelayLink,
     CorruptFrame,
     ServePanic,
+    ServeStall,
 }
 
 impl FaultKind {
@@ -97,6 +116,7 @@ impl FaultKind {
             FaultKind::DelayLink => "delay",
             FaultKind::CorruptFrame => "corrupt",
             FaultKind::ServePanic => "serve-panic",
+            FaultKind::ServeStall => "serve-stall",
         }
     }
 }
@@ -161,7 +181,7 @@ pub struct FaultPlan {
     stalls: Mutex<Vec<PlannedStall>>,
     kills: Mutex<Vec<PlannedKill>>,
     links: Mutex<Vec<LinkFault>>,
-    serve_panics: Mutex<Vec<PlannedServePanic>>,
+    serve_faults: Mutex<Vec<PlannedServeFault>>,
     /// Faults that fired on this node, by kind.
     fired: Mutex<BTreeMap<FaultKind, u32>>,
 }
@@ -170,7 +190,8 @@ pub struct FaultPlan {
 pub const CHAOS_KINDS: &str =
     "panic:part=P:epoch=E[:layer=L][:phase=forward|backward|eval|apply][:stage=2], \
 kill-node:node=N:epoch=E, cut-link:a=N:b=M:epoch=E:ms=T, delay:a=N:b=M:ms=T[:epoch=E], \
-corrupt:a=N:b=M:epoch=E, serve-panic:part=P:update=U[:layer=L] (trellis serve)";
+corrupt:a=N:b=M:epoch=E, serve-panic:part=P:update=U[:layer=L], \
+serve-stall:part=P:update=U:ms=T[:layer=L] (trellis serve)";
 
 impl FaultPlan {
     /// No faults.
@@ -238,10 +259,23 @@ impl FaultPlan {
     /// Panic serving partition `part` when it starts layer `layer` of graph update `update`
     /// (counting from 1).
     pub fn serve_panic_at(self, part: u32, update: u64, layer: u16) -> Self {
-        lock(&self.serve_panics).push(PlannedServePanic {
+        self.serve_fault_at(part, update, layer, ServeFaultAction::Panic)
+    }
+
+    /// Make serving partition `part` fail as `action` says when it starts layer `layer` of
+    /// graph update `update` (counting from 1).
+    pub fn serve_fault_at(
+        self,
+        part: u32,
+        update: u64,
+        layer: u16,
+        action: ServeFaultAction,
+    ) -> Self {
+        lock(&self.serve_faults).push(PlannedServeFault {
             part,
             update,
             layer,
+            action,
             fired: false,
         });
         self
@@ -264,8 +298,8 @@ impl FaultPlan {
         };
         let mut fields = fault.split(':');
         let kind = fields.next().unwrap_or_default();
-        if kind == "serve-panic" {
-            return self.parse_serve_panic(fault, fields);
+        if kind == "serve-panic" || kind == "serve-stall" {
+            return self.parse_serve_fault(kind, fault, fields);
         }
         if !["panic", "kill-node", "cut-link", "delay", "corrupt"].contains(&kind) {
             return Err(bad(format!(
@@ -352,9 +386,10 @@ impl FaultPlan {
         Ok(self.plan_panic(part, epoch, layer, phase, second))
     }
 
-    /// `serve-panic:part=P:update=U[:layer=L]`.
-    fn parse_serve_panic<'a>(
+    /// `serve-panic:part=P:update=U[:layer=L]`, `serve-stall:part=P:update=U:ms=T[:layer=L]`.
+    fn parse_serve_fault<'a>(
         self,
+        kind: &str,
         fault: &str,
         fields: impl Iterator<Item = &'a str>,
     ) -> Result<Self, ActorError> {
@@ -368,7 +403,12 @@ impl FaultPlan {
             let (k, v) = kv
                 .split_once('=')
                 .ok_or_else(|| bad(format!("`{kv}` is not key=value")))?;
-            if !["part", "update", "layer"].contains(&k) {
+            let allowed: &[&str] = if kind == "serve-stall" {
+                &["part", "update", "layer", "ms"]
+            } else {
+                &["part", "update", "layer"]
+            };
+            if !allowed.contains(&k) {
                 return Err(bad(format!("unknown key `{k}` in `{fault}`")));
             }
             let n = v
@@ -389,7 +429,12 @@ impl FaultPlan {
         }
         let layer = keys.get("layer").copied().unwrap_or(0);
         let layer = u16::try_from(layer).map_err(|_| bad(format!("layer {layer} is too large")))?;
-        Ok(self.serve_panic_at(part, update, layer))
+        let action = if kind == "serve-stall" {
+            ServeFaultAction::Stall(Duration::from_millis(need("ms")?))
+        } else {
+            ServeFaultAction::Panic
+        };
+        Ok(self.serve_fault_at(part, update, layer, action))
     }
 
     /// Refuses faults `trellis serve` cannot inject (training faults), and serving faults that
@@ -402,10 +447,10 @@ impl FaultPlan {
         };
         if !lock(&self.panics).is_empty() || !lock(&self.stalls).is_empty() || self.kills_nodes() {
             return Err(bad(
-                "only serve-panic faults can be injected into a service".into(),
+                "only serve-panic and serve-stall faults can be injected into a service".into(),
             ));
         }
-        for p in lock(&self.serve_panics).iter() {
+        for p in lock(&self.serve_faults).iter() {
             if p.part >= parts {
                 return Err(bad(format!(
                     "partition {} does not exist (the service has {parts}); it could never fire",
@@ -422,25 +467,34 @@ impl FaultPlan {
         Ok(())
     }
 
-    /// The serving panic due when partition `part` starts layer `layer` of graph update
-    /// `update`, if any (fires once): the panic message to raise.
-    pub fn serve_panic_due(&self, part: u32, update: u64, layer: u16) -> Option<String> {
-        let mut fire = false;
-        for f in lock(&self.serve_panics).iter_mut() {
-            if !f.fired && (f.part, f.update, f.layer) == (part, update, layer) {
+    /// The serving fault due when partition `part` starts layer `layer` of graph update
+    /// `update`, if any (each fires once, and is counted then).
+    pub fn serve_fault_due(&self, part: u32, update: u64, layer: u16) -> Option<DueServeFault> {
+        let mut due = None;
+        for f in lock(&self.serve_faults).iter_mut() {
+            if !f.fired && due.is_none() && (f.part, f.update, f.layer) == (part, update, layer) {
                 f.fired = true;
-                fire = true;
+                due = Some(f.action);
             }
         }
-        fire.then(|| {
-            self.count(FaultKind::ServePanic);
-            format!("{INJECTED_PANIC} serving partition {part}, update {update}, layer {layer}")
+        due.map(|action| {
+            let kind = match action {
+                ServeFaultAction::Panic => FaultKind::ServePanic,
+                ServeFaultAction::Stall(_) => FaultKind::ServeStall,
+            };
+            self.count(kind);
+            DueServeFault {
+                action,
+                message: format!(
+                    "{INJECTED_PANIC} serving partition {part}, update {update}, layer {layer}"
+                ),
+            }
         })
     }
 
-    /// The planned serving panics (with whether each fired).
-    pub fn serve_panics(&self) -> Vec<PlannedServePanic> {
-        lock(&self.serve_panics).clone()
+    /// The planned serving faults (with whether each fired).
+    pub fn serve_faults(&self) -> Vec<PlannedServeFault> {
+        lock(&self.serve_faults).clone()
     }
 
     /// Refuses faults that can never fire in a run of `epochs` epochs over `parts` partitions,
@@ -709,15 +763,25 @@ mod tests {
     fn serving_panics_parse_fire_once_and_are_counted() {
         let plan = FaultPlan::parse("serve-panic:part=1:update=2:layer=1").unwrap();
         plan.check_serving(2, 2).unwrap();
-        assert!(plan.serve_panic_due(1, 1, 1).is_none());
-        assert!(plan.serve_panic_due(0, 2, 1).is_none());
-        assert!(plan.serve_panic_due(1, 2, 0).is_none());
+        assert!(plan.serve_fault_due(1, 1, 1).is_none());
+        assert!(plan.serve_fault_due(0, 2, 1).is_none());
+        assert!(plan.serve_fault_due(1, 2, 0).is_none());
         assert_eq!(plan.fired_total(), 0, "nothing fired yet");
-        let msg = plan.serve_panic_due(1, 2, 1).unwrap();
+        let due = plan.serve_fault_due(1, 2, 1).unwrap();
+        assert_eq!(due.action, ServeFaultAction::Panic);
+        let msg = due.message;
         assert!(msg.starts_with(INJECTED_PANIC), "{msg}");
-        assert!(plan.serve_panic_due(1, 2, 1).is_none(), "fires once");
+        assert!(plan.serve_fault_due(1, 2, 1).is_none(), "fires once");
         assert_eq!(plan.fired().get(&FaultKind::ServePanic), Some(&1));
-        assert!(plan.serve_panics()[0].fired);
+        assert!(plan.serve_faults()[0].fired);
+        let stall = FaultPlan::parse("serve-stall:part=0:update=1:ms=250:layer=1").unwrap();
+        stall.check_serving(2, 2).unwrap();
+        let due = stall.serve_fault_due(0, 1, 1).unwrap();
+        assert_eq!(
+            due.action,
+            ServeFaultAction::Stall(Duration::from_millis(250))
+        );
+        assert_eq!(stall.fired().get(&FaultKind::ServeStall), Some(&1));
         for (spec, parts, needle) in [
             ("serve-panic:part=1", 2, "update=N"),
             ("serve-panic:part=1:update=0", 2, "count from 1"),
@@ -729,6 +793,8 @@ mod tests {
             ("serve-panic:part=2:update=1", 2, "partition 2"),
             ("serve-panic:part=0:update=1:layer=2", 2, "layer 2"),
             ("panic:part=0:epoch=1", 2, "only serve-panic"),
+            ("serve-stall:part=0:update=1", 2, "needs ms=N"),
+            ("serve-panic:part=0:update=1:ms=5", 2, "unknown key `ms`"),
         ] {
             let e = FaultPlan::parse(spec)
                 .and_then(|p| p.check_serving(parts, 2))

@@ -122,6 +122,9 @@ pub struct EngineStats {
     pub ready: std::sync::atomic::AtomicBool,
     /// Failures recovered so far.
     pub recoveries: AtomicUsize,
+    /// Times every partition was started again from the store (a pass that failed
+    /// without a panic: a timeout, an unreachable partition).
+    pub rebuilds: AtomicUsize,
 }
 
 impl EngineStats {
@@ -232,7 +235,28 @@ struct Engine {
     /// The last pass number given out.
     seq: u32,
     step_timeout: Duration,
+    /// How the partition actors are started (again, by a rebuild).
+    launch: PartLaunch,
+    /// Set while the partitions' tables may be behind the store and a rebuild has not
+    /// succeeded yet: queries through the actors and updates are refused meanwhile.
+    broken: Option<Broken>,
 }
+
+/// What starting the partition actors takes.
+struct PartLaunch {
+    threads: usize,
+    faults: Arc<FaultPlan>,
+    priority: Option<PriorityGate>,
+}
+
+/// Why the partitions are being rebuilt, and when the next attempt is due.
+struct Broken {
+    reason: String,
+    retry_at: Instant,
+}
+
+/// How long a failed rebuild waits before the next attempt.
+const REBUILD_RETRY: Duration = Duration::from_secs(1);
 
 struct PendingAdd {
     nodes: Vec<NewNode>,
@@ -365,16 +389,21 @@ pub fn start(
         updates: 0,
         seq: 0,
         step_timeout: cfg.step_timeout,
+        launch: PartLaunch {
+            threads: cfg.threads,
+            faults: cfg.faults.clone(),
+            priority: cfg.priority,
+        },
+        broken: None,
     };
-    let (threads, faults, priority) = (cfg.threads, cfg.faults, cfg.priority);
-    let plan = faults.clone();
+    let plan = cfg.faults;
     std::thread::Builder::new()
         .name("trellis-serve-engine".into())
         .spawn(move || {
             let sys = actix::System::new();
             sys.block_on(async move {
                 let mut engine = engine;
-                let started = engine.start_partitions(threads, faults, priority).await;
+                let started = engine.start_partitions().await;
                 let ok = started.is_ok();
                 let _ = ready_tx.send(started);
                 if ok {
@@ -401,12 +430,8 @@ pub fn start(
 
 impl Engine {
     /// Starts the partition actors and runs the start-up pass (every row of every layer).
-    async fn start_partitions(
-        &mut self,
-        threads: usize,
-        faults: Arc<FaultPlan>,
-        priority: Option<PriorityGate>,
-    ) -> Result<(), ServeError> {
+    async fn start_partitions(&mut self) -> Result<(), ServeError> {
+        // A new run id and transport: blocks of abandoned actors never reach the new ones.
         let run = uuid::Uuid::new_v4();
         let transport = Arc::new(InProcessTransport::new());
         let node = ServeNode::start(
@@ -414,9 +439,9 @@ impl Engine {
             run,
             transport,
             self.store.clone(),
-            faults,
-            threads,
-            priority,
+            self.launch.faults.clone(),
+            self.launch.threads,
+            self.launch.priority.clone(),
         )
         .map_err(actor_err)?;
         self.node = Some(node);
@@ -607,11 +632,17 @@ impl Engine {
                     recovered = true;
                 }
                 Err(PassError::Failed(parts)) => {
-                    return Err(ServeError::Internal(format!(
-                        "partitions {parts:?} kept failing in update {update}"
-                    )))
+                    return self
+                        .rebuild_or_break(format!(
+                            "partitions {parts:?} kept failing in update {update}"
+                        ))
+                        .await;
                 }
-                Err(PassError::Other(e)) => return Err(e),
+                Err(PassError::Other(e)) => {
+                    return self
+                        .rebuild_or_break(format!("update {update} failed: {e}"))
+                        .await
+                }
             }
         };
         let n = self.nodes();
@@ -644,6 +675,51 @@ impl Engine {
         let which: Vec<usize> = (0..restarted.len()).filter(|&p| restarted[p]).collect();
         tracing::warn!("serving partitions {which:?} restarted and recomputed");
         self.stats.ready.store(true, Ordering::SeqCst);
+    }
+
+    /// The partitions' tables may be behind the store (a pass or a delta failed without a
+    /// panic, so no partition restored itself, or recovery gave up): every partition is
+    /// started again from the store and computes every row, as at start-up. Until that has
+    /// succeeded the service is not ready, refuses queries through the actors and updates,
+    /// and keeps answering existing-node predictions from the last published rows (a
+    /// consistent earlier state). Returns every layer's row count once rebuilt.
+    async fn rebuild_or_break(&mut self, reason: String) -> Result<Vec<usize>, ServeError> {
+        match self.rebuild(&reason).await {
+            Ok(()) => Ok(vec![self.nodes(); self.split.len()]),
+            Err(e) => {
+                tracing::error!("serving: rebuild after `{reason}` failed: {e}");
+                self.broken = Some(Broken {
+                    reason: format!("{reason}; rebuilding: {e}"),
+                    retry_at: Instant::now() + REBUILD_RETRY,
+                });
+                Err(self.recovering())
+            }
+        }
+    }
+
+    async fn rebuild(&mut self, reason: &str) -> Result<(), ServeError> {
+        tracing::warn!("serving: {reason}; starting every partition again from the store");
+        self.stats.ready.store(false, Ordering::SeqCst);
+        self.stats.rebuilds.fetch_add(1, Ordering::Relaxed);
+        if let Some(node) = self.node.take() {
+            node.abandon();
+        }
+        self.start_partitions().await?;
+        self.broken = None;
+        let everyone = vec![true; self.parts];
+        self.after_recovery(&everyone).await;
+        Ok(())
+    }
+
+    /// The answer to a request that needs the partitions while they are being rebuilt.
+    fn recovering(&self) -> ServeError {
+        ServeError::Recovering {
+            retry_after: REBUILD_RETRY,
+            detail: self
+                .broken
+                .as_ref()
+                .map_or_else(|| "rebuilding".into(), |b| b.reason.clone()),
+        }
     }
 
     async fn stage_everywhere(&self, model: &Arc<ModelValues>) -> Result<(), ServeError> {
@@ -684,21 +760,37 @@ impl Engine {
                         full[p as usize] = true;
                     }
                 }
-                Err(PassError::Other(e)) => return Err(e),
+                Err(PassError::Other(e)) => {
+                    return self
+                        .rebuild_or_break(format!("recovering partitions {failed:?}: {e}"))
+                        .await
+                        .map(drop)
+                }
             }
         }
-        Err(ServeError::Internal(format!(
-            "partitions {failed:?} could not be recovered"
-        )))
+        self.rebuild_or_break(format!("partitions {failed:?} could not be recovered"))
+            .await
+            .map(drop)
     }
 
     async fn run(&mut self, rx: Receiver<Command>) {
         loop {
             let now = Instant::now();
+            if let Some(b) = &self.broken {
+                if now >= b.retry_at {
+                    let reason = b.reason.clone();
+                    let _ = self.rebuild_or_break(reason).await;
+                }
+            }
+            let now = Instant::now();
             let wait = match (self.scheduler.next_wake(), &self.swap) {
                 (_, Some(_)) => Duration::ZERO,
                 (Some(w), None) => w.saturating_duration_since(now),
                 (None, None) => Duration::from_secs(3600),
+            };
+            let wait = match &self.broken {
+                Some(b) => wait.min(b.retry_at.saturating_duration_since(now)),
+                None => wait,
             };
             match rx.recv_timeout(wait) {
                 Ok(c) => self.handle(c).await,
@@ -720,6 +812,16 @@ impl Engine {
     }
 
     async fn handle(&mut self, c: Command) {
+        if self.broken.is_some() {
+            let reply = match c {
+                Command::Predict { reply, .. }
+                | Command::AddNodes { reply, .. }
+                | Command::Edges { reply, .. }
+                | Command::SwapModel { reply, .. } => reply,
+            };
+            let _ = reply.send(Err(self.recovering()));
+            return;
+        }
         match c {
             Command::Predict {
                 tenant,
@@ -989,6 +1091,23 @@ impl Engine {
         }
     }
 
+    /// A change the store already has: sent to every partition, then recomputed where it
+    /// reaches. A partition that cannot take the delta leaves the partitions behind the
+    /// store, so they are rebuilt from it.
+    async fn apply_change(
+        &mut self,
+        ops: Vec<DeltaOp>,
+        changed: &[u32],
+    ) -> Result<Vec<usize>, ServeError> {
+        if let Err(e) = self.broadcast(ops).await {
+            return self
+                .rebuild_or_break(format!("a graph change did not reach every partition: {e}"))
+                .await;
+        }
+        self.note_changed(changed);
+        self.recompute(changed).await
+    }
+
     /// Sends graph changes to every partition.
     async fn broadcast(&self, ops: Vec<DeltaOp>) -> Result<(), ServeError> {
         let ops = Arc::new(ops);
@@ -1038,9 +1157,7 @@ impl Engine {
                 .nodes
                 .store(served.graph.num_nodes(), Ordering::Relaxed);
         }
-        self.broadcast(ops).await?;
-        self.note_changed(&changed);
-        let rows = self.recompute(&changed).await?;
+        let rows = self.apply_change(ops, &changed).await?;
         Ok((ids, rows))
     }
 
@@ -1083,9 +1200,7 @@ impl Engine {
                 }
             }
         }
-        self.broadcast(ops).await?;
-        self.note_changed(&changed);
-        let rows = self.recompute(&changed).await?;
+        let rows = self.apply_change(ops, &changed).await?;
         Ok(Answer {
             model_version: self.version.clone(),
             predictions: Vec::new(),
@@ -1208,8 +1323,12 @@ impl Engine {
                 }
             }
             Err(PassError::Other(e)) => {
-                self.drop_staged();
-                let _ = s.reply.send(Err(e));
+                // Some partitions may have installed the new tables and others not: the
+                // old model (still the store's) is computed again everywhere.
+                let _ = s.reply.send(Err(e.clone()));
+                let _ = self
+                    .rebuild_or_break(format!("installing model {} failed: {e}", s.version))
+                    .await;
             }
         }
     }

@@ -18,7 +18,7 @@
 //! holds blocks by `(pass, layer tag)` then sender; `floor` is the lowest pass still
 //! accepted (passes below it were aborted).
 use super::plan::Ids;
-use crate::faults::FaultPlan;
+use crate::faults::{DueServeFault, FaultPlan, ServeFaultAction};
 use crate::ActorError;
 use std::collections::{BTreeMap, VecDeque};
 use std::panic::AssertUnwindSafe;
@@ -503,14 +503,26 @@ impl ServePartMachine {
         let (part, run) = (self.part, self.run);
         let l = step.layer as usize;
         if let (Some(u), Target::Live) = (step.update, step.target) {
-            if let Some(msg) = self.faults.serve_panic_due(part, u, step.layer) {
-                // A kernel interrupted half-way leaves its tables half-written.
-                if let Some(st) = &mut self.state {
-                    for t in &mut st.live.layers {
-                        t.data.iter_mut().step_by(3).for_each(|x| *x = f32::NAN);
+            match self.faults.serve_fault_due(part, u, step.layer) {
+                Some(DueServeFault {
+                    action: ServeFaultAction::Panic,
+                    message,
+                }) => {
+                    // A kernel interrupted half-way leaves its tables half-written.
+                    if let Some(st) = &mut self.state {
+                        for t in &mut st.live.layers {
+                            t.data.iter_mut().step_by(3).for_each(|x| *x = f32::NAN);
+                        }
                     }
+                    panic!("{message}");
                 }
-                panic!("{msg}");
+                // A stuck kernel: the partition's compute thread does nothing for a while
+                // (this blocks the actor's thread, as a hung kernel would), then goes on.
+                Some(DueServeFault {
+                    action: ServeFaultAction::Stall(d),
+                    ..
+                }) => std::thread::sleep(d),
+                None => {}
             }
         }
         let tag = self.tag(step)?;

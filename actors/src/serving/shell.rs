@@ -289,6 +289,19 @@ impl ServeNode {
         &self.addrs
     }
 
+    /// Stops every actor without waiting for them: an actor stuck in a computation (the
+    /// reason a node is abandoned) finishes it on its own thread, whose results go nowhere
+    /// (its halo routes are removed first, and the engine no longer holds its address).
+    pub fn abandon(self) {
+        for p in 0..self.addrs.len() {
+            self.transport.unregister(PartId(p as u32));
+        }
+        drop(self.addrs);
+        for arb in self.arbiters {
+            arb.stop();
+        }
+    }
+
     /// Stops every actor and joins every arbiter thread.
     pub fn shutdown(self) {
         for p in 0..self.addrs.len() {
