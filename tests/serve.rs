@@ -224,6 +224,23 @@ fn served(server: &Server, nodes: &[u32]) -> (String, Vec<Vec<f64>>) {
     (version, probs)
 }
 
+/// The probabilities of every prediction of an answer's body (none for an error's body).
+fn probabilities(body: &Value) -> Vec<Vec<f64>> {
+    body["predictions"]
+        .as_array()
+        .map(|ps| {
+            ps.iter()
+                .map(|p| {
+                    p["probabilities"]
+                        .as_array()
+                        .map(|xs| xs.iter().map(|x| x.as_f64().unwrap_or(f64::NAN)).collect())
+                        .unwrap_or_default()
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
 fn assert_close(served: &[Vec<f64>], logits: &ndarray::Array2<f32>, what: &str) {
     assert_eq!(served.len(), logits.nrows(), "{what}: row count");
     let mut worst = 0f64;
@@ -804,21 +821,7 @@ fn panicking_partition_actors_are_recovered_under_open_loop_load_without_wrong_a
                         None,
                     );
                     let sent_by_answer = sent.load(std::sync::atomic::Ordering::SeqCst);
-                    let probs = r.body["predictions"]
-                        .as_array()
-                        .map(|ps| {
-                            ps.iter()
-                                .map(|p| {
-                                    p["probabilities"]
-                                        .as_array()
-                                        .unwrap()
-                                        .iter()
-                                        .map(|x| x.as_f64().unwrap_or(f64::NAN))
-                                        .collect()
-                                })
-                                .collect()
-                        })
-                        .unwrap_or_default();
+                    let probs = probabilities(&r.body);
                     let _ = tx.send(Seen {
                         status: r.status,
                         retry_after: r.retry_after.is_some(),
@@ -989,19 +992,8 @@ fn a_partition_stuck_past_its_step_timeout_is_rebuilt_from_the_store_without_wro
         match seen.status {
             200 => {
                 answered += 1;
-                let got: Vec<Vec<f64>> = seen.body["predictions"]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|p| {
-                        p["probabilities"]
-                            .as_array()
-                            .unwrap()
-                            .iter()
-                            .map(|x| x.as_f64().unwrap())
-                            .collect()
-                    })
-                    .collect();
+                let got = probabilities(&seen.body);
+                assert_eq!(got.len(), 3, "{}", seen.text);
                 let fits = |logits: &ndarray::Array2<f32>| {
                     [0usize, 700, 10].iter().zip(&got).all(|(&v, row)| {
                         let want = softmax(logits.row(v).as_slice().unwrap());
