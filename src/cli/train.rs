@@ -386,8 +386,14 @@ pub fn train_single_saving(
 }
 
 /// Trains with `a.partitions` partition actors (partitioning, faults and checkpoints as `a`
-/// says) through the topology API and returns the report.
-pub fn train_partitioned(ds: &Dataset, cfg: TrainConfig, a: &TrainArgs) -> Result<RunReport> {
+/// says) through the topology API, with the service of `--serve` beside it when asked (on
+/// serving partition actors owning the same nodes as the training partitions, see
+/// [`crate::serve::beside`]); returns the report and the service, still running.
+pub fn train_partitioned(
+    ds: &Dataset,
+    cfg: TrainConfig,
+    a: &TrainArgs,
+) -> Result<(RunReport, Option<crate::serve::beside::Beside>)> {
     let epochs = cfg.epochs as u64;
     let faults = a
         .chaos
@@ -409,6 +415,17 @@ pub fn train_partitioned(ds: &Dataset, cfg: TrainConfig, a: &TrainArgs) -> Resul
         topo = topo.keeping_models();
     }
     let data_digest = topo.book().data_digest.clone();
+    let mut service = None;
+    if let Some(listen) = a.serve {
+        let opts = crate::serve::beside::BesideOptions {
+            listen,
+            publish_every: a.publish_every,
+            owner: topo.owners()?,
+        };
+        let mut s = crate::serve::beside::Beside::start(ds, &cfg, &data_digest, opts)?;
+        topo = s.lower_partitions(topo, &cfg)?;
+        service = Some(s);
+    }
     let (report, kept) = follow_keeping(topo.spawn()?, epochs, a.verbose)?;
     if let Some(path) = &a.save_model {
         save_kept_model(
@@ -420,7 +437,7 @@ pub fn train_partitioned(ds: &Dataset, cfg: TrainConfig, a: &TrainArgs) -> Resul
             path,
         )?;
     }
-    Ok(report)
+    Ok((report, service))
 }
 
 /// Shows a run's progress (a bar on a terminal, per-epoch lines with `verbose`, every
@@ -498,12 +515,6 @@ pub fn run(a: TrainArgs) -> Result<()> {
         );
     }
     a.halo.check_partitioned(partitioned)?;
-    if partitioned && a.serve.is_some() {
-        bail!(
-            "--serve is not available for partitioned runs yet: train single-process \
-             (without --partitions, --partition-dir, --chaos, --checkpoint-dir) to serve beside it"
-        );
-    }
     if let Some(path) = &a.report {
         check_report_path(path)?;
     }
@@ -512,7 +523,9 @@ pub fn run(a: TrainArgs) -> Result<()> {
     let cfg = a.config(&ds)?;
     let mut beside = None;
     let report = if partitioned {
-        train_partitioned(&ds, cfg, &a)?
+        let (report, service) = train_partitioned(&ds, cfg, &a)?;
+        beside = service;
+        report
     } else if let Some(listen) = a.serve {
         let save = a.save_model.as_deref().map(|p| (p, a.save_model_at));
         let (report, service) = train_serving(ds, cfg, listen, a.publish_every, a.verbose, save)?;
@@ -528,10 +541,10 @@ pub fn run(a: TrainArgs) -> Result<()> {
     if let Some(path) = &a.report {
         write_report(&report, path)?;
     }
+    // The service's spans are exported for as long as it serves.
+    let served = beside.map(|s| s.serve_until_stopped());
     a.telemetry.finish(telemetry);
-    if let Some(service) = beside {
-        service.serve_until_stopped()?;
-    }
+    served.transpose()?;
     Ok(())
 }
 
@@ -545,7 +558,12 @@ fn train_serving(
     verbose: bool,
     save: Option<(&Path, SaveAt)>,
 ) -> Result<(RunReport, crate::serve::beside::Beside)> {
-    let mut service = crate::serve::beside::Beside::start(&ds, &cfg, &ds.digest(), listen, every)?;
+    let opts = crate::serve::beside::BesideOptions {
+        listen,
+        publish_every: every,
+        owner: vec![0; ds.num_nodes],
+    };
+    let mut service = crate::serve::beside::Beside::start(&ds, &cfg, &ds.digest(), opts)?;
     let epochs = cfg.epochs;
     let mut trainer = Trainer::from_dataset(ds, cfg)?;
     service.lower_training(&mut trainer);

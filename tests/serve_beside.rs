@@ -1,0 +1,357 @@
+//! Serving beside partitioned training (`trellis train --partitions P --serve ADDR`), driven
+//! as a user would: the real binary on 127.0.0.1 with an ephemeral port and a real HTTP
+//! client; and the topology API's yielding of training partitions to inference work.
+mod support;
+
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+use trellis_actors::Topology;
+use trellis_gpu::PriorityGate;
+use trellis_runtime::partition::PartitionMethod;
+use trellis_runtime::{DataSource, ModelKind, TrainConfig};
+
+const DATA: &str = "synthetic:nodes=1500,degree=8,features=16,classes=4,seed=2";
+const NODES: u32 = 1500;
+
+/// A running `trellis train --serve`, stopped on drop.
+struct Server {
+    child: Child,
+    url: String,
+    /// Its stdout lines after `listening on`.
+    lines: mpsc::Receiver<String>,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Server {
+    /// Runs `trellis ARGS` (with `env`) and waits for its `listening on http://...` line.
+    fn spawn(args: &[&str], env: &[(&str, &str)]) -> Server {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_trellis"))
+            .args(args)
+            .envs(env.iter().copied())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("trellis starts");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let url = loop {
+            let line = rx
+                .recv_timeout(Duration::from_secs(120))
+                .expect("`listening on` within 120 s");
+            if let Some(u) = line.strip_prefix("listening on ") {
+                break u.to_string();
+            }
+        };
+        assert!(url.starts_with("http://127.0.0.1:"), "{url}");
+        assert!(!url.ends_with(":0"), "port 0 was resolved: {url}");
+        Server {
+            child,
+            url,
+            lines: rx,
+        }
+    }
+
+    /// Waits (bounded) for a stdout line containing `what`; returns it.
+    fn wait_line(&self, what: &str, within: Duration) -> String {
+        let end = Instant::now() + within;
+        loop {
+            let left = end.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) if l.contains(what) => return l,
+                Ok(_) => {}
+                Err(e) => panic!("no line with {what:?} within {within:?}: {e}"),
+            }
+        }
+    }
+
+    fn post(&self, agent: &ureq::Agent, path: &str, body: &Value) -> (u16, Value, String) {
+        post(agent, &format!("{}{path}", self.url), body, &[])
+    }
+}
+
+fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(30)))
+        .build()
+        .into()
+}
+
+/// Status, JSON body and text of a POST of `body` with `headers`.
+fn post(
+    agent: &ureq::Agent,
+    url: &str,
+    body: &Value,
+    headers: &[(&str, &str)],
+) -> (u16, Value, String) {
+    let mut req = agent.post(url).header("content-type", "application/json");
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let mut resp = req
+        .send(body.to_string().as_bytes())
+        .expect("the request completes");
+    let status = resp.status().as_u16();
+    let text = resp.body_mut().read_to_string().unwrap();
+    (
+        status,
+        serde_json::from_str(&text).unwrap_or(Value::Null),
+        text,
+    )
+}
+
+fn trellis(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_trellis"))
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "trellis {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// The `weights_digest` a run's summary printed.
+fn digest_of(line: &str) -> String {
+    line.split_whitespace()
+        .nth(1)
+        .unwrap_or_else(|| panic!("no digest in {line:?}"))
+        .to_string()
+}
+
+fn softmax(row: &[f32]) -> Vec<f64> {
+    let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let e: Vec<f64> = row.iter().map(|&x| f64::from(x - m).exp()).collect();
+    let sum: f64 = e.iter().sum();
+    e.iter().map(|x| x / sum).collect()
+}
+
+/// Probabilities of one answer's predictions, checked whole: one per asked node, in order,
+/// each a distribution whose class is its largest entry (and a row of `embedding_width`
+/// when asked for).
+fn whole_answer(body: &Value, nodes: &[u32], embedding_width: Option<usize>) -> Vec<Vec<f64>> {
+    let preds = body["predictions"].as_array().expect("predictions");
+    assert_eq!(preds.len(), nodes.len(), "{body}");
+    preds
+        .iter()
+        .zip(nodes)
+        .map(|(p, &v)| {
+            assert_eq!(p["node"], v, "{body}");
+            let row: Vec<f64> = p["probabilities"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap())
+                .collect();
+            assert_eq!(row.len(), 4, "{body}");
+            assert!((row.iter().sum::<f64>() - 1.0).abs() < 1e-5, "{row:?}");
+            let class = p["class"].as_u64().unwrap() as usize;
+            let best = (0..row.len()).fold(0, |b, i| if row[i] > row[b] { i } else { b });
+            assert_eq!(class, best, "{body}");
+            if let Some(w) = embedding_width {
+                assert_eq!(p["embedding"].as_array().map(Vec::len), Some(w), "{body}");
+            }
+            row
+        })
+        .collect()
+}
+
+/// Trains 2 partitions with `extra` without a service, then the same run with `--serve`,
+/// querying it (published rows and, every other request, through the serving partition
+/// actors with embeddings) for as long as it trains; checks every answer is whole and of
+/// one version, versions only move forward, the weights digest equals the run without
+/// the service, and afterwards every served probability equals `trellis predict` with the
+/// saved last weights.
+fn serves_beside_partitioned_training(extra: &[&str]) {
+    let dir = tempfile::tempdir().unwrap();
+    let base = [
+        "train",
+        "--data",
+        DATA,
+        "--model",
+        "gcn",
+        "--partitions",
+        "2",
+        "--epochs",
+        "600",
+        "--threads",
+        "2",
+    ];
+    let alone: Vec<&str> = base.iter().chain(extra).copied().collect();
+    let out = trellis(&alone);
+    let want = digest_of(
+        out.lines()
+            .find(|l| l.starts_with("weights_digest"))
+            .unwrap(),
+    );
+
+    let file = dir.path().join("last.safetensors");
+    let mut args = alone.clone();
+    args.extend([
+        "--serve",
+        "127.0.0.1:0",
+        "--publish-every",
+        "25",
+        "--save-model",
+        s(&file),
+        "--save-model-at",
+        "last",
+    ]);
+    let server = Server::spawn(&args, &[]);
+    let agent = agent();
+    let mut versions: Vec<String> = Vec::new();
+    let (mut answers, mut through_actors) = (0, 0);
+    let asked = [0, 7, NODES - 1, 7];
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let digest_line = loop {
+        assert!(Instant::now() < deadline, "training did not finish in time");
+        let with_embeddings = answers % 2 == 1;
+        let body = if with_embeddings {
+            json!({ "nodes": asked, "embeddings": 0 })
+        } else {
+            json!({ "nodes": asked })
+        };
+        let (status, body, text) = server.post(&agent, "/v1/predict", &body);
+        assert_eq!(status, 200, "{text}");
+        let version = body["model_version"].as_str().unwrap().to_string();
+        assert_eq!(version.len(), 12, "{text}");
+        let rows = whole_answer(&body, &asked, with_embeddings.then_some(16));
+        assert_eq!(rows[1], rows[3], "one node, one answer within a version");
+        answers += 1;
+        through_actors += usize::from(with_embeddings);
+        if versions.last() != Some(&version) {
+            assert!(
+                !versions.contains(&version),
+                "version {version} came back after a newer one: {versions:?}"
+            );
+            versions.push(version);
+        }
+        if let Ok(line) = server.lines.try_recv() {
+            if line.starts_with("weights_digest") {
+                break line;
+            }
+        }
+    };
+    println!(
+        "{answers} answers ({through_actors} through the serving partitions) while training, versions: {versions:?}"
+    );
+    assert_eq!(
+        digest_of(&digest_line),
+        want,
+        "serving beside changed the trained weights"
+    );
+    assert!(
+        versions.len() >= 3,
+        "the version advanced only {} time(s) over 24 publishes: {versions:?}",
+        versions.len() - 1
+    );
+    // Once the last publish is served it says so; then it serves exactly the saved weights.
+    server.wait_line("still serving", Duration::from_secs(120));
+    let out = dir.path().join("logits.npy");
+    trellis(&[
+        "predict",
+        "--model",
+        s(&file),
+        "--data",
+        DATA,
+        "--out",
+        s(&out),
+    ]);
+    let logits: ndarray::Array2<f32> = ndarray_npy::read_npy(&out).unwrap();
+    let all: Vec<u32> = (0..NODES).collect();
+    let mut worst = 0f64;
+    let mut last_version = None;
+    for chunk in all.chunks(500) {
+        let (status, body, text) = server.post(&agent, "/v1/predict", &json!({ "nodes": chunk }));
+        assert_eq!(status, 200, "{text}");
+        let v = body["model_version"].as_str().unwrap().to_string();
+        assert!(last_version.as_ref().is_none_or(|l| *l == v), "{v}");
+        last_version = Some(v);
+        for (row, &node) in whole_answer(&body, chunk, None).iter().zip(chunk) {
+            let want = softmax(logits.row(node as usize).as_slice().unwrap());
+            for (a, b) in row.iter().zip(&want) {
+                worst = worst.max((a - b).abs());
+            }
+        }
+    }
+    assert!(
+        worst <= 1e-5,
+        "served and predicted (saved last weights) differ by {worst}"
+    );
+}
+
+#[test]
+fn partitioned_training_serves_its_published_weights_and_trains_the_same_weights() {
+    serves_beside_partitioned_training(&[]);
+}
+
+#[test]
+fn with_efficient_communication_too() {
+    serves_beside_partitioned_training(&["--comm", "efficient"]);
+}
+
+/// The topology API: training partitions that yield to a gate wait between kernel pieces
+/// while urgent work holds it (no epoch finishes), go on once it is released, and end with
+/// the weights of the same run without the gate.
+#[test]
+fn training_partitions_yield_to_inference_and_train_the_same_weights() {
+    let ds = DataSource::parse("synthetic:nodes=2000,degree=8,features=32,classes=4,seed=5")
+        .unwrap()
+        .load()
+        .unwrap();
+    let cfg = || {
+        let mut c = TrainConfig::paper_defaults(ModelKind::Gcn, ds.num_features, ds.num_classes, 0);
+        c.epochs = 6;
+        c.threads = 2;
+        c
+    };
+    let plain = Topology::partition(&ds, 2, PartitionMethod::Metis, None, cfg())
+        .unwrap()
+        .spawn()
+        .unwrap()
+        .wait()
+        .unwrap();
+    let gate = PriorityGate::new();
+    let urgent = gate.urgent();
+    let topo = Topology::partition(&ds, 2, PartitionMethod::Metis, None, cfg())
+        .unwrap()
+        .yielding_to(gate.clone());
+    let owners = topo.owners().unwrap();
+    assert_eq!(owners.len(), ds.num_nodes);
+    assert!(owners.iter().all(|&o| o < 2) && owners.contains(&0) && owners.contains(&1));
+    let run = topo.spawn().unwrap();
+    // Urgent work holds the gate: the partitions' first kernels wait at their first piece.
+    match run.events().recv_timeout(Duration::from_millis(1500)) {
+        Err(mpsc::RecvTimeoutError::Timeout) => {}
+        other => panic!("training went on while inference held the gate: {other:?}"),
+    }
+    assert!(gate.yields() >= 1, "no training piece waited for the gate");
+    drop(urgent);
+    let gated = run.wait().unwrap();
+    assert_eq!(gated.epochs_log.len(), 6);
+    assert_eq!(
+        gated.weights_digest, plain.weights_digest,
+        "yielding changed the trained weights"
+    );
+}
