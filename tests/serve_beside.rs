@@ -3,6 +3,7 @@
 //! client; and the topology API's yielding of training partitions to inference work.
 mod support;
 
+use opentelemetry_proto::tonic::trace::v1::Span;
 use serde_json::{json, Value};
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -79,8 +80,18 @@ impl Server {
         }
     }
 
-    fn post(&self, agent: &ureq::Agent, path: &str, body: &Value) -> (u16, Value, String) {
-        post(agent, &format!("{}{path}", self.url), body, &[])
+    fn post(&self, agent: &ureq::Agent, path: &str, body: &Value) -> Reply {
+        self.post_with(agent, path, body, &[])
+    }
+
+    fn post_with(
+        &self,
+        agent: &ureq::Agent,
+        path: &str,
+        body: &Value,
+        headers: &[(&str, &str)],
+    ) -> Reply {
+        post(agent, &format!("{}{path}", self.url), body, headers)
     }
 }
 
@@ -92,13 +103,17 @@ fn agent() -> ureq::Agent {
         .into()
 }
 
-/// Status, JSON body and text of a POST of `body` with `headers`.
-fn post(
-    agent: &ureq::Agent,
-    url: &str,
-    body: &Value,
-    headers: &[(&str, &str)],
-) -> (u16, Value, String) {
+/// An HTTP answer.
+struct Reply {
+    status: u16,
+    body: Value,
+    text: String,
+    /// Its `traceparent` header (the request's span, when traced).
+    traceparent: Option<String>,
+}
+
+/// The answer to a POST of `body` with `headers`.
+fn post(agent: &ureq::Agent, url: &str, body: &Value, headers: &[(&str, &str)]) -> Reply {
     let mut req = agent.post(url).header("content-type", "application/json");
     for (k, v) in headers {
         req = req.header(*k, *v);
@@ -107,12 +122,17 @@ fn post(
         .send(body.to_string().as_bytes())
         .expect("the request completes");
     let status = resp.status().as_u16();
+    let traceparent = resp
+        .headers()
+        .get("traceparent")
+        .map(|v| v.to_str().unwrap().to_string());
     let text = resp.body_mut().read_to_string().unwrap();
-    (
+    Reply {
         status,
-        serde_json::from_str(&text).unwrap_or(Value::Null),
+        body: serde_json::from_str(&text).unwrap_or(Value::Null),
         text,
-    )
+        traceparent,
+    }
 }
 
 fn trellis(args: &[&str]) -> String {
@@ -232,11 +252,11 @@ fn serves_beside_partitioned_training(extra: &[&str]) {
         } else {
             json!({ "nodes": asked })
         };
-        let (status, body, text) = server.post(&agent, "/v1/predict", &body);
-        assert_eq!(status, 200, "{text}");
-        let version = body["model_version"].as_str().unwrap().to_string();
-        assert_eq!(version.len(), 12, "{text}");
-        let rows = whole_answer(&body, &asked, with_embeddings.then_some(16));
+        let r = server.post(&agent, "/v1/predict", &body);
+        assert_eq!(r.status, 200, "{}", r.text);
+        let version = r.body["model_version"].as_str().unwrap().to_string();
+        assert_eq!(version.len(), 12, "{}", r.text);
+        let rows = whole_answer(&r.body, &asked, with_embeddings.then_some(16));
         assert_eq!(rows[1], rows[3], "one node, one answer within a version");
         answers += 1;
         through_actors += usize::from(with_embeddings);
@@ -283,12 +303,12 @@ fn serves_beside_partitioned_training(extra: &[&str]) {
     let mut worst = 0f64;
     let mut last_version = None;
     for chunk in all.chunks(500) {
-        let (status, body, text) = server.post(&agent, "/v1/predict", &json!({ "nodes": chunk }));
-        assert_eq!(status, 200, "{text}");
-        let v = body["model_version"].as_str().unwrap().to_string();
+        let r = server.post(&agent, "/v1/predict", &json!({ "nodes": chunk }));
+        assert_eq!(r.status, 200, "{}", r.text);
+        let v = r.body["model_version"].as_str().unwrap().to_string();
         assert!(last_version.as_ref().is_none_or(|l| *l == v), "{v}");
         last_version = Some(v);
-        for (row, &node) in whole_answer(&body, chunk, None).iter().zip(chunk) {
+        for (row, &node) in whole_answer(&r.body, chunk, None).iter().zip(chunk) {
             let want = softmax(logits.row(node as usize).as_slice().unwrap());
             for (a, b) in row.iter().zip(&want) {
                 worst = worst.max((a - b).abs());
@@ -354,4 +374,136 @@ fn training_partitions_yield_to_inference_and_train_the_same_weights() {
         gated.weights_digest, plain.weights_digest,
         "yielding changed the trained weights"
     );
+}
+
+/// The spans of trace `trace` the collector got, once `done` holds for them (bounded).
+fn trace_spans(
+    store: &support::Store,
+    trace: &str,
+    done: impl Fn(&[support::Received]) -> bool,
+) -> Vec<Span> {
+    store
+        .wait_for(trace, || {}, done)
+        .into_iter()
+        .map(|r| r.span)
+        .collect()
+}
+
+fn named<'a>(spans: &'a [Span], name: &str) -> Vec<&'a Span> {
+    spans.iter().filter(|s| s.name == name).collect()
+}
+
+/// The trace id (hex) of a `traceparent` value.
+fn trace_of(traceparent: &str) -> String {
+    traceparent.split('-').nth(1).unwrap().to_string()
+}
+
+/// A service beside 2 training partitions exporting to a test collector: a
+/// predict-with-embeddings request (in the caller's trace, named by its `traceparent`) and a
+/// node update are each one trace, from the HTTP span through the engine's batch or update
+/// spans down to the serving partition actors' lookup or step spans.
+#[test]
+fn each_request_is_one_trace_down_to_the_partition_actors() {
+    let (collector, store) = support::http_receiver();
+    let endpoint = format!("http://{collector}");
+    let server = Server::spawn(
+        &[
+            "train",
+            "--data",
+            DATA,
+            "--partitions",
+            "2",
+            "--epochs",
+            "20",
+            "--threads",
+            "2",
+            "--serve",
+            "127.0.0.1:0",
+            "--publish-every",
+            "10",
+            "--otlp-endpoint",
+            &endpoint,
+        ],
+        // Export batches every 200 ms (the OpenTelemetry SDK's standard variable).
+        &[("OTEL_BSP_SCHEDULE_DELAY", "200")],
+    );
+    server.wait_line("still serving", Duration::from_secs(120));
+    let agent = agent();
+
+    // A query through the partition actors, as part of the caller's trace.
+    let caller_trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let caller_span = "00f067aa0ba902b7";
+    let every: Vec<u32> = (0..NODES).collect();
+    let r = server.post_with(
+        &agent,
+        "/v1/predict",
+        &json!({ "nodes": every, "embeddings": 1 }),
+        &[(
+            "traceparent",
+            &format!("00-{caller_trace}-{caller_span}-01"),
+        )],
+    );
+    assert_eq!(r.status, 200, "{}", r.text);
+    let tp = r.traceparent.expect("a traced answer names its span");
+    assert_eq!(trace_of(&tp), caller_trace, "{tp}");
+    let spans = trace_spans(&store, caller_trace, |got| {
+        got.iter().filter(|r| r.span.name == "serve_lookup").count() == 2
+            && got.iter().any(|r| r.span.name == "serve_request")
+    });
+    let request = named(&spans, "serve_request");
+    assert_eq!(request.len(), 1);
+    let request = request[0];
+    assert_eq!(support::hex(&request.parent_span_id), caller_span);
+    assert_eq!(support::string(request, "route"), Some("/v1/predict"));
+    assert_eq!(support::int(request, "status"), Some(200));
+    let batch = named(&spans, "serve_batch");
+    assert_eq!(batch.len(), 1, "one engine step served the request");
+    assert_eq!(batch[0].parent_span_id, request.span_id);
+    let mut parts: Vec<i64> = named(&spans, "serve_lookup")
+        .iter()
+        .map(|l| {
+            assert_eq!(l.parent_span_id, batch[0].span_id);
+            assert_eq!(support::int(l, "layer"), Some(1));
+            support::int(l, "partition").unwrap()
+        })
+        .collect();
+    parts.sort_unstable();
+    assert_eq!(parts, [0, 1], "both partitions own asked nodes");
+
+    // A node update: a trace of its own (no caller span), named in the answer.
+    let features: Vec<f32> = (0..16).map(|i| (i % 3) as f32).collect();
+    let r = server.post(
+        &agent,
+        "/v1/nodes",
+        &json!({ "nodes": [{ "features": features, "edges": [0, 700, NODES - 1] }] }),
+    );
+    assert_eq!(r.status, 200, "{}", r.text);
+    let trace = trace_of(&r.traceparent.expect("a traced answer names its span"));
+    // 2 layers on 2 partitions.
+    let spans = trace_spans(&store, &trace, |got| {
+        got.iter().filter(|r| r.span.name == "serve_step").count() == 4
+            && got.iter().any(|r| r.span.name == "serve_request")
+    });
+    let request = named(&spans, "serve_request");
+    assert_eq!(request.len(), 1);
+    assert!(request[0].parent_span_id.is_empty(), "a root span");
+    assert_eq!(support::string(request[0], "route"), Some("/v1/nodes"));
+    let add = named(&spans, "serve_add_nodes");
+    assert_eq!(add.len(), 1);
+    assert_eq!(add[0].parent_span_id, request[0].span_id);
+    let update = named(&spans, "serve_update");
+    assert_eq!(update.len(), 1);
+    assert_eq!(update[0].parent_span_id, add[0].span_id);
+    let mut steps: Vec<(i64, i64)> = named(&spans, "serve_step")
+        .iter()
+        .map(|st| {
+            assert_eq!(st.parent_span_id, update[0].span_id);
+            (
+                support::int(st, "layer").unwrap(),
+                support::int(st, "partition").unwrap(),
+            )
+        })
+        .collect();
+    steps.sort_unstable();
+    assert_eq!(steps, [(0, 0), (0, 1), (1, 0), (1, 1)]);
 }

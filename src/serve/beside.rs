@@ -345,6 +345,7 @@ impl Publisher {
         if !self.engine.send(Command::SwapModel {
             model: Box::new(model),
             reply: tx,
+            trace: None,
         }) {
             return Err(anyhow!("the serving engine has stopped"));
         }
