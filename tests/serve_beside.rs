@@ -507,3 +507,54 @@ fn each_request_is_one_trace_down_to_the_partition_actors() {
     steps.sort_unstable();
     assert_eq!(steps, [(0, 0), (0, 1), (1, 0), (1, 1)]);
 }
+
+/// `trellis bench serve --beside-partitions 2`: (c) trains on 2 partition actors beside
+/// (a)'s load, reports its latencies and epoch rate, and publishes weights the service
+/// then serves.
+#[test]
+fn bench_serve_measures_a_beside_partitioned_training() {
+    let out = trellis(&[
+        "bench",
+        "serve",
+        "--data",
+        DATA,
+        "--hidden",
+        "16",
+        "--seconds",
+        "1",
+        "--beside-seconds",
+        "2",
+        "--rate-predict",
+        "300",
+        "--rate-new",
+        "0",
+        "--rate-light",
+        "0",
+        "--connections",
+        "4",
+        "--threads",
+        "2",
+        "--beside-partitions",
+        "2",
+    ]);
+    for row in ["(a) existing-node predict", "(c) (a) beside training"] {
+        let line = out
+            .lines()
+            .find(|l| l.starts_with(row))
+            .unwrap_or_else(|| panic!("no `{row}` in {out}"));
+        assert!(
+            line.contains("p99.9") && line.contains("failed 0"),
+            "{line}"
+        );
+    }
+    assert!(out.contains("(c) training on 2 partition actors"), "{out}");
+    let summary = out
+        .lines()
+        .find(|l| l.starts_with("(c) p99"))
+        .unwrap_or_else(|| panic!("no (c) summary in {out}"));
+    assert!(summary.contains("% of its epoch rate"), "{summary}");
+    assert!(
+        summary.contains("the served version advanced"),
+        "training beside the service published no weights: {summary}"
+    );
+}
