@@ -80,6 +80,27 @@ impl Server {
         }
     }
 
+    /// Sends SIGINT (Ctrl-C) and waits (bounded) for a successful exit.
+    fn interrupt_and_wait(&mut self, within: Duration) {
+        // SAFETY: a signal to the child this test started and has not reaped.
+        assert_eq!(
+            unsafe { libc::kill(self.child.id() as i32, libc::SIGINT) },
+            0
+        );
+        let end = Instant::now() + within;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                assert!(status.success(), "exit after Ctrl-C: {status}");
+                return;
+            }
+            assert!(
+                Instant::now() < end,
+                "still running {within:?} after Ctrl-C"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     fn post(&self, agent: &ureq::Agent, path: &str, body: &Value) -> Reply {
         self.post_with(agent, path, body, &[])
     }
@@ -319,6 +340,9 @@ fn serves_beside_partitioned_training(extra: &[&str]) {
         worst <= 1e-5,
         "served and predicted (saved last weights) differ by {worst}"
     );
+    // Ctrl-C stops the service: the process exits, successfully.
+    let mut server = server;
+    server.interrupt_and_wait(Duration::from_secs(30));
 }
 
 #[test]

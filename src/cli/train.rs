@@ -426,7 +426,12 @@ pub fn train_partitioned(
         topo = s.lower_partitions(topo, &cfg)?;
         service = Some(s);
     }
-    let (report, kept) = follow_keeping(topo.spawn()?, epochs, a.verbose)?;
+    let stop_service = service.as_ref().map(|s| s.stopper());
+    let (report, kept) = follow(topo.spawn()?, epochs, a.verbose, move || {
+        if let Some(stop) = &stop_service {
+            stop()
+        }
+    })?;
     if let Some(path) = &a.save_model {
         save_kept_model(
             &kept,
@@ -447,9 +452,23 @@ pub fn follow_keeping(
     epochs: u64,
     verbose: bool,
 ) -> Result<(RunReport, KeptModels)> {
+    follow(run, epochs, verbose, || {})
+}
+
+/// [`follow_keeping`], calling `on_ctrl_c` too on every Ctrl-C (this process's SIGINT
+/// handler from now on: `--serve` stops its service there).
+fn follow(
+    run: TrainingRun,
+    epochs: u64,
+    verbose: bool,
+    on_ctrl_c: impl Fn() + Send + 'static,
+) -> Result<(RunReport, KeptModels)> {
     let cancel = run.canceller();
     // Ctrl-C stops the run after the step in progress; actors and threads are joined.
-    let _ = ctrlc::set_handler(move || cancel.store(true, std::sync::atomic::Ordering::SeqCst));
+    let _ = ctrlc::set_handler(move || {
+        cancel.store(true, std::sync::atomic::Ordering::SeqCst);
+        on_ctrl_c();
+    });
     let pb = progress::bar(epochs, "training");
     for ev in run.events() {
         match ev {

@@ -17,7 +17,7 @@
 //! publish that comes while the previous one is still being computed is skipped (the next
 //! one carries newer weights anyway), except the last, which waits for it.
 use super::api::Limits;
-use super::{run_http, HttpConfig};
+use super::{run_http_stoppable, HttpConfig};
 use anyhow::{anyhow, Context, Result};
 use std::net::SocketAddr;
 use std::path::Path;
@@ -70,6 +70,8 @@ pub struct Beside {
     /// to it between kernel pieces.
     pub gate: PriorityGate,
     http: std::thread::JoinHandle<()>,
+    /// Stops the HTTP server.
+    server: actix_web::dev::ServerHandle,
     /// Where it listens.
     pub addr: SocketAddr,
 }
@@ -155,14 +157,14 @@ impl Beside {
             .name("trellis-serve-http".into())
             .spawn(move || {
                 let bound = tx.clone();
-                if let Err(e) = run_http(handle, http_cfg, listen, move |addr| {
-                    let _ = bound.send(Ok(addr));
+                if let Err(e) = run_http_stoppable(handle, http_cfg, listen, move |addr, server| {
+                    let _ = bound.send(Ok((addr, server)));
                 }) {
                     let _ = tx.send(Err(e));
                 }
             })
             .context("cannot start the HTTP thread")?;
-        let addr = rx
+        let (addr, server) = rx
             .recv_timeout(Duration::from_secs(60))
             .map_err(|_| anyhow!("the HTTP server did not start within 60 s"))?
             .with_context(|| format!("cannot serve on {listen}"))?;
@@ -175,6 +177,7 @@ impl Beside {
             publishing: None,
             gate,
             http,
+            server,
             addr,
         })
     }
@@ -256,8 +259,18 @@ impl Beside {
         trainer.yield_to(self.gate.clone());
     }
 
+    /// A function that stops the service (what SIGINT does where no other handler took it:
+    /// partitioned training's Ctrl-C handler stops the run and calls this).
+    pub fn stopper(&self) -> impl Fn() + Send + 'static {
+        let server = self.server.clone();
+        move || {
+            // The command is sent at once; nothing needs to wait for the stop here.
+            drop(server.stop(true));
+        }
+    }
+
     /// After training: keeps serving the last weights until the process is stopped (the
-    /// HTTP server stops on SIGINT or SIGTERM).
+    /// HTTP server stops on SIGINT or SIGTERM, or through [`Beside::stopper`]).
     pub fn serve_until_stopped(self) -> Result<()> {
         let mut publisher = match (self.publisher, self.publishing) {
             (Some(p), _) => p,

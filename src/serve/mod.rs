@@ -412,6 +412,17 @@ pub fn run_http(
     listen: SocketAddr,
     on_bound: impl FnOnce(SocketAddr),
 ) -> std::io::Result<()> {
+    run_http_stoppable(engine, cfg, listen, |addr, _| on_bound(addr))
+}
+
+/// [`run_http`], handing `on_bound` the server's handle too: `handle.stop(true)` ends it
+/// as SIGINT or SIGTERM would (requests in flight are answered first).
+pub fn run_http_stoppable(
+    engine: EngineHandle,
+    cfg: HttpConfig,
+    listen: SocketAddr,
+    on_bound: impl FnOnce(SocketAddr, actix_web::dev::ServerHandle),
+) -> std::io::Result<()> {
     let metrics = Arc::new(HttpMetrics::default());
     let state = web::Data::new(AppState {
         engine,
@@ -437,7 +448,7 @@ pub fn run_http(
         .bind(listen)?;
         let addr = server.addrs()[0];
         let running = server.run();
-        on_bound(addr);
+        on_bound(addr, running.handle());
         running.await
     })
 }
