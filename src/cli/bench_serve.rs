@@ -302,6 +302,13 @@ fn meta(cfg: &TrainConfig, tr: &Trainer) -> ModelMeta {
     }
 }
 
+/// An epoch trained beside the load: its wall time, and whether it ended while the load
+/// still ran.
+struct BesideEpoch {
+    ms: f64,
+    during_load: bool,
+}
+
 /// One gated epoch of a partitioned run: sends its token, waits for its log; wall ms.
 fn gated_epoch(gate: &mpsc::Sender<()>, run: &TrainingRun) -> Result<f64> {
     let t = Instant::now();
@@ -368,7 +375,7 @@ fn beside_partitioned(
             }
             Ok(publisher)
         });
-        let training = sc.spawn(|| -> Result<(Vec<f64>, Vec<f64>)> {
+        let training = sc.spawn(|| -> Result<(Vec<f64>, Vec<BesideEpoch>)> {
             // The partition actors' threads inherit this thread's class.
             trellis_actors::serving::priority::background_this_thread_as(a.beside_priority);
             let (gate, gate_rx) = mpsc::channel();
@@ -380,7 +387,11 @@ fn beside_partitioned(
             let _ = alone_tx.send(());
             let mut beside = Vec::new();
             while !stop.load(Ordering::Relaxed) {
-                beside.push(gated_epoch(&gate, &run)?);
+                let ms = gated_epoch(&gate, &run)?;
+                beside.push(BesideEpoch {
+                    ms,
+                    during_load: !stop.load(Ordering::Relaxed),
+                });
             }
             drop(gate);
             run.wait()?;
@@ -406,10 +417,22 @@ fn beside_partitioned(
             .map_err(|_| anyhow::anyhow!("the publishing thread panicked"));
         (run, trained, publisher)
     });
-    let (alone, times) = trained??;
+    let (alone, epochs) = trained??;
     let run = run?;
     let publisher = publisher??;
     let alone_ms = median_ms(alone);
+    // Epochs that ended after the load did not run beside it all along.
+    let times: Vec<f64> = epochs
+        .iter()
+        .filter(|e| e.during_load)
+        .map(|e| e.ms)
+        .collect();
+    if times.is_empty() {
+        anyhow::bail!(
+            "(c): no training epoch ended within the {} s of load beside it; pass a longer --beside-seconds",
+            a.beside_seconds
+        );
+    }
     let beside_ms = median_ms(times.clone());
     let r = &run.tenants[0];
     line("(c) (a) beside training", a.rate_predict, r);
@@ -424,7 +447,7 @@ fn beside_partitioned(
         a.beside_priority
     );
     println!(
-        "(c) p99 {:.2}x (a)'s (goal <= 1.2x); training {} epoch(s) beside at {:.0} ms median vs {:.0} ms alone: {:.0}% of its epoch rate (goal >= 80%); {} publishes, {} skipped while one loaded, {versions}",
+        "(c) p99 {:.2}x (a)'s (goal <= 1.2x); training {} epoch(s) beside (ended within the load) at {:.0} ms median vs {:.0} ms alone: {:.0}% of its epoch rate (goal >= 80%); {} publishes, {} skipped while one loaded, {versions}",
         r.ms(0.99) / alone_load.tenants[0].ms(0.99).max(1e-3),
         times.len(),
         beside_ms,
