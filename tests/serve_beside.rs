@@ -582,3 +582,63 @@ fn bench_serve_measures_a_beside_partitioned_training() {
         "training beside the service published no weights: {summary}"
     );
 }
+
+/// A step serving several requests (a batch): the child of the first traced request's span,
+/// with span links to the other requests' spans (untraced requests are skipped).
+#[test]
+fn a_batch_step_is_the_child_of_its_first_request_and_links_the_others() {
+    use trellis::telemetry::{self, OtlpProtocol, TelemetryOptions};
+    let (collector, store) = support::http_receiver();
+    let t = telemetry::init(&TelemetryOptions {
+        otlp_endpoint: Some(format!("http://{collector}")),
+        protocol: Some(OtlpProtocol::HttpProtobuf),
+        ..Default::default()
+    })
+    .unwrap();
+    // Only `trellis*` targets are exported.
+    let requests: Vec<tracing::Span> = (0..3)
+        .map(|i| tracing::info_span!(target: "trellis::tests", "serve_request", request = i))
+        .collect();
+    let contexts: Vec<_> = requests
+        .iter()
+        .map(|s| trellis_actors::telemetry::context_of(s).expect("a recorded span"))
+        .collect();
+    let batch = tracing::info_span!(target: "trellis::tests", "serve_batch");
+    trellis_actors::telemetry::join_requests(
+        &batch,
+        [
+            Some(contexts[0]),
+            None,
+            Some(contexts[1]),
+            Some(contexts[2]),
+        ],
+    );
+    drop(batch);
+    drop(requests);
+    let spans: Vec<Span> = store
+        .wait_for(
+            &contexts[0].trace_id_hex(),
+            || t.flush().unwrap(),
+            |got| got.iter().any(|r| r.span.name == "serve_batch"),
+        )
+        .into_iter()
+        .map(|r| r.span)
+        .collect();
+    let batch = named(&spans, "serve_batch")[0];
+    assert_eq!(batch.parent_span_id, contexts[0].span_id);
+    let links: Vec<(Vec<u8>, Vec<u8>)> = batch
+        .links
+        .iter()
+        .map(|l| (l.trace_id.clone(), l.span_id.clone()))
+        .collect();
+    let want: Vec<(Vec<u8>, Vec<u8>)> = contexts[1..]
+        .iter()
+        .map(|c| (c.trace_id.to_vec(), c.span_id.to_vec()))
+        .collect();
+    assert_eq!(links, want, "links to the batch's other requests");
+    assert_ne!(
+        contexts[1].trace_id, contexts[0].trace_id,
+        "each request is its own trace"
+    );
+    t.shutdown().unwrap();
+}
