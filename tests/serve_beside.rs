@@ -642,3 +642,28 @@ fn a_batch_step_is_the_child_of_its_first_request_and_links_the_others() {
     );
     t.shutdown().unwrap();
 }
+
+/// Cluster training does not serve beside itself yet: `--serve` there is refused with a
+/// message saying what to do instead, not ignored.
+#[test]
+fn serve_beside_cluster_training_is_refused_clearly() {
+    let out = Command::new(env!("CARGO_BIN_EXE_trellis"))
+        .args([
+            "launch",
+            "--nodes",
+            "2",
+            "--data",
+            DATA,
+            "--serve",
+            "127.0.0.1:0",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--serve is not available for cluster training (trellis launch)"),
+        "{err}"
+    );
+    assert!(err.contains("--partitions P"), "{err}");
+}

@@ -567,6 +567,19 @@ pub fn run(a: TrainArgs) -> Result<()> {
     Ok(())
 }
 
+/// Fails when `--serve` is asked of cluster training (`launch`, `node`), which does not
+/// serve beside itself yet, rather than ignoring it.
+pub fn refuse_serve_on_a_cluster(a: &TrainArgs, command: &str) -> Result<()> {
+    if a.serve.is_some() {
+        bail!(
+            "--serve is not available for cluster training (trellis {command}) yet: train in one \
+             process (trellis train, with --partitions P) to serve beside it, or serve the saved \
+             model with trellis serve"
+        );
+    }
+    Ok(())
+}
+
 /// Trains single-process with the service of `--serve` beside it (see
 /// [`crate::serve::beside`]); returns the report and the service, still running.
 fn train_serving(
