@@ -21,6 +21,7 @@ fn add(handle: &EngineHandle, nodes: Vec<NewNode>) -> usize {
         nodes,
         deadline: Instant::now() + Duration::from_secs(600),
         reply: tx,
+        trace: None,
     }));
     let answer = rx.blocking_recv().unwrap().unwrap();
     answer.recomputed_rows.iter().sum()

@@ -2,10 +2,11 @@
 //! parameters of the epoch of best validation accuracy and of the last epoch are taken from
 //! the node's [`ReplicaStore`] (after a step every partition holds the same model replica, so
 //! any partition's snapshot is the model). Kept as `Arc`s of snapshots the store already
-//! holds: keeping costs no copy.
+//! holds: keeping costs no copy. A keeper can also hand every epoch's committed model to a
+//! channel as the epoch ends (serving beside partitioned training publishes from it).
 use crate::replica::{ReplicaStore, Snapshot};
 use crate::ActorError;
-use std::sync::{Arc, Mutex};
+use std::sync::{mpsc, Arc, Mutex};
 use trellis_runtime::report::BestTracker;
 use trellis_runtime::EpochLog;
 
@@ -31,6 +32,8 @@ pub(crate) struct ModelKeeper {
     store: Arc<ReplicaStore>,
     best: BestTracker,
     kept: Arc<Mutex<KeptModels>>,
+    /// Where every epoch's committed model goes too (a receiver that hung up is ignored).
+    publish: Option<mpsc::Sender<KeptModel>>,
 }
 
 impl ModelKeeper {
@@ -43,7 +46,18 @@ impl ModelKeeper {
     ) -> Self {
         let mut best = BestTracker::default();
         prior.iter().for_each(|l| best.update(l));
-        ModelKeeper { store, best, kept }
+        ModelKeeper {
+            store,
+            best,
+            kept,
+            publish: None,
+        }
+    }
+
+    /// Also sends every epoch's committed model to `to` as the epoch ends.
+    pub(crate) fn publishing_to(mut self, to: Option<mpsc::Sender<KeptModel>>) -> Self {
+        self.publish = to;
+        self
     }
 
     /// Records the epoch `log` names; its committed snapshot must be in the store.
@@ -64,6 +78,11 @@ impl ModelKeeper {
             epoch: log.epoch,
             snapshot,
         };
+        if let Some(to) = &self.publish {
+            // The receiver is the service beside the run: a service that stopped must not
+            // stop training.
+            let _ = to.send(kept.clone());
+        }
         let mut models = self.kept.lock().expect("poisoned");
         if self.best.best_epoch == log.epoch {
             models.best = Some(kept.clone());
@@ -114,6 +133,25 @@ mod tests {
         assert_eq!(m.best.as_ref().unwrap().epoch, 2);
         assert_eq!(m.best.unwrap().snapshot.params[0].as_slice(), &[2.0, 2.0]);
         assert_eq!(m.last.unwrap().epoch, 3);
+    }
+
+    #[test]
+    fn every_epoch_is_published_in_order_and_a_gone_receiver_is_harmless() {
+        let store = Arc::new(ReplicaStore::new());
+        let (tx, rx) = mpsc::channel();
+        let mut k = ModelKeeper::new(store.clone(), &[], Arc::default()).publishing_to(Some(tx));
+        for e in 1..=3 {
+            store.put(0, snap(e, e as f32));
+            k.epoch_done(&log(e, 0.1 * f64::from(e))).unwrap();
+        }
+        let got: Vec<(u32, f32)> = rx
+            .try_iter()
+            .map(|m| (m.epoch, m.snapshot.params[0].as_slice()[0]))
+            .collect();
+        assert_eq!(got, vec![(1, 1.0), (2, 2.0), (3, 3.0)]);
+        drop(rx);
+        store.put(0, snap(4, 4.0));
+        k.epoch_done(&log(4, 0.5)).unwrap();
     }
 
     #[test]

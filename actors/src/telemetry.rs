@@ -52,6 +52,16 @@ pub fn current() -> Option<TraceContext> {
     context_of(&Span::current())
 }
 
+fn span_context(p: TraceContext) -> SpanContext {
+    SpanContext::new(
+        TraceId::from_bytes(p.trace_id),
+        SpanId::from_bytes(p.span_id),
+        TraceFlags::new(p.flags),
+        true,
+        TraceState::default(),
+    )
+}
+
 /// Makes the span described by `parent` (possibly on another node) the parent of `span`.
 /// Call it before `span` is first entered.
 pub fn set_parent(span: &Span, parent: Option<TraceContext>) {
@@ -59,15 +69,25 @@ pub fn set_parent(span: &Span, parent: Option<TraceContext>) {
     if span.is_disabled() {
         return;
     }
-    let sc = SpanContext::new(
-        TraceId::from_bytes(p.trace_id),
-        SpanId::from_bytes(p.span_id),
-        TraceFlags::new(p.flags),
-        true,
-        TraceState::default(),
-    );
     // Fails only when the span was already started, which callers rule out.
-    let _ = span.set_parent(opentelemetry::Context::new().with_remote_span_context(sc));
+    let _ =
+        span.set_parent(opentelemetry::Context::new().with_remote_span_context(span_context(p)));
+}
+
+/// Serving: `span` does work for every request of `requests` (their HTTP spans; `None`
+/// for one that is not traced). The first traced one becomes its parent, so a step that
+/// serves one request is part of that request's trace; each other one gets a span link
+/// (a batch step serving many requests). Call it before `span` is first entered.
+pub fn join_requests(span: &Span, requests: impl IntoIterator<Item = Option<TraceContext>>) {
+    if span.is_disabled() {
+        return;
+    }
+    let mut traced = requests.into_iter().flatten();
+    let Some(first) = traced.next() else { return };
+    set_parent(span, Some(first));
+    for other in traced {
+        span.add_link(span_context(other));
+    }
 }
 
 /// Records how long partition `part`'s parked step waited for `peer`'s halo block (zero when
@@ -100,6 +120,7 @@ mod tests {
         assert_eq!(context_of(&span), None);
         let tc = TraceContext::new([1; 16], [2; 8], 1);
         set_parent(&span, tc);
+        join_requests(&span, [tc, None, tc]);
         assert_eq!(current(), None);
         set_node(3);
         assert_eq!(node(), 3);

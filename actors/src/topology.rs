@@ -6,7 +6,7 @@
 //! [`spawn`]: Topology::spawn
 use crate::checkpoint::{Checkpoint, CheckpointPolicy, CheckpointWriter};
 pub use crate::faults::FaultPlan;
-use crate::kept_model::{KeptModels, ModelKeeper};
+use crate::kept_model::{KeptModel, KeptModels, ModelKeeper};
 use crate::profile::EpochProfile;
 use crate::protocol::state::{GlobalCounts, PartitionState};
 use crate::replica::ReplicaStore;
@@ -21,7 +21,7 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 use tracing::Instrument;
-use trellis_gpu::{Stream, ThreadBudget};
+use trellis_gpu::{PriorityGate, Stream, ThreadBudget};
 use trellis_runtime::metrics::Metrics;
 use trellis_runtime::partition::{open_or_partition, PartitionBook, PartitionMethod, PartitionSet};
 use trellis_runtime::train::{build_report, TrainConfig};
@@ -49,6 +49,10 @@ pub struct Topology {
     dataset: String,
     gate: Option<mpsc::Receiver<()>>,
     keep_models: bool,
+    /// Where every epoch's committed model is sent (serving beside training).
+    publish: Option<mpsc::Sender<KeptModel>>,
+    /// The gate the partitions' streams yield to (serving beside training).
+    yield_to: Option<PriorityGate>,
     _tmp: Option<TempDir>,
 }
 
@@ -73,6 +77,8 @@ impl Topology {
             dataset,
             gate: None,
             keep_models: false,
+            publish: None,
+            yield_to: None,
             _tmp: None,
             checkpoints: None,
         })
@@ -134,6 +140,49 @@ impl Topology {
         self
     }
 
+    /// Sends the committed model of every epoch to `to` as the epoch ends (no copy: the
+    /// replica store's snapshot), for a service beside the run (`trellis train --partitions
+    /// P --serve`). A receiver that hangs up does not stop the run.
+    pub fn publishing_models(mut self, to: mpsc::Sender<KeptModel>) -> Self {
+        self.publish = Some(to);
+        self
+    }
+
+    /// Makes every partition's stream background work of `gate`: its long kernels pause
+    /// between row pieces while urgent (inference) work holds the gate. The values computed
+    /// are the same.
+    pub fn yielding_to(mut self, gate: PriorityGate) -> Self {
+        self.yield_to = Some(gate);
+        self
+    }
+
+    /// The partition of every node (by global id), read from the partition files.
+    pub fn owners(&self) -> Result<Vec<u32>, ActorError> {
+        let mut owner = vec![u32::MAX; self.set.book().num_nodes];
+        for p in 0..self.set.parts() {
+            let file = self.set.open_part(p)?;
+            for &g in file.inner() {
+                let slot = owner.get_mut(g as usize).ok_or_else(|| {
+                    ActorError::Runtime(trellis_runtime::RuntimeError::BadData(format!(
+                        "{}: node {g} is past the {} nodes of the partition book",
+                        file.path().display(),
+                        self.set.book().num_nodes
+                    )))
+                })?;
+                *slot = p as u32;
+            }
+        }
+        if let Some(v) = owner.iter().position(|&o| o == u32::MAX) {
+            return Err(ActorError::Runtime(trellis_runtime::RuntimeError::BadData(
+                format!(
+                    "{}: node {v} is owned by no partition",
+                    self.set.dir().display()
+                ),
+            )));
+        }
+        Ok(owner)
+    }
+
     /// Number of partitions.
     pub fn parts(&self) -> usize {
         self.set.parts()
@@ -169,7 +218,10 @@ impl Topology {
         let mut states = Vec::with_capacity(self.set.parts());
         for p in 0..self.set.parts() {
             let file = self.set.open_part(p)?;
-            let stream = Stream::new(self.cfg.device, budget.clone())?;
+            let mut stream = Stream::new(self.cfg.device, budget.clone())?;
+            if let Some(gate) = &self.yield_to {
+                stream = stream.yielding_to(gate.clone());
+            }
             states.push(PartitionState::new(&file, &self.cfg, counts, stream)?);
         }
         let ck_lock = self.checkpoints.as_ref().map(|p| p.lock()).transpose()?;
@@ -205,6 +257,7 @@ impl Topology {
             .unwrap_or_default();
         let kept: Option<Arc<Mutex<KeptModels>>> = self.keep_models.then(Arc::default);
         let kept_out = kept.clone();
+        let publish = self.publish;
         let thread = std::thread::Builder::new()
             .name("trellis-coordinator".into())
             .spawn(move || {
@@ -231,9 +284,11 @@ impl Topology {
                         if let Some(g) = gate {
                             coord = coord.with_epoch_gate(g);
                         }
-                        if let Some(into) = kept {
+                        if kept.is_some() || publish.is_some() {
+                            let into = kept.unwrap_or_default();
                             let mut keeper =
-                                ModelKeeper::new(node.replicas().clone(), &prior_logs, into);
+                                ModelKeeper::new(node.replicas().clone(), &prior_logs, into)
+                                    .publishing_to(publish);
                             coord =
                                 coord.with_epoch_done(Box::new(move |log| keeper.epoch_done(log)));
                         }

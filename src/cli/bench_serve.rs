@@ -11,11 +11,13 @@ use crate::serve::{run_http, HttpConfig};
 use anyhow::{Context, Result};
 use clap::Args;
 use std::path::PathBuf;
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 use trellis_actors::serving::engine::{self, EngineConfig};
 use trellis_actors::serving::priority::Class;
 use trellis_actors::serving::scheduler::SchedulerConfig;
-use trellis_gpu::{bench, Stream};
+use trellis_actors::{RunEvent, Topology, TrainingRun};
+use trellis_gpu::{bench, PriorityGate, Stream};
 use trellis_runtime::inference::NodeGraph;
 use trellis_runtime::model_file::{self, ModelMeta, SavedModel};
 use trellis_runtime::partition::{assign, PartitionMethod};
@@ -76,6 +78,11 @@ pub struct ServeBenchArgs {
     /// (c): seconds of (a)'s load beside training (long enough for epochs and a publish).
     #[arg(long, default_value_t = 40)]
     pub beside_seconds: u64,
+    /// (c): train beside the service on this many partition actors (METIS) instead of one
+    /// trainer (1); their streams yield to the service's update steps, as `trellis train
+    /// --partitions P --serve` does.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+    pub beside_partitions: u32,
 }
 
 fn parse_class(s: &str) -> std::result::Result<Class, String> {
@@ -151,7 +158,9 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
     let parts = a.partitions.max(1);
     let owner = assign(&graph, &ds, parts, PartitionMethod::Metis, 0)?;
     let t = Instant::now();
-    let handle = start_engine(saved, &graph, ds.features.clone(), owner, &a)?;
+    // The service's update steps are urgent work of this gate; training beside (c) yields.
+    let gate = PriorityGate::new();
+    let handle = start_engine(saved, &graph, ds.features.clone(), owner, &a, &gate)?;
     drop(graph);
     eprintln!(
         "layer-wise inference over {n} nodes: {:.1} s",
@@ -254,7 +263,16 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
             both.tenants[0].ms(0.99) / alone.tenants[0].ms(0.99).max(1e-3)
         );
     }
-    if a.beside_epochs > 0 {
+    if a.beside_epochs > 0 && a.beside_partitions > 1 {
+        let beside_spec = LoadSpec {
+            duration: Duration::from_secs(a.beside_seconds.max(1)),
+            ..spec(one(a.rate_predict), 6)
+        };
+        drop(trainer);
+        beside_partitioned(&ds, &train_cfg, handle, &gate, &a, &existing, || {
+            run_open_loop(&beside_spec, query)
+        })?;
+    } else if a.beside_epochs > 0 {
         let mut tr = match trainer {
             Some(t) => t,
             None => Trainer::new(&ds, train_cfg.clone())?,
@@ -263,6 +281,7 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
             duration: Duration::from_secs(a.beside_seconds.max(1)),
             ..spec(one(a.rate_predict), 6)
         };
+        tr.yield_to(gate.clone());
         beside_training(&mut tr, &train_cfg, handle, &a, &existing, || {
             run_open_loop(&beside_spec, query)
         })?;
@@ -281,6 +300,163 @@ fn meta(cfg: &TrainConfig, tr: &Trainer) -> ModelMeta {
         epoch: cfg.epochs,
         code_version: env!("CARGO_PKG_VERSION").to_string(),
     }
+}
+
+/// An epoch trained beside the load: its wall time, and whether it ended while the load
+/// still ran.
+struct BesideEpoch {
+    ms: f64,
+    during_load: bool,
+}
+
+/// One gated epoch of a partitioned run: sends its token, waits for its log; wall ms.
+fn gated_epoch(gate: &mpsc::Sender<()>, run: &TrainingRun) -> Result<f64> {
+    let t = Instant::now();
+    gate.send(()).context("the partitioned run stopped early")?;
+    loop {
+        match run.events().recv() {
+            Ok(RunEvent::Epoch(_)) => return Ok(t.elapsed().as_secs_f64() * 1e3),
+            Ok(_) => {}
+            Err(_) => anyhow::bail!("the partitioned run stopped early"),
+        }
+    }
+}
+
+/// (c) on partitions: `--beside-partitions` partition actors train `cfg`'s GCN (their
+/// threads in the background class, their streams yielding to the service's gate), first
+/// `--beside-epochs` epochs alone, then for as long as (a)'s load runs beside them; every
+/// committed epoch's model goes to a publisher, which publishes every `--publish-every`.
+fn beside_partitioned(
+    ds: &trellis_runtime::Dataset,
+    cfg: &TrainConfig,
+    handle: engine::EngineHandle,
+    gate: &PriorityGate,
+    a: &ServeBenchArgs,
+    alone_load: &LoadRun,
+    load: impl FnOnce() -> std::io::Result<LoadRun>,
+) -> Result<()> {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let parts = a.beside_partitions as usize;
+    let mut cfg = cfg.clone();
+    // The gate ends the run (cleanly) when the load is over.
+    cfg.epochs = u32::MAX / 2;
+    let t = Instant::now();
+    let (models_tx, models_rx) = mpsc::channel();
+    let topo = Topology::partition(ds, parts, PartitionMethod::Metis, None, cfg.clone())?
+        .yielding_to(gate.clone())
+        .publishing_models(models_tx);
+    eprintln!(
+        "(c) {parts} training partitions (METIS) in {:.1} s",
+        t.elapsed().as_secs_f64()
+    );
+    let meta = ModelMeta {
+        config: cfg.model.clone(),
+        train_config: None,
+        normalize_features: cfg.normalize_features,
+        data_digest: ds.digest(),
+        weights_digest: String::new(),
+        epoch: 0,
+        code_version: env!("CARGO_PKG_VERSION").to_string(),
+    };
+    let mut publisher = Publisher::new(handle.clone(), meta, a.publish_every);
+    let v0 = handle.published.version();
+    let stop = AtomicBool::new(false);
+    let (alone_tx, alone_rx) = mpsc::channel();
+    let (run, trained, publisher) = std::thread::scope(|sc| {
+        let publishing = sc.spawn(move || -> Result<Publisher> {
+            let host = Stream::cpu(0)?;
+            // Until the run ends (its keeper drops the sender).
+            for kept in models_rx {
+                let m = trellis_runtime::Model::with_values(
+                    cfg.model.clone(),
+                    kept.snapshot.params.clone(),
+                )?;
+                publisher.after_epoch(kept.epoch, false, &m, &host)?;
+            }
+            Ok(publisher)
+        });
+        let training = sc.spawn(|| -> Result<(Vec<f64>, Vec<BesideEpoch>)> {
+            // The partition actors' threads inherit this thread's class.
+            trellis_actors::serving::priority::background_this_thread_as(a.beside_priority);
+            let (gate, gate_rx) = mpsc::channel();
+            let run = topo.with_epoch_gate(gate_rx).spawn()?;
+            let mut alone = Vec::new();
+            for _ in 0..a.beside_epochs {
+                alone.push(gated_epoch(&gate, &run)?);
+            }
+            let _ = alone_tx.send(());
+            let mut beside = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                let ms = gated_epoch(&gate, &run)?;
+                beside.push(BesideEpoch {
+                    ms,
+                    during_load: !stop.load(Ordering::Relaxed),
+                });
+            }
+            drop(gate);
+            run.wait()?;
+            Ok((alone, beside))
+        });
+        // (a)'s load starts once the epochs alone are timed.
+        let run = match alone_rx.recv() {
+            Ok(()) => {
+                let budget = trellis_gpu::ThreadBudget::global(a.threads);
+                if let Ok(b) = &budget {
+                    trellis_actors::serving::priority::background_pool_as(b, a.beside_priority);
+                }
+                load()
+            }
+            Err(_) => Err(std::io::Error::other("training stopped before the load")),
+        };
+        stop.store(true, Ordering::Relaxed);
+        let trained = training
+            .join()
+            .map_err(|_| anyhow::anyhow!("the training thread panicked"));
+        let publisher = publishing
+            .join()
+            .map_err(|_| anyhow::anyhow!("the publishing thread panicked"));
+        (run, trained, publisher)
+    });
+    let (alone, epochs) = trained??;
+    let run = run?;
+    let publisher = publisher??;
+    let alone_ms = median_ms(alone);
+    // Epochs that ended after the load did not run beside it all along.
+    let times: Vec<f64> = epochs
+        .iter()
+        .filter(|e| e.during_load)
+        .map(|e| e.ms)
+        .collect();
+    if times.is_empty() {
+        anyhow::bail!(
+            "(c): no training epoch ended within the {} s of load beside it; pass a longer --beside-seconds",
+            a.beside_seconds
+        );
+    }
+    let beside_ms = median_ms(times.clone());
+    let r = &run.tenants[0];
+    line("(c) (a) beside training", a.rate_predict, r);
+    generator(&run);
+    let versions = if handle.published.version() != v0 {
+        "the served version advanced"
+    } else {
+        "the served version did not advance"
+    };
+    println!(
+        "(c) training on {parts} partition actors, threads in the background as {:?}, streams yielding to the service's gate",
+        a.beside_priority
+    );
+    println!(
+        "(c) p99 {:.2}x (a)'s (goal <= 1.2x); training {} epoch(s) beside (ended within the load) at {:.0} ms median vs {:.0} ms alone: {:.0}% of its epoch rate (goal >= 80%); {} publishes, {} skipped while one loaded, {versions}",
+        r.ms(0.99) / alone_load.tenants[0].ms(0.99).max(1e-3),
+        times.len(),
+        beside_ms,
+        alone_ms,
+        100.0 * alone_ms / beside_ms,
+        publisher.published,
+        publisher.skipped,
+    );
+    Ok(())
 }
 
 /// (c): the epoch time of `tr` alone, then (a)'s load while `tr` trains beside the service
@@ -362,6 +538,7 @@ fn start_engine(
     features: Vec<f32>,
     owner: Vec<u32>,
     a: &ServeBenchArgs,
+    gate: &PriorityGate,
 ) -> Result<engine::EngineHandle> {
     engine::start(
         saved,
@@ -379,7 +556,7 @@ fn start_engine(
             threads: a.threads,
             faults: Default::default(),
             step_timeout: engine::STEP_TIMEOUT,
-            priority: None,
+            priority: Some(gate.clone()),
         },
     )
     .map_err(|e| anyhow::anyhow!("cannot start the engine: {e}"))

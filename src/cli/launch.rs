@@ -112,6 +112,7 @@ const OWN_OPTIONS: [&str; 10] = [
 const OWN_FLAGS: [&str; 1] = ["--probe-link"];
 
 pub fn run(a: LaunchArgs) -> Result<()> {
+    super::train::refuse_serve_on_a_cluster(&a.train, "launch")?;
     if let Some(path) = &a.train.report {
         super::train::check_report_path(path)?;
     }

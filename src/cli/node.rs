@@ -29,6 +29,7 @@ pub struct NodeArgs {
 }
 
 pub fn run(a: NodeArgs) -> Result<()> {
+    super::train::refuse_serve_on_a_cluster(&a.train, "node")?;
     let cluster = ClusterFile::load(&a.cluster)?;
     // Every node exports its own spans (with its node id); they join the coordinator's trace
     // through the trace context carried in control messages and halo blocks.

@@ -386,8 +386,14 @@ pub fn train_single_saving(
 }
 
 /// Trains with `a.partitions` partition actors (partitioning, faults and checkpoints as `a`
-/// says) through the topology API and returns the report.
-pub fn train_partitioned(ds: &Dataset, cfg: TrainConfig, a: &TrainArgs) -> Result<RunReport> {
+/// says) through the topology API, with the service of `--serve` beside it when asked (on
+/// serving partition actors owning the same nodes as the training partitions, see
+/// [`crate::serve::beside`]); returns the report and the service, still running.
+pub fn train_partitioned(
+    ds: &Dataset,
+    cfg: TrainConfig,
+    a: &TrainArgs,
+) -> Result<(RunReport, Option<crate::serve::beside::Beside>)> {
     let epochs = cfg.epochs as u64;
     let faults = a
         .chaos
@@ -409,7 +415,23 @@ pub fn train_partitioned(ds: &Dataset, cfg: TrainConfig, a: &TrainArgs) -> Resul
         topo = topo.keeping_models();
     }
     let data_digest = topo.book().data_digest.clone();
-    let (report, kept) = follow_keeping(topo.spawn()?, epochs, a.verbose)?;
+    let mut service = None;
+    if let Some(listen) = a.serve {
+        let opts = crate::serve::beside::BesideOptions {
+            listen,
+            publish_every: a.publish_every,
+            owner: topo.owners()?,
+        };
+        let mut s = crate::serve::beside::Beside::start(ds, &cfg, &data_digest, opts)?;
+        topo = s.lower_partitions(topo, &cfg)?;
+        service = Some(s);
+    }
+    let stop_service = service.as_ref().map(|s| s.stopper());
+    let (report, kept) = follow(topo.spawn()?, epochs, a.verbose, move || {
+        if let Some(stop) = &stop_service {
+            stop()
+        }
+    })?;
     if let Some(path) = &a.save_model {
         save_kept_model(
             &kept,
@@ -420,7 +442,7 @@ pub fn train_partitioned(ds: &Dataset, cfg: TrainConfig, a: &TrainArgs) -> Resul
             path,
         )?;
     }
-    Ok(report)
+    Ok((report, service))
 }
 
 /// Shows a run's progress (a bar on a terminal, per-epoch lines with `verbose`, every
@@ -430,9 +452,23 @@ pub fn follow_keeping(
     epochs: u64,
     verbose: bool,
 ) -> Result<(RunReport, KeptModels)> {
+    follow(run, epochs, verbose, || {})
+}
+
+/// [`follow_keeping`], calling `on_ctrl_c` too on every Ctrl-C (this process's SIGINT
+/// handler from now on: `--serve` stops its service there).
+fn follow(
+    run: TrainingRun,
+    epochs: u64,
+    verbose: bool,
+    on_ctrl_c: impl Fn() + Send + 'static,
+) -> Result<(RunReport, KeptModels)> {
     let cancel = run.canceller();
     // Ctrl-C stops the run after the step in progress; actors and threads are joined.
-    let _ = ctrlc::set_handler(move || cancel.store(true, std::sync::atomic::Ordering::SeqCst));
+    let _ = ctrlc::set_handler(move || {
+        cancel.store(true, std::sync::atomic::Ordering::SeqCst);
+        on_ctrl_c();
+    });
     let pb = progress::bar(epochs, "training");
     for ev in run.events() {
         match ev {
@@ -498,12 +534,6 @@ pub fn run(a: TrainArgs) -> Result<()> {
         );
     }
     a.halo.check_partitioned(partitioned)?;
-    if partitioned && a.serve.is_some() {
-        bail!(
-            "--serve is not available for partitioned runs yet: train single-process \
-             (without --partitions, --partition-dir, --chaos, --checkpoint-dir) to serve beside it"
-        );
-    }
     if let Some(path) = &a.report {
         check_report_path(path)?;
     }
@@ -512,7 +542,9 @@ pub fn run(a: TrainArgs) -> Result<()> {
     let cfg = a.config(&ds)?;
     let mut beside = None;
     let report = if partitioned {
-        train_partitioned(&ds, cfg, &a)?
+        let (report, service) = train_partitioned(&ds, cfg, &a)?;
+        beside = service;
+        report
     } else if let Some(listen) = a.serve {
         let save = a.save_model.as_deref().map(|p| (p, a.save_model_at));
         let (report, service) = train_serving(ds, cfg, listen, a.publish_every, a.verbose, save)?;
@@ -528,9 +560,22 @@ pub fn run(a: TrainArgs) -> Result<()> {
     if let Some(path) = &a.report {
         write_report(&report, path)?;
     }
+    // The service's spans are exported for as long as it serves.
+    let served = beside.map(|s| s.serve_until_stopped());
     a.telemetry.finish(telemetry);
-    if let Some(service) = beside {
-        service.serve_until_stopped()?;
+    served.transpose()?;
+    Ok(())
+}
+
+/// Fails when `--serve` is asked of cluster training (`launch`, `node`), which does not
+/// serve beside itself yet, rather than ignoring it.
+pub fn refuse_serve_on_a_cluster(a: &TrainArgs, command: &str) -> Result<()> {
+    if a.serve.is_some() {
+        bail!(
+            "--serve is not available for cluster training (trellis {command}) yet: train in one \
+             process (trellis train, with --partitions P) to serve beside it, or serve the saved \
+             model with trellis serve"
+        );
     }
     Ok(())
 }
@@ -545,7 +590,12 @@ fn train_serving(
     verbose: bool,
     save: Option<(&Path, SaveAt)>,
 ) -> Result<(RunReport, crate::serve::beside::Beside)> {
-    let mut service = crate::serve::beside::Beside::start(&ds, &cfg, &ds.digest(), listen, every)?;
+    let opts = crate::serve::beside::BesideOptions {
+        listen,
+        publish_every: every,
+        owner: vec![0; ds.num_nodes],
+    };
+    let mut service = crate::serve::beside::Beside::start(&ds, &cfg, &ds.digest(), opts)?;
     let epochs = cfg.epochs;
     let mut trainer = Trainer::from_dataset(ds, cfg)?;
     service.lower_training(&mut trainer);

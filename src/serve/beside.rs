@@ -6,20 +6,29 @@
 //! background and replace the old ones between two answers, so no answer fails or mixes
 //! versions, and each names the version it came from.
 //!
+//! Partitioned training (`--partitions P`) serves on P serving partition actors that own the
+//! same nodes as the training partitions; the weights of every committed epoch come from
+//! the run's replica store ([`Topology::publishing_models`]) to a publishing thread, which
+//! publishes every K-th and the last.
+//!
 //! Training runs at a lower CPU priority than the query threads
-//! ([`trellis_actors::serving::priority`]); a publish that comes while the previous one is
-//! still being computed is skipped (the next one carries newer weights anyway), except the
-//! last, which waits for it.
+//! ([`trellis_actors::serving::priority`]) and its streams yield to the service's update
+//! steps between kernel pieces (the single trainer's, or every training partition's); a
+//! publish that comes while the previous one is still being computed is skipped (the next
+//! one carries newer weights anyway), except the last, which waits for it.
 use super::api::Limits;
-use super::{run_http, HttpConfig};
+use super::{run_http_stoppable, HttpConfig};
 use anyhow::{anyhow, Context, Result};
 use std::net::SocketAddr;
 use std::path::Path;
+use std::sync::mpsc;
+use std::thread::JoinHandle;
 use std::time::Duration;
 use tokio::sync::oneshot;
 use trellis_actors::serving::engine::{self, Answer, Command, EngineConfig, EngineHandle};
 use trellis_actors::serving::scheduler::SchedulerConfig;
 use trellis_actors::serving::ServeError;
+use trellis_actors::{KeptModel, Topology};
 use trellis_gpu::{PriorityGate, Stream};
 use trellis_runtime::inference::NodeGraph;
 use trellis_runtime::model_file::{self, ModelMeta, SavedModel};
@@ -38,13 +47,31 @@ pub struct Publisher {
     pub skipped: u32,
 }
 
+/// What a service beside training serves, and how.
+#[derive(Debug, Clone)]
+pub struct BesideOptions {
+    /// Where it listens (port 0: any free one).
+    pub listen: SocketAddr,
+    /// Publish the weights every this many epochs (and after the last).
+    pub publish_every: u32,
+    /// The serving partition of every node (all 0: one part); the service runs
+    /// `max + 1` serving partition actors.
+    pub owner: Vec<u32>,
+}
+
 /// A service running beside a training run.
 pub struct Beside {
-    pub publisher: Publisher,
+    /// The publisher, on the training thread (single-process training calls
+    /// [`Beside::after_epoch`]); `None` once it moved to `publishing`.
+    publisher: Option<Publisher>,
+    /// The thread that publishes a partitioned run's models, handing the publisher back.
+    publishing: Option<JoinHandle<Publisher>>,
     /// The service's update steps are urgent work of this gate; the trainer's stream yields
     /// to it between kernel pieces.
     pub gate: PriorityGate,
     http: std::thread::JoinHandle<()>,
+    /// Stops the HTTP server.
+    server: actix_web::dev::ServerHandle,
     /// Where it listens.
     pub addr: SocketAddr,
 }
@@ -59,16 +86,29 @@ fn saved(model: &Model, stream: &Stream, meta: &ModelMeta) -> Result<SavedModel>
 }
 
 impl Beside {
-    /// Computes every layer of `ds` with the initial weights of `cfg`'s model, starts the
-    /// engine and the HTTP front end on `listen`, prints `listening on http://HOST:PORT`,
-    /// and lowers the calling thread's priority (the trainer it then builds inherits it).
+    /// Computes every layer of `ds` with the initial weights of `cfg`'s model on the serving
+    /// partitions `opts.owner` names, starts the engine and the HTTP front end on
+    /// `opts.listen`, prints `listening on http://HOST:PORT`, and lowers the calling thread's
+    /// priority (the trainer or partition actors it then starts inherit it).
     pub fn start(
         ds: &Dataset,
         cfg: &TrainConfig,
         data_digest: &str,
-        listen: SocketAddr,
-        every: u32,
+        opts: BesideOptions,
     ) -> Result<Beside> {
+        let BesideOptions {
+            listen,
+            publish_every: every,
+            owner,
+        } = opts;
+        if owner.len() != ds.num_nodes {
+            return Err(anyhow!(
+                "cannot serve beside training: {} nodes have a serving partition, the data has {}",
+                owner.len(),
+                ds.num_nodes
+            ));
+        }
+        let parts = owner.iter().max().map_or(1, |&m| m as usize + 1);
         let meta = ModelMeta {
             config: cfg.model.clone(),
             train_config: serde_json::to_value(cfg).ok(),
@@ -87,10 +127,10 @@ impl Beside {
             first,
             NodeGraph::from_graph(&graph),
             ds.features.clone(),
-            vec![0; ds.num_nodes],
+            owner,
             EngineConfig {
                 scheduler: SchedulerConfig::default(),
-                parts: 1,
+                parts,
                 threads: cfg.threads,
                 faults: Default::default(),
                 step_timeout: engine::STEP_TIMEOUT,
@@ -117,14 +157,14 @@ impl Beside {
             .name("trellis-serve-http".into())
             .spawn(move || {
                 let bound = tx.clone();
-                if let Err(e) = run_http(handle, http_cfg, listen, move |addr| {
-                    let _ = bound.send(Ok(addr));
+                if let Err(e) = run_http_stoppable(handle, http_cfg, listen, move |addr, server| {
+                    let _ = bound.send(Ok((addr, server)));
                 }) {
                     let _ = tx.send(Err(e));
                 }
             })
             .context("cannot start the HTTP thread")?;
-        let addr = rx
+        let (addr, server) = rx
             .recv_timeout(Duration::from_secs(60))
             .map_err(|_| anyhow!("the HTTP server did not start within 60 s"))?
             .with_context(|| format!("cannot serve on {listen}"))?;
@@ -133,14 +173,16 @@ impl Beside {
         let _ = std::io::stdout().flush();
         trellis_actors::serving::priority::background_this_thread();
         Ok(Beside {
-            publisher: Publisher::new(engine, meta, every),
+            publisher: Some(Publisher::new(engine, meta, every)),
+            publishing: None,
             gate,
             http,
+            server,
             addr,
         })
     }
 
-    /// Called after each epoch (see [`Publisher::after_epoch`]).
+    /// Called after each epoch of single-process training (see [`Publisher::after_epoch`]).
     pub fn after_epoch(
         &mut self,
         epoch: u32,
@@ -148,7 +190,65 @@ impl Beside {
         model: &Model,
         stream: &Stream,
     ) -> Result<()> {
-        self.publisher.after_epoch(epoch, last, model, stream)
+        match &mut self.publisher {
+            Some(p) => p.after_epoch(epoch, last, model, stream),
+            None => Err(anyhow!(
+                "the weights are published from the partitioned run's models"
+            )),
+        }
+    }
+
+    /// Makes partitioned training background work of the service: the partitions' streams
+    /// yield to its update steps, its kernel thread pool runs in the background class, and
+    /// every committed epoch's model goes to a publishing thread (every K-th epoch and the
+    /// last one, `cfg.epochs`, or the last the run committed when it stopped early, are
+    /// published). Call before [`Topology::spawn`].
+    pub fn lower_partitions(&mut self, topo: Topology, cfg: &TrainConfig) -> Result<Topology> {
+        let mut publisher = self
+            .publisher
+            .take()
+            .ok_or_else(|| anyhow!("the partitioned run is already publishing"))?;
+        let budget = trellis_gpu::ThreadBudget::global(cfg.threads)?;
+        trellis_actors::serving::priority::background_pool(&budget);
+        let (tx, rx) = mpsc::channel::<KeptModel>();
+        let model_cfg = cfg.model.clone();
+        let epochs = cfg.epochs;
+        let thread = std::thread::Builder::new()
+            .name("trellis-serve-publish".into())
+            .spawn(move || {
+                let host = match Stream::cpu(0) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        eprintln!("warning: --serve: no host stream to read the weights on: {e}");
+                        return publisher;
+                    }
+                };
+                let publish = |p: &mut Publisher, kept: &KeptModel, last: bool| {
+                    let r = Model::with_values(model_cfg.clone(), kept.snapshot.params.clone())
+                        .map_err(anyhow::Error::from)
+                        .and_then(|m| p.after_epoch(kept.epoch, last, &m, &host));
+                    if let Err(e) = r {
+                        eprintln!(
+                            "warning: --serve: the weights of epoch {} were not published: {e:#}",
+                            kept.epoch
+                        );
+                    }
+                };
+                let mut newest: Option<KeptModel> = None;
+                for kept in rx {
+                    let last = kept.epoch >= epochs;
+                    publish(&mut publisher, &kept, last);
+                    newest = (!last).then_some(kept);
+                }
+                // A run that stopped before its last epoch: serve what it committed last.
+                if let Some(kept) = newest {
+                    publish(&mut publisher, &kept, true);
+                }
+                publisher
+            })
+            .context("cannot start the publishing thread")?;
+        self.publishing = Some(thread);
+        Ok(topo.yielding_to(self.gate.clone()).publishing_models(tx))
     }
 
     /// Lowers the trainer's kernel threads (the process's thread pool) below the query
@@ -159,13 +259,33 @@ impl Beside {
         trainer.yield_to(self.gate.clone());
     }
 
-    /// After training: keeps serving the last weights until the process is stopped.
-    pub fn serve_until_stopped(mut self) -> Result<()> {
-        self.publisher.settle(true);
-        eprintln!(
+    /// A function that stops the service (what SIGINT does where no other handler took it:
+    /// partitioned training's Ctrl-C handler stops the run and calls this).
+    pub fn stopper(&self) -> impl Fn() + Send + 'static {
+        let server = self.server.clone();
+        move || {
+            // The command is sent at once; nothing needs to wait for the stop here.
+            drop(server.stop(true));
+        }
+    }
+
+    /// After training: keeps serving the last weights until the process is stopped (the
+    /// HTTP server stops on SIGINT or SIGTERM, or through [`Beside::stopper`]).
+    pub fn serve_until_stopped(self) -> Result<()> {
+        let mut publisher = match (self.publisher, self.publishing) {
+            (Some(p), _) => p,
+            (None, Some(t)) => t
+                .join()
+                .map_err(|_| anyhow!("the publishing thread panicked"))?,
+            (None, None) => return Err(anyhow!("the service has no publisher")),
+        };
+        publisher.settle(true);
+        println!(
             "training finished ({} publishes, {} skipped while one was loading); still serving on http://{} until stopped",
-            self.publisher.published, self.publisher.skipped, self.addr
+            publisher.published, publisher.skipped, self.addr
         );
+        use std::io::Write;
+        let _ = std::io::stdout().flush();
         self.http
             .join()
             .map_err(|_| anyhow!("the HTTP thread panicked"))
@@ -238,6 +358,7 @@ impl Publisher {
         if !self.engine.send(Command::SwapModel {
             model: Box::new(model),
             reply: tx,
+            trace: None,
         }) {
             return Err(anyhow!("the serving engine has stopped"));
         }

@@ -3,6 +3,12 @@
 //! engine's published rows ([`trellis_actors::serving::published`]) and forwards everything
 //! else to the serving engine ([`trellis_actors::serving::engine`]), waiting for the answer
 //! within the request's deadline; `/healthz`, `/readyz` and Prometheus `/metrics` ([`metrics`]).
+//!
+//! Every API request is a `serve_request` span (`route`, `status`): a child of the caller's
+//! span when the request carries a W3C `traceparent` header, and named back to the caller
+//! in the answer's `traceparent` header when traced. Its context travels with the command
+//! to the engine, whose batch and update spans, and the partition actors' step and lookup
+//! spans under them, join the request's trace.
 pub mod api;
 pub mod beside;
 pub mod loadgen;
@@ -19,9 +25,12 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
+use tracing::Instrument;
 use trellis_actors::serving::engine::{Answer, Command, EngineHandle};
 use trellis_actors::serving::ServeError;
+use trellis_actors::telemetry;
 use trellis_runtime::model_file;
+use trellis_transport::TraceContext;
 
 /// Settings of the HTTP front end.
 #[derive(Debug, Clone, Copy)]
@@ -164,10 +173,44 @@ async fn ask(
     })
 }
 
-fn finish(state: &AppState, route: &'static str, t0: Instant, r: HttpResponse) -> HttpResponse {
-    state
-        .metrics
-        .record(route, r.status().as_u16(), t0.elapsed());
+/// The span of one API request on `route`: a child of the caller's span when the request
+/// names one (`traceparent`), else the root of a new trace.
+fn request_span(req: &HttpRequest, route: &'static str) -> tracing::Span {
+    let span = tracing::info_span!(
+        "serve_request",
+        route,
+        node = telemetry::node_attr(),
+        status = tracing::field::Empty
+    );
+    let caller = req
+        .headers()
+        .get("traceparent")
+        .and_then(|v| v.to_str().ok())
+        .and_then(TraceContext::from_traceparent);
+    telemetry::set_parent(&span, caller);
+    span
+}
+
+/// Records the answer (metrics, the span's status) and names the request's span in the
+/// answer's `traceparent` header when it is traced.
+fn finish(
+    state: &AppState,
+    route: &'static str,
+    t0: Instant,
+    span: &tracing::Span,
+    mut r: HttpResponse,
+) -> HttpResponse {
+    let status = r.status().as_u16();
+    state.metrics.record(route, status, t0.elapsed());
+    span.record("status", i64::from(status));
+    if let Some(tc) = telemetry::context_of(span) {
+        if let Ok(v) = HeaderValue::from_str(&tc.to_string()) {
+            r.headers_mut().insert(
+                actix_web::http::header::HeaderName::from_static("traceparent"),
+                v,
+            );
+        }
+    }
     r
 }
 
@@ -184,8 +227,8 @@ async fn predict(
     state: web::Data<AppState>,
 ) -> HttpResponse {
     let t0 = Instant::now();
-    let span = tracing::info_span!("serve_request", route = "/v1/predict");
-    let _g = span.enter();
+    let span = request_span(&req, "/v1/predict");
+    let trace = telemetry::context_of(&span);
     let r = async {
         let p: api::PredictRequest = json_body(&req, payload, &state).await?;
         let nodes = api::predict_nodes(&p, &state.cfg.limits).map_err(|e| rejection(&e))?;
@@ -210,14 +253,16 @@ async fn predict(
                     layer: p.embeddings,
                     deadline,
                     reply,
+                    trace,
                 },
                 Some(deadline),
             )
             .await,
         ))
     }
+    .instrument(span.clone())
     .await;
-    finish(&state, "/v1/predict", t0, r.unwrap_or_else(|e| e))
+    finish(&state, "/v1/predict", t0, &span, r.unwrap_or_else(|e| e))
 }
 
 async fn nodes(
@@ -226,6 +271,8 @@ async fn nodes(
     state: web::Data<AppState>,
 ) -> HttpResponse {
     let t0 = Instant::now();
+    let span = request_span(&req, "/v1/nodes");
+    let trace = telemetry::context_of(&span);
     let r = async {
         let n: api::NodesRequest = json_body(&req, payload, &state).await?;
         let nodes = api::new_nodes(n, &state.cfg.limits).map_err(|e| rejection(&e))?;
@@ -237,14 +284,16 @@ async fn nodes(
                     nodes,
                     deadline,
                     reply,
+                    trace,
                 },
                 None,
             )
             .await,
         ))
     }
+    .instrument(span.clone())
     .await;
-    finish(&state, "/v1/nodes", t0, r.unwrap_or_else(|e| e))
+    finish(&state, "/v1/nodes", t0, &span, r.unwrap_or_else(|e| e))
 }
 
 async fn edges(
@@ -253,6 +302,8 @@ async fn edges(
     state: web::Data<AppState>,
 ) -> HttpResponse {
     let t0 = Instant::now();
+    let span = request_span(&req, "/v1/edges");
+    let trace = telemetry::context_of(&span);
     let r = async {
         let e: api::EdgesRequest = json_body(&req, payload, &state).await?;
         let (add, remove) = api::edge_update(&e, &state.cfg.limits).map_err(|e| rejection(&e))?;
@@ -265,14 +316,16 @@ async fn edges(
                     remove,
                     deadline,
                     reply,
+                    trace,
                 },
                 None,
             )
             .await,
         ))
     }
+    .instrument(span.clone())
     .await;
-    finish(&state, "/v1/edges", t0, r.unwrap_or_else(|e| e))
+    finish(&state, "/v1/edges", t0, &span, r.unwrap_or_else(|e| e))
 }
 
 async fn put_model(
@@ -281,6 +334,8 @@ async fn put_model(
     state: web::Data<AppState>,
 ) -> HttpResponse {
     let t0 = Instant::now();
+    let span = request_span(&req, "/v1/model");
+    let trace = telemetry::context_of(&span);
     let r = async {
         let body = read_body(
             &req,
@@ -302,14 +357,16 @@ async fn put_model(
                 |reply| Command::SwapModel {
                     model: Box::new(saved),
                     reply,
+                    trace,
                 },
                 None,
             )
             .await,
         ))
     }
+    .instrument(span.clone())
     .await;
-    finish(&state, "/v1/model", t0, r.unwrap_or_else(|e| e))
+    finish(&state, "/v1/model", t0, &span, r.unwrap_or_else(|e| e))
 }
 
 async fn healthz() -> HttpResponse {
@@ -356,6 +413,17 @@ pub fn run_http(
     listen: SocketAddr,
     on_bound: impl FnOnce(SocketAddr),
 ) -> std::io::Result<()> {
+    run_http_stoppable(engine, cfg, listen, |addr, _| on_bound(addr))
+}
+
+/// [`run_http`], handing `on_bound` the server's handle too: `handle.stop(true)` ends it
+/// as SIGINT or SIGTERM would (requests in flight are answered first).
+pub fn run_http_stoppable(
+    engine: EngineHandle,
+    cfg: HttpConfig,
+    listen: SocketAddr,
+    on_bound: impl FnOnce(SocketAddr, actix_web::dev::ServerHandle),
+) -> std::io::Result<()> {
     let metrics = Arc::new(HttpMetrics::default());
     let state = web::Data::new(AppState {
         engine,
@@ -381,7 +449,7 @@ pub fn run_http(
         .bind(listen)?;
         let addr = server.addrs()[0];
         let running = server.run();
-        on_bound(addr);
+        on_bound(addr, running.handle());
         running.await
     })
 }

@@ -36,7 +36,7 @@ use trellis_gpu::PriorityGate;
 use trellis_runtime::inference::{argmax, prepare_features, softmax_row, NodeGraph, Rows};
 use trellis_runtime::model::LayerInput;
 use trellis_runtime::model_file::SavedModel;
-use trellis_transport::InProcessTransport;
+use trellis_transport::{InProcessTransport, TraceContext};
 
 /// One node's answer.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
@@ -81,7 +81,9 @@ pub struct Edge {
 
 type Reply = oneshot::Sender<Result<Answer, ServeError>>;
 
-/// What the engine is asked to do.
+/// What the engine is asked to do. `trace` is the span of the request that asks (its
+/// HTTP span): the engine's spans for it, and the partition actors' steps under them, join
+/// that request's trace.
 pub enum Command {
     Predict {
         tenant: String,
@@ -89,12 +91,14 @@ pub enum Command {
         layer: Option<usize>,
         deadline: Instant,
         reply: Reply,
+        trace: Option<TraceContext>,
     },
     /// Adds nodes; not applied (and answered [`ServeError::Expired`]) once `deadline` passed.
     AddNodes {
         nodes: Vec<NewNode>,
         deadline: Instant,
         reply: Reply,
+        trace: Option<TraceContext>,
     },
     /// Adds and removes edges; not applied once `deadline` passed.
     Edges {
@@ -102,10 +106,12 @@ pub enum Command {
         remove: Vec<Edge>,
         deadline: Instant,
         reply: Reply,
+        trace: Option<TraceContext>,
     },
     SwapModel {
         model: Box<SavedModel>,
         reply: Reply,
+        trace: Option<TraceContext>,
     },
 }
 
@@ -262,6 +268,7 @@ struct PendingAdd {
     nodes: Vec<NewNode>,
     deadline: Instant,
     reply: Reply,
+    trace: Option<TraceContext>,
 }
 
 struct WaitingQuery {
@@ -269,6 +276,7 @@ struct WaitingQuery {
     layer: Option<usize>,
     arrived: Instant,
     reply: Reply,
+    trace: Option<TraceContext>,
 }
 
 /// A new model whose tables the partitions are computing, one layer per round.
@@ -283,6 +291,8 @@ struct SwapInFlight {
     /// Nodes changed since the pass started (replayed onto the new tables at the end).
     changed: Vec<u32>,
     reply: Reply,
+    /// The span of the request that asked for it.
+    trace: Option<TraceContext>,
 }
 
 /// What a pass computed.
@@ -522,6 +532,7 @@ impl Engine {
                 .enumerate()
                 .map(|(p, a)| {
                     let step = PassStep {
+                        trace: crate::telemetry::current(),
                         seq,
                         layer: plan.layer as u16,
                         target,
@@ -829,6 +840,7 @@ impl Engine {
                 layer,
                 deadline,
                 reply,
+                trace,
             } => {
                 if let Err(e) = self.check_query(&nodes, layer) {
                     let _ = reply.send(Err(e));
@@ -845,6 +857,7 @@ impl Engine {
                         layer,
                         arrived: now,
                         reply,
+                        trace,
                     },
                 );
                 let actions = self.scheduler.arrive(
@@ -863,25 +876,32 @@ impl Engine {
                 nodes,
                 deadline,
                 reply,
+                trace,
             } => self.adds.push(PendingAdd {
                 nodes,
                 deadline,
                 reply,
+                trace,
             }),
             Command::Edges {
                 add,
                 remove,
                 deadline,
                 reply,
+                trace,
             } => {
                 if Instant::now() > deadline {
                     let _ = reply.send(Err(ServeError::Expired));
                     return;
                 }
-                let r = self.edges(&add, &remove).await;
+                let r = self.edges(&add, &remove, trace).await;
                 let _ = reply.send(r);
             }
-            Command::SwapModel { model, reply } => self.begin_swap(*model, reply).await,
+            Command::SwapModel {
+                model,
+                reply,
+                trace,
+            } => self.begin_swap(*model, reply, trace).await,
         }
     }
 
@@ -925,7 +945,6 @@ impl Engine {
     /// One engine step: every query of the batch answered from the same tables, each
     /// owning partition asked once for the rows of all the batch's nodes it owns.
     async fn run_batch(&mut self, ids: Vec<u64>) {
-        let _span = tracing::info_span!("serve_batch", size = ids.len() as i64).entered();
         let t = Instant::now();
         let mut cost = 0;
         let mut oldest = t;
@@ -933,6 +952,9 @@ impl Engine {
             .iter()
             .filter_map(|id| self.waiting.remove(id))
             .collect();
+        let span = tracing::info_span!("serve_batch", size = ids.len() as i64);
+        crate::telemetry::join_requests(&span, queries.iter().map(|q| q.trace));
+        let _span = span.entered();
         // One lookup per (partition, layer) for the whole batch.
         let mut wanted: HashMap<(u32, Option<usize>), Vec<u32>> = HashMap::new();
         {
@@ -961,6 +983,7 @@ impl Engine {
                 .send(Lookup {
                     ids: nodes.clone(),
                     layer,
+                    trace: crate::telemetry::current(),
                 })
                 .await
             {
@@ -1066,7 +1089,9 @@ impl Engine {
             return;
         }
         let total: usize = accepted.iter().map(|a| a.nodes.len()).sum();
-        let _span = tracing::info_span!("serve_add_nodes", nodes = total as i64).entered();
+        let span = tracing::info_span!("serve_add_nodes", nodes = total as i64);
+        crate::telemetry::join_requests(&span, accepted.iter().map(|a| a.trace));
+        let _span = span.entered();
         match self.add_nodes(&accepted).await {
             Ok((ids, rows)) => {
                 let mut next = 0;
@@ -1161,13 +1186,19 @@ impl Engine {
         Ok((ids, rows))
     }
 
-    async fn edges(&mut self, add: &[Edge], remove: &[Edge]) -> Result<Answer, ServeError> {
-        let _span = tracing::info_span!(
+    async fn edges(
+        &mut self,
+        add: &[Edge],
+        remove: &[Edge],
+        trace: Option<TraceContext>,
+    ) -> Result<Answer, ServeError> {
+        let span = tracing::info_span!(
             "serve_edges",
             add = add.len() as i64,
             remove = remove.len() as i64
-        )
-        .entered();
+        );
+        crate::telemetry::join_requests(&span, [trace]);
+        let _span = span.entered();
         let mut ops = Vec::new();
         let mut changed = Vec::new();
         let (mut added, mut removed) = (0, 0);
@@ -1210,7 +1241,7 @@ impl Engine {
         })
     }
 
-    async fn begin_swap(&mut self, saved: SavedModel, reply: Reply) {
+    async fn begin_swap(&mut self, saved: SavedModel, reply: Reply, trace: Option<TraceContext>) {
         if self.swap.is_some() {
             let _ = reply.send(Err(ServeError::Conflict(
                 "another model is being loaded; retry when it is served".into(),
@@ -1256,6 +1287,7 @@ impl Engine {
             logits: Rows::zeros(self.nodes(), self.classes),
             changed: Vec::new(),
             reply,
+            trace,
         });
     }
 
@@ -1266,6 +1298,13 @@ impl Engine {
             return;
         };
         let layers = self.split.len();
+        let span = tracing::info_span!(
+            "serve_swap_layer",
+            layer = s.next as i64,
+            version = %s.version
+        );
+        crate::telemetry::join_requests(&span, [s.trace]);
+        let _span = span.entered();
         if s.next < layers {
             let plan = self.plan(Coverage::Full).swap_remove(s.next);
             let all = vec![true; self.parts];

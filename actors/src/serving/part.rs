@@ -61,6 +61,9 @@ pub enum DeltaOp {
 /// One layer of a pass, for one partition (from [`super::plan::LayerPlan`]).
 #[derive(Debug, Clone)]
 pub struct PassStep {
+    /// The span of the engine's pass this step belongs to (the partition's span of the
+    /// step is its child).
+    pub trace: Option<trellis_transport::TraceContext>,
     /// The pass (unique per pass; halo blocks carry it as their epoch).
     pub seq: u32,
     pub layer: u16,

@@ -4,6 +4,10 @@
 //! machine's events, sends the halo blocks it emits through the transport, answers steps
 //! through their reply channels, and restores the partition when the machine asks (a caught
 //! panic), from the [`ServeStore`]: the served graph, features and model the engine keeps.
+//!
+//! Each step and lookup is a span (`serve_step`, `serve_lookup`, with `partition`) whose
+//! parent is the engine's span that sent it (the trace context the message carries): a
+//! request's trace reaches down to the partitions that served it.
 use super::part::{
     DeltaOp, LookedUp, ModelValues, PartData, PassStep, ServeAction, ServePartMachine, StepDone,
 };
@@ -15,7 +19,7 @@ use std::sync::{Arc, RwLock};
 use tokio::sync::oneshot;
 use trellis_gpu::PriorityGate;
 use trellis_runtime::inference::{NodeGraph, PartGraph, Rows};
-use trellis_transport::{HaloBlock, PartId, RunId, Transport};
+use trellis_transport::{HaloBlock, PartId, RunId, TraceContext, Transport};
 
 /// The served graph as the engine keeps it: every partition's inputs, from which a restarted
 /// partition is restored (the engine's replica of the partitions' static state).
@@ -82,6 +86,8 @@ pub struct ServeHalo(pub HaloBlock);
 pub struct Lookup {
     pub ids: Vec<u32>,
     pub layer: Option<usize>,
+    /// The engine's span that asks (the lookup's span is its child).
+    pub trace: Option<TraceContext>,
 }
 
 /// Start computing a new model's tables beside the live ones.
@@ -101,13 +107,20 @@ pub struct DropStaged;
 
 type Reply = oneshot::Sender<Result<StepDone, ActorError>>;
 
+/// A step the machine has not answered yet: where its answer goes, and its span (open
+/// until the answer).
+struct WaitingStep {
+    reply: Reply,
+    _span: tracing::Span,
+}
+
 /// The actor of one serving partition.
 pub struct ServeActor {
     part: u32,
     machine: ServePartMachine,
     transport: Arc<dyn Transport>,
     store: Arc<ServeStore>,
-    waiting: HashMap<u64, Reply>,
+    waiting: HashMap<u64, WaitingStep>,
     next_id: u64,
 }
 
@@ -123,8 +136,8 @@ impl ServeActor {
                     }
                 }
                 ServeAction::Answer { id, result } => {
-                    if let Some(tx) = self.waiting.remove(&id) {
-                        let _ = tx.send(result);
+                    if let Some(w) = self.waiting.remove(&id) {
+                        let _ = w.reply.send(result);
                     }
                 }
                 ServeAction::Restart => self.restart(),
@@ -162,9 +175,27 @@ impl Handler<Step> for ServeActor {
         self.next_id += 1;
         let id = self.next_id;
         let (tx, rx) = oneshot::channel();
-        self.waiting.insert(id, tx);
+        let span = tracing::info_span!(
+            "serve_step",
+            partition = i64::from(part),
+            node = crate::telemetry::node_attr(),
+            pass = i64::from(step.seq),
+            layer = i64::from(step.layer),
+            target = ?step.target,
+            rows = step.compute.len() as i64,
+        );
+        crate::telemetry::set_parent(&span, step.trace);
+        let entered = span.clone().entered();
+        self.waiting.insert(
+            id,
+            WaitingStep {
+                reply: tx,
+                _span: span,
+            },
+        );
         self.machine.handle_step(id, step);
         self.drain();
+        drop(entered);
         Box::pin(async move {
             rx.await.unwrap_or_else(|_| {
                 Err(ActorError::Unreachable {
@@ -204,6 +235,15 @@ impl Handler<Abort> for ServeActor {
 impl Handler<Lookup> for ServeActor {
     type Result = Result<Vec<LookedUp>, ActorError>;
     fn handle(&mut self, m: Lookup, _ctx: &mut Context<Self>) -> Self::Result {
+        let span = tracing::info_span!(
+            "serve_lookup",
+            partition = i64::from(self.part),
+            node = crate::telemetry::node_attr(),
+            nodes = m.ids.len() as i64,
+            layer = m.layer.map_or(-1, |l| l as i64),
+        );
+        crate::telemetry::set_parent(&span, m.trace);
+        let _entered = span.entered();
         self.machine.lookup(&m.ids, m.layer)
     }
 }

@@ -101,6 +101,7 @@ impl Harness {
             let last = plan.layer + 1 == plans.len();
             for p in 0..PARTS {
                 let step = PassStep {
+                    trace: None,
                     seq: self.seq,
                     layer: plan.layer as u16,
                     target,
@@ -342,6 +343,7 @@ fn a_staged_model_is_computed_beside_the_live_one_and_installed() {
     h.machines[0].handle_step(
         7,
         PassStep {
+            trace: None,
             seq: h.seq + 1,
             layer: 0,
             target: Target::Live,

@@ -1,0 +1,669 @@
+//! Serving beside partitioned training (`trellis train --partitions P --serve ADDR`), driven
+//! as a user would: the real binary on 127.0.0.1 with an ephemeral port and a real HTTP
+//! client; and the topology API's yielding of training partitions to inference work.
+mod support;
+
+use opentelemetry_proto::tonic::trace::v1::Span;
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+use trellis_actors::Topology;
+use trellis_gpu::PriorityGate;
+use trellis_runtime::partition::PartitionMethod;
+use trellis_runtime::{DataSource, ModelKind, TrainConfig};
+
+const DATA: &str = "synthetic:nodes=1500,degree=8,features=16,classes=4,seed=2";
+const NODES: u32 = 1500;
+
+/// A running `trellis train --serve`, stopped on drop.
+struct Server {
+    child: Child,
+    url: String,
+    /// Its stdout lines after `listening on`.
+    lines: mpsc::Receiver<String>,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Server {
+    /// Runs `trellis ARGS` (with `env`) and waits for its `listening on http://...` line.
+    fn spawn(args: &[&str], env: &[(&str, &str)]) -> Server {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_trellis"))
+            .args(args)
+            .envs(env.iter().copied())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("trellis starts");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let url = loop {
+            let line = rx
+                .recv_timeout(Duration::from_secs(120))
+                .expect("`listening on` within 120 s");
+            if let Some(u) = line.strip_prefix("listening on ") {
+                break u.to_string();
+            }
+        };
+        assert!(url.starts_with("http://127.0.0.1:"), "{url}");
+        assert!(!url.ends_with(":0"), "port 0 was resolved: {url}");
+        Server {
+            child,
+            url,
+            lines: rx,
+        }
+    }
+
+    /// Waits (bounded) for a stdout line containing `what`; returns it.
+    fn wait_line(&self, what: &str, within: Duration) -> String {
+        let end = Instant::now() + within;
+        loop {
+            let left = end.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(l) if l.contains(what) => return l,
+                Ok(_) => {}
+                Err(e) => panic!("no line with {what:?} within {within:?}: {e}"),
+            }
+        }
+    }
+
+    /// Sends SIGINT (Ctrl-C) and waits (bounded) for a successful exit.
+    fn interrupt_and_wait(&mut self, within: Duration) {
+        // SAFETY: a signal to the child this test started and has not reaped.
+        assert_eq!(
+            unsafe { libc::kill(self.child.id() as i32, libc::SIGINT) },
+            0
+        );
+        let end = Instant::now() + within;
+        loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                assert!(status.success(), "exit after Ctrl-C: {status}");
+                return;
+            }
+            assert!(
+                Instant::now() < end,
+                "still running {within:?} after Ctrl-C"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn post(&self, agent: &ureq::Agent, path: &str, body: &Value) -> Reply {
+        self.post_with(agent, path, body, &[])
+    }
+
+    fn post_with(
+        &self,
+        agent: &ureq::Agent,
+        path: &str,
+        body: &Value,
+        headers: &[(&str, &str)],
+    ) -> Reply {
+        post(agent, &format!("{}{path}", self.url), body, headers)
+    }
+}
+
+fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(30)))
+        .build()
+        .into()
+}
+
+/// An HTTP answer.
+struct Reply {
+    status: u16,
+    body: Value,
+    text: String,
+    /// Its `traceparent` header (the request's span, when traced).
+    traceparent: Option<String>,
+}
+
+/// The answer to a POST of `body` with `headers`.
+fn post(agent: &ureq::Agent, url: &str, body: &Value, headers: &[(&str, &str)]) -> Reply {
+    let mut req = agent.post(url).header("content-type", "application/json");
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let mut resp = req
+        .send(body.to_string().as_bytes())
+        .expect("the request completes");
+    let status = resp.status().as_u16();
+    let traceparent = resp
+        .headers()
+        .get("traceparent")
+        .map(|v| v.to_str().unwrap().to_string());
+    let text = resp.body_mut().read_to_string().unwrap();
+    Reply {
+        status,
+        body: serde_json::from_str(&text).unwrap_or(Value::Null),
+        text,
+        traceparent,
+    }
+}
+
+fn trellis(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_trellis"))
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "trellis {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// The `weights_digest` a run's summary printed.
+fn digest_of(line: &str) -> String {
+    line.split_whitespace()
+        .nth(1)
+        .unwrap_or_else(|| panic!("no digest in {line:?}"))
+        .to_string()
+}
+
+fn softmax(row: &[f32]) -> Vec<f64> {
+    let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let e: Vec<f64> = row.iter().map(|&x| f64::from(x - m).exp()).collect();
+    let sum: f64 = e.iter().sum();
+    e.iter().map(|x| x / sum).collect()
+}
+
+/// Probabilities of one answer's predictions, checked whole: one per asked node, in order,
+/// each a distribution whose class is its largest entry (and a row of `embedding_width`
+/// when asked for).
+fn whole_answer(body: &Value, nodes: &[u32], embedding_width: Option<usize>) -> Vec<Vec<f64>> {
+    let preds = body["predictions"].as_array().expect("predictions");
+    assert_eq!(preds.len(), nodes.len(), "{body}");
+    preds
+        .iter()
+        .zip(nodes)
+        .map(|(p, &v)| {
+            assert_eq!(p["node"], v, "{body}");
+            let row: Vec<f64> = p["probabilities"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap())
+                .collect();
+            assert_eq!(row.len(), 4, "{body}");
+            assert!((row.iter().sum::<f64>() - 1.0).abs() < 1e-5, "{row:?}");
+            let class = p["class"].as_u64().unwrap() as usize;
+            let best = (0..row.len()).fold(0, |b, i| if row[i] > row[b] { i } else { b });
+            assert_eq!(class, best, "{body}");
+            if let Some(w) = embedding_width {
+                assert_eq!(p["embedding"].as_array().map(Vec::len), Some(w), "{body}");
+            }
+            row
+        })
+        .collect()
+}
+
+/// Trains 2 partitions with `extra` without a service, then the same run with `--serve`,
+/// querying it (published rows and, every other request, through the serving partition
+/// actors with embeddings) for as long as it trains; checks every answer is whole and of
+/// one version, versions only move forward, the weights digest equals the run without
+/// the service, and afterwards every served probability equals `trellis predict` with the
+/// saved last weights.
+fn serves_beside_partitioned_training(extra: &[&str]) {
+    let dir = tempfile::tempdir().unwrap();
+    let base = [
+        "train",
+        "--data",
+        DATA,
+        "--model",
+        "gcn",
+        "--partitions",
+        "2",
+        "--epochs",
+        "600",
+        "--threads",
+        "2",
+    ];
+    let alone: Vec<&str> = base.iter().chain(extra).copied().collect();
+    let out = trellis(&alone);
+    let want = digest_of(
+        out.lines()
+            .find(|l| l.starts_with("weights_digest"))
+            .unwrap(),
+    );
+
+    let file = dir.path().join("last.safetensors");
+    let mut args = alone.clone();
+    args.extend([
+        "--serve",
+        "127.0.0.1:0",
+        "--publish-every",
+        "25",
+        "--save-model",
+        s(&file),
+        "--save-model-at",
+        "last",
+    ]);
+    let server = Server::spawn(&args, &[]);
+    let agent = agent();
+    let mut versions: Vec<String> = Vec::new();
+    let (mut answers, mut through_actors) = (0, 0);
+    let asked = [0, 7, NODES - 1, 7];
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let digest_line = loop {
+        assert!(Instant::now() < deadline, "training did not finish in time");
+        let with_embeddings = answers % 2 == 1;
+        let body = if with_embeddings {
+            json!({ "nodes": asked, "embeddings": 0 })
+        } else {
+            json!({ "nodes": asked })
+        };
+        let r = server.post(&agent, "/v1/predict", &body);
+        assert_eq!(r.status, 200, "{}", r.text);
+        let version = r.body["model_version"].as_str().unwrap().to_string();
+        assert_eq!(version.len(), 12, "{}", r.text);
+        let rows = whole_answer(&r.body, &asked, with_embeddings.then_some(16));
+        assert_eq!(rows[1], rows[3], "one node, one answer within a version");
+        answers += 1;
+        through_actors += usize::from(with_embeddings);
+        if versions.last() != Some(&version) {
+            assert!(
+                !versions.contains(&version),
+                "version {version} came back after a newer one: {versions:?}"
+            );
+            versions.push(version);
+        }
+        if let Ok(line) = server.lines.try_recv() {
+            if line.starts_with("weights_digest") {
+                break line;
+            }
+        }
+    };
+    println!(
+        "{answers} answers ({through_actors} through the serving partitions) while training, versions: {versions:?}"
+    );
+    assert_eq!(
+        digest_of(&digest_line),
+        want,
+        "serving beside changed the trained weights"
+    );
+    assert!(
+        versions.len() >= 3,
+        "the version advanced only {} time(s) over 24 publishes: {versions:?}",
+        versions.len() - 1
+    );
+    // Once the last publish is served it says so; then it serves exactly the saved weights.
+    server.wait_line("still serving", Duration::from_secs(120));
+    let out = dir.path().join("logits.npy");
+    trellis(&[
+        "predict",
+        "--model",
+        s(&file),
+        "--data",
+        DATA,
+        "--out",
+        s(&out),
+    ]);
+    let logits: ndarray::Array2<f32> = ndarray_npy::read_npy(&out).unwrap();
+    let all: Vec<u32> = (0..NODES).collect();
+    let mut worst = 0f64;
+    let mut last_version = None;
+    for chunk in all.chunks(500) {
+        let r = server.post(&agent, "/v1/predict", &json!({ "nodes": chunk }));
+        assert_eq!(r.status, 200, "{}", r.text);
+        let v = r.body["model_version"].as_str().unwrap().to_string();
+        assert!(last_version.as_ref().is_none_or(|l| *l == v), "{v}");
+        last_version = Some(v);
+        for (row, &node) in whole_answer(&r.body, chunk, None).iter().zip(chunk) {
+            let want = softmax(logits.row(node as usize).as_slice().unwrap());
+            for (a, b) in row.iter().zip(&want) {
+                worst = worst.max((a - b).abs());
+            }
+        }
+    }
+    assert!(
+        worst <= 1e-5,
+        "served and predicted (saved last weights) differ by {worst}"
+    );
+    // Ctrl-C stops the service: the process exits, successfully.
+    let mut server = server;
+    server.interrupt_and_wait(Duration::from_secs(30));
+}
+
+#[test]
+fn partitioned_training_serves_its_published_weights_and_trains_the_same_weights() {
+    serves_beside_partitioned_training(&[]);
+}
+
+#[test]
+fn with_efficient_communication_too() {
+    serves_beside_partitioned_training(&["--comm", "efficient"]);
+}
+
+/// The topology API: training partitions that yield to a gate wait between kernel pieces
+/// while urgent work holds it (no epoch finishes), go on once it is released, and end with
+/// the weights of the same run without the gate.
+#[test]
+fn training_partitions_yield_to_inference_and_train_the_same_weights() {
+    let ds = DataSource::parse("synthetic:nodes=2000,degree=8,features=32,classes=4,seed=5")
+        .unwrap()
+        .load()
+        .unwrap();
+    let cfg = || {
+        let mut c = TrainConfig::paper_defaults(ModelKind::Gcn, ds.num_features, ds.num_classes, 0);
+        c.epochs = 6;
+        c.threads = 2;
+        c
+    };
+    let plain = Topology::partition(&ds, 2, PartitionMethod::Metis, None, cfg())
+        .unwrap()
+        .spawn()
+        .unwrap()
+        .wait()
+        .unwrap();
+    let gate = PriorityGate::new();
+    let urgent = gate.urgent();
+    let topo = Topology::partition(&ds, 2, PartitionMethod::Metis, None, cfg())
+        .unwrap()
+        .yielding_to(gate.clone());
+    let owners = topo.owners().unwrap();
+    assert_eq!(owners.len(), ds.num_nodes);
+    assert!(owners.iter().all(|&o| o < 2) && owners.contains(&0) && owners.contains(&1));
+    let run = topo.spawn().unwrap();
+    // Urgent work holds the gate: the partitions' first kernels wait at their first piece.
+    match run.events().recv_timeout(Duration::from_millis(1500)) {
+        Err(mpsc::RecvTimeoutError::Timeout) => {}
+        other => panic!("training went on while inference held the gate: {other:?}"),
+    }
+    assert!(gate.yields() >= 1, "no training piece waited for the gate");
+    drop(urgent);
+    let gated = run.wait().unwrap();
+    assert_eq!(gated.epochs_log.len(), 6);
+    assert_eq!(
+        gated.weights_digest, plain.weights_digest,
+        "yielding changed the trained weights"
+    );
+}
+
+/// The spans of trace `trace` the collector got, once `done` holds for them (bounded).
+fn trace_spans(
+    store: &support::Store,
+    trace: &str,
+    done: impl Fn(&[support::Received]) -> bool,
+) -> Vec<Span> {
+    store
+        .wait_for(trace, || {}, done)
+        .into_iter()
+        .map(|r| r.span)
+        .collect()
+}
+
+fn named<'a>(spans: &'a [Span], name: &str) -> Vec<&'a Span> {
+    spans.iter().filter(|s| s.name == name).collect()
+}
+
+/// The trace id (hex) of a `traceparent` value.
+fn trace_of(traceparent: &str) -> String {
+    traceparent.split('-').nth(1).unwrap().to_string()
+}
+
+/// A service beside 2 training partitions exporting to a test collector: a
+/// predict-with-embeddings request (in the caller's trace, named by its `traceparent`) and a
+/// node update are each one trace, from the HTTP span through the engine's batch or update
+/// spans down to the serving partition actors' lookup or step spans.
+#[test]
+fn each_request_is_one_trace_down_to_the_partition_actors() {
+    let (collector, store) = support::http_receiver();
+    let endpoint = format!("http://{collector}");
+    let server = Server::spawn(
+        &[
+            "train",
+            "--data",
+            DATA,
+            "--partitions",
+            "2",
+            "--epochs",
+            "20",
+            "--threads",
+            "2",
+            "--serve",
+            "127.0.0.1:0",
+            "--publish-every",
+            "10",
+            "--otlp-endpoint",
+            &endpoint,
+        ],
+        // Export batches every 200 ms (the OpenTelemetry SDK's standard variable).
+        &[("OTEL_BSP_SCHEDULE_DELAY", "200")],
+    );
+    server.wait_line("still serving", Duration::from_secs(120));
+    let agent = agent();
+
+    // A query through the partition actors, as part of the caller's trace.
+    let caller_trace = "4bf92f3577b34da6a3ce929d0e0e4736";
+    let caller_span = "00f067aa0ba902b7";
+    let every: Vec<u32> = (0..NODES).collect();
+    let r = server.post_with(
+        &agent,
+        "/v1/predict",
+        &json!({ "nodes": every, "embeddings": 1 }),
+        &[(
+            "traceparent",
+            &format!("00-{caller_trace}-{caller_span}-01"),
+        )],
+    );
+    assert_eq!(r.status, 200, "{}", r.text);
+    let tp = r.traceparent.expect("a traced answer names its span");
+    assert_eq!(trace_of(&tp), caller_trace, "{tp}");
+    let spans = trace_spans(&store, caller_trace, |got| {
+        got.iter().filter(|r| r.span.name == "serve_lookup").count() == 2
+            && got.iter().any(|r| r.span.name == "serve_request")
+    });
+    let request = named(&spans, "serve_request");
+    assert_eq!(request.len(), 1);
+    let request = request[0];
+    assert_eq!(support::hex(&request.parent_span_id), caller_span);
+    assert_eq!(support::string(request, "route"), Some("/v1/predict"));
+    assert_eq!(support::int(request, "status"), Some(200));
+    let batch = named(&spans, "serve_batch");
+    assert_eq!(batch.len(), 1, "one engine step served the request");
+    assert_eq!(batch[0].parent_span_id, request.span_id);
+    let mut parts: Vec<i64> = named(&spans, "serve_lookup")
+        .iter()
+        .map(|l| {
+            assert_eq!(l.parent_span_id, batch[0].span_id);
+            assert_eq!(support::int(l, "layer"), Some(1));
+            support::int(l, "partition").unwrap()
+        })
+        .collect();
+    parts.sort_unstable();
+    assert_eq!(parts, [0, 1], "both partitions own asked nodes");
+
+    // A node update: a trace of its own (no caller span), named in the answer.
+    let features: Vec<f32> = (0..16).map(|i| (i % 3) as f32).collect();
+    let r = server.post(
+        &agent,
+        "/v1/nodes",
+        &json!({ "nodes": [{ "features": features, "edges": [0, 700, NODES - 1] }] }),
+    );
+    assert_eq!(r.status, 200, "{}", r.text);
+    let trace = trace_of(&r.traceparent.expect("a traced answer names its span"));
+    // 2 layers on 2 partitions.
+    let spans = trace_spans(&store, &trace, |got| {
+        got.iter().filter(|r| r.span.name == "serve_step").count() == 4
+            && got.iter().any(|r| r.span.name == "serve_request")
+    });
+    let request = named(&spans, "serve_request");
+    assert_eq!(request.len(), 1);
+    assert!(request[0].parent_span_id.is_empty(), "a root span");
+    assert_eq!(support::string(request[0], "route"), Some("/v1/nodes"));
+    let add = named(&spans, "serve_add_nodes");
+    assert_eq!(add.len(), 1);
+    assert_eq!(add[0].parent_span_id, request[0].span_id);
+    let update = named(&spans, "serve_update");
+    assert_eq!(update.len(), 1);
+    assert_eq!(update[0].parent_span_id, add[0].span_id);
+    let mut steps: Vec<(i64, i64)> = named(&spans, "serve_step")
+        .iter()
+        .map(|st| {
+            assert_eq!(st.parent_span_id, update[0].span_id);
+            (
+                support::int(st, "layer").unwrap(),
+                support::int(st, "partition").unwrap(),
+            )
+        })
+        .collect();
+    steps.sort_unstable();
+    assert_eq!(steps, [(0, 0), (0, 1), (1, 0), (1, 1)]);
+}
+
+/// `trellis bench serve --beside-partitions 2`: (c) trains on 2 partition actors beside
+/// (a)'s load, reports its latencies and epoch rate, and publishes weights the service
+/// then serves.
+#[test]
+fn bench_serve_measures_a_beside_partitioned_training() {
+    let out = trellis(&[
+        "bench",
+        "serve",
+        "--data",
+        DATA,
+        "--hidden",
+        "16",
+        "--seconds",
+        "1",
+        "--beside-seconds",
+        "2",
+        "--rate-predict",
+        "300",
+        "--rate-new",
+        "0",
+        "--rate-light",
+        "0",
+        "--connections",
+        "4",
+        "--threads",
+        "2",
+        "--beside-partitions",
+        "2",
+    ]);
+    for row in ["(a) existing-node predict", "(c) (a) beside training"] {
+        let line = out
+            .lines()
+            .find(|l| l.starts_with(row))
+            .unwrap_or_else(|| panic!("no `{row}` in {out}"));
+        assert!(
+            line.contains("p99.9") && line.contains("failed 0"),
+            "{line}"
+        );
+    }
+    assert!(out.contains("(c) training on 2 partition actors"), "{out}");
+    let summary = out
+        .lines()
+        .find(|l| l.starts_with("(c) p99"))
+        .unwrap_or_else(|| panic!("no (c) summary in {out}"));
+    assert!(summary.contains("% of its epoch rate"), "{summary}");
+    assert!(
+        summary.contains("the served version advanced"),
+        "training beside the service published no weights: {summary}"
+    );
+}
+
+/// A step serving several requests (a batch): the child of the first traced request's span,
+/// with span links to the other requests' spans (untraced requests are skipped).
+#[test]
+fn a_batch_step_is_the_child_of_its_first_request_and_links_the_others() {
+    use trellis::telemetry::{self, OtlpProtocol, TelemetryOptions};
+    let (collector, store) = support::http_receiver();
+    let t = telemetry::init(&TelemetryOptions {
+        otlp_endpoint: Some(format!("http://{collector}")),
+        protocol: Some(OtlpProtocol::HttpProtobuf),
+        ..Default::default()
+    })
+    .unwrap();
+    // Only `trellis*` targets are exported.
+    let requests: Vec<tracing::Span> = (0..3)
+        .map(|i| tracing::info_span!(target: "trellis::tests", "serve_request", request = i))
+        .collect();
+    let contexts: Vec<_> = requests
+        .iter()
+        .map(|s| trellis_actors::telemetry::context_of(s).expect("a recorded span"))
+        .collect();
+    let batch = tracing::info_span!(target: "trellis::tests", "serve_batch");
+    trellis_actors::telemetry::join_requests(
+        &batch,
+        [
+            Some(contexts[0]),
+            None,
+            Some(contexts[1]),
+            Some(contexts[2]),
+        ],
+    );
+    drop(batch);
+    drop(requests);
+    let spans: Vec<Span> = store
+        .wait_for(
+            &contexts[0].trace_id_hex(),
+            || t.flush().unwrap(),
+            |got| got.iter().any(|r| r.span.name == "serve_batch"),
+        )
+        .into_iter()
+        .map(|r| r.span)
+        .collect();
+    let batch = named(&spans, "serve_batch")[0];
+    assert_eq!(batch.parent_span_id, contexts[0].span_id);
+    let links: Vec<(Vec<u8>, Vec<u8>)> = batch
+        .links
+        .iter()
+        .map(|l| (l.trace_id.clone(), l.span_id.clone()))
+        .collect();
+    let want: Vec<(Vec<u8>, Vec<u8>)> = contexts[1..]
+        .iter()
+        .map(|c| (c.trace_id.to_vec(), c.span_id.to_vec()))
+        .collect();
+    assert_eq!(links, want, "links to the batch's other requests");
+    assert_ne!(
+        contexts[1].trace_id, contexts[0].trace_id,
+        "each request is its own trace"
+    );
+    t.shutdown().unwrap();
+}
+
+/// Cluster training does not serve beside itself yet: `--serve` there is refused with a
+/// message saying what to do instead, not ignored.
+#[test]
+fn serve_beside_cluster_training_is_refused_clearly() {
+    let out = Command::new(env!("CARGO_BIN_EXE_trellis"))
+        .args([
+            "launch",
+            "--nodes",
+            "2",
+            "--data",
+            DATA,
+            "--serve",
+            "127.0.0.1:0",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--serve is not available for cluster training (trellis launch)"),
+        "{err}"
+    );
+    assert!(err.contains("--partitions P"), "{err}");
+}
