@@ -367,7 +367,7 @@ impl ReplicaStore {
     /// Stores `part`'s latest snapshot and, in a cluster, ships it to the partition's replica
     /// nodes (the initial state, step 0, is not shipped: any node recomputes it from the
     /// configuration).
-    pub fn put(&self, part: u32, snap: Snapshot) {
+    pub fn put(&self, part: u32, snap: Arc<Snapshot>) {
         if self.disabled {
             return;
         }
@@ -385,7 +385,15 @@ impl ReplicaStore {
                 send(bytes);
             }
         }
-        self.snaps.insert(part, Arc::new(snap));
+        self.snaps.insert(part, snap);
+    }
+
+    /// Replaces `part`'s own snapshot without shipping it (a partition rolled back to the
+    /// committed step before its latest one: every replica node still keeps that step).
+    pub fn put_local(&self, part: u32, snap: Arc<Snapshot>) {
+        if !self.disabled {
+            self.snaps.insert(part, snap);
+        }
     }
 
     /// Keeps the replica of another node's partition (with the one step before it).

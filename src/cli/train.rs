@@ -86,7 +86,8 @@ pub struct TrainArgs {
     pub repartition: bool,
     /// Inject faults (comma separated); the run recovers and ends with the fault-free weights:
     /// `panic:part=P:epoch=E[:layer=L][:phase=forward|backward|eval|apply][:stage=2]` (partition P panics),
-    /// `kill-node:node=N:epoch=E` (SIGKILL of node N's process as epoch E starts),
+    /// `kill-node:node=N:epoch=E[:phase=apply]` (SIGKILL of node N's process as epoch E starts,
+    /// or in its optimizer step),
     /// `cut-link:a=N:b=M:epoch=E:ms=T` (messages between nodes N and M dropped for T ms),
     /// `delay:a=N:b=M:ms=T` (messages between them wait T ms),
     /// `corrupt:a=N:b=M:epoch=E` (node N's next halo frame to M has a corrupted header).

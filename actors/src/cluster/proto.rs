@@ -120,9 +120,8 @@ pub enum Request {
         grads: Vec<f32>,
         trace: String,
     },
-    Reset {
-        epoch: u32,
-    },
+    /// `rollback`: see [`crate::protocol::epoch::Request::Reset`].
+    Reset { epoch: u32, rollback: bool },
     /// Host these partitions of a lost node from now on, resuming from this node's replica of
     /// the model state, which must be the committed step `epoch` with weights `digest`
     /// (empty: not known yet).
@@ -132,9 +131,7 @@ pub enum Request {
         digest: String,
     },
     /// Stop hosting partition `part` (it keeps failing here and moves to another node).
-    Evict {
-        part: u32,
-    },
+    Evict { part: u32 },
     /// The placement changed: route by `placement`, refuse everything from `fenced` nodes.
     Reroute {
         placement: Vec<u32>,

@@ -212,7 +212,13 @@ impl RemotePart {
     }
 
     pub async fn reset(self, msg: ResetEpoch) -> Result<(), ActorError> {
-        match self.call(Request::Reset { epoch: msg.epoch }).await? {
+        match self
+            .call(Request::Reset {
+                epoch: msg.epoch,
+                rollback: msg.rollback,
+            })
+            .await?
+        {
             ReplyBody::Reset => Ok(()),
             other => Err(self.unexpected(other)),
         }

@@ -238,6 +238,11 @@ async fn on_request(
         }
         req => match hosted.addrs.get(&part) {
             Some(addr) => {
+                if let Request::Apply { epoch, .. } = &req {
+                    if hosted.faults.kill_in_apply_due(ep.id, *epoch) {
+                        kill_self_in_apply(ep.id, *epoch);
+                    }
+                }
                 answer(ep, coord, id, hosted.run, addr.clone(), req);
                 return Ok(());
             }
@@ -273,6 +278,18 @@ fn stop(ep: &NodeEndpoint, hosted: Option<Hosted>) -> NodeTraffic {
 pub(crate) fn kill_self(node: u32, epoch: u32) {
     super::say(&format!(
         "chaos: node {node} kills itself (SIGKILL) at the start of epoch {epoch}"
+    ));
+    // SAFETY: kill(2) on our own pid with SIGKILL; no memory is involved.
+    unsafe {
+        libc::kill(libc::getpid(), libc::SIGKILL);
+    }
+}
+
+/// A real SIGKILL of this node's process as an optimizer step reaches it (`kill-node:...:
+/// phase=apply`).
+fn kill_self_in_apply(node: u32, epoch: u32) {
+    super::say(&format!(
+        "chaos: node {node} kills itself (SIGKILL) in the optimizer step of epoch {epoch}"
     ));
     // SAFETY: kill(2) on our own pid with SIGKILL; no memory is involved.
     unsafe {
@@ -336,7 +353,10 @@ fn answer(ep: &NodeEndpoint, coord: u32, id: u64, run: RunId, part: PartitionRef
     let addr = part.addr.clone();
     // A reset cancels the running kernels now, not when this task is first polled.
     let reset = match &req {
-        Request::Reset { epoch } => Some(part.reset(ResetEpoch { epoch: *epoch })),
+        Request::Reset { epoch, rollback } => Some(part.reset(ResetEpoch {
+            epoch: *epoch,
+            rollback: *rollback,
+        })),
         _ => None,
     };
     let transport = ep.transport.clone();

@@ -32,11 +32,13 @@ pub struct PlannedStall {
     pub fired: bool,
 }
 
-/// A node's process SIGKILLs itself when the coordinator starts an epoch.
+/// A node's process SIGKILLs itself when the coordinator starts an epoch, or
+/// (`in_apply`) when the epoch's optimizer step reaches one of its partitions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PlannedKill {
     pub node: u32,
     pub epoch: u32,
+    pub in_apply: bool,
     pub fired: bool,
 }
 
@@ -169,7 +171,7 @@ pub struct FaultPlan {
 /// Every `--chaos` fault kind with its fields (for help texts and errors).
 pub const CHAOS_KINDS: &str =
     "panic:part=P:epoch=E[:layer=L][:phase=forward|backward|eval|apply][:stage=2], \
-kill-node:node=N:epoch=E, cut-link:a=N:b=M:epoch=E:ms=T, delay:a=N:b=M:ms=T[:epoch=E], \
+kill-node:node=N:epoch=E[:phase=apply], cut-link:a=N:b=M:epoch=E:ms=T, delay:a=N:b=M:ms=T[:epoch=E], \
 corrupt:a=N:b=M:epoch=E, serve-panic:part=P:update=U[:layer=L] (trellis serve)";
 
 impl FaultPlan {
@@ -206,6 +208,19 @@ impl FaultPlan {
         lock(&self.kills).push(PlannedKill {
             node,
             epoch,
+            in_apply: false,
+            fired: false,
+        });
+        self
+    }
+
+    /// SIGKILL node `node`'s process when epoch `epoch`'s optimizer step reaches one of its
+    /// partitions (`kill-node:...:phase=apply`): other nodes' partitions apply it meanwhile.
+    pub fn kill_node_in_apply(self, node: u32, epoch: u32) -> Self {
+        lock(&self.kills).push(PlannedKill {
+            node,
+            epoch,
+            in_apply: true,
             fired: false,
         });
         self
@@ -280,7 +295,8 @@ impl FaultPlan {
                 .split_once('=')
                 .ok_or_else(|| bad(format!("`{kv}` is not key=value")))?;
             let allowed = match k {
-                "part" | "layer" | "phase" | "stage" => kind == "panic",
+                "part" | "layer" | "stage" => kind == "panic",
+                "phase" => kind == "panic" || kind == "kill-node",
                 "node" => kind == "kill-node",
                 "a" | "b" => link,
                 "ms" => kind == "cut-link" || kind == "delay",
@@ -339,7 +355,15 @@ impl FaultPlan {
             return Err(bad(format!("`{fault}`: epochs count from 1")));
         }
         if kind == "kill-node" {
-            return Ok(self.kill_node_at(need("node", "node=N")?, epoch));
+            let node = need("node", "node=N")?;
+            return match keys.get("layer") {
+                Some(_) => Ok(self.kill_node_in_apply(node, epoch)),
+                None if phase == Phase::Forward => Ok(self.kill_node_at(node, epoch)),
+                None => Err(bad(format!(
+                    "`{fault}`: a node is killed as its epoch starts or, with phase=apply, \
+                     in its optimizer step"
+                ))),
+            };
         }
         let part = need("part", "part=P")?;
         let layer = keys.get("layer").copied().unwrap_or(0);
@@ -530,7 +554,23 @@ impl FaultPlan {
     pub fn kill_due(&self, node: u32, epoch: u32) -> bool {
         let mut due = false;
         for k in lock(&self.kills).iter_mut() {
-            if !k.fired && k.node == node && k.epoch <= epoch {
+            if !k.fired && !k.in_apply && k.node == node && k.epoch <= epoch {
+                k.fired = true;
+                due = true;
+            }
+        }
+        if due {
+            self.count(FaultKind::KillNode);
+        }
+        due
+    }
+
+    /// Whether node `node` must die now that epoch `epoch`'s optimizer step reaches it
+    /// (fires once).
+    pub fn kill_in_apply_due(&self, node: u32, epoch: u32) -> bool {
+        let mut due = false;
+        for k in lock(&self.kills).iter_mut() {
+            if !k.fired && k.in_apply && k.node == node && k.epoch == epoch {
                 k.fired = true;
                 due = true;
             }

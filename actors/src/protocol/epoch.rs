@@ -31,8 +31,11 @@ pub enum Request {
     Step { layer: u16, phase: Phase },
     /// Apply the all-reduced gradients.
     Apply { grads: Arc<[f32]> },
-    /// Drop the epoch in progress (before a replay).
-    Reset,
+    /// Drop the epoch in progress (before a replay). `rollback`: the training step is
+    /// replayed, so a partition that already applied the epoch's optimizer step goes back to
+    /// the committed state before it (a node lost during the optimizer step took the state
+    /// its partitions' step needs: the step is replayed with its training pass).
+    Reset { rollback: bool },
 }
 
 /// A request to send to one partition.
@@ -524,7 +527,7 @@ impl EpochMachine {
                         format!("{phase:?} layer {layer} of epoch {}", self.epoch)
                     }
                     Request::Apply { .. } => "optimizer step".to_string(),
-                    Request::Reset => format!("reset of epoch {}", self.epoch),
+                    Request::Reset { .. } => format!("reset of epoch {}", self.epoch),
                 };
                 (*unit, part, what, round.started)
             }
@@ -585,6 +588,15 @@ impl EpochMachine {
                     detected_ms,
                     at,
                     ready_ms: 0.0,
+                };
+                // A re-placed partition lacks what its optimizer step needs besides the
+                // all-reduced sum (the halo rows it received for the next epoch, its skip
+                // records, its residual): they went with its node. The step is replayed with
+                // its training pass, every partition rolled back to the committed state.
+                let unit = if unit == Unit::Apply {
+                    Unit::TrainStep
+                } else {
+                    unit
                 };
                 self.begin_reset(unit, rec, now);
             }
@@ -793,7 +805,7 @@ impl EpochMachine {
                 }
                 self.step.digest = want;
             }
-            Request::Reset => {}
+            Request::Reset { .. } => {}
         }
         self.send_round(unit, round.index + 1, now);
     }
@@ -1039,7 +1051,8 @@ impl EpochMachine {
             });
         }
         self.open.push(rec);
-        let outstanding = self.broadcast(&Request::Reset);
+        let rollback = unit == Unit::TrainStep;
+        let outstanding = self.broadcast(&Request::Reset { rollback });
         self.state = State::Resetting {
             unit,
             outstanding,

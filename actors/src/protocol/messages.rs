@@ -38,6 +38,9 @@ pub struct ApplyStep {
 #[rtype(result = "()")]
 pub struct ResetEpoch {
     pub epoch: u32,
+    /// The training step is replayed: a partition that already applied `epoch` goes back to
+    /// the committed state before it.
+    pub rollback: bool,
 }
 
 /// A halo block delivered by the transport.

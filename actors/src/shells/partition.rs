@@ -65,7 +65,7 @@ impl PartitionActor {
         let machine = PartitionMachine::new(state, run, faults, replicas.enabled());
         if replicas.enabled() {
             match machine.snapshot() {
-                Ok(snap) => replicas.put(part.0, snap),
+                Ok(snap) => replicas.put(part.0, Arc::new(snap)),
                 Err(e) => tracing::error!("partition {part}: no initial replica: {e}"),
             }
         }
@@ -126,6 +126,9 @@ impl PartitionActor {
                     }
                     PartitionAction::HoldResidual(held) => {
                         self.replicas.hold_pending(self.part.0, held)
+                    }
+                    PartitionAction::RolledBack(snapshot) => {
+                        self.replicas.put_local(self.part.0, snapshot)
                     }
                     PartitionAction::Replicate { snapshot, ms } => {
                         self.replicas.put(self.part.0, snapshot);
@@ -236,7 +239,7 @@ impl Handler<ResetEpoch> for PartitionActor {
     fn handle(&mut self, msg: ResetEpoch, _ctx: &mut Context<Self>) {
         self.cancel.clear();
         let id = self.next_id();
-        self.machine.handle_reset(id, msg.epoch);
+        self.machine.handle_reset(id, msg.epoch, msg.rollback);
         if let Some(Err(e)) = self.drain(Some(id)) {
             // A failure of the device surfaces again at the next op on the stream.
             tracing::error!("partition {}: resetting the epoch failed: {e}", self.part);

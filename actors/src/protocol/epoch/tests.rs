@@ -65,7 +65,7 @@ impl Drive {
         match &o.request {
             Request::Step { phase, layer } => Response::Step(reply(o.part, *phase, *layer)),
             Request::Apply { .. } => applied(&format!("digest-{}", o.epoch)),
-            Request::Reset => Response::ResetDone,
+            Request::Reset { .. } => Response::ResetDone,
         }
     }
 
@@ -122,7 +122,7 @@ fn describe(r: &Request) -> String {
     match r {
         Request::Step { phase, layer } => format!("{phase:?}{layer}"),
         Request::Apply { .. } => "Apply".into(),
-        Request::Reset => "Reset".into(),
+        Request::Reset { .. } => "Reset".into(),
     }
 }
 
