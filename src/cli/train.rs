@@ -181,26 +181,7 @@ impl TrainArgs {
         if let Some(v) = self.weight_decay {
             cfg.weight_decay = v;
         }
-        let grad_codec = self.grad_codec();
-        if !grad_codec.is_none() && self.checkpoint_dir.is_some() {
-            bail!(
-                "--grad-codec {grad_codec} with --checkpoint-dir: checkpoints do not hold the \
-                 partitions' error-feedback residuals yet, so a resumed run would not equal an \
-                 uninterrupted one; use --grad-codec none (or --comm exact) to checkpoint"
-            );
-        }
-        let halo = self.halo_config();
-        if halo.holds_rows() && self.checkpoint_dir.is_some() {
-            bail!(
-                "--staleness {} / --skip-threshold {} with --checkpoint-dir: checkpoints do not \
-                 hold the halo rows the partitions kept from the last epoch yet, so a resumed \
-                 run would not equal an uninterrupted one; use --staleness 0 and \
-                 --skip-threshold 0 (and --comm exact) to checkpoint",
-                halo.staleness,
-                halo.skip_threshold
-            );
-        }
-        cfg.grad_codec = grad_codec;
+        cfg.grad_codec = self.grad_codec();
         cfg.threads = self.threads;
         cfg.partition_seed = self.partition_seed;
         cfg.halo = self.halo_config();

@@ -102,6 +102,9 @@ pub struct Setup {
     pub replicas: u32,
     /// A durable checkpoint to resume from (its bytes), or empty.
     pub resume: Vec<u8>,
+    /// The node writing durable checkpoints that hold every partition's own state (held
+    /// rows, skip records, residuals): every replica is shipped to it too.
+    pub checkpoint_node: Option<u32>,
 }
 
 /// A request for one partition.
@@ -378,6 +381,7 @@ mod tests {
                 chaos: String::new(),
                 replicas: 1,
                 resume: vec![1, 2],
+                checkpoint_node: Some(0),
             }),
             ControlMsg::Request {
                 id: 9,

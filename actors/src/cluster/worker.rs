@@ -489,14 +489,17 @@ async fn setup_node(
     let resume = if setup.resume.is_empty() {
         None
     } else {
-        let ck = Checkpoint::from_bytes(&setup.resume, Path::new("(received in the setup)"))?;
-        Some(ck.snapshot)
+        Some(Checkpoint::from_bytes(
+            &setup.resume,
+            Path::new("(received in the setup)"),
+        )?)
     };
     let shipper = ReplicaShipper::new(
         ep.transport.clone(),
         ids.clone(),
         setup.replicas as usize,
         setup.placement.clone(),
+        setup.checkpoint_node,
     );
     let node = host_partitions(
         &set,
@@ -511,12 +514,12 @@ async fn setup_node(
         setup.replicas > 0,
         Some(&shipper),
     )?;
-    if let Some(snap) = &resume {
+    if let Some(ck) = &resume {
         // Resumed: the checkpoint is every partition's committed state until the next step
         // ships its own.
         for &p in &replicated {
             node.replicas()
-                .put_remote(crate::replica::ReplicaBytes::encode(p, snap));
+                .put_remote(crate::replica::ReplicaBytes::encode(p, &ck.snapshot_for(p)));
         }
     }
     let standby = Standby::load(&set, &replicated, &cfg)?;

@@ -669,6 +669,19 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_node_kill_in_the_optimizer_step_fires_there_only() {
+        let plan = FaultPlan::parse("kill-node:node=2:epoch=3:phase=apply").unwrap();
+        assert!(!plan.kill_due(2, 3), "not as the epoch starts");
+        assert!(!plan.kill_in_apply_due(2, 2));
+        assert!(!plan.kill_in_apply_due(1, 3));
+        assert!(plan.kill_in_apply_due(2, 3));
+        assert!(!plan.kill_in_apply_due(2, 3), "fires once");
+        assert_eq!(plan.fired().get(&FaultKind::KillNode), Some(&1));
+        let e = FaultPlan::parse("kill-node:node=2:epoch=3:phase=backward").unwrap_err();
+        assert!(e.to_string().contains("phase=apply"), "{e}");
+    }
+
+    #[test]
     fn chaos_specs_parse_or_fail_clearly() {
         let plan = FaultPlan::parse(
             "panic:part=1:epoch=3,panic:part=0:epoch=5:layer=1:phase=backward:stage=2",
