@@ -366,11 +366,12 @@ impl ReplicaStore {
 
     /// Stores `part`'s latest snapshot and, in a cluster, ships it to the partition's replica
     /// nodes (the initial state, step 0, is not shipped: any node recomputes it from the
-    /// configuration).
-    pub fn put(&self, part: u32, snap: Arc<Snapshot>) {
+    /// configuration). Returns the bytes shipped to each replica node (0: none).
+    pub fn put(&self, part: u32, snap: Arc<Snapshot>) -> u64 {
         if self.disabled {
-            return;
+            return 0;
         }
+        let mut shipped = 0;
         if let Some(send) = self.sender.get() {
             if snap.epoch > 0 {
                 use trellis_runtime::metrics::{names, Key, Metrics};
@@ -382,10 +383,12 @@ impl ReplicaStore {
                 if held > 0 {
                     metrics.add(key(names::REPLICA_HALO_BYTES), held);
                 }
+                shipped = bytes.bytes.len() as u64;
                 send(bytes);
             }
         }
         self.snaps.insert(part, snap);
+        shipped
     }
 
     /// Replaces `part`'s own snapshot without shipping it (a partition rolled back to the

@@ -595,6 +595,26 @@ pub fn write_report(report: &RunReport, path: &Path) -> Result<()> {
     }
 }
 
+/// What replicating the partitions' state cost, per epoch: bytes shipped and the time it
+/// held up the training step (None without replication).
+pub fn replication_summary(r: &RunReport) -> Option<String> {
+    let logs = &r.epochs_log;
+    let bytes: u64 = logs.iter().map(|l| l.replica_bytes).sum();
+    let ms: f64 = logs.iter().map(|l| l.replica_ms).sum();
+    if logs.is_empty() || (bytes == 0 && ms == 0.0) {
+        return None;
+    }
+    let step_ms: f64 = logs.iter().map(|l| l.ms).sum();
+    let n = logs.len() as f64;
+    Some(format!(
+        "replication: {:.1} KiB per epoch shipped to each replica node, {:.3} ms per epoch on \
+         the step's critical path ({:.2}% of the training step)",
+        bytes as f64 / n / 1024.0,
+        ms / n,
+        100.0 * ms / step_ms.max(f64::MIN_POSITIVE)
+    ))
+}
+
 /// One paragraph describing a finished run.
 pub fn print_summary(r: &RunReport) {
     println!(
@@ -634,6 +654,9 @@ pub fn print_summary(r: &RunReport) {
         );
     }
     if let Some(line) = super::halo::summary(r) {
+        println!("{line}");
+    }
+    if let Some(line) = replication_summary(r) {
         println!("{line}");
     }
     if let Some(t) = &r.trace_id {

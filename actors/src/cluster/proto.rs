@@ -161,6 +161,9 @@ pub enum ReplyBody {
         digest: String,
         /// As in `Step`: the state restored since the last reply, if any.
         restored: Option<(u32, String)>,
+        /// [`crate::protocol::messages::ReplicaCost`]: ms on the partition's thread, bytes.
+        replica_ms: f64,
+        replica_bytes: u64,
     },
     Reset,
     Adopted {

@@ -203,9 +203,18 @@ impl RemotePart {
             trace: msg.trace.map(|t| t.to_string()).unwrap_or_default(),
         };
         match self.call(req).await? {
-            ReplyBody::Applied { digest, restored } => Ok(crate::protocol::messages::Applied {
+            ReplyBody::Applied {
+                digest,
+                restored,
+                replica_ms,
+                replica_bytes,
+            } => Ok(crate::protocol::messages::Applied {
                 digest,
                 restored: restored.map(|(epoch, digest)| crate::RestoreReport { epoch, digest }),
+                replica: crate::protocol::messages::ReplicaCost {
+                    ms: replica_ms,
+                    bytes: replica_bytes,
+                },
             }),
             other => Err(self.unexpected(other)),
         }

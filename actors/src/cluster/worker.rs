@@ -417,6 +417,8 @@ fn answer(ep: &NodeEndpoint, coord: u32, id: u64, run: RunId, part: PartitionRef
                     Ok(Ok(a)) => ReplyBody::Applied {
                         digest: a.digest,
                         restored: a.restored.map(|r| (r.epoch, r.digest)),
+                        replica_ms: a.replica.ms,
+                        replica_bytes: a.replica.bytes,
                     },
                     Ok(Err(e)) => ReplyBody::of_error(e),
                     Err(e) => mailbox(e),

@@ -247,6 +247,10 @@ struct StepResults {
     grads: Option<Arc<[f32]>>,
     digest: String,
     step_ms: f64,
+    /// Replication's cost on the critical path (slowest partition, every attempt of the
+    /// optimizer step) and the bytes shipped.
+    replica_ms: f64,
+    replica_bytes: u64,
 }
 
 /// One request to every partition, waiting for their replies.
@@ -724,10 +728,15 @@ impl EpochMachine {
         let wall_ms = ms_since(round.started, now);
         let mut steps = Vec::with_capacity(round.replies.len());
         let mut digests = Vec::new();
+        let (mut replica_ms, mut replica_bytes) = (0.0f64, 0u64);
         for (part, r) in round.replies.into_iter().enumerate() {
             match r {
                 Some(Response::Step(s)) => steps.push(s),
-                Some(Response::Applied(a)) => digests.push(a.digest),
+                Some(Response::Applied(a)) => {
+                    replica_ms = replica_ms.max(a.replica.ms);
+                    replica_bytes += a.replica.bytes;
+                    digests.push(a.digest)
+                }
                 Some(Response::ResetDone) | None => {
                     return self.fail(ActorError::Protocol {
                         part: part as u32,
@@ -804,6 +813,8 @@ impl EpochMachine {
                     });
                 }
                 self.step.digest = want;
+                self.step.replica_ms += replica_ms;
+                self.step.replica_bytes += replica_bytes;
             }
             Request::Reset { .. } => {}
         }
@@ -891,6 +902,8 @@ impl EpochMachine {
                     halo_fp32_bytes: s.halo_fp32_bytes,
                     weights_digest: self.committed.digest.clone(),
                     part_compute_ms: s.compute_ms,
+                    replica_bytes: s.replica_bytes,
+                    replica_ms: s.replica_ms,
                 };
                 self.best.update(&log);
                 self.logs.push(log.clone());

@@ -9,7 +9,7 @@
 //! [`PartitionMachine::restore`] with the replica it holds.
 use crate::faults::{FaultPlan, APPLY_LAYER};
 use crate::protocol::epoch::{RequestId, Response};
-use crate::protocol::messages::{Applied, Outcome, RestoreReport, Step, StepReply};
+use crate::protocol::messages::{Applied, Outcome, ReplicaCost, RestoreReport, Step, StepReply};
 use crate::protocol::state::{timed, EpochBlocks, PartitionState, Stage};
 use crate::replica::{PendingResidual, Snapshot};
 use crate::telemetry::{self, node_attr as node};
@@ -284,7 +284,13 @@ impl PartitionMachine {
             let d = self.state.model().weights_digest(self.state.stream());
             let restored = self.restored.take();
             let r = d
-                .map(|digest| Response::Applied(Applied { digest, restored }))
+                .map(|digest| {
+                    Response::Applied(Applied {
+                        digest,
+                        restored,
+                        replica: ReplicaCost::default(),
+                    })
+                })
                 .map_err(|source| ActorError::Compute { part, source });
             return self.answer(id, r);
         }
@@ -312,13 +318,19 @@ impl PartitionMachine {
         telemetry::set_parent(&span, trace);
         let _in_apply = span.enter();
         let done = self.state.epoch_done();
+        let mut replica = ReplicaCost::default();
         if self.replicate && self.latest.as_ref().is_none_or(|s| s.epoch != done) {
             // The committed state this step starts from, kept for a rollback (only the first
             // step and the first after a restore copy it out here; every other step's
             // replicated snapshot is it).
-            match self.state.snapshot() {
-                Ok(s) => self.latest = Some(Arc::new(s)),
-                Err(source) => return self.answer(id, Err(ActorError::Compute { part, source })),
+            match timed(|| self.state.snapshot()) {
+                (Ok(s), ms) => {
+                    self.latest = Some(Arc::new(s));
+                    replica.ms += ms;
+                }
+                (Err(source), _) => {
+                    return self.answer(id, Err(ActorError::Compute { part, source }))
+                }
             }
         }
         let faults = self.faults.clone();
@@ -345,6 +357,7 @@ impl PartitionMachine {
                     .entered();
                     match timed(|| self.state.snapshot()) {
                         (Ok(snapshot), ms) => {
+                            replica.ms += ms;
                             let snapshot = Arc::new(snapshot);
                             self.before = self.latest.replace(snapshot.clone());
                             self.actions
@@ -357,7 +370,14 @@ impl PartitionMachine {
                 }
                 self.inbox.retain(|k, _| k.0 > epoch);
                 let restored = self.restored.take();
-                self.answer(id, Ok(Response::Applied(Applied { digest, restored })));
+                self.answer(
+                    id,
+                    Ok(Response::Applied(Applied {
+                        digest,
+                        restored,
+                        replica,
+                    })),
+                );
             }
             Ok(Err(source)) => self.answer(id, Err(ActorError::Compute { part, source })),
             Err(panic) => self.panicked(id, panic),

@@ -156,6 +156,7 @@ fn applied(digest: &str) -> Response {
     Response::Applied(Applied {
         digest: digest.into(),
         restored: None,
+        replica: Default::default(),
     })
 }
 
@@ -573,6 +574,7 @@ fn a_panic_in_the_optimizer_step_is_checked_by_the_restore_its_replay_reports() 
                     epoch: 0,
                     digest: "init".into(),
                 }),
+                replica: Default::default(),
             }))
         })
     });
