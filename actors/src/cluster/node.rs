@@ -308,6 +308,9 @@ impl ReplicaShipper {
             return;
         };
         let msg = ControlMsg::Replica((&bytes).into()).encode();
+        // The message holds the bytes now: no second copy alive while it is queued.
+        let (part, epoch) = (bytes.part, bytes.epoch);
+        drop(bytes);
         let mut nodes = super::config::replica_nodes(&self.ids, owner, self.replicas);
         if let Some(c) = self.also_to.filter(|c| *c != owner && !nodes.contains(c)) {
             nodes.push(c);
@@ -316,20 +319,23 @@ impl ReplicaShipper {
             let mut in_flight = self.in_flight.lock().unwrap_or_else(|p| p.into_inner());
             // Replicas of older steps that were never acknowledged (their node was lost)
             // are forgotten: at most two steps per partition are in flight.
-            in_flight.retain(|k, _| k.part != bytes.part || k.epoch + 1 >= bytes.epoch);
+            in_flight.retain(|k, _| k.part != part || k.epoch + 1 >= epoch);
             let now = Instant::now();
             for &to in &nodes {
-                let key = ShippedReplica {
-                    part: bytes.part,
-                    epoch: bytes.epoch,
-                    to,
-                };
-                in_flight.insert(key, now);
+                in_flight.insert(ShippedReplica { part, epoch, to }, now);
             }
         }
-        for node in nodes {
-            if let Err(e) = self.transport.send_control(node, msg.clone()) {
-                tracing::warn!("replica of partition {} to node {node}: {e}", bytes.part);
+        let mut msg = Some(msg);
+        for (i, &node) in nodes.iter().enumerate() {
+            // The last node gets the message itself, the others a copy.
+            let m = if i + 1 == nodes.len() {
+                msg.take()
+            } else {
+                msg.clone()
+            };
+            let Some(m) = m else { break };
+            if let Err(e) = self.transport.send_control(node, m) {
+                tracing::warn!("replica of partition {part} to node {node}: {e}");
             }
         }
     }
