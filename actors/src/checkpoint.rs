@@ -3,7 +3,10 @@
 //! (`checkpoint-EEEEEEEE.ckpt`: temporary file, fsync, rename, fsync of the folder), of which
 //! the last K are kept (`keep`), and from which a whole run restarts (`--resume`), e.g. after
 //! the coordinator's node died. Every partition's replica and optimizer state are identical
-//! after a step, so one snapshot is the state of the whole run.
+//! after a step, so one snapshot is the model state of the whole run; beside it the file
+//! holds each partition's own state where the run keeps one (`--grad-codec` residuals, the
+//! halo rows held for the next epoch with `--staleness`/`--skip-threshold`, skip records), so
+//! a resumed run equals the uninterrupted one with those settings too.
 //!
 //! Every byte a resume depends on is covered by a BLAKE3 digest checked before anything is
 //! decoded: the file is `MAGIC | version u32 | payload length u64 | digest | payload` (little
@@ -11,7 +14,7 @@
 //! weights, moments, step count, epoch log, configuration and data digest). A file that fails
 //! the check is never used: reading falls back to the next older kept checkpoint, saying so,
 //! and fails naming every file and what is wrong with it when none is intact.
-use crate::replica::Snapshot;
+use crate::replica::{ReplicaBytes, Snapshot};
 use crate::ActorError;
 use rkyv::{Archive, Deserialize, Serialize};
 use std::fs::File;
@@ -27,7 +30,8 @@ pub const CHECKPOINT_PREFIX: &str = "checkpoint-";
 pub const CHECKPOINT_SUFFIX: &str = ".ckpt";
 /// The first bytes of every checkpoint file.
 pub const MAGIC: &[u8; 8] = b"TRELCKPT";
-const VERSION: u32 = 2;
+/// 3: with every partition's own state (2 had none: refused, as any other version).
+const VERSION: u32 = 3;
 /// Magic, version, payload length, digest.
 const HEAD: usize = 8 + 4 + 8 + 32;
 /// The file older builds wrote (no integrity digest): refused with a clear message.
@@ -53,12 +57,19 @@ struct CheckpointFile {
     moments: Vec<(Mat, Mat)>,
     opt_steps: u64,
     logs_json: String,
+    /// Each partition's own state (ascending partition; empty when the run keeps none): its
+    /// replica wire form ([`ReplicaBytes`]) without the model.
+    part_states: Vec<Vec<u8>>,
 }
 
 /// A checkpoint in memory.
 #[derive(Debug, Clone)]
 pub struct Checkpoint {
+    /// The model state every partition shares (its per-partition fields empty).
     pub snapshot: Snapshot,
+    /// Each partition's own state, by partition (empty when the run keeps none); the model
+    /// fields of these are empty.
+    pub part_states: Vec<Snapshot>,
     pub logs: Vec<EpochLog>,
     pub config: TrainConfig,
     pub data_digest: String,
@@ -140,7 +151,37 @@ pub struct Resumable {
     pub skipped: Vec<(PathBuf, String)>,
 }
 
+/// `snap` without its model (weights, moments): the partition's own state.
+fn own_state(snap: &Snapshot) -> Snapshot {
+    Snapshot {
+        params: Vec::new(),
+        opt_state: Vec::new(),
+        ..snap.clone()
+    }
+}
+
+/// `snap` without the partition's own state: the model every partition shares.
+fn model_state(snap: &Snapshot) -> Snapshot {
+    Snapshot {
+        grad_residual: Vec::new(),
+        held_halo: Vec::new(),
+        skip_sent: Vec::new(),
+        ..snap.clone()
+    }
+}
+
 impl Checkpoint {
+    /// The committed state of partition `part`: the shared model with its own state.
+    pub fn snapshot_for(&self, part: u32) -> Snapshot {
+        let mut s = self.snapshot.clone();
+        if let Some(own) = self.part_states.get(part as usize) {
+            s.grad_residual = own.grad_residual.clone();
+            s.held_halo = own.held_halo.clone();
+            s.skip_sent = own.skip_sent.clone();
+        }
+        s
+    }
+
     /// Writes the checkpoint into `dir` atomically (a reader sees the old files or the new
     /// one) and keeps the `keep` newest checkpoints there (at least 1). A full disk is an
     /// error naming the file and saying so.
@@ -183,6 +224,12 @@ impl Checkpoint {
             moments: s.opt_state.iter().map(|(a, b)| (mat(a), mat(b))).collect(),
             opt_steps: s.opt_steps,
             logs_json: serde_json::to_string(&self.logs).expect("logs serialise"),
+            part_states: self
+                .part_states
+                .iter()
+                .enumerate()
+                .map(|(p, s)| ReplicaBytes::encode(p as u32, &own_state(s)).bytes.to_vec())
+                .collect(),
         };
         let payload = rkyv::to_bytes::<rkyv::rancor::Error>(&file)
             .expect("serialising plain data into a growable buffer cannot fail");
@@ -278,7 +325,11 @@ impl Checkpoint {
         if version != VERSION {
             return Err(bad(
                 path,
-                format!("format version {version} (this build reads {VERSION})"),
+                format!(
+                    "format version {version}, written by another Trellis build (this build \
+                     reads {VERSION}): start over without --resume, or resume it with the \
+                     build that wrote it"
+                ),
             ));
         }
         let len = u64::from_le_bytes(bytes[12..20].try_into().expect("8 bytes"));
@@ -320,6 +371,41 @@ impl Checkpoint {
             .into_iter()
             .map(|(a, b)| Ok((tensor(a, path)?, tensor(b, path)?)))
             .collect::<Result<Vec<_>, ActorError>>()?;
+        if !f.part_states.is_empty() && f.part_states.len() != f.parts as usize {
+            return Err(bad(
+                path,
+                format!(
+                    "the state of {} partitions for a run of {}",
+                    f.part_states.len(),
+                    f.parts
+                ),
+            ));
+        }
+        let part_states = f
+            .part_states
+            .into_iter()
+            .enumerate()
+            .map(|(p, bytes)| {
+                let digest = blake3::hash(&bytes).to_hex().to_string();
+                let wire = ReplicaBytes {
+                    part: p as u32,
+                    epoch: f.epoch,
+                    bytes: bytes.into(),
+                    digest,
+                };
+                let own = wire.decode().map_err(|e| bad(path, e))?;
+                if own.epoch != f.epoch || !own.params.is_empty() {
+                    return Err(bad(
+                        path,
+                        format!(
+                            "the state of partition {p} is of step {}, not {}",
+                            own.epoch, f.epoch
+                        ),
+                    ));
+                }
+                Ok(own)
+            })
+            .collect::<Result<Vec<_>, ActorError>>()?;
         Ok(Checkpoint {
             snapshot: Snapshot {
                 epoch: f.epoch,
@@ -327,12 +413,11 @@ impl Checkpoint {
                 opt_state,
                 opt_steps: f.opt_steps,
                 digest: f.digest,
-                // Checkpoints are refused with a gradient codec: no residual to restore.
                 grad_residual: Vec::new(),
-                // ...and with staleness or skipping: no held halo blocks, no skip records.
                 held_halo: Vec::new(),
                 skip_sent: Vec::new(),
             },
+            part_states,
             logs,
             config,
             data_digest: f.data_digest,
@@ -349,6 +434,21 @@ impl Checkpoint {
         parts: usize,
     ) -> Result<(), ActorError> {
         let path = checkpoint_path(dir, self.snapshot.epoch);
+        let comm = |c: &TrainConfig| {
+            let halo = serde_json::to_string(&c.halo).expect("a halo config serialises");
+            format!("--grad-codec {}, halo exchange {halo}", c.grad_codec)
+        };
+        if comm(&self.config) != comm(cfg) {
+            return Err(bad(
+                &path,
+                format!(
+                    "written by a run with other communication settings ({}; this run: {}): \
+                     the partitions' held rows and residuals are those of that run",
+                    comm(&self.config),
+                    comm(cfg)
+                ),
+            ));
+        }
         if config_key(&self.config) != config_key(cfg) {
             return Err(bad(
                 &path,
@@ -411,12 +511,15 @@ impl CheckpointWriter {
     }
 
     /// Writes the state committed after `epoch` (weights `digest`) with the logs so far.
+    /// `Ok(None)`: skipped, because the replica of another node's partition of that step has
+    /// not reached this node yet (replication is asynchronous; the next checkpoint is
+    /// written as usual) — said on stderr.
     pub fn write(
         &self,
         epoch: u32,
         digest: &str,
         logs: &[EpochLog],
-    ) -> Result<PathBuf, ActorError> {
+    ) -> Result<Option<PathBuf>, ActorError> {
         let snap = self
             .store
             .latest()
@@ -427,22 +530,64 @@ impl CheckpointWriter {
                     format!("no local replica of the committed state of epoch {epoch} to write"),
                 )
             })?;
-        if !snap.held_halo.is_empty() || !snap.skip_sent.is_empty() {
-            return Err(bad(
-                &self.dir,
-                "the partitions hold halo rows for their next epoch (staleness 1, skipping), \
-                 which checkpoints do not store yet"
-                    .to_string(),
-            ));
+        let mut part_states = Vec::new();
+        if self.config.halo.holds_rows() || !self.config.grad_codec.is_none() {
+            for p in 0..self.parts as u32 {
+                match self.own_state_of(p, epoch, digest)? {
+                    Some(s) => part_states.push(s),
+                    None => {
+                        let line = format!(
+                            "warning: checkpoint of epoch {epoch} skipped: the replica of \
+                             partition {p}'s state of that step has not reached this node yet"
+                        );
+                        tracing::warn!("{line}");
+                        eprintln!("{line}");
+                        return Ok(None);
+                    }
+                }
+            }
         }
         Checkpoint {
-            snapshot: (*snap).clone(),
+            snapshot: model_state(&snap),
+            part_states,
             logs: logs.to_vec(),
             config: self.config.clone(),
             data_digest: self.data_digest.clone(),
             parts: self.parts,
         }
         .write(&self.dir, self.keep)
+        .map(Some)
+    }
+
+    /// Partition `part`'s own state committed after `epoch`: its snapshot here (a partition of
+    /// this process) or its replica kept here (a cluster ships every replica to the
+    /// coordinator's node when it checkpoints such state).
+    /// `None`: not here (yet).
+    fn own_state_of(
+        &self,
+        part: u32,
+        epoch: u32,
+        digest: &str,
+    ) -> Result<Option<Snapshot>, ActorError> {
+        let local = self
+            .store
+            .get(part)
+            .filter(|s| s.epoch == epoch)
+            .map(|s| own_state(&s));
+        let state = match local {
+            Some(s) => s,
+            None => match self.store.remote_at(part, epoch) {
+                Some(bytes) => own_state(&bytes.decode().map_err(|e| bad(&self.dir, e))?),
+                None => return Ok(None),
+            },
+        };
+        if state.digest != digest {
+            return Err(bad(
+                &self.dir,
+                format!("partition {part}'s state of epoch {epoch} has other weights"),
+            ));
+        }
+        Ok(Some(state))
     }
 
     /// The writer as the coordinator's checkpoint callback.

@@ -125,8 +125,8 @@ mod tests {
         let kept = Arc::default();
         let mut k = ModelKeeper::new(store.clone(), &[], Arc::clone(&kept));
         for (e, val) in [(1, 0.5), (2, 0.7), (3, 0.6)] {
-            store.put(0, snap(e, e as f32));
-            store.put(1, snap(e, e as f32));
+            store.put(0, Arc::new(snap(e, e as f32)));
+            store.put(1, Arc::new(snap(e, e as f32)));
             k.epoch_done(&log(e, val)).unwrap();
         }
         let m = kept.lock().unwrap().clone();
@@ -159,7 +159,7 @@ mod tests {
         let store = Arc::new(ReplicaStore::new());
         let kept = Arc::default();
         let mut k = ModelKeeper::new(store.clone(), &[log(1, 0.9)], Arc::clone(&kept));
-        store.put(0, snap(2, 2.0));
+        store.put(0, Arc::new(snap(2, 2.0)));
         k.epoch_done(&log(2, 0.5)).unwrap();
         let m = kept.lock().unwrap().clone();
         assert!(m.best.is_none());
@@ -173,7 +173,7 @@ mod tests {
         assert!(k.epoch_done(&log(1, 0.5)).is_err());
         let mut other = snap(1, 1.0);
         other.digest = "else".into();
-        store.put(0, other);
+        store.put(0, Arc::new(other));
         let e = k.epoch_done(&log(1, 0.5)).unwrap_err().to_string();
         assert!(e.contains("epoch 1"), "{e}");
     }

@@ -1,5 +1,12 @@
 //! The node's replica store: the latest committed state of each partition's model replica and
-//! optimizer, kept in memory so a restarted actor resumes from it without a checkpoint file.
+//! optimizer, kept in memory so a restarted actor resumes from it without a checkpoint file;
+//! and the replicated wire form of a snapshot ([`ReplicaBytes`]).
+//!
+//! The wire form is `archive length u64 | rkyv archive | raw section`: the archive holds the
+//! model and every small field, the raw section the payloads of the held halo blocks and skip
+//! records (what grows with the graph), which the archive locates by offset. Encoding writes
+//! each payload once, straight into the one buffer that is shipped and kept (no intermediate
+//! copies of the held rows); decoding reads them out of it.
 use crate::protocol::skip::SentRows;
 use dashmap::DashMap;
 use rkyv::{Archive, Deserialize, Serialize};
@@ -28,33 +35,101 @@ struct WireSent {
     phase: u8,
     layer: u16,
     cols: u32,
-    values: Vec<f32>,
+    /// The values, f32 little endian in the raw section.
+    values: RawRange,
     sent: Vec<u32>,
 }
 
+/// Where a payload lies in the raw section: byte offset and length.
+#[derive(Archive, Serialize, Deserialize, Clone, Copy)]
+struct RawRange {
+    offset: u64,
+    len: u64,
+}
+
+/// Lays payloads out in the raw section as the archive's entries are made.
+#[derive(Default)]
+struct RawLayout {
+    len: u64,
+}
+
+impl RawLayout {
+    fn take(&mut self, len: u64) -> RawRange {
+        let r = RawRange {
+            offset: self.len,
+            len,
+        };
+        self.len += len;
+        r
+    }
+}
+
+/// The raw section of a replica being decoded.
+struct Raw<'a>(&'a [u8]);
+
+impl Raw<'_> {
+    fn bytes(&self, r: RawRange) -> Result<&[u8], String> {
+        let end = r
+            .offset
+            .checked_add(r.len)
+            .filter(|e| *e <= self.0.len() as u64);
+        match end {
+            Some(end) => Ok(&self.0[r.offset as usize..end as usize]),
+            None => Err(format!(
+                "a payload at {}..+{} lies outside the {} raw bytes",
+                r.offset,
+                r.len,
+                self.0.len()
+            )),
+        }
+    }
+
+    /// f32 values (little endian), in one allocation.
+    fn floats(&self, r: RawRange) -> Result<Arc<[f32]>, String> {
+        let b = self.bytes(r)?;
+        if b.len() % 4 != 0 {
+            return Err(format!("{} bytes of f32 values", b.len()));
+        }
+        Ok(b.chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
+    }
+}
+
+/// Writes f32 values little endian into `dst` (exactly `4 * values.len()` bytes).
+fn put_floats(dst: &mut [u8], values: &[f32]) {
+    #[cfg(target_endian = "little")]
+    dst.copy_from_slice(bytemuck::cast_slice(values));
+    #[cfg(not(target_endian = "little"))]
+    for (d, v) in dst.chunks_exact_mut(4).zip(values) {
+        d.copy_from_slice(&v.to_le_bytes());
+    }
+}
+
 impl WireSent {
-    fn of(s: &SentRows) -> Self {
+    fn of(s: &SentRows, raw: &mut RawLayout) -> Self {
         WireSent {
             to: s.to.0,
             phase: u8::from(s.phase != Phase::Forward),
             layer: s.layer,
             cols: s.cols,
-            values: s.values.clone(),
+            values: raw.take(4 * s.values.len() as u64),
             sent: s.sent.clone(),
         }
     }
 
-    fn record(self) -> Result<SentRows, String> {
+    fn record(self, raw: &Raw<'_>) -> Result<SentRows, String> {
         let phase = match self.phase {
             0 => Phase::Forward,
             1 => Phase::Backward,
             p => return Err(format!("skip record with unknown phase {p}")),
         };
-        if self.values.len() as u64 != self.sent.len() as u64 * u64::from(self.cols) {
+        let values = raw.floats(self.values)?.to_vec();
+        if values.len() as u64 != self.sent.len() as u64 * u64::from(self.cols) {
             return Err(format!(
                 "skip record for partition {} holds {} values for {} rows of {}",
                 self.to,
-                self.values.len(),
+                values.len(),
                 self.sent.len(),
                 self.cols
             ));
@@ -64,14 +139,14 @@ impl WireSent {
             phase,
             layer: self.layer,
             cols: self.cols,
-            values: self.values,
+            values,
             sent: self.sent,
         })
     }
 }
 
-/// A held halo block (`--staleness`): its header without the run, its shape and its payload
-/// as it was received (fp32 values or encoded bytes).
+/// A held halo block (`--staleness`): its header without the run, its shape and where its
+/// payload lies in the raw section, as it was received (fp32 values or encoded bytes).
 #[derive(Archive, Serialize, Deserialize)]
 struct WireBlock {
     epoch: u32,
@@ -82,16 +157,14 @@ struct WireBlock {
     to: u32,
     rows: u32,
     cols: u32,
-    values: Vec<f32>,
-    encoded: Option<Vec<u8>>,
+    /// Encoded bytes (a codec's payload), else f32 values.
+    encoded: bool,
+    payload: RawRange,
 }
 
 impl WireBlock {
-    fn of(b: &HaloBlock) -> Self {
-        let (values, encoded) = match &b.payload {
-            HaloPayload::F32(d) => (d.to_vec(), None),
-            HaloPayload::Encoded(e) => (Vec::new(), Some(e.to_vec())),
-        };
+    fn of(b: &HaloBlock, raw: &mut RawLayout) -> Self {
+        let encoded = matches!(b.payload, HaloPayload::Encoded(_));
         WireBlock {
             epoch: b.header.epoch,
             phase: match b.header.phase {
@@ -103,33 +176,33 @@ impl WireBlock {
             to: b.header.to.0,
             rows: b.rows,
             cols: b.cols,
-            values,
             encoded,
+            payload: raw.take(b.payload.len_bytes()),
         }
     }
 
     /// The block (run id nil: a held block is only read for its rows). Fp32 values must be
     /// exactly `rows x cols`; encoded payloads are checked by the decoder when used.
-    fn block(self) -> Result<HaloBlock, String> {
+    fn block(self, raw: &Raw<'_>) -> Result<HaloBlock, String> {
         let phase = match self.phase {
             0 => Phase::Forward,
             1 => Phase::Backward,
             p => return Err(format!("held halo block with unknown phase {p}")),
         };
-        let payload = match self.encoded {
-            Some(bytes) => HaloPayload::Encoded(Arc::from(bytes)),
-            None if self.values.len() as u64 == self.rows as u64 * self.cols as u64 => {
-                HaloPayload::F32(Arc::from(self.values))
-            }
-            None => {
+        let payload = if self.encoded {
+            HaloPayload::Encoded(Arc::from(raw.bytes(self.payload)?))
+        } else {
+            let values = raw.floats(self.payload)?;
+            if values.len() as u64 != self.rows as u64 * self.cols as u64 {
                 return Err(format!(
                     "held halo block from partition {} holds {} values, not {}x{}",
                     self.from,
-                    self.values.len(),
+                    values.len(),
                     self.rows,
                     self.cols
-                ))
+                ));
             }
+            HaloPayload::F32(values)
         };
         Ok(HaloBlock {
             header: MsgHeader {
@@ -186,6 +259,38 @@ pub struct ReplicaBytes {
 impl ReplicaBytes {
     /// Encodes `snap` (host tensors) for replication.
     pub fn encode(part: u32, snap: &Snapshot) -> Self {
+        Encoding::start(part, snap).finish(snap)
+    }
+}
+
+/// A snapshot's encoding in two parts: the archive of its small fields ([`Encoding::start`],
+/// cheap: the model and the payloads' layout) and the one buffer with every payload written
+/// into it and its digest ([`Encoding::finish`], which grows with the held rows and can run
+/// on another thread). The encoded length is known from the start.
+pub struct Encoding {
+    part: u32,
+    epoch: u32,
+    archive: rkyv::util::AlignedVec,
+    /// Where each held block's and each skip record's payload goes in the raw section.
+    blocks: Vec<RawRange>,
+    records: Vec<RawRange>,
+    raw_len: u64,
+}
+
+impl Encoding {
+    /// Lays `snap` out and archives its small fields.
+    pub fn start(part: u32, snap: &Snapshot) -> Self {
+        let mut raw = RawLayout::default();
+        let held_halo: Vec<WireBlock> = snap
+            .held_halo
+            .iter()
+            .map(|b| WireBlock::of(b, &mut raw))
+            .collect();
+        let skip_sent: Vec<WireSent> = snap
+            .skip_sent
+            .iter()
+            .map(|s| WireSent::of(s, &mut raw))
+            .collect();
         let wire = SnapshotWire {
             epoch: snap.epoch,
             params: snap.params.iter().map(WireTensor::of).collect(),
@@ -197,21 +302,64 @@ impl ReplicaBytes {
             opt_steps: snap.opt_steps,
             digest: snap.digest.clone(),
             grad_residual: snap.grad_residual.clone(),
-            held_halo: snap.held_halo.iter().map(WireBlock::of).collect(),
-            skip_sent: snap.skip_sent.iter().map(WireSent::of).collect(),
+            held_halo,
+            skip_sent,
         };
-        let bytes = rkyv::to_bytes::<rkyv::rancor::Error>(&wire)
-            .map(|b| b.into_vec())
-            .unwrap_or_default();
-        let digest = blake3::hash(&bytes).to_hex().to_string();
-        ReplicaBytes {
+        let archive = rkyv::to_bytes::<rkyv::rancor::Error>(&wire)
+            .expect("serialising plain data into a growable buffer cannot fail");
+        Encoding {
             part,
             epoch: snap.epoch,
-            bytes: Arc::from(bytes),
-            digest,
+            archive,
+            blocks: wire.held_halo.iter().map(|w| w.payload).collect(),
+            records: wire.skip_sent.iter().map(|w| w.values).collect(),
+            raw_len: raw.len,
         }
     }
 
+    /// Bytes of the encoded snapshot.
+    pub fn len(&self) -> u64 {
+        8 + self.archive.len() as u64 + self.raw_len
+    }
+
+    /// Whether the encoding is empty (never: it always has a header).
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Writes the payloads of `snap` (the snapshot [`Encoding::start`] laid out) and digests
+    /// the whole.
+    pub fn finish(self, snap: &Snapshot) -> ReplicaBytes {
+        let head = 8 + self.archive.len();
+        // One allocation, the size of the whole (a trusted-length iterator collects into an
+        // `Arc<[u8]>` in place); every payload is written into it once.
+        let mut bytes: Arc<[u8]> = std::iter::repeat_n(0u8, self.len() as usize).collect();
+        let buf = Arc::get_mut(&mut bytes).expect("just allocated: not shared");
+        buf[..8].copy_from_slice(&(self.archive.len() as u64).to_le_bytes());
+        buf[8..head].copy_from_slice(&self.archive);
+        let section = &mut buf[head..];
+        for (b, r) in snap.held_halo.iter().zip(&self.blocks) {
+            let dst = &mut section[r.offset as usize..][..r.len as usize];
+            match &b.payload {
+                HaloPayload::F32(d) => put_floats(dst, d),
+                HaloPayload::Encoded(e) => dst.copy_from_slice(e),
+            }
+        }
+        for (s, r) in snap.skip_sent.iter().zip(&self.records) {
+            let dst = &mut section[r.offset as usize..][..r.len as usize];
+            put_floats(dst, &s.values);
+        }
+        let digest = blake3::hash(&bytes).to_hex().to_string();
+        ReplicaBytes {
+            part: self.part,
+            epoch: self.epoch,
+            bytes,
+            digest,
+        }
+    }
+}
+
+impl ReplicaBytes {
     /// Checks the bytes against the sender's digest, then decodes them. Never panics on bad
     /// bytes: a mismatch or a corrupt archive is an error saying which.
     pub fn decode(&self) -> Result<Snapshot, String> {
@@ -222,10 +370,19 @@ impl ReplicaBytes {
                 self.part, self.epoch, self.digest
             ));
         }
-        let mut aligned = rkyv::util::AlignedVec::<16>::with_capacity(self.bytes.len());
-        aligned.extend_from_slice(&self.bytes);
+        let corrupt = |e: String| format!("replica of partition {}: corrupt: {e}", self.part);
+        let len = self
+            .bytes
+            .get(..8)
+            .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+            .filter(|n| *n <= self.bytes.len() as u64 - 8)
+            .ok_or_else(|| corrupt("no archive length".into()))?;
+        let (archive, raw) = self.bytes[8..].split_at(len as usize);
+        let raw = Raw(raw);
+        let mut aligned = rkyv::util::AlignedVec::<16>::with_capacity(archive.len());
+        aligned.extend_from_slice(archive);
         let w = rkyv::from_bytes::<SnapshotWire, rkyv::rancor::Error>(&aligned)
-            .map_err(|e| format!("replica of partition {}: corrupt: {e}", self.part))?;
+            .map_err(|e| corrupt(e.to_string()))?;
         Ok(Snapshot {
             epoch: w.epoch,
             params: w
@@ -244,13 +401,13 @@ impl ReplicaBytes {
             held_halo: w
                 .held_halo
                 .into_iter()
-                .map(WireBlock::block)
+                .map(|b| b.block(&raw))
                 .collect::<Result<_, _>>()
                 .map_err(|e| format!("replica of partition {}: {e}", self.part))?,
             skip_sent: w
                 .skip_sent
                 .into_iter()
-                .map(WireSent::record)
+                .map(|s| s.record(&raw))
                 .collect::<Result<_, _>>()
                 .map_err(|e| format!("replica of partition {}: {e}", self.part))?,
         })
@@ -311,6 +468,12 @@ pub struct PendingResidual {
 /// Ships a partition's committed state to the nodes that keep its replica (cluster runs).
 pub type ReplicaSender = Arc<dyn Fn(ReplicaBytes) + Send + Sync>;
 
+/// A snapshot on its way to the replication thread, its small fields encoded.
+struct Shipment {
+    encoding: Encoding,
+    snap: Arc<Snapshot>,
+}
+
 /// The replicas a node keeps: the latest snapshot of each partition it hosts (a restarted
 /// actor restores from it), and the replicated bytes of partitions hosted on other nodes
 /// (adopting one after its node is lost restores from them, checked against the sender's
@@ -323,7 +486,8 @@ pub struct ReplicaStore {
     remote: DashMap<u32, Vec<ReplicaBytes>>,
     /// Each hosted partition's residual of the step in progress (see [`PendingResidual`]).
     pending: DashMap<u32, PendingResidual>,
-    sender: std::sync::OnceLock<ReplicaSender>,
+    /// Encodes and ships snapshots on a thread of its own (cluster runs), in the order put.
+    shipping: std::sync::OnceLock<std::sync::Mutex<std::sync::mpsc::Sender<Shipment>>>,
     /// Replication off: nothing is stored (measures what replication costs).
     disabled: bool,
 }
@@ -333,7 +497,7 @@ impl std::fmt::Debug for ReplicaStore {
         f.debug_struct("ReplicaStore")
             .field("own", &self.snaps.len())
             .field("remote", &self.remote.len())
-            .field("ships", &self.sender.get().is_some())
+            .field("ships", &self.shipping.get().is_some())
             .field("disabled", &self.disabled)
             .finish()
     }
@@ -361,31 +525,68 @@ impl ReplicaStore {
     /// Ships every committed snapshot after the first step to other nodes through `sender`
     /// (set once, by the cluster node that owns this store).
     pub fn set_sender(&self, sender: ReplicaSender) {
-        let _ = self.sender.set(sender);
+        if self.shipping.get().is_some() {
+            return;
+        }
+        let (tx, rx) = std::sync::mpsc::channel::<Shipment>();
+        let spawned = std::thread::Builder::new()
+            .name("trellis-replicate".into())
+            .spawn(move || {
+                // Ends when the store (the channel's sender) is dropped.
+                while let Ok(s) = rx.recv() {
+                    sender(s.encoding.finish(&s.snap));
+                }
+            });
+        match spawned {
+            Ok(_) => {
+                let _ = self.shipping.set(std::sync::Mutex::new(tx));
+            }
+            Err(e) => tracing::error!("no replication thread: {e}; replicas are not shipped"),
+        }
     }
 
     /// Stores `part`'s latest snapshot and, in a cluster, ships it to the partition's replica
     /// nodes (the initial state, step 0, is not shipped: any node recomputes it from the
-    /// configuration).
-    pub fn put(&self, part: u32, snap: Snapshot) {
+    /// configuration). Returns the bytes shipped to each replica node (0: none). Only the
+    /// snapshot's layout and small fields are encoded here; its payloads are written, digested
+    /// and shipped on the store's replication thread, overlapped with the next epoch.
+    pub fn put(&self, part: u32, snap: Arc<Snapshot>) -> u64 {
         if self.disabled {
-            return;
+            return 0;
         }
-        if let Some(send) = self.sender.get() {
+        let mut shipped = 0;
+        if let Some(queue) = self.shipping.get() {
             if snap.epoch > 0 {
                 use trellis_runtime::metrics::{names, Key, Metrics};
-                let bytes = ReplicaBytes::encode(part, &snap);
+                let encoding = Encoding::start(part, &snap);
+                shipped = encoding.len();
                 let metrics = Metrics::global();
                 let key = |name| Key::new(name).with("partition", part);
-                metrics.add(key(names::REPLICA_BYTES), bytes.bytes.len() as u64);
+                metrics.add(key(names::REPLICA_BYTES), shipped);
                 let held = snap.held_halo_bytes();
                 if held > 0 {
                     metrics.add(key(names::REPLICA_HALO_BYTES), held);
                 }
-                send(bytes);
+                let shipment = Shipment {
+                    encoding,
+                    snap: snap.clone(),
+                };
+                let queue = queue.lock().unwrap_or_else(|p| p.into_inner());
+                if queue.send(shipment).is_err() {
+                    tracing::error!("partition {part}: the replication thread is gone");
+                }
             }
         }
-        self.snaps.insert(part, Arc::new(snap));
+        self.snaps.insert(part, snap);
+        shipped
+    }
+
+    /// Replaces `part`'s own snapshot without shipping it (a partition rolled back to the
+    /// committed step before its latest one: every replica node still keeps that step).
+    pub fn put_local(&self, part: u32, snap: Arc<Snapshot>) {
+        if !self.disabled {
+            self.snaps.insert(part, snap);
+        }
     }
 
     /// Keeps the replica of another node's partition (with the one step before it).
@@ -510,6 +711,66 @@ mod tests {
         assert!(store.remote_at(5, 2).is_none());
         assert_eq!(store.remote_at(5, 3).unwrap().epoch, 3);
         assert!(store.remote_at(6, 3).is_none());
+    }
+
+    /// Held blocks (fp32 and encoded) and skip records travel in the raw section; one whose
+    /// bytes are cut short (with a digest that matches, as a buggy sender would make) is an
+    /// error naming the partition, never a panic.
+    #[test]
+    fn held_rows_and_skip_records_round_trip_through_the_raw_section() {
+        let block = |from: u32, payload: HaloPayload| HaloBlock {
+            header: MsgHeader {
+                run: RunId::nil(),
+                epoch: 7,
+                layer: 1,
+                phase: Phase::Forward,
+                from: PartId(from),
+                to: PartId(3),
+            },
+            rows: 2,
+            cols: 2,
+            payload,
+            trace: None,
+        };
+        let mut s = snap();
+        s.held_halo = vec![
+            block(
+                0,
+                HaloPayload::F32(Arc::from(vec![1.5f32, -2.0, 3.25, 0.0])),
+            ),
+            block(1, HaloPayload::Encoded(Arc::from(vec![9u8, 8, 7]))),
+        ];
+        s.skip_sent = vec![SentRows {
+            to: PartId(2),
+            phase: Phase::Backward,
+            layer: 0,
+            cols: 2,
+            values: vec![0.5, 0.25],
+            sent: vec![4],
+        }];
+        let r = ReplicaBytes::encode(3, &s);
+        let back = r.decode().unwrap();
+        assert_eq!(
+            back.held_halo[0].values().unwrap()[..],
+            [1.5, -2.0, 3.25, 0.0]
+        );
+        assert!(
+            matches!(&back.held_halo[1].payload, HaloPayload::Encoded(e) if e[..] == [9, 8, 7])
+        );
+        assert_eq!(back.held_halo[1].header.from, PartId(1));
+        assert_eq!(back.skip_sent[0].values, [0.5, 0.25]);
+        assert_eq!(back.skip_sent[0].sent, [4]);
+        assert_eq!(back.held_halo_bytes(), s.held_halo_bytes());
+        for cut in [1, 5, 19] {
+            let short = &r.bytes[..r.bytes.len() - cut];
+            let bad = ReplicaBytes {
+                bytes: Arc::from(short),
+                digest: blake3::hash(short).to_hex().to_string(),
+                ..r.clone()
+            };
+            let e = bad.decode().unwrap_err();
+            assert!(e.contains("partition 3"), "{e}");
+        }
     }
 
     #[test]

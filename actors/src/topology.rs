@@ -231,8 +231,8 @@ impl Topology {
         };
         if let (Some(ck), Some(pol)) = (&resume, &self.checkpoints) {
             ck.check_matches(&pol.dir, &self.cfg, &book.data_digest, book.parts)?;
-            for s in &mut states {
-                if !s.restore(&ck.snapshot)? {
+            for (p, s) in states.iter_mut().enumerate() {
+                if !s.restore(&ck.snapshot_for(p as u32))? {
                     return Err(ActorError::Checkpoint {
                         path: pol.dir.clone(),
                         detail: "the restored weights do not match its digest".into(),

@@ -43,6 +43,15 @@ pub struct EpochLog {
     /// its communication and waiting.
     #[serde(default)]
     pub part_compute_ms: Vec<f64>,
+    /// Bytes of the partitions' replicated snapshots shipped after this epoch's step (to each
+    /// replica node; 0 without replication or in one process)...
+    #[serde(default)]
+    pub replica_bytes: u64,
+    /// ...and the time replicating them held up the step: the slowest partition's copy-out,
+    /// encoding, digest and queueing before its optimizer step answered, ms (the transfer
+    /// itself overlaps the next epoch).
+    #[serde(default)]
+    pub replica_ms: f64,
 }
 
 /// The record of a whole run.

@@ -319,6 +319,8 @@ impl Trainer {
             halo_fp32_bytes: 0,
             weights_digest: self.model.weights_digest(&self.stream)?,
             part_compute_ms: vec![ms],
+            replica_bytes: 0,
+            replica_ms: 0.0,
         })
     }
 

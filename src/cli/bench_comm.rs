@@ -116,6 +116,10 @@ pub struct CommBenchArgs {
     /// Nodes that keep a replica of each partition (shipped over the same links).
     #[arg(long, default_value_t = 1)]
     pub replicas: u32,
+    /// Also run every configuration on the emulated network with `--replicas 0`, beside the
+    /// one with replicas: what replication costs the epoch, measured side by side.
+    #[arg(long)]
+    pub without_replicas: bool,
     /// CPU threads per node process (0: one per CPU).
     #[arg(long, default_value_t = 0, value_parser = super::validate::threads)]
     pub threads: usize,
@@ -165,6 +169,8 @@ enum Network {
 struct Row {
     config: &'static Config,
     network: Network,
+    /// `replicas` of the cluster file for this row's runs.
+    replicas: u32,
     runs: Vec<RunNumbers>,
     /// Why a run of this configuration failed (its later seeds are not run); the others go on,
     /// so an hour of measurements is not lost to one configuration (e.g. killed for memory).
@@ -181,6 +187,11 @@ struct RunNumbers {
     link: Option<LinkNumbers>,
     /// Whole epochs (training step and evaluation), ms, the first left out when there are more.
     epoch_ms: Vec<f64>,
+    /// Replicated snapshot bytes shipped per epoch (the epoch log's `replica_bytes`)...
+    replica_bytes: f64,
+    /// ...and the time replication held up each training step (`replica_ms`), ms, the first
+    /// epoch left out as for `epoch_ms`.
+    replica_ms: Vec<f64>,
     test_acc: f64,
     digest: String,
 }
@@ -238,6 +249,13 @@ impl RunNumbers {
                 .skip(skip)
                 .map(|l| l.ms + l.eval_ms)
                 .collect(),
+            replica_bytes: per_epoch(r.epochs_log.iter().map(|l| l.replica_bytes).sum()),
+            replica_ms: r
+                .epochs_log
+                .iter()
+                .skip(skip)
+                .map(|l| l.replica_ms)
+                .collect(),
             test_acc: r.test_acc,
             digest: r.weights_digest.clone(),
         })
@@ -248,8 +266,21 @@ impl Row {
     fn label(&self, rate: LinkRate) -> String {
         match self.network {
             Network::Loopback => format!("{} (loopback, reference)", self.config.name),
+            Network::Emulated if self.replicas == 0 => {
+                format!("{} ({rate}, replicas 0)", self.config.name)
+            }
             Network::Emulated => format!("{} ({rate})", self.config.name),
         }
+    }
+
+    /// Median time replication held up a training step, ms.
+    fn replica_ms(&self) -> f64 {
+        let all: Vec<f64> = self
+            .runs
+            .iter()
+            .flat_map(|r| r.replica_ms.clone())
+            .collect();
+        median(&all)
     }
 
     fn mean(&self, f: impl Fn(&RunNumbers) -> f64) -> f64 {
@@ -326,15 +357,23 @@ pub fn run(a: CommBenchArgs) -> Result<()> {
     let mut rows = vec![Row {
         config: &CONFIGS[0],
         network: Network::Loopback,
+        replicas: a.replicas,
         runs: Vec::new(),
         failed: None,
     }];
-    rows.extend(chosen.into_iter().map(|config| Row {
-        config,
-        network: Network::Emulated,
-        runs: Vec::new(),
-        failed: None,
-    }));
+    for config in chosen {
+        let mut replicas = vec![a.replicas];
+        if a.without_replicas && a.replicas > 0 {
+            replicas.push(0);
+        }
+        rows.extend(replicas.into_iter().map(|replicas| Row {
+            config,
+            network: Network::Emulated,
+            replicas,
+            runs: Vec::new(),
+            failed: None,
+        }));
+    }
     for seed in 0..a.seeds {
         for (i, row) in rows.iter_mut().enumerate() {
             if stopped() {
@@ -348,7 +387,7 @@ pub fn run(a: CommBenchArgs) -> Result<()> {
             eprintln!("bench comm: {} seed {seed} ...", row.label(a.link_rate));
             let name = format!("run-{i}-{seed}");
             let before = on.map(EmulatedNet::counters).transpose()?;
-            let report = match run_one(&a, on, tmp.path(), &name, seed, config.args) {
+            let report = match run_one(&a, on, tmp.path(), &name, seed, row.replicas, config.args) {
                 Ok(r) => r,
                 // Without the reference no ratio means anything.
                 Err(e) if i == 0 => {
@@ -401,6 +440,7 @@ fn run_one(
     tmp: &Path,
     name: &str,
     seed: u32,
+    replicas: u32,
     config_args: &[&str],
 ) -> Result<RunReport> {
     let dir = tmp.join(name);
@@ -438,7 +478,7 @@ fn run_one(
         nodes: a.nodes,
         heartbeat_ms: 500,
         idle_timeout_ms: 10_000,
-        replicas: a.replicas,
+        replicas,
         max_restarts: 0,
         step_deadline_ms: 600_000,
     };
@@ -480,15 +520,18 @@ fn print_table(a: &CommBenchArgs, rows: &[Row], probe: &str) {
     );
     println!("link: {probe}");
     println!(
-        "| configuration | halo/epoch | link/epoch | tbf drops | epoch ms | vs reference | test acc % | weights |"
+        "| configuration | halo/epoch | link/epoch | tbf drops | epoch ms | vs reference | replica/epoch | replica ms (% of epoch) | test acc % | weights |"
     );
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     let reference = &rows[0];
     let ref_ms = reference.epoch_ms();
     for row in rows {
         if let Some(why) = &row.failed {
             if row.runs.is_empty() {
-                println!("| {} | failed: {why} | | | | | | |", row.label(a.link_rate));
+                println!(
+                    "| {} | failed: {why} | | | | | | | | |",
+                    row.label(a.link_rate)
+                );
                 continue;
             }
         }
@@ -510,19 +553,48 @@ fn print_table(a: &CommBenchArgs, rows: &[Row], probe: &str) {
             None => ("-".to_string(), "-".to_string()),
         };
         println!(
-            "| {} | {} | {link} | {drops} | {:.1} | {:.2}x | {acc:.2} ± {sd:.2} | {} |",
+            "| {} | {} | {link} | {drops} | {:.1} | {:.2}x | {} | {:.3} ({:.2}%) | {acc:.2} ± {sd:.2} | {} |",
             row.label(a.link_rate),
             size(row.mean(|r| r.halo_bytes)),
             row.epoch_ms(),
             row.epoch_ms() / ref_ms,
+            size(row.mean(|r| r.replica_bytes)),
+            row.replica_ms(),
+            100.0 * row.replica_ms() / row.epoch_ms().max(f64::MIN_POSITIVE),
             if same { "= reference" } else { "differ" }
+        );
+    }
+    // With and without replicas, side by side.
+    for pair in rows.windows(2) {
+        let [with, without] = pair else { continue };
+        if !std::ptr::eq(with.config, without.config)
+            || without.replicas != 0
+            || with.replicas == 0
+            || with.runs.is_empty()
+            || without.runs.is_empty()
+        {
+            continue;
+        }
+        let (w, wo) = (with.epoch_ms(), without.epoch_ms());
+        println!(
+            "{}: replication ({} replica(s)) ships {}/epoch and holds each training step up \
+             {:.3} ms ({:.2}% of the epoch); epoch {w:.1} ms with, {wo:.1} ms without \
+             ({:+.1}%, run-to-run noise included)",
+            with.config.name,
+            with.replicas,
+            size(with.mean(|r| r.replica_bytes)),
+            with.replica_ms(),
+            100.0 * with.replica_ms() / w.max(f64::MIN_POSITIVE),
+            100.0 * (w - wo) / wo.max(f64::MIN_POSITIVE)
         );
     }
     println!(
         "epoch = training step + evaluation (median over runs, the first epoch of each left out); \
          halo = rows and gradients moved between partitions in training and evaluation (run report's counters); link = bytes all \
          nodes' links sent (kernel counters: halo, gradients, replicas, control, all headers); \
-         tbf drops = packets the token buckets dropped (all runs)"
+         tbf drops = packets the token buckets dropped (all runs); replica = snapshot bytes \
+         shipped to the replica nodes, and the time their copy-out, encoding and digest held \
+         up the training step (slowest partition, median)"
     );
     for row in rows.iter().filter(|r| !r.runs.is_empty()) {
         if let Some(why) = &row.failed {

@@ -86,7 +86,8 @@ pub struct TrainArgs {
     pub repartition: bool,
     /// Inject faults (comma separated); the run recovers and ends with the fault-free weights:
     /// `panic:part=P:epoch=E[:layer=L][:phase=forward|backward|eval|apply][:stage=2]` (partition P panics),
-    /// `kill-node:node=N:epoch=E` (SIGKILL of node N's process as epoch E starts),
+    /// `kill-node:node=N:epoch=E[:phase=apply]` (SIGKILL of node N's process as epoch E starts,
+    /// or in its optimizer step),
     /// `cut-link:a=N:b=M:epoch=E:ms=T` (messages between nodes N and M dropped for T ms),
     /// `delay:a=N:b=M:ms=T` (messages between them wait T ms),
     /// `corrupt:a=N:b=M:epoch=E` (node N's next halo frame to M has a corrupted header).
@@ -180,26 +181,7 @@ impl TrainArgs {
         if let Some(v) = self.weight_decay {
             cfg.weight_decay = v;
         }
-        let grad_codec = self.grad_codec();
-        if !grad_codec.is_none() && self.checkpoint_dir.is_some() {
-            bail!(
-                "--grad-codec {grad_codec} with --checkpoint-dir: checkpoints do not hold the \
-                 partitions' error-feedback residuals yet, so a resumed run would not equal an \
-                 uninterrupted one; use --grad-codec none (or --comm exact) to checkpoint"
-            );
-        }
-        let halo = self.halo_config();
-        if halo.holds_rows() && self.checkpoint_dir.is_some() {
-            bail!(
-                "--staleness {} / --skip-threshold {} with --checkpoint-dir: checkpoints do not \
-                 hold the halo rows the partitions kept from the last epoch yet, so a resumed \
-                 run would not equal an uninterrupted one; use --staleness 0 and \
-                 --skip-threshold 0 (and --comm exact) to checkpoint",
-                halo.staleness,
-                halo.skip_threshold
-            );
-        }
-        cfg.grad_codec = grad_codec;
+        cfg.grad_codec = self.grad_codec();
         cfg.threads = self.threads;
         cfg.partition_seed = self.partition_seed;
         cfg.halo = self.halo_config();
@@ -663,6 +645,26 @@ pub fn write_report(report: &RunReport, path: &Path) -> Result<()> {
     }
 }
 
+/// What replicating the partitions' state cost, per epoch: bytes shipped and the time it
+/// held up the training step (None without replication).
+pub fn replication_summary(r: &RunReport) -> Option<String> {
+    let logs = &r.epochs_log;
+    let bytes: u64 = logs.iter().map(|l| l.replica_bytes).sum();
+    let ms: f64 = logs.iter().map(|l| l.replica_ms).sum();
+    if logs.is_empty() || (bytes == 0 && ms == 0.0) {
+        return None;
+    }
+    let step_ms: f64 = logs.iter().map(|l| l.ms).sum();
+    let n = logs.len() as f64;
+    Some(format!(
+        "replication: {:.1} KiB per epoch shipped to each replica node, {:.3} ms per epoch on \
+         the step's critical path ({:.2}% of the training step)",
+        bytes as f64 / n / 1024.0,
+        ms / n,
+        100.0 * ms / step_ms.max(f64::MIN_POSITIVE)
+    ))
+}
+
 /// One paragraph describing a finished run.
 pub fn print_summary(r: &RunReport) {
     println!(
@@ -702,6 +704,9 @@ pub fn print_summary(r: &RunReport) {
         );
     }
     if let Some(line) = super::halo::summary(r) {
+        println!("{line}");
+    }
+    if let Some(line) = replication_summary(r) {
         println!("{line}");
     }
     if let Some(t) = &r.trace_id {

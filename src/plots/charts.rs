@@ -435,6 +435,8 @@ mod tests {
                 halo_fp32_bytes: 1 << 20,
                 weights_digest: String::new(),
                 part_compute_ms: vec![6.0; parts],
+                replica_bytes: 0,
+                replica_ms: 0.0,
             })
             .collect();
         r

@@ -169,11 +169,19 @@ async fn drive(
         .filter(|&p| placement[p as usize] == ep.id)
         .collect();
     let faults = Arc::new(crate::faults::FaultPlan::parse(&job.chaos)?);
+    // Checkpoints of every partition's own state need each partition's replica here.
+    let checkpoint_node = job
+        .checkpoints
+        .as_ref()
+        .filter(|p| p.every > 0 && cluster.replicas > 0)
+        .filter(|_| job.cfg.halo.holds_rows() || !job.cfg.grad_codec.is_none())
+        .map(|_| ep.id);
     let shipper = ReplicaShipper::new(
         ep.transport.clone(),
         cluster.ids(),
         cluster.replicas as usize,
         placement.clone(),
+        checkpoint_node,
     );
     let replicated = replicated_by(&placement, &cluster.ids(), cluster.replicas as usize, ep.id);
     // This node's partitions, and the standby data of those it keeps replicas of.
@@ -187,7 +195,7 @@ async fn drive(
             run,
             ep.transport.clone(),
             faults.clone(),
-            resume.as_ref().map(|c| &c.snapshot),
+            resume.as_ref(),
             cluster.replicas > 0,
             Some(&shipper),
         )?;
@@ -197,7 +205,7 @@ async fn drive(
             for &p in &replicated {
                 local
                     .replicas()
-                    .put_remote(crate::replica::ReplicaBytes::encode(p, &ck.snapshot));
+                    .put_remote(crate::replica::ReplicaBytes::encode(p, &ck.snapshot_for(p)));
             }
         }
         let standby = Standby::load(&job.set, &replicated, &job.cfg)?;
@@ -221,6 +229,7 @@ async fn drive(
                         chaos: job.chaos.clone(),
                         replicas: cluster.replicas,
                         resume: resume.as_ref().map(|c| c.to_bytes()).unwrap_or_default(),
+                        checkpoint_node,
                     };
                     for &w in &workers {
                         let addr = addrs[&w].parse().map_err(|e| ActorError::Node {

@@ -238,6 +238,9 @@ pub struct ReplicaShipper {
     transport: Arc<QuicTransport>,
     ids: Vec<u32>,
     replicas: usize,
+    /// A node every replica also goes to (the one writing checkpoints of every partition's
+    /// own state), if any.
+    also_to: Option<u32>,
     placement: std::sync::Mutex<Vec<u32>>,
     /// When each replica not yet acknowledged was shipped.
     in_flight: std::sync::Mutex<HashMap<ShippedReplica, Instant>>,
@@ -257,11 +260,13 @@ impl ReplicaShipper {
         ids: Vec<u32>,
         replicas: usize,
         placement: Vec<u32>,
+        also_to: Option<u32>,
     ) -> Arc<Self> {
         Arc::new(ReplicaShipper {
             transport,
             ids,
             replicas,
+            also_to,
             placement: std::sync::Mutex::new(placement),
             in_flight: std::sync::Mutex::new(HashMap::new()),
         })
@@ -303,25 +308,34 @@ impl ReplicaShipper {
             return;
         };
         let msg = ControlMsg::Replica((&bytes).into()).encode();
-        let nodes = super::config::replica_nodes(&self.ids, owner, self.replicas);
+        // The message holds the bytes now: no second copy alive while it is queued.
+        let (part, epoch) = (bytes.part, bytes.epoch);
+        drop(bytes);
+        let mut nodes = super::config::replica_nodes(&self.ids, owner, self.replicas);
+        if let Some(c) = self.also_to.filter(|c| *c != owner && !nodes.contains(c)) {
+            nodes.push(c);
+        }
         {
             let mut in_flight = self.in_flight.lock().unwrap_or_else(|p| p.into_inner());
             // Replicas of older steps that were never acknowledged (their node was lost)
             // are forgotten: at most two steps per partition are in flight.
-            in_flight.retain(|k, _| k.part != bytes.part || k.epoch + 1 >= bytes.epoch);
+            in_flight.retain(|k, _| k.part != part || k.epoch + 1 >= epoch);
             let now = Instant::now();
             for &to in &nodes {
-                let key = ShippedReplica {
-                    part: bytes.part,
-                    epoch: bytes.epoch,
-                    to,
-                };
-                in_flight.insert(key, now);
+                in_flight.insert(ShippedReplica { part, epoch, to }, now);
             }
         }
-        for node in nodes {
-            if let Err(e) = self.transport.send_control(node, msg.clone()) {
-                tracing::warn!("replica of partition {} to node {node}: {e}", bytes.part);
+        let mut msg = Some(msg);
+        for (i, &node) in nodes.iter().enumerate() {
+            // The last node gets the message itself, the others a copy.
+            let m = if i + 1 == nodes.len() {
+                msg.take()
+            } else {
+                msg.clone()
+            };
+            let Some(m) = m else { break };
+            if let Err(e) = self.transport.send_control(node, m) {
+                tracing::warn!("replica of partition {part} to node {node}: {e}");
             }
         }
     }
@@ -363,7 +377,7 @@ pub fn host_partitions(
     run: RunId,
     transport: Arc<QuicTransport>,
     faults: Arc<FaultPlan>,
-    resume: Option<&crate::replica::Snapshot>,
+    resume: Option<&crate::checkpoint::Checkpoint>,
     replicate: bool,
     shipper: Option<&Arc<ReplicaShipper>>,
 ) -> Result<NodeSupervisor, ActorError> {
@@ -371,9 +385,9 @@ pub fn host_partitions(
         .iter()
         .map(|&p| load_state(set, p, cfg))
         .collect::<Result<Vec<_>, _>>()?;
-    if let Some(snap) = resume {
-        for s in &mut states {
-            if !s.restore(snap)? {
+    if let Some(ck) = resume {
+        for (s, &p) in states.iter_mut().zip(parts) {
+            if !s.restore(&ck.snapshot_for(p))? {
                 return Err(ActorError::Cluster(
                     "the checkpoint's weights do not match its digest".into(),
                 ));

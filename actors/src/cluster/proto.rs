@@ -102,6 +102,9 @@ pub struct Setup {
     pub replicas: u32,
     /// A durable checkpoint to resume from (its bytes), or empty.
     pub resume: Vec<u8>,
+    /// The node writing durable checkpoints that hold every partition's own state (held
+    /// rows, skip records, residuals): every replica is shipped to it too.
+    pub checkpoint_node: Option<u32>,
 }
 
 /// A request for one partition.
@@ -120,9 +123,8 @@ pub enum Request {
         grads: Vec<f32>,
         trace: String,
     },
-    Reset {
-        epoch: u32,
-    },
+    /// `rollback`: see [`crate::protocol::epoch::Request::Reset`].
+    Reset { epoch: u32, rollback: bool },
     /// Host these partitions of a lost node from now on, resuming from this node's replica of
     /// the model state, which must be the committed step `epoch` with weights `digest`
     /// (empty: not known yet).
@@ -132,9 +134,7 @@ pub enum Request {
         digest: String,
     },
     /// Stop hosting partition `part` (it keeps failing here and moves to another node).
-    Evict {
-        part: u32,
-    },
+    Evict { part: u32 },
     /// The placement changed: route by `placement`, refuse everything from `fenced` nodes.
     Reroute {
         placement: Vec<u32>,
@@ -161,6 +161,9 @@ pub enum ReplyBody {
         digest: String,
         /// As in `Step`: the state restored since the last reply, if any.
         restored: Option<(u32, String)>,
+        /// [`crate::protocol::messages::ReplicaCost`]: ms on the partition's thread, bytes.
+        replica_ms: f64,
+        replica_bytes: u64,
     },
     Reset,
     Adopted {
@@ -381,6 +384,7 @@ mod tests {
                 chaos: String::new(),
                 replicas: 1,
                 resume: vec![1, 2],
+                checkpoint_node: Some(0),
             }),
             ControlMsg::Request {
                 id: 9,

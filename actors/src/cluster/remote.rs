@@ -203,16 +203,31 @@ impl RemotePart {
             trace: msg.trace.map(|t| t.to_string()).unwrap_or_default(),
         };
         match self.call(req).await? {
-            ReplyBody::Applied { digest, restored } => Ok(crate::protocol::messages::Applied {
+            ReplyBody::Applied {
+                digest,
+                restored,
+                replica_ms,
+                replica_bytes,
+            } => Ok(crate::protocol::messages::Applied {
                 digest,
                 restored: restored.map(|(epoch, digest)| crate::RestoreReport { epoch, digest }),
+                replica: crate::protocol::messages::ReplicaCost {
+                    ms: replica_ms,
+                    bytes: replica_bytes,
+                },
             }),
             other => Err(self.unexpected(other)),
         }
     }
 
     pub async fn reset(self, msg: ResetEpoch) -> Result<(), ActorError> {
-        match self.call(Request::Reset { epoch: msg.epoch }).await? {
+        match self
+            .call(Request::Reset {
+                epoch: msg.epoch,
+                rollback: msg.rollback,
+            })
+            .await?
+        {
             ReplyBody::Reset => Ok(()),
             other => Err(self.unexpected(other)),
         }

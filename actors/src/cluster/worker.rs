@@ -238,6 +238,11 @@ async fn on_request(
         }
         req => match hosted.addrs.get(&part) {
             Some(addr) => {
+                if let Request::Apply { epoch, .. } = &req {
+                    if hosted.faults.kill_in_apply_due(ep.id, *epoch) {
+                        kill_self_in_apply(ep.id, *epoch);
+                    }
+                }
                 answer(ep, coord, id, hosted.run, addr.clone(), req);
                 return Ok(());
             }
@@ -273,6 +278,18 @@ fn stop(ep: &NodeEndpoint, hosted: Option<Hosted>) -> NodeTraffic {
 pub(crate) fn kill_self(node: u32, epoch: u32) {
     super::say(&format!(
         "chaos: node {node} kills itself (SIGKILL) at the start of epoch {epoch}"
+    ));
+    // SAFETY: kill(2) on our own pid with SIGKILL; no memory is involved.
+    unsafe {
+        libc::kill(libc::getpid(), libc::SIGKILL);
+    }
+}
+
+/// A real SIGKILL of this node's process as an optimizer step reaches it (`kill-node:...:
+/// phase=apply`).
+fn kill_self_in_apply(node: u32, epoch: u32) {
+    super::say(&format!(
+        "chaos: node {node} kills itself (SIGKILL) in the optimizer step of epoch {epoch}"
     ));
     // SAFETY: kill(2) on our own pid with SIGKILL; no memory is involved.
     unsafe {
@@ -336,7 +353,10 @@ fn answer(ep: &NodeEndpoint, coord: u32, id: u64, run: RunId, part: PartitionRef
     let addr = part.addr.clone();
     // A reset cancels the running kernels now, not when this task is first polled.
     let reset = match &req {
-        Request::Reset { epoch } => Some(part.reset(ResetEpoch { epoch: *epoch })),
+        Request::Reset { epoch, rollback } => Some(part.reset(ResetEpoch {
+            epoch: *epoch,
+            rollback: *rollback,
+        })),
         _ => None,
     };
     let transport = ep.transport.clone();
@@ -397,6 +417,8 @@ fn answer(ep: &NodeEndpoint, coord: u32, id: u64, run: RunId, part: PartitionRef
                     Ok(Ok(a)) => ReplyBody::Applied {
                         digest: a.digest,
                         restored: a.restored.map(|r| (r.epoch, r.digest)),
+                        replica_ms: a.replica.ms,
+                        replica_bytes: a.replica.bytes,
                     },
                     Ok(Err(e)) => ReplyBody::of_error(e),
                     Err(e) => mailbox(e),
@@ -469,14 +491,17 @@ async fn setup_node(
     let resume = if setup.resume.is_empty() {
         None
     } else {
-        let ck = Checkpoint::from_bytes(&setup.resume, Path::new("(received in the setup)"))?;
-        Some(ck.snapshot)
+        Some(Checkpoint::from_bytes(
+            &setup.resume,
+            Path::new("(received in the setup)"),
+        )?)
     };
     let shipper = ReplicaShipper::new(
         ep.transport.clone(),
         ids.clone(),
         setup.replicas as usize,
         setup.placement.clone(),
+        setup.checkpoint_node,
     );
     let node = host_partitions(
         &set,
@@ -491,12 +516,12 @@ async fn setup_node(
         setup.replicas > 0,
         Some(&shipper),
     )?;
-    if let Some(snap) = &resume {
+    if let Some(ck) = &resume {
         // Resumed: the checkpoint is every partition's committed state until the next step
         // ships its own.
         for &p in &replicated {
             node.replicas()
-                .put_remote(crate::replica::ReplicaBytes::encode(p, snap));
+                .put_remote(crate::replica::ReplicaBytes::encode(p, &ck.snapshot_for(p)));
         }
     }
     let standby = Standby::load(&set, &replicated, &cfg)?;

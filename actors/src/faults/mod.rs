@@ -32,11 +32,13 @@ pub struct PlannedStall {
     pub fired: bool,
 }
 
-/// A node's process SIGKILLs itself when the coordinator starts an epoch.
+/// A node's process SIGKILLs itself when the coordinator starts an epoch, or
+/// (`in_apply`) when the epoch's optimizer step reaches one of its partitions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PlannedKill {
     pub node: u32,
     pub epoch: u32,
+    pub in_apply: bool,
     pub fired: bool,
 }
 
@@ -189,7 +191,7 @@ pub struct FaultPlan {
 /// Every `--chaos` fault kind with its fields (for help texts and errors).
 pub const CHAOS_KINDS: &str =
     "panic:part=P:epoch=E[:layer=L][:phase=forward|backward|eval|apply][:stage=2], \
-kill-node:node=N:epoch=E, cut-link:a=N:b=M:epoch=E:ms=T, delay:a=N:b=M:ms=T[:epoch=E], \
+kill-node:node=N:epoch=E[:phase=apply], cut-link:a=N:b=M:epoch=E:ms=T, delay:a=N:b=M:ms=T[:epoch=E], \
 corrupt:a=N:b=M:epoch=E, serve-panic:part=P:update=U[:layer=L], \
 serve-stall:part=P:update=U:ms=T[:layer=L] (trellis serve)";
 
@@ -227,6 +229,19 @@ impl FaultPlan {
         lock(&self.kills).push(PlannedKill {
             node,
             epoch,
+            in_apply: false,
+            fired: false,
+        });
+        self
+    }
+
+    /// SIGKILL node `node`'s process when epoch `epoch`'s optimizer step reaches one of its
+    /// partitions (`kill-node:...:phase=apply`): other nodes' partitions apply it meanwhile.
+    pub fn kill_node_in_apply(self, node: u32, epoch: u32) -> Self {
+        lock(&self.kills).push(PlannedKill {
+            node,
+            epoch,
+            in_apply: true,
             fired: false,
         });
         self
@@ -314,7 +329,8 @@ impl FaultPlan {
                 .split_once('=')
                 .ok_or_else(|| bad(format!("`{kv}` is not key=value")))?;
             let allowed = match k {
-                "part" | "layer" | "phase" | "stage" => kind == "panic",
+                "part" | "layer" | "stage" => kind == "panic",
+                "phase" => kind == "panic" || kind == "kill-node",
                 "node" => kind == "kill-node",
                 "a" | "b" => link,
                 "ms" => kind == "cut-link" || kind == "delay",
@@ -373,7 +389,15 @@ impl FaultPlan {
             return Err(bad(format!("`{fault}`: epochs count from 1")));
         }
         if kind == "kill-node" {
-            return Ok(self.kill_node_at(need("node", "node=N")?, epoch));
+            let node = need("node", "node=N")?;
+            return match keys.get("layer") {
+                Some(_) => Ok(self.kill_node_in_apply(node, epoch)),
+                None if phase == Phase::Forward => Ok(self.kill_node_at(node, epoch)),
+                None => Err(bad(format!(
+                    "`{fault}`: a node is killed as its epoch starts or, with phase=apply, \
+                     in its optimizer step"
+                ))),
+            };
         }
         let part = need("part", "part=P")?;
         let layer = keys.get("layer").copied().unwrap_or(0);
@@ -584,7 +608,23 @@ impl FaultPlan {
     pub fn kill_due(&self, node: u32, epoch: u32) -> bool {
         let mut due = false;
         for k in lock(&self.kills).iter_mut() {
-            if !k.fired && k.node == node && k.epoch <= epoch {
+            if !k.fired && !k.in_apply && k.node == node && k.epoch <= epoch {
+                k.fired = true;
+                due = true;
+            }
+        }
+        if due {
+            self.count(FaultKind::KillNode);
+        }
+        due
+    }
+
+    /// Whether node `node` must die now that epoch `epoch`'s optimizer step reaches it
+    /// (fires once).
+    pub fn kill_in_apply_due(&self, node: u32, epoch: u32) -> bool {
+        let mut due = false;
+        for k in lock(&self.kills).iter_mut() {
+            if !k.fired && k.in_apply && k.node == node && k.epoch == epoch {
                 k.fired = true;
                 due = true;
             }
@@ -681,6 +721,19 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_node_kill_in_the_optimizer_step_fires_there_only() {
+        let plan = FaultPlan::parse("kill-node:node=2:epoch=3:phase=apply").unwrap();
+        assert!(!plan.kill_due(2, 3), "not as the epoch starts");
+        assert!(!plan.kill_in_apply_due(2, 2));
+        assert!(!plan.kill_in_apply_due(1, 3));
+        assert!(plan.kill_in_apply_due(2, 3));
+        assert!(!plan.kill_in_apply_due(2, 3), "fires once");
+        assert_eq!(plan.fired().get(&FaultKind::KillNode), Some(&1));
+        let e = FaultPlan::parse("kill-node:node=2:epoch=3:phase=backward").unwrap_err();
+        assert!(e.to_string().contains("phase=apply"), "{e}");
+    }
 
     #[test]
     fn chaos_specs_parse_or_fail_clearly() {

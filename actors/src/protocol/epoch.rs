@@ -31,8 +31,11 @@ pub enum Request {
     Step { layer: u16, phase: Phase },
     /// Apply the all-reduced gradients.
     Apply { grads: Arc<[f32]> },
-    /// Drop the epoch in progress (before a replay).
-    Reset,
+    /// Drop the epoch in progress (before a replay). `rollback`: the training step is
+    /// replayed, so a partition that already applied the epoch's optimizer step goes back to
+    /// the committed state before it (a node lost during the optimizer step took the state
+    /// its partitions' step needs: the step is replayed with its training pass).
+    Reset { rollback: bool },
 }
 
 /// A request to send to one partition.
@@ -244,6 +247,10 @@ struct StepResults {
     grads: Option<Arc<[f32]>>,
     digest: String,
     step_ms: f64,
+    /// Replication's cost on the critical path (slowest partition, every attempt of the
+    /// optimizer step) and the bytes shipped.
+    replica_ms: f64,
+    replica_bytes: u64,
 }
 
 /// One request to every partition, waiting for their replies.
@@ -524,7 +531,7 @@ impl EpochMachine {
                         format!("{phase:?} layer {layer} of epoch {}", self.epoch)
                     }
                     Request::Apply { .. } => "optimizer step".to_string(),
-                    Request::Reset => format!("reset of epoch {}", self.epoch),
+                    Request::Reset { .. } => format!("reset of epoch {}", self.epoch),
                 };
                 (*unit, part, what, round.started)
             }
@@ -585,6 +592,15 @@ impl EpochMachine {
                     detected_ms,
                     at,
                     ready_ms: 0.0,
+                };
+                // A re-placed partition lacks what its optimizer step needs besides the
+                // all-reduced sum (the halo rows it received for the next epoch, its skip
+                // records, its residual): they went with its node. The step is replayed with
+                // its training pass, every partition rolled back to the committed state.
+                let unit = if unit == Unit::Apply {
+                    Unit::TrainStep
+                } else {
+                    unit
                 };
                 self.begin_reset(unit, rec, now);
             }
@@ -712,10 +728,15 @@ impl EpochMachine {
         let wall_ms = ms_since(round.started, now);
         let mut steps = Vec::with_capacity(round.replies.len());
         let mut digests = Vec::new();
+        let (mut replica_ms, mut replica_bytes) = (0.0f64, 0u64);
         for (part, r) in round.replies.into_iter().enumerate() {
             match r {
                 Some(Response::Step(s)) => steps.push(s),
-                Some(Response::Applied(a)) => digests.push(a.digest),
+                Some(Response::Applied(a)) => {
+                    replica_ms = replica_ms.max(a.replica.ms);
+                    replica_bytes += a.replica.bytes;
+                    digests.push(a.digest)
+                }
                 Some(Response::ResetDone) | None => {
                     return self.fail(ActorError::Protocol {
                         part: part as u32,
@@ -792,8 +813,10 @@ impl EpochMachine {
                     });
                 }
                 self.step.digest = want;
+                self.step.replica_ms += replica_ms;
+                self.step.replica_bytes += replica_bytes;
             }
-            Request::Reset => {}
+            Request::Reset { .. } => {}
         }
         self.send_round(unit, round.index + 1, now);
     }
@@ -879,6 +902,8 @@ impl EpochMachine {
                     halo_fp32_bytes: s.halo_fp32_bytes,
                     weights_digest: self.committed.digest.clone(),
                     part_compute_ms: s.compute_ms,
+                    replica_bytes: s.replica_bytes,
+                    replica_ms: s.replica_ms,
                 };
                 self.best.update(&log);
                 self.logs.push(log.clone());
@@ -1039,7 +1064,8 @@ impl EpochMachine {
             });
         }
         self.open.push(rec);
-        let outstanding = self.broadcast(&Request::Reset);
+        let rollback = unit == Unit::TrainStep;
+        let outstanding = self.broadcast(&Request::Reset { rollback });
         self.state = State::Resetting {
             unit,
             outstanding,

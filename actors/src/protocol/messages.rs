@@ -38,6 +38,9 @@ pub struct ApplyStep {
 #[rtype(result = "()")]
 pub struct ResetEpoch {
     pub epoch: u32,
+    /// The training step is replayed: a partition that already applied `epoch` goes back to
+    /// the committed state before it.
+    pub rollback: bool,
 }
 
 /// A halo block delivered by the transport.
@@ -88,13 +91,25 @@ pub struct StepReply {
 }
 
 /// A partition's answer to an [`ApplyStep`].
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Applied {
     /// The new weights digest.
     pub digest: String,
     /// Set in the first answer after a supervised restart (a panic in the optimizer step):
     /// the state the partition restored before applying again.
     pub restored: Option<RestoreReport>,
+    /// What replicating the new state cost this partition before it answered.
+    pub replica: ReplicaCost,
+}
+
+/// The time replication took on a partition's thread before its optimizer step answered (the
+/// snapshot's copy-out, its encoding and BLAKE3 digest, queueing it for the replica nodes:
+/// the epoch's critical path waits for it) and the bytes shipped. The transfer itself is
+/// asynchronous (overlapped with the next epoch) and not counted here.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ReplicaCost {
+    pub ms: f64,
+    pub bytes: u64,
 }
 
 /// The state a restarted partition resumed from.

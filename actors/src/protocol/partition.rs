@@ -9,7 +9,7 @@
 //! [`PartitionMachine::restore`] with the replica it holds.
 use crate::faults::{FaultPlan, APPLY_LAYER};
 use crate::protocol::epoch::{RequestId, Response};
-use crate::protocol::messages::{Applied, Outcome, RestoreReport, Step, StepReply};
+use crate::protocol::messages::{Applied, Outcome, ReplicaCost, RestoreReport, Step, StepReply};
 use crate::protocol::state::{timed, EpochBlocks, PartitionState, Stage};
 use crate::replica::{PendingResidual, Snapshot};
 use crate::telemetry::{self, node_attr as node};
@@ -36,7 +36,11 @@ pub enum PartitionAction {
     },
     /// Store this snapshot of the committed state with the replicas (after an optimizer step);
     /// `ms`: the time taken to copy it out.
-    Replicate { snapshot: Snapshot, ms: f64 },
+    Replicate { snapshot: Arc<Snapshot>, ms: f64 },
+    /// The partition went back to this committed state (a reset with rollback): it replaces
+    /// the node's own snapshot of the partition, without shipping it (see
+    /// [`PartitionMachine::handle_reset`]).
+    RolledBack(Arc<Snapshot>),
     /// Hold this residual of the step in progress in the node's store, outside the actor
     /// (`--grad-codec`: a restart during the optimizer step resumes with it, see
     /// [`PartitionMachine::resume_pending`]).
@@ -84,6 +88,12 @@ pub struct PartitionMachine {
     /// stale and dropped unanswered. A stale reset must never wipe a replay in progress.
     last_request: Option<RequestId>,
     stale_requests: u64,
+    /// With replication: the snapshot of the state after the last optimizer step (shared with
+    /// the node's replica store), and the one before it, kept until the coordinator is known
+    /// to have committed the last step (its next epoch or its evaluation starts): a reset
+    /// with rollback goes back to it.
+    latest: Option<Arc<Snapshot>>,
+    before: Option<Arc<Snapshot>>,
 }
 
 impl std::fmt::Debug for PartitionMachine {
@@ -111,6 +121,8 @@ impl PartitionMachine {
             dropped_blocks: 0,
             last_request: None,
             stale_requests: 0,
+            latest: None,
+            before: None,
         }
     }
 
@@ -176,6 +188,10 @@ impl PartitionMachine {
                     detail: "request of another run".into(),
                 }),
             );
+        }
+        if step.phase == Phase::Eval || step.epoch > self.state.epoch_done() {
+            // The coordinator committed the last step: no rollback can ask for the one before.
+            self.before = None;
         }
         let new = Parked {
             id,
@@ -268,7 +284,13 @@ impl PartitionMachine {
             let d = self.state.model().weights_digest(self.state.stream());
             let restored = self.restored.take();
             let r = d
-                .map(|digest| Response::Applied(Applied { digest, restored }))
+                .map(|digest| {
+                    Response::Applied(Applied {
+                        digest,
+                        restored,
+                        replica: ReplicaCost::default(),
+                    })
+                })
                 .map_err(|source| ActorError::Compute { part, source });
             return self.answer(id, r);
         }
@@ -295,6 +317,22 @@ impl PartitionMachine {
         );
         telemetry::set_parent(&span, trace);
         let _in_apply = span.enter();
+        let done = self.state.epoch_done();
+        let mut replica = ReplicaCost::default();
+        if self.replicate && self.latest.as_ref().is_none_or(|s| s.epoch != done) {
+            // The committed state this step starts from, kept for a rollback (only the first
+            // step and the first after a restore copy it out here; every other step's
+            // replicated snapshot is it).
+            match timed(|| self.state.snapshot()) {
+                (Ok(s), ms) => {
+                    self.latest = Some(Arc::new(s));
+                    replica.ms += ms;
+                }
+                (Err(source), _) => {
+                    return self.answer(id, Err(ActorError::Compute { part, source }))
+                }
+            }
+        }
         let faults = self.faults.clone();
         let result = catch_unwind(AssertUnwindSafe(|| {
             if let Some(message) = faults.panic_due(part, epoch, APPLY_LAYER, Phase::Forward, false)
@@ -318,9 +356,13 @@ impl PartitionMachine {
                     )
                     .entered();
                     match timed(|| self.state.snapshot()) {
-                        (Ok(snapshot), ms) => self
-                            .actions
-                            .push_back(PartitionAction::Replicate { snapshot, ms }),
+                        (Ok(snapshot), ms) => {
+                            replica.ms += ms;
+                            let snapshot = Arc::new(snapshot);
+                            self.before = self.latest.replace(snapshot.clone());
+                            self.actions
+                                .push_back(PartitionAction::Replicate { snapshot, ms })
+                        }
                         (Err(source), _) => {
                             return self.answer(id, Err(ActorError::Compute { part, source }))
                         }
@@ -328,7 +370,14 @@ impl PartitionMachine {
                 }
                 self.inbox.retain(|k, _| k.0 > epoch);
                 let restored = self.restored.take();
-                self.answer(id, Ok(Response::Applied(Applied { digest, restored })));
+                self.answer(
+                    id,
+                    Ok(Response::Applied(Applied {
+                        digest,
+                        restored,
+                        replica,
+                    })),
+                );
             }
             Ok(Err(source)) => self.answer(id, Err(ActorError::Compute { part, source })),
             Err(panic) => self.panicked(id, panic),
@@ -336,12 +385,19 @@ impl PartitionMachine {
     }
 
     /// Forget the epoch in progress (it is about to be replayed): its blocks, its parked step
-    /// (answered with an error) and the state's caches.
-    pub fn handle_reset(&mut self, id: RequestId, epoch: u32) {
+    /// (answered with an error) and the state's caches. With `rollback` (the training step is
+    /// replayed) a partition that already applied `epoch` first goes back to the committed
+    /// state before it, the snapshot it kept ([`PartitionAction::RolledBack`]).
+    pub fn handle_reset(&mut self, id: RequestId, epoch: u32, rollback: bool) {
         if !self.fresh(id) {
             return;
         }
         let part = self.part.0;
+        if rollback && self.state.epoch_done() >= epoch {
+            if let Err(e) = self.roll_back(epoch) {
+                return self.answer(id, Err(e));
+            }
+        }
         // With staleness or skipping the epoch's training blocks stay: the optimizer step
         // holds them for the next epoch, and the replay sends the same ones again.
         let keep = self.state.holds_rows();
@@ -363,6 +419,42 @@ impl PartitionMachine {
         }
     }
 
+    /// Goes back to the state committed before `epoch`'s optimizer step (see
+    /// [`PartitionMachine::handle_reset`]).
+    fn roll_back(&mut self, epoch: u32) -> Result<(), ActorError> {
+        let part = self.part.0;
+        let done = self.state.epoch_done();
+        let target = epoch.saturating_sub(1);
+        let snap = [&self.before, &self.latest]
+            .into_iter()
+            .flatten()
+            .find(|s| s.epoch == target)
+            .cloned()
+            .ok_or_else(|| ActorError::Protocol {
+                part,
+                detail: format!(
+                    "asked to roll back to step {target} from step {done}, and no snapshot of                      it is kept (is replication off?)"
+                ),
+            })?;
+        match catch_unwind(AssertUnwindSafe(|| self.state.restore(&snap))) {
+            Ok(Ok(_)) => {}
+            Ok(Err(source)) => return Err(ActorError::Compute { part, source }),
+            Err(panic) => {
+                self.actions.push_back(PartitionAction::Restart);
+                return Err(ActorError::Panicked {
+                    part,
+                    message: panic_message(panic),
+                });
+            }
+        }
+        // The inbox holds no training block of `epoch` (they were dropped when it was
+        // applied, and later ones as stale): the replay sends them again.
+        self.latest = Some(snap.clone());
+        self.before = None;
+        self.actions.push_back(PartitionAction::RolledBack(snap));
+        Ok(())
+    }
+
     /// The partition restarted: drop its inbox and parked step, and restore the committed
     /// state from `replica` (the shell's replica of this partition, if it holds one). Returns
     /// what was restored; the next step reply reports it to the coordinator, which checks it
@@ -370,6 +462,8 @@ impl PartitionMachine {
     pub fn restore(&mut self, replica: Option<&Snapshot>) -> Result<RestoreReport, ActorError> {
         let part = self.part.0;
         self.slot = StepSlot::Idle;
+        self.latest = None;
+        self.before = None;
         let result = catch_unwind(AssertUnwindSafe(|| match replica {
             Some(snap) => self.state.restore(snap).map(|_| ()),
             None => self.state.reset_epoch(),

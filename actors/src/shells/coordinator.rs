@@ -424,8 +424,8 @@ impl Coordinator {
                 };
                 Box::pin(async move { (id, part, h.apply(msg).await.map(Response::Applied)) })
             }
-            Request::Reset => Box::pin(async move {
-                let r = h.reset(ResetEpoch { epoch }).await;
+            Request::Reset { rollback } => Box::pin(async move {
+                let r = h.reset(ResetEpoch { epoch, rollback }).await;
                 (id, part, r.map(|()| Response::ResetDone))
             }),
         }

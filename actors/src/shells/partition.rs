@@ -5,7 +5,9 @@
 //! committed state is restored from the store before the next message is handled.
 use crate::faults::FaultPlan;
 use crate::protocol::epoch::{RequestId, Response};
-use crate::protocol::messages::{Applied, ApplyStep, Halo, ResetEpoch, Step, StepReply};
+use crate::protocol::messages::{
+    Applied, ApplyStep, Halo, ReplicaCost, ResetEpoch, Step, StepReply,
+};
 use crate::protocol::partition::{PartitionAction, PartitionMachine};
 use crate::protocol::state::PartitionState;
 use crate::replica::ReplicaStore;
@@ -33,6 +35,9 @@ pub struct PartitionActor {
     /// Cancels the kernels of the stage running now (set by [`PartitionRef::reset`], cleared
     /// when the reset is handled).
     cancel: CancelToken,
+    /// What storing and shipping the last snapshot cost here (added to the optimizer step's
+    /// answer).
+    replica_cost: ReplicaCost,
 }
 
 /// How a partition actor is reached on its node: its mailbox, and the token that cancels the
@@ -65,7 +70,9 @@ impl PartitionActor {
         let machine = PartitionMachine::new(state, run, faults, replicas.enabled());
         if replicas.enabled() {
             match machine.snapshot() {
-                Ok(snap) => replicas.put(part.0, snap),
+                Ok(snap) => {
+                    replicas.put(part.0, Arc::new(snap));
+                }
                 Err(e) => tracing::error!("partition {part}: no initial replica: {e}"),
             }
         }
@@ -78,6 +85,7 @@ impl PartitionActor {
             waiting: HashMap::new(),
             next_id: 0,
             cancel,
+            replica_cost: ReplicaCost::default(),
         }
     }
 
@@ -127,11 +135,18 @@ impl PartitionActor {
                     PartitionAction::HoldResidual(held) => {
                         self.replicas.hold_pending(self.part.0, held)
                     }
+                    PartitionAction::RolledBack(snapshot) => {
+                        self.replicas.put_local(self.part.0, snapshot)
+                    }
                     PartitionAction::Replicate { snapshot, ms } => {
-                        self.replicas.put(self.part.0, snapshot);
+                        // Encoding, hashing and queueing it run here, before the step answers.
+                        let (bytes, put_ms) = crate::protocol::state::timed(|| {
+                            self.replicas.put(self.part.0, snapshot)
+                        });
+                        self.replica_cost = ReplicaCost { ms: put_ms, bytes };
                         Metrics::global().record_ms(
                             Key::new(names::REPLICATE).with("partition", self.part.0),
-                            ms,
+                            ms + put_ms,
                         );
                     }
                     // The supervisor's restart, done here and now: waiting for actix to stop and
@@ -219,8 +234,14 @@ impl Handler<ApplyStep> for PartitionActor {
         let id = self.next_id();
         self.machine
             .handle_apply(id, msg.run, msg.epoch, &msg.grads, msg.trace);
+        self.replica_cost = ReplicaCost::default();
         match self.drain(Some(id)) {
-            Some(Ok(Response::Applied(a))) => Ok(a),
+            Some(Ok(Response::Applied(mut a))) => {
+                let here = std::mem::take(&mut self.replica_cost);
+                a.replica.ms += here.ms;
+                a.replica.bytes += here.bytes;
+                Ok(a)
+            }
             Some(Err(e)) => Err(e),
             _ => Err(ActorError::Protocol {
                 part: self.part.0,
@@ -236,7 +257,7 @@ impl Handler<ResetEpoch> for PartitionActor {
     fn handle(&mut self, msg: ResetEpoch, _ctx: &mut Context<Self>) {
         self.cancel.clear();
         let id = self.next_id();
-        self.machine.handle_reset(id, msg.epoch);
+        self.machine.handle_reset(id, msg.epoch, msg.rollback);
         if let Some(Err(e)) = self.drain(Some(id)) {
             // A failure of the device surfaces again at the next op on the stream.
             tracing::error!("partition {}: resetting the epoch failed: {e}", self.part);

@@ -45,6 +45,9 @@ pub struct ScheduleReport {
     pub fired: BTreeMap<SimFault, u32>,
     pub virtual_ms: f64,
     pub recoveries: usize,
+    /// Partitions rolled back before a replayed training step (a node lost during the
+    /// optimizer step).
+    pub rollbacks: u32,
     /// The broken invariant, if any.
     pub violation: Option<String>,
 }
@@ -63,6 +66,10 @@ pub struct SweepReport {
     /// Outcomes by name (`finished`, `no-live-replica`, ...).
     pub outcomes: BTreeMap<String, u64>,
     pub recoveries: u64,
+    /// Partitions rolled back, and the schedules with staleness or skipping whose runs rolled
+    /// one back and finished.
+    pub rollbacks: u64,
+    pub held_rollbacks_finished: u64,
     pub longest_virtual_ms: f64,
     /// (seed, violation) of every schedule that broke an invariant.
     pub failures: Vec<(u64, String)>,
@@ -85,6 +92,13 @@ impl SweepReport {
         }
         *self.outcomes.entry(r.outcome.name().into()).or_default() += 1;
         self.recoveries += r.recoveries as u64;
+        self.rollbacks += u64::from(r.rollbacks);
+        if r.rollbacks > 0
+            && (r.staleness > 0 || r.skip)
+            && matches!(r.outcome, SimOutcome::Finished { .. })
+        {
+            self.held_rollbacks_finished += 1;
+        }
         self.longest_virtual_ms = self.longest_virtual_ms.max(r.virtual_ms);
         if let Some(v) = &r.violation {
             self.failures.push((r.seed, v.clone()));
@@ -139,6 +153,7 @@ pub fn check(run: world::SimResult, reference: Option<&str>) -> ScheduleReport {
         fired: run.fired,
         virtual_ms: run.virtual_us as f64 / 1e3,
         recoveries: run.recoveries,
+        rollbacks: run.rollbacks,
         violation,
     }
 }

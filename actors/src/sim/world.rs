@@ -218,6 +218,9 @@ pub struct SimResult {
     pub fired: BTreeMap<SimFault, u32>,
     pub virtual_us: u64,
     pub recoveries: usize,
+    /// Partitions rolled back to the committed step before their last optimizer step (a node
+    /// lost during the optimizer step: it is replayed with its training pass).
+    pub rollbacks: u32,
     pub logs: Vec<EpochLog>,
     pub violation: Option<String>,
 }
@@ -342,6 +345,7 @@ pub struct SimRun<'g> {
     coordinator_crash: bool,
     /// A partition lost every replica (the run cannot continue: an expected error).
     unrecoverable: bool,
+    rollbacks: u32,
     /// Replicas sent and not delivered yet: (to, part, step) -> copies.
     replicas_in_flight: BTreeMap<(u32, u32, u32), u32>,
     /// The coordinator's cluster session (join, setup, fencing, finish) of this incarnation.
@@ -390,6 +394,7 @@ impl<'g> SimRun<'g> {
             violation: None,
             coordinator_crash: false,
             unrecoverable: false,
+            rollbacks: 0,
             replicas_in_flight: BTreeMap::new(),
             session: Self::new_session(s.nodes, Instant::now()),
             workers: BTreeMap::new(),
@@ -637,6 +642,7 @@ impl<'g> SimRun<'g> {
             fired: self.fired.clone(),
             virtual_us: self.now,
             recoveries: self.recoveries.len(),
+            rollbacks: self.rollbacks,
             logs: Vec::new(),
             violation: self.violation.take(),
         }
@@ -939,7 +945,7 @@ impl<'g> SimRun<'g> {
                 now,
             ),
             Request::Apply { grads } => m.handle_apply(out.id, run, out.epoch, &grads, None),
-            Request::Reset => m.handle_reset(out.id, out.epoch),
+            Request::Reset { rollback } => m.handle_reset(out.id, out.epoch, rollback),
         }
         self.drain_partition(node, part);
     }
@@ -959,11 +965,6 @@ impl<'g> SimRun<'g> {
                     self.send(node, to, Msg::Halo(b));
                 }
                 PartitionAction::Answer { id, result } => {
-                    if matches!(result, Err(ActorError::HeldRowsLost { .. })) {
-                        // A node lost while the optimizer step was replayed took the rows its
-                        // partition held for the next epoch: unavoidable with staleness.
-                        self.unrecoverable = true;
-                    }
                     let reply = match result {
                         Ok(r) => WireReply::Ok(r),
                         Err(ActorError::Panicked { message, .. }) => WireReply::Panicked(message),
@@ -983,6 +984,11 @@ impl<'g> SimRun<'g> {
                 }
                 PartitionAction::Replicate { snapshot, .. } => {
                     self.replicate(node, ReplicaBytes::encode(part, &snapshot));
+                }
+                PartitionAction::RolledBack(snapshot) => {
+                    self.rollbacks += 1;
+                    let bytes = ReplicaBytes::encode(part, &snapshot);
+                    self.nodes[node as usize].local.insert(part, bytes);
                 }
                 PartitionAction::HoldResidual(held) => {
                     self.nodes[node as usize].held.insert(part, held);

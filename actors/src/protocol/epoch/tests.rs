@@ -65,7 +65,7 @@ impl Drive {
         match &o.request {
             Request::Step { phase, layer } => Response::Step(reply(o.part, *phase, *layer)),
             Request::Apply { .. } => applied(&format!("digest-{}", o.epoch)),
-            Request::Reset => Response::ResetDone,
+            Request::Reset { .. } => Response::ResetDone,
         }
     }
 
@@ -122,7 +122,7 @@ fn describe(r: &Request) -> String {
     match r {
         Request::Step { phase, layer } => format!("{phase:?}{layer}"),
         Request::Apply { .. } => "Apply".into(),
-        Request::Reset => "Reset".into(),
+        Request::Reset { .. } => "Reset".into(),
     }
 }
 
@@ -156,6 +156,7 @@ fn applied(digest: &str) -> Response {
     Response::Applied(Applied {
         digest: digest.into(),
         restored: None,
+        replica: Default::default(),
     })
 }
 
@@ -573,6 +574,7 @@ fn a_panic_in_the_optimizer_step_is_checked_by_the_restore_its_replay_reports() 
                     epoch: 0,
                     digest: "init".into(),
                 }),
+                replica: Default::default(),
             }))
         })
     });

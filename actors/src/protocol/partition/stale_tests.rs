@@ -62,7 +62,8 @@ fn drain(m: &mut PartitionMachine) -> Done {
         match a {
             PartitionAction::Answer { id, result } => d.answers.push((id, result)),
             PartitionAction::Send(b) => d.sent.push(b),
-            PartitionAction::Replicate { snapshot, .. } => d.snapshots.push(snapshot),
+            PartitionAction::Replicate { snapshot, .. } => d.snapshots.push((*snapshot).clone()),
+            PartitionAction::RolledBack(_) => {}
             PartitionAction::HoldResidual(_) => {}
             PartitionAction::Restart => panic!("unexpected restart"),
         }
@@ -406,7 +407,7 @@ fn a_reset_keeps_the_held_rows_and_the_replay_gives_the_same_losses() {
     c.round(step(2, 0, Phase::Forward));
     let id = c.id();
     for m in &mut c.ms {
-        m.handle_reset(id, 2);
+        m.handle_reset(id, 2, false);
         assert!(matches!(
             drain(m).answers[..],
             [(_, Ok(Response::ResetDone))]
@@ -556,4 +557,86 @@ fn skipping_only_unchanged_rows_gives_the_exact_weights_and_restores_with_its_re
     let (lb, sb) = exact.epoch(5);
     assert_eq!(la, lb);
     assert_eq!(digests(&sa), digests(&sb));
+}
+
+/// A node lost during the optimizer step of epoch 3 (the other partitions applied it): the
+/// partition adopted elsewhere resumes from its replica of step 2, which lacks the rows it
+/// received in epoch 3 and its skip records of epoch 3. A reset with rollback takes every
+/// partition back to step 2 and the replayed epoch 3 (training pass and optimizer step) ends
+/// where the uninterrupted run does, then goes on identically.
+#[test]
+fn a_rollback_replays_an_optimizer_step_whose_node_was_lost() {
+    let g = SimGraph::new().unwrap();
+    let halo = HaloConfig {
+        staleness: 1,
+        skip_threshold: 0.3,
+        max_staleness: Some(3),
+        ..HaloConfig::default()
+    };
+    let digests = |s: &[Snapshot]| s.iter().map(|s| s.digest.clone()).collect::<Vec<_>>();
+    let mut c = Cluster::with(&g, ModelKind::Sage, 3, halo);
+    let mut twin = Cluster::with(&g, ModelKind::Sage, 3, halo);
+    let mut step2 = Vec::new();
+    for e in 1..=2 {
+        c.epoch(e);
+        step2 = twin.epoch(e).1;
+    }
+    c.epoch(3);
+    // Partition 1 adopted from its replica of step 2 (the committed step).
+    let bytes = ReplicaBytes::encode(1, &step2[1]);
+    let mut adopted = machine_with(&g, ModelKind::Sage, 3, 1, halo);
+    adopted.restore(Some(&bytes.decode().unwrap())).unwrap();
+    c.ms[1] = adopted;
+    // Without the rollback its optimizer step cannot be replayed.
+    let grads = vec![0.01f32; c.ms[1].state().model().num_parameters()];
+    let id = c.id();
+    c.ms[1].handle_apply(id, RunId::from_u128(RUN), 3, &grads, None);
+    assert!(matches!(
+        drain(&mut c.ms[1]).answers[..],
+        [(_, Err(ActorError::HeldRowsLost { part: 1, epoch: 3 }))]
+    ));
+    let id = c.id();
+    let mut rolled = Vec::new();
+    for m in &mut c.ms {
+        m.handle_reset(id, 3, true);
+        let mut back = None;
+        let mut answers = Vec::new();
+        while let Some(a) = m.poll_action() {
+            match a {
+                PartitionAction::RolledBack(s) => back = Some(s.epoch),
+                PartitionAction::Answer { result, .. } => answers.push(result),
+                other => panic!("{other:?}"),
+            }
+        }
+        assert!(
+            matches!(answers[..], [Ok(Response::ResetDone)]),
+            "{answers:?}"
+        );
+        assert_eq!(m.state().epoch_done(), 2);
+        rolled.push(back);
+    }
+    assert_eq!(
+        rolled,
+        [Some(2), None, Some(2)],
+        "the adopted one is at step 2"
+    );
+    for e in 3..=4 {
+        let (la, sa) = c.epoch(e);
+        let (lb, sb) = twin.epoch(e);
+        assert_eq!(la, lb, "epoch {e}");
+        assert_eq!(digests(&sa), digests(&sb), "epoch {e}");
+        for (a, b) in sa.iter().zip(&sb) {
+            let bytes = |s: &Snapshot| ReplicaBytes::encode(0, s).bytes;
+            assert_eq!(bytes(a), bytes(b), "epoch {e}: held rows and skip records");
+        }
+    }
+    // Once the next epoch started, the step before is no longer kept: a rollback past the
+    // committed step is a clear error, not a silent divergence.
+    c.round(step(5, 0, Phase::Forward));
+    let id = c.id();
+    c.ms[0].handle_reset(id, 4, true);
+    match &drain(&mut c.ms[0]).answers[..] {
+        [(_, Err(e))] => assert!(e.to_string().contains("roll back to step 3"), "{e}"),
+        other => panic!("{other:?}"),
+    }
 }
