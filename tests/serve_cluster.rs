@@ -279,6 +279,8 @@ struct Cluster {
     _engine: Proc,
     nodes: Vec<Proc>,
     url: String,
+    /// The HTTP addresses of the other nodes (which forward to the engine node).
+    node_urls: Vec<String>,
 }
 
 fn start_cluster(dir: &Path, n: u32, model: &Path, extra: &[&str]) -> Cluster {
@@ -304,15 +306,18 @@ fn start_cluster(dir: &Path, n: u32, model: &Path, extra: &[&str]) -> Cluster {
     let nodes = (1..n)
         .map(|i| {
             let id = i.to_string();
-            let args = ["serve", "--cluster", s(&c1), "--id", &id, "--threads", "1"];
+            let mut args = vec!["serve", "--cluster", s(&c1), "--id", &id, "--threads", "1"];
+            args.extend(["--listen", "127.0.0.1:0"]);
             Proc::start(&format!("node {i}"), &args)
         })
-        .collect();
+        .collect::<Vec<_>>();
     let url = engine.listening();
+    let node_urls = nodes.iter().map(Proc::listening).collect();
     Cluster {
         _engine: engine,
         nodes,
         url,
+        node_urls,
     }
 }
 
@@ -333,7 +338,21 @@ fn a_three_node_cluster_serves_what_trellis_predict_computes_through_updates_and
     let c = start_cluster(dir.path(), 3, &model, &["--partitions", "3"]);
     let ready = call(&agent(), "GET", &format!("{}/readyz", c.url), b"");
     assert_eq!(ready.status, 200, "{}", ready.text);
-    assert_matches(&c.url, &predict(&model, DATA, dir.path()), "at start");
+    let logits = predict(&model, DATA, dir.path());
+    // Any node takes queries: the engine node and the two others, which forward them.
+    for url in std::iter::once(&c.url).chain(&c.node_urls) {
+        assert_matches(url, &logits, "at start");
+        let ready = call(&agent(), "GET", &format!("{url}/readyz"), b"");
+        assert_eq!(ready.status, 200, "{url}: {}", ready.text);
+    }
+    // Errors come back as the engine node gives them.
+    let r = post(
+        &c.node_urls[0],
+        "/v1/predict",
+        &json!({ "nodes": [100000] }),
+    );
+    assert_eq!(r.status, 404, "{}", r.text);
+    assert!(r.text.contains("100000"), "{}", r.text);
 
     // Updates that cross the partitions of the three nodes.
     let ds: Dataset = DataSource::parse(DATA).unwrap().load().unwrap();
@@ -353,35 +372,42 @@ fn a_three_node_cluster_serves_what_trellis_predict_computes_through_updates_and
         edges.insert((t, n));
     }
     n += 1;
-    let r = post(&c.url, "/v1/edges", &json!({ "add": [[1, 600], [2, 890]] }));
+    let r = post(
+        &c.node_urls[0],
+        "/v1/edges",
+        &json!({ "add": [[1, 600], [2, 890]] }),
+    );
     assert_eq!(r.status, 200, "{}", r.text);
     edges.extend([(1, 600), (2, 890)]);
     let &(a, b) = edges.iter().nth(40).unwrap();
-    let r = post(&c.url, "/v1/edges", &json!({ "remove": [[a, b]] }));
+    let r = post(&c.node_urls[1], "/v1/edges", &json!({ "remove": [[a, b]] }));
     assert_eq!(r.status, 200, "{}", r.text);
     assert_eq!(r.body["edges_removed"], 1, "{}", r.text);
     edges.remove(&(a, b));
     let edge_list: Vec<(u32, u32)> = edges.iter().copied().collect();
     let updated = write_dataset(dir.path(), "updated", &features, &edge_list);
     assert_eq!(features.len() / WIDTH, n as usize);
-    assert_matches(
-        &c.url,
-        &predict(&model, s(&updated), dir.path()),
-        "after updates",
-    );
+    let logits = predict(&model, s(&updated), dir.path());
+    for url in std::iter::once(&c.url).chain(&c.node_urls) {
+        assert_matches(url, &logits, "after updates");
+    }
 
     // A model swap: every node's tables move to the new version together.
     let bytes = std::fs::read(&newer).unwrap();
-    let r = call(&agent(), "PUT", &format!("{}/v1/model", c.url), &bytes);
+    let r = call(
+        &agent(),
+        "PUT",
+        &format!("{}/v1/model", c.node_urls[1]),
+        &bytes,
+    );
     assert_eq!(r.status, 200, "{}", r.text);
     let version = r.body["model_version"].as_str().unwrap().to_string();
     let (v, _) = served(&c.url, &[0, 1, 2], true);
     assert_eq!(v, version);
-    assert_matches(
-        &c.url,
-        &predict(&newer, s(&updated), dir.path()),
-        "after the swap",
-    );
+    let logits = predict(&newer, s(&updated), dir.path());
+    for url in std::iter::once(&c.url).chain(&c.node_urls) {
+        assert_matches(url, &logits, "after the swap");
+    }
     drop(c);
 }
 
@@ -415,15 +441,17 @@ fn a_node_killed_under_load_costs_no_wrong_answer_and_its_partitions_are_recover
     );
 
     // Open-loop load: a request leaves every 10 ms whatever the answers do, through the
-    // partitions (embeddings) so the lost node's partition is needed.
+    // partitions (embeddings) so the lost node's partition is needed; half of them to the
+    // engine node, half to node 1 (which forwards them).
     let stop = Arc::new(AtomicBool::new(false));
     let sent = Arc::new(AtomicUsize::new(0));
     let (tx, rx) = mpsc::channel::<(Outcome, Duration)>();
     let (jobs_tx, jobs_rx) = mpsc::channel::<()>();
     let jobs_rx = Arc::new(std::sync::Mutex::new(jobs_rx));
     let workers: Vec<_> = (0..6)
-        .map(|_| {
-            let (jobs, tx, url) = (jobs_rx.clone(), tx.clone(), c.url.clone());
+        .map(|i| {
+            let url = if i % 2 == 0 { &c.url } else { &c.node_urls[0] };
+            let (jobs, tx, url) = (jobs_rx.clone(), tx.clone(), url.clone());
             let (queried, expected) = (queried.clone(), expected.clone());
             std::thread::spawn(move || {
                 let agent = agent();
@@ -540,6 +568,11 @@ fn a_node_killed_under_load_costs_no_wrong_answer_and_its_partitions_are_recover
 
     // After recovery: every prediction, and an update across the re-placed partition.
     assert_matches(&c.url, &logits, "after the recovery");
+    assert_matches(
+        &c.node_urls[0],
+        &logits,
+        "after the recovery, through node 1",
+    );
     let ds: Dataset = DataSource::parse(DATA).unwrap().load().unwrap();
     let mut edges = undirected_edges(&ds);
     let r = post(
@@ -551,10 +584,8 @@ fn a_node_killed_under_load_costs_no_wrong_answer_and_its_partitions_are_recover
     edges.extend([(7, 880), (300, 700)]);
     let edge_list: Vec<(u32, u32)> = edges.iter().copied().collect();
     let updated = write_dataset(dir.path(), "updated", &ds.features, &edge_list);
-    assert_matches(
-        &c.url,
-        &predict(&model, s(&updated), dir.path()),
-        "after an update on the recovered cluster",
-    );
+    let logits = predict(&model, s(&updated), dir.path());
+    assert_matches(&c.url, &logits, "after an update on the recovered cluster");
+    assert_matches(&c.node_urls[0], &logits, "after an update, through node 1");
     drop(c);
 }

@@ -2,6 +2,7 @@
 use super::telemetry::TelemetryArgs;
 use super::train::load_data;
 use crate::serve::api::Limits;
+use crate::serve::forward::{engine_forwarder, run_forwarding_http, ForwardConfig};
 use crate::serve::{run_http, HttpConfig};
 use anyhow::{Context, Result};
 use clap::Args;
@@ -128,9 +129,44 @@ fn serve_node(a: &ServeArgs, cluster: &ClusterFile, id: u32) -> Result<()> {
             cluster.coordinator
         );
     }
-    run_serve_node(cluster, id, a.addr_file.as_deref(), a.threads, |parts| {
-        eprintln!("node {id} serves partitions {parts:?}");
-    })
+    let forward = ForwardConfig {
+        max_body: a.max_model_bytes,
+        client_timeout: Duration::from_millis(a.client_timeout_ms.max(1)),
+        answer_timeout: Duration::from_millis(a.step_timeout_ms.max(1)),
+        workers: a.http_workers,
+    };
+    let listen = a.listen;
+    run_serve_node(
+        cluster,
+        id,
+        a.addr_file.as_deref(),
+        a.threads,
+        |parts, uplink| {
+            eprintln!("node {id} serves partitions {parts:?}");
+            let Some(listen) = listen else {
+                return;
+            };
+            // This node's HTTP front end forwards to the engine node, on its own thread.
+            let spawned = std::thread::Builder::new()
+                .name("trellis-forward-http".into())
+                .spawn(move || {
+                    let announce = uplink.clone();
+                    let r = run_forwarding_http(uplink, forward, listen, |addr| {
+                        announce.announce(addr);
+                        println!("listening on http://{addr}");
+                        let _ = std::io::stdout().flush();
+                    });
+                    if let Err(e) = r {
+                        eprintln!("error: node {id} cannot serve HTTP on {listen}: {e}");
+                        std::process::exit(1);
+                    }
+                });
+            if let Err(e) = spawned {
+                eprintln!("error: node {id} cannot start its HTTP front end: {e}");
+                std::process::exit(1);
+            }
+        },
+    )
     .with_context(|| format!("serving node {id}"))?;
     println!("node {id} done");
     Ok(())
@@ -183,6 +219,7 @@ fn serve_engine(a: &ServeArgs, cluster: Option<(ClusterFile, u32)>) -> Result<()
         priority: None,
     };
     let (graph, features) = (NodeGraph::from_graph(&graph), ds.features);
+    let on_cluster = cluster.is_some();
     let handle = match cluster {
         None => engine::start(saved, graph, features, owner, cfg),
         Some((cluster, id)) => {
@@ -213,7 +250,20 @@ fn serve_engine(a: &ServeArgs, cluster: Option<(ClusterFile, u32)>) -> Result<()
         classes: ds.num_classes,
         workers: a.http_workers,
     };
+    let (forward_slot, answer_within) = (
+        handle.http_forward.clone(),
+        Duration::from_millis(a.step_timeout_ms.max(1)),
+    );
     run_http(handle, cfg, listen, |addr| {
+        // Requests other nodes of a cluster forward are answered by this front end.
+        if on_cluster {
+            match engine_forwarder(addr, answer_within) {
+                Ok(f) => forward_slot.set(f),
+                Err(e) => {
+                    eprintln!("warning: other nodes' HTTP requests cannot be answered: {e}")
+                }
+            }
+        }
         println!("listening on http://{addr}");
         let _ = std::io::stdout().flush();
     })

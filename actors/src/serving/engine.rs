@@ -24,7 +24,7 @@ use super::shell::{ServeNode, ServeStore, Served};
 use super::ServeError;
 use crate::cluster::node::{reroute, ControlInbox, NodeEndpoint};
 use crate::cluster::serving::proto::ServeMsg;
-use crate::cluster::serving::{ClusterServing, RemoteServePart, ServeLink};
+use crate::cluster::serving::{ClusterServing, ForwardSlot, RemoteServePart, ServeLink};
 use crate::faults::FaultPlan;
 use crate::ActorError;
 use futures_util::stream::{FuturesUnordered, StreamExt};
@@ -180,6 +180,8 @@ pub struct EngineHandle {
     quotas: Arc<Mutex<Quotas>>,
     /// The faults injected into the partition actors (and which fired).
     pub faults: Arc<FaultPlan>,
+    /// On a cluster: how the HTTP front end answers requests other nodes forward.
+    pub http_forward: Arc<ForwardSlot>,
 }
 
 impl EngineHandle {
@@ -241,6 +243,7 @@ struct Engine {
     step_timeout: Duration,
     /// On a cluster: the other nodes and how to reach them.
     cluster: Option<EngineCluster>,
+    http_forward: Arc<ForwardSlot>,
 }
 
 /// The engine's cluster, when it serves on one.
@@ -414,7 +417,9 @@ fn start_engine(
         seq: 0,
         step_timeout: cfg.step_timeout,
         cluster: None,
+        http_forward: Arc::default(),
     };
+    let http_forward = engine.http_forward.clone();
     let (threads, faults, priority) = (cfg.threads, cfg.faults, cfg.priority);
     let plan = faults.clone();
     std::thread::Builder::new()
@@ -461,6 +466,7 @@ fn start_engine(
         published,
         quotas,
         faults: plan,
+        http_forward,
     })
 }
 
@@ -510,7 +516,11 @@ impl Engine {
                 )
                 .await
                 .map_err(actor_err)?;
-                let link = ServeLink::new(ep.transport.clone(), self.step_timeout);
+                let link = ServeLink::new(
+                    ep.transport.clone(),
+                    self.step_timeout,
+                    self.http_forward.clone(),
+                );
                 ep.spawn(link.clone().pump(inbox));
                 reroute(&ep.transport, &placement, c.id);
                 ep.transport.set_epoch(run, 0);

@@ -11,4 +11,5 @@ pub mod proto;
 pub mod remote;
 
 pub use engine_side::ClusterServing;
-pub use remote::{RemoteServePart, ServeLink};
+pub use node::HttpUplink;
+pub use remote::{ForwardSlot, HttpForward, RemoteServePart, ServeLink};

@@ -4,7 +4,9 @@
 //! a [`ServeActor`](crate::serving::shell::ServeActor) per hosted partition on the QUIC
 //! transport (halo blocks go straight to the partitions of other nodes), and answers the
 //! engine's steps, deltas, lookups and model swaps until `Finish` or the engine's loss.
-use super::proto::{ServeMsg, ServeReply, ServeRequest, ServeSetup, ServeWireError};
+use super::proto::{
+    HttpAnswerWire, HttpRequestWire, ServeMsg, ServeReply, ServeRequest, ServeSetup, ServeWireError,
+};
 use crate::cluster::config::ClusterFile;
 use crate::cluster::node::{reroute, ControlInbox, InboxEvent, NodeEndpoint};
 use crate::cluster::proto::ControlMsg;
@@ -17,18 +19,103 @@ use crate::ActorError;
 use actix::Addr;
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::{Arc, RwLock};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
+use tokio::sync::oneshot;
 use trellis_transport::quic::QuicTransport;
 
+/// This node's way to the engine node's HTTP front end: requests its own HTTP front end
+/// received go over QUIC, and their answers come back.
+pub struct HttpUplink {
+    transport: Arc<QuicTransport>,
+    engine: u32,
+    waiting: Mutex<HashMap<u64, oneshot::Sender<HttpAnswerWire>>>,
+    next_id: AtomicU64,
+    /// Why the engine node is unreachable, once it is.
+    lost: Mutex<Option<String>>,
+}
+
+impl HttpUplink {
+    /// Forwards `req` and waits at most `within` for the answer; an error says why there
+    /// is none (the engine node is lost, or slow).
+    pub async fn forward(
+        &self,
+        req: HttpRequestWire,
+        within: Duration,
+    ) -> Result<HttpAnswerWire, String> {
+        let engine = self.engine;
+        if let Some(why) = self.lost.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+            return Err(format!("the engine node {engine} is unreachable: {why}"));
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        self.waiting
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, tx);
+        let forget = || {
+            self.waiting
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&id);
+        };
+        if let Err(e) = tell(&self.transport, engine, &ServeMsg::HttpRequest { id, req }) {
+            forget();
+            return Err(e.to_string());
+        }
+        match tokio::time::timeout(within, rx).await {
+            Ok(Ok(a)) => Ok(a),
+            Ok(Err(_)) => Err(format!("the engine node {engine} is unreachable")),
+            Err(_) => {
+                forget();
+                Err(format!(
+                    "no answer from the engine node {engine} within {} ms",
+                    within.as_millis()
+                ))
+            }
+        }
+    }
+
+    /// Announces this node's HTTP address to the engine node (for its logs).
+    pub fn announce(&self, addr: std::net::SocketAddr) {
+        let msg = ServeMsg::Http {
+            addr: addr.to_string(),
+        };
+        if let Err(e) = tell(&self.transport, self.engine, &msg) {
+            tracing::warn!("{e}");
+        }
+    }
+
+    fn deliver(&self, id: u64, answer: HttpAnswerWire) {
+        let w = self
+            .waiting
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&id);
+        if let Some(tx) = w {
+            let _ = tx.send(answer);
+        }
+    }
+
+    fn engine_lost(&self, why: &str) {
+        *self.lost.lock().unwrap_or_else(|e| e.into_inner()) = Some(why.to_string());
+        self.waiting
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+    }
+}
+
 /// Runs serving node `id` of `cluster` until the engine node stops the service (`Ok`) or
-/// is lost (an error naming it). `on_ready` runs once its partitions are serving.
+/// is lost (an error naming it). `on_ready` runs once its partitions are serving, with
+/// this node's way to the engine node's HTTP front end.
 pub fn run_serve_node(
     cluster: &ClusterFile,
     id: u32,
     addr_file: Option<&Path>,
     threads: usize,
-    on_ready: impl FnOnce(&[u32]),
+    on_ready: impl FnOnce(&[u32], Arc<HttpUplink>),
 ) -> Result<(), ActorError> {
     let coord = cluster.coordinator;
     if id == coord {
@@ -121,7 +208,7 @@ async fn serve(
     ep: &NodeEndpoint,
     mut inbox: ControlInbox,
     threads: usize,
-    on_ready: impl FnOnce(&[u32]),
+    on_ready: impl FnOnce(&[u32], Arc<HttpUplink>),
 ) -> Result<(), ActorError> {
     let coord = cluster.coordinator;
     let t = ep.transport.clone();
@@ -177,8 +264,18 @@ async fn serve(
             parts: parts.clone(),
         },
     )?;
-    on_ready(&parts);
-    let result = answer_requests(ep, &mut inbox, coord, &mut hosted).await;
+    let uplink = Arc::new(HttpUplink {
+        transport: t.clone(),
+        engine: coord,
+        waiting: Mutex::new(HashMap::new()),
+        next_id: AtomicU64::new(1),
+        lost: Mutex::new(None),
+    });
+    on_ready(&parts, uplink.clone());
+    let result = answer_requests(ep, &mut inbox, coord, &mut hosted, &uplink).await;
+    if let Err(e) = &result {
+        uplink.engine_lost(&e.to_string());
+    }
     hosted.node.shutdown();
     result
 }
@@ -280,6 +377,7 @@ async fn answer_requests(
     inbox: &mut ControlInbox,
     coord: u32,
     h: &mut Hosted,
+    uplink: &HttpUplink,
 ) -> Result<(), ActorError> {
     let t = ep.transport.clone();
     loop {
@@ -342,6 +440,7 @@ async fn answer_requests(
                 }
                 reroute(&t, &placement, ep.id);
             }
+            ServeMsg::HttpReply { id, answer } => uplink.deliver(id, answer),
             ServeMsg::Finish => {
                 ep.flush(Duration::from_secs(2)).await;
                 return Ok(());

@@ -69,8 +69,34 @@ pub enum ServeMsg {
     },
     /// Node -> engine node: it answers HTTP too, at `addr` (for the logs).
     Http { addr: String },
+    /// Node -> engine node: an HTTP request this node received, for the engine node's
+    /// HTTP front end to answer.
+    HttpRequest { id: u64, req: HttpRequestWire },
+    /// Engine node -> node: the answer to HTTP request `id`.
+    HttpReply { id: u64, answer: HttpAnswerWire },
     /// Engine node -> node: the service stops; stop the actors and exit.
     Finish,
+}
+
+/// An HTTP request as a node forwards it: everything the front end reads of one.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct HttpRequestWire {
+    pub method: String,
+    /// Path and query.
+    pub path: String,
+    /// The caller's API key header (its fair share and quota).
+    pub api_key: Option<String>,
+    pub content_type: Option<String>,
+    pub body: Vec<u8>,
+}
+
+/// The engine node's HTTP answer, as the forwarding node gives it to its caller.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct HttpAnswerWire {
+    pub status: u16,
+    pub retry_after: Option<String>,
+    pub content_type: Option<String>,
+    pub body: Vec<u8>,
 }
 
 /// What a node needs to host its serving partitions (besides the inputs).
@@ -629,6 +655,25 @@ mod tests {
             ServeMsg::Reroute {
                 placement: vec![0, 0, 2],
                 fenced: vec![1],
+            },
+            ServeMsg::HttpRequest {
+                id: 3,
+                req: HttpRequestWire {
+                    method: "POST".into(),
+                    path: "/v1/predict".into(),
+                    api_key: Some("tenant-a".into()),
+                    content_type: Some("application/json".into()),
+                    body: b"{\"nodes\":[1]}".to_vec(),
+                },
+            },
+            ServeMsg::HttpReply {
+                id: 3,
+                answer: HttpAnswerWire {
+                    status: 503,
+                    retry_after: Some("1".into()),
+                    content_type: None,
+                    body: Vec::new(),
+                },
             },
             ServeMsg::Finish,
         ];

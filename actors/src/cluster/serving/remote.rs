@@ -4,7 +4,10 @@
 //! engine thread waits); [`RemoteServePart`] is one remote partition as the engine's
 //! [`crate::serving::handle::PartHandle`] reaches it. Every request is bounded in time, and a
 //! lost node fails every request waiting on it at once, naming it.
-use super::proto::{ServeMsg, ServeReply, ServeRequest, WireDelta, WireModel, WireStep};
+use super::proto::{
+    HttpAnswerWire, HttpRequestWire, ServeMsg, ServeReply, ServeRequest, WireDelta, WireModel,
+    WireStep,
+};
 use crate::cluster::node::{ControlInbox, InboxEvent};
 use crate::cluster::proto::ControlMsg;
 use crate::serving::part::{DeltaOp, LookedUp, ModelValues, PassStep, StepDone};
@@ -17,6 +20,29 @@ use tokio::sync::oneshot;
 use trellis_transport::quic::QuicTransport;
 
 type Waiter = oneshot::Sender<Result<ServeReply, ActorError>>;
+
+/// How the engine node's HTTP front end answers a request forwarded by another node.
+pub type HttpForward = Arc<
+    dyn Fn(
+            HttpRequestWire,
+        ) -> std::pin::Pin<Box<dyn std::future::Future<Output = HttpAnswerWire> + Send>>
+        + Send
+        + Sync,
+>;
+
+/// Where the engine node's HTTP front end plugs in its [`HttpForward`] once it listens.
+#[derive(Default)]
+pub struct ForwardSlot(Mutex<Option<HttpForward>>);
+
+impl ForwardSlot {
+    pub fn set(&self, f: HttpForward) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(f);
+    }
+
+    fn get(&self) -> Option<HttpForward> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
 
 /// A request waiting for its reply.
 struct Waiting {
@@ -34,10 +60,16 @@ pub struct ServeLink {
     unhandled: Mutex<Vec<u32>>,
     /// Longest a request other than a step waits for its reply.
     timeout: Duration,
+    /// Answers HTTP requests forwarded by other nodes.
+    http: Arc<ForwardSlot>,
 }
 
 impl ServeLink {
-    pub fn new(transport: Arc<QuicTransport>, timeout: Duration) -> Arc<Self> {
+    pub fn new(
+        transport: Arc<QuicTransport>,
+        timeout: Duration,
+        http: Arc<ForwardSlot>,
+    ) -> Arc<Self> {
         Arc::new(ServeLink {
             transport,
             waiting: Mutex::new(HashMap::new()),
@@ -45,6 +77,7 @@ impl ServeLink {
             lost: Mutex::new(BTreeMap::new()),
             unhandled: Mutex::new(Vec::new()),
             timeout,
+            http,
         })
     }
 
@@ -170,6 +203,27 @@ impl ServeLink {
         }
     }
 
+    /// Answers HTTP request `id` forwarded by `from` through the engine node's front end
+    /// (a 503 while the front end is not listening yet).
+    fn answer_http(self: &Arc<Self>, from: u32, id: u64, req: HttpRequestWire) {
+        let me = self.clone();
+        let forward = self.http.get();
+        tokio::spawn(async move {
+            let answer = match forward {
+                Some(f) => f(req).await,
+                None => HttpAnswerWire {
+                    status: 503,
+                    retry_after: Some("1".into()),
+                    content_type: Some("application/json".into()),
+                    body: br#"{"error":"the engine node's HTTP front end is starting"}"#.to_vec(),
+                },
+            };
+            if let Err(e) = me.tell(from, &ServeMsg::HttpReply { id, answer }) {
+                tracing::warn!("serving: the answer to node {from}'s HTTP request: {e}");
+            }
+        });
+    }
+
     /// Reads the control inbox until it closes: replies go to their requests, node
     /// failures to [`ServeLink::node_lost`]. Runs on the QUIC runtime.
     pub async fn pump(self: Arc<Self>, mut inbox: ControlInbox) {
@@ -180,6 +234,7 @@ impl ServeLink {
                     msg: ControlMsg::Serve(env),
                 }) => match ServeMsg::open(&env, from) {
                     Ok(ServeMsg::Reply { id, body }) => self.deliver(from, id, body),
+                    Ok(ServeMsg::HttpRequest { id, req }) => self.answer_http(from, id, req),
                     Ok(ServeMsg::Http { addr }) => {
                         crate::cluster::say(&format!("node {from} answers HTTP on http://{addr}"))
                     }
