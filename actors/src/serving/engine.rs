@@ -712,6 +712,7 @@ impl Engine {
                         // Its node is lost: the partition is re-placed before the pass runs
                         // again.
                         tracing::warn!("serving partition {p} on node {node}: {detail}");
+                        self.declare_lost(node, &detail);
                         if failed.is_empty() && error.is_none() {
                             for a in &addrs {
                                 a.abort(seq);
@@ -1111,6 +1112,9 @@ impl Engine {
                     )))
                 }
                 Err(e) => {
+                    if let ActorError::Node { node, detail } = &e {
+                        self.declare_lost(*node, detail);
+                    }
                     failure = Some(ServeError::Recovering {
                         retry_after: Duration::from_secs(1),
                         detail: e.to_string(),
@@ -1244,9 +1248,22 @@ impl Engine {
             .map(|h| h.delta(ops.clone(), generation))
             .collect();
         for r in replies.collect::<Vec<_>>().await {
-            r.map_err(actor_err)?;
+            match r {
+                // A partition whose node is lost is re-placed from the store, which has
+                // these changes already.
+                Err(ActorError::Node { node, detail }) => self.declare_lost(node, &detail),
+                r => r.map_err(actor_err)?,
+            }
         }
         Ok(())
+    }
+
+    /// A node that does not answer is lost: fenced, and its partitions re-placed before
+    /// the next pass (never computed with a graph that missed a change).
+    fn declare_lost(&self, node: u32, detail: &str) {
+        if let Some(c) = &self.cluster {
+            c.link.node_lost(node, detail);
+        }
     }
 
     /// Adds the nodes of `adds` (checked) to the graph and recomputes what they reach;
