@@ -72,6 +72,16 @@ impl Drop for Proc {
     }
 }
 
+/// A child process killed and reaped on drop.
+struct Reap(Child);
+
+impl Drop for Reap {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 fn s(p: &Path) -> &str {
     p.to_str().unwrap()
 }
@@ -603,4 +613,80 @@ fn a_node_killed_under_load_costs_no_wrong_answer_and_its_partitions_are_recover
     assert_matches(&c.url, &logits, "after an update on the recovered cluster");
     assert_matches(&c.node_urls[0], &logits, "after an update, through node 1");
     drop(c);
+}
+
+#[test]
+fn wrong_roles_are_clear_errors_naming_the_node() {
+    let dir = cluster_dir(2);
+    let model = train(dir.path(), "m.safetensors", "0");
+    // A node started with the engine node's options.
+    let c = write_cluster(dir.path(), "c.toml", "127.0.0.1:0", 2);
+    let out = Command::new(env!("CARGO_BIN_EXE_trellis"))
+        .args([
+            "serve",
+            "--cluster",
+            s(&c),
+            "--id",
+            "1",
+            "--model",
+            s(&model),
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("node 1") && err.contains("engine node"),
+        "{err}"
+    );
+
+    // A training node joining a serving cluster: the engine node refuses to start, naming it.
+    let c0 = write_cluster(dir.path(), "c0.toml", "127.0.0.1:0", 2);
+    let addr_file = dir.path().join("node0.addr");
+    let mut args = vec!["serve", "--cluster", s(&c0), "--model", s(&model)];
+    args.extend(["--data", DATA, "--listen", "127.0.0.1:0"]);
+    args.extend(["--addr-file", s(&addr_file)]);
+    let mut engine = Reap(
+        Command::new(env!("CARGO_BIN_EXE_trellis"))
+            .args(&args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let t = Instant::now();
+    let quic = loop {
+        if let Ok(a) = std::fs::read_to_string(&addr_file) {
+            break a;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "the engine node never listened"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let c1 = write_cluster(dir.path(), "c1.toml", &quic, 2);
+    let _trainer = Proc::start(
+        "training node 1",
+        &["node", "--cluster", s(&c1), "--id", "1"],
+    );
+    let status = loop {
+        if let Some(st) = engine.0.try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "the engine node did not stop"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut err = String::new();
+    use std::io::Read;
+    let mut stderr = engine.0.stderr.take().unwrap();
+    stderr.read_to_string(&mut err).unwrap();
+    assert!(!status.success());
+    assert!(
+        err.contains("node 1") && err.contains("trellis serve --cluster"),
+        "{err}"
+    );
 }
