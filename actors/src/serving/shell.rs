@@ -388,3 +388,65 @@ impl ServeNode {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn served() -> Served {
+        let mut graph = NodeGraph::default();
+        for _ in 0..3 {
+            graph.add_node();
+        }
+        graph.add_edge(0, 1).unwrap();
+        Served {
+            graph,
+            features: Rows {
+                width: 2,
+                data: vec![0.0; 6],
+            },
+            owner: vec![0, 0, 1],
+        }
+    }
+
+    #[test]
+    fn a_copy_of_the_served_graph_follows_the_engines_changes() {
+        let mut s = served();
+        let ops = [
+            DeltaOp::AddNode {
+                id: 3,
+                owner: 1,
+                features: vec![1.0, 2.0],
+            },
+            DeltaOp::AddEdge { a: 3, b: 0 },
+            DeltaOp::RemoveEdge { a: 1, b: 0 },
+        ];
+        s.apply(&ops).unwrap();
+        assert_eq!(s.graph.num_nodes(), 4);
+        assert_eq!(s.owner, vec![0, 0, 1, 1]);
+        assert_eq!(s.features.row(3), &[1.0, 2.0]);
+        assert_eq!(s.graph.neighbors(0), &[3]);
+        assert!(s.graph.neighbors(1).is_empty());
+    }
+
+    #[test]
+    fn changes_that_do_not_fit_the_copy_are_errors() {
+        let mut s = served();
+        // Not the next id: this copy missed a change.
+        let skipped = [DeltaOp::AddNode {
+            id: 5,
+            owner: 0,
+            features: vec![0.0, 0.0],
+        }];
+        let e = s.apply(&skipped).unwrap_err().to_string();
+        assert!(e.contains("next node is 3"), "{e}");
+        let wrong_width = [DeltaOp::AddNode {
+            id: 3,
+            owner: 0,
+            features: vec![0.0],
+        }];
+        assert!(s.apply(&wrong_width).is_err());
+        assert!(s.apply(&[DeltaOp::AddEdge { a: 0, b: 9 }]).is_err());
+        assert_eq!(s.graph.num_nodes(), 3);
+    }
+}
