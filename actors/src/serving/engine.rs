@@ -6,7 +6,7 @@
 //!
 //! Commands are handled in rounds: queries go through the [`Scheduler`] (batched, shed,
 //! shared fairly between tenants) and are answered from the owning partitions' tables;
-//! graph updates are applied to the served graph, sent to every partition as a [`Delta`],
+//! graph updates are applied to the served graph, sent to every partition as a [`Delta`](super::shell::Delta),
 //! and recomputed by an update pass over the rows they reach; a new model's tables are
 //! computed by the partitions beside the live ones, one layer per round (updates keep being
 //! applied between those layers and are replayed onto the new tables at the end), then

@@ -1,7 +1,7 @@
 //! A node hosting serving partitions for the engine node (`trellis serve --cluster FILE
 //! --id N`): joins the engine node, receives its setup and the served inputs (the engine's
 //! [`ServeStore`] copied here, so a partition that panics is restored on this node), starts
-//! a [`ServeActor`](crate::serving::shell::ServeActor) per hosted partition on the QUIC
+//! a [`ServeActor`] per hosted partition on the QUIC
 //! transport (halo blocks go straight to the partitions of other nodes), and answers the
 //! engine's steps, deltas, lookups and model swaps until `Finish` or the engine's loss.
 use super::proto::{
