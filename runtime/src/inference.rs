@@ -48,6 +48,36 @@ impl NodeGraph {
         }
     }
 
+    /// A graph from its rows of neighbours, checked: each row ascending without
+    /// duplicates, no self loops, no node out of range, every edge listed both ways.
+    pub fn from_neighbors(nbrs: Vec<Vec<u32>>) -> Result<Self> {
+        let n = nbrs.len();
+        let bad = |m: String| Err(RuntimeError::BadData(m));
+        for (v, row) in nbrs.iter().enumerate() {
+            if row.windows(2).any(|w| w[0] >= w[1]) {
+                return bad(format!(
+                    "the neighbours of node {v} are not ascending without duplicates"
+                ));
+            }
+            for &u in row {
+                if u as usize >= n {
+                    return bad(format!(
+                        "node {v} has neighbour {u}, which does not exist ({n} nodes)"
+                    ));
+                }
+                if u as usize == v {
+                    return bad(format!("node {v} has a self loop"));
+                }
+                if nbrs[u as usize].binary_search(&(v as u32)).is_err() {
+                    return bad(format!("edge {v}-{u} is listed by node {v} only"));
+                }
+            }
+        }
+        let deg = nbrs.iter().map(|r| r.len() as u32).collect();
+        let entries = nbrs.iter().map(Vec::len).sum();
+        Ok(NodeGraph { nbrs, deg, entries })
+    }
+
     /// Number of nodes.
     pub fn num_nodes(&self) -> usize {
         self.nbrs.len()

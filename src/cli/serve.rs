@@ -2,6 +2,7 @@
 use super::telemetry::TelemetryArgs;
 use super::train::load_data;
 use crate::serve::api::Limits;
+use crate::serve::forward::{engine_forwarder, run_forwarding_http, ForwardConfig};
 use crate::serve::{run_http, HttpConfig};
 use anyhow::{Context, Result};
 use clap::Args;
@@ -10,6 +11,9 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
+use trellis_actors::cluster::serving::node::run_serve_node;
+use trellis_actors::cluster::serving::ClusterServing;
+use trellis_actors::cluster::ClusterFile;
 use trellis_actors::faults::FaultPlan;
 use trellis_actors::serving::engine::{self, EngineConfig};
 use trellis_actors::serving::scheduler::SchedulerConfig;
@@ -21,22 +25,34 @@ use trellis_runtime::Graph;
 /// Options of `trellis serve`.
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
-    /// A model file written by `trellis train --save-model`.
-    #[arg(long)]
-    pub model: PathBuf,
-    /// The graph to serve (same forms as `trellis train --data`).
-    #[arg(long)]
-    pub data: String,
+    /// A model file written by `trellis train --save-model` (the engine node's).
+    #[arg(long, required_unless_present = "id")]
+    pub model: Option<PathBuf>,
+    /// The graph to serve (same forms as `trellis train --data`; the engine node's).
+    #[arg(long, required_unless_present = "id")]
+    pub data: Option<String>,
     /// Compute the graph's rows in this many parts (METIS); updates recompute only the
-    /// affected rows, each part its own.
-    #[arg(long, default_value_t = 1)]
-    pub partitions: usize,
+    /// affected rows, each part its own. Default: 1, on a cluster one per node.
+    #[arg(long)]
+    pub partitions: Option<usize>,
+    /// Serve on the cluster of this cluster file (TOML, as `trellis node`): its coordinator
+    /// runs the engine (with --model and --data); every other node is started with
+    /// `--cluster FILE --id N` and hosts the partitions placed on it.
+    #[arg(long)]
+    pub cluster: Option<PathBuf>,
+    /// This node's id in the cluster file (default: its coordinator, the engine node).
+    #[arg(long, requires = "cluster")]
+    pub id: Option<u32>,
+    /// Write the address this node's QUIC endpoint listens on to this file (launchers).
+    #[arg(long, requires = "cluster")]
+    pub addr_file: Option<PathBuf>,
     /// How to partition: metis or random.
     #[arg(long, default_value = "metis")]
     pub partition_method: PartitionMethod,
-    /// Address to listen on (port 0: any free port; the chosen one is printed).
-    #[arg(long, default_value = "127.0.0.1:8080")]
-    pub listen: SocketAddr,
+    /// Address to listen on (port 0: any free port; the chosen one is printed). On a
+    /// cluster's other nodes: optional, and requests are forwarded to the engine node.
+    #[arg(long)]
+    pub listen: Option<SocketAddr>,
     /// Latency objective of a query: batching adapts to it.
     #[arg(long, default_value_t = 5)]
     pub slo_ms: u64,
@@ -79,13 +95,97 @@ pub struct ServeArgs {
     pub telemetry: TelemetryArgs,
 }
 
+/// The default `--listen` of the engine node.
+const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
+
 pub fn run(a: ServeArgs) -> Result<()> {
-    let telemetry = a.telemetry.start(0)?;
-    let ds = load_data(&a.data)?;
-    let saved = model_file::load(&a.model)?;
+    let cluster = match &a.cluster {
+        Some(path) => Some(ClusterFile::load(path)?),
+        None => None,
+    };
+    let id = match (&cluster, a.id) {
+        (Some(c), Some(id)) => {
+            c.node(id)?;
+            id
+        }
+        (Some(c), None) => c.coordinator,
+        (None, _) => 0,
+    };
+    let telemetry = a.telemetry.start(id)?;
+    let result = match cluster {
+        Some(c) if id != c.coordinator => serve_node(&a, &c, id),
+        cluster => serve_engine(&a, cluster.map(|c| (c, id))),
+    };
+    a.telemetry.finish(telemetry);
+    result
+}
+
+/// A node of a serving cluster other than the engine node: hosts its partitions until the
+/// engine node stops the service.
+fn serve_node(a: &ServeArgs, cluster: &ClusterFile, id: u32) -> Result<()> {
+    if a.model.is_some() || a.data.is_some() {
+        anyhow::bail!(
+            "node {id} is not the cluster's engine node (node {}): only the engine node takes --model and --data",
+            cluster.coordinator
+        );
+    }
+    let forward = ForwardConfig {
+        max_body: a.max_model_bytes,
+        client_timeout: Duration::from_millis(a.client_timeout_ms.max(1)),
+        answer_timeout: Duration::from_millis(a.step_timeout_ms.max(1)),
+        workers: a.http_workers,
+    };
+    let listen = a.listen;
+    run_serve_node(
+        cluster,
+        id,
+        a.addr_file.as_deref(),
+        a.threads,
+        |parts, uplink| {
+            eprintln!("node {id} serves partitions {parts:?}");
+            let Some(listen) = listen else {
+                return;
+            };
+            // This node's HTTP front end forwards to the engine node, on its own thread.
+            let spawned = std::thread::Builder::new()
+                .name("trellis-forward-http".into())
+                .spawn(move || {
+                    let announce = uplink.clone();
+                    let r = run_forwarding_http(uplink, forward, listen, |addr| {
+                        announce.announce(addr);
+                        println!("listening on http://{addr}");
+                        let _ = std::io::stdout().flush();
+                    });
+                    if let Err(e) = r {
+                        eprintln!("error: node {id} cannot serve HTTP on {listen}: {e}");
+                        std::process::exit(1);
+                    }
+                });
+            if let Err(e) = spawned {
+                eprintln!("error: node {id} cannot start its HTTP front end: {e}");
+                std::process::exit(1);
+            }
+        },
+    )
+    .with_context(|| format!("serving node {id}"))?;
+    println!("node {id} done");
+    Ok(())
+}
+
+fn serve_engine(a: &ServeArgs, cluster: Option<(ClusterFile, u32)>) -> Result<()> {
+    let (Some(model), Some(data)) = (&a.model, &a.data) else {
+        anyhow::bail!("the engine node needs --model and --data");
+    };
+    let listen = match a.listen {
+        Some(l) => l,
+        None => DEFAULT_LISTEN.parse().expect("a valid address"),
+    };
+    let ds = load_data(data)?;
+    let saved = model_file::load(model)?;
     saved.check_fits(ds.num_features, ds.num_classes)?;
     let graph = Graph::from_dataset(&ds)?;
-    let parts = a.partitions.max(1);
+    let default_parts = cluster.as_ref().map_or(1, |(c, _)| c.nodes.len());
+    let parts = a.partitions.unwrap_or(default_parts).max(1);
     let owner = assign(
         &graph,
         &ds,
@@ -105,26 +205,33 @@ pub fn run(a: ServeArgs) -> Result<()> {
     };
     let version = saved.version();
     let t = std::time::Instant::now();
-    let handle = engine::start(
-        saved,
-        NodeGraph::from_graph(&graph),
-        ds.features,
-        owner,
-        EngineConfig {
-            scheduler: SchedulerConfig {
-                slo: Duration::from_millis(a.slo_ms.max(1)),
-                max_batch: a.max_batch.max(1),
-                max_queue: a.max_queue.max(a.max_batch),
-                quota_rps: a.quota_rps,
-            },
-            parts,
-            threads: a.threads,
-            faults,
-            step_timeout: Duration::from_millis(a.step_timeout_ms.max(1)),
-            priority: None,
+    let cfg = EngineConfig {
+        scheduler: SchedulerConfig {
+            slo: Duration::from_millis(a.slo_ms.max(1)),
+            max_batch: a.max_batch.max(1),
+            max_queue: a.max_queue.max(a.max_batch),
+            quota_rps: a.quota_rps,
         },
-    )
-    .map_err(|e| anyhow::anyhow!("cannot start serving {}: {e}", a.model.display()))?;
+        parts,
+        threads: a.threads,
+        faults,
+        step_timeout: Duration::from_millis(a.step_timeout_ms.max(1)),
+        priority: None,
+    };
+    let (graph, features) = (NodeGraph::from_graph(&graph), ds.features);
+    let on_cluster = cluster.is_some();
+    let handle = match cluster {
+        None => engine::start(saved, graph, features, owner, cfg),
+        Some((cluster, id)) => {
+            let c = ClusterServing {
+                cluster,
+                id,
+                addr_file: a.addr_file.clone(),
+            };
+            engine::start_on_cluster(saved, graph, features, owner, cfg, c)
+        }
+    }
+    .map_err(|e| anyhow::anyhow!("cannot start serving {}: {e}", model.display()))?;
     eprintln!(
         "model {version}: every layer of {} nodes computed in {:.0} ms ({parts} part{})",
         ds.num_nodes,
@@ -143,11 +250,23 @@ pub fn run(a: ServeArgs) -> Result<()> {
         classes: ds.num_classes,
         workers: a.http_workers,
     };
-    run_http(handle, cfg, a.listen, |addr| {
+    let (forward_slot, answer_within) = (
+        handle.http_forward.clone(),
+        Duration::from_millis(a.step_timeout_ms.max(1)),
+    );
+    run_http(handle, cfg, listen, |addr| {
+        // Requests other nodes of a cluster forward are answered by this front end.
+        if on_cluster {
+            match engine_forwarder(addr, answer_within) {
+                Ok(f) => forward_slot.set(f),
+                Err(e) => {
+                    eprintln!("warning: other nodes' HTTP requests cannot be answered: {e}")
+                }
+            }
+        }
         println!("listening on http://{addr}");
         let _ = std::io::stdout().flush();
     })
-    .with_context(|| format!("cannot serve on {}", a.listen))?;
-    a.telemetry.finish(telemetry);
+    .with_context(|| format!("cannot serve on {listen}"))?;
     Ok(())
 }

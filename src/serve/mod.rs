@@ -11,6 +11,7 @@
 //! spans under them, join the request's trace.
 pub mod api;
 pub mod beside;
+pub mod forward;
 pub mod loadgen;
 pub mod metrics;
 
@@ -62,7 +63,11 @@ fn json_response(status: u16, body: String) -> HttpResponse {
         .body(body)
 }
 
-fn error_response(status: u16, message: &str, retry_after: Option<Duration>) -> HttpResponse {
+pub(crate) fn error_response(
+    status: u16,
+    message: &str,
+    retry_after: Option<Duration>,
+) -> HttpResponse {
     let mut r = json_response(status, serde_json::json!({ "error": message }).to_string());
     if let Some(d) = retry_after {
         if let Ok(v) = HeaderValue::from_str(&d.as_secs().max(1).to_string()) {
@@ -104,7 +109,7 @@ async fn json_body<T: serde::de::DeserializeOwned>(
 }
 
 /// Reads a body of at most `limit` bytes within the client timeout.
-async fn read_body(
+pub(crate) async fn read_body(
     req: &HttpRequest,
     mut payload: web::Payload,
     limit: usize,

@@ -10,12 +10,14 @@
 //! * [`coord`]: the coordinator node.
 //! * [`remote`]: the coordinator's handles on remote partitions.
 //! * [`files`]: shipping partition files to nodes that lack them.
+//! * [`serving`]: serving on a cluster (the engine node and the nodes of serving partitions).
 pub mod config;
 pub mod coord;
 pub mod files;
 pub mod node;
 pub mod proto;
 pub mod remote;
+pub mod serving;
 pub mod worker;
 
 pub use config::ClusterFile;

@@ -83,6 +83,13 @@ impl NodeEndpoint {
         ))
     }
 
+    /// Runs `task` on this node's QUIC runtime (off the caller's thread).
+    pub fn spawn(&self, task: impl std::future::Future<Output = ()> + Send + 'static) {
+        if let Some(rt) = &self.rt {
+            rt.spawn(task);
+        }
+    }
+
     /// Where this node listens.
     pub fn addr(&self) -> SocketAddr {
         self.transport.local_addr()

@@ -48,6 +48,9 @@ pub enum ControlMsg {
     /// Replica node -> the node that shipped it: partition `part`'s state after step `epoch`
     /// is stored (the shipper times the transfer).
     ReplicaAck { part: u32, epoch: u32 },
+    /// A serving message (`trellis serve --cluster`), versioned on its own
+    /// ([`super::serving::proto`]).
+    Serve(super::serving::proto::ServeEnvelope),
 }
 
 /// A partition's committed state after step `epoch`, and the BLAKE3 digest the sender
@@ -234,6 +237,7 @@ impl ControlMsg {
             },
             ControlMsg::PartChunk { part, .. } => S::Other(format!("a chunk of partition {part}")),
             ControlMsg::Reply { id, .. } => S::Other(format!("reply {id}")),
+            ControlMsg::Serve(_) => S::Other("a serving message".into()),
         }
     }
     /// The archived bytes.

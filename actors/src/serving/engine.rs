@@ -6,7 +6,7 @@
 //!
 //! Commands are handled in rounds: queries go through the [`Scheduler`] (batched, shed,
 //! shared fairly between tenants) and are answered from the owning partitions' tables;
-//! graph updates are applied to the served graph, sent to every partition as a [`Delta`],
+//! graph updates are applied to the served graph, sent to every partition as a [`Delta`](super::shell::Delta),
 //! and recomputed by an update pass over the rows they reach; a new model's tables are
 //! computed by the partitions beside the live ones, one layer per round (updates keep being
 //! applied between those layers and are replayed onto the new tables at the end), then
@@ -14,15 +14,17 @@
 //! A partition that panics in a pass is restored by its actor's shell from the store, the
 //! pass is aborted on the others and run again with the restarted partition computing every
 //! row (a recovery pass) before anything else is answered.
+use super::handle::PartHandle;
 use super::part::{ComputedRows, DeltaOp, LookedUp, ModelValues, PassStep, Target};
 use super::plan::{plan_pass, Coverage, LayerPlan};
 use super::published::Published;
 use super::routing::{place_new_node, route};
 use super::scheduler::{Action, Pending, Quotas, Refusal, Scheduler, SchedulerConfig};
-use super::shell::{
-    Abort, Delta, DropStaged, Install, Lookup, ServeNode, ServeStore, Served, Stage, Step,
-};
+use super::shell::{ServeNode, ServeStore, Served};
 use super::ServeError;
+use crate::cluster::node::{reroute, ControlInbox, NodeEndpoint};
+use crate::cluster::serving::proto::ServeMsg;
+use crate::cluster::serving::{ClusterServing, ForwardSlot, RemoteServePart, ServeLink};
 use crate::faults::FaultPlan;
 use crate::ActorError;
 use futures_util::stream::{FuturesUnordered, StreamExt};
@@ -36,7 +38,8 @@ use trellis_gpu::PriorityGate;
 use trellis_runtime::inference::{argmax, prepare_features, softmax_row, NodeGraph, Rows};
 use trellis_runtime::model::LayerInput;
 use trellis_runtime::model_file::SavedModel;
-use trellis_transport::{InProcessTransport, TraceContext};
+use trellis_transport::quic::QuicTransport;
+use trellis_transport::{InProcessTransport, RunId, TraceContext, Transport};
 
 /// One node's answer.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
@@ -186,6 +189,8 @@ pub struct EngineHandle {
     quotas: Arc<Mutex<Quotas>>,
     /// The faults injected into the partition actors (and which fired).
     pub faults: Arc<FaultPlan>,
+    /// On a cluster: how the HTTP front end answers requests other nodes forward.
+    pub http_forward: Arc<ForwardSlot>,
 }
 
 impl EngineHandle {
@@ -219,6 +224,10 @@ impl EngineHandle {
 struct Engine {
     store: Arc<ServeStore>,
     node: Option<ServeNode>,
+    /// Every partition, by id: local actors or partitions of other nodes.
+    handles: Vec<PartHandle>,
+    /// Delta broadcasts sent so far (numbers each one).
+    generation: u64,
     parts: usize,
     /// Whether each layer is split (the same for every model of this architecture).
     split: Vec<bool>,
@@ -246,6 +255,23 @@ struct Engine {
     /// Set while the partitions' tables may be behind the store and a rebuild has not
     /// succeeded yet: queries through the actors and updates are refused meanwhile.
     broken: Option<Broken>,
+    /// On a cluster: the other nodes and how to reach them.
+    cluster: Option<EngineCluster>,
+    http_forward: Arc<ForwardSlot>,
+}
+
+/// The engine's cluster, when it serves on one.
+struct EngineCluster {
+    link: Arc<ServeLink>,
+    transport: Arc<QuicTransport>,
+    /// `placement[p]`: the node serving partition `p` now.
+    placement: Vec<u32>,
+    me: u32,
+    workers: Vec<u32>,
+    /// Nodes lost so far (fenced).
+    lost: Vec<u32>,
+    /// The run id a partition re-placed here joins.
+    run: RunId,
 }
 
 /// What starting the partition actors takes.
@@ -319,10 +345,6 @@ fn actor_err(e: ActorError) -> ServeError {
     ServeError::Internal(e.to_string())
 }
 
-fn mailbox(part: usize, e: actix::MailboxError) -> ServeError {
-    ServeError::Internal(format!("serving partition {part} is unreachable: {e}"))
-}
-
 /// A default for [`EngineConfig::step_timeout`]: one layer of a 1M-node graph on one core
 /// takes seconds.
 pub const STEP_TIMEOUT: Duration = Duration::from_secs(120);
@@ -338,6 +360,30 @@ pub fn start(
     raw_features: Vec<f32>,
     owner: Vec<u32>,
     cfg: EngineConfig,
+) -> Result<EngineHandle, ServeError> {
+    start_engine(saved, graph, raw_features, owner, cfg, None)
+}
+
+/// As [`start`], on a cluster: this process is the engine node; the partitions are placed
+/// on the cluster's nodes (by the cluster file), which must join within its join timeout.
+pub fn start_on_cluster(
+    saved: SavedModel,
+    graph: NodeGraph,
+    raw_features: Vec<f32>,
+    owner: Vec<u32>,
+    cfg: EngineConfig,
+    cluster: ClusterServing,
+) -> Result<EngineHandle, ServeError> {
+    start_engine(saved, graph, raw_features, owner, cfg, Some(cluster))
+}
+
+fn start_engine(
+    saved: SavedModel,
+    graph: NodeGraph,
+    raw_features: Vec<f32>,
+    owner: Vec<u32>,
+    cfg: EngineConfig,
+    cluster: Option<ClusterServing>,
 ) -> Result<EngineHandle, ServeError> {
     let version = saved.version();
     let model = saved.model;
@@ -383,6 +429,8 @@ pub fn start(
     let engine = Engine {
         store,
         node: None,
+        handles: Vec::new(),
+        generation: 0,
         parts,
         split,
         classes,
@@ -405,24 +453,43 @@ pub fn start(
             priority: cfg.priority,
         },
         broken: None,
+        cluster: None,
+        http_forward: Arc::default(),
     };
+    let http_forward = engine.http_forward.clone();
     let plan = cfg.faults;
     std::thread::Builder::new()
         .name("trellis-serve-engine".into())
         .spawn(move || {
+            // The QUIC endpoint is bound (and dropped) outside the actix system: its
+            // runtime must not be entered from another one.
+            let (ep, inbox) = match &cluster {
+                Some(c) => match NodeEndpoint::bind(&c.cluster, c.id, c.addr_file.as_deref()) {
+                    Ok((ep, inbox)) => (Some(ep), Some(inbox)),
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(actor_err(e)));
+                        return;
+                    }
+                },
+                None => (None, None),
+            };
             let sys = actix::System::new();
+            let on = ep.as_ref().zip(inbox).zip(cluster);
             sys.block_on(async move {
                 let mut engine = engine;
-                let started = engine.start_partitions().await;
+                let started = engine.start_partitions(on).await;
                 let ok = started.is_ok();
                 let _ = ready_tx.send(started);
                 if ok {
                     engine.run(rx).await;
                 }
+                engine.stop_cluster().await;
                 if let Some(node) = engine.node.take() {
                     node.shutdown();
                 }
             });
+            drop(sys);
+            drop(ep);
         })
         .map_err(|e| ServeError::Internal(format!("cannot start the engine thread: {e}")))?;
     ready_rx
@@ -435,26 +502,129 @@ pub fn start(
         published,
         quotas,
         faults: plan,
+        http_forward,
     })
 }
 
 impl Engine {
     /// Starts the partition actors and runs the start-up pass (every row of every layer).
-    async fn start_partitions(&mut self) -> Result<(), ServeError> {
-        // A new run id and transport: blocks of abandoned actors never reach the new ones.
+    async fn start_partitions(
+        &mut self,
+        cluster: Option<((&NodeEndpoint, ControlInbox), ClusterServing)>,
+    ) -> Result<(), ServeError> {
+        self.launch_partitions(cluster).await?;
+        self.full_pass().await
+    }
+
+    /// Starts the partition actors: all of them here, or (on a cluster) this node's and a
+    /// handle on every other node's.
+    async fn launch_partitions(
+        &mut self,
+        cluster: Option<((&NodeEndpoint, ControlInbox), ClusterServing)>,
+    ) -> Result<(), ServeError> {
+        // A new run id (and, in one process, a new transport): blocks of abandoned actors
+        // never reach the new ones.
         let run = uuid::Uuid::new_v4();
-        let transport = Arc::new(InProcessTransport::new());
-        let node = ServeNode::start(
-            self.parts,
-            run,
-            transport,
-            self.store.clone(),
-            self.launch.faults.clone(),
-            self.launch.threads,
-            self.launch.priority.clone(),
-        )
-        .map_err(actor_err)?;
-        self.node = Some(node);
+        let PartLaunch {
+            threads,
+            faults,
+            priority,
+        } = &self.launch;
+        let (threads, faults, priority) = (*threads, faults.clone(), priority.clone());
+        match cluster {
+            None => {
+                let transport = Arc::new(InProcessTransport::new());
+                let node = ServeNode::start(
+                    self.parts,
+                    run,
+                    transport,
+                    self.store.clone(),
+                    faults,
+                    threads,
+                    priority,
+                )
+                .map_err(actor_err)?;
+                self.handles = node
+                    .addrs()
+                    .iter()
+                    .enumerate()
+                    .map(|(p, addr)| PartHandle::Local {
+                        part: p as u32,
+                        addr: addr.clone(),
+                    })
+                    .collect();
+                self.node = Some(node);
+            }
+            Some(((ep, mut inbox), c)) => {
+                let placement = c.placement(self.parts).map_err(actor_err)?;
+                crate::cluster::serving::engine_side::connect(
+                    ep,
+                    &mut inbox,
+                    &c.cluster,
+                    &self.store,
+                    &placement,
+                    run,
+                )
+                .await
+                .map_err(actor_err)?;
+                let link = ServeLink::new(
+                    ep.transport.clone(),
+                    self.step_timeout,
+                    self.http_forward.clone(),
+                );
+                ep.spawn(link.clone().pump(inbox));
+                reroute(&ep.transport, &placement, c.id);
+                ep.transport.set_epoch(run, 0);
+                let mine: Vec<u32> = (0..self.parts as u32)
+                    .filter(|&p| placement[p as usize] == c.id)
+                    .collect();
+                let node = ServeNode::start_parts(
+                    &mine,
+                    run,
+                    ep.transport.clone() as Arc<dyn Transport>,
+                    self.store.clone(),
+                    faults.clone(),
+                    threads,
+                    priority.clone(),
+                )
+                .map_err(actor_err)?;
+                let local: HashMap<u32, _> = node
+                    .parts()
+                    .iter()
+                    .copied()
+                    .zip(node.addrs().iter().cloned())
+                    .collect();
+                self.handles = (0..self.parts as u32)
+                    .map(|p| match local.get(&p) {
+                        Some(addr) => PartHandle::Local {
+                            part: p,
+                            addr: addr.clone(),
+                        },
+                        None => PartHandle::Remote(RemoteServePart::new(
+                            p,
+                            placement[p as usize],
+                            link.clone(),
+                            self.step_timeout,
+                        )),
+                    })
+                    .collect();
+                self.node = Some(node);
+                self.cluster = Some(EngineCluster {
+                    link,
+                    transport: ep.transport.clone(),
+                    placement,
+                    me: c.id,
+                    workers: c.cluster.workers(),
+                    lost: Vec::new(),
+                    run,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Computes every row of every layer on every partition and publishes the last layer.
+    async fn full_pass(&mut self) -> Result<(), ServeError> {
         let _span = tracing::info_span!("serve_start", parts = self.parts as i64).entered();
         let mut attempt = 0;
         let out = loop {
@@ -502,11 +672,13 @@ impl Engine {
         plan_pass(&s.graph, &s.owner, self.parts, &self.split, coverage)
     }
 
-    fn addrs(&self) -> Result<&[actix::Addr<super::shell::ServeActor>], ServeError> {
-        self.node
-            .as_ref()
-            .map(|n| n.addrs())
-            .ok_or_else(|| ServeError::Internal("the partitions are not running".into()))
+    fn handles(&self) -> Result<Vec<PartHandle>, ServeError> {
+        if self.handles.len() != self.parts {
+            return Err(ServeError::Internal(
+                "the partitions are not running".into(),
+            ));
+        }
+        Ok(self.handles.clone())
     }
 
     /// Runs the layers `plans` of pass `seq` on every partition, layer by layer; a partition
@@ -519,6 +691,11 @@ impl Engine {
         update: Option<u64>,
         full: &[bool],
     ) -> Result<PassOutput, PassError> {
+        let replaced = self.replace_lost();
+        if !replaced.is_empty() {
+            // They start with no tables: the caller runs the pass again with them full.
+            return Err(PassError::Failed(replaced));
+        }
         let mut out = PassOutput {
             rows_per_layer: Vec::with_capacity(plans.len()),
             last: Vec::new(),
@@ -526,7 +703,7 @@ impl Engine {
         let layers = self.split.len();
         for plan in plans {
             let last = plan.layer + 1 == layers;
-            let addrs = self.addrs()?.to_vec();
+            let addrs = self.handles()?;
             let mut replies: FuturesUnordered<_> = addrs
                 .iter()
                 .enumerate()
@@ -544,8 +721,8 @@ impl Engine {
                         return_rows: last,
                         full: full.get(p) == Some(&true),
                     };
-                    let f = a.send(Step(step));
-                    async move { (p, f.await) }
+                    let a = a.clone();
+                    async move { (p, a.step(step).await) }
                 })
                 .collect();
             let mut failed = Vec::new();
@@ -560,7 +737,7 @@ impl Engine {
                     Err(_) => {
                         let late: Vec<usize> = (0..addrs.len()).filter(|&p| !answered[p]).collect();
                         for a in &addrs {
-                            a.do_send(Abort(seq));
+                            a.abort(seq);
                         }
                         return Err(PassError::Other(ServeError::Internal(format!(
                             "partitions {late:?} did not finish layer {} within {} ms",
@@ -571,30 +748,39 @@ impl Engine {
                 };
                 answered[p] = true;
                 match r {
-                    Ok(Ok(done)) => {
+                    Ok(done) => {
                         if let Some(rows) = done.rows {
                             out.last.push(rows);
                         }
                     }
-                    Ok(Err(ActorError::Panicked { part, message })) => {
+                    Err(ActorError::Panicked { part, message }) => {
                         tracing::warn!("serving partition {part} panicked: {message}");
                         if failed.is_empty() && error.is_none() {
                             for a in &addrs {
-                                a.do_send(Abort(seq));
+                                a.abort(seq);
                             }
                         }
                         failed.push(part);
                     }
-                    Ok(Err(e)) => {
+                    Err(ActorError::Node { node, detail }) => {
+                        // Its node is lost: the partition is re-placed before the pass runs
+                        // again.
+                        tracing::warn!("serving partition {p} on node {node}: {detail}");
+                        self.declare_lost(node, &detail);
                         if failed.is_empty() && error.is_none() {
                             for a in &addrs {
-                                a.do_send(Abort(seq));
+                                a.abort(seq);
+                            }
+                        }
+                        failed.push(p as u32);
+                    }
+                    Err(e) => {
+                        if failed.is_empty() && error.is_none() {
+                            for a in &addrs {
+                                a.abort(seq);
                             }
                         }
                         error.get_or_insert(actor_err(e));
-                    }
-                    Err(e) => {
-                        error.get_or_insert(mailbox(p, e));
                     }
                 }
             }
@@ -709,13 +895,21 @@ impl Engine {
     }
 
     async fn rebuild(&mut self, reason: &str) -> Result<(), ServeError> {
-        tracing::warn!("serving: {reason}; starting every partition again from the store");
         self.stats.ready.store(false, Ordering::SeqCst);
         self.stats.rebuilds.fetch_add(1, Ordering::Relaxed);
-        if let Some(node) = self.node.take() {
-            node.abandon();
+        if self.cluster.is_some() {
+            // The partitions of other nodes cannot be restarted from here (their node is
+            // declared lost, and they are re-placed from the store, only when it does not
+            // answer): every partition computes every row again from the graph it holds.
+            tracing::warn!("serving: {reason}; computing every row of every partition again");
+            self.full_pass().await?;
+        } else {
+            tracing::warn!("serving: {reason}; starting every partition again from the store");
+            if let Some(node) = self.node.take() {
+                node.abandon();
+            }
+            self.start_partitions(None).await?;
         }
-        self.start_partitions().await?;
         self.broken = None;
         let everyone = vec![true; self.parts];
         self.after_recovery(&everyone).await;
@@ -734,12 +928,8 @@ impl Engine {
     }
 
     async fn stage_everywhere(&self, model: &Arc<ModelValues>) -> Result<(), ServeError> {
-        let addrs = self.addrs()?.to_vec();
-        for (p, a) in addrs.iter().enumerate() {
-            a.send(Stage(model.clone()))
-                .await
-                .map_err(|e| mailbox(p, e))?
-                .map_err(actor_err)?;
+        for a in self.handles()? {
+            a.stage(model.clone()).await.map_err(actor_err)?;
         }
         Ok(())
     }
@@ -784,6 +974,81 @@ impl Engine {
             .map(drop)
     }
 
+    /// Re-places the partitions of nodes lost since the last call on this node (restored
+    /// from the store, with no tables yet): every other node routes their halo blocks here
+    /// from now on and refuses the lost nodes. Returns the re-placed partitions.
+    fn replace_lost(&mut self) -> Vec<u32> {
+        let Some(c) = &mut self.cluster else {
+            return Vec::new();
+        };
+        let lost = c.link.take_lost();
+        if lost.is_empty() {
+            return Vec::new();
+        }
+        self.stats.ready.store(false, Ordering::SeqCst);
+        c.lost.extend(&lost);
+        let moved: Vec<u32> = (0..self.parts as u32)
+            .filter(|&p| lost.contains(&c.placement[p as usize]))
+            .collect();
+        let Some(node) = self.node.as_mut() else {
+            return Vec::new();
+        };
+        for &p in &moved {
+            match node.add_part(
+                p,
+                c.run,
+                self.store.clone(),
+                self.launch.faults.clone(),
+                self.launch.threads,
+                self.launch.priority.clone(),
+            ) {
+                Ok(addr) => {
+                    self.handles[p as usize] = PartHandle::Local { part: p, addr };
+                    c.placement[p as usize] = c.me;
+                }
+                Err(e) => tracing::error!("serving partition {p} cannot be re-placed: {e}"),
+            }
+        }
+        reroute(&c.transport, &c.placement, c.me);
+        let msg = ServeMsg::Reroute {
+            placement: c.placement.clone(),
+            fenced: c.lost.clone(),
+        };
+        for &w in c.workers.iter().filter(|w| !c.lost.contains(w)) {
+            if let Err(e) = c.link.tell(w, &msg) {
+                tracing::warn!("serving: rerouting node {w}: {e}");
+            }
+        }
+        crate::cluster::say(&format!(
+            "serving: nodes {lost:?} lost; partitions {moved:?} re-placed on node {} and recomputed",
+            c.me
+        ));
+        moved
+    }
+
+    /// Recovers the partitions of lost nodes (noticed while idle): re-placed here and
+    /// recomputed before anything else runs.
+    async fn recover_lost(&mut self) {
+        let moved = self.replace_lost();
+        if !moved.is_empty() {
+            if let Err(e) = self.recover(moved).await {
+                tracing::error!("serving: {e}");
+            }
+        }
+    }
+
+    /// Tells the other nodes the service stops.
+    async fn stop_cluster(&mut self) {
+        if let Some(c) = self.cluster.take() {
+            for &w in c.workers.iter().filter(|w| !c.lost.contains(w)) {
+                let _ = c.link.tell(w, &ServeMsg::Finish);
+            }
+            if let Err(e) = c.transport.flush_live(Duration::from_secs(2)).await {
+                tracing::warn!("serving: {e}");
+            }
+        }
+    }
+
     async fn run(&mut self, rx: Receiver<Command>) {
         loop {
             let now = Instant::now();
@@ -803,6 +1068,11 @@ impl Engine {
                 Some(b) => wait.min(b.retry_at.saturating_duration_since(now)),
                 None => wait,
             };
+            // On a cluster, a lost node is noticed (and its partitions recovered) while idle.
+            let wait = match &self.cluster {
+                Some(_) => wait.min(Duration::from_millis(100)),
+                None => wait,
+            };
             match rx.recv_timeout(wait) {
                 Ok(c) => self.handle(c).await,
                 Err(RecvTimeoutError::Timeout) => {}
@@ -812,6 +1082,7 @@ impl Engine {
             while let Ok(c) = rx.try_recv() {
                 self.handle(c).await;
             }
+            self.recover_lost().await;
             self.apply_adds().await;
             self.swap_step().await;
             let actions = self.scheduler.poll(Instant::now());
@@ -972,31 +1243,36 @@ impl Engine {
         for ((p, layer), mut nodes) in wanted {
             nodes.sort_unstable();
             nodes.dedup();
-            let addr = match self.addrs() {
-                Ok(a) => a[p as usize].clone(),
+            let handle = match self.handles() {
+                Ok(h) => h[p as usize].clone(),
                 Err(e) => {
                     failure = Some(e);
                     break;
                 }
             };
-            match addr
-                .send(Lookup {
-                    ids: nodes.clone(),
-                    layer,
-                    trace: crate::telemetry::current(),
-                })
+            match handle
+                .lookup(nodes.clone(), layer, crate::telemetry::current())
                 .await
             {
-                Ok(Ok(found)) => {
+                Ok(found) if found.len() == nodes.len() => {
                     rows.insert((p, layer), nodes.into_iter().zip(found).collect());
                 }
-                Ok(Err(e)) => {
+                Ok(found) => {
+                    failure = Some(ServeError::Internal(format!(
+                        "serving partition {p} answered {} rows for {} nodes",
+                        found.len(),
+                        nodes.len()
+                    )))
+                }
+                Err(e) => {
+                    if let ActorError::Node { node, detail } = &e {
+                        self.declare_lost(*node, detail);
+                    }
                     failure = Some(ServeError::Recovering {
                         retry_after: Duration::from_secs(1),
                         detail: e.to_string(),
                     })
                 }
-                Err(e) => failure = Some(mailbox(p as usize, e)),
             }
         }
         let owner_of = |v: u32, served: &Served| served.owner[v as usize];
@@ -1134,14 +1410,32 @@ impl Engine {
     }
 
     /// Sends graph changes to every partition.
-    async fn broadcast(&self, ops: Vec<DeltaOp>) -> Result<(), ServeError> {
+    async fn broadcast(&mut self, ops: Vec<DeltaOp>) -> Result<(), ServeError> {
         let ops = Arc::new(ops);
-        let addrs = self.addrs()?.to_vec();
-        let replies: Vec<_> = addrs.iter().map(|a| a.send(Delta(ops.clone()))).collect();
-        for (p, r) in replies.into_iter().enumerate() {
-            r.await.map_err(|e| mailbox(p, e))?.map_err(actor_err)?;
+        self.generation += 1;
+        let generation = self.generation;
+        let handles = self.handles()?;
+        let replies: FuturesUnordered<_> = handles
+            .iter()
+            .map(|h| h.delta(ops.clone(), generation))
+            .collect();
+        for r in replies.collect::<Vec<_>>().await {
+            match r {
+                // A partition whose node is lost is re-placed from the store, which has
+                // these changes already.
+                Err(ActorError::Node { node, detail }) => self.declare_lost(node, &detail),
+                r => r.map_err(actor_err)?,
+            }
         }
         Ok(())
+    }
+
+    /// A node that does not answer is lost: fenced, and its partitions re-placed before
+    /// the next pass (never computed with a graph that missed a change).
+    fn declare_lost(&self, node: u32, detail: &str) {
+        if let Some(c) = &self.cluster {
+            c.link.node_lost(node, detail);
+        }
     }
 
     /// Adds the nodes of `adds` (checked) to the graph and recomputes what they reach;
@@ -1388,13 +1682,9 @@ impl Engine {
                 s.logits.scatter(&r.ids, &r.data);
             }
         }
-        let addrs = self.addrs()?.to_vec();
-        for (p, a) in addrs.iter().enumerate() {
-            let installed = a
-                .send(Install)
-                .await
-                .map_err(|e| mailbox(p, e))?
-                .map_err(actor_err)?;
+        for a in self.handles()? {
+            let p = a.part();
+            let installed = a.install().await.map_err(actor_err)?;
             if !installed {
                 return Err(PassError::Other(ServeError::Internal(format!(
                     "serving partition {p} had no new tables to install"
@@ -1405,9 +1695,9 @@ impl Engine {
     }
 
     fn drop_staged(&self) {
-        if let Ok(addrs) = self.addrs() {
-            for a in addrs {
-                a.do_send(DropStaged);
+        if let Ok(handles) = self.handles() {
+            for h in handles {
+                h.drop_staged();
             }
         }
     }

@@ -19,6 +19,7 @@
 //! The HTTP front end (`trellis serve`) lives in the facade; it only parses, validates sizes
 //! and forwards [`engine::Command`]s.
 pub mod engine;
+pub mod handle;
 pub mod part;
 pub mod plan;
 pub mod priority;

@@ -32,6 +32,44 @@ pub struct Served {
     pub owner: Vec<u32>,
 }
 
+impl Served {
+    /// Applies graph changes as the engine applied them to its copy (a node hosting
+    /// serving partitions keeps its own copy, for restores, up to date with this).
+    pub fn apply(&mut self, ops: &[DeltaOp]) -> Result<(), ActorError> {
+        for op in ops {
+            match op {
+                DeltaOp::AddNode {
+                    id,
+                    owner,
+                    features,
+                } => {
+                    let next = self.graph.num_nodes() as u32;
+                    if *id != next || features.len() != self.features.width {
+                        return Err(ActorError::Protocol {
+                            part: *owner,
+                            detail: format!(
+                                "new node {id} with {} features; the graph's next node is {next}, of {} features",
+                                features.len(),
+                                self.features.width
+                            ),
+                        });
+                    }
+                    self.graph.add_node();
+                    self.owner.push(*owner);
+                    self.features.data.extend_from_slice(features);
+                }
+                DeltaOp::AddEdge { a, b } => {
+                    self.graph.add_edge(*a, *b)?;
+                }
+                DeltaOp::RemoveEdge { a, b } => {
+                    self.graph.remove_edge(*a, *b)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 /// What a restarted partition is restored from: the served graph and the live model.
 #[derive(Debug)]
 pub struct ServeStore {
@@ -275,6 +313,8 @@ impl Handler<DropStaged> for ServeActor {
 pub struct ServeNode {
     arbiters: Vec<Arbiter>,
     addrs: Vec<Addr<ServeActor>>,
+    /// The partition of each actor.
+    parts: Vec<u32>,
     transport: Arc<dyn Transport>,
 }
 
@@ -291,12 +331,53 @@ impl ServeNode {
         threads: usize,
         priority: Option<PriorityGate>,
     ) -> Result<Self, ActorError> {
+        let ids: Vec<u32> = (0..parts as u32).collect();
+        Self::start_parts(&ids, run, transport, store, faults, threads, priority)
+    }
+
+    /// Starts one supervised actor for each partition of `parts` (the others run
+    /// elsewhere, reached through the transport), as [`ServeNode::start`] does.
+    pub fn start_parts(
+        parts: &[u32],
+        run: RunId,
+        transport: Arc<dyn Transport>,
+        store: Arc<ServeStore>,
+        faults: Arc<FaultPlan>,
+        threads: usize,
+        priority: Option<PriorityGate>,
+    ) -> Result<Self, ActorError> {
         let mut node = ServeNode {
             arbiters: Vec::new(),
             addrs: Vec::new(),
-            transport: transport.clone(),
+            parts: Vec::new(),
+            transport,
         };
-        for p in 0..parts as u32 {
+        for &p in parts {
+            node.add_part(
+                p,
+                run,
+                store.clone(),
+                faults.clone(),
+                threads,
+                priority.clone(),
+            )?;
+        }
+        Ok(node)
+    }
+
+    /// Starts partition `p` here (at start-up, or re-placed from a lost node): restored
+    /// from the store, with no tables until a pass computes them; returns its actor.
+    pub fn add_part(
+        &mut self,
+        p: u32,
+        run: RunId,
+        store: Arc<ServeStore>,
+        faults: Arc<FaultPlan>,
+        threads: usize,
+        priority: Option<PriorityGate>,
+    ) -> Result<Addr<ServeActor>, ActorError> {
+        let transport = self.transport.clone();
+        {
             let machine = ServePartMachine::new(store.part_data(p)?, run, faults.clone(), threads)?
                 .with_priority(priority.clone());
             let arb = Arbiter::new();
@@ -318,23 +399,29 @@ impl ServeNode {
                     ok
                 }),
             );
-            node.arbiters.push(arb);
-            node.addrs.push(addr);
+            self.arbiters.push(arb);
+            self.addrs.push(addr.clone());
+            self.parts.push(p);
+            Ok(addr)
         }
-        Ok(node)
     }
 
-    /// The actors, by partition.
+    /// The actors, in the order their partitions were started.
     pub fn addrs(&self) -> &[Addr<ServeActor>] {
         &self.addrs
+    }
+
+    /// The partitions of [`ServeNode::addrs`].
+    pub fn parts(&self) -> &[u32] {
+        &self.parts
     }
 
     /// Stops every actor without waiting for them: an actor stuck in a computation (the
     /// reason a node is abandoned) finishes it on its own thread, whose results go nowhere
     /// (its halo routes are removed first, and the engine no longer holds its address).
     pub fn abandon(self) {
-        for p in 0..self.addrs.len() {
-            self.transport.unregister(PartId(p as u32));
+        for &p in &self.parts {
+            self.transport.unregister(PartId(p));
         }
         drop(self.addrs);
         for arb in self.arbiters {
@@ -344,13 +431,75 @@ impl ServeNode {
 
     /// Stops every actor and joins every arbiter thread.
     pub fn shutdown(self) {
-        for p in 0..self.addrs.len() {
-            self.transport.unregister(PartId(p as u32));
+        for &p in &self.parts {
+            self.transport.unregister(PartId(p));
         }
         drop(self.addrs);
         for arb in self.arbiters {
             arb.stop();
             let _ = arb.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn served() -> Served {
+        let mut graph = NodeGraph::default();
+        for _ in 0..3 {
+            graph.add_node();
+        }
+        graph.add_edge(0, 1).unwrap();
+        Served {
+            graph,
+            features: Rows {
+                width: 2,
+                data: vec![0.0; 6],
+            },
+            owner: vec![0, 0, 1],
+        }
+    }
+
+    #[test]
+    fn a_copy_of_the_served_graph_follows_the_engines_changes() {
+        let mut s = served();
+        let ops = [
+            DeltaOp::AddNode {
+                id: 3,
+                owner: 1,
+                features: vec![1.0, 2.0],
+            },
+            DeltaOp::AddEdge { a: 3, b: 0 },
+            DeltaOp::RemoveEdge { a: 1, b: 0 },
+        ];
+        s.apply(&ops).unwrap();
+        assert_eq!(s.graph.num_nodes(), 4);
+        assert_eq!(s.owner, vec![0, 0, 1, 1]);
+        assert_eq!(s.features.row(3), &[1.0, 2.0]);
+        assert_eq!(s.graph.neighbors(0), &[3]);
+        assert!(s.graph.neighbors(1).is_empty());
+    }
+
+    #[test]
+    fn changes_that_do_not_fit_the_copy_are_errors() {
+        let mut s = served();
+        // Not the next id: this copy missed a change.
+        let skipped = [DeltaOp::AddNode {
+            id: 5,
+            owner: 0,
+            features: vec![0.0, 0.0],
+        }];
+        let e = s.apply(&skipped).unwrap_err().to_string();
+        assert!(e.contains("next node is 3"), "{e}");
+        let wrong_width = [DeltaOp::AddNode {
+            id: 3,
+            owner: 0,
+            features: vec![0.0],
+        }];
+        assert!(s.apply(&wrong_width).is_err());
+        assert!(s.apply(&[DeltaOp::AddEdge { a: 0, b: 9 }]).is_err());
+        assert_eq!(s.graph.num_nodes(), 3);
     }
 }

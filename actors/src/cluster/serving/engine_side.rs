@@ -1,0 +1,198 @@
+//! The engine node's start-up of a serving cluster: waits for every other node of the
+//! cluster file to join as a serving node, sends each its setup (placement, peers, model)
+//! and the served inputs from the engine's [`ServeStore`], and waits until every node
+//! reports its partitions running. A node that joins as a training node, fails its setup,
+//! or does not come within the cluster's join timeout is an error naming it.
+use super::proto::{PeerAddr, ServeMsg, ServeSetup, ServedWire, WireModel, INPUT_CHUNK};
+use crate::cluster::config::ClusterFile;
+use crate::cluster::node::{ControlInbox, InboxEvent, NodeEndpoint};
+use crate::cluster::proto::ControlMsg;
+use crate::serving::shell::ServeStore;
+use crate::ActorError;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+use trellis_transport::RunId;
+
+/// Serve on a cluster: this process is node `id` (the cluster file's coordinator) and runs
+/// the engine; the other nodes host the partitions placed on them.
+#[derive(Debug, Clone)]
+pub struct ClusterServing {
+    pub cluster: ClusterFile,
+    pub id: u32,
+    /// Write the bound address here (for launchers; ephemeral ports).
+    pub addr_file: Option<PathBuf>,
+}
+
+impl ClusterServing {
+    /// `placement[p]`: the node serving partition `p` of `parts`.
+    pub fn placement(&self, parts: usize) -> Result<Vec<u32>, ActorError> {
+        self.cluster.placement(parts)
+    }
+}
+
+/// Brings up the serving nodes of `cluster` for run `run`: joins, setups, inputs, readiness.
+pub async fn connect(
+    ep: &NodeEndpoint,
+    inbox: &mut ControlInbox,
+    cluster: &ClusterFile,
+    store: &ServeStore,
+    placement: &[u32],
+    run: RunId,
+) -> Result<(), ActorError> {
+    let workers = cluster.workers();
+    let until = Instant::now() + Duration::from_millis(cluster.join_timeout_ms);
+    let mut addrs: BTreeMap<u32, String> = BTreeMap::new();
+    addrs.insert(ep.id, ep.addr().to_string());
+    while workers.iter().any(|w| !addrs.contains_key(w)) {
+        let (from, msg) = match next(inbox, until).await? {
+            Some(m) => m,
+            None => {
+                let missing: Vec<u32> = workers
+                    .iter()
+                    .copied()
+                    .filter(|w| !addrs.contains_key(w))
+                    .collect();
+                return Err(ActorError::Cluster(format!(
+                    "nodes {missing:?} did not join within {} ms (start them with trellis serve --cluster FILE --id N)",
+                    cluster.join_timeout_ms
+                )));
+            }
+        };
+        match msg {
+            ServeMsg::Join { addr } if workers.contains(&from) => {
+                let parsed = addr.parse().map_err(|e| ActorError::Node {
+                    node: from,
+                    detail: format!("joined with a bad address {addr}: {e}"),
+                })?;
+                ep.transport.add_peer(from, parsed);
+                addrs.insert(from, addr);
+            }
+            other => tracing::warn!(
+                peer = from,
+                "ignored {other:?} from node {from} while nodes join"
+            ),
+        }
+    }
+    let peers: Vec<PeerAddr> = addrs
+        .iter()
+        .map(|(&node, addr)| PeerAddr {
+            node,
+            addr: addr.clone(),
+        })
+        .collect();
+    let model = {
+        let m = store
+            .model
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        WireModel::of(&m)?
+    };
+    let setup = ServeMsg::Setup(ServeSetup {
+        run: *run.as_bytes(),
+        placement: placement.to_vec(),
+        peers,
+        model,
+        sparse_input: store.sparse_input,
+    });
+    let inputs = {
+        let s = store.served.read().unwrap_or_else(|e| e.into_inner());
+        ServedWire::of(&s).encode()
+    };
+    let total = inputs.len() as u64;
+    for &w in &workers {
+        send(ep, w, &setup)?;
+        for (i, chunk) in inputs.chunks(INPUT_CHUNK).enumerate() {
+            let msg = ServeMsg::Inputs {
+                offset: (i * INPUT_CHUNK) as u64,
+                total,
+                data: chunk.to_vec(),
+            };
+            send(ep, w, &msg)?;
+        }
+    }
+    let mut ready: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
+    while workers.iter().any(|w| !ready.contains_key(w)) {
+        let Some((from, msg)) =
+            next(inbox, until.max(Instant::now() + Duration::from_secs(120))).await?
+        else {
+            let missing: Vec<u32> = workers
+                .iter()
+                .copied()
+                .filter(|w| !ready.contains_key(w))
+                .collect();
+            return Err(ActorError::Cluster(format!(
+                "nodes {missing:?} did not start their serving partitions in time"
+            )));
+        };
+        match msg {
+            ServeMsg::Ready { parts } => {
+                let want: Vec<u32> = (0..placement.len() as u32)
+                    .filter(|&p| placement[p as usize] == from)
+                    .collect();
+                if parts != want {
+                    return Err(ActorError::Node {
+                        node: from,
+                        detail: format!("serves partitions {parts:?}, it was given {want:?}"),
+                    });
+                }
+                ready.insert(from, parts);
+            }
+            ServeMsg::SetupFailed { error } => {
+                return Err(ActorError::Node {
+                    node: from,
+                    detail: format!("its serving setup failed: {error}"),
+                })
+            }
+            ServeMsg::Join { .. } => {}
+            other => tracing::warn!(
+                peer = from,
+                "ignored {other:?} from node {from} during the setup"
+            ),
+        }
+    }
+    for (node, parts) in &ready {
+        crate::cluster::say(&format!("serving: node {node} serves partitions {parts:?}"));
+    }
+    Ok(())
+}
+
+fn send(ep: &NodeEndpoint, to: u32, msg: &ServeMsg) -> Result<(), ActorError> {
+    ep.send(to, &msg.control())
+}
+
+/// The next serving message before `until` (`None` then). A node that joins for training
+/// is refused and the start fails naming it; a node lost meanwhile fails it too.
+async fn next(
+    inbox: &mut ControlInbox,
+    until: Instant,
+) -> Result<Option<(u32, ServeMsg)>, ActorError> {
+    loop {
+        match inbox.next_event(None, Some(until)).await? {
+            InboxEvent::Message {
+                from,
+                msg: ControlMsg::Serve(env),
+            } => match ServeMsg::open(&env, from) {
+                Ok(m) => return Ok(Some((from, m))),
+                Err(e) => return Err(ActorError::Cluster(e.to_string())),
+            },
+            InboxEvent::Message {
+                from,
+                msg: ControlMsg::Join { .. },
+            } => {
+                return Err(ActorError::Node {
+                    node: from,
+                    detail: "joined as a training node (trellis node); this cluster serves: start it with trellis serve --cluster FILE --id N".into(),
+                })
+            }
+            InboxEvent::Message { from, msg } => {
+                tracing::warn!(peer = from, "ignored {msg:?} from node {from}")
+            }
+            InboxEvent::PeerDown { node, detail } => {
+                return Err(ActorError::Node { node, detail })
+            }
+            InboxEvent::Timeout => return Ok(None),
+        }
+    }
+}

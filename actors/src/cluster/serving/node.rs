@@ -1,0 +1,536 @@
+//! A node hosting serving partitions for the engine node (`trellis serve --cluster FILE
+//! --id N`): joins the engine node, receives its setup and the served inputs (the engine's
+//! [`ServeStore`] copied here, so a partition that panics is restored on this node), starts
+//! a [`ServeActor`] per hosted partition on the QUIC
+//! transport (halo blocks go straight to the partitions of other nodes), and answers the
+//! engine's steps, deltas, lookups and model swaps until `Finish` or the engine's loss.
+use super::proto::{
+    HttpAnswerWire, HttpRequestWire, ServeMsg, ServeReply, ServeRequest, ServeSetup, ServeWireError,
+};
+use crate::cluster::config::ClusterFile;
+use crate::cluster::node::{reroute, ControlInbox, InboxEvent, NodeEndpoint};
+use crate::cluster::proto::ControlMsg;
+use crate::faults::FaultPlan;
+use crate::serving::part::{DeltaOp, ModelValues};
+use crate::serving::shell::{
+    Abort, Delta, DropStaged, Install, Lookup, ServeActor, ServeNode, ServeStore, Stage, Step,
+};
+use crate::ActorError;
+use actix::Addr;
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+use tokio::sync::oneshot;
+use trellis_transport::quic::QuicTransport;
+use trellis_transport::TraceContext;
+
+/// This node's way to the engine node's HTTP front end: requests its own HTTP front end
+/// received go over QUIC, and their answers come back.
+pub struct HttpUplink {
+    transport: Arc<QuicTransport>,
+    engine: u32,
+    waiting: Mutex<HashMap<u64, oneshot::Sender<HttpAnswerWire>>>,
+    next_id: AtomicU64,
+    /// Why the engine node is unreachable, once it is.
+    lost: Mutex<Option<String>>,
+}
+
+impl HttpUplink {
+    /// Forwards `req` and waits at most `within` for the answer; an error says why there
+    /// is none (the engine node is lost, or slow).
+    pub async fn forward(
+        &self,
+        req: HttpRequestWire,
+        within: Duration,
+    ) -> Result<HttpAnswerWire, String> {
+        let engine = self.engine;
+        if let Some(why) = self.lost.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+            return Err(format!("the engine node {engine} is unreachable: {why}"));
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        self.waiting
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, tx);
+        let forget = || {
+            self.waiting
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .remove(&id);
+        };
+        if let Err(e) = tell(&self.transport, engine, &ServeMsg::HttpRequest { id, req }) {
+            forget();
+            return Err(e.to_string());
+        }
+        match tokio::time::timeout(within, rx).await {
+            Ok(Ok(a)) => Ok(a),
+            Ok(Err(_)) => Err(format!("the engine node {engine} is unreachable")),
+            Err(_) => {
+                forget();
+                Err(format!(
+                    "no answer from the engine node {engine} within {} ms",
+                    within.as_millis()
+                ))
+            }
+        }
+    }
+
+    /// Announces this node's HTTP address to the engine node (for its logs).
+    pub fn announce(&self, addr: std::net::SocketAddr) {
+        let msg = ServeMsg::Http {
+            addr: addr.to_string(),
+        };
+        if let Err(e) = tell(&self.transport, self.engine, &msg) {
+            tracing::warn!("{e}");
+        }
+    }
+
+    fn deliver(&self, id: u64, answer: HttpAnswerWire) {
+        let w = self
+            .waiting
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&id);
+        if let Some(tx) = w {
+            let _ = tx.send(answer);
+        }
+    }
+
+    fn engine_lost(&self, why: &str) {
+        *self.lost.lock().unwrap_or_else(|e| e.into_inner()) = Some(why.to_string());
+        self.waiting
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clear();
+    }
+}
+
+/// Runs serving node `id` of `cluster` until the engine node stops the service (`Ok`) or
+/// is lost (an error naming it). `on_ready` runs once its partitions are serving, with
+/// this node's way to the engine node's HTTP front end.
+pub fn run_serve_node(
+    cluster: &ClusterFile,
+    id: u32,
+    addr_file: Option<&Path>,
+    threads: usize,
+    on_ready: impl FnOnce(&[u32], Arc<HttpUplink>),
+) -> Result<(), ActorError> {
+    let coord = cluster.coordinator;
+    if id == coord {
+        return Err(ActorError::Cluster(format!(
+            "node {id} is the engine node; start it with --model and --data"
+        )));
+    }
+    let (endpoint, inbox) = NodeEndpoint::bind(cluster, id, addr_file)?;
+    endpoint
+        .transport
+        .add_peer(coord, cluster.node(coord)?.addr);
+    let sys = actix::System::new();
+    let result = sys.block_on(serve(cluster, &endpoint, inbox, threads, on_ready));
+    drop(sys);
+    drop(endpoint);
+    result
+}
+
+fn wire(e: ServeWireError) -> ActorError {
+    ActorError::Cluster(e.to_string())
+}
+
+fn tell(t: &QuicTransport, to: u32, msg: &ServeMsg) -> Result<(), ActorError> {
+    t.send_control(to, msg.control().encode())
+        .map_err(|e| ActorError::Node {
+            node: to,
+            detail: e.to_string(),
+        })
+}
+
+/// The next serving message from the engine node `coord` within `until`; `None` on a
+/// timeout. Anything else from it ends the node with a clear error.
+async fn next_from(
+    inbox: &mut ControlInbox,
+    coord: u32,
+    until: Instant,
+    what: &str,
+) -> Result<Option<ServeMsg>, ActorError> {
+    loop {
+        match inbox.next_event(Some(coord), Some(until)).await? {
+            InboxEvent::Message {
+                from,
+                msg: ControlMsg::Serve(env),
+            } if from == coord => return ServeMsg::open(&env, from).map(Some).map_err(wire),
+            InboxEvent::Message {
+                from,
+                msg: ControlMsg::Setup(_),
+            } if from == coord => {
+                return Err(ActorError::Cluster(format!(
+                    "node {coord} started a training run, but this node was started to serve \
+                     (trellis serve --cluster); start it with trellis node to train"
+                )))
+            }
+            InboxEvent::Message {
+                from,
+                msg: ControlMsg::Abort { reason },
+            } if from == coord => {
+                return Err(ActorError::Node {
+                    node: coord,
+                    detail: format!("the engine node refused this node: {reason}"),
+                })
+            }
+            InboxEvent::Message { from, msg } => {
+                tracing::warn!(peer = from, "ignored {msg:?} from node {from} while {what}")
+            }
+            InboxEvent::PeerDown { node, detail } => {
+                return Err(ActorError::Node {
+                    node,
+                    detail: format!("lost while {what}: {detail}"),
+                })
+            }
+            InboxEvent::Timeout => return Ok(None),
+        }
+    }
+}
+
+/// What this node hosts.
+struct Hosted {
+    node: ServeNode,
+    addrs: HashMap<u32, Addr<ServeActor>>,
+    store: Arc<ServeStore>,
+    /// The last delta broadcast applied to the store.
+    generation: u64,
+    /// The model being staged (installed into the store with the tables).
+    staged: Option<Arc<ModelValues>>,
+}
+
+async fn serve(
+    cluster: &ClusterFile,
+    ep: &NodeEndpoint,
+    mut inbox: ControlInbox,
+    threads: usize,
+    on_ready: impl FnOnce(&[u32], Arc<HttpUplink>),
+) -> Result<(), ActorError> {
+    let coord = cluster.coordinator;
+    let t = ep.transport.clone();
+    let join_until = Instant::now() + Duration::from_millis(cluster.join_timeout_ms);
+    let join = ServeMsg::Join {
+        addr: ep.addr().to_string(),
+    };
+    tell(&t, coord, &join)?;
+    let setup = loop {
+        let retry = (Instant::now() + Duration::from_secs(1)).min(join_until);
+        match next_from(&mut inbox, coord, retry, "joining").await {
+            Ok(Some(ServeMsg::Setup(s))) => break s,
+            Ok(Some(other)) => tracing::warn!("ignored {other:?} before the setup"),
+            Ok(None) | Err(ActorError::Node { .. }) if Instant::now() < join_until => {
+                // Not up yet (or it restarted): try again with a fresh connection.
+                if !t.node().connected_peers().contains(&coord) {
+                    t.node().reset_peer(coord);
+                    tell(&t, coord, &join)?;
+                }
+            }
+            Ok(None) => {
+                return Err(ActorError::Node {
+                    node: coord,
+                    detail: format!(
+                        "no serving setup from the engine node within {} ms",
+                        cluster.join_timeout_ms
+                    ),
+                })
+            }
+            Err(e) => return Err(e),
+        }
+    };
+    let mut hosted = match host(ep, &mut inbox, coord, &setup, threads).await {
+        Ok(h) => h,
+        Err(e) => {
+            let _ = tell(
+                &t,
+                coord,
+                &ServeMsg::SetupFailed {
+                    error: e.to_string(),
+                },
+            );
+            ep.flush(Duration::from_secs(2)).await;
+            return Err(e);
+        }
+    };
+    let mut parts: Vec<u32> = hosted.addrs.keys().copied().collect();
+    parts.sort_unstable();
+    tell(
+        &t,
+        coord,
+        &ServeMsg::Ready {
+            parts: parts.clone(),
+        },
+    )?;
+    let uplink = Arc::new(HttpUplink {
+        transport: t.clone(),
+        engine: coord,
+        waiting: Mutex::new(HashMap::new()),
+        next_id: AtomicU64::new(1),
+        lost: Mutex::new(None),
+    });
+    on_ready(&parts, uplink.clone());
+    let result = answer_requests(ep, &mut inbox, coord, &mut hosted, &uplink).await;
+    if let Err(e) = &result {
+        uplink.engine_lost(&e.to_string());
+    }
+    hosted.node.shutdown();
+    result
+}
+
+/// Receives the served inputs and starts the hosted partitions' actors.
+async fn host(
+    ep: &NodeEndpoint,
+    inbox: &mut ControlInbox,
+    coord: u32,
+    setup: &ServeSetup,
+    threads: usize,
+) -> Result<Hosted, ActorError> {
+    let parts = setup.placement.len();
+    for peer in &setup.peers {
+        let addr = peer.addr.parse().map_err(|e| {
+            ActorError::Cluster(format!(
+                "serving setup: node {} address {}: {e}",
+                peer.node, peer.addr
+            ))
+        })?;
+        if peer.node != ep.id {
+            ep.transport.add_peer(peer.node, addr);
+        }
+    }
+    // The served inputs, in chunks.
+    let mut bytes: Vec<u8> = Vec::new();
+    let mut total = None;
+    let until = Instant::now() + Duration::from_secs(120);
+    while total != Some(bytes.len() as u64) {
+        match next_from(inbox, coord, until, "receiving the served inputs").await? {
+            Some(ServeMsg::Inputs {
+                offset,
+                total: t,
+                data,
+            }) => {
+                if offset != bytes.len() as u64 || total.is_some_and(|x| x != t) {
+                    return Err(ActorError::Cluster(format!(
+                        "node {coord} sent served inputs out of order (bytes at {offset} after {})",
+                        bytes.len()
+                    )));
+                }
+                if offset + data.len() as u64 > t {
+                    return Err(ActorError::Cluster(format!(
+                        "node {coord} sent more served input bytes than the {t} it announced"
+                    )));
+                }
+                total = Some(t);
+                bytes.extend_from_slice(&data);
+            }
+            Some(other) => tracing::warn!("ignored {other:?} while receiving the inputs"),
+            None => {
+                return Err(ActorError::Node {
+                    node: coord,
+                    detail: "the served inputs did not arrive within 120 s".into(),
+                })
+            }
+        }
+    }
+    let served = super::proto::ServedWire::decode(&bytes, coord, parts).map_err(wire)?;
+    drop(bytes);
+    let model = Arc::new(setup.model.values(coord).map_err(wire)?);
+    let store = Arc::new(ServeStore {
+        served: RwLock::new(served),
+        model: RwLock::new(model),
+        sparse_input: setup.sparse_input,
+    });
+    let mine: Vec<u32> = (0..parts as u32)
+        .filter(|&p| setup.placement[p as usize] == ep.id)
+        .collect();
+    let run = uuid::Uuid::from_bytes(setup.run);
+    reroute(&ep.transport, &setup.placement, ep.id);
+    ep.transport.set_epoch(run, 0);
+    let node = ServeNode::start_parts(
+        &mine,
+        run,
+        ep.transport.clone(),
+        store.clone(),
+        Arc::new(FaultPlan::default()),
+        threads,
+        None,
+    )?;
+    let addrs = mine
+        .iter()
+        .copied()
+        .zip(node.addrs().iter().cloned())
+        .collect();
+    Ok(Hosted {
+        node,
+        addrs,
+        store,
+        generation: 0,
+        staged: None,
+    })
+}
+
+/// Answers the engine node until it says `Finish` (or is lost).
+async fn answer_requests(
+    ep: &NodeEndpoint,
+    inbox: &mut ControlInbox,
+    coord: u32,
+    h: &mut Hosted,
+    uplink: &HttpUplink,
+) -> Result<(), ActorError> {
+    let t = ep.transport.clone();
+    loop {
+        let msg = match inbox.next_event(Some(coord), None).await? {
+            InboxEvent::Message {
+                from,
+                msg: ControlMsg::Serve(env),
+            } if from == coord => match ServeMsg::open(&env, from) {
+                Ok(m) => m,
+                Err(e) => {
+                    tracing::warn!(peer = from, "{e}; dropped");
+                    continue;
+                }
+            },
+            InboxEvent::Message { from, msg } => {
+                tracing::warn!(peer = from, "ignored {msg:?} from node {from}");
+                continue;
+            }
+            InboxEvent::PeerDown { node, detail } => {
+                return Err(ActorError::Node {
+                    node,
+                    detail: format!("the engine node was lost: {detail}"),
+                })
+            }
+            InboxEvent::Timeout => continue,
+        };
+        match msg {
+            ServeMsg::Request { id, part, req } => {
+                let body = match h.addrs.get(&part).cloned() {
+                    Some(addr) => match on_request(h, coord, addr, req) {
+                        Ok(task) => {
+                            let t = t.clone();
+                            actix::spawn(async move {
+                                let body = task.await;
+                                let _ = tell(&t, coord, &ServeMsg::Reply { id, body });
+                            });
+                            continue;
+                        }
+                        Err(e) => ServeReply::of_error(e),
+                    },
+                    None => ServeReply::Failed {
+                        message: format!("partition {part} is not served on node {}", ep.id),
+                    },
+                };
+                tell(&t, coord, &ServeMsg::Reply { id, body })?;
+            }
+            ServeMsg::Abort { part, seq } => {
+                if let Some(a) = h.addrs.get(&part) {
+                    a.do_send(Abort(seq));
+                }
+            }
+            ServeMsg::DropStaged { part } => {
+                if let Some(a) = h.addrs.get(&part) {
+                    a.do_send(DropStaged);
+                }
+            }
+            ServeMsg::Reroute { placement, fenced } => {
+                for n in fenced {
+                    t.fence(n);
+                }
+                reroute(&t, &placement, ep.id);
+            }
+            ServeMsg::HttpReply { id, answer } => uplink.deliver(id, answer),
+            ServeMsg::Finish => {
+                ep.flush(Duration::from_secs(2)).await;
+                return Ok(());
+            }
+            other => tracing::warn!("ignored {other:?} from the engine node"),
+        }
+    }
+}
+
+type Task = std::pin::Pin<Box<dyn std::future::Future<Output = ServeReply>>>;
+
+/// Carries out one request: node-level effects (the store's copy of the graph, the staged
+/// model) now, in arrival order; the partition's answer as a task, so the partitions of this
+/// node run their steps side by side.
+fn on_request(
+    h: &mut Hosted,
+    coord: u32,
+    addr: Addr<ServeActor>,
+    req: ServeRequest,
+) -> Result<Task, ActorError> {
+    let mailbox = |e: actix::MailboxError| ServeReply::Failed {
+        message: format!("partition mailbox: {e}"),
+    };
+    Ok(match req {
+        ServeRequest::Step(w) => Box::pin(async move {
+            match addr.send(Step(w.into())).await {
+                Ok(r) => ServeReply::of_step(r),
+                Err(e) => mailbox(e),
+            }
+        }),
+        ServeRequest::Delta { generation, ops } => {
+            let ops: Vec<DeltaOp> = ops.into_iter().map(DeltaOp::from).collect();
+            if generation > h.generation {
+                h.store
+                    .served
+                    .write()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .apply(&ops)?;
+                h.generation = generation;
+            }
+            Box::pin(async move {
+                match addr.send(Delta(Arc::new(ops))).await {
+                    Ok(Ok(())) => ServeReply::Applied,
+                    Ok(Err(e)) => ServeReply::of_error(e),
+                    Err(e) => mailbox(e),
+                }
+            })
+        }
+        ServeRequest::Lookup { ids, layer, trace } => Box::pin(async move {
+            let layer = layer.map(|l| l as usize);
+            let trace = TraceContext::from_traceparent(&trace);
+            match addr.send(Lookup { ids, layer, trace }).await {
+                Ok(Ok(found)) => ServeReply::Found(
+                    found
+                        .into_iter()
+                        .map(|r| super::proto::WireLookedUp {
+                            logits: r.logits,
+                            embedding: r.embedding,
+                        })
+                        .collect(),
+                ),
+                Ok(Err(e)) => ServeReply::of_error(e),
+                Err(e) => mailbox(e),
+            }
+        }),
+        ServeRequest::Stage(w) => {
+            let model = Arc::new(w.values(coord).map_err(wire)?);
+            h.staged = Some(model.clone());
+            Box::pin(async move {
+                match addr.send(Stage(model)).await {
+                    Ok(Ok(())) => ServeReply::Staged,
+                    Ok(Err(e)) => ServeReply::of_error(e),
+                    Err(e) => mailbox(e),
+                }
+            })
+        }
+        ServeRequest::Install => {
+            // The store follows the partitions' tables: a partition restored from now on
+            // computes with the new model.
+            if let Some(m) = &h.staged {
+                *h.store.model.write().unwrap_or_else(|e| e.into_inner()) = m.clone();
+            }
+            Box::pin(async move {
+                match addr.send(Install).await {
+                    Ok(Ok(b)) => ServeReply::Installed(b),
+                    Ok(Err(e)) => ServeReply::of_error(e),
+                    Err(e) => mailbox(e),
+                }
+            })
+        }
+    })
+}

@@ -1,0 +1,367 @@
+//! The engine node's side of the serving links: [`ServeLink`] sends requests to the nodes
+//! hosting serving partitions and matches their replies to the waiting requests (a pump on
+//! the QUIC runtime reads the control inbox, so replies and node losses are seen while the
+//! engine thread waits); [`RemoteServePart`] is one remote partition as the engine's
+//! [`crate::serving::handle::PartHandle`] reaches it. Every request is bounded in time, and a
+//! lost node fails every request waiting on it at once, naming it.
+use super::proto::{
+    HttpAnswerWire, HttpRequestWire, ServeMsg, ServeReply, ServeRequest, WireDelta, WireModel,
+    WireStep,
+};
+use crate::cluster::node::{ControlInbox, InboxEvent};
+use crate::cluster::proto::ControlMsg;
+use crate::serving::part::{DeltaOp, LookedUp, ModelValues, PassStep, StepDone};
+use crate::ActorError;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::oneshot;
+use trellis_transport::quic::QuicTransport;
+use trellis_transport::TraceContext;
+
+type Waiter = oneshot::Sender<Result<ServeReply, ActorError>>;
+
+/// How the engine node's HTTP front end answers a request forwarded by another node.
+pub type HttpForward = Arc<
+    dyn Fn(
+            HttpRequestWire,
+        ) -> std::pin::Pin<Box<dyn std::future::Future<Output = HttpAnswerWire> + Send>>
+        + Send
+        + Sync,
+>;
+
+/// Where the engine node's HTTP front end plugs in its [`HttpForward`] once it listens.
+#[derive(Default)]
+pub struct ForwardSlot(Mutex<Option<HttpForward>>);
+
+impl ForwardSlot {
+    pub fn set(&self, f: HttpForward) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(f);
+    }
+
+    fn get(&self) -> Option<HttpForward> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+/// A request waiting for its reply.
+struct Waiting {
+    node: u32,
+    tx: Waiter,
+}
+
+/// The engine node's requests to the serving nodes, and their replies.
+pub struct ServeLink {
+    transport: Arc<QuicTransport>,
+    waiting: Mutex<HashMap<u64, Waiting>>,
+    next_id: AtomicU64,
+    /// Nodes lost so far, with why; not yet handled by the engine while in `unhandled`.
+    lost: Mutex<BTreeMap<u32, String>>,
+    unhandled: Mutex<Vec<u32>>,
+    /// Longest a request other than a step waits for its reply.
+    timeout: Duration,
+    /// Answers HTTP requests forwarded by other nodes.
+    http: Arc<ForwardSlot>,
+}
+
+impl ServeLink {
+    pub fn new(
+        transport: Arc<QuicTransport>,
+        timeout: Duration,
+        http: Arc<ForwardSlot>,
+    ) -> Arc<Self> {
+        Arc::new(ServeLink {
+            transport,
+            waiting: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(1),
+            lost: Mutex::new(BTreeMap::new()),
+            unhandled: Mutex::new(Vec::new()),
+            timeout,
+            http,
+        })
+    }
+
+    /// Sends `msg` to `node` without waiting for an answer.
+    pub fn tell(&self, node: u32, msg: &ServeMsg) -> Result<(), ActorError> {
+        self.transport
+            .send_control(node, msg.control().encode())
+            .map_err(|e| ActorError::Node {
+                node,
+                detail: e.to_string(),
+            })
+    }
+
+    /// Why `node` was lost, if it was.
+    pub fn lost(&self, node: u32) -> Option<String> {
+        self.lost
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&node)
+            .cloned()
+    }
+
+    /// Nodes lost since the last call (each reported once).
+    pub fn take_lost(&self) -> Vec<u32> {
+        std::mem::take(&mut *self.unhandled.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Sends `req` for partition `part` on `node` and waits at most `within` for the reply.
+    pub async fn request(
+        &self,
+        node: u32,
+        part: u32,
+        req: ServeRequest,
+        within: Duration,
+    ) -> Result<ServeReply, ActorError> {
+        if let Some(detail) = self.lost(node) {
+            return Err(ActorError::Node { node, detail });
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = oneshot::channel();
+        self.waiting
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(id, Waiting { node, tx });
+        let sent = self.tell(node, &ServeMsg::Request { id, part, req });
+        if let Err(e) = sent {
+            self.forget(id);
+            return Err(e);
+        }
+        match tokio::time::timeout(within, rx).await {
+            Ok(Ok(r)) => r,
+            Ok(Err(_)) => Err(ActorError::Node {
+                node,
+                detail: "the serving link closed".into(),
+            }),
+            Err(_) => {
+                self.forget(id);
+                Err(ActorError::Timeout {
+                    part,
+                    ms: within.as_millis() as u64,
+                    what: format!("a serving request to node {node}"),
+                })
+            }
+        }
+    }
+
+    fn forget(&self, id: u64) {
+        self.waiting
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&id);
+    }
+
+    /// Reply `id` arrived from `from`.
+    fn deliver(&self, from: u32, id: u64, body: ServeReply) {
+        let w = self
+            .waiting
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&id);
+        match w {
+            Some(w) if w.node == from => {
+                let _ = w.tx.send(Ok(body));
+            }
+            Some(w) => {
+                let _ = w.tx.send(Err(ActorError::Node {
+                    node: from,
+                    detail: format!("answered request {id}, which was sent to node {}", w.node),
+                }));
+            }
+            None => tracing::debug!(peer = from, "late serving reply {id} from node {from}"),
+        }
+    }
+
+    /// `node` is lost: it is fenced, and every request waiting on it fails naming it.
+    pub fn node_lost(&self, node: u32, detail: &str) {
+        {
+            let mut lost = self.lost.lock().unwrap_or_else(|e| e.into_inner());
+            if lost.contains_key(&node) {
+                return;
+            }
+            lost.insert(node, detail.to_string());
+        }
+        self.transport.fence(node);
+        self.unhandled
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(node);
+        let failed: Vec<Waiting> = {
+            let mut w = self.waiting.lock().unwrap_or_else(|e| e.into_inner());
+            let ids: Vec<u64> = w
+                .iter()
+                .filter(|(_, v)| v.node == node)
+                .map(|(&id, _)| id)
+                .collect();
+            ids.into_iter().filter_map(|id| w.remove(&id)).collect()
+        };
+        for w in failed {
+            let _ = w.tx.send(Err(ActorError::Node {
+                node,
+                detail: detail.to_string(),
+            }));
+        }
+    }
+
+    /// Answers HTTP request `id` forwarded by `from` through the engine node's front end
+    /// (a 503 while the front end is not listening yet).
+    fn answer_http(self: &Arc<Self>, from: u32, id: u64, req: HttpRequestWire) {
+        let me = self.clone();
+        let forward = self.http.get();
+        tokio::spawn(async move {
+            let answer = match forward {
+                Some(f) => f(req).await,
+                None => HttpAnswerWire {
+                    status: 503,
+                    retry_after: Some("1".into()),
+                    content_type: Some("application/json".into()),
+                    body: br#"{"error":"the engine node's HTTP front end is starting"}"#.to_vec(),
+                },
+            };
+            if let Err(e) = me.tell(from, &ServeMsg::HttpReply { id, answer }) {
+                tracing::warn!("serving: the answer to node {from}'s HTTP request: {e}");
+            }
+        });
+    }
+
+    /// Reads the control inbox until it closes: replies go to their requests, node
+    /// failures to [`ServeLink::node_lost`]. Runs on the QUIC runtime.
+    pub async fn pump(self: Arc<Self>, mut inbox: ControlInbox) {
+        loop {
+            match inbox.next_event(None, None).await {
+                Ok(InboxEvent::Message {
+                    from,
+                    msg: ControlMsg::Serve(env),
+                }) => match ServeMsg::open(&env, from) {
+                    Ok(ServeMsg::Reply { id, body }) => self.deliver(from, id, body),
+                    Ok(ServeMsg::HttpRequest { id, req }) => self.answer_http(from, id, req),
+                    Ok(ServeMsg::Http { addr }) => {
+                        crate::cluster::say(&format!("node {from} answers HTTP on http://{addr}"))
+                    }
+                    Ok(other) => {
+                        tracing::warn!(peer = from, "node {from} sent {other:?}; ignored")
+                    }
+                    Err(e) => tracing::warn!(peer = from, "{e}; dropped"),
+                },
+                Ok(InboxEvent::Message { from, msg }) => {
+                    tracing::warn!(
+                        peer = from,
+                        "node {from} sent {msg:?} to a serving engine; ignored"
+                    )
+                }
+                Ok(InboxEvent::PeerDown { node, detail }) => {
+                    crate::cluster::say(&format!("serving: node {node} lost: {detail}"));
+                    self.node_lost(node, &detail);
+                }
+                Ok(InboxEvent::Timeout) => {}
+                Err(e) => {
+                    tracing::info!("serving link: {e}");
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// One serving partition hosted by another node.
+#[derive(Clone)]
+pub struct RemoteServePart {
+    part: u32,
+    node: u32,
+    link: Arc<ServeLink>,
+    /// Longest one step may take (the engine's step deadline bounds it too).
+    step_timeout: Duration,
+}
+
+impl RemoteServePart {
+    pub fn new(part: u32, node: u32, link: Arc<ServeLink>, step_timeout: Duration) -> Self {
+        RemoteServePart {
+            part,
+            node,
+            link,
+            step_timeout,
+        }
+    }
+
+    pub fn part(&self) -> u32 {
+        self.part
+    }
+
+    pub fn node(&self) -> u32 {
+        self.node
+    }
+
+    async fn ask(&self, req: ServeRequest, within: Duration) -> Result<ServeReply, ActorError> {
+        self.link.request(self.node, self.part, req, within).await
+    }
+
+    pub async fn step(&self, step: PassStep) -> Result<StepDone, ActorError> {
+        let req = ServeRequest::Step(WireStep::from(&step));
+        // The engine's own deadline ends the pass first; this one frees the request.
+        let within = self.step_timeout + Duration::from_secs(1);
+        self.ask(req, within).await?.into_step(self.node, self.part)
+    }
+
+    pub async fn delta(&self, ops: &[DeltaOp], generation: u64) -> Result<(), ActorError> {
+        let req = ServeRequest::Delta {
+            generation,
+            ops: ops.iter().map(WireDelta::from).collect(),
+        };
+        match self.ask(req, self.link.timeout).await? {
+            ServeReply::Applied => Ok(()),
+            other => Err(other.unexpected(self.node, self.part, "a delta")),
+        }
+    }
+
+    pub fn abort(&self, seq: u32) {
+        let msg = ServeMsg::Abort {
+            part: self.part,
+            seq,
+        };
+        if let Err(e) = self.link.tell(self.node, &msg) {
+            tracing::warn!("abort of pass {seq} on partition {}: {e}", self.part);
+        }
+    }
+
+    pub async fn lookup(
+        &self,
+        ids: Vec<u32>,
+        layer: Option<usize>,
+        trace: Option<TraceContext>,
+    ) -> Result<Vec<LookedUp>, ActorError> {
+        let req = ServeRequest::Lookup {
+            ids,
+            layer: layer.map(|l| l as u32),
+            trace: super::proto::wire_trace(trace),
+        };
+        self.ask(req, self.link.timeout)
+            .await?
+            .into_found(self.node, self.part)
+    }
+
+    pub async fn stage(&self, model: &ModelValues) -> Result<(), ActorError> {
+        let wire = WireModel::of(model)?;
+        match self
+            .ask(ServeRequest::Stage(wire), self.link.timeout)
+            .await?
+        {
+            ServeReply::Staged => Ok(()),
+            other => Err(other.unexpected(self.node, self.part, "a model stage")),
+        }
+    }
+
+    pub async fn install(&self) -> Result<bool, ActorError> {
+        match self.ask(ServeRequest::Install, self.link.timeout).await? {
+            ServeReply::Installed(b) => Ok(b),
+            other => Err(other.unexpected(self.node, self.part, "an install")),
+        }
+    }
+
+    pub fn drop_staged(&self) {
+        let msg = ServeMsg::DropStaged { part: self.part };
+        if let Err(e) = self.link.tell(self.node, &msg) {
+            tracing::warn!("dropping partition {}'s staged tables: {e}", self.part);
+        }
+    }
+}

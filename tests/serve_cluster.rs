@@ -1,0 +1,692 @@
+//! `trellis serve --cluster` as a user runs it: real `trellis serve` processes on 127.0.0.1
+//! with ephemeral ports (QUIC between the nodes, HTTP to the engine node), driven by a real
+//! HTTP client. The served outputs equal `trellis predict` before and after node and edge
+//! updates and a model swap; a worker node killed with SIGKILL under open-loop load costs
+//! no wrong answer and no hang, and after recovery every prediction equals `trellis
+//! predict` again. Every process a test starts is killed and reaped when it ends (also when
+//! it fails), and every wait is bounded.
+use serde_json::{json, Value};
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+use trellis::runtime::{DataSource, Dataset};
+
+const DATA: &str = "synthetic:nodes=900,degree=6,features=12,classes=4,seed=5";
+const WIDTH: usize = 12;
+
+/// A started process, killed and reaped on drop.
+struct Proc {
+    name: String,
+    child: Child,
+    lines: mpsc::Receiver<String>,
+}
+
+impl Proc {
+    fn start(name: &str, args: &[&str]) -> Proc {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_trellis"))
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start trellis");
+        let stdout = child.stdout.take().expect("stdout is piped");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        Proc {
+            name: name.into(),
+            child,
+            lines: rx,
+        }
+    }
+
+    /// Waits (at most a minute) for the `listening on http://...` line; its address.
+    fn listening(&self) -> String {
+        let t = Instant::now();
+        loop {
+            let left = Duration::from_secs(90).saturating_sub(t.elapsed());
+            let line = self
+                .lines
+                .recv_timeout(left)
+                .unwrap_or_else(|_| panic!("{} printed no `listening on` line", self.name));
+            if let Some(u) = line.strip_prefix("listening on ") {
+                assert!(!u.ends_with(":0"), "port 0 was resolved: {u}");
+                return u.to_string();
+            }
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A child process killed and reaped on drop.
+struct Reap(Child);
+
+impl Drop for Reap {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+fn trellis(args: &[&str]) {
+    let out = Command::new(env!("CARGO_BIN_EXE_trellis"))
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "trellis {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn train(dir: &Path, name: &str, seed: &str) -> PathBuf {
+    let file = dir.join(name);
+    let args = ["train", "--data", DATA, "--model", "gcn", "--epochs", "10"];
+    let mut args = args.to_vec();
+    args.extend(["--seed", seed, "--save-model", s(&file)]);
+    trellis(&args);
+    file
+}
+
+/// `trellis predict` on `data`: the logits.
+fn predict(model: &Path, data: &str, dir: &Path) -> ndarray::Array2<f32> {
+    let out = dir.join("logits.npy");
+    let args = [
+        "predict",
+        "--model",
+        s(model),
+        "--data",
+        data,
+        "--out",
+        s(&out),
+    ];
+    trellis(&args);
+    ndarray_npy::read_npy(&out).unwrap()
+}
+
+fn softmax(row: &[f32]) -> Vec<f64> {
+    let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let e: Vec<f64> = row.iter().map(|&x| ((x - m) as f64).exp()).collect();
+    let sum: f64 = e.iter().sum();
+    e.iter().map(|x| x / sum).collect()
+}
+
+fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(30)))
+        .build()
+        .into()
+}
+
+/// Status, body and Retry-After of a request.
+struct Reply {
+    status: u16,
+    body: Value,
+    text: String,
+    retry_after: Option<String>,
+}
+
+fn call(agent: &ureq::Agent, method: &str, url: &str, body: &[u8]) -> Reply {
+    let mut resp = match method {
+        "GET" => agent.get(url).call(),
+        "PUT" => agent.put(url).send(body),
+        _ => agent
+            .post(url)
+            .header("content-type", "application/json")
+            .send(body),
+    }
+    .expect("the request completes");
+    let retry_after = resp
+        .headers()
+        .get("retry-after")
+        .map(|v| v.to_str().unwrap().to_string());
+    let status = resp.status().as_u16();
+    let text = resp.body_mut().read_to_string().unwrap();
+    let body = serde_json::from_str(&text).unwrap_or(Value::Null);
+    Reply {
+        status,
+        body,
+        text,
+        retry_after,
+    }
+}
+
+fn post(url: &str, path: &str, body: &Value) -> Reply {
+    call(
+        &agent(),
+        "POST",
+        &format!("{url}{path}"),
+        body.to_string().as_bytes(),
+    )
+}
+
+/// The probabilities `url` serves for `nodes`: from the published rows, or (with
+/// `through_partitions`) looked up on the owning partitions with layer 0's embeddings.
+fn served(url: &str, nodes: &[u32], through_partitions: bool) -> (String, Vec<Vec<f64>>) {
+    let mut probs = Vec::new();
+    let mut version = String::new();
+    for chunk in nodes.chunks(500) {
+        let body = if through_partitions {
+            json!({ "nodes": chunk, "embeddings": 0 })
+        } else {
+            json!({ "nodes": chunk })
+        };
+        let r = post(url, "/v1/predict", &body);
+        assert_eq!(r.status, 200, "{}", r.text);
+        version = r.body["model_version"].as_str().unwrap().to_string();
+        for (p, &v) in r.body["predictions"].as_array().unwrap().iter().zip(chunk) {
+            assert_eq!(p["node"], v);
+            if through_partitions {
+                assert!(p["embedding"].as_array().is_some_and(|e| !e.is_empty()));
+            }
+            probs.push(
+                p["probabilities"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.as_f64().unwrap())
+                    .collect(),
+            );
+        }
+    }
+    (version, probs)
+}
+
+/// The largest difference between served probabilities and those of `logits` (rows `nodes`).
+fn worst(served: &[Vec<f64>], logits: &ndarray::Array2<f32>, nodes: &[u32]) -> f64 {
+    let mut worst = 0f64;
+    for (row, &v) in served.iter().zip(nodes) {
+        let want = softmax(logits.row(v as usize).as_slice().unwrap());
+        for (a, b) in row.iter().zip(&want) {
+            worst = worst.max((a - b).abs());
+        }
+    }
+    worst
+}
+
+fn assert_matches(url: &str, logits: &ndarray::Array2<f32>, what: &str) {
+    let all: Vec<u32> = (0..logits.nrows() as u32).collect();
+    for through in [false, true] {
+        let (_, probs) = served(url, &all, through);
+        assert_eq!(probs.len(), all.len());
+        let w = worst(&probs, logits, &all);
+        assert!(
+            w <= 1e-5,
+            "{what} ({url}, through the partitions: {through}): served and predicted differ by {w}"
+        );
+    }
+}
+
+/// Writes a graph as a PyG-style folder `dir/name`.
+fn write_dataset(dir: &Path, name: &str, features: &[f32], edges: &[(u32, u32)]) -> PathBuf {
+    let out = dir.join(name);
+    std::fs::create_dir_all(&out).unwrap();
+    let n = features.len() / WIDTH;
+    let x = ndarray::Array2::from_shape_vec((n, WIDTH), features.to_vec()).unwrap();
+    let mut e: Vec<i64> = edges.iter().map(|&(a, _)| a as i64).collect();
+    e.extend(edges.iter().map(|&(_, b)| b as i64));
+    let ei = ndarray::Array2::from_shape_vec((2, edges.len()), e).unwrap();
+    ndarray_npy::write_npy(out.join("x.npy"), &x).unwrap();
+    ndarray_npy::write_npy(out.join("edge_index.npy"), &ei).unwrap();
+    let mut y = ndarray::Array1::<i64>::zeros(n);
+    y[0] = 3;
+    ndarray_npy::write_npy(out.join("y.npy"), &y).unwrap();
+    for m in ["train_mask", "val_mask", "test_mask"] {
+        let mut mask = ndarray::Array1::from_elem(n, false);
+        mask[0] = true;
+        ndarray_npy::write_npy(out.join(format!("{m}.npy")), &mask).unwrap();
+    }
+    out
+}
+
+/// Certificates for nodes `0..n` in a fresh folder.
+fn cluster_dir(n: u32) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let certs = dir.path().join("certs");
+    trellis::transport::certs::init(&certs).unwrap();
+    for i in 0..n {
+        trellis::transport::certs::issue(&certs, i).unwrap();
+    }
+    dir
+}
+
+/// A cluster file of nodes `0..n` whose engine node listens at `engine`.
+fn write_cluster(dir: &Path, name: &str, engine: &str, n: u32) -> PathBuf {
+    let mut t = "certs = \"certs\"\npartitions = \"parts\"\nheartbeat_ms = 200\nidle_timeout_ms = 1500\njoin_timeout_ms = 30000\n".to_string();
+    for i in 0..n {
+        let addr = if i == 0 { engine } else { "127.0.0.1:0" };
+        t += &format!("[[node]]\nid = {i}\naddr = \"{addr}\"\n");
+    }
+    let path = dir.join(name);
+    std::fs::write(&path, t).unwrap();
+    path
+}
+
+/// The engine node and the other nodes of an `n`-node serving cluster; the engine node's
+/// HTTP address.
+struct Cluster {
+    /// Kept for its drop (the engine node is killed and reaped with the cluster).
+    _engine: Proc,
+    nodes: Vec<Proc>,
+    url: String,
+    /// The HTTP addresses of the other nodes (which forward to the engine node).
+    node_urls: Vec<String>,
+}
+
+fn start_cluster(dir: &Path, n: u32, model: &Path, extra: &[&str]) -> Cluster {
+    let c0 = write_cluster(dir, "c0.toml", "127.0.0.1:0", n);
+    let addr_file = dir.join("node0.addr");
+    let mut args = vec!["serve", "--cluster", s(&c0), "--model", s(model)];
+    args.extend(["--data", DATA, "--listen", "127.0.0.1:0", "--threads", "1"]);
+    args.extend(["--addr-file", s(&addr_file)]);
+    args.extend(extra);
+    let engine = Proc::start("engine node", &args);
+    let t = Instant::now();
+    let quic = loop {
+        if let Ok(a) = std::fs::read_to_string(&addr_file) {
+            break a;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "the engine node never listened"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let c1 = write_cluster(dir, "c1.toml", &quic, n);
+    let nodes = (1..n)
+        .map(|i| {
+            let id = i.to_string();
+            let mut args = vec!["serve", "--cluster", s(&c1), "--id", &id, "--threads", "1"];
+            args.extend(["--listen", "127.0.0.1:0"]);
+            Proc::start(&format!("node {i}"), &args)
+        })
+        .collect::<Vec<_>>();
+    let url = engine.listening();
+    let node_urls = nodes.iter().map(Proc::listening).collect();
+    Cluster {
+        _engine: engine,
+        nodes,
+        url,
+        node_urls,
+    }
+}
+
+fn undirected_edges(ds: &Dataset) -> std::collections::BTreeSet<(u32, u32)> {
+    ds.edge_src
+        .iter()
+        .zip(&ds.edge_dst)
+        .filter(|(a, b)| a != b)
+        .map(|(&a, &b)| (a.min(b), a.max(b)))
+        .collect()
+}
+
+#[test]
+fn a_three_node_cluster_serves_what_trellis_predict_computes_through_updates_and_a_swap() {
+    let dir = cluster_dir(3);
+    let model = train(dir.path(), "m1.safetensors", "0");
+    let newer = train(dir.path(), "m2.safetensors", "7");
+    let c = start_cluster(dir.path(), 3, &model, &["--partitions", "3"]);
+    let ready = call(&agent(), "GET", &format!("{}/readyz", c.url), b"");
+    assert_eq!(ready.status, 200, "{}", ready.text);
+    let logits = predict(&model, DATA, dir.path());
+    // Any node takes queries: the engine node and the two others, which forward them.
+    for url in std::iter::once(&c.url).chain(&c.node_urls) {
+        assert_matches(url, &logits, "at start");
+        let ready = call(&agent(), "GET", &format!("{url}/readyz"), b"");
+        assert_eq!(ready.status, 200, "{url}: {}", ready.text);
+    }
+    // Errors come back as the engine node gives them.
+    let r = post(
+        &c.node_urls[0],
+        "/v1/predict",
+        &json!({ "nodes": [100000] }),
+    );
+    assert_eq!(r.status, 404, "{}", r.text);
+    assert!(r.text.contains("100000"), "{}", r.text);
+
+    // Updates that cross the partitions of the three nodes.
+    let ds: Dataset = DataSource::parse(DATA).unwrap().load().unwrap();
+    let mut edges = undirected_edges(&ds);
+    let mut features = ds.features.clone();
+    let mut n = ds.num_nodes as u32;
+    let new_feats: Vec<f64> = (0..WIDTH).map(|i| (i % 5) as f64 / 4.0).collect();
+    let r = post(
+        &c.url,
+        "/v1/nodes",
+        &json!({ "nodes": [{ "features": new_feats, "edges": [3, 450, 899] }] }),
+    );
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.body["predictions"][0]["node"], n);
+    features.extend(new_feats.iter().map(|&x| x as f32));
+    for t in [3, 450, 899] {
+        edges.insert((t, n));
+    }
+    n += 1;
+    let r = post(
+        &c.node_urls[0],
+        "/v1/edges",
+        &json!({ "add": [[1, 600], [2, 890]] }),
+    );
+    assert_eq!(r.status, 200, "{}", r.text);
+    edges.extend([(1, 600), (2, 890)]);
+    let &(a, b) = edges.iter().nth(40).unwrap();
+    let r = post(&c.node_urls[1], "/v1/edges", &json!({ "remove": [[a, b]] }));
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.body["edges_removed"], 1, "{}", r.text);
+    edges.remove(&(a, b));
+    let edge_list: Vec<(u32, u32)> = edges.iter().copied().collect();
+    let updated = write_dataset(dir.path(), "updated", &features, &edge_list);
+    assert_eq!(features.len() / WIDTH, n as usize);
+    let logits = predict(&model, s(&updated), dir.path());
+    for url in std::iter::once(&c.url).chain(&c.node_urls) {
+        assert_matches(url, &logits, "after updates");
+    }
+
+    // A model swap: every node's tables move to the new version together.
+    let bytes = std::fs::read(&newer).unwrap();
+    let r = call(
+        &agent(),
+        "PUT",
+        &format!("{}/v1/model", c.node_urls[1]),
+        &bytes,
+    );
+    assert_eq!(r.status, 200, "{}", r.text);
+    let version = r.body["model_version"].as_str().unwrap().to_string();
+    let (v, _) = served(&c.url, &[0, 1, 2], true);
+    assert_eq!(v, version);
+    let logits = predict(&newer, s(&updated), dir.path());
+    for url in std::iter::once(&c.url).chain(&c.node_urls) {
+        assert_matches(url, &logits, "after the swap");
+    }
+    drop(c);
+}
+
+/// One answer under load.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Outcome {
+    Right,
+    Shed,
+    Wrong,
+    Failed,
+}
+
+#[test]
+fn a_node_killed_under_load_costs_no_wrong_answer_and_its_partitions_are_recovered() {
+    let dir = cluster_dir(3);
+    let model = train(dir.path(), "m.safetensors", "0");
+    let mut c = start_cluster(
+        dir.path(),
+        3,
+        &model,
+        &["--partitions", "3", "--deadline-ms", "1500"],
+    );
+    let before = predict(&model, DATA, dir.path());
+    // The graph after the update made while the node is dead.
+    let ds: Dataset = DataSource::parse(DATA).unwrap().load().unwrap();
+    let mut edges = undirected_edges(&ds);
+    edges.insert((7, 880));
+    let edge_list: Vec<(u32, u32)> = edges.iter().copied().collect();
+    let during_data = write_dataset(dir.path(), "during", &ds.features, &edge_list);
+    let during = predict(&model, s(&during_data), dir.path());
+    // Queried nodes of every partition (contiguous placement: a third of the ids each), 7
+    // and 880 among them: an answer is right when it is that of the graph before the
+    // update or after it, for every node.
+    let queried: Vec<u32> = vec![5, 7, 320, 640, 880, 899];
+    let expected: Arc<Vec<Vec<Vec<f64>>>> = Arc::new(
+        [&before, &during]
+            .iter()
+            .map(|logits| {
+                queried
+                    .iter()
+                    .map(|&v| softmax(logits.row(v as usize).as_slice().unwrap()))
+                    .collect()
+            })
+            .collect(),
+    );
+
+    // Open-loop load: a request leaves every 10 ms whatever the answers do, through the
+    // partitions (embeddings) so the lost node's partition is needed; half of them to the
+    // engine node, half to node 1 (which forwards them).
+    let stop = Arc::new(AtomicBool::new(false));
+    let sent = Arc::new(AtomicUsize::new(0));
+    let (tx, rx) = mpsc::channel::<(Outcome, Duration)>();
+    let (jobs_tx, jobs_rx) = mpsc::channel::<()>();
+    let jobs_rx = Arc::new(std::sync::Mutex::new(jobs_rx));
+    let workers: Vec<_> = (0..6)
+        .map(|i| {
+            let url = if i % 2 == 0 { &c.url } else { &c.node_urls[0] };
+            let (jobs, tx, url) = (jobs_rx.clone(), tx.clone(), url.clone());
+            let (queried, expected) = (queried.clone(), expected.clone());
+            std::thread::spawn(move || {
+                let agent = agent();
+                while jobs.lock().unwrap().recv().is_ok() {
+                    let t = Instant::now();
+                    let body = json!({ "nodes": queried, "embeddings": 0 }).to_string();
+                    let r = call(
+                        &agent,
+                        "POST",
+                        &format!("{url}/v1/predict"),
+                        body.as_bytes(),
+                    );
+                    let outcome = match r.status {
+                        200 => {
+                            let got: Vec<Vec<f64>> = r.body["predictions"]
+                                .as_array()
+                                .unwrap()
+                                .iter()
+                                .map(|p| {
+                                    p["probabilities"]
+                                        .as_array()
+                                        .unwrap()
+                                        .iter()
+                                        .map(|x| x.as_f64().unwrap())
+                                        .collect()
+                                })
+                                .collect();
+                            let close = expected.iter().any(|state| {
+                                got.len() == state.len()
+                                    && got.iter().zip(state).all(|(a, b)| {
+                                        a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-5)
+                                    })
+                            });
+                            if close {
+                                Outcome::Right
+                            } else {
+                                Outcome::Wrong
+                            }
+                        }
+                        503 if r.retry_after.is_some() => Outcome::Shed,
+                        _ => {
+                            eprintln!("failed request: {} {}", r.status, r.text);
+                            Outcome::Failed
+                        }
+                    };
+                    let _ = tx.send((outcome, t.elapsed()));
+                }
+            })
+        })
+        .collect();
+    let clock = {
+        let (stop, sent) = (stop.clone(), sent.clone());
+        std::thread::spawn(move || {
+            let t0 = Instant::now();
+            let mut k = 0u32;
+            while !stop.load(Ordering::SeqCst) {
+                let _ = jobs_tx.send(());
+                sent.fetch_add(1, Ordering::SeqCst);
+                k += 1;
+                let next = t0 + Duration::from_millis(10) * k;
+                std::thread::sleep(next.saturating_duration_since(Instant::now()));
+            }
+        })
+    };
+    std::thread::sleep(Duration::from_millis(800));
+    // SIGKILL node 2 (it serves partition 2).
+    let mut killed = c.nodes.remove(1);
+    killed.child.kill().unwrap();
+    killed.child.wait().unwrap();
+    let killed_at = Instant::now();
+    // An update while the node is dead: applied, and computed once its partition is
+    // re-placed (never on a partition that missed it).
+    let r = post(&c.url, "/v1/edges", &json!({ "add": [[7, 880]] }));
+    assert_eq!(r.status, 200, "update during the loss: {}", r.text);
+    // Ready again: the engine re-placed partition 2 and recomputed it.
+    let recovered = loop {
+        let r = call(&agent(), "GET", &format!("{}/readyz", c.url), b"");
+        if r.status == 200 && r.body["recoveries"].as_u64().unwrap_or(0) >= 1 {
+            break killed_at.elapsed();
+        }
+        assert!(
+            killed_at.elapsed() < Duration::from_secs(30),
+            "not ready again 30 s after the kill: {}",
+            r.text
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    std::thread::sleep(Duration::from_millis(800));
+    stop.store(true, Ordering::SeqCst);
+    clock.join().unwrap();
+    for w in workers {
+        w.join().unwrap();
+    }
+    drop(tx);
+    let seen: Vec<(Outcome, Duration)> = rx.iter().collect();
+    let count = |o: Outcome| seen.iter().filter(|(x, _)| *x == o).count();
+    let slowest = seen.iter().map(|(_, d)| *d).max().unwrap_or_default();
+    eprintln!(
+        "node loss under load: sent {}, answered {}, shed (503) {}, wrong {}, failed {}, slowest {:?}, ready again {:?} after the kill",
+        sent.load(Ordering::SeqCst),
+        count(Outcome::Right),
+        count(Outcome::Shed),
+        count(Outcome::Wrong),
+        count(Outcome::Failed),
+        slowest,
+        recovered
+    );
+    assert_eq!(
+        seen.len(),
+        sent.load(Ordering::SeqCst),
+        "every request answered"
+    );
+    assert_eq!(count(Outcome::Wrong), 0, "no wrong answer");
+    assert_eq!(count(Outcome::Failed), 0, "no failed request");
+    assert!(
+        slowest < Duration::from_secs(10),
+        "no hang: slowest {slowest:?}"
+    );
+    assert!(count(Outcome::Right) > 0);
+
+    // After recovery: every prediction (with the update made during the loss), and one
+    // more update across the re-placed partition.
+    assert_matches(&c.url, &during, "after the recovery");
+    assert_matches(
+        &c.node_urls[0],
+        &during,
+        "after the recovery, through node 1",
+    );
+    let r = post(&c.url, "/v1/edges", &json!({ "add": [[300, 700]] }));
+    assert_eq!(r.status, 200, "{}", r.text);
+    edges.insert((300, 700));
+    let edge_list: Vec<(u32, u32)> = edges.iter().copied().collect();
+    let updated = write_dataset(dir.path(), "updated", &ds.features, &edge_list);
+    let logits = predict(&model, s(&updated), dir.path());
+    assert_matches(&c.url, &logits, "after an update on the recovered cluster");
+    assert_matches(&c.node_urls[0], &logits, "after an update, through node 1");
+    drop(c);
+}
+
+#[test]
+fn wrong_roles_are_clear_errors_naming_the_node() {
+    let dir = cluster_dir(2);
+    let model = train(dir.path(), "m.safetensors", "0");
+    // A node started with the engine node's options.
+    let c = write_cluster(dir.path(), "c.toml", "127.0.0.1:0", 2);
+    let out = Command::new(env!("CARGO_BIN_EXE_trellis"))
+        .args([
+            "serve",
+            "--cluster",
+            s(&c),
+            "--id",
+            "1",
+            "--model",
+            s(&model),
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("node 1") && err.contains("engine node"),
+        "{err}"
+    );
+
+    // A training node joining a serving cluster: the engine node refuses to start, naming it.
+    let c0 = write_cluster(dir.path(), "c0.toml", "127.0.0.1:0", 2);
+    let addr_file = dir.path().join("node0.addr");
+    let mut args = vec!["serve", "--cluster", s(&c0), "--model", s(&model)];
+    args.extend(["--data", DATA, "--listen", "127.0.0.1:0"]);
+    args.extend(["--addr-file", s(&addr_file)]);
+    let mut engine = Reap(
+        Command::new(env!("CARGO_BIN_EXE_trellis"))
+            .args(&args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
+    let t = Instant::now();
+    let quic = loop {
+        if let Ok(a) = std::fs::read_to_string(&addr_file) {
+            break a;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "the engine node never listened"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let c1 = write_cluster(dir.path(), "c1.toml", &quic, 2);
+    let _trainer = Proc::start(
+        "training node 1",
+        &["node", "--cluster", s(&c1), "--id", "1"],
+    );
+    let status = loop {
+        if let Some(st) = engine.0.try_wait().unwrap() {
+            break st;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "the engine node did not stop"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut err = String::new();
+    use std::io::Read;
+    let mut stderr = engine.0.stderr.take().unwrap();
+    stderr.read_to_string(&mut err).unwrap();
+    assert!(!status.success());
+    assert!(
+        err.contains("node 1") && err.contains("trellis serve --cluster"),
+        "{err}"
+    );
+}
