@@ -287,6 +287,9 @@ struct Broken {
     retry_at: Instant,
 }
 
+/// How long a batch's lookup waits for a partition on another node.
+const REMOTE_LOOKUP_PATIENCE: Duration = Duration::from_millis(300);
+
 /// How long a failed rebuild waits before the next attempt.
 const REBUILD_RETRY: Duration = Duration::from_secs(1);
 
@@ -301,6 +304,7 @@ struct WaitingQuery {
     nodes: Vec<u32>,
     layer: Option<usize>,
     arrived: Instant,
+    deadline: Instant,
     reply: Reply,
     trace: Option<TraceContext>,
 }
@@ -1127,6 +1131,7 @@ impl Engine {
                         nodes,
                         layer,
                         arrived: now,
+                        deadline,
                         reply,
                         trace,
                     },
@@ -1240,6 +1245,12 @@ impl Engine {
         }
         let mut rows: HashMap<(u32, Option<usize>), HashMap<u32, LookedUp>> = HashMap::new();
         let mut failure = None;
+        // A partition that does not answer (a stuck actor; a node not yet known to be lost)
+        // holds the engine no longer than the batch's first deadline, and another node's
+        // no longer than `REMOTE_LOOKUP_PATIENCE` (a live one answers in about a
+        // millisecond): the batch gets 503 and the engine goes on to other work, such as an
+        // update that waits for the node to be declared lost and then recovers it.
+        let due = queries.iter().map(|q| q.deadline).min().unwrap_or(t);
         for ((p, layer), mut nodes) in wanted {
             nodes.sort_unstable();
             nodes.dedup();
@@ -1250,10 +1261,19 @@ impl Engine {
                     break;
                 }
             };
-            match handle
-                .lookup(nodes.clone(), layer, crate::telemetry::current())
-                .await
-            {
+            let due = match handle.node() {
+                Some(_) => due.min(Instant::now() + REMOTE_LOOKUP_PATIENCE),
+                None => due,
+            };
+            let lookup = handle.lookup(nodes.clone(), layer, crate::telemetry::current());
+            let Ok(answer) = tokio::time::timeout_at(due.into(), lookup).await else {
+                failure = Some(ServeError::Recovering {
+                    retry_after: Duration::from_secs(1),
+                    detail: format!("serving partition {p} did not answer within the deadline"),
+                });
+                break;
+            };
+            match answer {
                 Ok(found) if found.len() == nodes.len() => {
                     rows.insert((p, layer), nodes.into_iter().zip(found).collect());
                 }
