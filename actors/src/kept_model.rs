@@ -141,7 +141,7 @@ mod tests {
         let (tx, rx) = mpsc::channel();
         let mut k = ModelKeeper::new(store.clone(), &[], Arc::default()).publishing_to(Some(tx));
         for e in 1..=3 {
-            store.put(0, snap(e, e as f32));
+            store.put(0, Arc::new(snap(e, e as f32)));
             k.epoch_done(&log(e, 0.1 * f64::from(e))).unwrap();
         }
         let got: Vec<(u32, f32)> = rx
@@ -150,7 +150,7 @@ mod tests {
             .collect();
         assert_eq!(got, vec![(1, 1.0), (2, 2.0), (3, 3.0)]);
         drop(rx);
-        store.put(0, snap(4, 4.0));
+        store.put(0, Arc::new(snap(4, 4.0)));
         k.epoch_done(&log(4, 0.5)).unwrap();
     }
 

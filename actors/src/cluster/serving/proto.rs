@@ -613,6 +613,9 @@ mod tests {
 
     fn step() -> PassStep {
         PassStep {
+            trace: TraceContext::from_traceparent(
+                "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            ),
             seq: 4,
             layer: 1,
             target: Target::Staged,
