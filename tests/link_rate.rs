@@ -398,16 +398,27 @@ fn bench_comm_prints_the_reference_and_the_emulated_rows() {
     };
     let reference = row("exact (loopback, reference)");
     let limited = row("exact (100 Mbit/s)");
-    // | name | halo | link | drops | epoch | ratio | acc | weights |
+    // | name | halo | link | drops | epoch | ratio | replicas | replica ms (% of step) | acc |
+    // weights |
     for cells in [&reference, &limited] {
         let halo = bytes(&cells[2]);
         let epoch: f64 = cells[5].parse().unwrap();
         assert!(halo > 0.0 && epoch > 0.0, "{cells:?}");
-        assert_eq!(cells[8], "= reference", "{cells:?}");
+        // Every step's state was replicated (one replica per partition), and what that cost
+        // the step is reported: "0.040 (0.68%)".
+        assert!(bytes(&cells[7]) > 0.0, "{cells:?}");
+        let (ms, share) = cells[8]
+            .split_once(' ')
+            .unwrap_or_else(|| panic!("{cells:?}"));
+        assert!(
+            ms.parse::<f64>().is_ok() && share.ends_with("%)"),
+            "{cells:?}"
+        );
+        assert_eq!(cells[10], "= reference", "{cells:?}");
     }
     // Exactness does not depend on the network: same bytes, same accuracy.
     assert_eq!(reference[2], limited[2]);
-    assert_eq!(reference[7], limited[7]);
+    assert_eq!(reference[9], limited[9]);
     assert_eq!(reference[6], "1.00x");
     // One partition per node: every halo row crossed a link, so the links carried at least
     // the halo bytes (loopback has no link counters).
@@ -417,7 +428,7 @@ fn bench_comm_prints_the_reference_and_the_emulated_rows() {
     // `--comm efficient` sends fewer halo bytes and other weights (its rounding is not exact).
     let efficient = row("efficient (100 Mbit/s)");
     assert!(bytes(&efficient[2]) < bytes(&limited[2]), "{efficient:?}");
-    assert_ne!(efficient[8], "= reference", "{efficient:?}");
+    assert_ne!(efficient[10], "= reference", "{efficient:?}");
     assert!(
         !text.contains("| fp16 ("),
         "a configuration not asked for ran:\n{text}"
@@ -445,16 +456,15 @@ fn bench_comm_prints_the_reference_and_the_emulated_rows() {
         .unwrap();
     assert!(!bad.status.success());
     assert!(stderr(&bad).contains("--dropout"), "{}", stderr(&bad));
-    // A configuration that fails (compressed gradients refuse checkpoints) does not cost the
-    // others their numbers: its row says it failed, the bench exits non-zero naming it.
-    let ck = tempfile::tempdir().unwrap();
+    // A configuration that fails (`--grad-codec` given twice: by the configuration and after
+    // `--`, which the exact runs take) does not cost the others their numbers: its row says
+    // it failed, the bench exits non-zero naming it.
     let one_fails = trellis()
         .args([
             "bench", "comm", "--nodes", "2", "--epochs", "2", "--data", DATA,
         ])
         .args(["--link-rate", "100mbit", "--probe-ms", "200"])
-        .args(["--configs", "grad-int8", "--", "--checkpoint-dir"])
-        .arg(ck.path())
+        .args(["--configs", "grad-int8", "--", "--grad-codec", "none"])
         .output()
         .unwrap();
     assert!(!one_fails.status.success());

@@ -5,11 +5,14 @@
 //! wrong while everyone else keeps being served; partition actors that panic under
 //! open-loop load are restarted and recomputed with no failed or wrong answer. Runs with 1,
 //! 2 and 3 partition actors.
+mod serve_support;
+
 use serde_json::{json, Value};
-use std::io::{BufRead, BufReader, Read, Write};
+use serve_support::{agent, Reply};
+use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 use trellis::runtime::{DataSource, Dataset};
 
@@ -40,33 +43,12 @@ impl Server {
 
     /// Runs `trellis ARGS` and waits for its `listening on http://...` line.
     fn spawn(args: &[&str]) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_trellis"))
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("trellis serve starts");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
-        let url = loop {
-            let line = rx
-                .recv_timeout(Duration::from_secs(60))
-                .expect("`listening on` within 60 s");
-            if let Some(u) = line.strip_prefix("listening on ") {
-                break u.to_string();
-            }
-        };
-        assert!(url.starts_with("http://127.0.0.1:"), "{url}");
-        assert!(!url.ends_with(":0"), "port 0 was resolved: {url}");
+        let started = serve_support::start(args, &[]);
+        let url = serve_support::listening_url(&started.lines, Duration::from_secs(60));
         Server {
-            child,
+            child: started.child,
             url,
-            lines: rx,
+            lines: started.lines,
         }
     }
 
@@ -75,62 +57,9 @@ impl Server {
     }
 }
 
-fn agent() -> ureq::Agent {
-    ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(Duration::from_secs(30)))
-        .build()
-        .into()
-}
-
-/// Status, body (as JSON when it parses) and Retry-After of a request.
-struct Reply {
-    status: u16,
-    body: Value,
-    text: String,
-    retry_after: Option<String>,
-}
-
 fn call(agent: &ureq::Agent, method: &str, url: &str, body: &[u8], key: Option<&str>) -> Reply {
-    let mut resp = match method {
-        "GET" => {
-            let mut r = agent.get(url);
-            if let Some(k) = key {
-                r = r.header("x-api-key", k);
-            }
-            r.call()
-        }
-        m => {
-            let mut r = if m == "PUT" {
-                agent.put(url)
-            } else {
-                agent.post(url)
-            };
-            if let Some(k) = key {
-                r = r.header("x-api-key", k);
-            }
-            r.header("content-type", "application/json").send(body)
-        }
-    }
-    .expect("the request completes");
-    let retry_after = resp
-        .headers()
-        .get("retry-after")
-        .map(|v| v.to_str().unwrap().to_string());
-    let status = resp.status().as_u16();
-    let text = resp
-        .body_mut()
-        .with_config()
-        .limit(1 << 30)
-        .read_to_string()
-        .unwrap();
-    let body = serde_json::from_str(&text).unwrap_or(Value::Null);
-    Reply {
-        status,
-        body,
-        text,
-        retry_after,
-    }
+    let key: Vec<_> = key.map(|k| ("x-api-key", k)).into_iter().collect();
+    serve_support::request(agent, method, url, body, &key)
 }
 
 fn post(server: &Server, path: &str, body: &Value) -> Reply {

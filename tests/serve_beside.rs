@@ -1,13 +1,14 @@
 //! Serving beside partitioned training (`trellis train --partitions P --serve ADDR`), driven
 //! as a user would: the real binary on 127.0.0.1 with an ephemeral port and a real HTTP
 //! client; and the topology API's yielding of training partitions to inference work.
+mod serve_support;
 mod support;
 
 use opentelemetry_proto::tonic::trace::v1::Span;
 use serde_json::{json, Value};
-use std::io::{BufRead, BufReader};
+use serve_support::{agent, Reply};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 use trellis_actors::Topology;
@@ -36,34 +37,12 @@ impl Drop for Server {
 impl Server {
     /// Runs `trellis ARGS` (with `env`) and waits for its `listening on http://...` line.
     fn spawn(args: &[&str], env: &[(&str, &str)]) -> Server {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_trellis"))
-            .args(args)
-            .envs(env.iter().copied())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("trellis starts");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
-        let url = loop {
-            let line = rx
-                .recv_timeout(Duration::from_secs(120))
-                .expect("`listening on` within 120 s");
-            if let Some(u) = line.strip_prefix("listening on ") {
-                break u.to_string();
-            }
-        };
-        assert!(url.starts_with("http://127.0.0.1:"), "{url}");
-        assert!(!url.ends_with(":0"), "port 0 was resolved: {url}");
+        let started = serve_support::start(args, env);
+        let url = serve_support::listening_url(&started.lines, Duration::from_secs(120));
         Server {
-            child,
+            child: started.child,
             url,
-            lines: rx,
+            lines: started.lines,
         }
     }
 
@@ -116,44 +95,9 @@ impl Server {
     }
 }
 
-fn agent() -> ureq::Agent {
-    ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(Duration::from_secs(30)))
-        .build()
-        .into()
-}
-
-/// An HTTP answer.
-struct Reply {
-    status: u16,
-    body: Value,
-    text: String,
-    /// Its `traceparent` header (the request's span, when traced).
-    traceparent: Option<String>,
-}
-
 /// The answer to a POST of `body` with `headers`.
 fn post(agent: &ureq::Agent, url: &str, body: &Value, headers: &[(&str, &str)]) -> Reply {
-    let mut req = agent.post(url).header("content-type", "application/json");
-    for (k, v) in headers {
-        req = req.header(*k, *v);
-    }
-    let mut resp = req
-        .send(body.to_string().as_bytes())
-        .expect("the request completes");
-    let status = resp.status().as_u16();
-    let traceparent = resp
-        .headers()
-        .get("traceparent")
-        .map(|v| v.to_str().unwrap().to_string());
-    let text = resp.body_mut().read_to_string().unwrap();
-    Reply {
-        status,
-        body: serde_json::from_str(&text).unwrap_or(Value::Null),
-        text,
-        traceparent,
-    }
+    serve_support::request(agent, "POST", url, body.to_string().as_bytes(), headers)
 }
 
 fn trellis(args: &[&str]) -> String {

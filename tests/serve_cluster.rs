@@ -5,7 +5,10 @@
 //! no wrong answer and no hang, and after recovery every prediction equals `trellis
 //! predict` again. Every process a test starts is killed and reaped when it ends (also when
 //! it fails), and every wait is bounded.
+mod serve_support;
+
 use serde_json::{json, Value};
+use serve_support::{agent, Reply};
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -130,45 +133,8 @@ fn softmax(row: &[f32]) -> Vec<f64> {
     e.iter().map(|x| x / sum).collect()
 }
 
-fn agent() -> ureq::Agent {
-    ureq::Agent::config_builder()
-        .http_status_as_error(false)
-        .timeout_global(Some(Duration::from_secs(30)))
-        .build()
-        .into()
-}
-
-/// Status, body and Retry-After of a request.
-struct Reply {
-    status: u16,
-    body: Value,
-    text: String,
-    retry_after: Option<String>,
-}
-
 fn call(agent: &ureq::Agent, method: &str, url: &str, body: &[u8]) -> Reply {
-    let mut resp = match method {
-        "GET" => agent.get(url).call(),
-        "PUT" => agent.put(url).send(body),
-        _ => agent
-            .post(url)
-            .header("content-type", "application/json")
-            .send(body),
-    }
-    .expect("the request completes");
-    let retry_after = resp
-        .headers()
-        .get("retry-after")
-        .map(|v| v.to_str().unwrap().to_string());
-    let status = resp.status().as_u16();
-    let text = resp.body_mut().read_to_string().unwrap();
-    let body = serde_json::from_str(&text).unwrap_or(Value::Null);
-    Reply {
-        status,
-        body,
-        text,
-        retry_after,
-    }
+    serve_support::request(agent, method, url, body, &[])
 }
 
 fn post(url: &str, path: &str, body: &Value) -> Reply {

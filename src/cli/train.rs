@@ -39,7 +39,7 @@ pub struct TrainArgs {
     /// feedback (what was dropped is added to the next step's gradient): `none` (exact f32),
     /// `int8` (blocks of 256 with one scale, stochastic rounding from the seeded counter-based
     /// RNG: ~4x fewer bytes) or `topk:F` (the fraction F of largest magnitude, e.g. topk:0.01).
-    /// Partitioned runs only; not with --checkpoint-dir yet.
+    /// Partitioned runs only.
     #[arg(long, value_name = "CODEC", default_value = "none")]
     pub grad_codec: GradCodec,
     /// Communication of partitioned runs: `exact` (bit-exact fp32 halo rows and gradients) or

@@ -1,0 +1,114 @@
+//! What the serving tests share: starting the real binary and waiting for its `listening on`
+//! line, and one HTTP client call that returns status, body and the headers the tests read.
+#![allow(dead_code)]
+use serde_json::Value;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+/// A started `trellis` process with its stdout read line by line.
+pub struct Started {
+    pub child: Child,
+    pub lines: mpsc::Receiver<String>,
+}
+
+/// Runs `trellis ARGS` (with `env`), stdout piped into [`Started::lines`], stderr inherited.
+pub fn start(args: &[&str], env: &[(&str, &str)]) -> Started {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_trellis"))
+        .args(args)
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("trellis starts");
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    Started { child, lines: rx }
+}
+
+/// Waits (bounded) for the `listening on http://...` line and returns its URL, checked to be
+/// on 127.0.0.1 with the ephemeral port resolved.
+pub fn listening_url(lines: &mpsc::Receiver<String>, within: Duration) -> String {
+    let url = loop {
+        let line = lines
+            .recv_timeout(within)
+            .unwrap_or_else(|e| panic!("no `listening on` line within {within:?}: {e}"));
+        if let Some(u) = line.strip_prefix("listening on ") {
+            break u.to_string();
+        }
+    };
+    assert!(url.starts_with("http://127.0.0.1:"), "{url}");
+    assert!(!url.ends_with(":0"), "port 0 was resolved: {url}");
+    url
+}
+
+/// An HTTP client that returns 4xx/5xx answers instead of failing, bounded in time.
+pub fn agent() -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .timeout_global(Some(Duration::from_secs(30)))
+        .build()
+        .into()
+}
+
+/// An HTTP answer: status, body (as JSON when it parses), `Retry-After` and `traceparent`.
+pub struct Reply {
+    pub status: u16,
+    pub body: Value,
+    pub text: String,
+    pub retry_after: Option<String>,
+    pub traceparent: Option<String>,
+}
+
+/// `method url` with `body` (JSON content type unless GET) and `headers`.
+pub fn request(
+    agent: &ureq::Agent,
+    method: &str,
+    url: &str,
+    body: &[u8],
+    headers: &[(&str, &str)],
+) -> Reply {
+    let mut resp = if method == "GET" {
+        let mut r = agent.get(url);
+        for (k, v) in headers {
+            r = r.header(*k, *v);
+        }
+        r.call()
+    } else {
+        let mut r = match method {
+            "PUT" => agent.put(url),
+            _ => agent.post(url),
+        };
+        for (k, v) in headers {
+            r = r.header(*k, *v);
+        }
+        r.header("content-type", "application/json").send(body)
+    }
+    .expect("the request completes");
+    let header = |name: &str| {
+        resp.headers()
+            .get(name)
+            .map(|v| v.to_str().unwrap().to_string())
+    };
+    let (retry_after, traceparent) = (header("retry-after"), header("traceparent"));
+    let status = resp.status().as_u16();
+    let text = resp
+        .body_mut()
+        .with_config()
+        .limit(1 << 30)
+        .read_to_string()
+        .unwrap();
+    Reply {
+        status,
+        body: serde_json::from_str(&text).unwrap_or(Value::Null),
+        text,
+        retry_after,
+        traceparent,
+    }
+}
