@@ -577,7 +577,11 @@ impl CheckpointWriter {
         let state = match local {
             Some(s) => s,
             None => match self.store.remote_at(part, epoch) {
-                Some(bytes) => own_state(&bytes.decode().map_err(|e| bad(&self.dir, e))?),
+                Some(bytes) => own_state(
+                    &bytes
+                        .decode_in(&self.store)
+                        .map_err(|e| bad(&self.dir, e))?,
+                ),
                 None => return Ok(None),
             },
         };

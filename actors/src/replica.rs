@@ -7,6 +7,15 @@
 //! records (what grows with the graph), which the archive locates by offset. Encoding writes
 //! each payload once, straight into the one buffer that is shipped and kept (no intermediate
 //! copies of the held rows); decoding reads them out of it.
+//!
+//! A replica may leave the model and optimizer state out (`model_elided`): after a step every
+//! partition's model replica and optimizer are identical (the all-reduce makes them so, and
+//! the coordinator checks their digests), so where every node a replica goes to hosts a
+//! partition of its own, shipping them would only copy what the receiver holds already. Such
+//! a replica carries the weights' digest, and the receiver completes it from the state of the
+//! same step that its own partitions committed ([`ReplicaBytes::decode_in`]), checked
+//! against that digest. What is left is what only that partition holds: its gradient
+//! residual, held halo rows and skip records.
 use crate::protocol::skip::SentRows;
 use dashmap::DashMap;
 use rkyv::{Archive, Deserialize, Serialize};
@@ -18,6 +27,9 @@ use trellis_transport::{HaloBlock, HaloPayload, MsgHeader, PartId, Phase, RunId}
 #[derive(Archive, Serialize, Deserialize)]
 struct SnapshotWire {
     epoch: u32,
+    /// `params` and `moments` are left out (empty): the receiver completes them from its own
+    /// partitions' state of the same step, whose weights have `digest`.
+    model_elided: bool,
     params: Vec<WireTensor>,
     moments: Vec<(WireTensor, WireTensor)>,
     opt_steps: u64,
@@ -257,9 +269,14 @@ pub struct ReplicaBytes {
 }
 
 impl ReplicaBytes {
-    /// Encodes `snap` (host tensors) for replication.
+    /// Encodes `snap` (host tensors) for replication, model included.
     pub fn encode(part: u32, snap: &Snapshot) -> Self {
-        Encoding::start(part, snap).finish(snap)
+        Encoding::start(part, snap, true).finish(snap)
+    }
+
+    /// Encodes `snap` without its model and optimizer state (see the module's doc).
+    pub fn encode_without_model(part: u32, snap: &Snapshot) -> Self {
+        Encoding::start(part, snap, false).finish(snap)
     }
 }
 
@@ -278,8 +295,9 @@ pub struct Encoding {
 }
 
 impl Encoding {
-    /// Lays `snap` out and archives its small fields.
-    pub fn start(part: u32, snap: &Snapshot) -> Self {
+    /// Lays `snap` out and archives its small fields (and, `with_model`, its model and
+    /// optimizer state).
+    pub fn start(part: u32, snap: &Snapshot, with_model: bool) -> Self {
         let mut raw = RawLayout::default();
         let held_halo: Vec<WireBlock> = snap
             .held_halo
@@ -291,14 +309,22 @@ impl Encoding {
             .iter()
             .map(|s| WireSent::of(s, &mut raw))
             .collect();
+        let (params, moments) = if with_model {
+            (
+                snap.params.iter().map(WireTensor::of).collect(),
+                snap.opt_state
+                    .iter()
+                    .map(|(m, v)| (WireTensor::of(m), WireTensor::of(v)))
+                    .collect(),
+            )
+        } else {
+            (Vec::new(), Vec::new())
+        };
         let wire = SnapshotWire {
             epoch: snap.epoch,
-            params: snap.params.iter().map(WireTensor::of).collect(),
-            moments: snap
-                .opt_state
-                .iter()
-                .map(|(m, v)| (WireTensor::of(m), WireTensor::of(v)))
-                .collect(),
+            model_elided: !with_model,
+            params,
+            moments,
             opt_steps: snap.opt_steps,
             digest: snap.digest.clone(),
             grad_residual: snap.grad_residual.clone(),
@@ -361,8 +387,39 @@ impl Encoding {
 
 impl ReplicaBytes {
     /// Checks the bytes against the sender's digest, then decodes them. Never panics on bad
-    /// bytes: a mismatch or a corrupt archive is an error saying which.
+    /// bytes: a mismatch or a corrupt archive is an error saying which; so is a replica that
+    /// left its model out (decode it with [`ReplicaBytes::decode_in`]).
     pub fn decode(&self) -> Result<Snapshot, String> {
+        match self.decode_parts()? {
+            (snap, false) => Ok(snap),
+            (snap, true) => Err(format!(
+                "replica of partition {} (step {}) leaves the model out: it is completed only on a node that hosts a partition",
+                self.part, snap.epoch
+            )),
+        }
+    }
+
+    /// As [`ReplicaBytes::decode`]; a replica that left its model out is completed from the
+    /// model and optimizer state of the same step that `store`'s own partitions committed,
+    /// with the weights digest it names (an error naming the partition and step when `store`
+    /// holds none).
+    pub fn decode_in(&self, store: &ReplicaStore) -> Result<Snapshot, String> {
+        let (mut snap, elided) = self.decode_parts()?;
+        if elided {
+            let model = store.model_at(snap.epoch, &snap.digest).ok_or_else(|| {
+                format!(
+                    "replica of partition {} (step {}) leaves the model out, and no partition of this node holds step {} with weights {}",
+                    self.part, snap.epoch, snap.epoch, snap.digest
+                )
+            })?;
+            snap.params = model.params.clone();
+            snap.opt_state = model.opt_state.clone();
+        }
+        Ok(snap)
+    }
+
+    /// The snapshot as shipped, and whether it left its model out.
+    fn decode_parts(&self) -> Result<(Snapshot, bool), String> {
         let got = blake3::hash(&self.bytes).to_hex().to_string();
         if got != self.digest {
             return Err(format!(
@@ -383,7 +440,8 @@ impl ReplicaBytes {
         aligned.extend_from_slice(archive);
         let w = rkyv::from_bytes::<SnapshotWire, rkyv::rancor::Error>(&aligned)
             .map_err(|e| corrupt(e.to_string()))?;
-        Ok(Snapshot {
+        let elided = w.model_elided;
+        let snap = Snapshot {
             epoch: w.epoch,
             params: w
                 .params
@@ -410,9 +468,24 @@ impl ReplicaBytes {
                 .map(|s| s.record(&raw))
                 .collect::<Result<_, _>>()
                 .map_err(|e| format!("replica of partition {}: {e}", self.part))?,
-        })
+        };
+        Ok((snap, elided))
     }
 }
+
+/// The model and optimizer state one of a node's partitions committed after a step (what a
+/// replica that left them out is completed from).
+#[derive(Debug)]
+struct CommittedModel {
+    epoch: u32,
+    digest: String,
+    params: Vec<Tensor>,
+    opt_state: Vec<(Tensor, Tensor)>,
+}
+
+/// Steps whose committed model a node keeps (a recovery resumes the committed step, at most
+/// one behind a partition's newest; one more for margin).
+const MODELS_KEPT: usize = 3;
 
 /// A partition's dynamic state after an optimizer step.
 #[derive(Debug, Clone)]
@@ -490,6 +563,11 @@ pub struct ReplicaStore {
     shipping: std::sync::OnceLock<std::sync::Mutex<std::sync::mpsc::Sender<Shipment>>>,
     /// Replication off: nothing is stored (measures what replication costs).
     disabled: bool,
+    /// Replicas shipped from here leave the model out (every receiver hosts a partition).
+    elide_model: std::sync::atomic::AtomicBool,
+    /// While replicas leave the model out: the model of the newest steps this node's
+    /// partitions committed, one copy per step.
+    models: std::sync::Mutex<Vec<Arc<CommittedModel>>>,
 }
 
 impl std::fmt::Debug for ReplicaStore {
@@ -523,11 +601,15 @@ impl ReplicaStore {
     }
 
     /// Ships every committed snapshot after the first step to other nodes through `sender`
-    /// (set once, by the cluster node that owns this store).
-    pub fn set_sender(&self, sender: ReplicaSender) {
+    /// (set once, by the cluster node that owns this store). `without_model`: every node the
+    /// replicas go to hosts a partition, so they leave the model out (see the module's doc),
+    /// and this store keeps its own partitions' models of the newest steps for the same use.
+    pub fn set_sender(&self, sender: ReplicaSender, without_model: bool) {
         if self.shipping.get().is_some() {
             return;
         }
+        self.elide_model
+            .store(without_model, std::sync::atomic::Ordering::Relaxed);
         let (tx, rx) = std::sync::mpsc::channel::<Shipment>();
         let spawned = std::thread::Builder::new()
             .name("trellis-replicate".into())
@@ -555,10 +637,14 @@ impl ReplicaStore {
             return 0;
         }
         let mut shipped = 0;
+        let with_model = !self.elides_model();
+        if !with_model {
+            self.keep_model(&snap);
+        }
         if let Some(queue) = self.shipping.get() {
             if snap.epoch > 0 {
                 use trellis_runtime::metrics::{names, Key, Metrics};
-                let encoding = Encoding::start(part, &snap);
+                let encoding = Encoding::start(part, &snap, with_model);
                 shipped = encoding.len();
                 let metrics = Metrics::global();
                 let key = |name| Key::new(name).with("partition", part);
@@ -585,8 +671,43 @@ impl ReplicaStore {
     /// committed step before its latest one: every replica node still keeps that step).
     pub fn put_local(&self, part: u32, snap: Arc<Snapshot>) {
         if !self.disabled {
+            if self.elides_model() {
+                self.keep_model(&snap);
+            }
             self.snaps.insert(part, snap);
         }
+    }
+
+    fn elides_model(&self) -> bool {
+        self.elide_model.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Keeps `snap`'s model (once per step and digest; the newest [`MODELS_KEPT`] steps).
+    fn keep_model(&self, snap: &Snapshot) {
+        let mut models = self.models.lock().unwrap_or_else(|p| p.into_inner());
+        if models
+            .iter()
+            .any(|m| m.epoch == snap.epoch && m.digest == snap.digest)
+        {
+            return;
+        }
+        models.push(Arc::new(CommittedModel {
+            epoch: snap.epoch,
+            digest: snap.digest.clone(),
+            params: snap.params.clone(),
+            opt_state: snap.opt_state.clone(),
+        }));
+        models.sort_by_key(|m| std::cmp::Reverse(m.epoch));
+        models.truncate(MODELS_KEPT);
+    }
+
+    /// The model this node's partitions committed after step `epoch` with weights `digest`.
+    fn model_at(&self, epoch: u32, digest: &str) -> Option<Arc<CommittedModel>> {
+        let models = self.models.lock().unwrap_or_else(|p| p.into_inner());
+        models
+            .iter()
+            .find(|m| m.epoch == epoch && m.digest == digest)
+            .cloned()
     }
 
     /// Keeps the replica of another node's partition (with the one step before it).
@@ -771,6 +892,52 @@ mod tests {
             let e = bad.decode().unwrap_err();
             assert!(e.contains("partition 3"), "{e}");
         }
+    }
+
+    /// A replica without the model is a fraction of the whole, decodes only where a partition
+    /// of the receiving node committed the same step with the same weights, and then equals
+    /// the whole replica's snapshot.
+    #[test]
+    fn a_replica_without_the_model_is_completed_from_the_receivers_own_partition() {
+        let mut own = snap();
+        own.params = vec![Tensor::from_vec(16, 64, vec![0.5; 1024]).unwrap()];
+        own.opt_state = vec![(Tensor::zeros(16, 64), Tensor::zeros(16, 64))];
+        let whole = ReplicaBytes::encode(3, &own);
+        let thin = ReplicaBytes::encode_without_model(3, &own);
+        assert!(
+            thin.bytes.len() * 20 < whole.bytes.len(),
+            "{} of {} bytes",
+            thin.bytes.len(),
+            whole.bytes.len()
+        );
+        let e = thin.decode().unwrap_err();
+        assert!(e.contains("partition 3") && e.contains("model out"), "{e}");
+        // A node whose partitions did not commit that step (or committed other weights).
+        let receiver = ReplicaStore::new();
+        receiver.set_sender(Arc::new(|_| {}), true);
+        let e = thin.decode_in(&receiver).unwrap_err();
+        assert!(e.contains("partition 3") && e.contains("step 7"), "{e}");
+        let mut other = own.clone();
+        other.digest = "other weights".into();
+        receiver.put(0, Arc::new(other));
+        assert!(thin.decode_in(&receiver).is_err());
+        // Its partition 0 committed step 7 with the same weights.
+        receiver.put(0, Arc::new(own.clone()));
+        let back = thin.decode_in(&receiver).unwrap();
+        let full = whole.decode().unwrap();
+        assert_eq!(format!("{back:?}"), format!("{full:?}"));
+        // Later steps keep the newest few models, step 7's among them for a while.
+        for epoch in 8..8 + MODELS_KEPT as u32 {
+            let mut later = own.clone();
+            later.epoch = epoch;
+            receiver.put(0, Arc::new(later));
+        }
+        assert!(
+            thin.decode_in(&receiver).is_err(),
+            "step 7 is no longer kept"
+        );
+        // A whole replica decodes anywhere.
+        assert!(whole.decode_in(&ReplicaStore::new()).is_ok());
     }
 
     #[test]

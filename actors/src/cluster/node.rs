@@ -347,6 +347,15 @@ impl ReplicaShipper {
         }
     }
 
+    /// Whether every node a replica can go to hosts a partition: then replicas leave the
+    /// model and optimizer state out, each receiver completing them from its own partitions'
+    /// state of the same step (see [`crate::replica`]).
+    pub fn receivers_host_partitions(&self) -> bool {
+        let placement = self.placement.lock().unwrap_or_else(|p| p.into_inner());
+        let hosts = |n: &u32| placement.contains(n);
+        self.ids.iter().all(hosts) && self.also_to.as_ref().is_none_or(hosts)
+    }
+
     /// The sender a node's [`ReplicaStore`] ships through.
     pub fn sender(self: &Arc<Self>) -> crate::replica::ReplicaSender {
         let me = self.clone();
@@ -409,7 +418,7 @@ pub fn host_partitions(
         ReplicaStore::disabled()
     });
     if let Some(s) = shipper {
-        replicas.set_sender(s.sender());
+        replicas.set_sender(s.sender(), s.receivers_host_partitions());
     }
     Ok(NodeSupervisor::start(
         states,
@@ -488,7 +497,9 @@ pub fn adopt_partitions(
                     node.replicas().remote_steps(p)
                 ))
             })?;
-            let snap = replica.decode().map_err(ActorError::Cluster)?;
+            let snap = replica
+                .decode_in(node.replicas())
+                .map_err(ActorError::Cluster)?;
             state.restore(&snap)?;
         }
         let restored = state
