@@ -473,6 +473,55 @@ impl ReplicaBytes {
     }
 }
 
+/// Bytes of a replica per piece on the wire: a replica larger than this (held halo rows grow
+/// with the graph, to hundreds of MB) travels in pieces, as control frames are limited to
+/// 16 MiB, and the receiving store puts them together ([`ReplicaStore::put_remote_piece`]).
+pub const REPLICA_PIECE: usize = 8 << 20;
+
+/// One piece of partition `part`'s replica of step `epoch`: `data` is `bytes[offset ..]` of
+/// the whole, which is `total` bytes long and has BLAKE3 digest `digest`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReplicaPiece {
+    pub part: u32,
+    pub epoch: u32,
+    pub digest: String,
+    pub offset: u64,
+    pub total: u64,
+    pub data: Vec<u8>,
+}
+
+impl ReplicaBytes {
+    /// The replica in pieces of at most [`REPLICA_PIECE`] bytes, in order (one for a small
+    /// replica).
+    pub fn pieces(&self) -> impl Iterator<Item = ReplicaPiece> + '_ {
+        let total = self.bytes.len();
+        (0..total.div_ceil(REPLICA_PIECE).max(1)).map(move |i| {
+            let start = i * REPLICA_PIECE;
+            let end = (start + REPLICA_PIECE).min(total);
+            ReplicaPiece {
+                part: self.part,
+                epoch: self.epoch,
+                digest: self.digest.clone(),
+                offset: start as u64,
+                total: total as u64,
+                data: self.bytes[start..end].to_vec(),
+            }
+        })
+    }
+}
+
+/// A replica whose pieces are arriving (in any order).
+struct Assembly {
+    digest: String,
+    total: u64,
+    /// Which pieces (by index: offset / [`REPLICA_PIECE`]) arrived.
+    arrived: Vec<bool>,
+    bytes: Vec<u8>,
+}
+
+/// The largest replica a store assembles (a bound on what a piece's `total` may claim).
+const MAX_REPLICA: u64 = 1 << 40;
+
 /// The model and optimizer state one of a node's partitions committed after a step (what a
 /// replica that left them out is completed from).
 #[derive(Debug)]
@@ -568,6 +617,8 @@ pub struct ReplicaStore {
     /// While replicas leave the model out: the model of the newest steps this node's
     /// partitions committed, one copy per step.
     models: std::sync::Mutex<Vec<Arc<CommittedModel>>>,
+    /// Replicas arriving in pieces, by (sender, partition, step).
+    assembling: std::sync::Mutex<std::collections::HashMap<(u32, u32, u32), Assembly>>,
 }
 
 impl std::fmt::Debug for ReplicaStore {
@@ -724,6 +775,69 @@ impl ReplicaStore {
         }
     }
 
+    /// Takes one piece of a replica node `from` ships; once every piece of it arrived, keeps
+    /// the replica ([`ReplicaStore::put_remote`]) and returns its partition and step. Pieces
+    /// may come in any order; each is the `REPLICA_PIECE`-long slice at its index (the last
+    /// one shorter). A piece that does not fit the others (another length or digest, not at
+    /// a piece's place, one that already arrived) is an error naming the partition and the
+    /// sender, and that replica is dropped; the digest of the whole is checked when it is
+    /// restored. Only the two newest steps of each partition from each sender are assembled
+    /// at a time.
+    pub fn put_remote_piece(
+        &self,
+        from: u32,
+        piece: ReplicaPiece,
+    ) -> Result<Option<(u32, u32)>, String> {
+        let key = (from, piece.part, piece.epoch);
+        let (part, epoch) = (piece.part, piece.epoch);
+        let mut assembling = self.assembling.lock().unwrap_or_else(|p| p.into_inner());
+        let step = REPLICA_PIECE as u64;
+        let count = piece.total.div_ceil(step).max(1);
+        let index = piece.offset / step;
+        let expected = piece.total.saturating_sub(piece.offset).min(step);
+        let a = assembling.entry(key).or_insert_with(|| Assembly {
+            digest: piece.digest.clone(),
+            total: piece.total,
+            arrived: vec![false; count.min(MAX_REPLICA / step) as usize],
+            bytes: Vec::new(),
+        });
+        let fits = a.digest == piece.digest
+            && a.total == piece.total
+            && piece.total <= MAX_REPLICA
+            && piece.offset % step == 0
+            && index < count
+            && piece.data.len() as u64 == expected
+            && a.arrived.get(index as usize) == Some(&false);
+        if !fits {
+            assembling.remove(&key);
+            return Err(format!(
+                "replica of partition {part} (step {epoch}) from node {from}: a piece at byte {} of {} does not fit the others",
+                piece.offset, piece.total
+            ));
+        }
+        // The buffer grows to the end of the furthest piece so far (at most `total`).
+        let (offset, end) = (piece.offset as usize, (piece.offset + expected) as usize);
+        if a.bytes.len() < end {
+            a.bytes.resize(end, 0);
+        }
+        a.bytes[offset..end].copy_from_slice(&piece.data);
+        a.arrived[index as usize] = true;
+        if a.arrived.iter().any(|&got| !got) {
+            // Older steps of the same partition from the same sender will not complete.
+            assembling.retain(|k, _| !(k.0 == from && k.1 == part && k.2 + 1 < epoch));
+            return Ok(None);
+        }
+        let a = assembling.remove(&key).expect("just updated");
+        drop(assembling);
+        self.put_remote(ReplicaBytes {
+            part,
+            epoch,
+            bytes: a.bytes.into(),
+            digest: a.digest,
+        });
+        Ok(Some((part, epoch)))
+    }
+
     /// The replica of another node's partition `part` at step `epoch`, if kept here.
     pub fn remote_at(&self, part: u32, epoch: u32) -> Option<ReplicaBytes> {
         self.remote
@@ -818,6 +932,55 @@ mod tests {
             None,
             "replication off keeps nothing"
         );
+    }
+
+    /// A replica of several pieces is put together whole (and decodes); a piece that does not
+    /// fit is an error naming the partition and the sender, never a panic.
+    #[test]
+    fn a_replica_in_pieces_is_put_together_and_a_piece_that_does_not_fit_is_refused() {
+        let mut big = snap();
+        let n = REPLICA_PIECE / 4 * 2 + 1000;
+        big.grad_residual = (0..n).map(|i| i as f32).collect();
+        let whole = ReplicaBytes::encode(4, &big);
+        let pieces: Vec<_> = whole.pieces().collect();
+        assert_eq!(pieces.len(), 3);
+        assert!(pieces.iter().all(|p| p.data.len() <= REPLICA_PIECE));
+        // Out of order (bulk messages travel on streams of their own).
+        let store = ReplicaStore::new();
+        assert_eq!(store.put_remote_piece(1, pieces[2].clone()), Ok(None));
+        assert_eq!(store.put_remote_piece(1, pieces[0].clone()), Ok(None));
+        assert!(store.remote_at(4, 7).is_none(), "not yet whole");
+        assert_eq!(
+            store.put_remote_piece(1, pieces[1].clone()),
+            Ok(Some((4, 7)))
+        );
+        let kept = store.remote_at(4, 7).unwrap();
+        assert_eq!(kept.bytes[..], whole.bytes[..]);
+        assert_eq!(kept.decode().unwrap().grad_residual, big.grad_residual);
+        // One small replica is one piece.
+        assert_eq!(ReplicaBytes::encode(4, &snap()).pieces().count(), 1);
+        // Another digest, a piece past the end, one that already arrived, one off its place.
+        for bad in [
+            ReplicaPiece {
+                offset: 5,
+                ..pieces[1].clone()
+            },
+            ReplicaPiece {
+                digest: "other".into(),
+                ..pieces[1].clone()
+            },
+            ReplicaPiece {
+                offset: pieces[0].total,
+                ..pieces[1].clone()
+            },
+            pieces[0].clone(),
+        ] {
+            let store = ReplicaStore::new();
+            store.put_remote_piece(2, pieces[0].clone()).unwrap();
+            let e = store.put_remote_piece(2, bad).unwrap_err();
+            assert!(e.contains("partition 4") && e.contains("node 2"), "{e}");
+            assert!(store.remote_at(4, 7).is_none());
+        }
     }
 
     #[test]

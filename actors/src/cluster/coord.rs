@@ -733,12 +733,14 @@ async fn dispatch(
     loop {
         match inbox.next(None, Duration::from_secs(3600)).await {
             Ok((from, ControlMsg::Reply { id, body })) => client.on_reply(from, id, body),
-            Ok((from, ControlMsg::Replica(r))) => {
-                let (part, epoch) = (r.part, r.epoch);
-                replicas.put_remote(r.into());
-                let ack = ControlMsg::ReplicaAck { part, epoch }.encode();
-                let _ = client.transport().send_control(from, ack);
-            }
+            Ok((from, ControlMsg::Replica(r))) => match replicas.put_remote_piece(from, r.into()) {
+                Ok(Some((part, epoch))) => {
+                    let ack = ControlMsg::ReplicaAck { part, epoch }.encode();
+                    let _ = client.transport().send_control(from, ack);
+                }
+                Ok(None) => {}
+                Err(e) => tracing::warn!("{e}"),
+            },
             Ok((from, ControlMsg::ReplicaAck { part, epoch })) => shipper.acked(from, part, epoch),
             // A node adopting a lost node's partition may lack its file.
             Ok((from, ControlMsg::FetchPart { part })) => {

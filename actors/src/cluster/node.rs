@@ -314,8 +314,14 @@ impl ReplicaShipper {
         let Some(owner) = owner else {
             return;
         };
-        let msg = ControlMsg::Replica((&bytes).into()).encode();
-        // The message holds the bytes now: no second copy alive while it is queued.
+        // In pieces that fit a control frame, each on a low-priority stream of its own (a
+        // replica of held halo rows is hundreds of MB: it must not hold up the control
+        // messages and halo blocks behind it); the messages hold the bytes now: no second
+        // copy alive while they are queued.
+        let msgs: Vec<Vec<u8>> = bytes
+            .pieces()
+            .map(|p| ControlMsg::Replica(p.into()).encode())
+            .collect();
         let (part, epoch) = (bytes.part, bytes.epoch);
         drop(bytes);
         let mut nodes = super::config::replica_nodes(&self.ids, owner, self.replicas);
@@ -332,17 +338,20 @@ impl ReplicaShipper {
                 in_flight.insert(ShippedReplica { part, epoch, to }, now);
             }
         }
-        let mut msg = Some(msg);
+        let mut msgs = Some(msgs);
         for (i, &node) in nodes.iter().enumerate() {
-            // The last node gets the message itself, the others a copy.
-            let m = if i + 1 == nodes.len() {
-                msg.take()
+            // The last node gets the messages themselves, the others a copy.
+            let ms = if i + 1 == nodes.len() {
+                msgs.take()
             } else {
-                msg.clone()
+                msgs.clone()
             };
-            let Some(m) = m else { break };
-            if let Err(e) = self.transport.send_control(node, m) {
-                tracing::warn!("replica of partition {part} to node {node}: {e}");
+            let Some(ms) = ms else { break };
+            for m in ms {
+                if let Err(e) = self.transport.send_bulk(node, m) {
+                    tracing::error!("replica of partition {part} to node {node}: {e}");
+                    break;
+                }
             }
         }
     }

@@ -53,34 +53,41 @@ pub enum ControlMsg {
     Serve(super::serving::proto::ServeEnvelope),
 }
 
-/// A partition's committed state after step `epoch`, and the BLAKE3 digest the sender
-/// computed of `bytes` (a restore checks the bytes against it).
+/// One piece of a partition's committed state after step `epoch`
+/// ([`crate::replica::ReplicaPiece`]): `bytes` is the whole's `[offset ..]`, the whole is
+/// `total` bytes with the BLAKE3 digest `digest` the sender computed (a restore checks it).
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
 pub struct ReplicaWire {
     pub part: u32,
     pub epoch: u32,
+    pub offset: u64,
+    pub total: u64,
     pub bytes: Vec<u8>,
     pub digest: String,
 }
 
-impl From<&crate::replica::ReplicaBytes> for ReplicaWire {
-    fn from(b: &crate::replica::ReplicaBytes) -> Self {
+impl From<crate::replica::ReplicaPiece> for ReplicaWire {
+    fn from(p: crate::replica::ReplicaPiece) -> Self {
         ReplicaWire {
-            part: b.part,
-            epoch: b.epoch,
-            bytes: b.bytes.to_vec(),
-            digest: b.digest.clone(),
+            part: p.part,
+            epoch: p.epoch,
+            offset: p.offset,
+            total: p.total,
+            bytes: p.data,
+            digest: p.digest,
         }
     }
 }
 
-impl From<ReplicaWire> for crate::replica::ReplicaBytes {
+impl From<ReplicaWire> for crate::replica::ReplicaPiece {
     fn from(w: ReplicaWire) -> Self {
-        crate::replica::ReplicaBytes {
+        crate::replica::ReplicaPiece {
             part: w.part,
             epoch: w.epoch,
-            bytes: w.bytes.into(),
             digest: w.digest,
+            offset: w.offset,
+            total: w.total,
+            data: w.bytes,
         }
     }
 }
@@ -424,6 +431,8 @@ mod tests {
             ControlMsg::Replica(ReplicaWire {
                 part: 3,
                 epoch: 9,
+                offset: 8,
+                total: 11,
                 bytes: vec![1, 2, 3],
                 digest: "ab".into(),
             }),

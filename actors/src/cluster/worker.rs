@@ -143,9 +143,13 @@ async fn serve(
         }
         match (pending.take(), hosted.as_mut()) {
             (Some((from, ControlMsg::Replica(r))), Some(h)) => {
-                let (part, epoch) = (r.part, r.epoch);
-                h.node.replicas().put_remote(r.into());
-                let _ = ep.send(from, &ControlMsg::ReplicaAck { part, epoch });
+                match h.node.replicas().put_remote_piece(from, r.into()) {
+                    Ok(Some((part, epoch))) => {
+                        let _ = ep.send(from, &ControlMsg::ReplicaAck { part, epoch });
+                    }
+                    Ok(None) => {}
+                    Err(e) => tracing::warn!("{e}"),
+                }
             }
             (Some((from, ControlMsg::ReplicaAck { part, epoch })), Some(h)) => {
                 h.shipper.acked(from, part, epoch)

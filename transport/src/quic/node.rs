@@ -67,6 +67,10 @@ pub(crate) fn bump(c: &AtomicU64, n: u64) {
 pub(crate) enum Outgoing {
     Halo(HaloBlock),
     Control(Vec<u8>),
+    /// A control message sent on a stream of its own at low priority (bulk state such as a
+    /// replica's pieces), so that it neither holds up the ordered control stream nor the
+    /// halo blocks queued after it.
+    Bulk(Vec<u8>),
     Pong(u64),
 }
 
@@ -74,7 +78,7 @@ impl Outgoing {
     pub fn bytes(&self) -> u64 {
         match self {
             Outgoing::Halo(b) => b.payload_bytes(),
-            Outgoing::Control(b) => b.len() as u64,
+            Outgoing::Control(b) | Outgoing::Bulk(b) => b.len() as u64,
             Outgoing::Pong(_) => 0,
         }
     }
@@ -388,6 +392,25 @@ impl QuicNode {
             });
         }
         self.shared.enqueue(node, Outgoing::Control(bytes))
+    }
+
+    /// As [`QuicNode::send_control`], for bulk state: the message goes on a stream of its
+    /// own, one at a time per peer, at a lower priority than halo blocks and the ordered
+    /// control messages, so it fills the link when they leave room. Messages sent this way
+    /// may arrive in any order relative to each other and to the control messages.
+    pub fn send_bulk(&self, node: NodeId, bytes: Vec<u8>) -> Result<(), QuicError> {
+        let (len, max) = (
+            bytes.len() as u64 + 64,
+            self.shared.core.cfg.limits.max_meta as u64,
+        );
+        if len > max {
+            return Err(QuicError::TooLarge {
+                node,
+                bytes: len,
+                max,
+            });
+        }
+        self.shared.enqueue(node, Outgoing::Bulk(bytes))
     }
 
     /// Waits until every queued message is delivered (acknowledged), a peer fails, or `within`

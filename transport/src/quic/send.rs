@@ -1,6 +1,7 @@
 //! The send side: one writer task per peer. Halo blocks go out on their own unidirectional
 //! streams, up to `send_streams` at once, their buffers handed to quinn without a copy;
-//! control messages share one ordered stream per connection.
+//! control messages share one ordered stream per connection; bulk control messages go one
+//! at a time on streams of their own at a lower priority than both.
 use super::error::StopCode;
 use super::node::{bump, Core, Outgoing, Peer, Shared};
 use super::QuicError;
@@ -35,6 +36,7 @@ pub(crate) async fn writer(
     mut rx: mpsc::UnboundedReceiver<Outgoing>,
 ) {
     let mut slots: Option<Arc<Semaphore>> = None;
+    let bulk = Arc::new(Semaphore::new(1));
     let mut control: Option<(usize, SendStream)> = None;
     while let Some(msg) = rx.recv().await {
         let bytes = msg.bytes();
@@ -80,11 +82,65 @@ pub(crate) async fn writer(
                 }
                 peer.settle();
             }
+            Outgoing::Bulk(b) => {
+                peer.queued.fetch_sub(bytes, Ordering::SeqCst);
+                let (core, peer, bulk) = (core.clone(), peer.clone(), bulk.clone());
+                core.rt.clone().spawn(async move {
+                    let permit = bulk.acquire_owned().await.expect("never closed");
+                    if let Err(e) = send_bulk(&core, &peer, &conn, b).await {
+                        core.fail(&peer, e);
+                    }
+                    drop(permit);
+                    peer.settle();
+                });
+            }
             Outgoing::Pong(n) => {
                 let _ = send_small(&core, &peer, &conn, &mut control, Frame::Pong(n)).await;
                 peer.settle();
             }
         }
+    }
+}
+
+/// Below the default priority (0) of halo streams and the control stream: quinn sends a
+/// lower-priority stream's data only when the higher ones have none ready.
+const BULK_PRIORITY: i32 = -1;
+
+/// Sends one control frame on a new low-priority stream and waits until the peer
+/// acknowledged it, within the send timeout.
+async fn send_bulk(
+    core: &Core,
+    peer: &Peer,
+    conn: &Connection,
+    body: Vec<u8>,
+) -> Result<(), QuicError> {
+    let after = core.cfg.send_timeout;
+    let data = encode_to_vec(&Frame::Control(body));
+    let bytes = data.len();
+    let work = async {
+        let mut s = conn
+            .open_uni()
+            .await
+            .map_err(|e| write_error(core, peer, WriteError::ConnectionLost(e)))?;
+        let _ = s.set_priority(BULK_PRIORITY);
+        s.write_all(&data)
+            .await
+            .map_err(|e| write_error(core, peer, e))?;
+        let _ = s.finish();
+        s.stopped().await.map_err(|e| QuicError::Send {
+            node: peer.node,
+            addr: peer.addr(),
+            reason: e.to_string(),
+        })
+    };
+    match timeout(after, work).await {
+        Err(_) => Err(QuicError::SendTimeout {
+            node: peer.node,
+            addr: peer.addr(),
+            what: format!("a {bytes}-byte bulk message"),
+            after,
+        }),
+        Ok(r) => r.map(drop),
     }
 }
 

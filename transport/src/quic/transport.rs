@@ -159,6 +159,11 @@ impl QuicTransport {
         self.node.send_control(node, bytes)
     }
 
+    /// Sends bulk state as a control message at low priority ([`QuicNode::send_bulk`]).
+    pub fn send_bulk(&self, node: NodeId, bytes: Vec<u8>) -> Result<(), QuicError> {
+        self.node.send_bulk(node, bytes)
+    }
+
     /// Waits until everything sent so far is acknowledged, a peer fails, or `within` passes.
     pub async fn flush(&self, within: Duration) -> Result<(), QuicError> {
         self.node.flush(within).await
