@@ -47,8 +47,10 @@ struct WireSent {
     phase: u8,
     layer: u16,
     cols: u32,
-    /// The values, f32 little endian in the raw section.
-    values: RawRange,
+    /// The int8 codes, in the raw section.
+    codes: RawRange,
+    /// The per-row scales, f32 little endian in the raw section.
+    scales: RawRange,
     sent: Vec<u32>,
 }
 
@@ -125,7 +127,8 @@ impl WireSent {
             phase: u8::from(s.phase != Phase::Forward),
             layer: s.layer,
             cols: s.cols,
-            values: raw.take(4 * s.values.len() as u64),
+            codes: raw.take(s.codes.len() as u64),
+            scales: raw.take(4 * s.scales.len() as u64),
             sent: s.sent.clone(),
         }
     }
@@ -136,13 +139,16 @@ impl WireSent {
             1 => Phase::Backward,
             p => return Err(format!("skip record with unknown phase {p}")),
         };
-        let values = raw.floats(self.values)?.to_vec();
-        if values.len() as u64 != self.sent.len() as u64 * u64::from(self.cols) {
+        let codes: Vec<i8> = raw.bytes(self.codes)?.iter().map(|&b| b as i8).collect();
+        let scales = raw.floats(self.scales)?.to_vec();
+        let rows = self.sent.len() as u64;
+        if codes.len() as u64 != rows * u64::from(self.cols) || scales.len() as u64 != rows {
             return Err(format!(
-                "skip record for partition {} holds {} values for {} rows of {}",
+                "skip record for partition {} holds {} values and {} scales for {} rows of {}",
                 self.to,
-                values.len(),
-                self.sent.len(),
+                codes.len(),
+                scales.len(),
+                rows,
                 self.cols
             ));
         }
@@ -151,7 +157,8 @@ impl WireSent {
             phase,
             layer: self.layer,
             cols: self.cols,
-            values,
+            codes,
+            scales,
             sent: self.sent,
         })
     }
@@ -290,7 +297,7 @@ pub struct Encoding {
     archive: rkyv::util::AlignedVec,
     /// Where each held block's and each skip record's payload goes in the raw section.
     blocks: Vec<RawRange>,
-    records: Vec<RawRange>,
+    records: Vec<(RawRange, RawRange)>,
     raw_len: u64,
 }
 
@@ -338,7 +345,7 @@ impl Encoding {
             epoch: snap.epoch,
             archive,
             blocks: wire.held_halo.iter().map(|w| w.payload).collect(),
-            records: wire.skip_sent.iter().map(|w| w.values).collect(),
+            records: wire.skip_sent.iter().map(|w| (w.codes, w.scales)).collect(),
             raw_len: raw.len,
         }
     }
@@ -371,9 +378,11 @@ impl Encoding {
                 HaloPayload::Encoded(e) => dst.copy_from_slice(e),
             }
         }
-        for (s, r) in snap.skip_sent.iter().zip(&self.records) {
-            let dst = &mut section[r.offset as usize..][..r.len as usize];
-            put_floats(dst, &s.values);
+        for (s, (codes, scales)) in snap.skip_sent.iter().zip(&self.records) {
+            let dst = &mut section[codes.offset as usize..][..codes.len as usize];
+            dst.copy_from_slice(bytemuck::cast_slice(&s.codes));
+            let dst = &mut section[scales.offset as usize..][..scales.len as usize];
+            put_floats(dst, &s.scales);
         }
         let digest = blake3::hash(&bytes).to_hex().to_string();
         ReplicaBytes {
@@ -563,16 +572,12 @@ impl Snapshot {
     /// Bytes of the held halo blocks' payloads and of the skip records (what `--staleness`
     /// and `--skip-threshold` add to a replica).
     pub fn held_halo_bytes(&self) -> u64 {
-        let records: usize = self
-            .skip_sent
-            .iter()
-            .map(|s| 4 * (s.values.len() + s.sent.len()))
-            .sum();
+        let records: u64 = self.skip_sent.iter().map(|s| s.bytes()).sum::<u64>();
         self.held_halo
             .iter()
             .map(HaloBlock::payload_bytes)
             .sum::<u64>()
-            + records as u64
+            + records
     }
 }
 
@@ -1029,7 +1034,8 @@ mod tests {
             phase: Phase::Backward,
             layer: 0,
             cols: 2,
-            values: vec![0.5, 0.25],
+            codes: vec![127, -64],
+            scales: vec![0.5 / 127.0],
             sent: vec![4],
         }];
         let r = ReplicaBytes::encode(3, &s);
@@ -1042,7 +1048,7 @@ mod tests {
             matches!(&back.held_halo[1].payload, HaloPayload::Encoded(e) if e[..] == [9, 8, 7])
         );
         assert_eq!(back.held_halo[1].header.from, PartId(1));
-        assert_eq!(back.skip_sent[0].values, [0.5, 0.25]);
+        assert_eq!(back.skip_sent[0], s.skip_sent[0]);
         assert_eq!(back.skip_sent[0].sent, [4]);
         assert_eq!(back.held_halo_bytes(), s.held_halo_bytes());
         for cut in [1, 5, 19] {
