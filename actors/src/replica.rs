@@ -809,7 +809,7 @@ impl ReplicaStore {
         let fits = a.digest == piece.digest
             && a.total == piece.total
             && piece.total <= MAX_REPLICA
-            && piece.offset % step == 0
+            && piece.offset.is_multiple_of(step)
             && index < count
             && piece.data.len() as u64 == expected
             && a.arrived.get(index as usize) == Some(&false);
