@@ -9,7 +9,6 @@ mod serve_support;
 
 use serde_json::{json, Value};
 use serve_support::{agent, Reply};
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -29,25 +28,11 @@ struct Proc {
 
 impl Proc {
     fn start(name: &str, args: &[&str]) -> Proc {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_trellis"))
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start trellis");
-        let stdout = child.stdout.take().expect("stdout is piped");
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    break;
-                }
-            }
-        });
+        let started = serve_support::start(args, &[]);
         Proc {
             name: name.into(),
-            child,
-            lines: rx,
+            child: started.child,
+            lines: started.lines,
         }
     }
 

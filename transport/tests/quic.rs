@@ -129,6 +129,42 @@ async fn control_messages_arrive_in_order() {
     .await
 }
 
+/// Bulk messages (8 MiB each, as replica pieces go) arrive whole as control messages, beside
+/// ordinary control messages sent after them, and the sender's flush waits for them; one
+/// over the envelope limit is refused at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bulk_messages_arrive_whole_beside_control_messages() {
+    bounded(30, async {
+        let ca = ClusterCa::generate().unwrap();
+        let (a, _) =
+            QuicTransport::bind(QuicConfig::loopback(), &ca.issue_identity(1).unwrap()).unwrap();
+        let (b, mut rx) =
+            QuicTransport::bind(QuicConfig::loopback(), &ca.issue_identity(2).unwrap()).unwrap();
+        a.add_peer(2, b.local_addr());
+        let piece = |i: u8| vec![i; 8 << 20];
+        for i in 0..3u8 {
+            a.send_bulk(2, piece(i)).unwrap();
+        }
+        a.send_control(2, b"after".to_vec()).unwrap();
+        a.flush(Duration::from_secs(20)).await.unwrap();
+        let mut got = Vec::new();
+        for _ in 0..4 {
+            let (from, bytes) = rx.recv().await.unwrap();
+            assert_eq!(from, 1);
+            got.push(bytes);
+        }
+        assert!(got.contains(&b"after".to_vec()));
+        for i in 0..3u8 {
+            assert!(got.contains(&piece(i)), "bulk message {i} arrived whole");
+        }
+        let e = a.send_bulk(2, vec![0; 16 << 20]).unwrap_err();
+        assert!(e.to_string().contains("node 2"), "{e}");
+        a.close().await;
+        b.close().await;
+    })
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unknown_partitions_runs_and_stale_epochs_are_refused() {
     bounded(20, async {

@@ -380,6 +380,12 @@ impl QuicNode {
 
     /// Queues a control message for `node`. Control messages to one node arrive in order.
     pub fn send_control(&self, node: NodeId, bytes: Vec<u8>) -> Result<(), QuicError> {
+        self.check_control(node, &bytes)?;
+        self.shared.enqueue(node, Outgoing::Control(bytes))
+    }
+
+    /// A control message must fit the envelope limit (with its frame header).
+    fn check_control(&self, node: NodeId, bytes: &[u8]) -> Result<(), QuicError> {
         let (len, max) = (
             bytes.len() as u64 + 64,
             self.shared.core.cfg.limits.max_meta as u64,
@@ -391,7 +397,7 @@ impl QuicNode {
                 max,
             });
         }
-        self.shared.enqueue(node, Outgoing::Control(bytes))
+        Ok(())
     }
 
     /// As [`QuicNode::send_control`], for bulk state: the message goes on a stream of its
@@ -399,17 +405,7 @@ impl QuicNode {
     /// control messages, so it fills the link when they leave room. Messages sent this way
     /// may arrive in any order relative to each other and to the control messages.
     pub fn send_bulk(&self, node: NodeId, bytes: Vec<u8>) -> Result<(), QuicError> {
-        let (len, max) = (
-            bytes.len() as u64 + 64,
-            self.shared.core.cfg.limits.max_meta as u64,
-        );
-        if len > max {
-            return Err(QuicError::TooLarge {
-                node,
-                bytes: len,
-                max,
-            });
-        }
+        self.check_control(node, &bytes)?;
         self.shared.enqueue(node, Outgoing::Bulk(bytes))
     }
 
