@@ -8,7 +8,7 @@
 mod serve_support;
 
 use serde_json::{json, Value};
-use serve_support::{agent, Reply};
+use serve_support::{agent, s, trellis, Reply};
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
@@ -70,22 +70,6 @@ fn post(server: &Server, path: &str, body: &Value) -> Reply {
         body.to_string().as_bytes(),
         None,
     )
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
-
-fn trellis(args: &[&str]) {
-    let out = Command::new(env!("CARGO_BIN_EXE_trellis"))
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "trellis {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 fn train(dir: &Path, name: &str, model: &str, seed: &str) -> PathBuf {
@@ -1025,13 +1009,7 @@ fn training_serves_its_last_published_weights_while_it_trains() {
         }
         assert_eq!(preds[1], preds[3], "one node, one answer within a version");
         answers += 1;
-        if versions.last() != Some(&version) {
-            assert!(
-                !versions.contains(&version),
-                "version {version} came back after a newer one: {versions:?}"
-            );
-            versions.push(version);
-        }
+        serve_support::note_version(&mut versions, version);
         // The model is written after the last publish has been served.
         if let Ok(line) = server.lines.try_recv() {
             if line.contains("written to") {

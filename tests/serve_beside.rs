@@ -6,8 +6,7 @@ mod support;
 
 use opentelemetry_proto::tonic::trace::v1::Span;
 use serde_json::{json, Value};
-use serve_support::{agent, Reply};
-use std::path::Path;
+use serve_support::{agent, s, trellis, Reply};
 use std::process::{Child, Command};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -98,23 +97,6 @@ impl Server {
 /// The answer to a POST of `body` with `headers`.
 fn post(agent: &ureq::Agent, url: &str, body: &Value, headers: &[(&str, &str)]) -> Reply {
     serve_support::request(agent, "POST", url, body.to_string().as_bytes(), headers)
-}
-
-fn trellis(args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_trellis"))
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "trellis {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
 }
 
 /// The `weights_digest` a run's summary printed.
@@ -225,13 +207,7 @@ fn serves_beside_partitioned_training(extra: &[&str]) {
         assert_eq!(rows[1], rows[3], "one node, one answer within a version");
         answers += 1;
         through_actors += usize::from(with_embeddings);
-        if versions.last() != Some(&version) {
-            assert!(
-                !versions.contains(&version),
-                "version {version} came back after a newer one: {versions:?}"
-            );
-            versions.push(version);
-        }
+        serve_support::note_version(&mut versions, version);
         if let Ok(line) = server.lines.try_recv() {
             if line.starts_with("weights_digest") {
                 break line;

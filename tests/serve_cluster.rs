@@ -8,7 +8,7 @@
 mod serve_support;
 
 use serde_json::{json, Value};
-use serve_support::{agent, Reply};
+use serve_support::{agent, s, trellis, Reply};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -68,22 +68,6 @@ impl Drop for Reap {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
-}
-
-fn s(p: &Path) -> &str {
-    p.to_str().unwrap()
-}
-
-fn trellis(args: &[&str]) {
-    let out = Command::new(env!("CARGO_BIN_EXE_trellis"))
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "trellis {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
 }
 
 fn train(dir: &Path, name: &str, seed: &str) -> PathBuf {

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 use serde_json::Value;
 use std::io::{BufRead, BufReader};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
@@ -11,6 +12,37 @@ use std::time::Duration;
 pub struct Started {
     pub child: Child,
     pub lines: mpsc::Receiver<String>,
+}
+
+/// `p` as a command-line argument.
+pub fn s(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+/// Runs `trellis ARGS` to the end; fails the test unless it succeeds; its stdout.
+pub fn trellis(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_trellis"))
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "trellis {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// Appends `version` to the versions answered so far when it is new, failing the test if an
+/// older one comes back (versions only move forward).
+pub fn note_version(versions: &mut Vec<String>, version: String) {
+    if versions.last() != Some(&version) {
+        assert!(
+            !versions.contains(&version),
+            "version {version} came back after a newer one: {versions:?}"
+        );
+        versions.push(version);
+    }
 }
 
 /// Runs `trellis ARGS` (with `env`), stdout piped into [`Started::lines`], stderr inherited.

@@ -287,9 +287,6 @@ struct Broken {
     retry_at: Instant,
 }
 
-/// How long a batch's lookup waits for a partition on another node.
-const REMOTE_LOOKUP_PATIENCE: Duration = Duration::from_millis(300);
-
 /// How long a failed rebuild waits before the next attempt.
 const REBUILD_RETRY: Duration = Duration::from_secs(1);
 
@@ -529,12 +526,8 @@ impl Engine {
         // A new run id (and, in one process, a new transport): blocks of abandoned actors
         // never reach the new ones.
         let run = uuid::Uuid::new_v4();
-        let PartLaunch {
-            threads,
-            faults,
-            priority,
-        } = &self.launch;
-        let (threads, faults, priority) = (*threads, faults.clone(), priority.clone());
+        let threads = self.launch.threads;
+        let (faults, priority) = (self.launch.faults.clone(), self.launch.priority.clone());
         match cluster {
             None => {
                 let transport = Arc::new(InProcessTransport::new());
@@ -1245,11 +1238,11 @@ impl Engine {
         }
         let mut rows: HashMap<(u32, Option<usize>), HashMap<u32, LookedUp>> = HashMap::new();
         let mut failure = None;
-        // A partition that does not answer (a stuck actor; a node not yet known to be lost)
-        // holds the engine no longer than the batch's first deadline, and another node's
-        // no longer than `REMOTE_LOOKUP_PATIENCE` (a live one answers in about a
-        // millisecond): the batch gets 503 and the engine goes on to other work, such as an
-        // update that waits for the node to be declared lost and then recovers it.
+        // A partition that does not answer (a stuck actor; a node not yet known to be lost:
+        // its handle gives up sooner, see `RemoteServePart::lookup`) holds the engine no
+        // longer than the batch's first deadline: the batch gets 503 and the engine goes on
+        // to other work, such as an update that waits for the node to be declared lost and
+        // then recovers it.
         let due = queries.iter().map(|q| q.deadline).min().unwrap_or(t);
         for ((p, layer), mut nodes) in wanted {
             nodes.sort_unstable();
@@ -1260,10 +1253,6 @@ impl Engine {
                     failure = Some(e);
                     break;
                 }
-            };
-            let due = match handle.node() {
-                Some(_) => due.min(Instant::now() + REMOTE_LOOKUP_PATIENCE),
-                None => due,
             };
             let lookup = handle.lookup(nodes.clone(), layer, crate::telemetry::current());
             let Ok(answer) = tokio::time::timeout_at(due.into(), lookup).await else {

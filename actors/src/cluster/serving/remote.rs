@@ -264,6 +264,9 @@ impl ServeLink {
     }
 }
 
+/// How long a lookup waits for a partition on another node.
+const LOOKUP_PATIENCE: Duration = Duration::from_millis(300);
+
 /// One serving partition hosted by another node.
 #[derive(Clone)]
 pub struct RemoteServePart {
@@ -335,7 +338,10 @@ impl RemoteServePart {
             layer: layer.map(|l| l as u32),
             trace: super::proto::wire_trace(trace),
         };
-        self.ask(req, self.link.timeout)
+        // A live node answers a lookup in about a millisecond; one that does not answer
+        // soon (dead, not yet declared lost) must not hold the engine's batch, and the
+        // updates behind it, until the link's timeout.
+        self.ask(req, LOOKUP_PATIENCE.min(self.link.timeout))
             .await?
             .into_found(self.node, self.part)
     }
