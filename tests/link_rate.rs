@@ -14,6 +14,15 @@ const DATA: &str = "synthetic:nodes=1500,degree=8,features=24,classes=4,seed=3";
 
 /// Whether this process may build namespaces (effective CAP_NET_ADMIN and CAP_SYS_ADMIN) and
 /// has iproute2; else prints why the test is skipped.
+/// Tests that start launchers share the host's networks; the SIGKILL test needs them to
+/// itself (another launcher cleans up the killed one's leftovers when it starts, which would
+/// race with the test's own check that there is something to clean up).
+static LAUNCHERS: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+fn sharing_launchers() -> std::sync::RwLockReadGuard<'static, ()> {
+    LAUNCHERS.read().unwrap_or_else(|p| p.into_inner())
+}
+
 fn can_build_networks(test: &str) -> bool {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     let caps = status
@@ -157,6 +166,7 @@ fn bad_link_options_are_refused_naming_the_value() {
 
 #[test]
 fn without_network_privileges_the_launch_says_what_it_needs() {
+    let _launchers = sharing_launchers();
     let mut cmd = if can_build_networks("privileged half of the refusal test") {
         // Root here: drop the two capabilities from the bounding set, so the launcher runs
         // without them (as root in a restricted container would).
@@ -197,6 +207,7 @@ fn without_network_privileges_the_launch_says_what_it_needs() {
 
 #[test]
 fn a_rate_limited_launch_ends_with_the_loopback_weights_and_leaves_nothing() {
+    let _launchers = sharing_launchers();
     if !can_build_networks("rate-limited launch") {
         return;
     }
@@ -253,6 +264,7 @@ fn a_rate_limited_launch_ends_with_the_loopback_weights_and_leaves_nothing() {
 
 #[test]
 fn a_launcher_stopped_by_sigterm_mid_run_removes_its_network_and_nodes() {
+    let _launchers = sharing_launchers();
     if !can_build_networks("SIGTERM teardown") {
         return;
     }
@@ -329,6 +341,7 @@ fn a_launcher_stopped_by_sigterm_mid_run_removes_its_network_and_nodes() {
 
 #[test]
 fn a_link_delay_works_with_netem_or_is_refused_saying_netem_is_missing() {
+    let _launchers = sharing_launchers();
     if !can_build_networks("--link-delay") {
         return;
     }
@@ -356,6 +369,7 @@ fn a_link_delay_works_with_netem_or_is_refused_saying_netem_is_missing() {
 
 #[test]
 fn bench_comm_prints_the_reference_and_the_emulated_rows() {
+    let _launchers = sharing_launchers();
     if !can_build_networks("bench comm") {
         return;
     }
@@ -483,6 +497,7 @@ fn bench_comm_prints_the_reference_and_the_emulated_rows() {
 
 #[test]
 fn namespaces_of_a_launcher_killed_with_sigkill_are_removed_by_the_next_one() {
+    let _alone = LAUNCHERS.write().unwrap_or_else(|p| p.into_inner());
     if !can_build_networks("SIGKILL leftovers") {
         return;
     }
@@ -529,8 +544,7 @@ fn namespaces_of_a_launcher_killed_with_sigkill_are_removed_by_the_next_one() {
         !leftovers(&prefix).is_empty(),
         "nothing was left to clean up"
     );
-    // The next launcher removes them before it builds its own network (another test's
-    // launcher, running at the same time, may get there first: either way they go).
+    // The next launcher removes them before it builds its own network.
     let (out, _, pid) = launch(dir.path(), &["--link-rate", "100mbit"], 1);
     assert!(out.status.success(), "{}", stderr(&out));
     assert_eq!(leftovers(&prefix), Vec::<String>::new(), "{}", stderr(&out));
