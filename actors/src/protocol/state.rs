@@ -343,7 +343,9 @@ impl PartitionState {
             .collect()
     }
 
-    /// `b` itself, or (a sparse block) `base` with the rows `b` carries overwritten.
+    /// `b` itself, or (a sparse block) `base` with the rows `b` carries overwritten: still
+    /// encoded where both are in the same fixed-width codec ([`codec::merge_sparse`]; held
+    /// int4 rows take an eighth of their fp32 size, in memory and in replicas), else decoded.
     fn merged(&self, base: Option<&HaloBlock>, b: &HaloBlock) -> Result<HaloBlock> {
         let HaloPayload::Encoded(bytes) = &b.payload else {
             return Ok(b.clone());
@@ -359,10 +361,20 @@ impl PartitionState {
                 &format!("sparse halo block from partition {from} (layer tag {layer:#x}): {what}"),
             )
         };
-        let changed = codec::decode_sparse(bytes, rows, cols).map_err(|e| bad(e.to_string()))?;
         let base = base
             .filter(|h| (h.rows, h.cols) == (b.rows, b.cols))
             .ok_or_else(|| bad(format!("no {rows}x{cols} rows held to merge it into")))?;
+        if let HaloPayload::Encoded(held) = &base.payload {
+            if let Some(merged) =
+                codec::merge_sparse(held, rows, cols, bytes).map_err(|e| bad(e.to_string()))?
+            {
+                return Ok(HaloBlock {
+                    payload: HaloPayload::Encoded(Arc::from(merged)),
+                    ..b.clone()
+                });
+            }
+        }
+        let changed = codec::decode_sparse(bytes, rows, cols).map_err(|e| bad(e.to_string()))?;
         let mut values = base.values().map_err(|e| bad(e.to_string()))?.into_owned();
         for (k, &r) in changed.index.iter().enumerate() {
             let r = r as usize;

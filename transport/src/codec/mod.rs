@@ -432,6 +432,52 @@ fn walk(
     Ok(())
 }
 
+/// `base` (a dense payload of `rows x cols` values) with the rows a sparse-row payload
+/// carries put in place of its own, still encoded: `Some` when both hold their rows in the
+/// same fixed-width format (fp16, bf16, int8, int4), so that a row is a byte range of its own
+/// (and, in the integer formats, its header); `None` otherwise (adaptive widths, raw fp32
+/// rows), where the caller merges decoded values. Decoding the result gives, bit for bit, the
+/// values of decoding `base` and overwriting the changed rows with the sparse payload's:
+/// every row decodes on its own. Both payloads are checked completely first.
+///
+/// A receiver that keeps a block's rows between epochs (`--skip-threshold`) keeps them this
+/// way: in the width they travelled in (an int4 row of 256 values is 132 bytes, its fp32
+/// values 1,024), which is also what its replicas and checkpoints carry.
+pub fn merge_sparse(
+    base: &[u8],
+    rows: usize,
+    cols: usize,
+    sparse: &[u8],
+) -> Result<Option<Vec<u8>>, CodecError> {
+    let (index, inner) = sparse::split(sparse, rows)?;
+    if is_sparse(base) {
+        return Err(CodecError::Sparse);
+    }
+    let (Some(&id), Some(&inner_id)) = (base.first(), inner.first()) else {
+        return Err(CodecError::TooShort(base.len().min(inner.len())));
+    };
+    if id != inner_id || !matches!(id, ID_FP16 | ID_BF16 | ID_INT8 | ID_INT4) {
+        return Ok(None);
+    }
+    // Full checks of both (values, scales, padding), as the decoders make.
+    validate(base, rows, cols)?;
+    validate(inner, index.len(), cols)?;
+    let (to, from) = (parse(base, rows, cols)?, parse(inner, index.len(), cols)?);
+    let row_len = to.body.len() / rows.max(1);
+    let headers_at = base.len() - to.body.len() - to.headers.len();
+    let body_at = base.len() - to.body.len();
+    let mut out = base.to_vec();
+    for (k, &r) in index.iter().enumerate() {
+        let r = r as usize;
+        let h = ROW_HEADER * usize::from(!to.headers.is_empty());
+        out[headers_at + r * h..headers_at + (r + 1) * h]
+            .copy_from_slice(&from.headers[k * h..(k + 1) * h]);
+        out[body_at + r * row_len..body_at + (r + 1) * row_len]
+            .copy_from_slice(&from.body[k * row_len..(k + 1) * row_len]);
+    }
+    Ok(Some(out))
+}
+
 /// The longest payload any codec writes for `rows x cols` values (a decoder's bound before it
 /// reads a body), or `None` on overflow: a sparse-row payload of every row in raw fp32, or
 /// of every row in the widest codec, whichever is longer.

@@ -457,3 +457,58 @@ fn corrupt_sparse_payloads_are_typed_errors() {
         }
     }
 }
+
+#[test]
+fn a_sparse_payload_merges_into_a_dense_one_without_decoding() {
+    let (rows, cols) = (9, 5);
+    let base_rows = sample(rows, cols);
+    // Other values in the changed rows, so that a merge that kept the base's shows.
+    let index = [0u32, 3, 8];
+    let picked: Vec<f32> = index
+        .iter()
+        .flat_map(|&r| {
+            base_rows[r as usize * cols..(r as usize + 1) * cols]
+                .iter()
+                .map(|x| x * -2.0 + 0.5)
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    for codec in ALL {
+        let base = encode(codec, rows, cols, &base_rows, &TestDither(1)).unwrap();
+        let inner = encode(codec, index.len(), cols, &picked, &TestDither(2)).unwrap();
+        let sparse = encode_sparse(rows, &index, SparseInner::Encoded(&inner)).unwrap();
+        let merged = merge_sparse(&base, rows, cols, &sparse).unwrap();
+        let Some(merged) = merged else {
+            assert!(matches!(codec, Codec::Adaptive { .. }), "{codec:?}");
+            continue;
+        };
+        assert_eq!(merged.len(), base.len(), "{codec:?}: still dense, same size");
+        // What a receiver that decodes both and overwrites rows gets, bit for bit.
+        let mut want = decode(&base, rows, cols).unwrap();
+        let changed = decode_sparse(&sparse, rows, cols).unwrap();
+        for (k, &r) in changed.index.iter().enumerate() {
+            let r = r as usize;
+            want[r * cols..(r + 1) * cols]
+                .copy_from_slice(&changed.values[k * cols..(k + 1) * cols]);
+        }
+        let got = decode(&merged, rows, cols).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&got), bits(&want), "{codec:?}");
+        // Another codec's rows, or raw fp32 rows, are not merged in encoded form.
+        let other = if codec == Codec::Int8 { Codec::Int4 } else { Codec::Int8 };
+        let inner = encode(other, index.len(), cols, &picked, &TestDither(2)).unwrap();
+        let mixed = encode_sparse(rows, &index, SparseInner::Encoded(&inner)).unwrap();
+        assert_eq!(merge_sparse(&base, rows, cols, &mixed), Ok(None));
+        let raw = encode_sparse(rows, &index, SparseInner::F32(&picked)).unwrap();
+        assert_eq!(merge_sparse(&base, rows, cols, &raw), Ok(None));
+        // A corrupt payload on either side is a typed error, never a panic.
+        let mut bad = sparse.clone();
+        bad.truncate(bad.len() - 1);
+        assert!(merge_sparse(&base, rows, cols, &bad).is_err(), "{codec:?}");
+        assert!(merge_sparse(&base[..base.len() - 1], rows, cols, &sparse).is_err());
+        assert_eq!(
+            merge_sparse(&sparse, rows, cols, &sparse),
+            Err(CodecError::Sparse)
+        );
+    }
+}
