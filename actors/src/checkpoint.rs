@@ -30,9 +30,9 @@ pub const CHECKPOINT_PREFIX: &str = "checkpoint-";
 pub const CHECKPOINT_SUFFIX: &str = ".ckpt";
 /// The first bytes of every checkpoint file.
 pub const MAGIC: &[u8; 8] = b"TRELCKPT";
-/// 4: skip records in int8 (3 had them in f32, 2 had no partition's own state: refused, as
-/// any other version).
-const VERSION: u32 = 4;
+/// 5: skip records as the rows sent where the codec has fixed widths, else int8 (4 had them
+/// all in int8, 3 in f32, 2 had no partition's own state: refused, as any other version).
+const VERSION: u32 = 5;
 /// Magic, version, payload length, digest.
 const HEAD: usize = 8 + 4 + 8 + 32;
 /// The file older builds wrote (no integrity digest): refused with a clear message.

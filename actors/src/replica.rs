@@ -16,12 +16,12 @@
 //! same step that its own partitions committed ([`ReplicaBytes::decode_in`]), checked
 //! against that digest. What is left is what only that partition holds: its gradient
 //! residual, held halo rows and skip records.
-use crate::protocol::skip::SentRows;
+use crate::protocol::skip::{SentRows, SentValues};
 use dashmap::DashMap;
 use rkyv::{Archive, Deserialize, Serialize};
 use std::sync::Arc;
 use trellis_gpu::Tensor;
-use trellis_transport::{HaloBlock, HaloPayload, MsgHeader, PartId, Phase, RunId};
+use trellis_transport::{codec, HaloBlock, HaloPayload, MsgHeader, PartId, Phase, RunId};
 
 /// A snapshot as replicated bytes: shapes and values of every tensor.
 #[derive(Archive, Serialize, Deserialize)]
@@ -47,7 +47,10 @@ struct WireSent {
     phase: u8,
     layer: u16,
     cols: u32,
-    /// The int8 codes, in the raw section.
+    /// The values are the rows as sent, a dense payload of a fixed-width codec, in `codes`
+    /// (`scales` empty); else int8 codes and per-row scales.
+    encoded: bool,
+    /// The int8 codes, or the encoded rows, in the raw section.
     codes: RawRange,
     /// The per-row scales, f32 little endian in the raw section.
     scales: RawRange,
@@ -122,13 +125,18 @@ fn put_floats(dst: &mut [u8], values: &[f32]) {
 
 impl WireSent {
     fn of(s: &SentRows, raw: &mut RawLayout) -> Self {
+        let (encoded, codes, scales) = match &s.values {
+            SentValues::Encoded(b) => (true, b.len(), 0),
+            SentValues::Int8 { codes, scales } => (false, codes.len(), scales.len()),
+        };
         WireSent {
             to: s.to.0,
             phase: u8::from(s.phase != Phase::Forward),
             layer: s.layer,
             cols: s.cols,
-            codes: raw.take(s.codes.len() as u64),
-            scales: raw.take(4 * s.scales.len() as u64),
+            encoded,
+            codes: raw.take(codes as u64),
+            scales: raw.take(4 * scales as u64),
             sent: s.sent.clone(),
         }
     }
@@ -139,9 +147,29 @@ impl WireSent {
             1 => Phase::Backward,
             p => return Err(format!("skip record with unknown phase {p}")),
         };
+        let rows = self.sent.len() as u64;
+        let record = |values| SentRows {
+            to: PartId(self.to),
+            phase,
+            layer: self.layer,
+            cols: self.cols,
+            values,
+            sent: self.sent.clone(),
+        };
+        if self.encoded {
+            let bytes = raw.bytes(self.codes)?;
+            if !codec::is_fixed_width(bytes) {
+                return Err(format!(
+                    "skip record for partition {}: its rows are not a fixed-width payload",
+                    self.to
+                ));
+            }
+            codec::validate(bytes, rows as usize, self.cols as usize)
+                .map_err(|e| format!("skip record for partition {}: {e}", self.to))?;
+            return Ok(record(SentValues::Encoded(Arc::from(bytes))));
+        }
         let codes: Vec<i8> = raw.bytes(self.codes)?.iter().map(|&b| b as i8).collect();
         let scales = raw.floats(self.scales)?.to_vec();
-        let rows = self.sent.len() as u64;
         if codes.len() as u64 != rows * u64::from(self.cols) || scales.len() as u64 != rows {
             return Err(format!(
                 "skip record for partition {} holds {} values and {} scales for {} rows of {}",
@@ -152,15 +180,7 @@ impl WireSent {
                 self.cols
             ));
         }
-        Ok(SentRows {
-            to: PartId(self.to),
-            phase,
-            layer: self.layer,
-            cols: self.cols,
-            codes,
-            scales,
-            sent: self.sent,
-        })
+        Ok(record(SentValues::Int8 { codes, scales }))
     }
 }
 
@@ -380,9 +400,17 @@ impl Encoding {
         }
         for (s, (codes, scales)) in snap.skip_sent.iter().zip(&self.records) {
             let dst = &mut section[codes.offset as usize..][..codes.len as usize];
-            dst.copy_from_slice(bytemuck::cast_slice(&s.codes));
-            let dst = &mut section[scales.offset as usize..][..scales.len as usize];
-            put_floats(dst, &s.scales);
+            match &s.values {
+                SentValues::Encoded(b) => dst.copy_from_slice(b),
+                SentValues::Int8 {
+                    codes: c,
+                    scales: f,
+                } => {
+                    dst.copy_from_slice(bytemuck::cast_slice(c));
+                    let dst = &mut section[scales.offset as usize..][..scales.len as usize];
+                    put_floats(dst, f);
+                }
+            }
         }
         let digest = blake3::hash(&bytes).to_hex().to_string();
         ReplicaBytes {
@@ -1029,15 +1057,23 @@ mod tests {
             ),
             block(1, HaloPayload::Encoded(Arc::from(vec![9u8, 8, 7]))),
         ];
-        s.skip_sent = vec![SentRows {
+        let record = |values| SentRows {
             to: PartId(2),
             phase: Phase::Backward,
             layer: 0,
             cols: 2,
-            codes: vec![127, -64],
-            scales: vec![0.5 / 127.0],
+            values,
             sent: vec![4],
-        }];
+        };
+        // One record in int8, one as the fp16 rows sent (1.0, -2.0).
+        let fp16_row: Arc<[u8]> = Arc::from(vec![1u8, 1, 0x00, 0x3C, 0x00, 0xC0]);
+        s.skip_sent = vec![
+            record(SentValues::Int8 {
+                codes: vec![127, -64],
+                scales: vec![0.5 / 127.0],
+            }),
+            record(SentValues::Encoded(fp16_row)),
+        ];
         let r = ReplicaBytes::encode(3, &s);
         let back = r.decode().unwrap();
         assert_eq!(
@@ -1048,8 +1084,16 @@ mod tests {
             matches!(&back.held_halo[1].payload, HaloPayload::Encoded(e) if e[..] == [9, 8, 7])
         );
         assert_eq!(back.held_halo[1].header.from, PartId(1));
-        assert_eq!(back.skip_sent[0], s.skip_sent[0]);
+        assert_eq!(back.skip_sent, s.skip_sent);
         assert_eq!(back.skip_sent[0].sent, [4]);
+        assert_eq!(back.skip_sent[1].decoded().unwrap(), [1.0, -2.0]);
+        // Encoded rows that are not a valid fixed-width payload are refused, naming the record.
+        for bytes in [vec![1u8, 1, 0x00, 0x3C], vec![4u8, 1, 0, 0]] {
+            let mut bad = s.clone();
+            bad.skip_sent[1] = record(SentValues::Encoded(Arc::from(bytes)));
+            let e = ReplicaBytes::encode(3, &bad).decode().unwrap_err();
+            assert!(e.contains("skip record for partition 2"), "{e}");
+        }
         assert_eq!(back.held_halo_bytes(), s.held_halo_bytes());
         for cut in [1, 5, 19] {
             let short = &r.bytes[..r.bytes.len() - cut];

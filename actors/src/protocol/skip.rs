@@ -5,11 +5,14 @@
 //! A row is resent when its change since it was last sent is above the threshold relative to
 //! the last sent value in L2 norm (`|x - x_sent|² > T² |x_sent|²`), or when the receiver
 //! would otherwise use it older than `--max-staleness` epochs; the others stay as the
-//! receiver has them. What the receiver holds is what it decoded, so the record keeps the
-//! decoded values — as int8 with one scale per row ([`SentRows`]): the record is only the
-//! reference of that comparison, the same in every run (so results stay deterministic), and
-//! it is replicated every step, where f32 made it the bulk of a replica (about 200 MB per
-//! partition on a 100k-node graph with 256-wide rows). Records of the epoch in progress are pending until its optimizer step
+//! receiver has them. The record keeps what the receiver holds ([`SentValues`]): with a
+//! fixed-width codec (fp16, bf16, int8, int4) the rows exactly as sent, a dense payload the
+//! sparse ones merge into as they do into the receiver's held block (an int4 row of 256 values
+//! is 132 bytes); otherwise (fp32 rows, adaptive widths) the decoded values as int8 with one
+//! scale per row, only the reference of the comparison. Either is the same in every run (so
+//! results stay deterministic), and compact: the record is replicated every step, where f32
+//! made it the bulk of a replica (about 200 MB per partition on a 100k-node graph with
+//! 256-wide rows). Records of the epoch in progress are pending until its optimizer step
 //! commits them (a replayed pass starts from the committed ones and sends the same blocks);
 //! the committed records are part of the partition's replicated snapshot.
 use crate::protocol::codec::HaloEncoder;
@@ -28,56 +31,127 @@ pub struct SentRows {
     pub phase: Phase,
     pub layer: u16,
     pub cols: u32,
-    /// `rows * cols` values as the receiver decoded them, in int8: value ≈ code × the row's
-    /// scale.
-    pub codes: Vec<i8>,
-    /// Per row: its largest magnitude / 127 (0 for a zero row).
-    pub scales: Vec<f32>,
+    pub values: SentValues,
     /// The epoch each row was last sent in.
     pub sent: Vec<u32>,
 }
 
+/// The values of a [`SentRows`] record.
+#[derive(Debug, Clone, PartialEq)]
+pub enum SentValues {
+    /// The rows exactly as the receiver holds them: a dense payload of a fixed-width codec
+    /// ([`codec::is_fixed_width`]), into which each sparse payload sent after it was merged
+    /// ([`codec::merge_sparse`]).
+    Encoded(Arc<[u8]>),
+    /// The values the receiver decoded, in int8 (rows sent as fp32, or in adaptive widths,
+    /// which do not merge in encoded form): value ≈ code × the row's scale.
+    Int8 {
+        /// `rows * cols` codes.
+        codes: Vec<i8>,
+        /// Per row: its largest magnitude / 127 (0 for a zero row).
+        scales: Vec<f32>,
+    },
+}
+
 impl SentRows {
-    fn empty(to: PartId, phase: Phase, layer: u16, cols: usize, rows: usize) -> Self {
+    /// The record of a whole block sent in `epoch` as `payload`, whose decoded values are
+    /// `values`.
+    fn whole(key: Key, cols: usize, payload: &HaloPayload, values: &[f32], epoch: u32) -> Self {
+        let rows = values.len() / cols.max(1);
+        let kept = match payload {
+            HaloPayload::Encoded(b) if codec::is_fixed_width(b) => SentValues::Encoded(b.clone()),
+            _ => SentValues::quantised(values, cols),
+        };
         SentRows {
-            to,
-            phase,
-            layer,
+            to: key.0,
+            phase: key.1,
+            layer: key.2,
             cols: cols as u32,
-            codes: vec![0; rows * cols],
-            scales: vec![0.0; rows],
-            sent: vec![0; rows],
+            values: kept,
+            sent: vec![epoch; rows],
         }
     }
 
-    /// Keeps row `r` as `x`, quantised.
-    fn set_row(&mut self, r: usize, x: &[f32]) {
-        let m = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        let scale = if m.is_finite() { m / 127.0 } else { 0.0 };
-        let cols = x.len();
-        for (c, &v) in self.codes[r * cols..(r + 1) * cols].iter_mut().zip(x) {
-            // `as` saturates and maps NaN to 0.
-            *c = if scale > 0.0 {
-                (v / scale).round().clamp(-127.0, 127.0) as i8
-            } else {
-                0
-            };
-        }
-        self.scales[r] = scale;
-    }
-
-    /// Row `r` as kept.
-    pub fn row(&self, r: usize) -> impl Iterator<Item = f32> + '_ {
+    /// The rows as the receiver holds them, decoded (`rows * cols` values, row-major).
+    pub fn decoded(&self) -> std::result::Result<Vec<f32>, codec::CodecError> {
         let cols = self.cols as usize;
-        let s = self.scales[r];
-        self.codes[r * cols..(r + 1) * cols]
-            .iter()
-            .map(move |&c| f32::from(c) * s)
+        match &self.values {
+            SentValues::Encoded(b) => codec::decode(b, self.sent.len(), cols),
+            SentValues::Int8 { codes, scales } => Ok(codes
+                .chunks(cols.max(1))
+                .zip(scales)
+                .flat_map(|(row, &s)| row.iter().map(move |&c| f32::from(c) * s))
+                .collect()),
+        }
+    }
+
+    /// This record after `sparse` (a sparse payload of the rows `changed`, decoded as
+    /// `values`) was sent in `epoch`: merged in encoded form where both are in one
+    /// fixed-width codec, else kept as int8.
+    fn updated(
+        &self,
+        sparse: &[u8],
+        changed: &[u32],
+        values: &[f32],
+        epoch: u32,
+    ) -> std::result::Result<Self, codec::CodecError> {
+        let (rows, cols) = (self.sent.len(), self.cols as usize);
+        let merged = match &self.values {
+            SentValues::Encoded(b) => codec::merge_sparse(b, rows, cols, sparse)?,
+            SentValues::Int8 { .. } => None,
+        };
+        let kept = match merged {
+            Some(m) => SentValues::Encoded(Arc::from(m)),
+            None => {
+                let mut all = self.decoded()?;
+                for (k, &r) in changed.iter().enumerate() {
+                    let r = r as usize;
+                    all[r * cols..(r + 1) * cols]
+                        .copy_from_slice(&values[k * cols..(k + 1) * cols]);
+                }
+                SentValues::quantised(&all, cols)
+            }
+        };
+        let mut sent = self.sent.clone();
+        for &r in changed {
+            sent[r as usize] = epoch;
+        }
+        Ok(SentRows {
+            values: kept,
+            sent,
+            ..self.clone()
+        })
     }
 
     /// Bytes the record holds.
     pub fn bytes(&self) -> u64 {
-        (self.codes.len() + 4 * (self.scales.len() + self.sent.len())) as u64
+        let values = match &self.values {
+            SentValues::Encoded(b) => b.len(),
+            SentValues::Int8 { codes, scales } => codes.len() + 4 * scales.len(),
+        };
+        (values + 4 * self.sent.len()) as u64
+    }
+}
+
+impl SentValues {
+    /// `values` (rows of `cols`) as int8 with one scale per row.
+    pub fn quantised(values: &[f32], cols: usize) -> Self {
+        let mut codes = Vec::with_capacity(values.len());
+        let mut scales = Vec::with_capacity(values.len() / cols.max(1));
+        for x in values.chunks(cols.max(1)) {
+            let m = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let scale = if m.is_finite() { m / 127.0 } else { 0.0 };
+            // `as` saturates and maps NaN to 0.
+            codes.extend(x.iter().map(|&v| {
+                if scale > 0.0 {
+                    (v / scale).round().clamp(-127.0, 127.0) as i8
+                } else {
+                    0
+                }
+            }));
+            scales.push(scale);
+        }
+        SentValues::Int8 { codes, scales }
     }
 }
 
@@ -129,46 +203,54 @@ impl SkipSender {
         }
         let rows = gids.len();
         let key = (to, tag.phase, tag.layer);
+        let bad = |what: String| proto(from, &format!("skip record for partition {to}: {what}"));
         let base = self
             .committed
             .get(&key)
             .filter(|b| b.cols as usize == cols && b.sent.len() == rows);
         let changed: Vec<u32> = match base {
             None => (0..rows as u32).collect(),
-            Some(b) => (0..rows)
-                .filter(|&r| self.must_send(b, r, &data[r * cols..(r + 1) * cols], tag.epoch))
-                .map(|r| r as u32)
-                .collect(),
-        };
-        let (payload, values) = if changed.len() == rows {
-            let p = encoder.payload(from, tag, gids, cols, data)?;
-            let v = decoded(from, &p, rows, cols)?;
-            (p, v)
-        } else {
-            let mut sub = Vec::with_capacity(changed.len() * cols);
-            for &r in &changed {
-                sub.extend_from_slice(&data[r as usize * cols..(r as usize + 1) * cols]);
+            Some(b) => {
+                let held = b.decoded().map_err(|e| bad(e.to_string()))?;
+                (0..rows)
+                    .filter(|&r| {
+                        let at = r * cols..(r + 1) * cols;
+                        self.must_send(b.sent[r], &data[at.clone()], &held[at], tag.epoch)
+                    })
+                    .map(|r| r as u32)
+                    .collect()
             }
-            let sub_gids: Vec<u32> = changed.iter().map(|&r| gids[r as usize]).collect();
-            let inner = encoder.payload(from, tag, &sub_gids, cols, Arc::from(sub))?;
-            let v = decoded(from, &inner, changed.len(), cols)?;
-            let bytes = match &inner {
-                HaloPayload::F32(d) => codec::encode_sparse(rows, &changed, SparseInner::F32(d)),
-                HaloPayload::Encoded(b) => {
-                    codec::encode_sparse(rows, &changed, SparseInner::Encoded(b))
+        };
+        let (payload, next) = match base {
+            Some(b) if changed.len() < rows => {
+                let mut sub = Vec::with_capacity(changed.len() * cols);
+                for &r in &changed {
+                    sub.extend_from_slice(&data[r as usize * cols..(r as usize + 1) * cols]);
                 }
+                let sub_gids: Vec<u32> = changed.iter().map(|&r| gids[r as usize]).collect();
+                let inner = encoder.payload(from, tag, &sub_gids, cols, Arc::from(sub))?;
+                let v = decoded(from, &inner, changed.len(), cols)?;
+                let bytes = match &inner {
+                    HaloPayload::F32(d) => {
+                        codec::encode_sparse(rows, &changed, SparseInner::F32(d))
+                    }
+                    HaloPayload::Encoded(b) => {
+                        codec::encode_sparse(rows, &changed, SparseInner::Encoded(b))
+                    }
+                }
+                .map_err(|e| proto(from, &format!("sparse halo block for partition {to}: {e}")))?;
+                let next = b
+                    .updated(&bytes, &changed, &v, tag.epoch)
+                    .map_err(|e| bad(e.to_string()))?;
+                (HaloPayload::Encoded(Arc::from(bytes)), next)
             }
-            .map_err(|e| proto(from, &format!("sparse halo block for partition {to}: {e}")))?;
-            (HaloPayload::Encoded(Arc::from(bytes)), v)
+            _ => {
+                let p = encoder.payload(from, tag, gids, cols, data)?;
+                let v = decoded(from, &p, rows, cols)?;
+                let next = SentRows::whole(key, cols, &p, &v, tag.epoch);
+                (p, next)
+            }
         };
-        let mut next = base
-            .cloned()
-            .unwrap_or_else(|| SentRows::empty(to, tag.phase, tag.layer, cols, rows));
-        for (k, &r) in changed.iter().enumerate() {
-            let r = r as usize;
-            next.set_row(r, &values[k * cols..(k + 1) * cols]);
-            next.sent[r] = tag.epoch;
-        }
         let pending = match &mut self.pending {
             Some((e, m)) if *e == tag.epoch => m,
             slot => &mut slot.insert((tag.epoch, BTreeMap::new())).1,
@@ -177,15 +259,16 @@ impl SkipSender {
         Ok(payload)
     }
 
-    /// Whether row `r` (now `x`) must be resent in `epoch`.
-    fn must_send(&self, b: &SentRows, r: usize, x: &[f32], epoch: u32) -> bool {
+    /// Whether a row last sent in epoch `sent`, held by the receiver as `held` and now `x`,
+    /// must be resent in `epoch`.
+    fn must_send(&self, sent: u32, x: &[f32], held: &[f32], epoch: u32) -> bool {
         // The epoch the receiver uses the rows of this one in, less the row's send epoch.
-        let age = (epoch + self.staleness).saturating_sub(b.sent[r]);
+        let age = (epoch + self.staleness).saturating_sub(sent);
         if self.max_staleness.is_some_and(|k| age > k) {
             return true;
         }
         let (mut d2, mut p2) = (0.0f64, 0.0f64);
-        for (&a, p) in x.iter().zip(b.row(r)) {
+        for (&a, &p) in x.iter().zip(held) {
             let d = f64::from(a) - f64::from(p);
             d2 += d * d;
             p2 += f64::from(p) * f64::from(p);
@@ -290,7 +373,7 @@ mod tests {
         // Against what was last sent (1.0, not 1.05): 1.15 is 15% away.
         assert_eq!(send(&mut s, &enc, 3, [1.15, 0.0, 0.0, 3.0, 5.0, 5.0]), [0]);
         let rec = &s.committed()[0];
-        let kept: Vec<f32> = (0..3).flat_map(|r| rec.row(r)).collect();
+        let kept = rec.decoded().unwrap();
         for (k, want) in kept.iter().zip([1.15, 0.0, 0.0, 3.0, 5.0, 5.0]) {
             // int8 with a scale per row: within half a step (max / 254) of the value.
             assert!((k - want).abs() <= 5.0 / 254.0 + 1e-6, "{kept:?}");
@@ -346,5 +429,53 @@ mod tests {
         assert!(s.ready(2));
         s.restore(0, &snap);
         assert!(!s.ready(2));
+    }
+
+    #[test]
+    fn with_a_fixed_width_codec_the_record_is_exactly_what_the_receiver_holds() {
+        let cfg = HaloConfig {
+            codec: trellis_runtime::comm::HaloCodec::Int4,
+            skip_threshold: 0.1,
+            ..HaloConfig::default()
+        };
+        let (mut s, enc) = (SkipSender::new(&cfg), HaloEncoder::new(&cfg, 1));
+        let epochs: [[f32; 6]; 3] = [
+            [1.0, 0.5, 0.0, 2.0, 5.0, 5.0],
+            [1.02, 0.5, 0.0, 3.0, 5.0, 5.0],
+            [1.5, 0.1, 0.0, 3.0, -5.0, 5.0],
+        ];
+        let mut held: Option<Vec<u8>> = None;
+        for (e, rows) in epochs.iter().enumerate() {
+            let epoch = e as u32 + 1;
+            let p = s
+                .payload(
+                    &enc,
+                    PartId(0),
+                    tag(epoch),
+                    PartId(1),
+                    &[10, 11, 12],
+                    2,
+                    Arc::from(*rows),
+                )
+                .unwrap();
+            s.commit(epoch);
+            let HaloPayload::Encoded(b) = p else {
+                panic!("int4 rows travel encoded")
+            };
+            // The receiver's side: a dense block, or a sparse one merged into what it holds.
+            held = Some(match held {
+                Some(h) if codec::is_sparse(&b) => {
+                    codec::merge_sparse(&h, 3, 2, &b).unwrap().unwrap()
+                }
+                _ => b.to_vec(),
+            });
+            let rec = &s.committed()[0];
+            let SentValues::Encoded(kept) = &rec.values else {
+                panic!("an int4 record stays encoded: {rec:?}")
+            };
+            assert_eq!(kept[..], held.as_deref().unwrap()[..], "epoch {epoch}");
+            assert_eq!(rec.bytes(), kept.len() as u64 + 4 * 3);
+        }
+        assert_eq!(s.committed()[0].sent, [3, 2, 3]);
     }
 }

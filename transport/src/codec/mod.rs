@@ -342,6 +342,15 @@ pub fn validate(bytes: &[u8], rows: usize, cols: usize) -> Result<(), CodecError
     walk(bytes, rows, cols, |_, _| {})
 }
 
+/// Whether `bytes` is a dense payload whose rows all take the same bytes (fp16, bf16, int8,
+/// int4): one whose rows [`merge_sparse`] can replace in place.
+pub fn is_fixed_width(bytes: &[u8]) -> bool {
+    matches!(
+        bytes.first(),
+        Some(&(ID_FP16 | ID_BF16 | ID_INT8 | ID_INT4))
+    )
+}
+
 /// Whether `bytes` is a sparse-row payload (only the rows that changed).
 pub fn is_sparse(bytes: &[u8]) -> bool {
     bytes.first() == Some(&ID_SPARSE)
@@ -456,7 +465,7 @@ pub fn merge_sparse(
     let (Some(&id), Some(&inner_id)) = (base.first(), inner.first()) else {
         return Err(CodecError::TooShort(base.len().min(inner.len())));
     };
-    if id != inner_id || !matches!(id, ID_FP16 | ID_BF16 | ID_INT8 | ID_INT4) {
+    if id != inner_id || !is_fixed_width(base) {
         return Ok(None);
     }
     // Full checks of both (values, scales, padding), as the decoders make.

@@ -482,7 +482,11 @@ fn a_sparse_payload_merges_into_a_dense_one_without_decoding() {
             assert!(matches!(codec, Codec::Adaptive { .. }), "{codec:?}");
             continue;
         };
-        assert_eq!(merged.len(), base.len(), "{codec:?}: still dense, same size");
+        assert_eq!(
+            merged.len(),
+            base.len(),
+            "{codec:?}: still dense, same size"
+        );
         // What a receiver that decodes both and overwrites rows gets, bit for bit.
         let mut want = decode(&base, rows, cols).unwrap();
         let changed = decode_sparse(&sparse, rows, cols).unwrap();
@@ -495,7 +499,11 @@ fn a_sparse_payload_merges_into_a_dense_one_without_decoding() {
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&got), bits(&want), "{codec:?}");
         // Another codec's rows, or raw fp32 rows, are not merged in encoded form.
-        let other = if codec == Codec::Int8 { Codec::Int4 } else { Codec::Int8 };
+        let other = if codec == Codec::Int8 {
+            Codec::Int4
+        } else {
+            Codec::Int8
+        };
         let inner = encode(other, index.len(), cols, &picked, &TestDither(2)).unwrap();
         let mixed = encode_sparse(rows, &index, SparseInner::Encoded(&inner)).unwrap();
         assert_eq!(merge_sparse(&base, rows, cols, &mixed), Ok(None));
