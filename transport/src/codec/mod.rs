@@ -458,6 +458,11 @@ pub fn merge_sparse(
     cols: usize,
     sparse: &[u8],
 ) -> Result<Option<Vec<u8>>, CodecError> {
+    if !is_sparse(sparse) {
+        return Err(CodecError::UnknownCodec(
+            sparse.first().copied().unwrap_or(0),
+        ));
+    }
     let (index, inner) = sparse::split(sparse, rows)?;
     if is_sparse(base) {
         return Err(CodecError::Sparse);

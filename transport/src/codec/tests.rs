@@ -520,3 +520,50 @@ fn a_sparse_payload_merges_into_a_dense_one_without_decoding() {
         );
     }
 }
+
+/// A held block merges sparse payloads that came off the network: every mutation of one is a
+/// typed error or a merge that decodes as decoding and overwriting would.
+#[test]
+fn every_mutation_of_a_merged_sparse_payload_merges_exactly_or_fails_cleanly() {
+    let (rows, cols) = (6, 5);
+    let x = sample(rows, cols);
+    let index = [1u32, 4];
+    let picked: Vec<f32> = index
+        .iter()
+        .flat_map(|&r| {
+            x[r as usize * cols..(r as usize + 1) * cols]
+                .iter()
+                .map(|v| v + 1.0)
+        })
+        .collect();
+    for codec in [Codec::Fp16, Codec::Bf16, Codec::Int8, Codec::Int4] {
+        let base = encode(codec, rows, cols, &x, &TestDither(3)).unwrap();
+        let inner = encode(codec, index.len(), cols, &picked, &TestDither(4)).unwrap();
+        let good = encode_sparse(rows, &index, SparseInner::Encoded(&inner)).unwrap();
+        for at in 0..good.len() {
+            for flip in [0x01u8, 0x10, 0x80, 0xff] {
+                let mut v = good.clone();
+                v[at] ^= flip;
+                match merge_sparse(&base, rows, cols, &v) {
+                    Ok(Some(merged)) => {
+                        let mut want = decode(&base, rows, cols).unwrap();
+                        let changed = decode_sparse(&v, rows, cols).unwrap();
+                        for (k, &r) in changed.index.iter().enumerate() {
+                            let r = r as usize;
+                            want[r * cols..(r + 1) * cols]
+                                .copy_from_slice(&changed.values[k * cols..(k + 1) * cols]);
+                        }
+                        assert_eq!(decode(&merged, rows, cols).unwrap(), want, "{codec:?}");
+                    }
+                    // Another codec's id in the inner section (after id, version, count and
+                    // the two indices): the caller decodes, and checks, the rows itself.
+                    Ok(None) => assert_ne!(v[2 + 4 + 8], base[0], "{codec:?} at {at}"),
+                    Err(_) => assert!(
+                        decode_sparse(&v, rows, cols).is_err()
+                            || decode(&base, rows, cols).is_err()
+                    ),
+                }
+            }
+        }
+    }
+}
