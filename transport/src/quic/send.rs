@@ -102,8 +102,11 @@ pub(crate) async fn writer(
     }
 }
 
-/// Below the default priority (0) of halo streams and the control stream: quinn sends a
-/// lower-priority stream's data only when the higher ones have none ready.
+/// Halo streams, as the control stream, have quinn's default priority.
+const HALO_PRIORITY: i32 = 0;
+
+/// Below halo streams and the control stream: quinn sends a lower-priority stream's data
+/// only when the higher ones have none ready.
 const BULK_PRIORITY: i32 = -1;
 
 /// Sends one control frame on a new low-priority stream and waits until the peer
@@ -114,16 +117,34 @@ async fn send_bulk(
     conn: &Connection,
     body: Vec<u8>,
 ) -> Result<(), QuicError> {
-    let after = core.cfg.send_timeout;
-    let data = encode_to_vec(&Frame::Control(body));
+    let data = Bytes::from(encode_to_vec(&Frame::Control(body)));
     let bytes = data.len();
+    send_on_new_stream(core, peer, conn, &mut [data], BULK_PRIORITY, || {
+        format!("a {bytes}-byte bulk message")
+    })
+    .await
+    .map(drop)
+}
+
+/// Writes `chunks` on a new stream of `priority`, finishes it and waits until the peer
+/// acknowledged all of it (`None`) or stopped it (`Some(code)`), within the send timeout
+/// (`what` names the message in the timeout error).
+async fn send_on_new_stream(
+    core: &Core,
+    peer: &Peer,
+    conn: &Connection,
+    chunks: &mut [Bytes],
+    priority: i32,
+    what: impl FnOnce() -> String,
+) -> Result<Option<quinn::VarInt>, QuicError> {
+    let after = core.cfg.send_timeout;
     let work = async {
         let mut s = conn
             .open_uni()
             .await
             .map_err(|e| write_error(core, peer, WriteError::ConnectionLost(e)))?;
-        let _ = s.set_priority(BULK_PRIORITY);
-        s.write_all(&data)
+        let _ = s.set_priority(priority);
+        s.write_all_chunks(chunks)
             .await
             .map_err(|e| write_error(core, peer, e))?;
         let _ = s.finish();
@@ -133,15 +154,14 @@ async fn send_bulk(
             reason: e.to_string(),
         })
     };
-    match timeout(after, work).await {
-        Err(_) => Err(QuicError::SendTimeout {
+    timeout(after, work).await.unwrap_or_else(|_| {
+        Err(QuicError::SendTimeout {
             node: peer.node,
             addr: peer.addr(),
-            what: format!("a {bytes}-byte bulk message"),
+            what: what(),
             after,
-        }),
-        Ok(r) => r.map(drop),
-    }
+        })
+    })
 }
 
 /// Writes a small frame on the connection's control stream (opened on first use).
@@ -193,49 +213,24 @@ async fn send_halo(
     block: HaloBlock,
     corrupt: bool,
 ) -> Result<(), QuicError> {
-    let (to, bytes, after) = (
-        block.header.to,
-        block.payload_bytes(),
-        core.cfg.send_timeout,
-    );
+    let (to, bytes) = (block.header.to, block.payload_bytes());
     let mut head = encode_head(&Envelope::halo(&block), bytes);
     if corrupt {
         super::chaos::corrupt_head(&mut head);
     }
     let mut chunks = [Bytes::from(head), halo_body(&block.payload)];
     drop(block);
-    let work = async {
-        let mut s = conn
-            .open_uni()
-            .await
-            .map_err(|e| write_error(core, peer, WriteError::ConnectionLost(e)))?;
-        s.write_all_chunks(&mut chunks)
-            .await
-            .map_err(|e| write_error(core, peer, e))?;
-        let _ = s.finish();
-        s.stopped().await.map_err(|e| QuicError::Send {
-            node: peer.node,
-            addr: peer.addr(),
-            reason: e.to_string(),
-        })
-    };
-    match timeout(after, work).await {
-        Err(_) => {
-            let what = format!("a {bytes}-byte block for partition {to}");
-            Err(QuicError::SendTimeout {
-                node: peer.node,
-                addr: peer.addr(),
-                what,
-                after,
-            })
-        }
-        Ok(Err(e)) => Err(e),
-        Ok(Ok(None)) => {
+    let stopped = send_on_new_stream(core, peer, conn, &mut chunks, HALO_PRIORITY, || {
+        format!("a {bytes}-byte block for partition {to}")
+    })
+    .await?;
+    match stopped {
+        None => {
             bump(&core.counters.blocks_sent, 1);
             bump(&core.counters.bytes_sent, bytes);
             Ok(())
         }
-        Ok(Ok(Some(code))) => {
+        Some(code) => {
             bump(&core.counters.rejected_by_peer, 1);
             let why = StopCode::from_code(code.into_inner())
                 .map_or(format!("code {code}"), |c| format!("{c:?}"));
