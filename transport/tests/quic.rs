@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use trellis_transport::certs::{node_server_name, ClusterCa, NodeIdentity};
-use trellis_transport::quic::{tls, QuicConfig, QuicError, QuicTransport};
+use trellis_transport::quic::{tls, ControlRx, QuicConfig, QuicError, QuicTransport};
 use trellis_transport::wire::{
     encode_to_vec, Frame, FrameDecoder, FrameHeader, FrameKind, Limits, PROTOCOL_VERSION,
 };
@@ -48,6 +48,17 @@ fn node(ca: &ClusterCa, id: u32, part: u32, cfg: QuicConfig) -> (QuicTransport, 
     );
     t.set_epoch(run_id(), 1);
     (t, inbox)
+}
+
+/// Nodes 1 and 2, node 1 knowing node 2, and node 2's inbox of control messages.
+fn control_pair() -> (QuicTransport, QuicTransport, ControlRx) {
+    let ca = ClusterCa::generate().unwrap();
+    let (a, _) =
+        QuicTransport::bind(QuicConfig::loopback(), &ca.issue_identity(1).unwrap()).unwrap();
+    let (b, rx) =
+        QuicTransport::bind(QuicConfig::loopback(), &ca.issue_identity(2).unwrap()).unwrap();
+    a.add_peer(2, b.local_addr());
+    (a, b, rx)
 }
 
 /// Nodes 1 (partition 10) and 2 (partition 20), each knowing the other.
@@ -112,12 +123,7 @@ async fn two_nodes_exchange_halo_blocks() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn control_messages_arrive_in_order() {
     bounded(20, async {
-        let ca = ClusterCa::generate().unwrap();
-        let (a, _) =
-            QuicTransport::bind(QuicConfig::loopback(), &ca.issue_identity(1).unwrap()).unwrap();
-        let (b, mut rx) =
-            QuicTransport::bind(QuicConfig::loopback(), &ca.issue_identity(2).unwrap()).unwrap();
-        a.add_peer(2, b.local_addr());
+        let (a, _b, mut rx) = control_pair();
         for i in 0..50u32 {
             a.send_control(2, i.to_le_bytes().to_vec()).unwrap();
         }
@@ -135,12 +141,7 @@ async fn control_messages_arrive_in_order() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bulk_messages_arrive_whole_beside_control_messages() {
     bounded(30, async {
-        let ca = ClusterCa::generate().unwrap();
-        let (a, _) =
-            QuicTransport::bind(QuicConfig::loopback(), &ca.issue_identity(1).unwrap()).unwrap();
-        let (b, mut rx) =
-            QuicTransport::bind(QuicConfig::loopback(), &ca.issue_identity(2).unwrap()).unwrap();
-        a.add_peer(2, b.local_addr());
+        let (a, b, mut rx) = control_pair();
         let piece = |i: u8| vec![i; 8 << 20];
         for i in 0..3u8 {
             a.send_bulk(2, piece(i)).unwrap();
