@@ -104,11 +104,7 @@ impl SentRows {
             Some(m) => SentValues::Encoded(Arc::from(m)),
             None => {
                 let mut all = self.decoded()?;
-                for (k, &r) in changed.iter().enumerate() {
-                    let r = r as usize;
-                    all[r * cols..(r + 1) * cols]
-                        .copy_from_slice(&values[k * cols..(k + 1) * cols]);
-                }
+                codec::overwrite_rows(&mut all, cols, changed, values);
                 SentValues::quantised(&all, cols)
             }
         };

@@ -376,11 +376,7 @@ impl PartitionState {
         }
         let changed = codec::decode_sparse(bytes, rows, cols).map_err(|e| bad(e.to_string()))?;
         let mut values = base.values().map_err(|e| bad(e.to_string()))?.into_owned();
-        for (k, &r) in changed.index.iter().enumerate() {
-            let r = r as usize;
-            values[r * cols..(r + 1) * cols]
-                .copy_from_slice(&changed.values[k * cols..(k + 1) * cols]);
-        }
+        changed.overwrite(&mut values, cols);
         Ok(HaloBlock {
             payload: HaloPayload::F32(Arc::from(values)),
             ..b.clone()

@@ -30,7 +30,7 @@ mod sparse;
 
 pub use adaptive::{choose_bits, ADAPTIVE_WIDTHS};
 pub use quant::Dither;
-pub use sparse::{encode_sparse, SparseInner, SparseRows};
+pub use sparse::{encode_sparse, overwrite_rows, SparseInner, SparseRows};
 
 use half::{bf16, f16};
 use thiserror::Error;

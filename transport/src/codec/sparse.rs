@@ -28,6 +28,23 @@ pub struct SparseRows {
     pub values: Vec<f32>,
 }
 
+impl SparseRows {
+    /// Overwrites the rows it carries in `block` (a receiver's copy of the block, row-major,
+    /// rows of `cols` values), leaving the others.
+    pub fn overwrite(&self, block: &mut [f32], cols: usize) {
+        overwrite_rows(block, cols, &self.index, &self.values);
+    }
+}
+
+/// Overwrites rows `index` of `block` (rows of `cols` values) with the rows of `values`, in
+/// order.
+pub fn overwrite_rows(block: &mut [f32], cols: usize, index: &[u32], values: &[f32]) {
+    for (k, &r) in index.iter().enumerate() {
+        let r = r as usize;
+        block[r * cols..(r + 1) * cols].copy_from_slice(&values[k * cols..(k + 1) * cols]);
+    }
+}
+
 /// A sparse payload of block rows `index` (strictly ascending, below `rows`).
 pub fn encode_sparse(
     rows: usize,

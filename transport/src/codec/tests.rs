@@ -489,12 +489,9 @@ fn a_sparse_payload_merges_into_a_dense_one_without_decoding() {
         );
         // What a receiver that decodes both and overwrites rows gets, bit for bit.
         let mut want = decode(&base, rows, cols).unwrap();
-        let changed = decode_sparse(&sparse, rows, cols).unwrap();
-        for (k, &r) in changed.index.iter().enumerate() {
-            let r = r as usize;
-            want[r * cols..(r + 1) * cols]
-                .copy_from_slice(&changed.values[k * cols..(k + 1) * cols]);
-        }
+        decode_sparse(&sparse, rows, cols)
+            .unwrap()
+            .overwrite(&mut want, cols);
         let got = decode(&merged, rows, cols).unwrap();
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&got), bits(&want), "{codec:?}");
@@ -547,12 +544,9 @@ fn every_mutation_of_a_merged_sparse_payload_merges_exactly_or_fails_cleanly() {
                 match merge_sparse(&base, rows, cols, &v) {
                     Ok(Some(merged)) => {
                         let mut want = decode(&base, rows, cols).unwrap();
-                        let changed = decode_sparse(&v, rows, cols).unwrap();
-                        for (k, &r) in changed.index.iter().enumerate() {
-                            let r = r as usize;
-                            want[r * cols..(r + 1) * cols]
-                                .copy_from_slice(&changed.values[k * cols..(k + 1) * cols]);
-                        }
+                        decode_sparse(&v, rows, cols)
+                            .unwrap()
+                            .overwrite(&mut want, cols);
                         assert_eq!(decode(&merged, rows, cols).unwrap(), want, "{codec:?}");
                     }
                     // Another codec's id in the inner section (after id, version, count and
