@@ -447,7 +447,8 @@ fn walk(
 /// (and, in the integer formats, its header); `None` otherwise (adaptive widths, raw fp32
 /// rows), where the caller merges decoded values. Decoding the result gives, bit for bit, the
 /// values of decoding `base` and overwriting the changed rows with the sparse payload's:
-/// every row decodes on its own. Both payloads are checked completely first.
+/// every row decodes on its own. The sparse payload is checked completely first, `base`
+/// for its framing (its values are checked when it is decoded).
 ///
 /// A receiver that keeps a block's rows between epochs (`--skip-threshold`) keeps them this
 /// way: in the width they travelled in (an int4 row of 256 values is 132 bytes, its fp32
@@ -473,8 +474,10 @@ pub fn merge_sparse(
     if id != inner_id || !is_fixed_width(base) {
         return Ok(None);
     }
-    // Full checks of both (values, scales, padding), as the decoders make.
-    validate(base, rows, cols)?;
+    // The rows that arrive are checked completely (values, scales, padding), as the decoders
+    // check them; the held block only for its framing: it was checked when it arrived, and
+    // is decoded (and so checked again) wherever it is used, so a full pass over it here on
+    // every merge would only repeat that work.
     validate(inner, index.len(), cols)?;
     let (to, from) = (parse(base, rows, cols)?, parse(inner, index.len(), cols)?);
     let row_len = to.body.len() / rows.max(1);
