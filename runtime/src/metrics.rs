@@ -30,8 +30,12 @@ pub mod names {
     pub const HALO_MESSAGES: &str = "halo_messages";
     /// Partition restarts.
     pub const RESTARTS: &str = "restarts";
-    /// Bytes of committed partition state shipped to replica nodes, per partition.
+    /// Bytes of committed partition state replicated after each step (the state a replica
+    /// node holds, once per step whatever the number of replica nodes), per partition.
     pub const REPLICA_BYTES: &str = "replica_bytes";
+    /// Bytes of replica messages put on the wire, summed over the replica nodes: the whole
+    /// state, or after a node acknowledged one the bytes that changed since, per partition.
+    pub const REPLICA_WIRE_BYTES: &str = "replica_wire_bytes";
     /// Of those, the payload bytes of the halo blocks a partition holds for its next epoch
     /// (`--staleness 1`), per partition.
     pub const REPLICA_HALO_BYTES: &str = "replica_halo_bytes";
@@ -50,11 +54,12 @@ pub mod names {
         REPLICA_TRANSFER,
     ];
     /// Every counter name.
-    pub const COUNTERS: [&str; 6] = [
+    pub const COUNTERS: [&str; 7] = [
         HALO_BYTES,
         HALO_MESSAGES,
         RESTARTS,
         REPLICA_BYTES,
+        REPLICA_WIRE_BYTES,
         REPLICA_HALO_BYTES,
         REFUSED_CONNECTIONS,
     ];

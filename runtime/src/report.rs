@@ -43,8 +43,9 @@ pub struct EpochLog {
     /// its communication and waiting.
     #[serde(default)]
     pub part_compute_ms: Vec<f64>,
-    /// Bytes of the partitions' replicated snapshots shipped after this epoch's step (to each
-    /// replica node; 0 without replication or in one process)...
+    /// Bytes of the partitions' snapshots replicated after this epoch's step: the state a
+    /// replica node holds (0 without replication or in one process; what crossed the wire,
+    /// whole or as the bytes that changed, is the `replica_wire_bytes` counter)...
     #[serde(default)]
     pub replica_bytes: u64,
     /// ...and the time replicating them held up the step: the slowest partition's copy-out,

@@ -187,8 +187,11 @@ struct RunNumbers {
     link: Option<LinkNumbers>,
     /// Whole epochs (training step and evaluation), ms, the first left out when there are more.
     epoch_ms: Vec<f64>,
-    /// Replicated snapshot bytes shipped per epoch (the epoch log's `replica_bytes`)...
+    /// Replica bytes put on the wire per epoch, whole states or the bytes that changed (the
+    /// report's `replica_wire_bytes` counters)...
     replica_bytes: f64,
+    /// ...the state they replicate, per epoch (the epoch log's `replica_bytes`)...
+    replica_state_bytes: f64,
     /// ...and the time replication held up each training step (`replica_ms`), ms, the first
     /// epoch left out as for `epoch_ms`.
     replica_ms: Vec<f64>,
@@ -249,7 +252,14 @@ impl RunNumbers {
                 .skip(skip)
                 .map(|l| l.ms + l.eval_ms)
                 .collect(),
-            replica_bytes: per_epoch(r.epochs_log.iter().map(|l| l.replica_bytes).sum()),
+            replica_bytes: per_epoch(
+                r.counters
+                    .iter()
+                    .filter(|(k, _)| k.starts_with(&format!("{}{{", names::REPLICA_WIRE_BYTES)))
+                    .map(|(_, v)| v)
+                    .sum(),
+            ),
+            replica_state_bytes: per_epoch(r.epochs_log.iter().map(|l| l.replica_bytes).sum()),
             replica_ms: r
                 .epochs_log
                 .iter()
@@ -520,7 +530,7 @@ fn print_table(a: &CommBenchArgs, rows: &[Row], probe: &str) {
     );
     println!("link: {probe}");
     println!(
-        "| configuration | halo/epoch | link/epoch | tbf drops | epoch ms | vs reference | replica/epoch | replica ms (% of epoch) | test acc % | weights |"
+        "| configuration | halo/epoch | link/epoch | tbf drops | epoch ms | vs reference | replica sent/epoch (state) | replica ms (% of epoch) | test acc % | weights |"
     );
     println!("|---|---|---|---|---|---|---|---|---|---|");
     let reference = &rows[0];
@@ -553,12 +563,13 @@ fn print_table(a: &CommBenchArgs, rows: &[Row], probe: &str) {
             None => ("-".to_string(), "-".to_string()),
         };
         println!(
-            "| {} | {} | {link} | {drops} | {:.1} | {:.2}x | {} | {:.3} ({:.2}%) | {acc:.2} ± {sd:.2} | {} |",
+            "| {} | {} | {link} | {drops} | {:.1} | {:.2}x | {} ({}) | {:.3} ({:.2}%) | {acc:.2} ± {sd:.2} | {} |",
             row.label(a.link_rate),
             size(row.mean(|r| r.halo_bytes)),
             row.epoch_ms(),
             row.epoch_ms() / ref_ms,
             size(row.mean(|r| r.replica_bytes)),
+            size(row.mean(|r| r.replica_state_bytes)),
             row.replica_ms(),
             100.0 * row.replica_ms() / row.epoch_ms().max(f64::MIN_POSITIVE),
             if same { "= reference" } else { "differ" }
@@ -577,12 +588,13 @@ fn print_table(a: &CommBenchArgs, rows: &[Row], probe: &str) {
         }
         let (w, wo) = (with.epoch_ms(), without.epoch_ms());
         println!(
-            "{}: replication ({} replica(s)) ships {}/epoch and holds each training step up \
-             {:.3} ms ({:.2}% of the epoch); epoch {w:.1} ms with, {wo:.1} ms without \
-             ({:+.1}%, run-to-run noise included)",
+            "{}: replication ({} replica(s)) sends {}/epoch (of {} of state) and holds each \
+             training step up {:.3} ms ({:.2}% of the epoch); epoch {w:.1} ms with, {wo:.1} ms \
+             without ({:+.1}%, run-to-run noise included)",
             with.config.name,
             with.replicas,
             size(with.mean(|r| r.replica_bytes)),
+            size(with.mean(|r| r.replica_state_bytes)),
             with.replica_ms(),
             100.0 * with.replica_ms() / w.max(f64::MIN_POSITIVE),
             100.0 * (w - wo) / wo.max(f64::MIN_POSITIVE)
@@ -592,8 +604,9 @@ fn print_table(a: &CommBenchArgs, rows: &[Row], probe: &str) {
         "epoch = training step + evaluation (median over runs, the first epoch of each left out); \
          halo = rows and gradients moved between partitions in training and evaluation (run report's counters); link = bytes all \
          nodes' links sent (kernel counters: halo, gradients, replicas, control, all headers); \
-         tbf drops = packets the token buckets dropped (all runs); replica = snapshot bytes \
-         shipped to the replica nodes, and the time their copy-out, encoding and digest held \
+         tbf drops = packets the token buckets dropped (all runs); replica = bytes sent to the \
+         replica nodes (whole snapshots, or the bytes that changed since one a node \
+         acknowledged), the snapshots' size in brackets, and the time their copy-out, encoding and digest held \
          up the training step (slowest partition, median)"
     );
     for row in rows.iter().filter(|r| !r.runs.is_empty()) {

@@ -645,8 +645,8 @@ pub fn write_report(report: &RunReport, path: &Path) -> Result<()> {
     }
 }
 
-/// What replicating the partitions' state cost, per epoch: bytes shipped and the time it
-/// held up the training step (None without replication).
+/// What replicating the partitions' state cost, per epoch: the state replicated, the bytes
+/// sent for it, and the time it held up the training step (None without replication).
 pub fn replication_summary(r: &RunReport) -> Option<String> {
     let logs = &r.epochs_log;
     let bytes: u64 = logs.iter().map(|l| l.replica_bytes).sum();
@@ -654,12 +654,28 @@ pub fn replication_summary(r: &RunReport) -> Option<String> {
     if logs.is_empty() || (bytes == 0 && ms == 0.0) {
         return None;
     }
+    let wire_prefix = format!("{}{{", trellis_runtime::metrics::names::REPLICA_WIRE_BYTES);
+    let wire: u64 = r
+        .counters
+        .iter()
+        .filter(|(k, _)| k.starts_with(&wire_prefix))
+        .map(|(_, v)| v)
+        .sum();
     let step_ms: f64 = logs.iter().map(|l| l.ms).sum();
     let n = logs.len() as f64;
+    let kib = |b: u64| b as f64 / n / 1024.0;
+    let sent = if wire > 0 {
+        format!(
+            " ({:.1} KiB per epoch sent to the replica nodes: whole, or the bytes that changed)",
+            kib(wire)
+        )
+    } else {
+        String::new()
+    };
     Some(format!(
-        "replication: {:.1} KiB per epoch shipped to each replica node, {:.3} ms per epoch on \
-         the step's critical path ({:.2}% of the training step)",
-        bytes as f64 / n / 1024.0,
+        "replication: {:.1} KiB per epoch of state{sent}, {:.3} ms per epoch on the step's \
+         critical path ({:.2}% of the training step)",
+        kib(bytes),
         ms / n,
         100.0 * ms / step_ms.max(f64::MIN_POSITIVE)
     ))

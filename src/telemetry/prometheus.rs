@@ -25,7 +25,10 @@ pub fn help(name: &str) -> &'static str {
         names::HALO_BYTES => "Halo payload bytes sent",
         names::HALO_MESSAGES => "Halo blocks sent",
         names::RESTARTS => "Partition restarts",
-        names::REPLICA_BYTES => "Bytes of committed partition state shipped to replica nodes",
+        names::REPLICA_BYTES => "Bytes of committed partition state replicated after each step",
+        names::REPLICA_WIRE_BYTES => {
+            "Bytes of replica messages sent: whole states, or the bytes that changed since one a node holds"
+        }
         names::REPLICA_TRANSFER => {
             "From shipping a partition's state to a replica node until it acknowledged storing it"
         }

@@ -6,7 +6,7 @@ use super::config::{replica_nodes, replicated_by};
 use super::files::serve_part;
 use super::node::InboxEvent;
 use super::node::{adopt_partitions, apply_link_faults, reroute, Standby};
-use super::node::{host_partitions, ControlInbox, NodeEndpoint, ReplicaShipper};
+use super::node::{host_partitions, on_replica_msg, ControlInbox, NodeEndpoint, ReplicaShipper};
 use super::proto::{ControlMsg, Setup};
 use super::proto::{ReplyBody, Request};
 use super::remote::{ControlClient, RemotePart};
@@ -733,15 +733,17 @@ async fn dispatch(
     loop {
         match inbox.next(None, Duration::from_secs(3600)).await {
             Ok((from, ControlMsg::Reply { id, body })) => client.on_reply(from, id, body),
-            Ok((from, ControlMsg::Replica(r))) => match replicas.put_remote_piece(from, r.into()) {
-                Ok(Some((part, epoch))) => {
-                    let ack = ControlMsg::ReplicaAck { part, epoch }.encode();
-                    let _ = client.transport().send_control(from, ack);
+            Ok((
+                from,
+                m @ (ControlMsg::Replica(_)
+                | ControlMsg::ReplicaDelta(_)
+                | ControlMsg::ReplicaAck { .. }
+                | ControlMsg::ReplicaNack { .. }),
+            )) => {
+                if let Some(answer) = on_replica_msg(&replicas, &shipper, from, m) {
+                    let _ = client.transport().send_control(from, answer.encode());
                 }
-                Ok(None) => {}
-                Err(e) => tracing::warn!("{e}"),
-            },
-            Ok((from, ControlMsg::ReplicaAck { part, epoch })) => shipper.acked(from, part, epoch),
+            }
             // A node adopting a lost node's partition may lack its file.
             Ok((from, ControlMsg::FetchPart { part })) => {
                 ship(client.transport().clone(), &set, from, part)

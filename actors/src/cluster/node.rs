@@ -4,7 +4,7 @@ use super::config::ClusterFile;
 use super::proto::ControlMsg;
 use crate::faults::FaultPlan;
 use crate::protocol::state::{GlobalCounts, PartitionState};
-use crate::replica::ReplicaStore;
+use crate::replica::{DeltaBases, ReplicaBytes, ReplicaDelta, ReplicaStore};
 use crate::shells::supervisor::NodeSupervisor;
 use crate::ActorError;
 use std::collections::HashMap;
@@ -251,6 +251,8 @@ pub struct ReplicaShipper {
     placement: std::sync::Mutex<Vec<u32>>,
     /// When each replica not yet acknowledged was shipped.
     in_flight: std::sync::Mutex<HashMap<ShippedReplica, Instant>>,
+    /// The replicas shipped that later ones can be patches against.
+    bases: std::sync::Mutex<DeltaBases>,
 }
 
 /// One replica on its way: partition `part`'s state after step `epoch`, to node `to`.
@@ -276,12 +278,17 @@ impl ReplicaShipper {
             also_to,
             placement: std::sync::Mutex::new(placement),
             in_flight: std::sync::Mutex::new(HashMap::new()),
+            bases: std::sync::Mutex::new(DeltaBases::default()),
         })
     }
 
     /// Node `from` stored partition `part`'s state of step `epoch`: the transfer's time goes
     /// into the `replica_transfer` histogram.
     pub fn acked(&self, from: u32, part: u32, epoch: u32) {
+        self.bases
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .acked(from, part, epoch);
         let key = ShippedReplica {
             part,
             epoch,
@@ -305,8 +312,10 @@ impl ReplicaShipper {
     }
 
     /// Sends `bytes` to the replica nodes of its partition (queued on their connections; a
-    /// lost node is the failure detector's business, not this send's).
-    pub fn ship(&self, bytes: crate::replica::ReplicaBytes) {
+    /// lost node is the failure detector's business, not this send's): to a node that
+    /// acknowledged an earlier step still kept here, the bytes that changed since that step
+    /// ([`ReplicaDelta`]) where that saves half or more, else the whole.
+    pub fn ship(&self, bytes: ReplicaBytes) {
         let owner = {
             let placement = self.placement.lock().unwrap_or_else(|p| p.into_inner());
             placement.get(bytes.part as usize).copied()
@@ -314,20 +323,54 @@ impl ReplicaShipper {
         let Some(owner) = owner else {
             return;
         };
-        // In pieces that fit a control frame, each on a low-priority stream of its own (a
-        // replica of held halo rows is hundreds of MB: it must not hold up the control
-        // messages and halo blocks behind it); the messages hold the bytes now: no second
-        // copy alive while they are queued.
-        let msgs: Vec<Vec<u8>> = bytes
-            .pieces()
-            .map(|p| ControlMsg::Replica(p.into()).encode())
-            .collect();
         let (part, epoch) = (bytes.part, bytes.epoch);
-        drop(bytes);
         let mut nodes = super::config::replica_nodes(&self.ids, owner, self.replicas);
         if let Some(c) = self.also_to.filter(|c| *c != owner && !nodes.contains(c)) {
             nodes.push(c);
         }
+        let bases: Vec<Option<ReplicaBytes>> = {
+            let b = self.bases.lock().unwrap_or_else(|p| p.into_inner());
+            nodes.iter().map(|&n| b.base_for(part, n, epoch)).collect()
+        };
+        // One patch per base, worked out here (the replication thread), not under a lock.
+        let mut patches: Vec<(u32, Vec<Vec<u8>>)> = Vec::new();
+        for base in bases.iter().flatten() {
+            if patches.iter().all(|(e, _)| *e != base.epoch) {
+                let d = ReplicaDelta::between(base, &bytes);
+                let msgs = if d.worth_it() {
+                    d.pieces()
+                        .into_iter()
+                        .map(|p| ControlMsg::ReplicaDelta(p.into()).encode())
+                        .collect()
+                } else {
+                    Vec::new()
+                };
+                patches.push((base.epoch, msgs));
+            }
+        }
+        let patch_for = |base: &Option<ReplicaBytes>| {
+            let e = base.as_ref()?.epoch;
+            patches
+                .iter()
+                .find(|(pe, m)| *pe == e && !m.is_empty())
+                .map(|(_, m)| m)
+        };
+        // In pieces that fit a control frame, each on a low-priority stream of its own (a
+        // replica of held halo rows is hundreds of MB: it must not hold up the control
+        // messages and halo blocks behind it).
+        let whole: Vec<Vec<u8>> = if bases.iter().any(|b| patch_for(b).is_none()) {
+            bytes
+                .pieces()
+                .map(|p| ControlMsg::Replica(p.into()).encode())
+                .collect()
+        } else {
+            Vec::new()
+        };
+        // Kept as the base of the next patches.
+        self.bases
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .shipped(bytes);
         {
             let mut in_flight = self.in_flight.lock().unwrap_or_else(|p| p.into_inner());
             // Replicas of older steps that were never acknowledged (their node was lost)
@@ -338,21 +381,42 @@ impl ReplicaShipper {
                 in_flight.insert(ShippedReplica { part, epoch, to }, now);
             }
         }
-        let mut msgs = Some(msgs);
-        for (i, &node) in nodes.iter().enumerate() {
-            // The last node gets the messages themselves, the others a copy.
-            let ms = if i + 1 == nodes.len() {
-                msgs.take()
-            } else {
-                msgs.clone()
-            };
-            let Some(ms) = ms else { break };
-            for m in ms {
-                if let Err(e) = self.transport.send_bulk(node, m) {
-                    tracing::error!("replica of partition {part} to node {node}: {e}");
-                    break;
-                }
+        for (&node, base) in nodes.iter().zip(&bases) {
+            self.send_all(part, node, patch_for(base).unwrap_or(&whole));
+        }
+    }
+
+    /// Sends replica messages of partition `part` to `node`, counting their bytes.
+    fn send_all(&self, part: u32, node: u32, msgs: &[Vec<u8>]) {
+        use trellis_runtime::metrics::{names, Key, Metrics};
+        let mut sent = 0;
+        for m in msgs {
+            sent += m.len() as u64;
+            if let Err(e) = self.transport.send_bulk(node, m.clone()) {
+                tracing::error!("replica of partition {part} to node {node}: {e}");
+                break;
             }
+        }
+        let key = Key::new(names::REPLICA_WIRE_BYTES).with("partition", part);
+        Metrics::global().add(key, sent);
+    }
+
+    /// Node `from` could not store partition `part`'s replica of step `epoch` (it lacks the
+    /// base of the patch it got): it gets that step whole now, and whole replicas until it
+    /// acknowledges one.
+    pub fn refused(&self, from: u32, part: u32, epoch: u32) {
+        let kept = {
+            let mut b = self.bases.lock().unwrap_or_else(|p| p.into_inner());
+            b.refused(from, part);
+            b.kept(part, epoch)
+        };
+        tracing::warn!("node {from} refused the patch of partition {part}'s step {epoch}");
+        if let Some(bytes) = kept {
+            let msgs: Vec<Vec<u8>> = bytes
+                .pieces()
+                .map(|p| ControlMsg::Replica(p.into()).encode())
+                .collect();
+            self.send_all(part, from, &msgs);
         }
     }
 
@@ -369,6 +433,45 @@ impl ReplicaShipper {
     pub fn sender(self: &Arc<Self>) -> crate::replica::ReplicaSender {
         let me = self.clone();
         Arc::new(move |b| me.ship(b))
+    }
+}
+
+/// Takes a replica message that reached this node from node `from` (a piece of a replica or
+/// of a patch, an acknowledgement, a refusal) into `store` or `shipper`; returns the answer
+/// to send `from` (an acknowledgement once a replica is stored whole, a refusal when it
+/// cannot be), if any. Other messages are left alone (`None`).
+pub fn on_replica_msg(
+    store: &ReplicaStore,
+    shipper: &ReplicaShipper,
+    from: u32,
+    msg: ControlMsg,
+) -> Option<ControlMsg> {
+    let (stored, part, epoch) = match msg {
+        ControlMsg::Replica(r) => {
+            let (part, epoch) = (r.part, r.epoch);
+            (store.put_remote_piece(from, r.into()), part, epoch)
+        }
+        ControlMsg::ReplicaDelta(d) => {
+            let (part, epoch) = (d.part, d.epoch);
+            (store.put_remote_delta_piece(from, d.into()), part, epoch)
+        }
+        ControlMsg::ReplicaAck { part, epoch } => {
+            shipper.acked(from, part, epoch);
+            return None;
+        }
+        ControlMsg::ReplicaNack { part, epoch } => {
+            shipper.refused(from, part, epoch);
+            return None;
+        }
+        _ => return None,
+    };
+    match stored {
+        Ok(Some((part, epoch))) => Some(ControlMsg::ReplicaAck { part, epoch }),
+        Ok(None) => None,
+        Err(e) => {
+            tracing::warn!("{e}");
+            Some(ControlMsg::ReplicaNack { part, epoch })
+        }
     }
 }
 

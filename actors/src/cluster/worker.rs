@@ -6,8 +6,8 @@ use super::config::ClusterFile;
 use super::files::PartDownload;
 use super::node::InboxEvent;
 use super::node::{
-    adopt_partitions, apply_link_faults, host_partitions, reroute, ControlInbox, NodeEndpoint,
-    ReplicaShipper, Standby,
+    adopt_partitions, apply_link_faults, host_partitions, on_replica_msg, reroute, ControlInbox,
+    NodeEndpoint, ReplicaShipper, Standby,
 };
 use super::proto::{phase_from, ControlMsg, ReplyBody, Request, Setup};
 use crate::checkpoint::Checkpoint;
@@ -142,17 +142,19 @@ async fn serve(
             }
         }
         match (pending.take(), hosted.as_mut()) {
-            (Some((from, ControlMsg::Replica(r))), Some(h)) => {
-                match h.node.replicas().put_remote_piece(from, r.into()) {
-                    Ok(Some((part, epoch))) => {
-                        let _ = ep.send(from, &ControlMsg::ReplicaAck { part, epoch });
-                    }
-                    Ok(None) => {}
-                    Err(e) => tracing::warn!("{e}"),
+            (
+                Some((
+                    from,
+                    m @ (ControlMsg::Replica(_)
+                    | ControlMsg::ReplicaDelta(_)
+                    | ControlMsg::ReplicaAck { .. }
+                    | ControlMsg::ReplicaNack { .. }),
+                )),
+                Some(h),
+            ) => {
+                if let Some(answer) = on_replica_msg(h.node.replicas(), &h.shipper, from, m) {
+                    let _ = ep.send(from, &answer);
                 }
-            }
-            (Some((from, ControlMsg::ReplicaAck { part, epoch })), Some(h)) => {
-                h.shipper.acked(from, part, epoch)
             }
             (Some((_, ControlMsg::Request { id, part, req })), Some(h)) => {
                 on_request(ep, &mut inbox, coord, h, id, part, req).await?

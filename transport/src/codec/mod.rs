@@ -339,7 +339,7 @@ pub fn validate(bytes: &[u8], rows: usize, cols: usize) -> Result<(), CodecError
     if is_sparse(bytes) {
         return decode_sparse(bytes, rows, cols).map(|_| ());
     }
-    walk(bytes, rows, cols, |_, _| {})
+    walk(bytes, rows, cols, None)
 }
 
 /// Whether `bytes` is a dense payload whose rows all take the same bytes (fp16, bf16, int8,
@@ -382,17 +382,17 @@ pub fn decode(bytes: &[u8], rows: usize, cols: usize) -> Result<Vec<f32>, CodecE
     // The framing first: the length check bounds `rows * cols` by the payload's size.
     parse(bytes, rows, cols)?;
     let mut out = vec![0.0f32; rows * cols];
-    walk(bytes, rows, cols, |i, x| out[i] = x)?;
+    walk(bytes, rows, cols, Some(&mut out))?;
     Ok(out)
 }
 
-/// Visits every decoded value (flat index, value) after checking the payload's framing, and
-/// fails on the first scale, value or padding that is not allowed.
+/// Checks every value after the payload's framing and, given `out` (`rows * cols` values),
+/// decodes them into it; fails on the first scale, value or padding that is not allowed.
 fn walk(
     bytes: &[u8],
     rows: usize,
     cols: usize,
-    mut put: impl FnMut(usize, f32),
+    mut out: Option<&mut [f32]>,
 ) -> Result<(), CodecError> {
     let p = parse(bytes, rows, cols)?;
     if let Widths::Float(f) = p.widths {
@@ -405,7 +405,9 @@ fn walk(
                     col: i % cols,
                 });
             }
-            put(i, x);
+            if let Some(o) = out.as_deref_mut() {
+                o[i] = x;
+            }
         }
         return Ok(());
     }
@@ -430,9 +432,10 @@ fn walk(
         let n = quant::row_bytes(cols, bits).expect("checked by parse");
         let (row, rest) = body.split_at(n);
         body = rest;
-        quant::unpack_row(row, cols, bits, |c, q| {
-            put(r * cols + c, min + q as f32 * step)
-        })
+        match out.as_deref_mut() {
+            Some(o) => quant::dequant_row(row, cols, bits, min, step, &mut o[r * cols..][..cols]),
+            None => quant::unpack_row(row, cols, bits, |_, _| {}),
+        }
         .map_err(|()| CodecError::Padding {
             codec: p.codec,
             section: "a row of codes",

@@ -104,14 +104,75 @@ pub(crate) fn encode_rows(
             0,
         );
         let dst = &mut out[start..];
-        for (c, (&x, &u)) in row.iter().zip(&draws).enumerate() {
+        // Stochastic rounding: floor(t + u) with u uniform in [0, 1). For t + u >= 0 the
+        // truncating cast is that floor; below 0 (and for NaN) it saturates to 0, as
+        // `floor().max(0.0)` would: the same code for every input, without a call to libm's
+        // `floor` per value (baseline x86-64 has no rounding instruction).
+        let code = |x: f32, u: u32| {
             let t = (x as f64 - lo) * inv;
             let u = (u >> 8) as f64 * (1.0 / 16_777_216.0);
-            let q = ((t + u).floor().max(0.0) as u32).min(top);
-            put_code(dst, c, b, q);
+            ((t + u) as u32).min(top)
+        };
+        match b {
+            // Two codes a byte, low nibble first (as `put_code` packs them).
+            4 => {
+                for ((xs, us), d) in row.chunks(2).zip(draws.chunks(2)).zip(dst.iter_mut()) {
+                    let mut byte = code(xs[0], us[0]);
+                    if let (Some(&x), Some(&u)) = (xs.get(1), us.get(1)) {
+                        byte |= code(x, u) << 4;
+                    }
+                    *d = byte as u8;
+                }
+            }
+            8 => {
+                for ((&x, &u), d) in row.iter().zip(&draws).zip(dst.iter_mut()) {
+                    *d = code(x, u) as u8;
+                }
+            }
+            _ => {
+                for (c, (&x, &u)) in row.iter().zip(&draws).enumerate() {
+                    put_code(dst, c, b, code(x, u));
+                }
+            }
         }
     }
     Ok(())
+}
+
+/// Decodes one packed row of `bits`-bit codes into `dst` (`cols` values: `min + code *
+/// step`); `Err` when the padding bits after the last code are not zero. The 8- and 4-bit
+/// rows are unpacked a byte at a time, the others through [`unpack_row`]; the values are the
+/// same either way.
+pub(crate) fn dequant_row(
+    row: &[u8],
+    cols: usize,
+    bits: u32,
+    min: f32,
+    step: f32,
+    dst: &mut [f32],
+) -> Result<(), ()> {
+    let value = |q: u8| min + q as f32 * step;
+    match bits {
+        8 => {
+            for (d, &b) in dst.iter_mut().zip(row) {
+                *d = value(b);
+            }
+            Ok(())
+        }
+        4 => {
+            for (pair, &b) in dst.chunks_mut(2).zip(row) {
+                pair[0] = value(b & 15);
+                if let Some(hi) = pair.get_mut(1) {
+                    *hi = value(b >> 4);
+                }
+            }
+            if cols % 2 == 1 && row.last().is_some_and(|b| b >> 4 != 0) {
+                return Err(());
+            }
+            Ok(())
+        }
+        _ => unpack_row(row, cols, bits, |c, q| dst[c] = min + q as f32 * step),
+    }
 }
 
 /// Writes code `q` of column `c` into a zeroed row of `bits`-bit codes.

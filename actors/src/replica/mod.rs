@@ -16,8 +16,13 @@
 //! same step that its own partitions committed ([`ReplicaBytes::decode_in`]), checked
 //! against that digest. What is left is what only that partition holds: its gradient
 //! residual, held halo rows and skip records.
+//!
+//! After the first replica a node acknowledged, later ones reach it as the bytes that
+//! changed ([`delta`]).
+pub mod delta;
 use crate::protocol::skip::{SentRows, SentValues};
 use dashmap::DashMap;
+pub use delta::{DeltaBases, DeltaPiece, ReplicaDelta};
 use rkyv::{Archive, Deserialize, Serialize};
 use std::sync::Arc;
 use trellis_gpu::Tensor;
@@ -652,6 +657,17 @@ pub struct ReplicaStore {
     models: std::sync::Mutex<Vec<Arc<CommittedModel>>>,
     /// Replicas arriving in pieces, by (sender, partition, step).
     assembling: std::sync::Mutex<std::collections::HashMap<(u32, u32, u32), Assembly>>,
+    /// Replicas arriving as patches, by (sender, partition, step).
+    patching: std::sync::Mutex<std::collections::HashMap<(u32, u32, u32), Patching>>,
+}
+
+/// A replica being rebuilt from its base and the pieces of its patch (in any order).
+struct Patching {
+    digest: String,
+    total: u64,
+    count: u32,
+    arrived: Vec<bool>,
+    bytes: Vec<u8>,
 }
 
 impl std::fmt::Debug for ReplicaStore {
@@ -871,6 +887,97 @@ impl ReplicaStore {
         Ok(Some((part, epoch)))
     }
 
+    /// Takes one piece of a patch node `from` ships (see [`delta`]); once every piece of it
+    /// arrived, keeps the rebuilt replica ([`ReplicaStore::put_remote`]) and returns its
+    /// partition and step. The first piece copies the base, the newest step of the partition
+    /// this store keeps with the digest the patch names; the rebuilt whole is checked against
+    /// the sender's digest before it is kept. A patch against a step not kept here, with runs
+    /// outside the replica, that does not fit its other pieces or rebuilds other bytes is an
+    /// error naming the partition and the sender (the sender then ships the whole), and that
+    /// replica is dropped.
+    pub fn put_remote_delta_piece(
+        &self,
+        from: u32,
+        piece: DeltaPiece,
+    ) -> Result<Option<(u32, u32)>, String> {
+        let (part, epoch) = (piece.part, piece.epoch);
+        let key = (from, part, epoch);
+        let fail = |what: String| {
+            format!("replica of partition {part} (step {epoch}) from node {from}: {what}")
+        };
+        let mut patching = self.patching.lock().unwrap_or_else(|p| p.into_inner());
+        let p = match patching.entry(key) {
+            std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
+            std::collections::hash_map::Entry::Vacant(v) => {
+                let base = self
+                .remote_at(part, piece.base_epoch)
+                .filter(|b| b.digest == piece.base_digest)
+                .ok_or_else(|| {
+                    fail(format!(
+                        "a patch against step {}, which this node does not hold (it holds steps {:?})",
+                        piece.base_epoch,
+                        self.remote_steps(part)
+                    ))
+                })?;
+                // A patch grows the base by at most its pieces' bytes.
+                let most = base.bytes.len() as u64
+                    + u64::from(piece.count).saturating_mul(REPLICA_PIECE as u64);
+                if piece.count == 0 || piece.total > most.min(MAX_REPLICA) {
+                    return Err(fail(format!(
+                        "a patch of {} pieces claims {} bytes",
+                        piece.count, piece.total
+                    )));
+                }
+                let mut bytes = base.bytes.to_vec();
+                bytes.resize(piece.total as usize, 0);
+                v.insert(Patching {
+                    digest: piece.digest.clone(),
+                    total: piece.total,
+                    count: piece.count,
+                    arrived: vec![false; piece.count as usize],
+                    bytes,
+                })
+            }
+        };
+        let fits = p.digest == piece.digest
+            && p.total == piece.total
+            && p.count == piece.count
+            && p.arrived.get(piece.index as usize) == Some(&false);
+        let applied = if fits {
+            delta::apply_runs(&mut p.bytes, &piece.runs)
+        } else {
+            Err(format!(
+                "piece {} of {} does not fit the others",
+                piece.index, piece.count
+            ))
+        };
+        if let Err(e) = applied {
+            patching.remove(&key);
+            return Err(fail(e));
+        }
+        p.arrived[piece.index as usize] = true;
+        if p.arrived.iter().any(|&got| !got) {
+            patching.retain(|k, _| !(k.0 == from && k.1 == part && k.2 + 1 < epoch));
+            return Ok(None);
+        }
+        let p = patching.remove(&key).expect("just updated");
+        drop(patching);
+        let got = blake3::hash(&p.bytes).to_hex().to_string();
+        if got != p.digest {
+            return Err(fail(format!(
+                "the patched bytes have digest {got}, not the sender's {}",
+                p.digest
+            )));
+        }
+        self.put_remote(ReplicaBytes {
+            part,
+            epoch,
+            bytes: p.bytes.into(),
+            digest: p.digest,
+        });
+        Ok(Some((part, epoch)))
+    }
+
     /// The replica of another node's partition `part` at step `epoch`, if kept here.
     pub fn remote_at(&self, part: u32, epoch: u32) -> Option<ReplicaBytes> {
         self.remote
@@ -1014,6 +1121,83 @@ mod tests {
             assert!(e.contains("partition 4") && e.contains("node 2"), "{e}");
             assert!(store.remote_at(4, 7).is_none());
         }
+    }
+
+    /// A replica that reaches a node as a patch against the step it holds is rebuilt byte
+    /// for byte, from pieces in any order; a patch against a step it does not hold, one whose
+    /// result is not the sender's bytes, or a piece that does not fit is an error naming the
+    /// partition and the sender, and nothing is kept.
+    #[test]
+    fn a_patched_replica_is_rebuilt_exactly_or_refused() {
+        let mut s = snap();
+        s.grad_residual = (0..3 * REPLICA_PIECE / 4).map(|i| i as f32).collect();
+        let base = ReplicaBytes::encode(4, &s);
+        s.epoch = 8;
+        for i in (0..s.grad_residual.len()).step_by(3) {
+            s.grad_residual[i] = -1.0;
+        }
+        let new = ReplicaBytes::encode(4, &s);
+        let d = ReplicaDelta::between(&base, &new);
+        let pieces = d.pieces();
+        assert!(pieces.len() > 1, "{} pieces", pieces.len());
+        let store = ReplicaStore::new();
+        let e = store
+            .put_remote_delta_piece(1, pieces[0].clone())
+            .unwrap_err();
+        assert!(
+            e.contains("partition 4") && e.contains("node 1") && e.contains("step 7"),
+            "{e}"
+        );
+        store.put_remote(base.clone());
+        let mut got = None;
+        for p in pieces.iter().rev() {
+            got = store.put_remote_delta_piece(1, p.clone()).unwrap();
+        }
+        assert_eq!(got, Some((4, 8)));
+        assert_eq!(store.remote_at(4, 8).unwrap(), new);
+        assert_eq!(
+            store
+                .remote_at(4, 8)
+                .unwrap()
+                .decode()
+                .unwrap()
+                .grad_residual,
+            s.grad_residual
+        );
+        // Against other bytes of step 7, or rebuilding other bytes, or not fitting.
+        let other_base = ReplicaDelta {
+            base_digest: "0".repeat(64),
+            ..d.clone()
+        };
+        let wrong_result = ReplicaDelta {
+            digest: base.digest.clone(),
+            ..d.clone()
+        };
+        for (bad, says) in [
+            (other_base.pieces()[0].clone(), "does not hold"),
+            (
+                DeltaPiece {
+                    index: 99,
+                    ..pieces[0].clone()
+                },
+                "does not fit",
+            ),
+        ] {
+            let store = ReplicaStore::new();
+            store.put_remote(base.clone());
+            let e = store.put_remote_delta_piece(1, bad).unwrap_err();
+            assert!(e.contains("partition 4") && e.contains(says), "{e}");
+            assert!(store.remote_at(4, 8).is_none());
+        }
+        let store = ReplicaStore::new();
+        store.put_remote(base.clone());
+        let mut last = Ok(None);
+        for p in wrong_result.pieces() {
+            last = store.put_remote_delta_piece(1, p);
+        }
+        let e = last.unwrap_err();
+        assert!(e.contains("not the sender's"), "{e}");
+        assert!(store.remote_at(4, 8).is_none());
     }
 
     #[test]
