@@ -412,15 +412,20 @@ fn bench_comm_prints_the_reference_and_the_emulated_rows() {
     };
     let reference = row("exact (loopback, reference)");
     let limited = row("exact (100 Mbit/s)");
-    // | name | halo | link | drops | epoch | ratio | replicas | replica ms (% of step) | acc |
-    // weights |
+    // | name | halo | link | drops | epoch | ratio | replicas sent (state) | replica ms (% of
+    // step) | acc | weights |
     for cells in [&reference, &limited] {
         let halo = bytes(&cells[2]);
         let epoch: f64 = cells[5].parse().unwrap();
         assert!(halo > 0.0 && epoch > 0.0, "{cells:?}");
-        // Every step's state was replicated (one replica per partition), and what that cost
-        // the step is reported: "0.040 (0.68%)".
-        assert!(bytes(&cells[7]) > 0.0, "{cells:?}");
+        // Every step's state was replicated (one replica per partition): "1.20 kB (552 B)",
+        // bytes sent and the state's size; and what that cost the step is reported:
+        // "0.040 (0.68%)".
+        let (sent, state) = cells[7]
+            .split_once(" (")
+            .and_then(|(s, st)| Some((s, st.strip_suffix(')')?)))
+            .unwrap_or_else(|| panic!("{cells:?}"));
+        assert!(bytes(sent) > 0.0 && bytes(state) > 0.0, "{cells:?}");
         let (ms, share) = cells[8]
             .split_once(' ')
             .unwrap_or_else(|| panic!("{cells:?}"));

@@ -93,11 +93,13 @@ impl HaloLists {
             let b = blocks.get(q).ok_or_else(|| {
                 proto(self.part, &format!("missing halo block from partition {q}"))
             })?;
-            let data = self.values(b, rows.len(), width)?;
-            for (k, &r) in rows.iter().enumerate() {
-                let at = (r as usize - first) * width;
-                halo[at..at + width].copy_from_slice(&data[k * width..(k + 1) * width]);
-            }
+            // Decoded straight into the rows' places (no buffer per block).
+            self.check_shape(b, rows.len(), width)?;
+            let place = |k: usize| (rows[k] as usize).wrapping_sub(first);
+            b.values_into(&mut halo, &place).map_err(|e| {
+                let from = b.header.from;
+                proto(self.part, &format!("halo block from partition {from}: {e}"))
+            })?;
         }
         Ok(halo)
     }
@@ -223,18 +225,24 @@ impl HaloLists {
         })
     }
 
-    /// A received block's rows (decoded when encoded), checked to be `rows x cols`.
-    fn values<'b>(&self, b: &'b HaloBlock, rows: usize, cols: usize) -> Result<Cow<'b, [f32]>> {
-        let from = b.header.from;
+    /// Checks that a received block is `rows x cols`.
+    fn check_shape(&self, b: &HaloBlock, rows: usize, cols: usize) -> Result<()> {
         if b.rows as usize != rows || b.cols as usize != cols {
             return Err(proto(
                 self.part,
                 &format!(
-                    "halo block from partition {from} is {}x{}, expected {rows}x{cols}",
-                    b.rows, b.cols
+                    "halo block from partition {} is {}x{}, expected {rows}x{cols}",
+                    b.header.from, b.rows, b.cols
                 ),
             ));
         }
+        Ok(())
+    }
+
+    /// A received block's rows (decoded when encoded), checked to be `rows x cols`.
+    fn values<'b>(&self, b: &'b HaloBlock, rows: usize, cols: usize) -> Result<Cow<'b, [f32]>> {
+        let from = b.header.from;
+        self.check_shape(b, rows, cols)?;
         let data = b
             .values()
             .map_err(|e| proto(self.part, &format!("halo block from partition {from}: {e}")))?;

@@ -140,6 +140,8 @@ pub enum CodecError {
         /// The value as text (`NaN`, `inf`, ...).
         value: String,
     },
+    #[error("{values} decoded values do not fit a buffer of {room}")]
+    Output { values: usize, room: usize },
     #[error("halo row {row} spans a range too wide for codec {codec}'s scales")]
     Range { codec: &'static str, row: usize },
     #[error("sparse halo payload: row index {row} at position {at} is not ascending or not below the block's {rows} rows")]
@@ -382,31 +384,74 @@ pub fn decode(bytes: &[u8], rows: usize, cols: usize) -> Result<Vec<f32>, CodecE
     // The framing first: the length check bounds `rows * cols` by the payload's size.
     parse(bytes, rows, cols)?;
     let mut out = vec![0.0f32; rows * cols];
-    walk(bytes, rows, cols, Some(&mut out))?;
+    decode_into(bytes, rows, cols, &mut out, &|r| r)?;
     Ok(out)
 }
 
-/// Checks every value after the payload's framing and, given `out` (`rows * cols` values),
-/// decodes them into it; fails on the first scale, value or padding that is not allowed.
+/// As [`decode`], into the caller's buffer `out` (`cols` wide), payload row `r` at row
+/// `place(r)` (no buffer of its own: a receiver decodes a block straight into its places
+/// among the halo rows); a place past the end of `out` is [`CodecError::Output`].
+pub fn decode_into(
+    bytes: &[u8],
+    rows: usize,
+    cols: usize,
+    out: &mut [f32],
+    place: &dyn Fn(usize) -> usize,
+) -> Result<(), CodecError> {
+    if is_sparse(bytes) {
+        return Err(CodecError::Sparse);
+    }
+    walk(bytes, rows, cols, Some(Placed { out, place }))
+}
+
+/// Where [`walk`] writes decoded rows: into `out`, `cols` wide, row `r` of the payload at row
+/// `place(r)`.
+struct Placed<'a> {
+    out: &'a mut [f32],
+    place: &'a dyn Fn(usize) -> usize,
+}
+
+impl Placed<'_> {
+    /// The `cols` values of payload row `r` in `out`; a place past its end is an error.
+    fn row(&mut self, r: usize, cols: usize) -> Result<&mut [f32], CodecError> {
+        let room = self.out.len();
+        let at = (self.place)(r).saturating_mul(cols);
+        self.out
+            .get_mut(at..at.saturating_add(cols))
+            .ok_or(CodecError::Output {
+                values: at.saturating_add(cols),
+                room,
+            })
+    }
+}
+
+/// Checks every value after the payload's framing and, given `out`, decodes them into it;
+/// fails on the first scale, value, padding or place that is not allowed.
 fn walk(
     bytes: &[u8],
     rows: usize,
     cols: usize,
-    mut out: Option<&mut [f32]>,
+    mut out: Option<Placed<'_>>,
 ) -> Result<(), CodecError> {
     let p = parse(bytes, rows, cols)?;
     if let Widths::Float(f) = p.widths {
-        for (i, b) in p.body.chunks_exact(2).enumerate() {
-            let x = f(u16::from_le_bytes([b[0], b[1]]));
-            if !x.is_finite() {
-                return Err(CodecError::BadValue {
-                    codec: p.codec,
-                    row: i / cols,
-                    col: i % cols,
-                });
-            }
-            if let Some(o) = out.as_deref_mut() {
-                o[i] = x;
+        for (r, row) in p.body.chunks_exact(2 * cols.max(1)).take(rows).enumerate() {
+            let mut dst = match out.as_mut() {
+                Some(o) => Some(o.row(r, cols)?),
+                None => None,
+            };
+            for (c, b) in row.chunks_exact(2).enumerate() {
+                let x = f(u16::from_le_bytes([b[0], b[1]]));
+                if !x.is_finite() {
+                    return Err(CodecError::BadValue {
+                        codec: p.codec,
+                        row: r,
+                        col: c,
+                    });
+                }
+                if let Some(d) = dst.as_deref_mut() {
+                    d[c] = x;
+                }
             }
         }
         return Ok(());
@@ -432,8 +477,8 @@ fn walk(
         let n = quant::row_bytes(cols, bits).expect("checked by parse");
         let (row, rest) = body.split_at(n);
         body = rest;
-        match out.as_deref_mut() {
-            Some(o) => quant::dequant_row(row, cols, bits, min, step, &mut o[r * cols..][..cols]),
+        match out.as_mut() {
+            Some(o) => quant::dequant_row(row, cols, bits, min, step, o.row(r, cols)?),
             None => quant::unpack_row(row, cols, bits, |_, _| {}),
         }
         .map_err(|()| CodecError::Padding {

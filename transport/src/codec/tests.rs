@@ -561,3 +561,78 @@ fn every_mutation_of_a_merged_sparse_payload_merges_exactly_or_fails_cleanly() {
         }
     }
 }
+
+/// The int8 and int4 rows are packed and unpacked a byte at a time, with a truncating cast for
+/// the stochastic rounding's floor: the codes are those of the formula with `floor` packed
+/// code by code, and the values those of the generic unpacking, bit for bit.
+#[test]
+fn the_byte_at_a_time_int_paths_equal_the_generic_ones_bit_for_bit() {
+    let rows = 9;
+    for cols in [1, 7, 8, 13, 256] {
+        let x = sample(rows, cols);
+        for (codec, bits) in [(Codec::Int8, 8u32), (Codec::Int4, 4)] {
+            let enc = encode(codec, rows, cols, &x, &TestDither(5)).unwrap();
+            let p = parse(&enc, rows, cols).unwrap();
+            let n = quant::row_bytes(cols, bits).unwrap();
+            let mut draws = vec![0u32; cols];
+            for r in 0..rows {
+                let h = &p.headers[r * ROW_HEADER..(r + 1) * ROW_HEADER];
+                let lo = bf16::from_bits(u16::from_le_bytes([h[0], h[1]])).to_f64();
+                let step = bf16::from_bits(u16::from_le_bytes([h[2], h[3]])).to_f64();
+                let inv = if step == 0.0 { 0.0 } else { 1.0 / step };
+                TestDither(5).fill(r, &mut draws);
+                let row = &p.body[r * n..(r + 1) * n];
+                let mut codes = vec![0u32; cols];
+                quant::unpack_row(row, cols, bits, |c, q| codes[c] = q).unwrap();
+                for c in 0..cols {
+                    let t = (x[r * cols + c] as f64 - lo) * inv;
+                    let u = (draws[c] >> 8) as f64 * (1.0 / 16_777_216.0);
+                    let q = ((t + u).floor().max(0.0) as u32).min(quant::levels(bits));
+                    assert_eq!(codes[c], q, "{codec:?} {cols} cols, row {r}, column {c}");
+                }
+                let (min, st) = (lo as f32, step as f32);
+                let mut fast = vec![0f32; cols];
+                quant::dequant_row(row, cols, bits, min, st, &mut fast).unwrap();
+                let mut slow = vec![0f32; cols];
+                quant::unpack_row(row, cols, bits, |c, q| slow[c] = min + q as f32 * st).unwrap();
+                assert_eq!(
+                    fast.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                    slow.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+                );
+            }
+            // Set padding bits are refused by both.
+            if cols % 2 == 1 && bits == 4 {
+                let mut row = p.body[..n].to_vec();
+                *row.last_mut().unwrap() |= 0xF0;
+                let mut out = vec![0f32; cols];
+                assert!(quant::dequant_row(&row, cols, 4, 0.0, 1.0, &mut out).is_err());
+                assert!(quant::unpack_row(&row, cols, 4, |_, _| {}).is_err());
+            }
+        }
+    }
+}
+
+/// A block decodes straight into its rows' places in a larger buffer, as decoding it and
+/// copying each row there would; a place past the buffer is an error, not a panic.
+#[test]
+fn a_payload_decodes_into_scattered_rows_of_a_buffer() {
+    let (rows, cols) = (5, 6);
+    let x = sample(rows, cols);
+    let places = [7usize, 0, 3, 4, 9];
+    for codec in ALL {
+        let enc = encode(codec, rows, cols, &x, &TestDither(2)).unwrap();
+        let whole = decode(&enc, rows, cols).unwrap();
+        let mut buf = vec![f32::NAN; 10 * cols];
+        decode_into(&enc, rows, cols, &mut buf, &|r| places[r]).unwrap();
+        for (r, &at) in places.iter().enumerate() {
+            assert_eq!(
+                buf[at * cols..(at + 1) * cols],
+                whole[r * cols..(r + 1) * cols],
+                "{codec:?}"
+            );
+        }
+        let mut short = vec![0f32; 9 * cols];
+        let e = decode_into(&enc, rows, cols, &mut short, &|r| places[r]).unwrap_err();
+        assert!(matches!(e, CodecError::Output { .. }), "{e}");
+    }
+}
