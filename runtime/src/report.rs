@@ -115,6 +115,16 @@ pub struct NodeTraffic {
 }
 
 impl RunReport {
+    /// The sum of counter `name` over all its labels (`name{...}` keys; 0 when absent).
+    pub fn counter_total(&self, name: &str) -> u64 {
+        let prefix = format!("{name}{{");
+        self.counters
+            .iter()
+            .filter(|(k, _)| k.starts_with(&prefix))
+            .map(|(_, v)| v)
+            .sum()
+    }
+
     /// Writes the report as pretty JSON.
     pub fn write(&self, path: &Path) -> Result<()> {
         let json = serde_json::to_string_pretty(self)

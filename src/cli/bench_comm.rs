@@ -238,13 +238,7 @@ impl RunNumbers {
             seed,
             // The counters cover the whole epoch; the epoch log's `halo_bytes` only the
             // training step (evaluation moves rows too).
-            halo_bytes: per_epoch(
-                r.counters
-                    .iter()
-                    .filter(|(k, _)| k.starts_with(&format!("{}{{", names::HALO_BYTES)))
-                    .map(|(_, v)| v)
-                    .sum(),
-            ),
+            halo_bytes: per_epoch(r.counter_total(names::HALO_BYTES)),
             link: link.map(|c| LinkNumbers::of(c, epochs)),
             epoch_ms: r
                 .epochs_log
@@ -252,13 +246,7 @@ impl RunNumbers {
                 .skip(skip)
                 .map(|l| l.ms + l.eval_ms)
                 .collect(),
-            replica_bytes: per_epoch(
-                r.counters
-                    .iter()
-                    .filter(|(k, _)| k.starts_with(&format!("{}{{", names::REPLICA_WIRE_BYTES)))
-                    .map(|(_, v)| v)
-                    .sum(),
-            ),
+            replica_bytes: per_epoch(r.counter_total(names::REPLICA_WIRE_BYTES)),
             replica_state_bytes: per_epoch(r.epochs_log.iter().map(|l| l.replica_bytes).sum()),
             replica_ms: r
                 .epochs_log

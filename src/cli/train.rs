@@ -654,13 +654,7 @@ pub fn replication_summary(r: &RunReport) -> Option<String> {
     if logs.is_empty() || (bytes == 0 && ms == 0.0) {
         return None;
     }
-    let wire_prefix = format!("{}{{", trellis_runtime::metrics::names::REPLICA_WIRE_BYTES);
-    let wire: u64 = r
-        .counters
-        .iter()
-        .filter(|(k, _)| k.starts_with(&wire_prefix))
-        .map(|(_, v)| v)
-        .sum();
+    let wire = r.counter_total(trellis_runtime::metrics::names::REPLICA_WIRE_BYTES);
     let step_ms: f64 = logs.iter().map(|l| l.ms).sum();
     let n = logs.len() as f64;
     let kib = |b: u64| b as f64 / n / 1024.0;

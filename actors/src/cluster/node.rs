@@ -340,7 +340,7 @@ impl ReplicaShipper {
                 let msgs = if d.worth_it() {
                     d.pieces()
                         .into_iter()
-                        .map(|p| ControlMsg::ReplicaDelta(p.into()).encode())
+                        .map(|p| ControlMsg::ReplicaDelta(p).encode())
                         .collect()
                 } else {
                     Vec::new()
@@ -452,8 +452,8 @@ pub fn on_replica_msg(
             (store.put_remote_piece(from, r.into()), part, epoch)
         }
         ControlMsg::ReplicaDelta(d) => {
-            let (part, epoch) = (d.part, d.epoch);
-            (store.put_remote_delta_piece(from, d.into()), part, epoch)
+            let (part, epoch) = (d.header.part, d.header.epoch);
+            (store.put_remote_delta_piece(from, d), part, epoch)
         }
         ControlMsg::ReplicaAck { part, epoch } => {
             shipper.acked(from, part, epoch);

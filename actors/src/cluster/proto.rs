@@ -47,7 +47,7 @@ pub enum ControlMsg {
     Replica(ReplicaWire),
     /// Node -> replica node: a partition's committed state after a step, as a patch against
     /// a step the replica node acknowledged ([`crate::replica::delta`]).
-    ReplicaDelta(ReplicaDeltaWire),
+    ReplicaDelta(crate::replica::DeltaPiece),
     /// Replica node -> the node that shipped it: partition `part`'s state after step `epoch`
     /// is stored (the shipper times the transfer).
     ReplicaAck { part: u32, epoch: u32 },
@@ -95,54 +95,6 @@ impl From<ReplicaWire> for crate::replica::ReplicaPiece {
             offset: w.offset,
             total: w.total,
             data: w.bytes,
-        }
-    }
-}
-
-/// One piece of a patch ([`crate::replica::DeltaPiece`]): runs of bytes that turn the
-/// replica of step `base_epoch` (digest `base_digest`) into that of step `epoch`, which is
-/// `total` bytes long with digest `digest`; piece `index` of `count`.
-#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
-pub struct ReplicaDeltaWire {
-    pub part: u32,
-    pub epoch: u32,
-    pub base_epoch: u32,
-    pub base_digest: String,
-    pub total: u64,
-    pub digest: String,
-    pub index: u32,
-    pub count: u32,
-    pub runs: Vec<u8>,
-}
-
-impl From<crate::replica::DeltaPiece> for ReplicaDeltaWire {
-    fn from(p: crate::replica::DeltaPiece) -> Self {
-        ReplicaDeltaWire {
-            part: p.part,
-            epoch: p.epoch,
-            base_epoch: p.base_epoch,
-            base_digest: p.base_digest,
-            total: p.total,
-            digest: p.digest,
-            index: p.index,
-            count: p.count,
-            runs: p.runs,
-        }
-    }
-}
-
-impl From<ReplicaDeltaWire> for crate::replica::DeltaPiece {
-    fn from(w: ReplicaDeltaWire) -> Self {
-        crate::replica::DeltaPiece {
-            part: w.part,
-            epoch: w.epoch,
-            base_epoch: w.base_epoch,
-            base_digest: w.base_digest,
-            total: w.total,
-            digest: w.digest,
-            index: w.index,
-            count: w.count,
-            runs: w.runs,
         }
     }
 }
@@ -494,13 +446,15 @@ mod tests {
                 bytes: vec![1, 2, 3],
                 digest: "ab".into(),
             }),
-            ControlMsg::ReplicaDelta(ReplicaDeltaWire {
-                part: 3,
-                epoch: 10,
-                base_epoch: 9,
-                base_digest: "ab".into(),
-                total: 11,
-                digest: "cd".into(),
+            ControlMsg::ReplicaDelta(crate::replica::DeltaPiece {
+                header: crate::replica::DeltaHeader {
+                    part: 3,
+                    epoch: 10,
+                    base_epoch: 9,
+                    base_digest: "ab".into(),
+                    total: 11,
+                    digest: "cd".into(),
+                },
                 index: 0,
                 count: 1,
                 runs: vec![0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 7],

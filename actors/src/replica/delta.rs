@@ -15,6 +15,7 @@
 //! (same offsets every step), where a general binary-diff crate (rolling hashes, moved
 //! blocks) would cost more and find nothing more.
 use super::{ReplicaBytes, REPLICA_PIECE};
+use rkyv::{Archive, Deserialize, Serialize};
 use std::collections::HashMap;
 
 /// The granularity of the comparison, bytes: a changed byte ships the 16 around it.
@@ -29,17 +30,23 @@ const RUN_HEADER: usize = 12;
 /// The longest run: every run fits a piece with room to spare.
 const MAX_RUN: usize = REPLICA_PIECE / 2;
 
-/// Partition `part`'s replica of step `epoch` as the runs of bytes that differ from its
-/// replica of step `base_epoch` (whose bytes have digest `base_digest`): the whole is `total`
-/// bytes long with digest `digest`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ReplicaDelta {
+/// Which replica a patch rebuilds and from which: partition `part`'s replica of step
+/// `epoch`, `total` bytes long with digest `digest`, from its replica of step `base_epoch`,
+/// whose bytes have digest `base_digest`.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct DeltaHeader {
     pub part: u32,
     pub epoch: u32,
     pub base_epoch: u32,
     pub base_digest: String,
     pub total: u64,
     pub digest: String,
+}
+
+/// A replica as the runs of bytes that differ from an earlier one of the same partition.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaDelta {
+    pub header: DeltaHeader,
     /// Runs `offset u64 | len u32 | bytes`, ascending and apart, each at most [`MAX_RUN`].
     pub(super) runs: Vec<u8>,
 }
@@ -48,12 +55,14 @@ impl ReplicaDelta {
     /// The patch that turns `base` into `new` (two replicas of one partition).
     pub fn between(base: &ReplicaBytes, new: &ReplicaBytes) -> Self {
         ReplicaDelta {
-            part: new.part,
-            epoch: new.epoch,
-            base_epoch: base.epoch,
-            base_digest: base.digest.clone(),
-            total: new.bytes.len() as u64,
-            digest: new.digest.clone(),
+            header: DeltaHeader {
+                part: new.part,
+                epoch: new.epoch,
+                base_epoch: base.epoch,
+                base_digest: base.digest.clone(),
+                total: new.bytes.len() as u64,
+                digest: new.digest.clone(),
+            },
             runs: diff(&base.bytes, &new.bytes),
         }
     }
@@ -70,7 +79,7 @@ impl ReplicaDelta {
 
     /// Whether shipping the patch saves at least half the whole replica's bytes.
     pub fn worth_it(&self) -> bool {
-        2 * self.len() < self.total
+        2 * self.len() < self.header.total
     }
 
     /// The patch in pieces of at most [`REPLICA_PIECE`] bytes of runs, each a whole number of
@@ -92,12 +101,7 @@ impl ReplicaDelta {
         cuts.windows(2)
             .enumerate()
             .map(|(i, w)| DeltaPiece {
-                part: self.part,
-                epoch: self.epoch,
-                base_epoch: self.base_epoch,
-                base_digest: self.base_digest.clone(),
-                total: self.total,
-                digest: self.digest.clone(),
+                header: self.header.clone(),
                 index: i as u32,
                 count,
                 runs: self.runs[w[0]..w[1]].to_vec(),
@@ -111,15 +115,11 @@ fn run_len(runs: &[u8]) -> usize {
     u32::from_le_bytes(runs[8..12].try_into().expect("4 bytes")) as usize
 }
 
-/// One piece of a [`ReplicaDelta`]: piece `index` of `count`, with whole runs.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// One piece of a [`ReplicaDelta`]: piece `index` of `count`, with whole runs (what a
+/// `ControlMsg::ReplicaDelta` carries).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
 pub struct DeltaPiece {
-    pub part: u32,
-    pub epoch: u32,
-    pub base_epoch: u32,
-    pub base_digest: String,
-    pub total: u64,
-    pub digest: String,
+    pub header: DeltaHeader,
     pub index: u32,
     pub count: u32,
     pub runs: Vec<u8>,
@@ -300,7 +300,7 @@ mod tests {
 
     fn rebuilt(base: &ReplicaBytes, d: &ReplicaDelta) -> Vec<u8> {
         let mut out = base.bytes.to_vec();
-        out.resize(d.total as usize, 0);
+        out.resize(d.header.total as usize, 0);
         for p in d.pieces() {
             apply_runs(&mut out, &p.runs).unwrap();
         }
@@ -330,7 +330,7 @@ mod tests {
             let (b, n) = (replica(4, base.clone()), replica(5, new.clone()));
             let d = ReplicaDelta::between(&b, &n);
             assert_eq!(rebuilt(&b, &d), new, "{name}");
-            assert_eq!(d.base_digest, b.digest);
+            assert_eq!(d.header.base_digest, b.digest);
             match name {
                 "rows" => assert!(d.worth_it() && d.len() < new.len() as u64 / 3, "{name}"),
                 "same" => assert!(d.is_empty()),

@@ -22,7 +22,7 @@
 pub mod delta;
 use crate::protocol::skip::{SentRows, SentValues};
 use dashmap::DashMap;
-pub use delta::{DeltaBases, DeltaPiece, ReplicaDelta};
+pub use delta::{DeltaBases, DeltaHeader, DeltaPiece, ReplicaDelta};
 use rkyv::{Archive, Deserialize, Serialize};
 use std::sync::Arc;
 use trellis_gpu::Tensor;
@@ -900,7 +900,8 @@ impl ReplicaStore {
         from: u32,
         piece: DeltaPiece,
     ) -> Result<Option<(u32, u32)>, String> {
-        let (part, epoch) = (piece.part, piece.epoch);
+        let h = &piece.header;
+        let (part, epoch) = (h.part, h.epoch);
         let key = (from, part, epoch);
         let fail = |what: String| {
             format!("replica of partition {part} (step {epoch}) from node {from}: {what}")
@@ -910,37 +911,37 @@ impl ReplicaStore {
             std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
             std::collections::hash_map::Entry::Vacant(v) => {
                 let base = self
-                .remote_at(part, piece.base_epoch)
-                .filter(|b| b.digest == piece.base_digest)
+                .remote_at(part, h.base_epoch)
+                .filter(|b| b.digest == h.base_digest)
                 .ok_or_else(|| {
                     fail(format!(
                         "a patch against step {}, which this node does not hold (it holds steps {:?})",
-                        piece.base_epoch,
+                        h.base_epoch,
                         self.remote_steps(part)
                     ))
                 })?;
                 // A patch grows the base by at most its pieces' bytes.
                 let most = base.bytes.len() as u64
                     + u64::from(piece.count).saturating_mul(REPLICA_PIECE as u64);
-                if piece.count == 0 || piece.total > most.min(MAX_REPLICA) {
+                if piece.count == 0 || h.total > most.min(MAX_REPLICA) {
                     return Err(fail(format!(
                         "a patch of {} pieces claims {} bytes",
-                        piece.count, piece.total
+                        piece.count, h.total
                     )));
                 }
                 let mut bytes = base.bytes.to_vec();
-                bytes.resize(piece.total as usize, 0);
+                bytes.resize(h.total as usize, 0);
                 v.insert(Patching {
-                    digest: piece.digest.clone(),
-                    total: piece.total,
+                    digest: h.digest.clone(),
+                    total: h.total,
                     count: piece.count,
                     arrived: vec![false; piece.count as usize],
                     bytes,
                 })
             }
         };
-        let fits = p.digest == piece.digest
-            && p.total == piece.total
+        let fits = p.digest == h.digest
+            && p.total == h.total
             && p.count == piece.count
             && p.arrived.get(piece.index as usize) == Some(&false);
         let applied = if fits {
@@ -1166,11 +1167,17 @@ mod tests {
         );
         // Against other bytes of step 7, or rebuilding other bytes, or not fitting.
         let other_base = ReplicaDelta {
-            base_digest: "0".repeat(64),
+            header: DeltaHeader {
+                base_digest: "0".repeat(64),
+                ..d.header.clone()
+            },
             ..d.clone()
         };
         let wrong_result = ReplicaDelta {
-            digest: base.digest.clone(),
+            header: DeltaHeader {
+                digest: base.digest.clone(),
+                ..d.header.clone()
+            },
             ..d.clone()
         };
         for (bad, says) in [
