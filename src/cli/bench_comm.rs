@@ -177,6 +177,30 @@ struct Row {
     failed: Option<String>,
 }
 
+/// The order the rows run in for `seed`: as listed, except that on odd seeds each
+/// configuration's run without replicas goes before its run with them (ABBA), so that a
+/// drift in the shared machine's speed does not fall on one side of the comparison.
+fn run_order(rows: &[Row], seed: u32) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..rows.len()).collect();
+    if seed % 2 == 1 {
+        let mut k = 0;
+        while k + 1 < rows.len() {
+            let (with, without) = (&rows[k], &rows[k + 1]);
+            if std::ptr::eq(with.config, without.config)
+                && with.network == without.network
+                && with.replicas > 0
+                && without.replicas == 0
+            {
+                order.swap(k, k + 1);
+                k += 2;
+            } else {
+                k += 1;
+            }
+        }
+    }
+    order
+}
+
 /// What one run's report says, per epoch.
 struct RunNumbers {
     seed: u32,
@@ -373,7 +397,8 @@ pub fn run(a: CommBenchArgs) -> Result<()> {
         }));
     }
     for seed in 0..a.seeds {
-        for (i, row) in rows.iter_mut().enumerate() {
+        for i in run_order(&rows, seed) {
+            let row = &mut rows[i];
             if stopped() {
                 bail!("interrupted");
             }
@@ -578,7 +603,8 @@ fn print_table(a: &CommBenchArgs, rows: &[Row], probe: &str) {
         println!(
             "{}: replication ({} replica(s)) sends {}/epoch (of {} of state) and holds each \
              training step up {:.3} ms ({:.2}% of the epoch); epoch {w:.1} ms with, {wo:.1} ms \
-             without ({:+.1}%, run-to-run noise included)",
+             without ({:+.1}%, run-to-run noise included; the two alternate their order from \
+             seed to seed)",
             with.config.name,
             with.replicas,
             size(with.mean(|r| r.replica_bytes)),
@@ -645,6 +671,30 @@ mod tests {
         assert!((o.hidden_bytes - 125e6).abs() < 1e-3);
         // Less traffic than the compute time carries: all of it is hidden.
         assert_eq!(overlap(1e6, gbit, 1000.0).hidden_bytes, 1e6);
+    }
+
+    /// With and without replicas swap places on odd seeds; the rest keeps its order.
+    #[test]
+    fn runs_with_and_without_replicas_alternate_from_seed_to_seed() {
+        let row = |config: &'static Config, network, replicas| Row {
+            config,
+            network,
+            replicas,
+            runs: Vec::new(),
+            failed: None,
+        };
+        let (exact, other) = (&CONFIGS[0], &CONFIGS[1]);
+        let rows = [
+            row(exact, Network::Loopback, 1),
+            row(exact, Network::Emulated, 1),
+            row(exact, Network::Emulated, 0),
+            row(other, Network::Emulated, 1),
+            row(other, Network::Emulated, 0),
+            row(other, Network::Emulated, 1),
+        ];
+        assert_eq!(run_order(&rows, 0), [0, 1, 2, 3, 4, 5]);
+        assert_eq!(run_order(&rows, 1), [0, 2, 1, 4, 3, 5]);
+        assert_eq!(run_order(&rows, 2), [0, 1, 2, 3, 4, 5]);
     }
 
     #[test]
