@@ -114,25 +114,7 @@ impl HaloBlock {
     ) -> Result<(), crate::codec::CodecError> {
         let (rows, cols) = (self.rows as usize, self.cols as usize);
         match &self.payload {
-            HaloPayload::F32(d) => {
-                if d.len() != rows * cols {
-                    return Err(crate::codec::CodecError::Output {
-                        values: d.len(),
-                        room: rows * cols,
-                    });
-                }
-                let room = out.len();
-                for (r, src) in d.chunks_exact(cols.max(1)).take(rows).enumerate() {
-                    let at = place(r).saturating_mul(cols);
-                    out.get_mut(at..at.saturating_add(cols))
-                        .ok_or(crate::codec::CodecError::Output {
-                            values: at.saturating_add(cols),
-                            room,
-                        })?
-                        .copy_from_slice(src);
-                }
-                Ok(())
-            }
+            HaloPayload::F32(d) => crate::codec::place_rows(d, rows, cols, out, place),
             HaloPayload::Encoded(b) => crate::codec::decode_into(b, rows, cols, out, place),
         }
     }

@@ -733,13 +733,7 @@ async fn dispatch(
     loop {
         match inbox.next(None, Duration::from_secs(3600)).await {
             Ok((from, ControlMsg::Reply { id, body })) => client.on_reply(from, id, body),
-            Ok((
-                from,
-                m @ (ControlMsg::Replica(_)
-                | ControlMsg::ReplicaDelta(_)
-                | ControlMsg::ReplicaAck { .. }
-                | ControlMsg::ReplicaNack { .. }),
-            )) => {
+            Ok((from, m)) if m.is_replica() => {
                 if let Some(answer) = on_replica_msg(&replicas, &shipper, from, m) {
                     let _ = client.transport().send_control(from, answer.encode());
                 }

@@ -348,17 +348,18 @@ impl ReplicaShipper {
                 patches.push((base.epoch, msgs));
             }
         }
-        let patch_for = |base: &Option<ReplicaBytes>| {
-            let e = base.as_ref()?.epoch;
-            patches
-                .iter()
-                .find(|(pe, m)| *pe == e && !m.is_empty())
-                .map(|(_, m)| m)
-        };
+        // What each node gets: a patch (its index in `patches`), or the whole (`None`).
+        let uses: Vec<Option<usize>> = bases
+            .iter()
+            .map(|b| {
+                let e = b.as_ref()?.epoch;
+                patches.iter().position(|(pe, m)| *pe == e && !m.is_empty())
+            })
+            .collect();
         // In pieces that fit a control frame, each on a low-priority stream of its own (a
         // replica of held halo rows is hundreds of MB: it must not hold up the control
         // messages and halo blocks behind it).
-        let whole: Vec<Vec<u8>> = if bases.iter().any(|b| patch_for(b).is_none()) {
+        let mut whole: Vec<Vec<u8>> = if uses.contains(&None) {
             bytes
                 .pieces()
                 .map(|p| ControlMsg::Replica(p.into()).encode())
@@ -381,18 +382,28 @@ impl ReplicaShipper {
                 in_flight.insert(ShippedReplica { part, epoch, to }, now);
             }
         }
-        for (&node, base) in nodes.iter().zip(&bases) {
-            self.send_all(part, node, patch_for(base).unwrap_or(&whole));
+        for (i, (&node, set)) in nodes.iter().zip(&uses).enumerate() {
+            let msgs = match set {
+                Some(k) => &mut patches[*k].1,
+                None => &mut whole,
+            };
+            // The last node to get these messages takes them; the ones before get copies.
+            let msgs = if uses[i + 1..].contains(set) {
+                msgs.clone()
+            } else {
+                std::mem::take(msgs)
+            };
+            self.send_all(part, node, msgs);
         }
     }
 
     /// Sends replica messages of partition `part` to `node`, counting their bytes.
-    fn send_all(&self, part: u32, node: u32, msgs: &[Vec<u8>]) {
+    fn send_all(&self, part: u32, node: u32, msgs: Vec<Vec<u8>>) {
         use trellis_runtime::metrics::{names, Key, Metrics};
         let mut sent = 0;
         for m in msgs {
             sent += m.len() as u64;
-            if let Err(e) = self.transport.send_bulk(node, m.clone()) {
+            if let Err(e) = self.transport.send_bulk(node, m) {
                 tracing::error!("replica of partition {part} to node {node}: {e}");
                 break;
             }
@@ -416,7 +427,7 @@ impl ReplicaShipper {
                 .pieces()
                 .map(|p| ControlMsg::Replica(p.into()).encode())
                 .collect();
-            self.send_all(part, from, &msgs);
+            self.send_all(part, from, msgs);
         }
     }
 

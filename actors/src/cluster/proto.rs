@@ -224,6 +224,18 @@ pub enum WireOutcome {
 pub struct DecodeError(pub String);
 
 impl ControlMsg {
+    /// Whether this is a replica message (a piece of a replica or of a patch, an
+    /// acknowledgement, a refusal): every node hands these to `node::on_replica_msg`.
+    pub fn is_replica(&self) -> bool {
+        matches!(
+            self,
+            ControlMsg::Replica(_)
+                | ControlMsg::ReplicaDelta(_)
+                | ControlMsg::ReplicaAck { .. }
+                | ControlMsg::ReplicaNack { .. }
+        )
+    }
+
     /// What the cluster session machines see of this message.
     pub(crate) fn session(&self) -> crate::protocol::session::SessionMsg {
         use crate::protocol::session::SessionMsg as S;

@@ -142,16 +142,7 @@ async fn serve(
             }
         }
         match (pending.take(), hosted.as_mut()) {
-            (
-                Some((
-                    from,
-                    m @ (ControlMsg::Replica(_)
-                    | ControlMsg::ReplicaDelta(_)
-                    | ControlMsg::ReplicaAck { .. }
-                    | ControlMsg::ReplicaNack { .. }),
-                )),
-                Some(h),
-            ) => {
+            (Some((from, m)), Some(h)) if m.is_replica() => {
                 if let Some(answer) = on_replica_msg(h.node.replicas(), &h.shipper, from, m) {
                     let _ = ep.send(from, &answer);
                 }

@@ -404,6 +404,29 @@ pub fn decode_into(
     walk(bytes, rows, cols, Some(Placed { out, place }))
 }
 
+/// Copies `rows` rows of `cols` values (raw fp32 rows, `values`) into `out`, row `r` at row
+/// `place(r)`, as [`decode_into`] places decoded ones; a place past the end of `out`, or
+/// `values` of another length, is [`CodecError::Output`].
+pub fn place_rows(
+    values: &[f32],
+    rows: usize,
+    cols: usize,
+    out: &mut [f32],
+    place: &dyn Fn(usize) -> usize,
+) -> Result<(), CodecError> {
+    if values.len() != rows * cols {
+        return Err(CodecError::Output {
+            values: values.len(),
+            room: rows * cols,
+        });
+    }
+    let mut placed = Placed { out, place };
+    for (r, src) in values.chunks_exact(cols.max(1)).take(rows).enumerate() {
+        placed.row(r, cols)?.copy_from_slice(src);
+    }
+    Ok(())
+}
+
 /// Where [`walk`] writes decoded rows: into `out`, `cols` wide, row `r` of the payload at row
 /// `place(r)`.
 struct Placed<'a> {
