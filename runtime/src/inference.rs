@@ -540,7 +540,7 @@ impl HaloRows {
         Ok(())
     }
     /// Row of node `v`, if received.
-    fn get(&self, v: u32) -> Option<&[f32]> {
+    pub fn get(&self, v: u32) -> Option<&[f32]> {
         let k = *self.slots.get(v as usize)?;
         (k != u32::MAX).then(|| &self.data[k as usize * self.width..(k as usize + 1) * self.width])
     }

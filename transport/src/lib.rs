@@ -14,7 +14,7 @@ mod trace;
 pub use inproc::Deliver;
 pub use inproc::InProcessTransport;
 pub use message::{
-    HaloBlock, HaloPayload, MsgHeader, PartId, Phase, RunId, SharedBuf, TRANSFORMED,
+    HaloBlock, HaloPayload, MsgHeader, PartId, Phase, RunId, SharedBuf, INCREMENT, TRANSFORMED,
 };
 pub use trace::TraceContext;
 

@@ -45,6 +45,11 @@ pub struct MsgHeader {
 /// their gradients), exchanged between the layer's two stages. Layer numbers stay below it.
 pub const TRANSFORMED: u16 = 0x8000;
 
+/// Flag in [`MsgHeader::layer`], beside [`TRANSFORMED`]: the payload holds the changes of a
+/// split layer's degree-scaled transformed rows (a serving partition's incremental update of
+/// the rows they reach). Layer numbers stay below it.
+pub const INCREMENT: u16 = 0x4000;
+
 /// A shared, immutable f32 buffer: moving it between actors never copies the rows.
 pub type SharedBuf = Arc<[f32]>;
 

@@ -16,7 +16,7 @@
 //! row (a recovery pass) before anything else is answered.
 use super::handle::PartHandle;
 use super::part::{ComputedRows, DeltaOp, LookedUp, ModelValues, PassStep, Target};
-use super::plan::{plan_pass, Coverage, LayerPlan};
+use super::plan::{plan_incremental_update, plan_pass, Coverage, LayerPlan};
 use super::published::Published;
 use super::routing::{place_new_node, route};
 use super::scheduler::{Action, Pending, Quotas, Refusal, Scheduler, SchedulerConfig};
@@ -231,6 +231,11 @@ struct Engine {
     parts: usize,
     /// Whether each layer is split (the same for every model of this architecture).
     split: Vec<bool>,
+    /// Whether update passes update the last layer's rows incrementally
+    /// ([`make_incremental`]; the same for every model of this architecture).
+    incremental: bool,
+    /// Per node: incremental updates of its last-layer row since it was last computed.
+    increments: Vec<u8>,
     /// Width of the served logits.
     classes: usize,
     normalize: bool,
@@ -353,6 +358,11 @@ pub const STEP_TIMEOUT: Duration = Duration::from_secs(120);
 /// How many times one pass is retried after partition failures before it gives up.
 const MAX_RECOVERIES_PER_PASS: usize = 3;
 
+/// Incremental updates a last-layer row takes before it is computed again: each rounds a
+/// few units in the last place away from the aggregation's value, so the served rows stay
+/// within about 1e-6 of it (relative to the row's largest terms).
+const MAX_INCREMENTS: u8 = 8;
+
 /// Computes every layer over the partition actors, then starts the engine thread (an actix
 /// system: one arbiter per partition actor, the engine's loop on the system's thread).
 pub fn start(
@@ -392,6 +402,7 @@ fn start_engine(
     let in_dim = model.config().in_dim;
     let classes = model.config().out_dim;
     let split: Vec<bool> = (0..model.num_layers()).map(|l| model.is_split(l)).collect();
+    let incremental = model.last_layer_is_linear_split();
     let values = Arc::new(ModelValues::of(&model, normalize)?);
     let features = prepare_features(raw_features, in_dim, normalize)?;
     let parts = cfg.parts.max(1);
@@ -434,6 +445,8 @@ fn start_engine(
         generation: 0,
         parts,
         split,
+        incremental,
+        increments: Vec::new(),
         classes,
         normalize,
         version,
@@ -648,6 +661,8 @@ impl Engine {
             logits.scatter(&r.ids, &r.data);
         }
         self.published.replace(self.version.clone(), logits);
+        // Every row was computed.
+        self.increments.clear();
         Ok(())
     }
 
@@ -715,6 +730,9 @@ impl Engine {
                         compute: plan.compute[p].clone(),
                         send: plan.send[p].clone(),
                         recv: plan.recv[p].clone(),
+                        increment: plan.increment[p].clone(),
+                        increment_send: plan.increment_send[p].clone(),
+                        increment_recv: plan.increment_recv[p].clone(),
                         return_rows: last,
                         full: full.get(p) == Some(&true),
                     };
@@ -804,10 +822,25 @@ impl Engine {
         let mut recovered = false;
         let mut attempt = 0;
         let out = loop {
-            let plans = self.plan(Coverage::Changed {
-                nodes: changed,
-                full: &full,
-            });
+            // A pass run again after a failure computes its rows: an aborted incremental
+            // pass may have added its changes on some partitions only.
+            let plans = if self.incremental && attempt == 0 {
+                let s = self.store.served.read().unwrap_or_else(|e| e.into_inner());
+                plan_incremental_update(
+                    &s.graph,
+                    &s.owner,
+                    self.parts,
+                    &self.split,
+                    changed,
+                    &mut self.increments,
+                    MAX_INCREMENTS,
+                )
+            } else {
+                self.plan(Coverage::Changed {
+                    nodes: changed,
+                    full: &full,
+                })
+            };
             let seq = self.next_seq();
             match self
                 .run_pass(seq, &plans, Target::Live, Some(update), &full)
@@ -1648,6 +1681,7 @@ impl Engine {
                 *self.stats.version.lock().expect("stats lock") = self.version.clone();
                 let n = self.nodes();
                 self.published.replace(self.version.clone(), s.logits);
+                self.increments.clear();
                 let _ = s.reply.send(Ok(Answer {
                     model_version: self.version.clone(),
                     predictions: Vec::new(),

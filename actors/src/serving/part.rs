@@ -20,14 +20,16 @@
 use super::plan::Ids;
 use crate::faults::{DueServeFault, FaultPlan, ServeFaultAction};
 use crate::ActorError;
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Instant;
 use trellis_gpu::{PriorityGate, Stream, Tensor, UrgentGuard};
-use trellis_runtime::inference::{HaloRows, Inference, PartGraph, PartInput, Rows};
+use trellis_runtime::inference::{Adjacency, HaloRows, Inference, PartGraph, PartInput, Rows};
 use trellis_runtime::{Model, ModelConfig, RuntimeError};
-use trellis_transport::{HaloBlock, HaloPayload, MsgHeader, PartId, Phase, RunId, TRANSFORMED};
+use trellis_transport::{
+    HaloBlock, HaloPayload, MsgHeader, PartId, Phase, RunId, INCREMENT, TRANSFORMED,
+};
 
 /// Which set of tables a step computes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,6 +80,13 @@ pub struct PassStep {
     pub send: Vec<(u32, Ids)>,
     /// `(from, rows)`: rows to receive before computing.
     pub recv: Vec<(u32, Ids)>,
+    /// Rows updated incrementally instead of computed (see
+    /// [`super::plan::make_incremental`]); empty otherwise.
+    pub increment: Ids,
+    /// `(to, rows)`: changes of this partition's re-transformed rows to send.
+    pub increment_send: Vec<(u32, Ids)>,
+    /// `(from, rows)`: changes to receive before updating `increment`.
+    pub increment_recv: Vec<(u32, Ids)>,
     /// Answer the computed rows (the last layer's: the engine publishes them).
     pub return_rows: bool,
     /// This layer recomputes every row of the partition (a recovery); after the last layer
@@ -227,6 +236,12 @@ struct State {
     sparse: bool,
     /// The halo rows' global-to-row table, reused by every step.
     halo_slots: Vec<u32>,
+    /// The same for the changes an incremental step adds.
+    increment_slots: Vec<u32>,
+    /// The degree each node had when the live tables' last layer was last computed, for the
+    /// nodes whose degree changed since (an incremental step scales their old transformed
+    /// rows by it).
+    prev_degree: HashMap<u32, u32>,
 }
 
 /// A step waiting for its halo blocks.
@@ -236,6 +251,21 @@ struct Parked {
     /// Time its first stage took, and the halo bytes it sent.
     ms: f64,
     bytes: u64,
+    /// An incremental step's changes of its own re-transformed rows (`step.transform`).
+    changes: Vec<f32>,
+}
+
+/// What the first stage of a step did.
+struct Started {
+    bytes: u64,
+    changes: Vec<f32>,
+}
+
+impl PassStep {
+    /// Whether the step updates rows incrementally or sends changes for others that do.
+    fn is_incremental(&self) -> bool {
+        !self.increment.is_empty() || !self.increment_send.is_empty()
+    }
 }
 
 /// The serving partition machine (see the module's documentation).
@@ -307,6 +337,8 @@ impl ServePartMachine {
             staged: None,
             sparse: data.sparse_input,
             halo_slots: Vec::new(),
+            increment_slots: Vec::new(),
+            prev_degree: HashMap::new(),
         })
     }
 
@@ -401,8 +433,18 @@ impl ServePartMachine {
                             st.features.data.extend_from_slice(features);
                         }
                     }
-                    DeltaOp::AddEdge { a, b } => st.graph.add_edge(*a, *b)?,
-                    DeltaOp::RemoveEdge { a, b } => st.graph.remove_edge(*a, *b)?,
+                    DeltaOp::AddEdge { a, b } | DeltaOp::RemoveEdge { a, b } => {
+                        for v in [*a, *b] {
+                            if (v as usize) < st.graph.num_nodes() {
+                                let d = st.graph.degree(v) as u32;
+                                st.prev_degree.entry(v).or_insert(d);
+                            }
+                        }
+                        match op {
+                            DeltaOp::AddEdge { .. } => st.graph.add_edge(*a, *b)?,
+                            _ => st.graph.remove_edge(*a, *b)?,
+                        }
+                    }
                 }
             }
             let rows = st.graph.inner().len();
@@ -437,13 +479,14 @@ impl ServePartMachine {
         let started = self.guarded(|m| m.start(&step));
         drop(urgent);
         match started {
-            Ok(bytes) => {
+            Ok(Started { bytes, changes }) => {
                 let ms = t.elapsed().as_secs_f64() * 1e3;
                 self.parked = Some(Parked {
                     id,
                     step,
                     ms,
                     bytes,
+                    changes,
                 });
                 self.try_finish();
             }
@@ -501,8 +544,9 @@ impl ServePartMachine {
         Ok(step.layer | if split { TRANSFORMED } else { 0 })
     }
 
-    /// Stage one of a step: the fault check, the transform, the sends. Returns bytes sent.
-    fn start(&mut self, step: &PassStep) -> Result<u64, ActorError> {
+    /// Stage one of a step: the fault check, the transform (and an incremental step's
+    /// changes of the re-transformed rows), the sends.
+    fn start(&mut self, step: &PassStep) -> Result<Started, ActorError> {
         let (part, run) = (self.part, self.run);
         let l = step.layer as usize;
         if let (Some(u), Target::Live) = (step.update, step.target) {
@@ -535,6 +579,7 @@ impl ServePartMachine {
             features,
             live,
             staged,
+            prev_degree,
             ..
         } = st;
         let tables = match step.target {
@@ -548,6 +593,7 @@ impl ServePartMachine {
             });
         }
         let err = |e: RuntimeError| ActorError::Compute { part, source: e };
+        let mut changes = Vec::new();
         if let Some(mut z) = tables.transformed[l].take() {
             let r = (|| {
                 let input = &tables.layers[l - 1];
@@ -557,11 +603,20 @@ impl ServePartMachine {
                     &step.transform,
                     &local_table(graph, input),
                 )?;
-                z.scatter(&graph.locals(&step.transform)?, &zr);
+                let locals = graph.locals(&step.transform)?;
+                if step.is_incremental() {
+                    changes = scaled_changes(graph, prev_degree, &step.transform, &z, &locals, &zr);
+                }
+                z.scatter(&locals, &zr);
                 Ok(())
             })();
             tables.transformed[l] = Some(z);
             r.map_err(err)?;
+        } else if step.is_incremental() {
+            return Err(ActorError::Protocol {
+                part,
+                detail: format!("an incremental step of layer {l}, which is not split"),
+            });
         }
         let source = match &tables.transformed[l] {
             Some(z) => z,
@@ -589,9 +644,40 @@ impl ServePartMachine {
                 payload: HaloPayload::F32(data),
             });
         }
+        let width = source.width;
+        for (to, ids) in &step.increment_send {
+            let mut data = Vec::with_capacity(ids.len() * width);
+            for v in ids.iter() {
+                let k = step
+                    .transform
+                    .binary_search(v)
+                    .map_err(|_| ActorError::Protocol {
+                        part,
+                        detail: format!(
+                            "the change of node {v} for partition {to}: not re-transformed"
+                        ),
+                    })?;
+                data.extend_from_slice(&changes[k * width..(k + 1) * width]);
+            }
+            bytes += data.len() as u64 * 4;
+            blocks.push(HaloBlock {
+                header: MsgHeader {
+                    run,
+                    epoch: step.seq,
+                    layer: tag | INCREMENT,
+                    phase: Phase::Eval,
+                    from: PartId(part),
+                    to: PartId(*to),
+                },
+                trace: None,
+                rows: ids.len() as u32,
+                cols: width as u32,
+                payload: HaloPayload::F32(data.into()),
+            });
+        }
         self.actions
             .extend(blocks.into_iter().map(ServeAction::Send));
-        Ok(bytes)
+        Ok(Started { bytes, changes })
     }
 
     /// Computes the parked step if every block it needs is in.
@@ -607,12 +693,13 @@ impl ServePartMachine {
             return;
         };
         let key = (step.seq, tag);
-        let have = self.inbox.get(&key);
-        if step
-            .recv
-            .iter()
-            .any(|(from, _)| !have.is_some_and(|b| b.contains_key(from)))
-        {
+        let increment_key = (step.seq, tag | INCREMENT);
+        let missing = |key, list: &[(u32, Ids)]| {
+            let have = self.inbox.get(&key);
+            list.iter()
+                .any(|(from, _)| !have.is_some_and(|b| b.contains_key(from)))
+        };
+        if missing(key, &step.recv) || missing(increment_key, &step.increment_recv) {
             return;
         }
         let Parked {
@@ -620,11 +707,13 @@ impl ServePartMachine {
             step,
             ms,
             bytes,
+            changes,
         } = self.parked.take().expect("parked");
         let blocks = self.inbox.remove(&key).unwrap_or_default();
+        let increments = self.inbox.remove(&increment_key).unwrap_or_default();
         let t = Instant::now();
         let urgent = self.urgent(step.target);
-        let result = self.guarded(|m| m.finish(&step, &blocks));
+        let result = self.guarded(|m| m.finish(&step, &blocks, &changes, &increments));
         drop(urgent);
         let result = result.map(|rows| StepDone {
             part: self.part,
@@ -638,11 +727,15 @@ impl ServePartMachine {
         self.actions.push_back(ServeAction::Answer { id, result });
     }
 
-    /// Stage two: the layer's rows of `step.compute` from own and received rows.
+    /// Stage two: the layer's rows of `step.compute` from own and received rows, and the
+    /// rows of `step.increment` updated by the changes of the re-transformed rows (own:
+    /// `changes`, received: `increments`).
     fn finish(
         &mut self,
         step: &PassStep,
         blocks: &BTreeMap<u32, HaloBlock>,
+        changes: &[f32],
+        increments: &BTreeMap<u32, HaloBlock>,
     ) -> Result<Option<ComputedRows>, ActorError> {
         let part = self.part;
         let l = step.layer as usize;
@@ -653,6 +746,8 @@ impl ServePartMachine {
             live,
             staged,
             halo_slots,
+            increment_slots,
+            prev_degree,
             ..
         } = st;
         let tables = match step.target {
@@ -669,25 +764,10 @@ impl ServePartMachine {
             None => &tables.layers[l - 1],
         };
         let mut halo = HaloRows::reuse(source.width, std::mem::take(halo_slots));
-        for (from, ids) in &step.recv {
-            let b = &blocks[from];
-            if b.rows as usize != ids.len() || b.cols as usize != source.width {
-                return Err(ActorError::Protocol {
-                    part,
-                    detail: format!(
-                        "halo block from partition {from} is {}x{}, expected {}x{}",
-                        b.rows,
-                        b.cols,
-                        ids.len(),
-                        source.width
-                    ),
-                });
-            }
-            let values = b.values().map_err(|e| ActorError::Protocol {
-                part,
-                detail: format!("halo block from partition {from}: {e}"),
-            })?;
-            halo.extend(ids, &values).map_err(err)?;
+        let r = received(part, &mut halo, &step.recv, blocks, "halo block");
+        if let Err(e) = r {
+            *halo_slots = halo.into_slots();
+            return Err(e);
         }
         let input = PartInput {
             own: source,
@@ -698,12 +778,48 @@ impl ServePartMachine {
             .inference
             .compute_rows(l, &*graph, &step.compute, &input);
         *halo_slots = halo.into_slots();
-        let rows = rows.map_err(err)?;
+        let mut rows = rows.map_err(err)?;
         let locals = graph.locals(&step.compute).map_err(err)?;
         tables.layers[l].scatter(&locals, &rows);
         let width = tables.layers[l].width;
-        Ok(step.return_rows.then(|| ComputedRows {
-            ids: step.compute.clone(),
+        let mut ids = step.compute.clone();
+        if !step.increment.is_empty() {
+            let mut add = HaloRows::reuse(width, std::mem::take(increment_slots));
+            let r = add
+                .extend(&step.transform, changes)
+                .map_err(err)
+                .and_then(|()| {
+                    received(
+                        part,
+                        &mut add,
+                        &step.increment_recv,
+                        increments,
+                        "changed rows",
+                    )
+                })
+                .and_then(|()| {
+                    let locals = graph.locals(&step.increment).map_err(err)?;
+                    add_changes(graph, &step.increment, &locals, &add, &mut tables.layers[l]);
+                    Ok(locals)
+                });
+            *increment_slots = add.into_slots();
+            let locals = r?;
+            if step.return_rows {
+                let table = &tables.layers[l];
+                for &r in &locals {
+                    rows.extend_from_slice(table.row(r));
+                }
+                let mut all = ids.to_vec();
+                all.extend_from_slice(&step.increment);
+                ids = Arc::new(all);
+            }
+        }
+        if step.return_rows && step.target == Target::Live {
+            // The live last layer now matches the degrees of the graph as it is.
+            prev_degree.clear();
+        }
+        Ok(step.return_rows.then_some(ComputedRows {
+            ids,
             width,
             data: rows,
         }))
@@ -802,6 +918,91 @@ impl ServePartMachine {
     /// Whether the partition restarted and its tables are not recomputed yet.
     pub fn is_stale(&self) -> bool {
         self.stale
+    }
+}
+
+/// Adds the rows of `blocks` (by sender, the lists `expect` names) to `into`.
+fn received(
+    part: u32,
+    into: &mut HaloRows,
+    expect: &[(u32, Ids)],
+    blocks: &BTreeMap<u32, HaloBlock>,
+    what: &str,
+) -> Result<(), ActorError> {
+    let width = into.width;
+    for (from, ids) in expect {
+        let bad = |detail: String| ActorError::Protocol { part, detail };
+        let b = blocks
+            .get(from)
+            .ok_or_else(|| bad(format!("no {what} from partition {from}")))?;
+        if b.rows as usize != ids.len() || b.cols as usize != width {
+            return Err(bad(format!(
+                "{what} from partition {from} is {}x{}, expected {}x{width}",
+                b.rows,
+                b.cols,
+                ids.len(),
+            )));
+        }
+        let values = b
+            .values()
+            .map_err(|e| bad(format!("{what} from partition {from}: {e}")))?;
+        into.extend(ids, &values)
+            .map_err(|e| bad(format!("{what} from partition {from}: {e}")))?;
+    }
+    Ok(())
+}
+
+/// The changes `ΔY_u = Z'_u / sqrt(d'_u + 1) - Z_u / sqrt(d_u + 1)` of the re-transformed
+/// rows `ids` (local rows `locals`): `z` holds the old rows `Z`, `new` the new ones `Z'`;
+/// `d` is the degree the last layer was computed with (`prev_degree`, else the current one,
+/// `d'`).
+fn scaled_changes(
+    graph: &PartGraph,
+    prev_degree: &HashMap<u32, u32>,
+    ids: &[u32],
+    z: &Rows,
+    locals: &[u32],
+    new: &[f32],
+) -> Vec<f32> {
+    let w = z.width;
+    let mut out = Vec::with_capacity(new.len());
+    for (k, (&v, &r)) in ids.iter().zip(locals).enumerate() {
+        let d_new = graph.degree(v) as f32;
+        let d_old = prev_degree.get(&v).map_or(d_new, |&d| d as f32);
+        let (s_new, s_old) = (1.0 / (d_new + 1.0).sqrt(), 1.0 / (d_old + 1.0).sqrt());
+        // A new node's old row is the zero row its table grew by.
+        let old = z.row(r);
+        let fresh = &new[k * w..(k + 1) * w];
+        out.extend(fresh.iter().zip(old).map(|(&a, &b)| a * s_new - b * s_old));
+    }
+    out
+}
+
+/// Adds into the rows `ids` (local rows `locals`) of `table` `Σ_u ΔY_u / sqrt(d_v + 1)` over
+/// the neighbours `u` (and the row itself) whose change `changes` holds.
+fn add_changes(
+    graph: &PartGraph,
+    ids: &[u32],
+    locals: &[u32],
+    changes: &HaloRows,
+    table: &mut Rows,
+) {
+    let w = table.width;
+    let mut sum = vec![0f32; w];
+    for (&v, &r) in ids.iter().zip(locals) {
+        sum.iter_mut().for_each(|x| *x = 0.0);
+        let mut any = false;
+        for u in std::iter::once(v).chain(graph.neighbors(v).iter().copied()) {
+            if let Some(dy) = changes.get(u) {
+                any = true;
+                sum.iter_mut().zip(dy).for_each(|(s, &d)| *s += d);
+            }
+        }
+        if any {
+            let scale = 1.0 / (graph.degree(v) as f32 + 1.0).sqrt();
+            let row = &mut table.data[r as usize * w..(r as usize + 1) * w];
+            row.iter_mut().zip(&sum).for_each(|(y, &s)| *y += s * scale);
+        }
     }
 }
 

@@ -24,12 +24,24 @@ pub struct LayerPlan {
     pub send: PeerLists,
     /// Per partition: `(from, rows)`, the rows it receives (the same lists as `send`).
     pub recv: PeerLists,
+    /// Per partition: its rows updated incrementally instead of computed (the last layer of
+    /// an incremental update, [`make_incremental`]; empty otherwise).
+    pub increment: Vec<Ids>,
+    /// Per partition: `(to, rows)`, the changes of its transformed rows it sends partition
+    /// `to` for that partition's incremental rows.
+    pub increment_send: PeerLists,
+    /// Per partition: `(from, rows)`, the changes it receives (the same lists).
+    pub increment_recv: PeerLists,
 }
 
 impl LayerPlan {
-    /// Rows computed at this layer, all partitions together.
+    /// Rows computed or updated at this layer, all partitions together.
     pub fn rows(&self) -> usize {
-        self.compute.iter().map(|c| c.len()).sum()
+        self.compute
+            .iter()
+            .chain(&self.increment)
+            .map(|c| c.len())
+            .sum()
     }
 }
 
@@ -54,6 +66,42 @@ pub fn plan_pass(
     parts: usize,
     split: &[bool],
     coverage: Coverage<'_>,
+) -> Vec<LayerPlan> {
+    plan_layers(graph, owner, parts, split, coverage, true)
+}
+
+/// The layers of an update pass at `changed` with the last one incremental
+/// ([`make_incremental`]), on partitions none of which restarted.
+pub fn plan_incremental_update(
+    graph: &NodeGraph,
+    owner: &[u32],
+    parts: usize,
+    split: &[bool],
+    changed: &[u32],
+    increments: &mut Vec<u8>,
+    max_increments: u8,
+) -> Vec<LayerPlan> {
+    let full = vec![false; parts];
+    let coverage = Coverage::Changed {
+        nodes: changed,
+        full: &full,
+    };
+    // The last layer's exchange is planned by `make_incremental`.
+    let mut plans = plan_layers(graph, owner, parts, split, coverage, false);
+    if let Some(last) = plans.last_mut() {
+        make_incremental(last, graph, owner, changed, increments, max_increments);
+    }
+    plans
+}
+
+/// [`plan_pass`], with the last layer's exchange lists left empty unless `last_lists`.
+fn plan_layers(
+    graph: &NodeGraph,
+    owner: &[u32],
+    parts: usize,
+    split: &[bool],
+    coverage: Coverage<'_>,
+    last_lists: bool,
 ) -> Vec<LayerPlan> {
     let mut plans = Vec::with_capacity(split.len());
     let (mut set, full) = match coverage {
@@ -102,6 +150,9 @@ pub fn plan_pass(
         let compute = pick(&set);
         let (send, recv) = match (&set, &full_lists) {
             (None, Some(lists)) => lists.clone(),
+            _ if !last_lists && l + 1 == split.len() => {
+                (vec![Vec::new(); parts], vec![Vec::new(); parts])
+            }
             _ => {
                 let lists = halo_lists(graph, owner, parts, &compute);
                 if set.is_none() {
@@ -116,9 +167,112 @@ pub fn plan_pass(
             compute,
             send,
             recv,
+            increment: (0..parts).map(|_| Arc::new(Vec::new())).collect(),
+            increment_send: vec![Vec::new(); parts],
+            increment_recv: vec![Vec::new(); parts],
         });
     }
     plans
+}
+
+/// Turns `plan`, the last layer of an update pass over a model whose last layer is linear
+/// in its degree-scaled transformed rows ([`Model::last_layer_is_linear_split`]), into an
+/// incremental one. Of the rows the change reaches, only those whose own degree or edges
+/// changed (`changed`: new nodes and the ends of added or removed edges), and those updated
+/// incrementally `max_increments` times since they were last computed, are computed again;
+/// every other row `v` keeps its value plus `Σ_u ΔY_u / sqrt(d_v + 1)` over its neighbours
+/// `u` among the re-transformed rows, where `ΔY_u = Z'_u / sqrt(d'_u + 1) - Z_u / sqrt(d_u +
+/// 1)` (new and old transformed row and degree) comes from `u`'s owner. An increment rounds
+/// differently from the aggregation (a few units in the last place of the row); bounding
+/// the increments of a row between two computations bounds how far it drifts from the
+/// computed value. `increments[v]` counts them (grown to the graph's size here; the
+/// caller resets it wherever every row is computed).
+///
+/// [`Model::last_layer_is_linear_split`]: trellis_runtime::Model::last_layer_is_linear_split
+fn make_incremental(
+    plan: &mut LayerPlan,
+    graph: &NodeGraph,
+    owner: &[u32],
+    changed: &[u32],
+    increments: &mut Vec<u8>,
+    max_increments: u8,
+) {
+    let n = graph.num_nodes();
+    let parts = plan.compute.len();
+    increments.resize(n, 0);
+    let mut edited = Bitset::new(n);
+    for &v in changed {
+        edited.set(v);
+    }
+    let mut transformed = Bitset::new(n);
+    for &v in plan.transform.iter().flat_map(|t| t.iter()) {
+        transformed.set(v);
+    }
+    let mut exact = Vec::with_capacity(parts);
+    let mut increment = Vec::with_capacity(parts);
+    for rows in &plan.compute {
+        let (mut e, mut i) = (Vec::new(), Vec::new());
+        for &v in rows.iter() {
+            let count = &mut increments[v as usize];
+            if edited.get(v) || *count >= max_increments {
+                *count = 0;
+                e.push(v);
+            } else {
+                *count += 1;
+                i.push(v);
+            }
+        }
+        exact.push(Arc::new(e));
+        increment.push(Arc::new(i));
+    }
+    let (send, recv) = halo_lists(graph, owner, parts, &exact);
+    let mut increment_send: PeerLists = vec![Vec::new(); parts];
+    let mut increment_recv: PeerLists = vec![Vec::new(); parts];
+    for (p, rows) in increment.iter().enumerate().filter(|_| parts > 1) {
+        let mut need: Vec<Vec<u32>> = vec![Vec::new(); parts];
+        for &v in rows.iter() {
+            for &u in graph.neighbors(v) {
+                let q = owner[u as usize] as usize;
+                if q != p && transformed.get(u) {
+                    need[q].push(u);
+                }
+            }
+        }
+        for (q, mut list) in need.into_iter().enumerate() {
+            if list.is_empty() {
+                continue;
+            }
+            list.sort_unstable();
+            list.dedup();
+            let list = Arc::new(list);
+            increment_send[q].push((p as u32, list.clone()));
+            increment_recv[p].push((q as u32, list));
+        }
+    }
+    for s in &mut increment_send {
+        s.sort_by_key(|(to, _)| *to);
+    }
+    plan.compute = exact;
+    plan.send = send;
+    plan.recv = recv;
+    plan.increment = increment;
+    plan.increment_send = increment_send;
+    plan.increment_recv = increment_recv;
+}
+
+/// One bit per node.
+struct Bitset(Vec<u64>);
+
+impl Bitset {
+    fn new(n: usize) -> Self {
+        Bitset(vec![0; n.div_ceil(64)])
+    }
+    fn set(&mut self, v: u32) {
+        self.0[v as usize / 64] |= 1 << (v % 64);
+    }
+    fn get(&self, v: u32) -> bool {
+        self.0[v as usize / 64] & (1 << (v % 64)) != 0
+    }
 }
 
 /// The nodes of `set` (ascending) grouped by partition.
@@ -251,5 +405,36 @@ mod tests {
             },
         );
         assert!(plans.iter().all(|p| p.rows() == 0));
+    }
+
+    #[test]
+    fn an_incremental_last_layer_computes_changed_rows_and_adds_into_the_others() {
+        let (g, owner) = path();
+        let changed = [3u32];
+        let mut increments = Vec::new();
+        let plans =
+            plan_incremental_update(&g, &owner, 2, &[false, true], &changed, &mut increments, 2);
+        let last = &plans[1];
+        // D_0 = {2, 3, 4} is re-transformed; D_1 = {1, ..., 5}: node 3 (changed) is computed,
+        // the others take the changes of their re-transformed neighbours.
+        assert_eq!(*last.transform[0], vec![2]);
+        assert_eq!(*last.transform[1], vec![3, 4]);
+        assert_eq!(*last.compute[0], Vec::<u32>::new());
+        assert_eq!(*last.compute[1], vec![3]);
+        assert_eq!(*last.increment[0], vec![1, 2]);
+        assert_eq!(*last.increment[1], vec![4, 5]);
+        // Node 3's block reads node 2 (partition 0's); node 2's increment reads 3's change,
+        // and node 4's reads nothing of partition 0 (2 is not its neighbour).
+        assert_eq!(last.recv[1], vec![(0, Arc::new(vec![2]))]);
+        assert_eq!(last.increment_recv[0], vec![(1, Arc::new(vec![3]))]);
+        assert_eq!(last.increment_send[1], vec![(0, Arc::new(vec![3]))]);
+        assert!(last.increment_recv[1].is_empty());
+        assert_eq!(last.rows(), 5);
+        // After two increments a row is computed again.
+        plan_incremental_update(&g, &owner, 2, &[false, true], &changed, &mut increments, 2);
+        let plans =
+            plan_incremental_update(&g, &owner, 2, &[false, true], &changed, &mut increments, 2);
+        assert_eq!(*plans[1].compute[0], vec![1, 2]);
+        assert!(plans[1].increment[0].is_empty());
     }
 }

@@ -174,6 +174,9 @@ pub struct WireStep {
     pub compute: Vec<u32>,
     pub send: Vec<WireRows>,
     pub recv: Vec<WireRows>,
+    pub increment: Vec<u32>,
+    pub increment_send: Vec<WireRows>,
+    pub increment_recv: Vec<WireRows>,
     pub return_rows: bool,
     pub full: bool,
 }
@@ -450,6 +453,9 @@ impl From<&PassStep> for WireStep {
             compute: s.compute.to_vec(),
             send: rows(&s.send),
             recv: rows(&s.recv),
+            increment: s.increment.to_vec(),
+            increment_send: rows(&s.increment_send),
+            increment_recv: rows(&s.increment_recv),
             return_rows: s.return_rows,
             full: s.full,
         }
@@ -477,6 +483,9 @@ impl From<WireStep> for PassStep {
             compute: Arc::new(s.compute),
             send: rows(s.send),
             recv: rows(s.recv),
+            increment: Arc::new(s.increment),
+            increment_send: rows(s.increment_send),
+            increment_recv: rows(s.increment_recv),
             return_rows: s.return_rows,
             full: s.full,
         }
@@ -624,6 +633,9 @@ mod tests {
             compute: Arc::new(vec![2, 5, 9]),
             send: vec![(1, Arc::new(vec![2]))],
             recv: vec![(2, Arc::new(vec![7, 8]))],
+            increment: Arc::new(vec![3, 4]),
+            increment_send: vec![(0, Arc::new(vec![1]))],
+            increment_recv: vec![(2, Arc::new(vec![6]))],
             return_rows: true,
             full: false,
         }

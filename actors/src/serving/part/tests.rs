@@ -2,7 +2,7 @@
 //! passes planned by [`plan_pass`] give the bits of a whole-graph [`Inference::run`], after
 //! updates, after a restart and its recovery pass, and for a staged model.
 use super::*;
-use crate::serving::plan::{plan_pass, Coverage, LayerPlan};
+use crate::serving::plan::{plan_incremental_update, plan_pass, Coverage, LayerPlan};
 use trellis_runtime::inference::{parts_of, NodeGraph};
 use trellis_runtime::{DataSource, Graph, ModelKind};
 
@@ -110,6 +110,9 @@ impl Harness {
                     compute: plan.compute[p].clone(),
                     send: plan.send[p].clone(),
                     recv: plan.recv[p].clone(),
+                    increment: plan.increment[p].clone(),
+                    increment_send: plan.increment_send[p].clone(),
+                    increment_recv: plan.increment_recv[p].clone(),
                     return_rows: last,
                     full: full[p],
                 };
@@ -228,6 +231,33 @@ impl Harness {
             },
         );
         self.pass(&plans, Target::Live, Some(update), &full)
+    }
+
+    /// [`Harness::update`] with the last layer updated incrementally (`increments` as the
+    /// engine keeps it); returns the last layer's plan beside the rows.
+    fn update_incremental(
+        &mut self,
+        update: u64,
+        changed: &[u32],
+        increments: &mut Vec<u8>,
+        max: u8,
+    ) -> (LayerPlan, Rows) {
+        let full = [false; PARTS];
+        let plans = plan_incremental_update(
+            &self.graph,
+            &self.owner,
+            PARTS,
+            &self.split(),
+            changed,
+            increments,
+            max,
+        );
+        let last = plans.last().unwrap().clone();
+        (
+            last,
+            self.pass(&plans, Target::Live, Some(update), &full)
+                .unwrap(),
+        )
     }
 
     /// Every node's live last-layer row, looked up from its owner.
@@ -352,6 +382,9 @@ fn a_staged_model_is_computed_beside_the_live_one_and_installed() {
             compute: Arc::new(vec![]),
             send: vec![],
             recv: vec![],
+            increment: Arc::new(vec![]),
+            increment_send: vec![],
+            increment_recv: vec![],
             return_rows: false,
             full: false,
         },
@@ -424,4 +457,76 @@ fn live_steps_run_between_the_pieces_of_a_training_kernel() {
     });
     assert!(!gate.is_urgent());
     assert_eq!(h.served(), h.reference(&h.model.clone()));
+}
+
+#[test]
+fn incremental_updates_stay_within_rounding_of_the_whole_graph_and_are_computed_again_in_time() {
+    let mut h = Harness::new(config(ModelKind::Gcn, false), FaultPlan::none());
+    assert!(h
+        .model
+        .build(Stream::cpu(0).unwrap())
+        .unwrap()
+        .model()
+        .last_layer_is_linear_split());
+    h.full_pass(Target::Live);
+    let mut increments = Vec::new();
+    let (mut incremented, mut computed_again) = (0, 0);
+    for u in 1..=40 {
+        let before = h.served();
+        let changed = h.change(u);
+        let (plan, rows) = h.update_incremental(u, &changed, &mut increments, 3);
+        let want = h.reference(&h.model.clone());
+        let served = h.served();
+        incremented += plan.increment.iter().map(|r| r.len()).sum::<usize>();
+        computed_again += plan
+            .compute
+            .iter()
+            .flat_map(|r| r.iter())
+            .filter(|&&v| !changed.contains(&v))
+            .count();
+        // Rows the update did not reach keep their bits; every row stays within rounding of
+        // the whole graph's (the model's logits here are of order 1).
+        let reached: std::collections::BTreeSet<u32> = plan
+            .compute
+            .iter()
+            .chain(&plan.increment)
+            .flat_map(|r| r.iter().copied())
+            .collect();
+        for v in 0..before.len() as u32 {
+            if !reached.contains(&v) {
+                assert_eq!(
+                    served.row(v),
+                    before.row(v),
+                    "update {u}: node {v} not reached"
+                );
+            }
+        }
+        for v in 0..h.graph.num_nodes() as u32 {
+            for (a, b) in served.row(v).iter().zip(want.row(v)) {
+                assert!(
+                    (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                    "update {u} node {v}: {a} vs {b}"
+                );
+            }
+        }
+        for &v in &reached {
+            assert_eq!(rows.row(v), served.row(v), "update {u}: returned row {v}");
+        }
+        for &v in plan.compute.iter().flat_map(|r| r.iter()) {
+            assert_eq!(
+                served.row(v),
+                want.row(v),
+                "update {u}: computed row {v} is exact"
+            );
+        }
+    }
+    assert!(
+        incremented > 500,
+        "{incremented} rows updated incrementally"
+    );
+    assert!(computed_again > 0, "no row reached its increment limit");
+    // An incremental update exchanged changes between the partitions.
+    let changed = h.change(41);
+    let (plan, _) = h.update_incremental(41, &changed, &mut increments, 3);
+    assert!(plan.increment_send.iter().any(|s| !s.is_empty()));
 }
