@@ -81,7 +81,7 @@ pub struct PassStep {
     /// `(from, rows)`: rows to receive before computing.
     pub recv: Vec<(u32, Ids)>,
     /// Rows updated incrementally instead of computed (see
-    /// [`super::plan::make_incremental`]); empty otherwise.
+    /// [`super::plan::plan_incremental_update`]); empty otherwise.
     pub increment: Ids,
     /// `(to, rows)`: changes of this partition's re-transformed rows to send.
     pub increment_send: Vec<(u32, Ids)>,

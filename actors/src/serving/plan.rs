@@ -25,7 +25,7 @@ pub struct LayerPlan {
     /// Per partition: `(from, rows)`, the rows it receives (the same lists as `send`).
     pub recv: PeerLists,
     /// Per partition: its rows updated incrementally instead of computed (the last layer of
-    /// an incremental update, [`make_incremental`]; empty otherwise).
+    /// an incremental update, [`plan_incremental_update`]; empty otherwise).
     pub increment: Vec<Ids>,
     /// Per partition: `(to, rows)`, the changes of its transformed rows it sends partition
     /// `to` for that partition's incremental rows.
@@ -70,8 +70,20 @@ pub fn plan_pass(
     plan_layers(graph, owner, parts, split, coverage, true)
 }
 
-/// The layers of an update pass at `changed` with the last one incremental
-/// ([`make_incremental`]), on partitions none of which restarted.
+/// The layers of an update pass at `changed`, on partitions none of which restarted, with
+/// the last one incremental, for a model whose last layer is linear in its degree-scaled
+/// transformed rows ([`Model::last_layer_is_linear_split`]). Of the rows the change reaches, only those whose own degree or edges
+/// changed (`changed`: new nodes and the ends of added or removed edges), and those updated
+/// incrementally `max_increments` times since they were last computed, are computed again;
+/// every other row `v` keeps its value plus `Σ_u ΔY_u / sqrt(d_v + 1)` over its neighbours
+/// `u` among the re-transformed rows, where `ΔY_u = Z'_u / sqrt(d'_u + 1) - Z_u / sqrt(d_u +
+/// 1)` (new and old transformed row and degree) comes from `u`'s owner. An increment rounds
+/// differently from the aggregation (a few units in the last place of the row); bounding
+/// the increments of a row between two computations bounds how far it drifts from the
+/// computed value. `increments[v]` counts them (grown to the graph's size here; the
+/// caller resets it wherever every row is computed).
+///
+/// [`Model::last_layer_is_linear_split`]: trellis_runtime::Model::last_layer_is_linear_split
 pub fn plan_incremental_update(
     graph: &NodeGraph,
     owner: &[u32],
@@ -175,20 +187,8 @@ fn plan_layers(
     plans
 }
 
-/// Turns `plan`, the last layer of an update pass over a model whose last layer is linear
-/// in its degree-scaled transformed rows ([`Model::last_layer_is_linear_split`]), into an
-/// incremental one. Of the rows the change reaches, only those whose own degree or edges
-/// changed (`changed`: new nodes and the ends of added or removed edges), and those updated
-/// incrementally `max_increments` times since they were last computed, are computed again;
-/// every other row `v` keeps its value plus `Σ_u ΔY_u / sqrt(d_v + 1)` over its neighbours
-/// `u` among the re-transformed rows, where `ΔY_u = Z'_u / sqrt(d'_u + 1) - Z_u / sqrt(d_u +
-/// 1)` (new and old transformed row and degree) comes from `u`'s owner. An increment rounds
-/// differently from the aggregation (a few units in the last place of the row); bounding
-/// the increments of a row between two computations bounds how far it drifts from the
-/// computed value. `increments[v]` counts them (grown to the graph's size here; the
-/// caller resets it wherever every row is computed).
-///
-/// [`Model::last_layer_is_linear_split`]: trellis_runtime::Model::last_layer_is_linear_split
+/// Turns `plan`, the last layer of an update pass, into an incremental one (see
+/// [`plan_incremental_update`]).
 fn make_incremental(
     plan: &mut LayerPlan,
     graph: &NodeGraph,
