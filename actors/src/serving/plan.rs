@@ -226,32 +226,12 @@ fn make_incremental(
         increment.push(Arc::new(i));
     }
     let (send, recv) = halo_lists(graph, owner, parts, &exact);
-    let mut increment_send: PeerLists = vec![Vec::new(); parts];
-    let mut increment_recv: PeerLists = vec![Vec::new(); parts];
-    for (p, rows) in increment.iter().enumerate().filter(|_| parts > 1) {
-        let mut need: Vec<Vec<u32>> = vec![Vec::new(); parts];
-        for &v in rows.iter() {
-            for &u in graph.neighbors(v) {
-                let q = owner[u as usize] as usize;
-                if q != p && transformed.get(u) {
-                    need[q].push(u);
-                }
-            }
-        }
-        for (q, mut list) in need.into_iter().enumerate() {
-            if list.is_empty() {
-                continue;
-            }
-            list.sort_unstable();
-            list.dedup();
-            let list = Arc::new(list);
-            increment_send[q].push((p as u32, list.clone()));
-            increment_recv[p].push((q as u32, list));
-        }
-    }
-    for s in &mut increment_send {
-        s.sort_by_key(|(to, _)| *to);
-    }
+    // The changes an incremental row reads: of its neighbours, the re-transformed ones.
+    let (increment_send, increment_recv) = if parts > 1 {
+        peer_lists(graph, owner, parts, &increment, |u| transformed.get(u))
+    } else {
+        (vec![Vec::new(); parts], vec![Vec::new(); parts])
+    };
     plan.compute = exact;
     plan.send = send;
     plan.recv = recv;
@@ -292,14 +272,26 @@ fn halo_lists(
     parts: usize,
     compute: &[Ids],
 ) -> (PeerLists, PeerLists) {
+    peer_lists(graph, owner, parts, compute, |_| true)
+}
+
+/// For each partition `p`, the neighbours of its `rows` that other partitions own and `read`
+/// admits, grouped by owner: (send lists by sender, receive lists by receiver).
+fn peer_lists(
+    graph: &NodeGraph,
+    owner: &[u32],
+    parts: usize,
+    rows: &[Ids],
+    read: impl Fn(u32) -> bool,
+) -> (PeerLists, PeerLists) {
     let mut send: PeerLists = vec![Vec::new(); parts];
     let mut recv: PeerLists = vec![Vec::new(); parts];
-    for (p, rows) in compute.iter().enumerate() {
+    for (p, rows) in rows.iter().enumerate() {
         let mut need: Vec<Vec<u32>> = vec![Vec::new(); parts];
         for &v in rows.iter() {
             for &j in graph.neighbors(v) {
                 let q = owner[j as usize] as usize;
-                if q != p {
+                if q != p && read(j) {
                     need[q].push(j);
                 }
             }
