@@ -785,23 +785,33 @@ impl ServePartMachine {
         let mut ids = step.compute.clone();
         if !step.increment.is_empty() {
             let mut add = HaloRows::reuse(width, std::mem::take(increment_slots));
-            let r = add
-                .extend(&step.transform, changes)
-                .map_err(err)
-                .and_then(|()| {
-                    received(
+            let r = received(
+                part,
+                &mut add,
+                &step.increment_recv,
+                increments,
+                "changed rows",
+            )
+            .and_then(|()| {
+                let locals = graph.locals(&step.increment).map_err(err)?;
+                if changes.len() != step.transform.len() * width {
+                    return Err(ActorError::Protocol {
                         part,
-                        &mut add,
-                        &step.increment_recv,
-                        increments,
-                        "changed rows",
-                    )
-                })
-                .and_then(|()| {
-                    let locals = graph.locals(&step.increment).map_err(err)?;
-                    add_changes(graph, &step.increment, &locals, &add, &mut tables.layers[l]);
-                    Ok(locals)
-                });
+                        detail: format!(
+                            "{} changed values for {} re-transformed rows of {width}",
+                            changes.len(),
+                            step.transform.len()
+                        ),
+                    });
+                }
+                let own = OwnChanges {
+                    ids: &step.transform,
+                    values: changes,
+                };
+                let received = (!step.increment_recv.is_empty()).then_some(&add);
+                add_changes(graph, &locals, own, received, &mut tables.layers[l]);
+                Ok(locals)
+            });
             *increment_slots = add.into_slots();
             let locals = r?;
             if step.return_rows {
@@ -978,30 +988,53 @@ fn scaled_changes(
     out
 }
 
-/// Adds into the rows `ids` (local rows `locals`) of `table` `Σ_u ΔY_u / sqrt(d_v + 1)` over
-/// the neighbours `u` (and the row itself) whose change `changes` holds.
+/// A partition's own re-transformed rows `ids` (ascending) and their changes `ΔY`.
+struct OwnChanges<'a> {
+    ids: &'a [u32],
+    values: &'a [f32],
+}
+
+/// Adds into the local rows `locals` of `table` `Σ_u ΔY_u / sqrt(d_v + 1)` over the
+/// neighbours `u` of each row `v` (and `v` itself) that changed: the partition's own changes
+/// are added from their side (a change reaches its own node's neighbours, whose lists the
+/// partition holds: ~20 rows per change instead of ~20 lookups per updated row), the
+/// received ones (`received`, the halo nodes' changes) from the updated rows' side.
 fn add_changes(
     graph: &PartGraph,
-    ids: &[u32],
     locals: &[u32],
-    changes: &HaloRows,
+    own: OwnChanges<'_>,
+    received: Option<&HaloRows>,
     table: &mut Rows,
 ) {
     let w = table.width;
-    let mut sum = vec![0f32; w];
-    for (&v, &r) in ids.iter().zip(locals) {
-        sum.iter_mut().for_each(|x| *x = 0.0);
-        let mut any = false;
-        for u in std::iter::once(v).chain(graph.neighbors(v).iter().copied()) {
-            if let Some(dy) = changes.get(u) {
-                any = true;
-                sum.iter_mut().zip(dy).for_each(|(s, &d)| *s += d);
-            }
-        }
-        if any {
-            let scale = 1.0 / (graph.degree(v) as f32 + 1.0).sqrt();
+    let mut updated = vec![false; table.len()];
+    for &r in locals {
+        updated[r as usize] = true;
+    }
+    let scale = |v: u32| 1.0 / (graph.degree(v) as f32 + 1.0).sqrt();
+    for (k, &u) in own.ids.iter().enumerate() {
+        let dy = &own.values[k * w..(k + 1) * w];
+        for v in std::iter::once(u).chain(graph.neighbors(u).iter().copied()) {
+            let Some(r) = graph.local(v).filter(|&r| updated[r as usize]) else {
+                continue;
+            };
+            let s = scale(v);
             let row = &mut table.data[r as usize * w..(r as usize + 1) * w];
-            row.iter_mut().zip(&sum).for_each(|(y, &s)| *y += s * scale);
+            row.iter_mut().zip(dy).for_each(|(y, &d)| *y += d * s);
+        }
+    }
+    let Some(received) = received else {
+        return;
+    };
+    let inner = graph.inner();
+    for &r in locals {
+        let v = inner[r as usize];
+        let s = scale(v);
+        for &u in graph.neighbors(v) {
+            if let Some(dy) = received.get(u) {
+                let row = &mut table.data[r as usize * w..(r as usize + 1) * w];
+                row.iter_mut().zip(dy).for_each(|(y, &d)| *y += d * s);
+            }
         }
     }
 }
