@@ -889,6 +889,8 @@ impl ServePartMachine {
         Ok(match st.staged.take() {
             Some(t) => {
                 st.live = t;
+                // The new tables were computed on the graph as it is.
+                st.prev_degree.clear();
                 true
             }
             None => false,
