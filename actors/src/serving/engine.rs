@@ -58,7 +58,8 @@ pub struct Answer {
     /// The model version every number in it comes from.
     pub model_version: String,
     pub predictions: Vec<NodePrediction>,
-    /// Rows recomputed per layer by an update (empty for queries).
+    /// Rows recomputed (or, in an incremental last layer, updated) per layer by an update
+    /// (empty for queries).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub recomputed_rows: Vec<usize>,
     /// Edges added and removed by an update.
