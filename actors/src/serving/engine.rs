@@ -233,7 +233,7 @@ struct Engine {
     /// Whether each layer is split (the same for every model of this architecture).
     split: Vec<bool>,
     /// Whether update passes update the last layer's rows incrementally
-    /// ([`make_incremental`]; the same for every model of this architecture).
+    /// ([`plan_incremental_update`]; the same for every model of this architecture).
     incremental: bool,
     /// Per node: incremental updates of its last-layer row since it was last computed.
     increments: Vec<u8>,

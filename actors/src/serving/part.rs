@@ -624,27 +624,30 @@ impl ServePartMachine {
             None => &tables.layers[l - 1],
         };
         let mut bytes = 0;
-        let mut blocks = Vec::with_capacity(step.send.len());
-        for (to, ids) in &step.send {
-            let locals = graph.locals(ids).map_err(err)?;
-            let data: Arc<[f32]> = source.gather(&locals).into();
+        let mut blocks = Vec::with_capacity(step.send.len() + step.increment_send.len());
+        let width = source.width;
+        // The block of `rows` rows `data` for partition `to`, tagged `layer`.
+        let mut send = |to: u32, layer: u16, rows: usize, data: Vec<f32>| {
             bytes += data.len() as u64 * 4;
             blocks.push(HaloBlock {
                 header: MsgHeader {
                     run,
                     epoch: step.seq,
-                    layer: tag,
+                    layer,
                     phase: Phase::Eval,
                     from: PartId(part),
-                    to: PartId(*to),
+                    to: PartId(to),
                 },
                 trace: None,
-                rows: ids.len() as u32,
-                cols: source.width as u32,
-                payload: HaloPayload::F32(data),
+                rows: rows as u32,
+                cols: width as u32,
+                payload: HaloPayload::F32(data.into()),
             });
+        };
+        for (to, ids) in &step.send {
+            let locals = graph.locals(ids).map_err(err)?;
+            send(*to, tag, ids.len(), source.gather(&locals));
         }
-        let width = source.width;
         for (to, ids) in &step.increment_send {
             let mut data = Vec::with_capacity(ids.len() * width);
             for v in ids.iter() {
@@ -659,21 +662,7 @@ impl ServePartMachine {
                     })?;
                 data.extend_from_slice(&changes[k * width..(k + 1) * width]);
             }
-            bytes += data.len() as u64 * 4;
-            blocks.push(HaloBlock {
-                header: MsgHeader {
-                    run,
-                    epoch: step.seq,
-                    layer: tag | INCREMENT,
-                    phase: Phase::Eval,
-                    from: PartId(part),
-                    to: PartId(*to),
-                },
-                trace: None,
-                rows: ids.len() as u32,
-                cols: width as u32,
-                payload: HaloPayload::F32(data.into()),
-            });
+            send(*to, tag | INCREMENT, ids.len(), data);
         }
         self.actions
             .extend(blocks.into_iter().map(ServeAction::Send));
@@ -794,16 +783,7 @@ impl ServePartMachine {
             )
             .and_then(|()| {
                 let locals = graph.locals(&step.increment).map_err(err)?;
-                if changes.len() != step.transform.len() * width {
-                    return Err(ActorError::Protocol {
-                        part,
-                        detail: format!(
-                            "{} changed values for {} re-transformed rows of {width}",
-                            changes.len(),
-                            step.transform.len()
-                        ),
-                    });
-                }
+                // `changes` are `start`'s: one row of `width` per re-transformed row.
                 let own = OwnChanges {
                     ids: &step.transform,
                     values: changes,
@@ -815,10 +795,7 @@ impl ServePartMachine {
             *increment_slots = add.into_slots();
             let locals = r?;
             if step.return_rows {
-                let table = &tables.layers[l];
-                for &r in &locals {
-                    rows.extend_from_slice(table.row(r));
-                }
+                rows.extend_from_slice(&tables.layers[l].gather(&locals));
                 let mut all = ids.to_vec();
                 all.extend_from_slice(&step.increment);
                 ids = Arc::new(all);

@@ -227,11 +227,8 @@ fn make_incremental(
     }
     let (send, recv) = halo_lists(graph, owner, parts, &exact);
     // The changes an incremental row reads: of its neighbours, the re-transformed ones.
-    let (increment_send, increment_recv) = if parts > 1 {
-        peer_lists(graph, owner, parts, &increment, |u| transformed.get(u))
-    } else {
-        (vec![Vec::new(); parts], vec![Vec::new(); parts])
-    };
+    let (increment_send, increment_recv) =
+        peer_lists(graph, owner, parts, &increment, |u| transformed.get(u));
     plan.compute = exact;
     plan.send = send;
     plan.recv = recv;
@@ -286,6 +283,9 @@ fn peer_lists(
 ) -> (PeerLists, PeerLists) {
     let mut send: PeerLists = vec![Vec::new(); parts];
     let mut recv: PeerLists = vec![Vec::new(); parts];
+    if parts < 2 {
+        return (send, recv); // nothing is another partition's
+    }
     for (p, rows) in rows.iter().enumerate() {
         let mut need: Vec<Vec<u32>> = vec![Vec::new(); parts];
         for &v in rows.iter() {
