@@ -15,7 +15,7 @@
 //! degrees, and so the normalisation of their rows and their neighbours', changed), then
 //! `D_l = D_{l-1} ∪ N(D_{l-1})`, each part computing its own rows of `D_l`.
 use crate::graph::Aggregation;
-use crate::model::{LayerInput, Model, StepCtx};
+use crate::model::{LayerInput, Model, PreActivationInput, StepCtx};
 use crate::train::normalize_rows;
 use crate::{Block, Graph, Result, RuntimeError};
 use std::borrow::Cow;
@@ -633,6 +633,13 @@ impl Rows {
                 .copy_from_slice(&rows[k * w..(k + 1) * w]);
         }
     }
+    /// Reserves room for `rows` more rows without touching it, so that growing by up to
+    /// that many later copies nothing: a table of a graph that grows (a service taking new
+    /// nodes) is hundreds of megabytes, and a reallocation copies it into fresh pages
+    /// (seconds of page faults on the 1M-node graph's tables).
+    pub fn reserve_rows(&mut self, rows: usize) {
+        self.data.reserve_exact(rows * self.width);
+    }
     /// Appends zero rows up to `n` rows.
     pub fn grow(&mut self, n: usize) {
         if n > self.len() {
@@ -782,8 +789,9 @@ impl Inference {
         Ok(out)
     }
 
-    /// Split layer `l`'s transformed rows `Z = H W` of the nodes `inner` from `input` (the
-    /// previous layer's rows).
+    /// Layer `l`'s transformed rows `Z = H W` of the nodes `inner` from `input` (the
+    /// previous layer's rows, the features for layer 0): a split layer's, or layer 0's when
+    /// it takes increments ([`Model::takes_increments`]).
     pub fn transform_rows<G: Adjacency + ?Sized>(
         &mut self,
         l: usize,
@@ -807,9 +815,12 @@ impl Inference {
         )?;
         let x = Tensor::from_vec(inner.len(), input.width(), input.gather_rows(inner)?)?;
         let x = self.stream.place(x)?;
-        let z = self
-            .model
-            .forward_transform(&self.stream, l, &block, x, EVAL)?;
+        let z = if l == 0 && !self.model.is_split(0) {
+            self.model.transform_first(&self.stream, &block, x)?
+        } else {
+            self.model
+                .forward_transform(&self.stream, l, &block, x, EVAL)?
+        };
         Ok(self.stream.download(&z)?)
     }
 
@@ -832,12 +843,7 @@ impl Inference {
         if inner.is_empty() {
             return Ok(Vec::new());
         }
-        let block = self.block(graph, inner)?;
-        let x = Tensor::from_vec(
-            block.n_in(),
-            source.width(),
-            source.gather_rows(block.gids())?,
-        )?;
+        let (block, x) = self.block_input(graph, inner, source)?;
         if self.model.is_split(l) {
             let zt = self.stream.place(x)?;
             let y = self
@@ -845,16 +851,85 @@ impl Inference {
                 .forward_aggregate(&self.stream, l, &block, &zt, EVAL)?;
             return Ok(self.stream.download(&y)?);
         }
-        let x = if l == 0 {
-            let sparse = self.sparse_input.unwrap_or(false);
-            LayerInput::with_layout(&self.stream, x, sparse)?
-        } else {
-            LayerInput::Dense(self.stream.place(x)?)
-        };
+        let x = self.layer_input(l, x)?;
         let out = self
             .model
             .forward_layer(&self.stream, l, &block, Cow::Owned(x), EVAL)?;
         Ok(self.stream.download(&out)?)
+    }
+
+    /// The block of the nodes `inner` and its input rows from `source`.
+    fn block_input<G: Adjacency + ?Sized>(
+        &mut self,
+        graph: &G,
+        inner: &[u32],
+        source: &dyn RowSource,
+    ) -> Result<(Block, Tensor)> {
+        let block = self.block(graph, inner)?;
+        let x = Tensor::from_vec(
+            block.n_in(),
+            source.width(),
+            source.gather_rows(block.gids())?,
+        )?;
+        Ok((block, x))
+    }
+
+    /// Layer `l`'s input rows `x` placed on the stream (layer 0's in its input layout).
+    fn layer_input(&self, l: usize, x: Tensor) -> Result<LayerInput> {
+        Ok(if l == 0 {
+            let sparse = self.sparse_input.unwrap_or(false);
+            LayerInput::with_layout(&self.stream, x, sparse)?
+        } else {
+            LayerInput::Dense(self.stream.place(x)?)
+        })
+    }
+
+    /// Layer `l`'s pre-activation rows of the nodes `inner` (ascending), for a layer that
+    /// takes increments ([`Model::takes_increments`]); `source` as for
+    /// [`Inference::compute_rows`], whose rows [`Inference::activate_rows`] of these are,
+    /// bit for bit.
+    pub fn compute_pre_activation_rows<G: Adjacency + ?Sized>(
+        &mut self,
+        l: usize,
+        graph: &G,
+        inner: &[u32],
+        source: &dyn RowSource,
+    ) -> Result<Vec<f32>> {
+        if inner.is_empty() {
+            return Ok(Vec::new());
+        }
+        let (block, x) = self.block_input(graph, inner, source)?;
+        let s = &self.stream;
+        let p = if self.model.is_split(l) {
+            let z = s.place(x)?;
+            self.model
+                .forward_pre_activation(s, l, &block, PreActivationInput::Transformed(&z))?
+        } else {
+            let x = self.layer_input(l, x)?;
+            self.model.forward_pre_activation(
+                s,
+                l,
+                &block,
+                PreActivationInput::Input(Cow::Owned(x)),
+            )?
+        };
+        Ok(s.download(&p)?)
+    }
+
+    /// Layer `l`'s activation of the rows `pre` (rows of the layer's width).
+    pub fn activate_rows(&self, l: usize, pre: Vec<f32>) -> Result<Vec<f32>> {
+        let width = self.layer_width(l);
+        if width == 0 || !pre.len().is_multiple_of(width) {
+            return Err(RuntimeError::BadData(format!(
+                "{} values are not rows of layer {l}'s width {width}",
+                pre.len()
+            )));
+        }
+        let mut t = self
+            .stream
+            .place(Tensor::from_vec(pre.len() / width, width, pre)?)?;
+        self.model.activate(&self.stream, l, &mut t)?;
+        Ok(self.stream.download(&t)?)
     }
 
     /// Layer 0's input layout (sparse or dense), fixed by the whole feature matrix.
@@ -1053,6 +1128,57 @@ mod tests {
             );
             let fresh = inf.run(&g, &x, &parts_of(&owner, 3)).unwrap();
             assert_eq!(out, fresh, "{kind} {layers} layers");
+        }
+    }
+
+    #[test]
+    fn pre_activation_rows_are_linear_in_scaled_transformed_rows_and_activate_to_the_layer() {
+        let mut cfg = ModelConfig::paper_defaults(ModelKind::Gcn, 12, 4, 5);
+        cfg.hidden = 8;
+        let (mut inf, g, x, _) = setup(cfg);
+        assert!(inf.model().takes_increments(0) && inf.model().keeps_pre_activation(0));
+        assert!(inf.model().takes_increments(1) && !inf.model().keeps_pre_activation(1));
+        let all: Vec<u32> = (0..600).collect();
+        let out = inf.run(&g, &x, std::slice::from_ref(&all)).unwrap();
+        let rows: Vec<u32> = vec![0, 5, 77, 599];
+        for l in 0..2 {
+            let source = match &out.transformed[l] {
+                Some(z) => z,
+                None if l == 0 => &x,
+                None => &out.layers[l - 1],
+            };
+            let pre = inf
+                .compute_pre_activation_rows(l, &g, &rows, source)
+                .unwrap();
+            let y = inf.activate_rows(l, pre.clone()).unwrap();
+            assert_eq!(
+                y,
+                inf.compute_rows(l, &g, &rows, source).unwrap(),
+                "layer {l}"
+            );
+            assert_eq!(y, out.layers[l].gather(&rows), "layer {l}");
+            // p_v - b = Σ_u Z_u / sqrt((d_u + 1)(d_v + 1)), Z from `transform_rows`.
+            let input = if l == 0 { &x } else { &out.layers[0] };
+            let z = inf.transform_rows(l, &g, &all, input).unwrap();
+            let w = inf.layer_width(l);
+            let s = |v: u32| 1.0 / (g.degree(v) as f32 + 1.0).sqrt();
+            for (k, &v) in rows.iter().enumerate() {
+                let mut sum = vec![0f32; w];
+                for u in std::iter::once(v).chain(g.neighbors(v).iter().copied()) {
+                    for (c, acc) in sum.iter_mut().enumerate() {
+                        *acc += z[u as usize * w + c] * s(u) * s(v);
+                    }
+                }
+                let b = inf.model().params()[1 + 2 * l].value.host("test").unwrap();
+                for c in 0..w {
+                    let want = sum[c] + b[c];
+                    let got = pre[k * w + c];
+                    assert!(
+                        (want - got).abs() <= 1e-5 * (1.0 + want.abs()),
+                        "{l} {v} {c}"
+                    );
+                }
+            }
         }
     }
 

@@ -107,6 +107,10 @@ fn line(name: &str, rate: f64, r: &LoadResult) {
         r.shed,
         r.failed
     );
+    if !r.failures.is_empty() {
+        let why: Vec<String> = r.failures.iter().map(|(w, n)| format!("{n} {w}")).collect();
+        println!("{:<28} failed: {}", "", why.join(", "));
+    }
 }
 
 fn generator(run: &LoadRun) {

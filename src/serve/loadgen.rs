@@ -43,6 +43,8 @@ pub struct LoadResult {
     pub shed: u64,
     /// Other statuses or broken connections.
     pub failed: u64,
+    /// Why they failed (`HTTP 500`, `connection: ...`), with counts.
+    pub failures: std::collections::BTreeMap<String, u64>,
     /// Latency of answered requests (2xx), microseconds from their scheduled time.
     pub latency_us: Histogram<u64>,
     pub elapsed: Duration,
@@ -102,6 +104,7 @@ struct Tally {
     ok: u64,
     shed: u64,
     failed: u64,
+    failures: std::collections::BTreeMap<String, u64>,
     latency_us: Histogram<u64>,
 }
 
@@ -111,8 +114,14 @@ impl Tally {
             ok: 0,
             shed: 0,
             failed: 0,
+            failures: Default::default(),
             latency_us: Histogram::new_with_bounds(1, 600_000_000, 3).expect("valid bounds"),
         }
+    }
+
+    fn fail(&mut self, why: String) {
+        self.failed += 1;
+        *self.failures.entry(why).or_default() += 1;
     }
 }
 
@@ -170,7 +179,10 @@ async fn connection(
             }
         }
         let Some((r, w)) = conn.as_mut() else {
-            tally.lock().expect("tally").failed += 1;
+            tally
+                .lock()
+                .expect("tally")
+                .fail("connection refused".into());
             continue;
         };
         let head = format!(
@@ -193,9 +205,9 @@ async fn connection(
                 let _ = t.latency_us.record(us.max(1));
             }
             Ok(429) | Ok(503) => t.shed += 1,
-            Ok(_) => t.failed += 1,
-            Err(_) => {
-                t.failed += 1;
+            Ok(status) => t.fail(format!("HTTP {status}")),
+            Err(e) => {
+                t.fail(format!("connection: {}", e.kind()));
                 conn = None;
             }
         }
@@ -312,6 +324,7 @@ pub fn run_open_loop(
                 ok: t.ok,
                 shed: t.shed,
                 failed: t.failed,
+                failures: t.failures.clone(),
                 latency_us: t.latency_us.clone(),
                 elapsed,
             }

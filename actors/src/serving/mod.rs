@@ -72,3 +72,10 @@ impl From<trellis_runtime::RuntimeError> for ServeError {
         }
     }
 }
+
+/// Rows a table of `rows` rows that grows with the served graph (a partition's, the
+/// engine's features and published rows) keeps room for: a quarter more, so that new nodes
+/// do not reallocate it (see [`trellis_runtime::inference::Rows::reserve_rows`]).
+pub fn spare_rows(rows: usize) -> usize {
+    rows / 4
+}

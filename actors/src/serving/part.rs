@@ -187,6 +187,9 @@ struct Tables {
     inference: Inference,
     layers: Vec<Rows>,
     transformed: Vec<Option<Rows>>,
+    /// The pre-activation rows of the layers that take increments and have an activation
+    /// ([`Model::keeps_pre_activation`]): increments are added there.
+    pre: Vec<Option<Rows>>,
 }
 
 impl Tables {
@@ -199,21 +202,28 @@ impl Tables {
         let mut inference = model.build(stream)?;
         inference.set_sparse_input(sparse);
         let n = inference.model().num_layers();
-        let layers = (0..n)
-            .map(|l| Rows::zeros(rows, inference.layer_width(l)))
-            .collect();
-        let transformed = (0..n)
-            .map(|l| {
-                inference
-                    .model()
-                    .is_split(l)
-                    .then(|| Rows::zeros(rows, inference.layer_width(l)))
-            })
-            .collect();
+        let table = |l: usize| {
+            let mut t = Rows {
+                width: inference.layer_width(l),
+                data: Vec::new(),
+            };
+            t.reserve_rows(rows + super::spare_rows(rows));
+            t.grow(rows);
+            t
+        };
+        let layers = (0..n).map(table).collect();
+        let table_if = |keep: fn(&Model, usize) -> bool| -> Vec<Option<Rows>> {
+            (0..n)
+                .map(|l| keep(inference.model(), l).then(|| table(l)))
+                .collect()
+        };
+        let transformed = table_if(Model::is_split);
+        let pre = table_if(Model::keeps_pre_activation);
         Ok(Tables {
             inference,
             layers,
             transformed,
+            pre,
         })
     }
 
@@ -222,6 +232,7 @@ impl Tables {
             .layers
             .iter_mut()
             .chain(self.transformed.iter_mut().flatten())
+            .chain(self.pre.iter_mut().flatten())
         {
             t.grow(rows);
         }
@@ -240,9 +251,12 @@ struct State {
     increment_slots: Vec<u32>,
     /// The degree each node had when the live tables' last layer was last computed, for the
     /// nodes whose degree changed since (an incremental step scales their old transformed
-    /// rows by it).
+    /// rows by it); [`NEW_NODE`] for nodes added since (they had no row).
     prev_degree: HashMap<u32, u32>,
 }
+
+/// `prev_degree` of a node added since the live last layer was computed.
+const NEW_NODE: u32 = u32::MAX;
 
 /// A step waiting for its halo blocks.
 struct Parked {
@@ -330,9 +344,11 @@ impl ServePartMachine {
         let stream = Stream::cpu(self.threads).map_err(RuntimeError::from)?;
         let live = Tables::new(&data.model, stream, data.sparse_input, rows)
             .map_err(|e| self.compute_err(e))?;
+        let mut features = data.features;
+        features.reserve_rows(super::spare_rows(rows));
         Ok(State {
             graph: data.graph,
-            features: data.features,
+            features,
             live,
             staged: None,
             sparse: data.sparse_input,
@@ -419,6 +435,7 @@ impl ServePartMachine {
                     } => {
                         let mine = *owner == part;
                         st.graph.add_node(*id, mine)?;
+                        st.prev_degree.insert(*id, NEW_NODE);
                         if mine {
                             if features.len() != st.features.width {
                                 return Err(ActorError::Protocol {
@@ -593,6 +610,12 @@ impl ServePartMachine {
             });
         }
         let err = |e: RuntimeError| ActorError::Compute { part, source: e };
+        if step.is_incremental() && !tables.inference.model().takes_increments(l) {
+            return Err(ActorError::Protocol {
+                part,
+                detail: format!("an incremental step of layer {l}, which takes no increments"),
+            });
+        }
         let mut changes = Vec::new();
         if let Some(mut z) = tables.transformed[l].take() {
             let r = (|| {
@@ -605,7 +628,11 @@ impl ServePartMachine {
                 )?;
                 let locals = graph.locals(&step.transform)?;
                 if step.is_incremental() {
-                    changes = scaled_changes(graph, prev_degree, &step.transform, &z, &locals, &zr);
+                    let old = OldRows::Table {
+                        z: &z,
+                        locals: &locals,
+                    };
+                    changes = scaled_changes(graph, prev_degree, &step.transform, old, &zr);
                 }
                 z.scatter(&locals, &zr);
                 Ok(())
@@ -613,10 +640,12 @@ impl ServePartMachine {
             tables.transformed[l] = Some(z);
             r.map_err(err)?;
         } else if step.is_incremental() {
-            return Err(ActorError::Protocol {
-                part,
-                detail: format!("an incremental step of layer {l}, which is not split"),
-            });
+            // Layer 0: `Z = X W` of the changed nodes, whose features never change.
+            let zr = tables
+                .inference
+                .transform_rows(0, &*graph, &step.transform, &local_table(graph, features))
+                .map_err(err)?;
+            changes = scaled_changes(graph, prev_degree, &step.transform, OldRows::Same, &zr);
         }
         let source = match &tables.transformed[l] {
             Some(z) => z,
@@ -626,8 +655,9 @@ impl ServePartMachine {
         let mut bytes = 0;
         let mut blocks = Vec::with_capacity(step.send.len() + step.increment_send.len());
         let width = source.width;
-        // The block of `rows` rows `data` for partition `to`, tagged `layer`.
-        let mut send = |to: u32, layer: u16, rows: usize, data: Vec<f32>| {
+        let change_width = tables.layers[l].width;
+        // The block of `rows` rows of `cols` values `data` for partition `to`, tagged `layer`.
+        let mut send = |to: u32, layer: u16, rows: usize, cols: usize, data: Vec<f32>| {
             bytes += data.len() as u64 * 4;
             blocks.push(HaloBlock {
                 header: MsgHeader {
@@ -640,14 +670,15 @@ impl ServePartMachine {
                 },
                 trace: None,
                 rows: rows as u32,
-                cols: width as u32,
+                cols: cols as u32,
                 payload: HaloPayload::F32(data.into()),
             });
         };
         for (to, ids) in &step.send {
             let locals = graph.locals(ids).map_err(err)?;
-            send(*to, tag, ids.len(), source.gather(&locals));
+            send(*to, tag, ids.len(), width, source.gather(&locals));
         }
+        let width = change_width;
         for (to, ids) in &step.increment_send {
             let mut data = Vec::with_capacity(ids.len() * width);
             for v in ids.iter() {
@@ -662,7 +693,7 @@ impl ServePartMachine {
                     })?;
                 data.extend_from_slice(&changes[k * width..(k + 1) * width]);
             }
-            send(*to, tag | INCREMENT, ids.len(), data);
+            send(*to, tag | INCREMENT, ids.len(), width, data);
         }
         self.actions
             .extend(blocks.into_iter().map(ServeAction::Send));
@@ -763,9 +794,16 @@ impl ServePartMachine {
             graph: &*graph,
             halo: &halo,
         };
-        let rows = tables
-            .inference
-            .compute_rows(l, &*graph, &step.compute, &input);
+        let inference = &mut tables.inference;
+        let rows = match &mut tables.pre[l] {
+            // The pre-activation rows are kept for later increments.
+            Some(pre) => (|| {
+                let p = inference.compute_pre_activation_rows(l, &*graph, &step.compute, &input)?;
+                pre.scatter(&graph.locals(&step.compute)?, &p);
+                inference.activate_rows(l, p)
+            })(),
+            None => inference.compute_rows(l, &*graph, &step.compute, &input),
+        };
         *halo_slots = halo.into_slots();
         let mut rows = rows.map_err(err)?;
         let locals = graph.locals(&step.compute).map_err(err)?;
@@ -789,7 +827,17 @@ impl ServePartMachine {
                     values: changes,
                 };
                 let received = (!step.increment_recv.is_empty()).then_some(&add);
-                add_changes(graph, &locals, own, received, &mut tables.layers[l]);
+                match &mut tables.pre[l] {
+                    Some(pre) => {
+                        add_changes(graph, &locals, own, received, pre);
+                        let y = tables
+                            .inference
+                            .activate_rows(l, pre.gather(&locals))
+                            .map_err(err)?;
+                        tables.layers[l].scatter(&locals, &y);
+                    }
+                    None => add_changes(graph, &locals, own, received, &mut tables.layers[l]),
+                }
                 Ok(locals)
             });
             *increment_slots = add.into_slots();
@@ -941,28 +989,50 @@ fn received(
     Ok(())
 }
 
+/// Where [`scaled_changes`] finds the old transformed rows.
+enum OldRows<'a> {
+    /// In a split layer's table `z`, at the local rows `locals` of the changed rows.
+    Table { z: &'a Rows, locals: &'a [u32] },
+    /// They are the new ones (layer 0: the features never change; only the scale does).
+    Same,
+}
+
 /// The changes `ΔY_u = Z'_u / sqrt(d'_u + 1) - Z_u / sqrt(d_u + 1)` of the re-transformed
-/// rows `ids` (local rows `locals`): `z` holds the old rows `Z`, `new` the new ones `Z'`;
-/// `d` is the degree the last layer was computed with (`prev_degree`, else the current one,
-/// `d'`).
+/// rows `ids`: `new` holds the new rows `Z'`, `old` says where the old ones `Z` are; `d` is
+/// the degree the last layer was computed with (`prev_degree`, else the current one, `d'`).
+/// A node added since had no row: its change is its new row, scaled.
 fn scaled_changes(
     graph: &PartGraph,
     prev_degree: &HashMap<u32, u32>,
     ids: &[u32],
-    z: &Rows,
-    locals: &[u32],
+    old: OldRows<'_>,
     new: &[f32],
 ) -> Vec<f32> {
-    let w = z.width;
+    let w = if ids.is_empty() {
+        0
+    } else {
+        new.len() / ids.len()
+    };
     let mut out = Vec::with_capacity(new.len());
-    for (k, (&v, &r)) in ids.iter().zip(locals).enumerate() {
+    for (k, &v) in ids.iter().enumerate() {
         let d_new = graph.degree(v) as f32;
-        let d_old = prev_degree.get(&v).map_or(d_new, |&d| d as f32);
-        let (s_new, s_old) = (1.0 / (d_new + 1.0).sqrt(), 1.0 / (d_old + 1.0).sqrt());
-        // A new node's old row is the zero row its table grew by.
-        let old = z.row(r);
+        let s_new = 1.0 / (d_new + 1.0).sqrt();
+        let s_old = match prev_degree.get(&v) {
+            Some(&NEW_NODE) => 0.0,
+            Some(&d) => 1.0 / (d as f32 + 1.0).sqrt(),
+            None => s_new,
+        };
         let fresh = &new[k * w..(k + 1) * w];
-        out.extend(fresh.iter().zip(old).map(|(&a, &b)| a * s_new - b * s_old));
+        let before = match old {
+            OldRows::Table { z, locals } => z.row(locals[k]),
+            OldRows::Same => fresh,
+        };
+        out.extend(
+            fresh
+                .iter()
+                .zip(before)
+                .map(|(&a, &b)| a * s_new - b * s_old),
+        );
     }
     out
 }

@@ -67,30 +67,37 @@ pub fn plan_pass(
     split: &[bool],
     coverage: Coverage<'_>,
 ) -> Vec<LayerPlan> {
-    plan_layers(graph, owner, parts, split, coverage, true)
+    plan_layers(graph, owner, parts, split, coverage, |_| true)
 }
 
 /// The layers of an update pass at `changed`, on partitions none of which restarted, with
-/// the last one incremental, for a model whose last layer is linear in its degree-scaled
-/// transformed rows ([`Model::last_layer_is_linear_split`]). Of the rows the change reaches, only those whose own degree or edges
+/// the layers marked in `incremental` updated incrementally: layers whose pre-activation
+/// rows are linear in their degree-scaled transformed rows ([`Model::takes_increments`]).
+/// Of the rows the change reaches at such a layer, only those whose own degree or edges
 /// changed (`changed`: new nodes and the ends of added or removed edges), and those updated
 /// incrementally `max_increments` times since they were last computed, are computed again;
-/// every other row `v` keeps its value plus `Σ_u ΔY_u / sqrt(d_v + 1)` over its neighbours
-/// `u` among the re-transformed rows, where `ΔY_u = Z'_u / sqrt(d'_u + 1) - Z_u / sqrt(d_u +
-/// 1)` (new and old transformed row and degree) comes from `u`'s owner. An increment rounds
-/// differently from the aggregation (a few units in the last place of the row); bounding
-/// the increments of a row between two computations bounds how far it drifts from the
-/// computed value. `increments[v]` counts them (grown to the graph's size here; the
-/// caller resets it wherever every row is computed).
+/// every other row `v` keeps its pre-activation row plus `Σ_u ΔY_u / sqrt(d_v + 1)` over its
+/// neighbours `u` among the layer's re-transformed rows, where the change
+/// `ΔY_u = Z'_u / sqrt(d'_u + 1) - Z_u / sqrt(d_u + 1)` (new and old transformed row and
+/// degree) comes from `u`'s owner.
+/// The re-transformed rows are those whose input row changed (`D_{l-1}`, a split layer's) or,
+/// at layer 0, whose features never change, the changed nodes (`Z_u = X_u W`: a new node's
+/// old row is zero, the others' only changed scale). An increment rounds differently from
+/// the aggregation (a few units in the last place of the row); bounding the increments of a
+/// row between two computations bounds how far it drifts from the computed value.
+/// `increments[l][v]` counts them (grown to the model's layers and the graph's size here;
+/// the caller resets it wherever every row is computed).
 ///
-/// [`Model::last_layer_is_linear_split`]: trellis_runtime::Model::last_layer_is_linear_split
+/// [`Model::takes_increments`]: trellis_runtime::Model::takes_increments
+#[allow(clippy::too_many_arguments)] // one pure function of the pass's inputs
 pub fn plan_incremental_update(
     graph: &NodeGraph,
     owner: &[u32],
     parts: usize,
     split: &[bool],
+    incremental: &[bool],
     changed: &[u32],
-    increments: &mut Vec<u8>,
+    increments: &mut Vec<Vec<u8>>,
     max_increments: u8,
 ) -> Vec<LayerPlan> {
     let full = vec![false; parts];
@@ -98,22 +105,44 @@ pub fn plan_incremental_update(
         nodes: changed,
         full: &full,
     };
-    // The last layer's exchange is planned by `make_incremental`.
-    let mut plans = plan_layers(graph, owner, parts, split, coverage, false);
-    if let Some(last) = plans.last_mut() {
-        make_incremental(last, graph, owner, changed, increments, max_increments);
+    let is_incremental = |l: usize| incremental.get(l) == Some(&true);
+    // The incremental layers' exchanges are planned by `make_incremental`.
+    let mut plans = plan_layers(graph, owner, parts, split, coverage, |l| !is_incremental(l));
+    increments.resize(plans.len(), Vec::new());
+    let mut edited: Vec<u32> = changed
+        .iter()
+        .copied()
+        .filter(|&v| (v as usize) < graph.num_nodes())
+        .collect();
+    edited.sort_unstable();
+    edited.dedup();
+    for (l, plan) in plans.iter_mut().enumerate() {
+        if !is_incremental(l) {
+            continue;
+        }
+        if l == 0 && !split[0] {
+            plan.transform = by_owner(&edited, owner, parts);
+        }
+        make_incremental(
+            plan,
+            graph,
+            owner,
+            &edited,
+            &mut increments[l],
+            max_increments,
+        );
     }
     plans
 }
 
-/// [`plan_pass`], with the last layer's exchange lists left empty unless `last_lists`.
+/// [`plan_pass`], with the exchange lists of the layers `lists` refuses left empty.
 fn plan_layers(
     graph: &NodeGraph,
     owner: &[u32],
     parts: usize,
     split: &[bool],
     coverage: Coverage<'_>,
-    last_lists: bool,
+    lists: impl Fn(usize) -> bool,
 ) -> Vec<LayerPlan> {
     let mut plans = Vec::with_capacity(split.len());
     let (mut set, full) = match coverage {
@@ -162,9 +191,7 @@ fn plan_layers(
         let compute = pick(&set);
         let (send, recv) = match (&set, &full_lists) {
             (None, Some(lists)) => lists.clone(),
-            _ if !last_lists && l + 1 == split.len() => {
-                (vec![Vec::new(); parts], vec![Vec::new(); parts])
-            }
+            _ if !lists(l) => (vec![Vec::new(); parts], vec![Vec::new(); parts]),
             _ => {
                 let lists = halo_lists(graph, owner, parts, &compute);
                 if set.is_none() {
@@ -187,8 +214,8 @@ fn plan_layers(
     plans
 }
 
-/// Turns `plan`, the last layer of an update pass, into an incremental one (see
-/// [`plan_incremental_update`]).
+/// Turns `plan`, a layer of an update pass whose `transform` lists its re-transformed rows,
+/// into an incremental one (see [`plan_incremental_update`]).
 fn make_incremental(
     plan: &mut LayerPlan,
     graph: &NodeGraph,
@@ -403,9 +430,18 @@ mod tests {
     fn an_incremental_last_layer_computes_changed_rows_and_adds_into_the_others() {
         let (g, owner) = path();
         let changed = [3u32];
+        let split = [false, true];
         let mut increments = Vec::new();
-        let plans =
-            plan_incremental_update(&g, &owner, 2, &[false, true], &changed, &mut increments, 2);
+        let plans = plan_incremental_update(
+            &g,
+            &owner,
+            2,
+            &split,
+            &[false, true],
+            &changed,
+            &mut increments,
+            2,
+        );
         let last = &plans[1];
         // D_0 = {2, 3, 4} is re-transformed; D_1 = {1, ..., 5}: node 3 (changed) is computed,
         // the others take the changes of their re-transformed neighbours.
@@ -423,10 +459,67 @@ mod tests {
         assert!(last.increment_recv[1].is_empty());
         assert_eq!(last.rows(), 5);
         // After two increments a row is computed again.
-        plan_incremental_update(&g, &owner, 2, &[false, true], &changed, &mut increments, 2);
-        let plans =
-            plan_incremental_update(&g, &owner, 2, &[false, true], &changed, &mut increments, 2);
+        plan_incremental_update(
+            &g,
+            &owner,
+            2,
+            &split,
+            &[false, true],
+            &changed,
+            &mut increments,
+            2,
+        );
+        let plans = plan_incremental_update(
+            &g,
+            &owner,
+            2,
+            &split,
+            &[false, true],
+            &changed,
+            &mut increments,
+            2,
+        );
         assert_eq!(*plans[1].compute[0], vec![1, 2]);
         assert!(plans[1].increment[0].is_empty());
+    }
+
+    #[test]
+    fn an_incremental_first_layer_transforms_the_changed_nodes_and_sends_their_changes() {
+        let (g, owner) = path();
+        let changed = [3u32];
+        let mut increments = Vec::new();
+        let plans = plan_incremental_update(
+            &g,
+            &owner,
+            2,
+            &[false, true],
+            &[true, true],
+            &changed,
+            &mut increments,
+            2,
+        );
+        let first = &plans[0];
+        // Only node 3's degree changed: its row is computed (reading node 2, partition 0's
+        // features), its neighbours 2 and 4 take its change.
+        assert_eq!(*first.transform[1], vec![3]);
+        assert!(first.transform[0].is_empty());
+        assert_eq!(*first.compute[1], vec![3]);
+        assert!(first.compute[0].is_empty());
+        assert_eq!(*first.increment[0], vec![2]);
+        assert_eq!(*first.increment[1], vec![4]);
+        assert_eq!(first.recv[1], vec![(0, Arc::new(vec![2]))]);
+        assert!(first.recv[0].is_empty());
+        assert_eq!(first.increment_send[1], vec![(0, Arc::new(vec![3]))]);
+        assert_eq!(first.increment_recv[0], vec![(1, Arc::new(vec![3]))]);
+        assert!(
+            first.increment_recv[1].is_empty(),
+            "node 4 reads 3's change locally"
+        );
+        // The last layer re-transforms every row layer 0 changed.
+        assert_eq!(*plans[1].transform[0], vec![2]);
+        assert_eq!(*plans[1].transform[1], vec![3, 4]);
+        assert_eq!(increments.len(), 2);
+        assert_eq!(increments[0][2], 1);
+        assert_eq!(increments[0][3], 0);
     }
 }

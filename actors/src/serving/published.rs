@@ -36,8 +36,10 @@ impl Published {
         }
     }
 
-    /// Replaces every row and the version at once (a model swap, a rebuild).
-    pub fn replace(&self, version: String, logits: Rows) {
+    /// Replaces every row and the version at once (a model swap, a rebuild); the table
+    /// keeps room for new nodes ([`super::spare_rows`]).
+    pub fn replace(&self, version: String, mut logits: Rows) {
+        logits.reserve_rows(super::spare_rows(logits.len()));
         let old = {
             let mut s = self.current.write().unwrap_or_else(|e| e.into_inner());
             std::mem::replace(&mut *s, Snapshot { version, logits })

@@ -153,6 +153,11 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
+    /// Its settings.
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+
     pub fn new(cfg: SchedulerConfig) -> Self {
         let target = (cfg.max_batch / 8).max(1);
         let quotas = Quotas::new(cfg.quota_rps);

@@ -13,12 +13,14 @@ use trellis_gpu::{Activation, Bits, DropoutKey, Philox4x32, Stream, Tensor};
 
 mod gat;
 mod gcn;
+mod increment;
 mod input;
 mod optim;
 mod residual;
 mod sage;
 mod split;
 
+pub use increment::PreActivationInput;
 pub use input::LayerInput;
 
 pub use optim::{Optimizer, OptimizerKind};

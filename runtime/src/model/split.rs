@@ -31,16 +31,6 @@ impl Model {
             && spec.residual == Residual::None
     }
 
-    /// True when the last layer runs split with no activation: its output rows are
-    /// `y_v = b + Σ_u Z_u / sqrt((d_u + 1)(d_v + 1))` over `u ∈ N(v) ∪ {v}`, linear in the
-    /// transformed rows `Z` scaled by their degrees, so a change of a few rows of `Z` (or of
-    /// their degrees) can be added into the output rows it reaches instead of aggregating
-    /// those rows again (serving's incremental updates).
-    pub fn last_layer_is_linear_split(&self) -> bool {
-        let l = self.num_layers() - 1;
-        self.is_split(l) && self.layers[l].act == trellis_gpu::Activation::Identity
-    }
-
     fn check_split(&self, l: usize) -> Result<()> {
         if l >= self.num_layers() || !self.is_split(l) {
             return Err(RuntimeError::Config(format!(

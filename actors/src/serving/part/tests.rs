@@ -233,31 +233,47 @@ impl Harness {
         self.pass(&plans, Target::Live, Some(update), &full)
     }
 
-    /// [`Harness::update`] with the last layer updated incrementally (`increments` as the
-    /// engine keeps it); returns the last layer's plan beside the rows.
+    /// [`Harness::update`] with the layers marked in `incremental` updated incrementally
+    /// (`increments` as the engine keeps it); returns the plans beside the rows.
     fn update_incremental(
         &mut self,
         update: u64,
         changed: &[u32],
-        increments: &mut Vec<u8>,
+        incremental: &[bool],
+        increments: &mut Vec<Vec<u8>>,
         max: u8,
-    ) -> (LayerPlan, Rows) {
+    ) -> (Vec<LayerPlan>, Rows) {
         let full = [false; PARTS];
         let plans = plan_incremental_update(
             &self.graph,
             &self.owner,
             PARTS,
             &self.split(),
+            incremental,
             changed,
             increments,
             max,
         );
-        let last = plans.last().unwrap().clone();
-        (
-            last,
-            self.pass(&plans, Target::Live, Some(update), &full)
-                .unwrap(),
-        )
+        let rows = self
+            .pass(&plans, Target::Live, Some(update), &full)
+            .unwrap();
+        (plans, rows)
+    }
+
+    /// Every node's live row of layer `l`, looked up from its owner.
+    fn served_layer(&mut self, l: usize) -> Rows {
+        let n = self.graph.num_nodes();
+        let mut out = Rows::zeros(n, 8);
+        let parts = parts_of(&self.owner, PARTS);
+        for (p, ids) in parts.iter().enumerate() {
+            let rows = self.machines[p].lookup(ids, Some(l)).unwrap();
+            let flat: Vec<f32> = rows
+                .into_iter()
+                .flat_map(|r| r.embedding.unwrap())
+                .collect();
+            out.scatter(ids, &flat);
+        }
+        out
     }
 
     /// Every node's live last-layer row, looked up from its owner.
@@ -459,74 +475,113 @@ fn live_steps_run_between_the_pieces_of_a_training_kernel() {
     assert_eq!(h.served(), h.reference(&h.model.clone()));
 }
 
-#[test]
-fn incremental_updates_stay_within_rounding_of_the_whole_graph_and_are_computed_again_in_time() {
-    let mut h = Harness::new(config(ModelKind::Gcn, false), FaultPlan::none());
-    assert!(h
-        .model
-        .build(Stream::cpu(0).unwrap())
-        .unwrap()
-        .model()
-        .last_layer_is_linear_split());
-    h.full_pass(Target::Live);
-    let mut increments = Vec::new();
-    let (mut incremented, mut computed_again) = (0, 0);
-    for u in 1..=40 {
-        let before = h.served();
-        let changed = h.change(u);
-        let (plan, rows) = h.update_incremental(u, &changed, &mut increments, 3);
-        let want = h.reference(&h.model.clone());
-        let served = h.served();
-        incremented += plan.increment.iter().map(|r| r.len()).sum::<usize>();
-        computed_again += plan
-            .compute
-            .iter()
-            .flat_map(|r| r.iter())
-            .filter(|&&v| !changed.contains(&v))
-            .count();
-        // Rows the update did not reach keep their bits; every row stays within rounding of
-        // the whole graph's (the model's logits here are of order 1).
-        let reached: std::collections::BTreeSet<u32> = plan
-            .compute
-            .iter()
-            .chain(&plan.increment)
-            .flat_map(|r| r.iter().copied())
-            .collect();
-        for v in 0..before.len() as u32 {
-            if !reached.contains(&v) {
-                assert_eq!(
-                    served.row(v),
-                    before.row(v),
-                    "update {u}: node {v} not reached"
-                );
-            }
-        }
-        for v in 0..h.graph.num_nodes() as u32 {
-            for (a, b) in served.row(v).iter().zip(want.row(v)) {
-                assert!(
-                    (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
-                    "update {u} node {v}: {a} vs {b}"
-                );
-            }
-        }
-        for &v in &reached {
-            assert_eq!(rows.row(v), served.row(v), "update {u}: returned row {v}");
-        }
-        for &v in plan.compute.iter().flat_map(|r| r.iter()) {
-            assert_eq!(
-                served.row(v),
-                want.row(v),
-                "update {u}: computed row {v} is exact"
+/// `served` within rounding of `want` (rows of order 1).
+fn assert_close(served: &Rows, want: &Rows, what: &str) {
+    for v in 0..want.len() as u32 {
+        for (a, b) in served.row(v).iter().zip(want.row(v)) {
+            assert!(
+                (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                "{what} node {v}: {a} vs {b}"
             );
         }
     }
-    assert!(
-        incremented > 500,
-        "{incremented} rows updated incrementally"
-    );
-    assert!(computed_again > 0, "no row reached its increment limit");
-    // An incremental update exchanged changes between the partitions.
-    let changed = h.change(41);
-    let (plan, _) = h.update_incremental(41, &changed, &mut increments, 3);
-    assert!(plan.increment_send.iter().any(|s| !s.is_empty()));
+}
+
+#[test]
+fn incremental_updates_stay_within_rounding_of_the_whole_graph_and_are_computed_again_in_time() {
+    // The last layer alone (its computed rows read exact inputs: their bits are the whole
+    // graph's), then both layers.
+    for incremental in [[false, true], [true, true]] {
+        let mut h = Harness::new(config(ModelKind::Gcn, false), FaultPlan::none());
+        let model = h.model.build(Stream::cpu(0).unwrap()).unwrap();
+        assert!(model.model().takes_increments(0) && model.model().takes_increments(1));
+        h.full_pass(Target::Live);
+        let mut increments = Vec::new();
+        let mut incremented = [0; 2];
+        let mut computed_again = [0; 2];
+        for u in 1..=40 {
+            let before = h.served();
+            let changed = h.change(u);
+            let (plans, rows) = h.update_incremental(u, &changed, &incremental, &mut increments, 3);
+            let mut inf = h.model.build(Stream::cpu(0).unwrap()).unwrap();
+            let want = inf
+                .run(&h.graph, &h.features, &parts_of(&h.owner, PARTS))
+                .unwrap();
+            let served = h.served();
+            for (l, plan) in plans.iter().enumerate() {
+                incremented[l] += plan.increment.iter().map(|r| r.len()).sum::<usize>();
+                computed_again[l] += plan
+                    .compute
+                    .iter()
+                    .flat_map(|r| r.iter())
+                    .filter(|&&v| !changed.contains(&v))
+                    .count();
+            }
+            let plan = plans.last().unwrap();
+            // Rows the update did not reach keep their bits; every row stays within rounding
+            // of the whole graph's (the model's rows here are of order 1).
+            let reached: std::collections::BTreeSet<u32> = plan
+                .compute
+                .iter()
+                .chain(&plan.increment)
+                .flat_map(|r| r.iter().copied())
+                .collect();
+            for v in 0..before.len() as u32 {
+                if !reached.contains(&v) {
+                    assert_eq!(
+                        served.row(v),
+                        before.row(v),
+                        "update {u}: node {v} not reached"
+                    );
+                }
+            }
+            assert_close(
+                &served,
+                want.logits(),
+                &format!("{incremental:?} update {u}"),
+            );
+            let hidden = h.served_layer(0);
+            assert_close(
+                &hidden,
+                &want.layers[0],
+                &format!("{incremental:?} layer 0 {u}"),
+            );
+            for &v in &reached {
+                assert_eq!(rows.row(v), served.row(v), "update {u}: returned row {v}");
+            }
+            if !incremental[0] {
+                for &v in plan.compute.iter().flat_map(|r| r.iter()) {
+                    assert_eq!(
+                        served.row(v),
+                        want.logits().row(v),
+                        "update {u}: computed row {v} is exact"
+                    );
+                }
+            }
+        }
+        for l in 0..2 {
+            if incremental[l] {
+                assert!(
+                    incremented[l] > 100,
+                    "{incremental:?}: {} rows of layer {l} updated incrementally",
+                    incremented[l]
+                );
+                assert!(
+                    computed_again[l] > 0,
+                    "{incremental:?}: no row of layer {l} reached its increment limit"
+                );
+            }
+        }
+        // An incremental update exchanged changes between the partitions, at each
+        // incremental layer.
+        let changed = h.change(41);
+        let (plans, _) = h.update_incremental(41, &changed, &incremental, &mut increments, 3);
+        for (l, plan) in plans.iter().enumerate() {
+            assert_eq!(
+                plan.increment_send.iter().any(|s| !s.is_empty()),
+                incremental[l],
+                "{incremental:?}: layer {l}"
+            );
+        }
+    }
 }

@@ -1,0 +1,133 @@
+//! What serving's incremental updates need from a model: which layers can take an update as
+//! increments of their pre-activation rows, and those rows themselves.
+//!
+//! A GCN layer with no residual computes `y_v = act(p_v)`, `p_v = b + Σ_u Z_u / sqrt((d_u +
+//! 1)(d_v + 1))` over `u ∈ N(v) ∪ {v}`, `Z = H W`: the pre-activation `p` is linear in the
+//! degree-scaled transformed rows. When a few rows of `Z` (or their degrees) change, `p`
+//! changes by `Σ_u ΔY_u / sqrt(d_v + 1)` over the changed neighbours only, so a service can
+//! keep `p` and add the changes instead of aggregating every neighbour again. Which `Z` rows
+//! changed must be known without recomputing them all: for layer 0 they are the rows of the
+//! new nodes and of the nodes whose degree changed (the features never change), for a split
+//! layer ([`Model::is_split`]) the rows its partition re-transformed.
+use super::{gcn, LayerInput, Model, ModelKind, Residual, StepCtx};
+use crate::graph::Block;
+use crate::{Result, RuntimeError};
+use std::borrow::Cow;
+use trellis_gpu::{Activation, Stream, Tensor};
+
+/// Inference (dropout off).
+const EVAL: StepCtx = StepCtx {
+    epoch: 0,
+    train: false,
+};
+
+impl Model {
+    /// True when layer `l` can take an update as increments of its pre-activation rows (see
+    /// the module's documentation): a GCN layer with no residual that is the first layer or
+    /// runs split.
+    pub fn takes_increments(&self, l: usize) -> bool {
+        self.cfg.kind == ModelKind::Gcn
+            && l < self.layers.len()
+            && self.layers[l].residual == Residual::None
+            && (l == 0 || self.is_split(l))
+    }
+
+    /// True when a service keeps layer `l`'s pre-activation rows beside its output rows: it
+    /// takes increments and has an activation (with none, the output rows are the
+    /// pre-activation rows).
+    pub fn keeps_pre_activation(&self, l: usize) -> bool {
+        self.takes_increments(l) && self.layers[l].act != Activation::Identity
+    }
+
+    fn check_increments(&self, l: usize) -> Result<()> {
+        if !self.takes_increments(l) {
+            return Err(RuntimeError::Config(format!(
+                "layer {l} does not take increments (only GCN layers with no residual that \
+                 are the first or run split do)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// The transformed rows `Z = X W` of layer 0 (which takes increments) for the input rows
+    /// `x` of the block's inner nodes.
+    pub fn transform_first(&self, s: &Stream, block: &Block, x: Tensor) -> Result<Tensor> {
+        self.check_increments(0)?;
+        let spec = self.layers[0];
+        if x.shape() != (block.n_out(), spec.in_dim) {
+            return Err(RuntimeError::Config(format!(
+                "layer 0 expects {}x{} inner rows, got {:?}",
+                block.n_out(),
+                spec.in_dim,
+                x.shape()
+            )));
+        }
+        let p = &self.params[spec.first_param..];
+        let (z, _) = gcn::transform(&self.args(s, &spec, block), p, x, EVAL)?;
+        Ok(z)
+    }
+
+    /// Layer `l`'s pre-activation rows `p` (inference) of the block's inner nodes: from the
+    /// layer's input rows `x` (layer 0), or from the transformed rows `Z` of every input row
+    /// (a split layer). [`Model::activate`] of them gives the bits the layer's forward does.
+    pub fn forward_pre_activation(
+        &self,
+        s: &Stream,
+        l: usize,
+        block: &Block,
+        input: PreActivationInput<'_>,
+    ) -> Result<Tensor> {
+        self.check_increments(l)?;
+        // The layer as it is, its activation left for `activate`.
+        let spec = super::LayerSpec {
+            act: Activation::Identity,
+            ..self.layers[l]
+        };
+        let p = &self.params[spec.first_param..];
+        let a = self.args(s, &spec, block);
+        let (y, _) = match (input, self.is_split(l)) {
+            (PreActivationInput::Input(x), false) => {
+                if x.rows() != block.n_in() || x.cols() != spec.in_dim {
+                    return Err(RuntimeError::Config(format!(
+                        "layer {l} expects {}x{} input rows, got {}x{}",
+                        block.n_in(),
+                        spec.in_dim,
+                        x.rows(),
+                        x.cols()
+                    )));
+                }
+                gcn::forward(&a, p, x, EVAL)?
+            }
+            (PreActivationInput::Transformed(z), true) => {
+                if z.shape() != (block.n_in(), spec.out_dim) {
+                    return Err(RuntimeError::Config(format!(
+                        "layer {l} expects {}x{} transformed rows, got {:?}",
+                        block.n_in(),
+                        spec.out_dim,
+                        z.shape()
+                    )));
+                }
+                gcn::aggregate(&a, p, z, None, EVAL)?
+            }
+            _ => {
+                return Err(RuntimeError::Config(format!(
+                    "layer {l}: pre-activation rows from the wrong kind of input rows"
+                )))
+            }
+        };
+        Ok(y)
+    }
+
+    /// `x = act(x)` with layer `l`'s activation.
+    pub fn activate(&self, s: &Stream, l: usize, x: &mut Tensor) -> Result<()> {
+        Ok(s.activate(self.layers[l].act, x)?)
+    }
+}
+
+/// What [`Model::forward_pre_activation`] computes from.
+pub enum PreActivationInput<'a> {
+    /// The layer's input rows (a layer that is not split).
+    Input(Cow<'a, LayerInput>),
+    /// The transformed rows of every input row of the block (a split layer).
+    Transformed(&'a Tensor),
+}
