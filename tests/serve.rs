@@ -279,6 +279,64 @@ fn predictions_equal_trellis_predict_and_stay_equal_after_random_updates() {
                 }
             }
         }
+        // Additions sent together: each answered with its own node; the metrics count
+        // every node once (updates that merged several count once).
+        let barrier = std::sync::Barrier::new(8);
+        let added: Vec<(u64, Vec<f64>, Vec<u32>)> = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..8u64)
+                .map(|k| {
+                    let (url, barrier) = (format!("{}/v1/nodes", server.url), &barrier);
+                    let feats: Vec<f64> = (0..16).map(|i| ((i + k) % 7) as f64 / 3.0).collect();
+                    let targets = vec![(k * 13 % n as u64) as u32, (k * 29 % n as u64) as u32];
+                    scope.spawn(move || {
+                        let body = json!({ "nodes": [{ "features": feats, "edges": targets }] });
+                        barrier.wait();
+                        let r = call(&agent(), "POST", &url, body.to_string().as_bytes(), None);
+                        assert_eq!(r.status, 200, "{}", r.text);
+                        (
+                            r.body["predictions"][0]["node"].as_u64().unwrap(),
+                            feats,
+                            targets,
+                        )
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let mut added = added;
+        added.sort_by_key(|(id, _, _)| *id);
+        for (id, feats, targets) in added {
+            assert_eq!(id, n as u64, "new nodes take the next ids");
+            features.extend(feats.iter().map(|&x| x as f32));
+            for t in targets {
+                edges.insert((t, n as u32));
+            }
+            n += 1;
+        }
+        let metrics = call(
+            &agent(),
+            "GET",
+            &format!("{}/metrics", server.url),
+            b"",
+            None,
+        )
+        .text;
+        let counter = |name: &str| -> u64 {
+            let line = metrics
+                .lines()
+                .find(|l| l.starts_with(&format!("{name} ")))
+                .unwrap_or_else(|| panic!("/metrics lacks {name}:\n{metrics}"));
+            line.split_whitespace().nth(1).unwrap().parse().unwrap()
+        };
+        let (nodes_added, updates) = (
+            counter("trellis_serve_added_nodes_total"),
+            counter("trellis_serve_addition_updates_total"),
+        );
+        assert_eq!(nodes_added, (n - ds.num_nodes) as u64, "{model}");
+        assert!(
+            updates >= 1 && updates <= nodes_added,
+            "{model}: {updates} updates"
+        );
         // Only the k-hop region was recomputed: far fewer rows than the graph has.
         let r = post(
             &server,

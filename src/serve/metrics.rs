@@ -159,6 +159,18 @@ impl HttpMetrics {
                 engine.rebuilds.load(Ordering::Relaxed) as u64,
             ),
             (
+                "trellis_serve_addition_updates_total",
+                "counter",
+                "Graph updates that added new nodes (node additions that arrive together are one).",
+                engine.addition_updates.load(Ordering::Relaxed) as u64,
+            ),
+            (
+                "trellis_serve_added_nodes_total",
+                "counter",
+                "New nodes those updates added (POST /v1/nodes requests that took effect).",
+                engine.added_nodes.load(Ordering::Relaxed) as u64,
+            ),
+            (
                 "trellis_serve_nodes",
                 "gauge",
                 "Nodes of the served graph.",

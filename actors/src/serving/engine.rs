@@ -135,6 +135,10 @@ pub struct EngineStats {
     /// Times every partition was started again from the store (a pass that failed
     /// without a panic: a timeout, an unreachable partition).
     pub rebuilds: AtomicUsize,
+    /// Updates that added new nodes, and the nodes they added (their ratio is the mean
+    /// number of additions that waited for each other and ran as one update).
+    pub addition_updates: AtomicUsize,
+    pub added_nodes: AtomicUsize,
 }
 
 impl EngineStats {
@@ -372,6 +376,25 @@ const MAX_RECOVERIES_PER_PASS: usize = 3;
 /// the samples of `trellis bench serve`'s new-node workload on the 1M-node graph, with 64
 /// (1 in 65) 4 %.
 const MAX_INCREMENTS: u8 = 64;
+
+/// Node additions waiting to be applied as one update.
+#[derive(Debug, Clone, Copy)]
+struct AddBatch {
+    /// When the first of them arrived.
+    oldest: Instant,
+    /// New nodes in all of them.
+    nodes: usize,
+}
+
+/// When `waiting` is applied (see [`Engine::adds_due`]): at once when it is a full batch
+/// (`cfg.max_batch` nodes), else once its oldest addition has waited a quarter of the last
+/// update's time `last`, at most the SLO.
+fn add_batch_due(waiting: AddBatch, last: Duration, cfg: &SchedulerConfig) -> Instant {
+    if waiting.nodes >= cfg.max_batch {
+        return waiting.oldest;
+    }
+    waiting.oldest + (last / 4).min(cfg.slo)
+}
 
 /// Computes every layer over the partition actors, then starts the engine thread (an actix
 /// system: one arbiter per partition actor, the engine's loop on the system's thread).
@@ -1414,11 +1437,15 @@ impl Engine {
     /// time the last update took, at most the SLO; a full batch goes at once.
     fn adds_due(&self) -> Option<Instant> {
         let oldest = self.adds.iter().map(|a| a.arrived).min()?;
-        let waiting: usize = self.adds.iter().map(|a| a.nodes.len()).sum();
-        if waiting >= self.scheduler.config().max_batch {
-            return Some(oldest);
-        }
-        Some(oldest + (self.last_add / 4).min(self.scheduler.config().slo))
+        let cfg = self.scheduler.config();
+        Some(add_batch_due(
+            AddBatch {
+                oldest,
+                nodes: self.adds.iter().map(|a| a.nodes.len()).sum(),
+            },
+            self.last_add,
+            cfg,
+        ))
     }
 
     async fn apply_adds(&mut self) {
@@ -1427,11 +1454,16 @@ impl Engine {
             _ => return,
         }
         let t = Instant::now();
-        self.apply_due_adds().await;
+        let added = self.apply_due_adds().await;
         self.last_add = t.elapsed();
+        if added > 0 {
+            self.stats.addition_updates.fetch_add(1, Ordering::Relaxed);
+            self.stats.added_nodes.fetch_add(added, Ordering::Relaxed);
+        }
     }
 
-    async fn apply_due_adds(&mut self) {
+    /// Applies the waiting additions as one update; returns the nodes it added.
+    async fn apply_due_adds(&mut self) -> usize {
         let adds = std::mem::take(&mut self.adds);
         let now = Instant::now();
         let mut accepted = Vec::with_capacity(adds.len());
@@ -1445,7 +1477,7 @@ impl Engine {
             }
         }
         if accepted.is_empty() {
-            return;
+            return 0;
         }
         let total: usize = accepted.iter().map(|a| a.nodes.len()).sum();
         let span = tracing::info_span!("serve_add_nodes", nodes = total as i64);
@@ -1466,11 +1498,13 @@ impl Engine {
                     });
                     let _ = a.reply.send(answer);
                 }
+                total
             }
             Err(e) => {
                 for a in accepted {
                     let _ = a.reply.send(Err(e.clone()));
                 }
+                0
             }
         }
     }
@@ -1784,5 +1818,35 @@ impl Engine {
                 h.drop_staged();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn node_additions_wait_a_quarter_of_the_last_update_at_most_the_slo_unless_full() {
+        let cfg = SchedulerConfig {
+            slo: Duration::from_millis(5),
+            max_batch: 64,
+            ..SchedulerConfig::default()
+        };
+        let oldest = Instant::now();
+        let batch = |nodes| AddBatch { oldest, nodes };
+        let ms = Duration::from_millis;
+        // The first update (nothing measured yet) goes at once.
+        assert_eq!(add_batch_due(batch(1), Duration::ZERO, &cfg), oldest);
+        assert_eq!(add_batch_due(batch(3), ms(8), &cfg), oldest + ms(2));
+        assert_eq!(
+            add_batch_due(batch(3), ms(120), &cfg),
+            oldest + ms(5),
+            "the SLO"
+        );
+        assert_eq!(
+            add_batch_due(batch(64), ms(120), &cfg),
+            oldest,
+            "a full batch"
+        );
     }
 }
