@@ -906,12 +906,8 @@ impl Inference {
                 .forward_pre_activation(s, l, &block, PreActivationInput::Transformed(&z))?
         } else {
             let x = self.layer_input(l, x)?;
-            self.model.forward_pre_activation(
-                s,
-                l,
-                &block,
-                PreActivationInput::Input(Cow::Owned(x)),
-            )?
+            self.model
+                .forward_pre_activation(s, l, &block, PreActivationInput::Input(&x))?
         };
         Ok(s.download(&p)?)
     }

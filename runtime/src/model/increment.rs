@@ -96,7 +96,7 @@ impl Model {
                         x.cols()
                     )));
                 }
-                gcn::forward(&a, p, x, EVAL)?
+                gcn::forward(&a, p, Cow::Borrowed(x), EVAL)?
             }
             (PreActivationInput::Transformed(z), true) => {
                 if z.shape() != (block.n_in(), spec.out_dim) {
@@ -127,7 +127,7 @@ impl Model {
 /// What [`Model::forward_pre_activation`] computes from.
 pub enum PreActivationInput<'a> {
     /// The layer's input rows (a layer that is not split).
-    Input(Cow<'a, LayerInput>),
+    Input(&'a LayerInput),
     /// The transformed rows of every input row of the block (a split layer).
     Transformed(&'a Tensor),
 }
