@@ -795,18 +795,21 @@ impl ServePartMachine {
             halo: &halo,
         };
         let inference = &mut tables.inference;
-        let rows = match &mut tables.pre[l] {
-            // The pre-activation rows are kept for later increments.
-            Some(pre) => (|| {
-                let p = inference.compute_pre_activation_rows(l, &*graph, &step.compute, &input)?;
-                pre.scatter(&graph.locals(&step.compute)?, &p);
-                inference.activate_rows(l, p)
-            })(),
-            None => inference.compute_rows(l, &*graph, &step.compute, &input),
-        };
+        let computed = graph.locals(&step.compute).and_then(|locals| {
+            let rows = match &mut tables.pre[l] {
+                // The pre-activation rows are kept for later increments.
+                Some(pre) => {
+                    let p =
+                        inference.compute_pre_activation_rows(l, &*graph, &step.compute, &input)?;
+                    pre.scatter(&locals, &p);
+                    inference.activate_rows(l, p)?
+                }
+                None => inference.compute_rows(l, &*graph, &step.compute, &input)?,
+            };
+            Ok((locals, rows))
+        });
         *halo_slots = halo.into_slots();
-        let mut rows = rows.map_err(err)?;
-        let locals = graph.locals(&step.compute).map_err(err)?;
+        let (locals, mut rows) = computed.map_err(err)?;
         tables.layers[l].scatter(&locals, &rows);
         let width = tables.layers[l].width;
         let mut ids = step.compute.clone();

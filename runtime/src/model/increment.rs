@@ -87,15 +87,7 @@ impl Model {
         let a = self.args(s, &spec, block);
         let (y, _) = match (input, self.is_split(l)) {
             (PreActivationInput::Input(x), false) => {
-                if x.rows() != block.n_in() || x.cols() != spec.in_dim {
-                    return Err(RuntimeError::Config(format!(
-                        "layer {l} expects {}x{} input rows, got {}x{}",
-                        block.n_in(),
-                        spec.in_dim,
-                        x.rows(),
-                        x.cols()
-                    )));
-                }
+                self.check_layer_input(l, block, x)?;
                 gcn::forward(&a, p, Cow::Borrowed(x), EVAL)?
             }
             (PreActivationInput::Transformed(z), true) => {

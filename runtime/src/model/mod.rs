@@ -505,6 +505,20 @@ impl Model {
         }
     }
 
+    /// Checks that `x` holds one row of layer `l`'s input width per input row of `block`.
+    pub(crate) fn check_layer_input(&self, l: usize, block: &Block, x: &LayerInput) -> Result<()> {
+        let in_dim = self.layers[l].in_dim;
+        if x.rows() != block.n_in() || x.cols() != in_dim {
+            return Err(RuntimeError::Config(format!(
+                "layer {l} expects {}x{in_dim} input rows, got {}x{}",
+                block.n_in(),
+                x.rows(),
+                x.cols()
+            )));
+        }
+        Ok(())
+    }
+
     /// Runs layer `l` on `x` (one row per input row of `block`) and returns its output rows
     /// (one per inner node). An owned input is reused for the layer's dropout (no copy).
     /// In training mode the layer keeps what its backward needs.
@@ -517,15 +531,7 @@ impl Model {
         ctx: StepCtx,
     ) -> Result<Tensor> {
         let spec = self.layers[l];
-        if x.rows() != block.n_in() || x.cols() != spec.in_dim {
-            return Err(RuntimeError::Config(format!(
-                "layer {l} expects {}x{} input rows, got {}x{}",
-                block.n_in(),
-                spec.in_dim,
-                x.rows(),
-                x.cols()
-            )));
-        }
+        self.check_layer_input(l, block, &x)?;
         let res = self.residual_forward(s, l, block, x.as_ref(), ctx)?;
         let params = &self.params[spec.first_param..];
         let a = self.args(s, &spec, block);
