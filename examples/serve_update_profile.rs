@@ -5,7 +5,8 @@
 //! (`engine::start`, `Command::AddNodes`: planning, the delta to every partition, the
 //! per-layer steps with their halo exchange, publishing). The 2 partitions split the nodes
 //! by id parity, so nearly every edge is cut (the most halo rows).
-//! `cargo run --release --example serve_update_profile -- [NODES]`
+//! `cargo run --release --example serve_update_profile -- [NODES [PARTITIONS...]]` (partition
+//! counts of the engines, default 1 2).
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use trellis::actors::serving::engine::{self, Command, EngineConfig, EngineHandle, NewNode};
@@ -54,7 +55,14 @@ fn main() {
         code_version: String::new(),
     };
     let bytes = model_file::to_bytes(&model, &stream, &meta).unwrap();
-    let engines: Vec<(usize, EngineHandle)> = [1usize, 2]
+    let mut counts: Vec<usize> = std::env::args()
+        .skip(2)
+        .map(|s| s.parse().unwrap())
+        .collect();
+    if counts.is_empty() {
+        counts = vec![1, 2];
+    }
+    let engines: Vec<(usize, EngineHandle)> = counts
         .into_iter()
         .map(|parts| {
             let owner: Vec<u32> = (0..nodes as u32).map(|v| v % parts as u32).collect();
@@ -100,8 +108,8 @@ fn main() {
     };
     for batch in [1usize, 1, 4, 16, 64] {
         let reps = (128 / batch).max(8);
-        let mut ms = [0f64; 3];
-        let mut rows = [0usize; 3];
+        let mut ms = vec![0f64; engines.len() + 1];
+        let mut rows = vec![0usize; engines.len() + 1];
         for _ in 0..reps {
             let new: Vec<NewNode> = (0..batch)
                 .map(|_| NewNode {
@@ -132,12 +140,14 @@ fn main() {
                 ms[k + 1] += t.elapsed().as_secs_f64() * 1e3;
             }
         }
-        let names = [
-            "whole graph, one thread".to_string(),
-            format!("engine, {} partition actor", engines[0].0),
-            format!("engine, {} partition actors", engines[1].0),
-        ];
-        for k in 0..3 {
+        let names: Vec<String> = std::iter::once("whole graph, one thread".to_string())
+            .chain(
+                engines
+                    .iter()
+                    .map(|(p, _)| format!("engine, {p} partition actor(s)")),
+            )
+            .collect();
+        for k in 0..names.len() {
             let per = ms[k] / reps as f64;
             eprintln!(
                 "batch {batch:>3} {:<28} {per:8.2} ms per update, {:.3} ms per node, {} rows per update ({:.2}x the whole-graph time)",

@@ -349,6 +349,11 @@ impl PartGraph {
     }
     /// Local row of node `v`, if it is one of the part's.
     pub fn local(&self, v: u32) -> Option<u32> {
+        // Every node is the part's (one part; `inner` is then `0..n`): the table is the
+        // identity, and its read (a cache miss per lookup on a large graph) is skipped.
+        if self.inner.len() == self.deg.len() {
+            return ((v as usize) < self.deg.len()).then_some(v);
+        }
         self.local
             .get(v as usize)
             .copied()
@@ -1034,6 +1039,36 @@ pub fn parts_of(owner: &[u32], parts: usize) -> Vec<Vec<u32>> {
         out[p as usize].push(v as u32);
     }
     out
+}
+
+/// Row `v` of a GCN layer with no activation from its transformed rows `z` (`Z = H W`, every
+/// node's) and bias: `b + Σ_u Z_u / sqrt((d_u + 1)(d_v + 1))` over `u ∈ N(v) ∪ {v}`, the
+/// weights of the layer's block ([`crate::graph::Block`]), summed in ascending `u` as the
+/// block's rows are. Serving reads the last layer this way
+/// ([`crate::Model::last_layer_reads_transformed`]).
+pub fn aggregate_gcn_row<G: Adjacency + ?Sized>(
+    graph: &G,
+    z: &Rows,
+    bias: &[f32],
+    v: u32,
+    out: &mut [f32],
+) {
+    let w = z.width;
+    out[..w].fill(0.0);
+    let dv = graph.degree(v) as f32 + 1.0;
+    let nbrs = graph.neighbors(v);
+    // The node itself sits among its (ascending) neighbours.
+    let at = nbrs.partition_point(|&u| u < v);
+    let before = nbrs[..at].iter().copied();
+    let after = nbrs[at..].iter().copied();
+    for u in before.chain(std::iter::once(v)).chain(after) {
+        let a = 1.0 / (dv * (graph.degree(u) as f32 + 1.0)).sqrt();
+        out[..w]
+            .iter_mut()
+            .zip(z.row(u))
+            .for_each(|(y, &x)| *y += a * x);
+    }
+    out[..w].iter_mut().zip(bias).for_each(|(y, &b)| *y += b);
 }
 
 /// Softmax of each row of `logits` (numerically stable).

@@ -17,7 +17,7 @@
 use super::handle::PartHandle;
 use super::part::{ComputedRows, DeltaOp, LookedUp, ModelValues, PassStep, Target};
 use super::plan::{plan_incremental_update, plan_pass, Coverage, LayerPlan};
-use super::published::Published;
+use super::published::{LastRows, Published};
 use super::routing::{place_new_node, route};
 use super::scheduler::{Action, Pending, Quotas, Refusal, Scheduler, SchedulerConfig};
 use super::shell::{ServeNode, ServeStore, Served};
@@ -241,6 +241,15 @@ struct Engine {
     incremental: Vec<bool>,
     /// Per layer, per node: incremental updates of its row since it was last computed.
     increments: Vec<Vec<u8>>,
+    /// The last layer is read from its transformed rows (the same for every model of this
+    /// architecture): the partitions answer `Z`, the published rows aggregate it
+    /// ([`LastRows::Transformed`]).
+    read_last: bool,
+    /// With `read_last`: the served model's last-layer bias.
+    bias: Vec<f32>,
+    /// Graph changes made since the last publish (the published graph takes them with the
+    /// rows computed on them).
+    unpublished: Vec<DeltaOp>,
     /// Width of the served logits.
     classes: usize,
     normalize: bool,
@@ -327,8 +336,11 @@ struct SwapInFlight {
     seq: u32,
     /// The next layer to compute.
     next: usize,
-    /// Its last layer's rows, gathered from the partitions.
+    /// Its last layer's rows (the logits, or `Z` with `read_last`), gathered from the
+    /// partitions.
     logits: Rows,
+    /// With `read_last`: its last-layer bias.
+    bias: Vec<f32>,
     /// Nodes changed since the pass started (replayed onto the new tables at the end).
     changed: Vec<u32>,
     reply: Reply,
@@ -386,6 +398,28 @@ struct AddBatch {
     nodes: usize,
 }
 
+/// The last-layer bias of `model` where its last layer is read from its transformed rows
+/// ([`trellis_runtime::Model::last_layer_reads_transformed`]), else none.
+fn last_bias(model: &trellis_runtime::Model) -> Result<Vec<f32>, ServeError> {
+    if !model.last_layer_reads_transformed() {
+        return Ok(Vec::new());
+    }
+    let stream = trellis_gpu::Stream::cpu(1).map_err(trellis_runtime::RuntimeError::from)?;
+    Ok(model.last_layer_bias(&stream)?)
+}
+
+/// A pass's last-layer table as published: `Z` with its bias (`read_last`) or the logits.
+fn last_rows(read_last: bool, table: Rows, bias: &[f32]) -> LastRows {
+    if read_last {
+        LastRows::Transformed {
+            z: table,
+            bias: bias.to_vec(),
+        }
+    } else {
+        LastRows::Logits(table)
+    }
+}
+
 /// When `waiting` is applied (see [`Engine::adds_due`]): at once when it is a full batch
 /// (`cfg.max_batch` nodes), else once its oldest addition has waited a quarter of the last
 /// update's time `last`, at most the SLO.
@@ -435,9 +469,12 @@ fn start_engine(
     let in_dim = model.config().in_dim;
     let classes = model.config().out_dim;
     let split: Vec<bool> = (0..model.num_layers()).map(|l| model.is_split(l)).collect();
+    let read_last = model.last_layer_reads_transformed();
+    let last = model.num_layers() - 1;
     let incremental: Vec<bool> = (0..model.num_layers())
-        .map(|l| model.takes_increments(l))
+        .map(|l| model.takes_increments(l) && !(read_last && l == last))
         .collect();
+    let bias = last_bias(&model)?;
     let values = Arc::new(ModelValues::of(&model, normalize)?);
     let mut features = prepare_features(raw_features, in_dim, normalize)?;
     features.reserve_rows(super::spare_rows(features.len()));
@@ -456,6 +493,11 @@ fn start_engine(
     *stats.version.lock().expect("stats lock") = version.clone();
     stats.nodes.store(graph.num_nodes(), Ordering::Relaxed);
     let n = graph.num_nodes();
+    let published = Arc::new(Published::new(
+        version.clone(),
+        last_rows(read_last, Rows::zeros(n, classes), &bias),
+        &graph,
+    ));
     let store = Arc::new(ServeStore {
         sparse_input: LayerInput::would_be_sparse(&features.data),
         served: RwLock::new(Served {
@@ -465,7 +507,6 @@ fn start_engine(
         }),
         model: RwLock::new(values),
     });
-    let published = Arc::new(Published::new(version.clone(), Rows::zeros(n, classes)));
     // Quotas are charged where a query arrives (the front end), for both paths.
     let quotas = Arc::new(Mutex::new(Quotas::new(cfg.scheduler.quota_rps)));
     let scheduler = Scheduler::new(SchedulerConfig {
@@ -483,6 +524,9 @@ fn start_engine(
         split,
         incremental,
         increments: Vec::new(),
+        read_last,
+        bias,
+        unpublished: Vec::new(),
         classes,
         normalize,
         version,
@@ -697,7 +741,9 @@ impl Engine {
         for r in &out.last {
             logits.scatter(&r.ids, &r.data);
         }
-        self.published.replace(self.version.clone(), logits);
+        let rows = last_rows(self.read_last, logits, &self.bias);
+        let edits = std::mem::take(&mut self.unpublished);
+        self.published.replace(self.version.clone(), rows, &edits);
         // Every row was computed.
         self.increments.clear();
         Ok(())
@@ -718,7 +764,14 @@ impl Engine {
 
     fn plan(&self, coverage: Coverage<'_>) -> Vec<LayerPlan> {
         let s = self.served();
-        plan_pass(&s.graph, &s.owner, self.parts, &self.split, coverage)
+        plan_pass(
+            &s.graph,
+            &s.owner,
+            self.parts,
+            &self.split,
+            self.read_last,
+            coverage,
+        )
     }
 
     fn handles(&self) -> Result<Vec<PartHandle>, ServeError> {
@@ -771,6 +824,7 @@ impl Engine {
                         increment_send: plan.increment_send[p].clone(),
                         increment_recv: plan.increment_recv[p].clone(),
                         return_rows: last,
+                        return_transformed: plan.returns_transformed,
                         full: full.get(p) == Some(&true),
                     };
                     let a = a.clone();
@@ -868,6 +922,7 @@ impl Engine {
                     &s.owner,
                     self.parts,
                     &self.split,
+                    self.read_last,
                     &self.incremental,
                     changed,
                     &mut self.increments,
@@ -911,8 +966,14 @@ impl Engine {
             }
         };
         let n = self.nodes();
-        for r in &out.last {
-            self.published.write_rows(&r.ids, &r.data, r.width, n);
+        let edits = std::mem::take(&mut self.unpublished);
+        for (k, r) in out.last.iter().enumerate() {
+            let edits = if k == 0 { &edits[..] } else { &[] };
+            self.published
+                .write_rows(edits, &r.ids, &r.data, r.width, n);
+        }
+        if out.last.is_empty() && !edits.is_empty() {
+            self.published.write_rows(&edits, &[], &[], self.classes, n);
         }
         if recovered {
             self.after_recovery(&full).await;
@@ -1361,22 +1422,43 @@ impl Engine {
             }
         }
         let owner_of = |v: u32, served: &Served| served.owner[v as usize];
+        let last = self.split.len() - 1;
         for q in queries {
             if let Some(e) = &failure {
                 let _ = q.reply.send(Err(e.clone()));
                 continue;
             }
+            // The partitions do not keep a last layer that is read from its transformed
+            // rows: its rows are the published ones (of this version: the engine publishes
+            // every change before it answers anything else).
+            let published = if self.read_last {
+                match self.published.logits(&q.nodes) {
+                    Ok((_, l)) => Some(l),
+                    Err(e) => {
+                        let _ = q.reply.send(Err(e));
+                        continue;
+                    }
+                }
+            } else {
+                None
+            };
             let predictions = {
                 let served = self.served();
                 q.nodes
                     .iter()
-                    .map(|&v| {
+                    .enumerate()
+                    .map(|(k, &v)| {
                         let found = &rows[&(owner_of(v, &served), q.layer)][&v];
+                        let logits = published.as_ref().map_or(&found.logits, |p| &p[k]);
+                        let embedding = match (&published, q.layer) {
+                            (Some(p), Some(l)) if l == last => Some(p[k].clone()),
+                            _ => found.embedding.clone(),
+                        };
                         NodePrediction {
                             node: v,
-                            class: argmax(&found.logits),
-                            probabilities: softmax_row(&found.logits),
-                            embedding: found.embedding.clone(),
+                            class: argmax(logits),
+                            probabilities: softmax_row(logits),
+                            embedding,
                         }
                     })
                     .collect()
@@ -1517,6 +1599,7 @@ impl Engine {
         ops: Vec<DeltaOp>,
         changed: &[u32],
     ) -> Result<Vec<usize>, ServeError> {
+        self.unpublished.extend(ops.iter().cloned());
         if let Err(e) = self.broadcast(ops).await {
             return self
                 .rebuild_or_break(format!("a graph change did not reach every partition: {e}"))
@@ -1678,6 +1761,13 @@ impl Engine {
             return;
         }
         let version = saved.version();
+        let bias = match last_bias(&saved.model) {
+            Ok(b) => b,
+            Err(e) => {
+                let _ = reply.send(Err(e));
+                return;
+            }
+        };
         let model = match ModelValues::of(&saved.model, saved.meta.normalize_features) {
             Ok(m) => Arc::new(m),
             Err(e) => {
@@ -1696,6 +1786,7 @@ impl Engine {
             seq,
             next: 0,
             logits: Rows::zeros(self.nodes(), self.classes),
+            bias,
             changed: Vec::new(),
             reply,
             trace,
@@ -1755,7 +1846,10 @@ impl Engine {
                 *self.store.model.write().unwrap_or_else(|e| e.into_inner()) = s.model.clone();
                 *self.stats.version.lock().expect("stats lock") = self.version.clone();
                 let n = self.nodes();
-                self.published.replace(self.version.clone(), s.logits);
+                self.bias = s.bias.clone();
+                let rows = last_rows(self.read_last, s.logits, &self.bias);
+                let edits = std::mem::take(&mut self.unpublished);
+                self.published.replace(self.version.clone(), rows, &edits);
                 self.increments.clear();
                 let _ = s.reply.send(Ok(Answer {
                     model_version: self.version.clone(),

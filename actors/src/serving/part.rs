@@ -89,6 +89,9 @@ pub struct PassStep {
     pub increment_recv: Vec<(u32, Ids)>,
     /// Answer the computed rows (the last layer's: the engine publishes them).
     pub return_rows: bool,
+    /// With `return_rows`: answer the transformed rows of `transform` instead (the last
+    /// layer is read from them, [`super::plan::LayerPlan::returns_transformed`]).
+    pub return_transformed: bool,
     /// This layer recomputes every row of the partition (a recovery); after the last layer
     /// the partition answers lookups again.
     pub full: bool,
@@ -249,6 +252,9 @@ struct State {
     halo_slots: Vec<u32>,
     /// The same for the changes an incremental step adds.
     increment_slots: Vec<u32>,
+    /// Per local row, the scale of an incremental step's updated rows, 0 for the others
+    /// (zero between steps), reused by every step: [`add_changes`].
+    update_scales: Vec<f32>,
     /// The degree each node had when the live tables' last layer was last computed, for the
     /// nodes whose degree changed since (an incremental step scales their old transformed
     /// rows by it); [`NEW_NODE`] for nodes added since (they had no row).
@@ -354,6 +360,7 @@ impl ServePartMachine {
             sparse: data.sparse_input,
             halo_slots: Vec::new(),
             increment_slots: Vec::new(),
+            update_scales: Vec::new(),
             prev_degree: HashMap::new(),
         })
     }
@@ -767,6 +774,7 @@ impl ServePartMachine {
             staged,
             halo_slots,
             increment_slots,
+            update_scales,
             prev_degree,
             ..
         } = st;
@@ -832,14 +840,21 @@ impl ServePartMachine {
                 let received = (!step.increment_recv.is_empty()).then_some(&add);
                 match &mut tables.pre[l] {
                     Some(pre) => {
-                        add_changes(graph, &locals, own, received, pre);
+                        add_changes(graph, &locals, own, received, pre, update_scales);
                         let y = tables
                             .inference
                             .activate_rows(l, pre.gather(&locals))
                             .map_err(err)?;
                         tables.layers[l].scatter(&locals, &y);
                     }
-                    None => add_changes(graph, &locals, own, received, &mut tables.layers[l]),
+                    None => add_changes(
+                        graph,
+                        &locals,
+                        own,
+                        received,
+                        &mut tables.layers[l],
+                        update_scales,
+                    ),
                 }
                 Ok(locals)
             });
@@ -855,6 +870,18 @@ impl ServePartMachine {
         if step.return_rows && step.target == Target::Live {
             // The live last layer now matches the degrees of the graph as it is.
             prev_degree.clear();
+        }
+        if step.return_rows && step.return_transformed {
+            let z = tables.transformed[l].as_ref().ok_or(ActorError::Protocol {
+                part,
+                detail: format!("transformed rows of layer {l}, which is not split"),
+            })?;
+            let locals = graph.locals(&step.transform).map_err(err)?;
+            return Ok(Some(ComputedRows {
+                ids: step.transform.clone(),
+                width: z.width,
+                data: z.gather(&locals),
+            }));
         }
         Ok(step.return_rows.then_some(ComputedRows {
             ids,
@@ -1057,37 +1084,46 @@ fn add_changes(
     own: OwnChanges<'_>,
     received: Option<&HaloRows>,
     table: &mut Rows,
+    scales: &mut Vec<f32>,
 ) {
     let w = table.width;
-    let mut updated = vec![false; table.len()];
-    for &r in locals {
-        updated[r as usize] = true;
+    // One read per reached row tells whether it is updated and its scale (a cache miss per
+    // neighbour on a large graph, where the flag and the degree were two).
+    if scales.len() < table.len() {
+        scales.resize(table.len(), 0.0);
     }
-    let scale = |v: u32| 1.0 / (graph.degree(v) as f32 + 1.0).sqrt();
+    let inner = graph.inner();
+    for &r in locals {
+        scales[r as usize] = 1.0 / (graph.degree(inner[r as usize]) as f32 + 1.0).sqrt();
+    }
     for (k, &u) in own.ids.iter().enumerate() {
         let dy = &own.values[k * w..(k + 1) * w];
         for v in std::iter::once(u).chain(graph.neighbors(u).iter().copied()) {
-            let Some(r) = graph.local(v).filter(|&r| updated[r as usize]) else {
+            let Some(r) = graph.local(v) else {
                 continue;
             };
-            let s = scale(v);
+            let s = scales[r as usize];
+            if s == 0.0 {
+                continue;
+            }
             let row = &mut table.data[r as usize * w..(r as usize + 1) * w];
             row.iter_mut().zip(dy).for_each(|(y, &d)| *y += d * s);
         }
     }
-    let Some(received) = received else {
-        return;
-    };
-    let inner = graph.inner();
-    for &r in locals {
-        let v = inner[r as usize];
-        let s = scale(v);
-        for &u in graph.neighbors(v) {
-            if let Some(dy) = received.get(u) {
-                let row = &mut table.data[r as usize * w..(r as usize + 1) * w];
-                row.iter_mut().zip(dy).for_each(|(y, &d)| *y += d * s);
+    if let Some(received) = received {
+        for &r in locals {
+            let v = inner[r as usize];
+            let s = scales[r as usize];
+            for &u in graph.neighbors(v) {
+                if let Some(dy) = received.get(u) {
+                    let row = &mut table.data[r as usize * w..(r as usize + 1) * w];
+                    row.iter_mut().zip(dy).for_each(|(y, &d)| *y += d * s);
+                }
             }
         }
+    }
+    for &r in locals {
+        scales[r as usize] = 0.0;
     }
 }
 

@@ -32,12 +32,24 @@ pub struct LayerPlan {
     pub increment_send: PeerLists,
     /// Per partition: `(from, rows)`, the changes it receives (the same lists).
     pub increment_recv: PeerLists,
+    /// The last layer's rows are read from its transformed rows
+    /// ([`Model::last_layer_reads_transformed`]): the partitions transform `transform` and
+    /// answer those rows; nothing is computed or exchanged.
+    ///
+    /// [`Model::last_layer_reads_transformed`]: trellis_runtime::Model::last_layer_reads_transformed
+    pub returns_transformed: bool,
 }
 
 impl LayerPlan {
-    /// Rows computed or updated at this layer, all partitions together.
+    /// Rows computed or updated at this layer (the transformed ones, where those are the
+    /// layer's answer), all partitions together.
     pub fn rows(&self) -> usize {
-        self.compute
+        let answered = if self.returns_transformed {
+            &self.transform
+        } else {
+            &self.compute
+        };
+        answered
             .iter()
             .chain(&self.increment)
             .map(|c| c.len())
@@ -59,15 +71,17 @@ pub enum Coverage<'a> {
 }
 
 /// The layers of a pass over `graph` on `parts` partitions (node `v` is partition
-/// `owner[v]`'s); `split[l]` says whether layer `l` is split.
+/// `owner[v]`'s); `split[l]` says whether layer `l` is split; with `read_last` the last
+/// layer (split) only transforms ([`LayerPlan::returns_transformed`]).
 pub fn plan_pass(
     graph: &NodeGraph,
     owner: &[u32],
     parts: usize,
     split: &[bool],
+    read_last: bool,
     coverage: Coverage<'_>,
 ) -> Vec<LayerPlan> {
-    plan_layers(graph, owner, parts, split, coverage, |_| true)
+    plan_layers(graph, owner, parts, split, read_last, coverage, |_| true)
 }
 
 /// The layers of an update pass at `changed`, on partitions none of which restarted, with
@@ -95,6 +109,7 @@ pub fn plan_incremental_update(
     owner: &[u32],
     parts: usize,
     split: &[bool],
+    read_last: bool,
     incremental: &[bool],
     changed: &[u32],
     increments: &mut Vec<Vec<u8>>,
@@ -107,7 +122,9 @@ pub fn plan_incremental_update(
     };
     let is_incremental = |l: usize| incremental.get(l) == Some(&true);
     // The incremental layers' exchanges are planned by `make_incremental`.
-    let mut plans = plan_layers(graph, owner, parts, split, coverage, |l| !is_incremental(l));
+    let mut plans = plan_layers(graph, owner, parts, split, read_last, coverage, |l| {
+        !is_incremental(l)
+    });
     increments.resize(plans.len(), Vec::new());
     let mut edited: Vec<u32> = changed
         .iter()
@@ -117,7 +134,7 @@ pub fn plan_incremental_update(
     edited.sort_unstable();
     edited.dedup();
     for (l, plan) in plans.iter_mut().enumerate() {
-        if !is_incremental(l) {
+        if !is_incremental(l) || plan.returns_transformed {
             continue;
         }
         if l == 0 && !split[0] {
@@ -141,6 +158,7 @@ fn plan_layers(
     owner: &[u32],
     parts: usize,
     split: &[bool],
+    read_last: bool,
     coverage: Coverage<'_>,
     lists: impl Fn(usize) -> bool,
 ) -> Vec<LayerPlan> {
@@ -185,6 +203,25 @@ fn plan_layers(
         } else {
             (0..parts).map(|_| Arc::new(Vec::new())).collect()
         };
+        let none = || {
+            (0..parts)
+                .map(|_| Arc::new(Vec::new()))
+                .collect::<Vec<Ids>>()
+        };
+        if read_last && is_split && l + 1 == split.len() {
+            plans.push(LayerPlan {
+                layer: l,
+                transform,
+                compute: none(),
+                send: vec![Vec::new(); parts],
+                recv: vec![Vec::new(); parts],
+                increment: none(),
+                increment_send: vec![Vec::new(); parts],
+                increment_recv: vec![Vec::new(); parts],
+                returns_transformed: true,
+            });
+            break;
+        }
         if let Some(s) = &set {
             set = Some(graph.expand(s));
         }
@@ -206,9 +243,10 @@ fn plan_layers(
             compute,
             send,
             recv,
-            increment: (0..parts).map(|_| Arc::new(Vec::new())).collect(),
+            increment: none(),
             increment_send: vec![Vec::new(); parts],
             increment_recv: vec![Vec::new(); parts],
+            returns_transformed: false,
         });
     }
     plans
@@ -359,7 +397,7 @@ mod tests {
     #[test]
     fn a_full_pass_computes_every_row_and_exchanges_the_cut() {
         let (g, owner) = path();
-        let plans = plan_pass(&g, &owner, 2, &[false, true], Coverage::Full);
+        let plans = plan_pass(&g, &owner, 2, &[false, true], false, Coverage::Full);
         assert_eq!(plans.len(), 2);
         for p in &plans {
             assert_eq!(*p.compute[0], vec![0, 1, 2]);
@@ -381,6 +419,7 @@ mod tests {
             &owner,
             2,
             &[false, true, false],
+            false,
             Coverage::Changed {
                 nodes: &changed,
                 full: &[false, false],
@@ -404,6 +443,7 @@ mod tests {
             &owner,
             2,
             &[false, false],
+            false,
             Coverage::Changed {
                 nodes: &changed,
                 full: &[false, true],
@@ -418,6 +458,7 @@ mod tests {
             &owner,
             2,
             &[false, false],
+            false,
             Coverage::Changed {
                 nodes: &[],
                 full: &[false, false],
@@ -437,6 +478,7 @@ mod tests {
             &owner,
             2,
             &split,
+            false,
             &[false, true],
             &changed,
             &mut increments,
@@ -464,6 +506,7 @@ mod tests {
             &owner,
             2,
             &split,
+            false,
             &[false, true],
             &changed,
             &mut increments,
@@ -474,6 +517,7 @@ mod tests {
             &owner,
             2,
             &split,
+            false,
             &[false, true],
             &changed,
             &mut increments,
@@ -493,6 +537,7 @@ mod tests {
             &owner,
             2,
             &[false, true],
+            false,
             &[true, true],
             &changed,
             &mut increments,

@@ -110,6 +110,28 @@ impl Model {
         Ok(y)
     }
 
+    /// True when the last layer's output rows can be aggregated where they are read, from
+    /// its transformed rows `Z`: a split GCN layer ([`Model::is_split`]) with no activation,
+    /// whose rows are `b + Σ_u Z_u / sqrt((d_u + 1)(d_v + 1))` over `u ∈ N(v) ∪ {v}`
+    /// ([`crate::inference::aggregate_gcn_row`]). A service then keeps `Z` and the bias, and
+    /// a graph change re-transforms the rows whose input changed instead of aggregating
+    /// every row that reads them (about twenty times as many).
+    pub fn last_layer_reads_transformed(&self) -> bool {
+        let l = self.layers.len() - 1;
+        self.is_split(l) && self.layers[l].act == Activation::Identity
+    }
+
+    /// The last layer's bias `b` (see [`Model::last_layer_reads_transformed`]).
+    pub fn last_layer_bias(&self, s: &Stream) -> Result<Vec<f32>> {
+        if !self.last_layer_reads_transformed() {
+            return Err(RuntimeError::Config(
+                "the last layer's rows are not read from its transformed rows".into(),
+            ));
+        }
+        let spec = self.layers[self.layers.len() - 1];
+        Ok(s.download(&self.params[spec.first_param + 1].value)?)
+    }
+
     /// `x = act(x)` with layer `l`'s activation.
     pub fn activate(&self, s: &Stream, l: usize, x: &mut Tensor) -> Result<()> {
         Ok(s.activate(self.layers[l].act, x)?)

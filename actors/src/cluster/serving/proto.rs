@@ -178,6 +178,7 @@ pub struct WireStep {
     pub increment_send: Vec<WireRows>,
     pub increment_recv: Vec<WireRows>,
     pub return_rows: bool,
+    pub return_transformed: bool,
     pub full: bool,
 }
 
@@ -457,6 +458,7 @@ impl From<&PassStep> for WireStep {
             increment_send: rows(&s.increment_send),
             increment_recv: rows(&s.increment_recv),
             return_rows: s.return_rows,
+            return_transformed: s.return_transformed,
             full: s.full,
         }
     }
@@ -487,6 +489,7 @@ impl From<WireStep> for PassStep {
             increment_send: rows(s.increment_send),
             increment_recv: rows(s.increment_recv),
             return_rows: s.return_rows,
+            return_transformed: s.return_transformed,
             full: s.full,
         }
     }
@@ -637,6 +640,7 @@ mod tests {
             increment_send: vec![(0, Arc::new(vec![1]))],
             increment_recv: vec![(2, Arc::new(vec![6]))],
             return_rows: true,
+            return_transformed: false,
             full: false,
         }
     }

@@ -19,6 +19,8 @@ struct Harness {
     run: RunId,
     seq: u32,
     restarts: usize,
+    /// Plan the last layer as read from its transformed rows.
+    read_last: bool,
 }
 
 fn config(kind: ModelKind, deep: bool) -> ModelConfig {
@@ -57,6 +59,7 @@ impl Harness {
             run: uuid::Uuid::new_v4(),
             seq: 0,
             restarts: 0,
+            read_last: false,
         };
         h.machines = (0..PARTS as u32)
             .map(|p| ServePartMachine::new(h.data(p), h.run, h.faults.clone(), 0).unwrap())
@@ -114,6 +117,7 @@ impl Harness {
                     increment_send: plan.increment_send[p].clone(),
                     increment_recv: plan.increment_recv[p].clone(),
                     return_rows: last,
+                    return_transformed: plan.returns_transformed,
                     full: full[p],
                 };
                 self.machines[p].handle_step(p as u64, step);
@@ -171,6 +175,7 @@ impl Harness {
             &self.owner,
             PARTS,
             &self.split(),
+            self.read_last,
             Coverage::Full,
         );
         self.pass(&plans, target, None, &[true; PARTS]).unwrap()
@@ -225,6 +230,7 @@ impl Harness {
             &self.owner,
             PARTS,
             &self.split(),
+            self.read_last,
             Coverage::Changed {
                 nodes: changed,
                 full: &full,
@@ -249,6 +255,7 @@ impl Harness {
             &self.owner,
             PARTS,
             &self.split(),
+            self.read_last,
             incremental,
             changed,
             increments,
@@ -355,6 +362,7 @@ fn a_panicking_partition_is_restored_and_recomputed_and_lookups_wait_for_it() {
         &h.owner,
         PARTS,
         &h.split(),
+        false,
         Coverage::Changed {
             nodes: &c2,
             full: &full,
@@ -402,6 +410,7 @@ fn a_staged_model_is_computed_beside_the_live_one_and_installed() {
             increment_send: vec![],
             increment_recv: vec![],
             return_rows: false,
+            return_transformed: false,
             full: false,
         },
     );
@@ -583,5 +592,55 @@ fn incremental_updates_stay_within_rounding_of_the_whole_graph_and_are_computed_
                 "{incremental:?}: layer {l}"
             );
         }
+    }
+}
+
+/// With the last layer read from its transformed rows, the partitions answer `Z` rows (every
+/// node's at start-up, the re-transformed ones after an update), and aggregating them over
+/// the updated graph gives the whole graph's logits, over a sequence of updates with layer 0
+/// taking increments.
+#[test]
+fn a_last_layer_read_from_transformed_rows_aggregates_to_the_whole_graphs_logits() {
+    let mut h = Harness::new(config(ModelKind::Gcn, false), FaultPlan::none());
+    h.read_last = true;
+    let stream = Stream::cpu(0).unwrap();
+    let inf = h.model.build(Stream::cpu(0).unwrap()).unwrap();
+    assert!(inf.model().last_layer_reads_transformed());
+    let bias = inf.model().last_layer_bias(&stream).unwrap();
+    let mut z = h.full_pass(Target::Live);
+    let n = h.graph.num_nodes();
+    assert_eq!(z.len(), n);
+    let check = |h: &Harness, z: &Rows, what: &str| {
+        let want = h.reference(&h.model.clone());
+        let mut row = vec![0.0; 4];
+        for v in 0..h.graph.num_nodes() as u32 {
+            trellis_runtime::inference::aggregate_gcn_row(&h.graph, z, &bias, v, &mut row);
+            for (a, b) in row.iter().zip(want.row(v)) {
+                assert!((a - b).abs() <= 1e-5, "{what}: node {v}: {a} vs {b}");
+            }
+        }
+    };
+    check(&h, &z, "start-up");
+    let mut increments = Vec::new();
+    for u in 1..=20 {
+        let changed = h.change(u);
+        let (plans, rows) = h.update_incremental(u, &changed, &[true, false], &mut increments, 64);
+        let last = plans.last().unwrap();
+        assert!(last.returns_transformed);
+        assert!(last
+            .compute
+            .iter()
+            .chain(&last.increment)
+            .all(|c| c.is_empty()));
+        assert!(last.send.iter().chain(&last.recv).all(|c| c.is_empty()));
+        // Only the re-transformed rows came back, and they are far fewer than the graph's.
+        let back: usize = last.transform.iter().map(|t| t.len()).sum();
+        assert!(back > 0 && back < h.graph.num_nodes() / 4, "{back}");
+        z.grow(h.graph.num_nodes());
+        for t in &last.transform {
+            let ids: Vec<u32> = t.to_vec();
+            z.scatter(&ids, &rows.gather(&ids));
+        }
+        check(&h, &z, &format!("update {u}"));
     }
 }
