@@ -241,12 +241,10 @@ struct Engine {
     incremental: Vec<bool>,
     /// Per layer, per node: incremental updates of its row since it was last computed.
     increments: Vec<Vec<u8>>,
-    /// The last layer is read from its transformed rows (the same for every model of this
-    /// architecture): the partitions answer `Z`, the published rows aggregate it
-    /// ([`LastRows::Transformed`]).
-    read_last: bool,
-    /// With `read_last`: the served model's last-layer bias.
-    bias: Vec<f32>,
+    /// The served model's last-layer bias when its last layer is read from its transformed
+    /// rows (the same for every model of this architecture): the partitions answer `Z`, the
+    /// published rows aggregate it ([`LastRows::Transformed`]).
+    last_bias: Option<Vec<f32>>,
     /// Graph changes made since the last publish (the published graph takes them with the
     /// rows computed on them).
     unpublished: Vec<DeltaOp>,
@@ -336,11 +334,11 @@ struct SwapInFlight {
     seq: u32,
     /// The next layer to compute.
     next: usize,
-    /// Its last layer's rows (the logits, or `Z` with `read_last`), gathered from the
+    /// Its last layer's rows (the logits, or `Z` with a last-layer bias), gathered from the
     /// partitions.
     logits: Rows,
-    /// With `read_last`: its last-layer bias.
-    bias: Vec<f32>,
+    /// Its last-layer bias, as [`Engine::last_bias`].
+    last_bias: Option<Vec<f32>>,
     /// Nodes changed since the pass started (replayed onto the new tables at the end).
     changed: Vec<u32>,
     reply: Reply,
@@ -400,23 +398,22 @@ struct AddBatch {
 
 /// The last-layer bias of `model` where its last layer is read from its transformed rows
 /// ([`trellis_runtime::Model::last_layer_reads_transformed`]), else none.
-fn last_bias(model: &trellis_runtime::Model) -> Result<Vec<f32>, ServeError> {
+fn last_bias(model: &trellis_runtime::Model) -> Result<Option<Vec<f32>>, ServeError> {
     if !model.last_layer_reads_transformed() {
-        return Ok(Vec::new());
+        return Ok(None);
     }
     let stream = trellis_gpu::Stream::cpu(1).map_err(trellis_runtime::RuntimeError::from)?;
-    Ok(model.last_layer_bias(&stream)?)
+    Ok(Some(model.last_layer_bias(&stream)?))
 }
 
-/// A pass's last-layer table as published: `Z` with its bias (`read_last`) or the logits.
-fn last_rows(read_last: bool, table: Rows, bias: &[f32]) -> LastRows {
-    if read_last {
-        LastRows::Transformed {
+/// A pass's last-layer table as published: `Z` with its bias, or the logits.
+fn last_rows(table: Rows, last_bias: Option<&Vec<f32>>) -> LastRows {
+    match last_bias {
+        Some(bias) => LastRows::Transformed {
             z: table,
-            bias: bias.to_vec(),
-        }
-    } else {
-        LastRows::Logits(table)
+            bias: bias.clone(),
+        },
+        None => LastRows::Logits(table),
     }
 }
 
@@ -469,12 +466,10 @@ fn start_engine(
     let in_dim = model.config().in_dim;
     let classes = model.config().out_dim;
     let split: Vec<bool> = (0..model.num_layers()).map(|l| model.is_split(l)).collect();
-    let read_last = model.last_layer_reads_transformed();
-    let last = model.num_layers() - 1;
     let incremental: Vec<bool> = (0..model.num_layers())
-        .map(|l| model.takes_increments(l) && !(read_last && l == last))
+        .map(|l| model.takes_increments(l))
         .collect();
-    let bias = last_bias(&model)?;
+    let last_bias = last_bias(&model)?;
     let values = Arc::new(ModelValues::of(&model, normalize)?);
     let mut features = prepare_features(raw_features, in_dim, normalize)?;
     features.reserve_rows(super::spare_rows(features.len()));
@@ -495,7 +490,7 @@ fn start_engine(
     let n = graph.num_nodes();
     let published = Arc::new(Published::new(
         version.clone(),
-        last_rows(read_last, Rows::zeros(n, classes), &bias),
+        last_rows(Rows::zeros(n, classes), last_bias.as_ref()),
         &graph,
     ));
     let store = Arc::new(ServeStore {
@@ -524,8 +519,7 @@ fn start_engine(
         split,
         incremental,
         increments: Vec::new(),
-        read_last,
-        bias,
+        last_bias,
         unpublished: Vec::new(),
         classes,
         normalize,
@@ -741,7 +735,7 @@ impl Engine {
         for r in &out.last {
             logits.scatter(&r.ids, &r.data);
         }
-        let rows = last_rows(self.read_last, logits, &self.bias);
+        let rows = last_rows(logits, self.last_bias.as_ref());
         let edits = std::mem::take(&mut self.unpublished);
         self.published.replace(self.version.clone(), rows, &edits);
         // Every row was computed.
@@ -769,7 +763,7 @@ impl Engine {
             &s.owner,
             self.parts,
             &self.split,
-            self.read_last,
+            self.last_bias.is_some(),
             coverage,
         )
     }
@@ -922,7 +916,7 @@ impl Engine {
                     &s.owner,
                     self.parts,
                     &self.split,
-                    self.read_last,
+                    self.last_bias.is_some(),
                     &self.incremental,
                     changed,
                     &mut self.increments,
@@ -967,14 +961,7 @@ impl Engine {
         };
         let n = self.nodes();
         let edits = std::mem::take(&mut self.unpublished);
-        for (k, r) in out.last.iter().enumerate() {
-            let edits = if k == 0 { &edits[..] } else { &[] };
-            self.published
-                .write_rows(edits, &r.ids, &r.data, r.width, n);
-        }
-        if out.last.is_empty() && !edits.is_empty() {
-            self.published.write_rows(&edits, &[], &[], self.classes, n);
-        }
+        self.published.write_rows(&edits, &out.last, n);
         if recovered {
             self.after_recovery(&full).await;
         }
@@ -1431,7 +1418,7 @@ impl Engine {
             // The partitions do not keep a last layer that is read from its transformed
             // rows: its rows are the published ones (of this version: the engine publishes
             // every change before it answers anything else).
-            let published = if self.read_last {
+            let published = if self.last_bias.is_some() {
                 match self.published.logits(&q.nodes) {
                     Ok((_, l)) => Some(l),
                     Err(e) => {
@@ -1761,7 +1748,7 @@ impl Engine {
             return;
         }
         let version = saved.version();
-        let bias = match last_bias(&saved.model) {
+        let last_bias = match last_bias(&saved.model) {
             Ok(b) => b,
             Err(e) => {
                 let _ = reply.send(Err(e));
@@ -1786,7 +1773,7 @@ impl Engine {
             seq,
             next: 0,
             logits: Rows::zeros(self.nodes(), self.classes),
-            bias,
+            last_bias,
             changed: Vec::new(),
             reply,
             trace,
@@ -1846,8 +1833,8 @@ impl Engine {
                 *self.store.model.write().unwrap_or_else(|e| e.into_inner()) = s.model.clone();
                 *self.stats.version.lock().expect("stats lock") = self.version.clone();
                 let n = self.nodes();
-                self.bias = s.bias.clone();
-                let rows = last_rows(self.read_last, s.logits, &self.bias);
+                self.last_bias = s.last_bias.clone();
+                let rows = last_rows(s.logits, self.last_bias.as_ref());
                 let edits = std::mem::take(&mut self.unpublished);
                 self.published.replace(self.version.clone(), rows, &edits);
                 self.increments.clear();

@@ -186,6 +186,7 @@ fn plan_layers(
     } else {
         Vec::new()
     };
+    let none = || -> Vec<Ids> { (0..parts).map(|_| Arc::new(Vec::new())).collect() };
     // Full passes exchange the same lists at every layer: computed once.
     let mut full_lists: Option<(PeerLists, PeerLists)> = None;
     for (l, &is_split) in split.iter().enumerate() {
@@ -198,16 +199,7 @@ fn plan_layers(
                 })
                 .collect()
         };
-        let transform = if is_split {
-            pick(&set)
-        } else {
-            (0..parts).map(|_| Arc::new(Vec::new())).collect()
-        };
-        let none = || {
-            (0..parts)
-                .map(|_| Arc::new(Vec::new()))
-                .collect::<Vec<Ids>>()
-        };
+        let transform = if is_split { pick(&set) } else { none() };
         if read_last && is_split && l + 1 == split.len() {
             plans.push(LayerPlan {
                 layer: l,

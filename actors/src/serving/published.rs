@@ -19,7 +19,7 @@
 //!
 //! [`Model::last_layer_reads_transformed`]: trellis_runtime::Model::last_layer_reads_transformed
 use super::engine::{Answer, NodePrediction};
-use super::part::DeltaOp;
+use super::part::{ComputedRows, DeltaOp};
 use super::ServeError;
 use std::sync::RwLock;
 use trellis_runtime::inference::{aggregate_gcn_row, argmax, softmax_row, NodeGraph, Rows};
@@ -133,29 +133,29 @@ impl Published {
         drop(old); // freed outside the lock
     }
 
-    /// Publishes rows `ids` (`width` values each, in order, from `rows`), computed on the
-    /// graph after `edits` (the graph changes made since the last publish); the table grows
-    /// to `n` rows (new nodes).
-    pub fn write_rows(&self, edits: &[DeltaOp], ids: &[u32], rows: &[f32], width: usize, n: usize) {
+    /// Publishes every partition's returned rows `parts`, computed on the graph after
+    /// `edits` (the graph changes made since the last publish), under one write lock; the
+    /// table grows to `n` rows (new nodes).
+    pub fn write_rows(&self, edits: &[DeltaOp], parts: &[ComputedRows], n: usize) {
         let mut s = self.current.write().unwrap_or_else(|e| e.into_inner());
         s.apply(edits);
         let table = s.rows.table_mut();
-        if table.width != width || rows.len() != ids.len() * width {
-            tracing::error!(
-                "published rows of width {width} ({} values for {} rows) for a table of width {}",
-                rows.len(),
-                ids.len(),
-                table.width
-            );
-            return;
-        }
+        let width = table.width;
         if table.len() < n {
             table.data.resize(n * width, 0.0);
         }
-        for (k, &i) in ids.iter().enumerate() {
-            let i = i as usize;
-            table.data[i * width..(i + 1) * width]
-                .copy_from_slice(&rows[k * width..(k + 1) * width]);
+        for r in parts {
+            if r.width != width || r.data.len() != r.ids.len() * width {
+                tracing::error!(
+                    "published rows of width {} ({} values for {} rows) for a table of width \
+                     {width}",
+                    r.width,
+                    r.data.len(),
+                    r.ids.len()
+                );
+                continue;
+            }
+            table.scatter(&r.ids, &r.data);
         }
     }
 
@@ -224,6 +224,7 @@ impl Published {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
 
     fn rows(n: usize, v: f32) -> Rows {
         Rows {
@@ -258,7 +259,12 @@ mod tests {
             ServeError::UnknownNode { node: 3, nodes: 3 }
         );
         // The table grows to 4 rows with rows 1 and 3 written.
-        p.write_rows(&[], &[1, 3], &[0.0, 5.0, 0.0, 7.0], 2, 4);
+        let written = ComputedRows {
+            ids: Arc::new(vec![1, 3]),
+            width: 2,
+            data: vec![0.0, 5.0, 0.0, 7.0],
+        };
+        p.write_rows(&[], &[written], 4);
         assert_eq!(p.nodes(), 4);
         let a = p.predict(&[1, 2, 3]).unwrap();
         assert_eq!(a.predictions[0].class, 1);
@@ -304,7 +310,12 @@ mod tests {
             },
             DeltaOp::AddEdge { a: 3, b: 0 },
         ];
-        p.write_rows(&edits, &[3], &[2.0, 2.0], 2, 4);
+        let written = ComputedRows {
+            ids: Arc::new(vec![3]),
+            width: 2,
+            data: vec![2.0, 2.0],
+        };
+        p.write_rows(&edits, &[written], 4);
         let (_, got) = p.logits(&[0, 3]).unwrap();
         let (d0, d1, d3) = (3.0f32, 3.0f32, 2.0f32);
         let want0 = [
