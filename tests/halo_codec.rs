@@ -353,6 +353,13 @@ fn comm_efficient_is_int4_with_staleness_and_skipping_and_exact_gradients() {
     assert_eq!(halo["codec"], "int4", "{}", r["config"]);
     assert_eq!(halo["staleness"], 1, "{}", r["config"]);
     assert_eq!(halo["skip_threshold"], 2.0, "{}", r["config"]);
+    // An f32 in the report (0.1 widened).
+    assert_eq!(
+        halo["eval_skip_threshold"].as_f64().map(|t| t as f32),
+        Some(0.1),
+        "{}",
+        r["config"]
+    );
     assert_eq!(halo["max_staleness"], 8, "{}", r["config"]);
     assert!(r["config"].get("grad_codec").is_none(), "{}", r["config"]);
     for log in r["epochs_log"].as_array().unwrap() {

@@ -202,6 +202,77 @@ fn skipping_repeats_bit_for_bit_sends_fewer_bytes_and_recovers_from_panics() {
     }
 }
 
+/// Every epoch's evaluation accuracies (train, val, test).
+fn evaluations(r: &RunReport) -> Vec<(f64, f64, f64)> {
+    r.epochs_log
+        .iter()
+        .map(|l| (l.train_acc, l.val_acc, l.test_acc))
+        .collect()
+}
+
+#[test]
+fn evaluation_skipping_keeps_the_weights_sends_fewer_bytes_and_recovers_its_evaluations() {
+    let ds = synthetic();
+    let eval_bytes = |r: &RunReport| -> (u64, u64) {
+        let sum = |f: fn(&trellis::runtime::EpochLog) -> u64| r.epochs_log.iter().map(f).sum();
+        (sum(|l| l.eval_halo_bytes), sum(|l| l.eval_halo_fp32_bytes))
+    };
+    for kind in [ModelKind::Gcn, ModelKind::Sage] {
+        let exact = run(&ds, &config(&ds, kind, 30, 2, 0), 3);
+        let mut cfg = config(&ds, kind, 30, 2, 0);
+        cfg.halo.eval_skip_threshold = 0.1;
+        cfg.halo.max_staleness = Some(8);
+        let (a, b) = (run(&ds, &cfg, 3), run(&ds, &cfg, 3));
+        // Evaluation never touches the weights; its rows are skipped the same way each run.
+        assert_eq!(a.weights_digest, exact.weights_digest, "{kind}");
+        assert_eq!(evaluations(&a), evaluations(&b), "{kind}");
+        // The training steps send what exact sends; evaluations fewer rows.
+        assert_eq!(halo_bytes(&a), halo_bytes(&exact), "{kind}");
+        let ((sent, fp32), (full, full_fp32)) = (eval_bytes(&a), eval_bytes(&exact));
+        assert_eq!(
+            (fp32, full),
+            (full_fp32, full_fp32),
+            "{kind}: exact sends every row"
+        );
+        assert!(
+            sent < full,
+            "{kind}: {sent} vs {full} evaluation halo bytes"
+        );
+        assert!(
+            (a.test_acc - exact.test_acc).abs() <= 0.02,
+            "{kind}: test {} vs exact {}",
+            a.test_acc,
+            exact.test_acc
+        );
+        eprintln!(
+            "{kind} eval skip 0.1: {:.2}x fewer evaluation halo bytes, test {:.3} (exact {:.3})",
+            full as f64 / sent as f64,
+            a.test_acc,
+            exact.test_acc
+        );
+        // Panics in an evaluation, in the optimizer step that commits the last evaluation's
+        // rows, and in the training pass between them end with the fault-free weights and
+        // the same evaluations.
+        let mut short = cfg.clone();
+        short.epochs = 6;
+        let clean = run(&ds, &short, 3);
+        for spec in [
+            "panic:part=2:epoch=3:layer=1:phase=eval",
+            "panic:part=1:epoch=4:phase=apply",
+            "panic:part=0:epoch=4:layer=1:phase=backward",
+        ] {
+            let faulty = run_with(&ds, &short, 3, FaultPlan::parse(spec).unwrap());
+            let fired = faulty.recoveries.as_array().map_or(0, |a| a.len());
+            assert_eq!(fired, 1, "{kind} {spec}: {}", faulty.recoveries);
+            assert_eq!(
+                faulty.weights_digest, clean.weights_digest,
+                "{kind}: {spec}"
+            );
+            assert_eq!(evaluations(&faulty), evaluations(&clean), "{kind}: {spec}");
+        }
+    }
+}
+
 #[test]
 fn the_binary_takes_the_flag_and_a_cluster_trains_as_one_process() {
     let dir = tempfile::tempdir().unwrap();
@@ -332,7 +403,15 @@ fn the_binary_takes_the_flag_and_a_cluster_trains_as_one_process() {
 
 #[test]
 fn bad_staleness_options_are_clear_errors() {
-    let cases: [(&[&str], &str); 7] = [
+    let cases: [(&[&str], &str); 9] = [
+        (
+            &["--eval-skip-threshold=-1", "--partitions", "2"],
+            "must be finite and at least 0",
+        ),
+        (
+            &["--eval-skip-threshold", "0.1"],
+            "--eval-skip-threshold 0.1 skips rows partitions exchange: it needs",
+        ),
         (
             &["--skip-threshold=-1", "--partitions", "2"],
             "must be finite and at least 0",

@@ -32,6 +32,17 @@ pub enum ActorError {
          run cannot go on from here", epoch + 1
     )]
     HeldRowsLost { part: u32, epoch: u32 },
+    /// An evaluation replayed to rebuild the partitions' evaluation halo state (rows skipped
+    /// with `--eval-skip-threshold`) counted other correct predictions than its first run.
+    #[error(
+        "the evaluation of epoch {epoch}, replayed after a recovery to rebuild the evaluation \
+         halo rows, counted {replay} correct (train/val/test), its first run {first}"
+    )]
+    EvalReplayDiffers {
+        epoch: u32,
+        first: String,
+        replay: String,
+    },
     /// Replicas disagree after an optimizer step.
     #[error("replicas diverged at epoch {epoch}: partition {part} has digest {got}, partition 0 has {want}")]
     Diverged {

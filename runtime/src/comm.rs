@@ -97,11 +97,21 @@ pub struct HaloConfig {
     /// would be older. `None`: unbounded. Not written when unset.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_staleness: Option<u32>,
+    /// Evaluation passes: the same rule as [`HaloConfig::skip_threshold`] for the rows an
+    /// evaluation sends (no dropout there, so its rows change smoothly and a much smaller
+    /// threshold skips most of them), bounded by [`HaloConfig::max_staleness`] too. The
+    /// accuracy is then computed with boundary rows that differ from this epoch's by at most
+    /// this fraction. 0: off (evaluation exchanges every row). Not written when 0.
+    #[serde(default, skip_serializing_if = "is_zero_f32")]
+    pub eval_skip_threshold: f32,
 }
 
 fn is_zero_f32(v: &f32) -> bool {
     *v == 0.0
 }
+
+/// [`HaloConfig::eval_skip_threshold`] of `--comm efficient`.
+pub const EFFICIENT_EVAL_SKIP_THRESHOLD: f32 = 0.1;
 
 /// The largest [`HaloConfig::staleness`] implemented.
 pub const MAX_STALENESS: u32 = 1;
@@ -125,6 +135,7 @@ impl Default for HaloConfig {
             staleness: 0,
             skip_threshold: 0.0,
             max_staleness: None,
+            eval_skip_threshold: 0.0,
         }
     }
 }
@@ -132,13 +143,15 @@ impl Default for HaloConfig {
 impl HaloConfig {
     /// `--comm efficient`, the setting `trellis bench comm` measured best on Cora (README,
     /// "A network that costs something"): int4 rows, the previous epoch's rows (staleness 1),
-    /// rows that changed by at most twice their norm skipped, none older than 8 epochs.
+    /// rows that changed by at most twice their norm skipped, evaluation rows that changed by
+    /// at most a tenth of theirs skipped, none older than 8 epochs.
     pub fn efficient() -> Self {
         HaloConfig {
             codec: HaloCodec::Int4,
             staleness: 1,
             skip_threshold: 2.0,
             max_staleness: Some(8),
+            eval_skip_threshold: EFFICIENT_EVAL_SKIP_THRESHOLD,
             ..HaloConfig::default()
         }
     }
@@ -146,7 +159,16 @@ impl HaloConfig {
     /// True for the exact exchange (this epoch's fp32 rows): what runs before codecs and
     /// staleness existed did.
     pub fn is_exact(&self) -> bool {
-        self.codec == HaloCodec::Fp32 && self.staleness == 0 && self.skip_threshold == 0.0
+        self.codec == HaloCodec::Fp32
+            && self.staleness == 0
+            && self.skip_threshold == 0.0
+            && self.eval_skip_threshold == 0.0
+    }
+
+    /// Whether evaluation passes skip rows ([`HaloConfig::eval_skip_threshold`]): partitions
+    /// then keep an evaluation's blocks until the next optimizer step holds them.
+    pub fn skips_eval_rows(&self) -> bool {
+        self.eval_skip_threshold > 0.0
     }
 
     /// Whether partitions keep the halo blocks of an epoch for the next one: the stale rows
@@ -163,6 +185,12 @@ impl HaloConfig {
             return Err(RuntimeError::Config(format!(
                 "halo skip threshold {} must be finite and at least 0",
                 self.skip_threshold
+            )));
+        }
+        if !(self.eval_skip_threshold.is_finite() && self.eval_skip_threshold >= 0.0) {
+            return Err(RuntimeError::Config(format!(
+                "evaluation halo skip threshold {} must be finite and at least 0",
+                self.eval_skip_threshold
             )));
         }
         if let Some(k) = self.max_staleness.filter(|&k| k < self.staleness) {
@@ -247,5 +275,23 @@ mod tests {
         assert!(h.validate().is_ok());
         let json = serde_json::to_value(HaloConfig::default()).unwrap();
         assert!(json.get("skip_threshold").is_none() && json.get("max_staleness").is_none());
+        assert!(json.get("eval_skip_threshold").is_none());
+    }
+
+    #[test]
+    fn evaluation_skip_thresholds_are_checked_and_written_only_when_set() {
+        let mut h = HaloConfig {
+            eval_skip_threshold: 0.1,
+            ..HaloConfig::default()
+        };
+        assert!(h.validate().is_ok() && !h.is_exact() && h.skips_eval_rows() && !h.holds_rows());
+        let back: HaloConfig = serde_json::from_value(serde_json::to_value(h).unwrap()).unwrap();
+        assert_eq!(back, h);
+        for bad in [-0.1, f32::NAN, f32::INFINITY] {
+            h.eval_skip_threshold = bad;
+            let e = h.validate().unwrap_err().to_string();
+            assert!(e.contains("evaluation halo skip threshold"), "{e}");
+        }
+        assert!(HaloConfig::efficient().skips_eval_rows());
     }
 }

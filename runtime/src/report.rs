@@ -35,6 +35,13 @@ pub struct EpochLog {
     /// What the same halo rows would have taken as exact fp32 (`halo_bytes` without a codec).
     #[serde(default)]
     pub halo_fp32_bytes: u64,
+    /// Bytes of halo rows the evaluation of this epoch moved between partitions, as sent
+    /// (fewer rows with `--eval-skip-threshold`)...
+    #[serde(default)]
+    pub eval_halo_bytes: u64,
+    /// ...and as exact fp32 rows, every row.
+    #[serde(default)]
+    pub eval_halo_fp32_bytes: u64,
     /// Hex BLAKE3 digest of the parameters after this epoch's step (every partition's replica
     /// had it: the coordinator checks).
     #[serde(default)]

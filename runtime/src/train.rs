@@ -317,6 +317,8 @@ impl Trainer {
             comm_ms: 0.0,
             halo_bytes: 0,
             halo_fp32_bytes: 0,
+            eval_halo_bytes: 0,
+            eval_halo_fp32_bytes: 0,
             weights_digest: self.model.weights_digest(&self.stream)?,
             part_compute_ms: vec![ms],
             replica_bytes: 0,

@@ -58,6 +58,10 @@ pub const CONFIGS: &[Config] = &[
         name: "skip",
         args: &["--skip-threshold", "2", "--max-staleness", "8"],
     },
+    Config {
+        name: "eval-skip",
+        args: &["--eval-skip-threshold", "0.1", "--max-staleness", "8"],
+    },
     // `--comm efficient` spelled out.
     Config {
         name: "combined",
@@ -68,6 +72,8 @@ pub const CONFIGS: &[Config] = &[
             "1",
             "--skip-threshold",
             "2",
+            "--eval-skip-threshold",
+            "0.1",
             "--max-staleness",
             "8",
         ],
@@ -125,7 +131,7 @@ pub struct CommBenchArgs {
     pub threads: usize,
     /// The configurations to compare, comma separated (`exact` always runs, on loopback
     /// too) [default: every one: exact, fp16, int8, adaptive, grad-int8, efficient,
-    /// staleness, skip, combined].
+    /// staleness, skip, eval-skip, combined].
     #[arg(long, value_name = "NAMES", value_delimiter = ',')]
     pub configs: Vec<String>,
     /// More `train` options for every run, after `--` (e.g. `-- --dropout 0.3`).

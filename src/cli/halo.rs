@@ -1,6 +1,6 @@
 //! The halo exchange options shared by `train`, `launch` and `node` (`--halo-codec`,
-//! `--halo-error-bound`, `--staleness`, `--skip-threshold`, `--max-staleness`) and the
-//! summary line of what the exchange sent.
+//! `--halo-error-bound`, `--staleness`, `--skip-threshold`, `--eval-skip-threshold`,
+//! `--max-staleness`) and the summary line of what the exchange sent.
 use anyhow::{bail, Result};
 use clap::Args;
 use trellis_runtime::comm::{HaloCodec, HaloConfig, DEFAULT_ERROR_BOUND, MAX_STALENESS};
@@ -28,6 +28,12 @@ pub struct HaloArgs {
     /// its copy (blocks then carry only the changed rows). 0: off [finite, at least 0].
     #[arg(long, value_name = "T", default_value_t = 0.0, value_parser = parse_threshold)]
     pub skip_threshold: f32,
+    /// Evaluation passes: the same for the rows an evaluation sends (no dropout there, so a
+    /// small T such as 0.1 skips most rows); the accuracies are then computed with boundary
+    /// rows within T of this epoch's. Bounded by --max-staleness too. 0: off (every row goes)
+    /// [finite, at least 0].
+    #[arg(long, value_name = "T", default_value_t = 0.0, value_parser = parse_threshold)]
+    pub eval_skip_threshold: f32,
     /// The most epochs old a halo row may be where it is used: a row not resent for that long
     /// is resent (at least --staleness) [default: unbounded].
     #[arg(long, value_name = "EPOCHS")]
@@ -43,6 +49,7 @@ impl HaloArgs {
             staleness: self.staleness,
             skip_threshold: self.skip_threshold,
             max_staleness: self.max_staleness,
+            eval_skip_threshold: self.eval_skip_threshold,
         }
     }
 
@@ -54,6 +61,13 @@ impl HaloArgs {
                 "--skip-threshold {} skips rows partitions exchange: it needs --partitions 2 \
                  or more (a single process exchanges none)",
                 self.skip_threshold
+            );
+        }
+        if !partitioned && self.eval_skip_threshold != 0.0 {
+            bail!(
+                "--eval-skip-threshold {} skips rows partitions exchange: it needs \
+                 --partitions 2 or more (a single process exchanges none)",
+                self.eval_skip_threshold
             );
         }
         if !partitioned && self.staleness != 0 {
@@ -145,6 +159,12 @@ pub fn summary(r: &RunReport) -> Option<String> {
     if h.skip_threshold > 0.0 {
         stale += &format!(", rows changed by at most {} skipped", h.skip_threshold);
     }
+    if h.eval_skip_threshold > 0.0 {
+        stale += &format!(
+            ", evaluation rows changed by at most {} skipped",
+            h.eval_skip_threshold
+        );
+    }
     if let Some(k) = h.max_staleness {
         stale += &format!(", at most {k} epochs old");
     }
@@ -155,8 +175,20 @@ pub fn summary(r: &RunReport) -> Option<String> {
             size(sent / epochs)
         ));
     }
+    let eval_sent: u64 = r.epochs_log.iter().map(|l| l.eval_halo_bytes).sum();
+    let eval_fp32: u64 = r.epochs_log.iter().map(|l| l.eval_halo_fp32_bytes).sum();
+    let evaluation = if eval_fp32 > 0 {
+        format!(
+            "; evaluations {} per epoch sent, {} as fp32; both {:.2}x fewer",
+            size(eval_sent / epochs),
+            size(eval_fp32 / epochs),
+            (fp32 + eval_fp32) as f64 / (sent + eval_sent).max(1) as f64
+        )
+    } else {
+        String::new()
+    };
     Some(format!(
-        "halo exchange ({codec}{stale}): {} per epoch sent, {} as fp32 ({:.2}x fewer bytes)",
+        "halo exchange ({codec}{stale}): training steps {} per epoch sent, {} as fp32 ({:.2}x fewer bytes){evaluation}",
         size(sent / epochs),
         size(fp32 / epochs),
         fp32 as f64 / sent.max(1) as f64

@@ -45,6 +45,10 @@ pub fn run(a: SimArgs) -> Result<()> {
         "{} schedules with halo staleness 1 ({} faults fired in them), {} with skipped rows ({})",
         report.stale, report.stale_fired, report.skip, report.skip_fired
     );
+    println!(
+        "  skipped rows include evaluation rows: {} evaluation blocks sent as their changed rows, {} evaluation steps replayed before a training step in runs that finished",
+        report.sparse_eval_blocks, report.eval_replays_finished
+    );
     println!("faults fired, by kind:");
     for (kind, n) in &report.fired {
         println!("  {:<24} {n}", kind.name());

@@ -44,9 +44,9 @@ pub struct TrainArgs {
     pub grad_codec: GradCodec,
     /// Communication of partitioned runs: `exact` (bit-exact fp32 halo rows and gradients) or
     /// `efficient`, the setting `trellis bench comm` measured best: --halo-codec int4
-    /// --staleness 1 --skip-threshold 2 --max-staleness 8, exact gradients. Not together with
-    /// those options or --grad-codec.
-    #[arg(long, value_enum, default_value_t = CommMode::Exact, conflicts_with_all = ["halo_codec", "grad_codec", "staleness", "skip_threshold", "max_staleness"])]
+    /// --staleness 1 --skip-threshold 2 --eval-skip-threshold 0.1 --max-staleness 8, exact
+    /// gradients. Not together with those options or --grad-codec.
+    #[arg(long, value_enum, default_value_t = CommMode::Exact, conflicts_with_all = ["halo_codec", "grad_codec", "staleness", "skip_threshold", "eval_skip_threshold", "max_staleness"])]
     pub comm: CommMode,
     /// GAT attention heads of the hidden layer (the output layer has 1) [default: 8; GAT only].
     #[arg(long, value_name = "N", value_parser = validate::heads)]

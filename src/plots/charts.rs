@@ -433,6 +433,8 @@ mod tests {
                 grad_bytes: 0,
                 grad_bytes_exact: 0,
                 halo_fp32_bytes: 1 << 20,
+                eval_halo_bytes: 0,
+                eval_halo_fp32_bytes: 0,
                 weights_digest: String::new(),
                 part_compute_ms: vec![6.0; parts],
                 replica_bytes: 0,

@@ -3,7 +3,7 @@ mod common;
 
 use common::{block, f32s, header, run_id, traced_block};
 use trellis_transport::wire::*;
-use trellis_transport::PartId;
+use trellis_transport::{MsgHeader, PartId, Phase};
 
 fn decode_all(bytes: &[u8], limits: Limits) -> Vec<Result<Frame, WireError>> {
     let mut dec = FrameDecoder::new(limits);
@@ -296,6 +296,23 @@ fn filter_rejects_unknown_partitions_runs_and_stale_epochs() {
         })
     );
     assert_eq!(f.check(&header(1, 2, 5)), Ok(()));
+    let eval = |epoch| MsgHeader {
+        phase: Phase::Eval,
+        ..header(1, 2, epoch)
+    };
+    assert_eq!(
+        f.check(&eval(4)),
+        Ok(()),
+        "the evaluation of the epoch before, replayed after a recovery"
+    );
+    assert_eq!(
+        f.check(&eval(3)),
+        Err(Rejection::StaleEpoch {
+            part: PartId(2),
+            epoch: 3,
+            current: 5
+        })
+    );
     assert_eq!(
         f.check(&header(1, 2, 6)),
         Ok(()),
@@ -318,7 +335,7 @@ fn filter_rejects_unknown_partitions_runs_and_stale_epochs() {
             s.unknown_run,
             s.stale_epoch
         ),
-        (3, 2, 1, 1)
+        (4, 2, 1, 2)
     );
 }
 

@@ -8,7 +8,9 @@
 //! the training step (forward of layers `0..L`, backward of `L-1..=0`), the optimizer step
 //! (`Apply`), and evaluation (forward of `0..L` without dropout). A failure anywhere in a unit
 //! rolls the unit back: every partition is reset and the unit is replayed from its first
-//! round (the states are in ARCHITECTURE.md, "Recovery").
+//! round (the states are in ARCHITECTURE.md, "Recovery"). With evaluation rows skipped
+//! ([`EpochConfig::replays_eval`]) a fourth unit, the replay of the last evaluation, comes
+//! before a training step that does not follow its epoch's evaluation directly.
 use crate::profile::{EpochProfile, StepProfile};
 pub use crate::protocol::messages::Applied;
 use crate::{ActorError, Outcome, StepReply};
@@ -101,6 +103,12 @@ pub struct EpochConfig {
     /// Each epoch waits for the shell's [`EpochMachine::handle_gate`].
     pub gated: bool,
     pub totals: SplitTotals,
+    /// Evaluation rows are skipped (`--eval-skip-threshold`): what an evaluation sent and
+    /// received is state its partitions keep until the next optimizer step, which a
+    /// re-placed or resumed partition lacks. A training step after a re-placement, and the
+    /// first after a resume, is then preceded by a replay of the last epoch's evaluation (its
+    /// counts checked against the first run's).
+    pub replays_eval: bool,
 }
 
 /// The last committed optimizer step.
@@ -212,6 +220,9 @@ enum Unit {
     TrainStep,
     Apply,
     Eval,
+    /// The evaluation of the epoch before the one in progress, replayed before its training
+    /// step to rebuild the partitions' evaluation halo state ([`EpochConfig::replays_eval`]).
+    EvalReplay,
 }
 
 /// What a unit has gathered so far (dropped when it is rolled back).
@@ -226,6 +237,9 @@ struct UnitWork {
     grads: Vec<Option<Arc<[f32]>>>,
     profile: Option<EpochProfile>,
     eval: SplitTotals,
+    /// An evaluation's halo bytes, as sent and as fp32.
+    eval_halo_bytes: u64,
+    eval_halo_fp32_bytes: u64,
 }
 
 /// Gradient bytes of a training step, as sent and as they would have been exact.
@@ -345,6 +359,8 @@ pub struct EpochMachine {
     /// When partitions' failures happened, as their shells observed them (a detection is
     /// timed from there rather than from the start of the round).
     failure_times: BTreeMap<u32, Instant>,
+    /// The next training step is preceded by an [`Unit::EvalReplay`].
+    eval_replay_due: bool,
 }
 
 impl EpochMachine {
@@ -355,8 +371,9 @@ impl EpochMachine {
         for log in &prior {
             best.update(log);
         }
+        // A resume: the partitions restored the committed step, not its evaluation's state.
+        let eval_replay_due = committed.epoch > 0;
         EpochMachine {
-            cfg,
             state: State::Idle,
             actions: VecDeque::new(),
             next_id: 0,
@@ -378,6 +395,8 @@ impl EpochMachine {
             stale_replies: 0,
             recoveries: Vec::new(),
             failure_times: BTreeMap::new(),
+            eval_replay_due,
+            cfg,
         }
     }
 
@@ -527,6 +546,10 @@ impl EpochMachine {
             State::Running { unit, round } if now >= round.deadline => {
                 let part = round.outstanding.keys().next().copied().unwrap_or(0);
                 let what = match &round.request {
+                    Request::Step { layer, phase } if *unit == Unit::EvalReplay => format!(
+                        "{phase:?} layer {layer} of epoch {} (replayed)",
+                        self.unit_epoch(*unit)
+                    ),
                     Request::Step { layer, phase } => {
                         format!("{phase:?} layer {layer} of epoch {}", self.epoch)
                     }
@@ -602,6 +625,11 @@ impl EpochMachine {
                 } else {
                     unit
                 };
+                // Nor has it what the epoch's evaluation sent and received, if that is
+                // kept: the evaluation is replayed first.
+                if unit != Unit::Eval {
+                    self.eval_replay_due = true;
+                }
                 self.begin_reset(unit, rec, now);
             }
             // The node chosen to adopt was lost too: recover from that.
@@ -635,7 +663,18 @@ impl EpochMachine {
         self.actions.push_back(EpochAction::EpochStarted { epoch });
         self.epoch_started = Some(now);
         self.step = StepResults::default();
-        self.start_unit(Unit::TrainStep, now);
+        self.start_training(now);
+    }
+
+    /// Starts (or replays) the training step, after the replay of the last evaluation where
+    /// one is due ([`EpochConfig::replays_eval`]).
+    fn start_training(&mut self, now: Instant) {
+        let replay = std::mem::take(&mut self.eval_replay_due);
+        if replay && self.cfg.replays_eval && self.epoch > 1 {
+            self.start_unit(Unit::EvalReplay, now);
+        } else {
+            self.start_unit(Unit::TrainStep, now);
+        }
     }
 
     /// The rounds of a unit, in order.
@@ -657,7 +696,7 @@ impl EpochMachine {
                     .clone()
                     .unwrap_or_else(|| Arc::from(Vec::new())),
             }),
-            Unit::Eval if index < l => Some(Request::Step {
+            Unit::Eval | Unit::EvalReplay if index < l => Some(Request::Step {
                 layer: index as u16,
                 phase: Phase::Eval,
             }),
@@ -677,16 +716,24 @@ impl EpochMachine {
         match unit {
             Unit::Apply => self.apply_started = Some(now),
             Unit::Eval => self.eval_started = Some(now),
-            Unit::TrainStep => {}
+            Unit::TrainStep | Unit::EvalReplay => {}
         }
         self.send_round(unit, 0, now);
+    }
+
+    /// The epoch a unit's requests name: a replayed evaluation is the previous epoch's.
+    fn unit_epoch(&self, unit: Unit) -> u32 {
+        match unit {
+            Unit::EvalReplay => self.epoch - 1,
+            _ => self.epoch,
+        }
     }
 
     fn send_round(&mut self, unit: Unit, index: usize, now: Instant) {
         let Some(request) = self.round_request(unit, index) else {
             return self.unit_complete(unit, now);
         };
-        let outstanding = self.broadcast(&request);
+        let outstanding = self.broadcast(&request, self.unit_epoch(unit));
         self.state = State::Running {
             unit,
             round: Round {
@@ -701,8 +748,8 @@ impl EpochMachine {
         };
     }
 
-    /// Sends `request` to every partition; returns the id outstanding for each.
-    fn broadcast(&mut self, request: &Request) -> BTreeMap<u32, RequestId> {
+    /// Sends `request` of `epoch` to every partition; returns the id outstanding for each.
+    fn broadcast(&mut self, request: &Request, epoch: u32) -> BTreeMap<u32, RequestId> {
         let mut outstanding = BTreeMap::new();
         for part in 0..self.cfg.parts {
             let id = self.next_id();
@@ -710,7 +757,7 @@ impl EpochMachine {
             self.actions.push_back(EpochAction::Send(Outgoing {
                 id,
                 part,
-                epoch: self.epoch,
+                epoch,
                 request: request.clone(),
             }));
         }
@@ -755,6 +802,9 @@ impl EpochMachine {
                         }
                         self.work.halo_bytes += s.halo_bytes;
                         self.work.halo_fp32_bytes += s.halo_fp32_bytes;
+                    } else {
+                        self.work.eval_halo_bytes += s.halo_bytes;
+                        self.work.eval_halo_fp32_bytes += s.halo_fp32_bytes;
                     }
                     match &s.outcome {
                         Outcome::Loss {
@@ -822,8 +872,13 @@ impl EpochMachine {
     }
 
     fn unit_complete(&mut self, unit: Unit, now: Instant) {
-        self.close_recoveries(now);
+        // A replayed evaluation is only the way back to the training step: the recoveries
+        // close with that.
+        if unit != Unit::EvalReplay {
+            self.close_recoveries(now);
+        }
         match unit {
+            Unit::EvalReplay => self.eval_replayed(now),
             Unit::TrainStep => {
                 // All-reduce in a fixed order: partition 0, 1, ..., so the sum never depends
                 // on timing.
@@ -900,6 +955,8 @@ impl EpochMachine {
                     grad_bytes: s.grad_bytes.sent,
                     grad_bytes_exact: s.grad_bytes.exact,
                     halo_fp32_bytes: s.halo_fp32_bytes,
+                    eval_halo_bytes: self.work.eval_halo_bytes,
+                    eval_halo_fp32_bytes: self.work.eval_halo_fp32_bytes,
                     weights_digest: self.committed.digest.clone(),
                     part_compute_ms: s.compute_ms,
                     replica_bytes: s.replica_bytes,
@@ -920,6 +977,32 @@ impl EpochMachine {
                 self.begin_epoch(self.epoch + 1, now);
             }
         }
+    }
+
+    /// The last evaluation was replayed: its counts must be the first run's (every value is
+    /// a pure function of the committed weights and the evaluation state committed before
+    /// it); then the training step runs.
+    fn eval_replayed(&mut self, now: Instant) {
+        let t = self.cfg.totals;
+        let e = self.work.eval;
+        let frac = |n: usize, d: usize| if d == 0 { 0.0 } else { n as f64 / d as f64 };
+        let epoch = self.epoch - 1;
+        if let Some(first) = self.logs.iter().rev().find(|l| l.epoch == epoch) {
+            let replay = (
+                frac(e.train, t.train),
+                frac(e.val, t.val),
+                frac(e.test, t.test),
+            );
+            if replay != (first.train_acc, first.val_acc, first.test_acc) {
+                let show = |(a, b, c): (f64, f64, f64)| format!("{a:.6}/{b:.6}/{c:.6}");
+                return self.fail(ActorError::EvalReplayDiffers {
+                    epoch,
+                    first: show((first.train_acc, first.val_acc, first.test_acc)),
+                    replay: show(replay),
+                });
+            }
+        }
+        self.start_unit(Unit::TrainStep, now);
     }
 
     /// Closes the recoveries of the unit that just completed (its replay succeeded).
@@ -1064,8 +1147,8 @@ impl EpochMachine {
             });
         }
         self.open.push(rec);
-        let rollback = unit == Unit::TrainStep;
-        let outstanding = self.broadcast(&Request::Reset { rollback });
+        let rollback = matches!(unit, Unit::TrainStep | Unit::EvalReplay);
+        let outstanding = self.broadcast(&Request::Reset { rollback }, self.epoch);
         self.state = State::Resetting {
             unit,
             outstanding,
@@ -1077,7 +1160,14 @@ impl EpochMachine {
         if let Some(o) = self.open.last_mut() {
             o.ready_ms = ms_since(o.at, now);
         }
-        self.start_unit(unit, now);
+        match unit {
+            Unit::TrainStep => self.start_training(now),
+            Unit::EvalReplay => {
+                self.eval_replay_due = true;
+                self.start_training(now)
+            }
+            _ => self.start_unit(unit, now),
+        }
     }
 
     fn finish(&mut self) {

@@ -294,15 +294,34 @@ impl PartitionMachine {
                 .map_err(|source| ActorError::Compute { part, source });
             return self.answer(id, r);
         }
-        // With staleness or skipping, the rows held for the next epoch (checked and merged
-        // before the step, so a bad block fails it without stepping).
-        let held = if self.state.holds_rows() {
-            if !self.epoch_blocks_in(epoch) {
-                // Only after a restart during the optimizer step on a node that was lost (a
-                // restart on the same node keeps the blocks of the epoch in progress).
-                return self.answer(id, Err(ActorError::HeldRowsLost { part, epoch }));
+        // With staleness or skipping, the rows held for the next epoch, and with evaluation
+        // rows skipped those the last evaluation received (checked and merged before the
+        // step, so a bad block fails it without stepping).
+        let (holds, holds_eval) = (self.state.holds_rows(), self.state.holds_eval_rows());
+        if holds && !self.epoch_blocks_in(epoch) {
+            // Only after a restart during the optimizer step on a node that was lost (a
+            // restart on the same node keeps the blocks of the epoch in progress).
+            return self.answer(id, Err(ActorError::HeldRowsLost { part, epoch }));
+        }
+        let evaluated = epoch.saturating_sub(1);
+        if holds_eval && evaluated > 0 && !self.blocks_in(evaluated, &self.state.eval_inputs()) {
+            // The coordinator replays the evaluation whenever a partition may have lost them.
+            let detail = format!(
+                "the halo blocks of the evaluation of epoch {evaluated} are missing at the \
+                 optimizer step of epoch {epoch} (--eval-skip-threshold)"
+            );
+            return self.answer(id, Err(ActorError::Protocol { part, detail }));
+        }
+        let held = if holds || holds_eval {
+            let mut blocks = if holds {
+                self.epoch_blocks(epoch)
+            } else {
+                EpochBlocks::new()
+            };
+            if holds_eval {
+                blocks.extend(self.eval_blocks(evaluated));
             }
-            match self.state.merge_held(self.epoch_blocks(epoch)) {
+            match self.state.merge_held(blocks) {
                 Ok(h) => Some(h),
                 Err(source) => return self.answer(id, Err(ActorError::Compute { part, source })),
             }
@@ -433,7 +452,8 @@ impl PartitionMachine {
             .ok_or_else(|| ActorError::Protocol {
                 part,
                 detail: format!(
-                    "asked to roll back to step {target} from step {done}, and no snapshot of                      it is kept (is replication off?)"
+                    "asked to roll back to step {target} from step {done}, and no snapshot of \
+                     it is kept (is replication off?)"
                 ),
             })?;
         match catch_unwind(AssertUnwindSafe(|| self.state.restore(&snap))) {
@@ -470,10 +490,15 @@ impl PartitionMachine {
         }));
         // The blocks other partitions sent are no part of the failure; with staleness or
         // skipping the training blocks of the epoch in progress are kept (its replay sends the
-        // same ones, and an optimizer step replayed after a restart holds them).
-        let (keep, done) = (self.state.holds_rows(), self.state.epoch_done());
-        self.inbox
-            .retain(|k, _| keep && k.1 != Phase::Eval && k.0 > done);
+        // same ones, and an optimizer step replayed after a restart holds them), and with
+        // evaluation rows skipped the blocks of the restored epoch's evaluation (the next
+        // optimizer step holds them).
+        let done = self.state.epoch_done();
+        let (keep, keep_eval) = (self.state.holds_rows(), self.state.holds_eval_rows());
+        self.inbox.retain(|k, _| match k.1 {
+            Phase::Eval => keep_eval && k.0 == done,
+            Phase::Forward | Phase::Backward => keep && k.0 > done,
+        });
         match result {
             Ok(Ok(())) => {}
             Ok(Err(source)) => return Err(ActorError::Compute { part, source }),
@@ -540,8 +565,9 @@ impl PartitionMachine {
             let (tag, need) = self.state.inputs(step.phase, step.layer, stage);
             // With staleness or skipping a training pass keeps its blocks in the inbox (the
             // optimizer step holds them for the next epoch), and its last step waits until all
-            // of them are in: the exchange overlaps the whole pass but ends with it.
-            let keep = self.state.holds_rows() && step.phase != Phase::Eval;
+            // of them are in: the exchange overlaps the whole pass but ends with it. With
+            // evaluation rows skipped an evaluation keeps its blocks for the next step too.
+            let keep = self.state.keeps_blocks(step.phase);
             let last = step.phase == Phase::Backward && step.layer == 0 && stage == Stage::First;
             if keep && last && !self.epoch_blocks_in(step.epoch) {
                 return;
@@ -605,10 +631,24 @@ impl PartitionMachine {
 
     /// Whether every training block of `epoch` this partition receives is in the inbox.
     fn epoch_blocks_in(&self, epoch: u32) -> bool {
-        self.state.epoch_inputs().iter().all(|(phase, tag, from)| {
+        self.blocks_in(epoch, &self.state.epoch_inputs())
+    }
+
+    /// Whether every block of `inputs` (phase, layer tag, senders) of `epoch` is in the inbox.
+    fn blocks_in(&self, epoch: u32, inputs: &[(Phase, u16, Vec<PartId>)]) -> bool {
+        inputs.iter().all(|(phase, tag, from)| {
             let have = self.inbox.get(&(epoch, *phase, *tag));
             from.iter().all(|q| have.is_some_and(|m| m.contains_key(q)))
         })
+    }
+
+    /// The evaluation blocks of `epoch` in the inbox.
+    fn eval_blocks(&self, epoch: u32) -> EpochBlocks {
+        self.inbox
+            .iter()
+            .filter(|(k, _)| k.0 == epoch && k.1 == Phase::Eval)
+            .map(|(k, by)| ((k.1, k.2), by.clone()))
+            .collect()
     }
 
     /// The training blocks of `epoch` in the inbox (shared buffers: cheap copies).

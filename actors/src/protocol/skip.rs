@@ -15,6 +15,13 @@
 //! 256-wide rows). Records of the epoch in progress are pending until its optimizer step
 //! commits them (a replayed pass starts from the committed ones and sends the same blocks);
 //! the committed records are part of the partition's replicated snapshot.
+//!
+//! Evaluation rows (`--eval-skip-threshold`) follow the same rule with their own threshold
+//! and no staleness. An epoch's evaluation runs after its optimizer step, so its records are
+//! pending until the *next* optimizer step commits them (with that step's training records)
+//! and reach the replicas with that step's snapshot; a partition re-placed in between has
+//! none, and the coordinator replays that evaluation before the training pass
+//! (ARCHITECTURE.md, "Staleness and skipping", step 8).
 use crate::protocol::codec::HaloEncoder;
 use crate::protocol::halo::{proto, Tag};
 use std::collections::BTreeMap;
@@ -159,10 +166,13 @@ pub(crate) struct SkipSender {
     threshold: f32,
     max_staleness: Option<u32>,
     staleness: u32,
+    eval_threshold: f32,
     committed: BTreeMap<Key, SentRows>,
     /// The records of the epoch in progress (kept through an epoch reset: the replay
     /// recomputes the same ones).
     pending: Option<(u32, BTreeMap<Key, SentRows>)>,
+    /// The records of the last evaluation, until the next optimizer step commits them.
+    eval_pending: Option<(u32, BTreeMap<Key, SentRows>)>,
 }
 
 impl SkipSender {
@@ -171,18 +181,33 @@ impl SkipSender {
             threshold: cfg.skip_threshold,
             max_staleness: cfg.max_staleness,
             staleness: cfg.staleness,
+            eval_threshold: cfg.eval_skip_threshold,
             ..SkipSender::default()
         }
     }
 
-    /// Whether rows may be skipped at all.
+    /// Whether rows of training passes may be skipped.
     pub fn on(&self) -> bool {
         self.threshold > 0.0
     }
 
+    /// Whether rows of evaluation passes may be skipped.
+    pub fn eval_on(&self) -> bool {
+        self.eval_threshold > 0.0
+    }
+
+    /// The threshold and staleness of `phase`'s rows; `None` where they are never skipped.
+    fn rule(&self, phase: Phase) -> Option<(f32, u32)> {
+        match phase {
+            Phase::Eval if self.eval_on() => Some((self.eval_threshold, 0)),
+            Phase::Forward | Phase::Backward if self.on() => Some((self.threshold, self.staleness)),
+            _ => None,
+        }
+    }
+
     /// The payload of the `gids.len() x cols` rows `data` for `to` under `tag`: every row
     /// (encoded by `encoder`) when nothing was sent before or every row changed, else a
-    /// sparse payload of the rows to resend. Evaluation rows are never skipped.
+    /// sparse payload of the rows to resend.
     #[allow(clippy::too_many_arguments)]
     pub fn payload(
         &mut self,
@@ -194,9 +219,9 @@ impl SkipSender {
         cols: usize,
         data: Arc<[f32]>,
     ) -> Result<HaloPayload> {
-        if !self.on() || tag.phase == Phase::Eval {
+        let Some((threshold, staleness)) = self.rule(tag.phase) else {
             return encoder.payload(from, tag, gids, cols, data);
-        }
+        };
         let rows = gids.len();
         let key = (to, tag.phase, tag.layer);
         let bad = |what: String| proto(from, &format!("skip record for partition {to}: {what}"));
@@ -211,7 +236,8 @@ impl SkipSender {
                 (0..rows)
                     .filter(|&r| {
                         let at = r * cols..(r + 1) * cols;
-                        self.must_send(b.sent[r], &data[at.clone()], &held[at], tag.epoch)
+                        let age = (tag.epoch + staleness).saturating_sub(b.sent[r]);
+                        self.must_send(age, &data[at.clone()], &held[at], threshold)
                     })
                     .map(|r| r as u32)
                     .collect()
@@ -235,10 +261,20 @@ impl SkipSender {
                     }
                 }
                 .map_err(|e| proto(from, &format!("sparse halo block for partition {to}: {e}")))?;
-                let next = b
-                    .updated(&bytes, &changed, &v, tag.epoch)
-                    .map_err(|e| bad(e.to_string()))?;
-                (HaloPayload::Encoded(Arc::from(bytes)), next)
+                // Each row sent costs its index too: where most rows go, the whole block is
+                // smaller (estimated from the rows' own size, so the choice is a pure
+                // function of the values).
+                let per_row = inner.len_bytes() as f64 / changed.len().max(1) as f64;
+                if !changed.is_empty() && bytes.len() as f64 >= per_row * rows as f64 {
+                    let p = encoder.payload(from, tag, gids, cols, data)?;
+                    let v = decoded(from, &p, rows, cols)?;
+                    (p.clone(), SentRows::whole(key, cols, &p, &v, tag.epoch))
+                } else {
+                    let next = b
+                        .updated(&bytes, &changed, &v, tag.epoch)
+                        .map_err(|e| bad(e.to_string()))?;
+                    (HaloPayload::Encoded(Arc::from(bytes)), next)
+                }
             }
             _ => {
                 let p = encoder.payload(from, tag, gids, cols, data)?;
@@ -247,7 +283,11 @@ impl SkipSender {
                 (p, next)
             }
         };
-        let pending = match &mut self.pending {
+        let slot = match tag.phase {
+            Phase::Eval => &mut self.eval_pending,
+            Phase::Forward | Phase::Backward => &mut self.pending,
+        };
+        let pending = match slot {
             Some((e, m)) if *e == tag.epoch => m,
             slot => &mut slot.insert((tag.epoch, BTreeMap::new())).1,
         };
@@ -255,11 +295,9 @@ impl SkipSender {
         Ok(payload)
     }
 
-    /// Whether a row last sent in epoch `sent`, held by the receiver as `held` and now `x`,
-    /// must be resent in `epoch`.
-    fn must_send(&self, sent: u32, x: &[f32], held: &[f32], epoch: u32) -> bool {
-        // The epoch the receiver uses the rows of this one in, less the row's send epoch.
-        let age = (epoch + self.staleness).saturating_sub(sent);
+    /// Whether a row held by the receiver as `held` and now `x` must be resent under
+    /// `threshold`, where the receiver would use it `age` epochs after it was last sent.
+    fn must_send(&self, age: u32, x: &[f32], held: &[f32], threshold: f32) -> bool {
         if self.max_staleness.is_some_and(|k| age > k) {
             return true;
         }
@@ -269,7 +307,7 @@ impl SkipSender {
             d2 += d * d;
             p2 += f64::from(p) * f64::from(p);
         }
-        let t = f64::from(self.threshold);
+        let t = f64::from(threshold);
         d2 > t * t * p2
     }
 
@@ -278,12 +316,25 @@ impl SkipSender {
         matches!(self.pending, Some((e, _)) if e == epoch)
     }
 
-    /// The optimizer step of `epoch` was applied: its records become the committed ones.
+    /// Whether the records of `epoch`'s evaluation are at hand (always, when nothing was
+    /// sent or evaluation rows are not skipped).
+    pub fn eval_ready(&self, epoch: u32) -> bool {
+        !self.eval_on() || matches!(self.eval_pending, Some((e, _)) if e == epoch)
+    }
+
+    /// The optimizer step of `epoch` was applied: its records, and those of the evaluation
+    /// of the epoch before, become the committed ones.
     pub fn commit(&mut self, epoch: u32) {
         if let Some((e, m)) = self.pending.take() {
             if e == epoch {
                 self.committed.extend(m);
             }
+        }
+        match self.eval_pending.take() {
+            Some((e, m)) if e + 1 == epoch => self.committed.extend(m),
+            // An evaluation of this step's own epoch or later stays pending.
+            Some((e, m)) if e >= epoch => self.eval_pending = Some((e, m)),
+            _ => {}
         }
     }
 
@@ -293,7 +344,8 @@ impl SkipSender {
     }
 
     /// Restores the committed records of a snapshot taken after `epoch`; pending records of
-    /// the epoch after it survive (a restart on the same node during its optimizer step).
+    /// the epoch after it, and of `epoch`'s evaluation, survive (a restart on the same node
+    /// during the next training or optimizer step).
     pub fn restore(&mut self, epoch: u32, records: &[SentRows]) {
         self.committed = records
             .iter()
@@ -301,6 +353,9 @@ impl SkipSender {
             .collect();
         if self.pending.as_ref().is_some_and(|(e, _)| *e != epoch + 1) {
             self.pending = None;
+        }
+        if self.eval_pending.as_ref().is_some_and(|(e, _)| *e != epoch) {
+            self.eval_pending = None;
         }
     }
 }
@@ -428,6 +483,82 @@ mod tests {
     }
 
     #[test]
+    fn evaluation_records_are_committed_by_the_next_optimizer_step() {
+        let cfg = HaloConfig {
+            eval_skip_threshold: 0.1,
+            max_staleness: Some(3),
+            ..HaloConfig::default()
+        };
+        let (mut s, enc) = (SkipSender::new(&cfg), HaloEncoder::new(&cfg, 1));
+        assert!(s.eval_on() && !s.on());
+        let eval = |epoch| Tag {
+            phase: Phase::Eval,
+            ..tag(epoch)
+        };
+        let sent = |s: &mut SkipSender, epoch: u32, rows: [f32; 6]| {
+            let p = s
+                .payload(
+                    &enc,
+                    PartId(0),
+                    eval(epoch),
+                    PartId(1),
+                    &[10, 11, 12],
+                    2,
+                    Arc::from(rows),
+                )
+                .unwrap();
+            match p {
+                HaloPayload::F32(_) => vec![0, 1, 2],
+                HaloPayload::Encoded(b) => codec::decode_sparse(&b, 3, 2).unwrap().index,
+            }
+        };
+        let first = [1.0, 0.0, 0.0, 2.0, 5.0, 5.0];
+        let next = [1.05, 0.0, 0.0, 3.0, 5.0, 5.0];
+        // Evaluation 1, then optimizer step 2 commits its records (step 1 committed none).
+        assert_eq!(sent(&mut s, 1, first), [0, 1, 2]);
+        assert!(s.eval_ready(1) && !s.eval_ready(2));
+        s.commit(1);
+        assert!(s.eval_ready(1), "step 1 does not commit evaluation 1");
+        // A restart during epoch 2 on the same node keeps them; a restore of step 0 does not.
+        let snap = s.committed();
+        s.restore(1, &snap);
+        assert!(s.eval_ready(1));
+        s.commit(2);
+        assert!(s
+            .committed()
+            .iter()
+            .all(|r| r.phase == Phase::Eval && r.sent == [1; 3]));
+        // Evaluation 2: only the row that moved by more than a tenth goes; a replay of it
+        // starts from the committed records and sends the same rows.
+        assert_eq!(sent(&mut s, 2, next), [1]);
+        assert_eq!(sent(&mut s, 2, next), [1]);
+        // Training rows are not skipped (no training threshold): every row goes.
+        let train = s
+            .payload(
+                &enc,
+                PartId(0),
+                tag(3),
+                PartId(1),
+                &[10, 11, 12],
+                2,
+                Arc::from(next),
+            )
+            .unwrap();
+        assert!(matches!(train, HaloPayload::F32(_)));
+        s.commit(3);
+        assert_eq!(s.committed()[0].sent, [1, 2, 1]);
+        // No record older than --max-staleness 3: evaluation 5 resends rows 0 and 2, as the
+        // whole block (smaller than two rows with their indices).
+        assert!(sent(&mut s, 3, next).is_empty());
+        s.commit(4);
+        assert!(sent(&mut s, 4, next).is_empty());
+        s.commit(5);
+        assert_eq!(sent(&mut s, 5, next), [0, 1, 2]);
+        s.restore(4, &s.committed());
+        assert!(!s.eval_ready(5), "a restore of step 4 has no evaluation 5");
+    }
+
+    #[test]
     fn with_a_fixed_width_codec_the_record_is_exactly_what_the_receiver_holds() {
         let cfg = HaloConfig {
             codec: trellis_runtime::comm::HaloCodec::Int4,
@@ -438,7 +569,7 @@ mod tests {
         let epochs: [[f32; 6]; 3] = [
             [1.0, 0.5, 0.0, 2.0, 5.0, 5.0],
             [1.02, 0.5, 0.0, 3.0, 5.0, 5.0],
-            [1.5, 0.1, 0.0, 3.0, -5.0, 5.0],
+            [1.5, 0.5, 0.0, 3.0, 5.0, 5.0],
         ];
         let mut held: Option<Vec<u8>> = None;
         for (e, rows) in epochs.iter().enumerate() {
@@ -472,6 +603,6 @@ mod tests {
             assert_eq!(kept[..], held.as_deref().unwrap()[..], "epoch {epoch}");
             assert_eq!(rec.bytes(), kept.len() as u64 + 4 * 3);
         }
-        assert_eq!(s.committed()[0].sent, [3, 2, 3]);
+        assert_eq!(s.committed()[0].sent, [3, 2, 1]);
     }
 }

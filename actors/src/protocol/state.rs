@@ -79,10 +79,15 @@ pub struct PartitionState {
     /// `epoch_done + 1` uses (stale) or merges its sparse blocks into (skipping); empty before
     /// the first step. Part of the replicated snapshot: no other partition holds them.
     held: EpochBlocks,
-    /// Whether `held` is kept at all ([`HaloConfig::holds_rows`]).
+    /// Whether `held` keeps training blocks ([`HaloConfig::holds_rows`]).
     ///
     /// [`HaloConfig::holds_rows`]: trellis_runtime::comm::HaloConfig::holds_rows
     holds: bool,
+    /// Whether `held` keeps evaluation blocks ([`HaloConfig::skips_eval_rows`]): those an
+    /// epoch's evaluation received, held by the next optimizer step for the next evaluation.
+    ///
+    /// [`HaloConfig::skips_eval_rows`]: trellis_runtime::comm::HaloConfig::skips_eval_rows
+    holds_eval: bool,
     /// Skipping rows that barely changed: what each receiver holds.
     skip: SkipSender,
 }
@@ -272,6 +277,7 @@ impl PartitionState {
             staleness: cfg.halo.staleness,
             held: EpochBlocks::new(),
             holds: cfg.halo.holds_rows(),
+            holds_eval: cfg.halo.skips_eval_rows(),
             skip: SkipSender::new(&cfg.halo),
         })
     }
@@ -317,6 +323,20 @@ impl PartitionState {
     /// they then stay in the inbox when used and are held at the optimizer step.
     pub fn holds_rows(&self) -> bool {
         self.holds
+    }
+
+    /// Whether an evaluation's blocks are held for the next one (evaluation rows skipped):
+    /// they then stay in the inbox until the next optimizer step holds them.
+    pub fn holds_eval_rows(&self) -> bool {
+        self.holds_eval
+    }
+
+    /// Whether blocks of `phase` stay in the inbox when a stage uses them.
+    pub fn keeps_blocks(&self, phase: Phase) -> bool {
+        match phase {
+            Phase::Eval => self.holds_eval,
+            Phase::Forward | Phase::Backward => self.holds,
+        }
     }
 
     /// `blocks` (by sender) of `(phase, tag)` with every sparse one merged into the rows held
@@ -411,8 +431,17 @@ impl PartitionState {
 
     /// Every (phase, layer tag, senders) of halo blocks one epoch's training pass receives.
     pub fn epoch_inputs(&self) -> Vec<(Phase, u16, Vec<PartId>)> {
+        self.pass_inputs(&[Phase::Forward, Phase::Backward])
+    }
+
+    /// Every (phase, layer tag, senders) of halo blocks one evaluation receives.
+    pub fn eval_inputs(&self) -> Vec<(Phase, u16, Vec<PartId>)> {
+        self.pass_inputs(&[Phase::Eval])
+    }
+
+    fn pass_inputs(&self, phases: &[Phase]) -> Vec<(Phase, u16, Vec<PartId>)> {
         let mut out = Vec::new();
-        for phase in [Phase::Forward, Phase::Backward] {
+        for &phase in phases {
             for l in 0..self.num_layers() as u16 {
                 let mut stages = vec![Stage::First];
                 if self.model.is_split(l as usize) {
@@ -836,6 +865,18 @@ impl PartitionState {
                     "the record of the halo rows sent in epoch {epoch} (--skip-threshold) was \
                      lost with the partition's node during the optimizer step; the run cannot \
                      go on from here"
+                ),
+            ));
+        }
+        if epoch > 1 && !self.eval_inputs().is_empty() && !self.skip.eval_ready(epoch - 1) {
+            // The coordinator replays the evaluation before a training pass whenever a
+            // partition may have lost its records (a re-placement, a resume).
+            return Err(proto(
+                self.part,
+                &format!(
+                    "the record of the halo rows sent in the evaluation of epoch {} \
+                     (--eval-skip-threshold) is missing at the optimizer step of epoch {epoch}",
+                    epoch - 1
                 ),
             ));
         }

@@ -128,6 +128,25 @@ fn put_floats(dst: &mut [u8], values: &[f32]) {
     }
 }
 
+/// A phase in a replica's wire form (the held blocks and skip records of every pass).
+fn phase_code(p: Phase) -> u8 {
+    match p {
+        Phase::Forward => 0,
+        Phase::Backward => 1,
+        Phase::Eval => 2,
+    }
+}
+
+/// The phase of a [`phase_code`].
+fn phase_of(code: u8) -> Option<Phase> {
+    match code {
+        0 => Some(Phase::Forward),
+        1 => Some(Phase::Backward),
+        2 => Some(Phase::Eval),
+        _ => None,
+    }
+}
+
 impl WireSent {
     fn of(s: &SentRows, raw: &mut RawLayout) -> Self {
         let (encoded, codes, scales) = match &s.values {
@@ -136,7 +155,7 @@ impl WireSent {
         };
         WireSent {
             to: s.to.0,
-            phase: u8::from(s.phase != Phase::Forward),
+            phase: phase_code(s.phase),
             layer: s.layer,
             cols: s.cols,
             encoded,
@@ -147,11 +166,8 @@ impl WireSent {
     }
 
     fn record(self, raw: &Raw<'_>) -> Result<SentRows, String> {
-        let phase = match self.phase {
-            0 => Phase::Forward,
-            1 => Phase::Backward,
-            p => return Err(format!("skip record with unknown phase {p}")),
-        };
+        let phase = phase_of(self.phase)
+            .ok_or_else(|| format!("skip record with unknown phase {}", self.phase))?;
         let rows = self.sent.len() as u64;
         let record = |values| SentRows {
             to: PartId(self.to),
@@ -211,10 +227,7 @@ impl WireBlock {
         let encoded = matches!(b.payload, HaloPayload::Encoded(_));
         WireBlock {
             epoch: b.header.epoch,
-            phase: match b.header.phase {
-                Phase::Forward => 0,
-                Phase::Backward | Phase::Eval => 1,
-            },
+            phase: phase_code(b.header.phase),
             layer: b.header.layer,
             from: b.header.from.0,
             to: b.header.to.0,
@@ -228,11 +241,8 @@ impl WireBlock {
     /// The block (run id nil: a held block is only read for its rows). Fp32 values must be
     /// exactly `rows x cols`; encoded payloads are checked by the decoder when used.
     fn block(self, raw: &Raw<'_>) -> Result<HaloBlock, String> {
-        let phase = match self.phase {
-            0 => Phase::Forward,
-            1 => Phase::Backward,
-            p => return Err(format!("held halo block with unknown phase {p}")),
-        };
+        let phase = phase_of(self.phase)
+            .ok_or_else(|| format!("held halo block with unknown phase {}", self.phase))?;
         let payload = if self.encoded {
             HaloPayload::Encoded(Arc::from(raw.bytes(self.payload)?))
         } else {
@@ -1265,8 +1275,18 @@ mod tests {
             }),
             record(SentValues::Encoded(fp16_row)),
         ];
+        // Every pass's state keeps its phase (evaluation rows are held with
+        // --eval-skip-threshold).
+        let mut eval_block = s.held_halo[0].clone();
+        eval_block.header.phase = Phase::Eval;
+        s.held_halo.push(eval_block);
+        let mut eval_record = s.skip_sent[0].clone();
+        eval_record.phase = Phase::Eval;
+        s.skip_sent.push(eval_record);
         let r = ReplicaBytes::encode(3, &s);
         let back = r.decode().unwrap();
+        let phases = |b: &[HaloBlock]| b.iter().map(|b| b.header.phase).collect::<Vec<_>>();
+        assert_eq!(phases(&back.held_halo), phases(&s.held_halo));
         assert_eq!(
             back.held_halo[0].values().unwrap()[..],
             [1.5, -2.0, 3.25, 0.0]

@@ -114,6 +114,7 @@ impl Coordinator {
                 checkpoint_every: None,
                 gated: false,
                 totals: SplitTotals::default(),
+                replays_eval: cfg.halo.skips_eval_rows(),
             },
             parts,
             cancel,

@@ -22,7 +22,7 @@ mod world;
 
 pub use net::{NetSpec, SimRng};
 pub use schedule::{Schedule, SimFault, TimedFault, EPOCHS, LAYERS, MODELS, PART_COUNTS};
-pub use world::{SimGraph, SimOutcome, SimRun};
+pub use world::{Reference, SimGraph, SimOutcome, SimRun};
 
 use crate::protocol::epoch::EpochMachine;
 use crate::protocol::partition::PartitionMachine;
@@ -48,6 +48,10 @@ pub struct ScheduleReport {
     /// Partitions rolled back before a replayed training step (a node lost during the
     /// optimizer step).
     pub rollbacks: u32,
+    /// Evaluation steps replayed before a training step, and evaluation blocks sent as only
+    /// their changed rows (evaluation rows skipped).
+    pub eval_replay_steps: u32,
+    pub sparse_eval_blocks: u64,
     /// The broken invariant, if any.
     pub violation: Option<String>,
 }
@@ -70,6 +74,10 @@ pub struct SweepReport {
     /// one back and finished.
     pub rollbacks: u64,
     pub held_rollbacks_finished: u64,
+    /// Over the schedules that skip rows: evaluation steps replayed, in schedules that then
+    /// finished, and sparse evaluation blocks sent.
+    pub eval_replays_finished: u64,
+    pub sparse_eval_blocks: u64,
     pub longest_virtual_ms: f64,
     /// (seed, violation) of every schedule that broke an invariant.
     pub failures: Vec<(u64, String)>,
@@ -99,6 +107,10 @@ impl SweepReport {
         {
             self.held_rollbacks_finished += 1;
         }
+        if matches!(r.outcome, SimOutcome::Finished { .. }) {
+            self.eval_replays_finished += u64::from(r.eval_replay_steps);
+        }
+        self.sparse_eval_blocks += r.sparse_eval_blocks;
         self.longest_virtual_ms = self.longest_virtual_ms.max(r.virtual_ms);
         if let Some(v) = &r.violation {
             self.failures.push((r.seed, v.clone()));
@@ -117,16 +129,32 @@ pub fn run_schedule(graph: &SimGraph, seed: u64) -> ScheduleReport {
     let schedule = Schedule::generate(seed, true);
     let run = SimRun::new(graph, schedule).run();
     let reference = graph.reference(run.parts, run.model, run.staleness, run.skip);
-    check(run, reference.as_deref())
+    check(run, reference.as_ref())
 }
 
-/// Checks one finished simulation's invariants; `reference`: the fault-free digest.
-pub fn check(run: world::SimResult, reference: Option<&str>) -> ScheduleReport {
+/// Every epoch's evaluation (`epoch:train/val/test` accuracies, `;`-separated): a run with
+/// faults must evaluate as the fault-free run did, also where evaluation rows are skipped.
+pub fn eval_fingerprint(logs: &[trellis_runtime::EpochLog]) -> String {
+    logs.iter()
+        .map(|l| format!("{}:{}/{}/{}", l.epoch, l.train_acc, l.val_acc, l.test_acc))
+        .collect::<Vec<_>>()
+        .join(";")
+}
+
+/// Checks one finished simulation's invariants; `reference`: the fault-free run's.
+pub fn check(run: world::SimResult, reference: Option<&Reference>) -> ScheduleReport {
     let mut violation = run.violation.clone();
     match (&run.outcome, reference) {
-        (SimOutcome::Finished { digest }, Some(want)) if digest != want => {
+        (SimOutcome::Finished { digest, .. }, Some(want)) if *digest != want.digest => {
             violation.get_or_insert(format!(
-                "final weights digest {digest} differs from the fault-free run's {want}"
+                "final weights digest {digest} differs from the fault-free run's {}",
+                want.digest
+            ));
+        }
+        (SimOutcome::Finished { evals, .. }, Some(want)) if *evals != want.evals => {
+            violation.get_or_insert(format!(
+                "the evaluations {evals} differ from the fault-free run's {}",
+                want.evals
             ));
         }
         (SimOutcome::Finished { .. }, None) => {
@@ -154,6 +182,8 @@ pub fn check(run: world::SimResult, reference: Option<&str>) -> ScheduleReport {
         virtual_ms: run.virtual_us as f64 / 1e3,
         recoveries: run.recoveries,
         rollbacks: run.rollbacks,
+        eval_replay_steps: run.eval_replay_steps,
+        sparse_eval_blocks: run.sparse_eval_blocks,
         violation,
     }
 }

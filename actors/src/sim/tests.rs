@@ -30,10 +30,10 @@ fn fault_free_runs_agree_with_the_real_partition_actors() {
                 let cfg = g.config_with(model, staleness, skip);
                 let topo = crate::Topology::open(g.partition_dir(parts), cfg).unwrap();
                 let report = topo.spawn().unwrap().wait().unwrap();
-                assert_eq!(
-                    report.weights_digest, sim,
-                    "{parts} partitions, {model}, staleness {staleness}, skip {skip}"
-                );
+                let what =
+                    format!("{parts} partitions, {model}, staleness {staleness}, skip {skip}");
+                assert_eq!(report.weights_digest, sim.digest, "{what}");
+                assert_eq!(eval_fingerprint(&report.epochs_log), sim.evals, "{what}");
             }
         }
     }
@@ -73,6 +73,11 @@ fn a_sweep_of_seeded_fault_schedules_keeps_every_invariant() {
     // About half the schedules hold halo rows between epochs (staleness 1), with faults.
     assert!(report.stale > 100 && report.stale_fired > 100, "{report:?}");
     assert!(report.skip > 100 && report.skip_fired > 100, "{report:?}");
+    // Those also skip evaluation rows: evaluations send changed rows only, are replayed
+    // after re-placements and resumes, and the runs then evaluate as the fault-free run does
+    // (checked with the weights, in `check`).
+    assert!(report.sparse_eval_blocks > 0, "{report:?}");
+    assert!(report.eval_replays_finished > 0, "{report:?}");
 }
 
 /// Regression (found by the simulator, seed 6): a delayed or duplicated reset arriving after

@@ -25,7 +25,8 @@ use std::time::{Duration, Instant};
 use trellis_gpu::Stream;
 use trellis_runtime::partition::{partition, PartitionMethod, PartitionSet};
 use trellis_runtime::{DataSource, EpochLog, ModelKind, TrainConfig};
-use trellis_transport::{HaloBlock, RunId};
+use trellis_transport::codec;
+use trellis_transport::{HaloBlock, HaloPayload, Phase, RunId};
 
 /// The coordinator's node.
 const COORDINATOR: u32 = 0;
@@ -48,8 +49,15 @@ struct RefKey {
     skip: bool,
 }
 
-/// Fault-free digests (`None`: the fault-free run did not finish).
-type References = BTreeMap<RefKey, Option<String>>;
+/// What a fault-free run ended with (`None`: it did not finish).
+type References = BTreeMap<RefKey, Option<Reference>>;
+
+/// A fault-free run's final weights digest and its evaluations ([`super::eval_fingerprint`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Reference {
+    pub digest: String,
+    pub evals: String,
+}
 
 /// The graph, its partitionings and the training configurations, prepared once per sweep.
 pub struct SimGraph {
@@ -101,12 +109,14 @@ impl SimGraph {
     }
 
     /// The training configuration of `model` with halo staleness `staleness`, and with rows
-    /// skipped when they changed by at most half their norm (at most 2 epochs old) if `skip`.
+    /// skipped when they changed by at most half their norm (evaluation rows: a fifth; at
+    /// most 2 epochs old) if `skip`.
     pub fn config_with(&self, model: ModelKind, staleness: u32, skip: bool) -> TrainConfig {
         let mut cfg = self.config(model).clone();
         cfg.halo.staleness = staleness;
         if skip {
             cfg.halo.skip_threshold = 0.5;
+            cfg.halo.eval_skip_threshold = 0.2;
             cfg.halo.max_staleness = Some(2);
         }
         cfg
@@ -126,7 +136,7 @@ impl SimGraph {
         model: ModelKind,
         staleness: u32,
         skip: bool,
-    ) -> Option<String> {
+    ) -> Option<Reference> {
         let key = RefKey {
             parts,
             model: model_key(model),
@@ -144,7 +154,9 @@ impl SimGraph {
         s.nodes = parts + 1;
         let r = SimRun::new(self, s).run();
         let d = match r.outcome {
-            SimOutcome::Finished { digest } if r.violation.is_none() => Some(digest),
+            SimOutcome::Finished { digest, evals } if r.violation.is_none() => {
+                Some(Reference { digest, evals })
+            }
             _ => None,
         };
         self.lock_refs().insert(key, d.clone());
@@ -184,12 +196,11 @@ impl SimGraph {
 pub enum SimOutcome {
     Finished {
         digest: String,
+        /// Every epoch's evaluation ([`super::eval_fingerprint`]).
+        evals: String,
     },
     /// The run failed; `expected`: the schedule made it unavoidable.
-    Failed {
-        error: String,
-        expected: bool,
-    },
+    Failed { error: String, expected: bool },
 }
 
 impl SimOutcome {
@@ -221,6 +232,10 @@ pub struct SimResult {
     /// Partitions rolled back to the committed step before their last optimizer step (a node
     /// lost during the optimizer step: it is replayed with its training pass).
     pub rollbacks: u32,
+    /// Evaluation step requests of a replayed evaluation ([`EpochConfig::replays_eval`]),
+    /// and evaluation blocks sent as only their changed rows.
+    pub eval_replay_steps: u32,
+    pub sparse_eval_blocks: u64,
     pub logs: Vec<EpochLog>,
     pub violation: Option<String>,
 }
@@ -346,6 +361,8 @@ pub struct SimRun<'g> {
     /// A partition lost every replica (the run cannot continue: an expected error).
     unrecoverable: bool,
     rollbacks: u32,
+    eval_replay_steps: u32,
+    sparse_eval_blocks: u64,
     /// Replicas sent and not delivered yet: (to, part, step) -> copies.
     replicas_in_flight: BTreeMap<(u32, u32, u32), u32>,
     /// The coordinator's cluster session (join, setup, fencing, finish) of this incarnation.
@@ -395,6 +412,8 @@ impl<'g> SimRun<'g> {
             coordinator_crash: false,
             unrecoverable: false,
             rollbacks: 0,
+            eval_replay_steps: 0,
+            sparse_eval_blocks: 0,
             replicas_in_flight: BTreeMap::new(),
             session: Self::new_session(s.nodes, Instant::now()),
             workers: BTreeMap::new(),
@@ -609,6 +628,10 @@ impl<'g> SimRun<'g> {
                 val: graph.counts.val,
                 test: graph.counts.test,
             },
+            replays_eval: graph
+                .config_with(s.model, s.staleness, s.skip)
+                .halo
+                .skips_eval_rows(),
         };
         let m = EpochMachine::new(cfg, committed, logs);
         match initial_digest(graph, s.model) {
@@ -643,6 +666,8 @@ impl<'g> SimRun<'g> {
             virtual_us: self.now,
             recoveries: self.recoveries.len(),
             rollbacks: self.rollbacks,
+            eval_replay_steps: self.eval_replay_steps,
+            sparse_eval_blocks: self.sparse_eval_blocks,
             logs: Vec::new(),
             violation: self.violation.take(),
         }
@@ -961,6 +986,11 @@ impl<'g> SimRun<'g> {
             };
             match action {
                 PartitionAction::Send(b) => {
+                    if b.header.phase == Phase::Eval
+                        && matches!(&b.payload, HaloPayload::Encoded(e) if codec::is_sparse(e))
+                    {
+                        self.sparse_eval_blocks += 1;
+                    }
                     let to = self.placement[b.header.to.0 as usize];
                     self.send(node, to, Msg::Halo(b));
                 }
@@ -1037,6 +1067,17 @@ impl<'g> SimRun<'g> {
                 }
                 EpochAction::EpochStarted { epoch } => self.epoch_faults(epoch),
                 EpochAction::Send(out) => {
+                    // A replayed evaluation is of the epoch before the one in progress.
+                    if matches!(
+                        out.request,
+                        Request::Step {
+                            phase: Phase::Eval,
+                            ..
+                        }
+                    ) && out.epoch < self.machine.epoch()
+                    {
+                        self.eval_replay_steps += 1;
+                    }
                     let node = self.placement[out.part as usize];
                     if self.lost.contains(&node) {
                         let now = self.coord_now();
@@ -1089,6 +1130,7 @@ impl<'g> SimRun<'g> {
                 EpochAction::Finished(done) => {
                     self.close_session(Ok(()));
                     self.outcome = Some(SimOutcome::Finished {
+                        evals: super::eval_fingerprint(&done.logs),
                         digest: done.digest,
                     });
                 }

@@ -1,5 +1,5 @@
 //! [`RecvFilter`]: the receive-side admission check for halo blocks, free of I/O.
-use crate::{MsgHeader, PartId, RunId};
+use crate::{MsgHeader, PartId, Phase, RunId};
 use std::collections::{HashMap, HashSet};
 use thiserror::Error;
 
@@ -30,7 +30,10 @@ pub struct FilterStats {
     pub fenced: u64,
 }
 
-/// Admits blocks addressed to a local partition of an active run at its current epoch or later.
+/// Admits blocks addressed to a local partition of an active run at its current epoch or later,
+/// and evaluation blocks of the epoch just before it: a partition adopted after the last
+/// evaluation replays that evaluation at the start of the next epoch, so its peers' evaluation
+/// rows of epoch `e` arrive while the run is already in epoch `e + 1`.
 ///
 /// A run must be announced with [`RecvFilter::set_epoch`] before its first block arrives;
 /// blocks of other runs are dropped.
@@ -78,11 +81,13 @@ impl RecvFilter {
         } else {
             match self.epochs.get(&h.run) {
                 None => Err(Rejection::UnknownRun(h.run)),
-                Some(&current) if h.epoch < current => Err(Rejection::StaleEpoch {
-                    part: h.to,
-                    epoch: h.epoch,
-                    current,
-                }),
+                Some(&current) if h.epoch < current && !replayed_eval(h, current) => {
+                    Err(Rejection::StaleEpoch {
+                        part: h.to,
+                        epoch: h.epoch,
+                        current,
+                    })
+                }
                 Some(_) => Ok(()),
             }
         };
@@ -99,4 +104,9 @@ impl RecvFilter {
     pub fn stats(&self) -> FilterStats {
         self.stats
     }
+}
+
+/// An evaluation block of the epoch before `current` (an evaluation replayed after recovery).
+fn replayed_eval(h: &MsgHeader, current: u32) -> bool {
+    h.phase == Phase::Eval && h.epoch + 1 == current
 }

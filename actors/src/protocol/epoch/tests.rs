@@ -23,6 +23,7 @@ fn cfg(epochs: u32) -> EpochConfig {
             val: 30,
             test: 30,
         },
+        replays_eval: false,
     }
 }
 
@@ -594,5 +595,130 @@ fn a_panic_is_detected_from_when_it_happened_not_from_the_round_start() {
     assert!(
         (20.0..=25.0).contains(&ms),
         "detected {ms} ms after the panic"
+    );
+}
+
+/// The evaluation log a previous process wrote for `epoch` (a resume's prior logs), with the
+/// accuracies [`reply`]'s counts give over [`cfg`]'s totals.
+fn prior_log(epoch: u32, test_correct: usize) -> EpochLog {
+    EpochLog {
+        epoch,
+        train_acc: 15.0 / 30.0,
+        val_acc: 12.0 / 30.0,
+        test_acc: test_correct as f64 * 3.0 / 30.0,
+        ..EpochLog::default()
+    }
+}
+
+#[test]
+fn with_evaluation_rows_skipped_a_replaced_partition_gets_the_last_evaluation_replayed() {
+    let mut d = Drive::new(EpochConfig {
+        node_recovery: true,
+        replays_eval: true,
+        ..cfg(2)
+    });
+    // Epoch 1 as usual: no evaluation before it to replay.
+    for _ in 0..7 {
+        d.answer_round(|_| None);
+    }
+    assert_eq!(d.requests()[0], "Forward0");
+    assert!(d.sent.iter().all(|o| o.epoch == 2));
+    // Epoch 2's training pass loses partition 1's node.
+    let lost = || ActorError::Node {
+        node: 4,
+        detail: "connection lost".into(),
+    };
+    d.answer_round(|o| (o.part == 1).then(|| Err(lost())));
+    d.m.handle_placement(
+        Ok(Placement {
+            moves: vec![(1, 5)],
+            digest_ok: true,
+        }),
+        d.now,
+    );
+    d.collect();
+    assert_eq!(d.requests()[0], "Reset");
+    d.answer_round(|_| None);
+    // Epoch 1's evaluation is replayed (requests of epoch 1), then epoch 2's training pass.
+    let mut order = Vec::new();
+    while let Some(o) = d.sent.first() {
+        order.push((describe(&o.request), o.epoch));
+        d.answer_round(|_| None);
+    }
+    assert_eq!(
+        order[..4],
+        [
+            ("Eval0".to_string(), 1),
+            ("Eval1".to_string(), 1),
+            ("Forward0".to_string(), 2),
+            ("Forward1".to_string(), 2)
+        ]
+    );
+    // The replay is no epoch of its own: two epoch logs, and the recovery closed once.
+    let done = d.finished().expect("finished");
+    assert_eq!(done.logs.len(), 2);
+    assert_eq!(d.recovered().len(), 1);
+    // Without evaluation rows skipped nothing is replayed.
+    let mut d = Drive::new(EpochConfig {
+        node_recovery: true,
+        ..cfg(2)
+    });
+    for _ in 0..7 {
+        d.answer_round(|_| None);
+    }
+    d.answer_round(|o| (o.part == 1).then(|| Err(lost())));
+    d.m.handle_placement(
+        Ok(Placement {
+            moves: vec![(1, 5)],
+            digest_ok: true,
+        }),
+        d.now,
+    );
+    d.collect();
+    d.answer_round(|_| None);
+    assert_eq!(d.requests()[0], "Forward0");
+}
+
+#[test]
+fn a_resume_replays_the_last_evaluation_and_checks_its_counts() {
+    let committed = Committed {
+        epoch: 4,
+        digest: "digest-4".into(),
+    };
+    let cfg = EpochConfig {
+        replays_eval: true,
+        ..cfg(5)
+    };
+    // The replay counts what the first run counted: the run goes on with epoch 5.
+    let mut d = Drive {
+        m: EpochMachine::new(cfg.clone(), committed.clone(), vec![prior_log(4, 3)]),
+        now: Instant::now(),
+        sent: Vec::new(),
+        events: Vec::new(),
+    };
+    d.m.start(d.now);
+    d.collect();
+    assert_eq!(d.requests()[0], "Eval0");
+    assert!(d.sent.iter().all(|o| o.epoch == 4));
+    d.answer_all_healthy();
+    let done = d.finished().expect("finished");
+    assert_eq!(
+        done.logs.iter().map(|l| l.epoch).collect::<Vec<_>>(),
+        [4, 5]
+    );
+    // Other counts than the first run's fail the run, naming the epoch.
+    let mut d = Drive {
+        m: EpochMachine::new(cfg, committed, vec![prior_log(4, 2)]),
+        now: Instant::now(),
+        sent: Vec::new(),
+        events: Vec::new(),
+    };
+    d.m.start(d.now);
+    d.collect();
+    d.answer_all_healthy();
+    let e = d.failed().expect("the replay's counts differ").to_string();
+    assert!(
+        e.contains("evaluation of epoch 4") && e.contains("replayed"),
+        "{e}"
     );
 }

@@ -177,6 +177,27 @@ impl Cluster {
     }
 }
 
+impl Cluster {
+    /// The evaluation of `epoch`: the correct counts (train, val, test) summed over the
+    /// partitions.
+    fn eval(&mut self, epoch: u32) -> (usize, usize, usize) {
+        let layers = self.ms[0].state().num_layers() as u16;
+        let mut counts = (0, 0, 0);
+        for l in 0..layers {
+            for r in self.round(step(epoch, l, Phase::Eval)) {
+                if let Response::Step(StepReply {
+                    outcome: crate::protocol::messages::Outcome::Eval { train, val, test },
+                    ..
+                }) = r
+                {
+                    counts = (counts.0 + train, counts.1 + val, counts.2 + test);
+                }
+            }
+        }
+        counts
+    }
+}
+
 fn loss_of(r: &Response) -> f64 {
     match r {
         Response::Step(StepReply {
@@ -638,5 +659,153 @@ fn a_rollback_replays_an_optimizer_step_whose_node_was_lost() {
     match &drain(&mut c.ms[0]).answers[..] {
         [(_, Err(e))] => assert!(e.to_string().contains("roll back to step 3"), "{e}"),
         other => panic!("{other:?}"),
+    }
+}
+
+/// Evaluation rows skipped (`--eval-skip-threshold`): an evaluation sends only the rows
+/// that changed, the receivers keep the others until the next optimizer step holds them, and
+/// a partition adopted from its replica (which predates the evaluation) gets them back from
+/// a replay of that evaluation, after which the run goes on exactly as without the fault.
+#[test]
+fn skipped_evaluation_rows_are_held_until_the_next_step_and_an_adopted_partition_replays_them() {
+    let g = SimGraph::new().unwrap();
+    for kind in [ModelKind::Gcn, ModelKind::Sage] {
+        // A threshold no change reaches: rows are resent only when max-staleness says so.
+        let halo = HaloConfig {
+            eval_skip_threshold: 1e9,
+            max_staleness: Some(2),
+            ..HaloConfig::default()
+        };
+        let digests = |s: &[Snapshot]| s.iter().map(|s| s.digest.clone()).collect::<Vec<_>>();
+        let mut c = Cluster::with(&g, kind, 3, halo);
+        let mut exact = Cluster::new(&g, kind, 3, false);
+        let mut counts = Vec::new();
+        let mut exact_counts = Vec::new();
+        let mut step3 = Vec::new();
+        for e in 1..=4 {
+            let (la, sa) = c.epoch(e);
+            let (lb, sb) = exact.epoch(e);
+            // Training is untouched: the same losses and weights as the exact run.
+            assert_eq!((la, digests(&sa)), (lb, digests(&sb)), "{kind} epoch {e}");
+            counts.push(c.eval(e));
+            exact_counts.push(exact.eval(e));
+            if e == 3 {
+                step3 = sa;
+            }
+        }
+        let eval_blocks = |e: u32| -> Vec<Option<usize>> {
+            c.sent
+                .iter()
+                .filter(|b| b.header.epoch == e && b.header.phase == Phase::Eval)
+                .map(carried)
+                .collect()
+        };
+        // Evaluation 1 sends every row; 2 and 3 none (sparse blocks of no rows); 4, when the
+        // rows of 1 would be 3 epochs old, every row again.
+        assert!(!eval_blocks(1).is_empty() && eval_blocks(1).iter().all(Option::is_none));
+        for e in [2, 3] {
+            assert!(eval_blocks(e).iter().all(|b| *b == Some(0)), "{kind} {e}");
+        }
+        assert!(eval_blocks(4).iter().all(Option::is_none), "{kind}");
+        assert_eq!(counts[0], exact_counts[0], "{kind}");
+        // The held rows and the records of evaluation 3 were committed by step 4.
+        let held_eval = |s: &Snapshot| {
+            s.held_halo
+                .iter()
+                .filter(|b| b.header.phase == Phase::Eval)
+                .count()
+        };
+        assert!(step3.iter().all(|s| held_eval(s) > 0), "{kind}");
+        // Partition 1 adopted elsewhere after evaluation 3, from its replica of step 3: it
+        // lacks what evaluation 3 sent and received.
+        let mut twin = Cluster::with(&g, kind, 3, halo);
+        for e in 1..=3 {
+            twin.epoch(e);
+            twin.eval(e);
+        }
+        let bytes = ReplicaBytes::encode(1, &step3[1]);
+        let adopted = || {
+            let mut m = machine_with(&g, kind, 3, 1, halo);
+            m.restore(Some(&bytes.decode().unwrap())).unwrap();
+            m
+        };
+        let mut lost = Cluster::with(&g, kind, 3, halo);
+        for e in 1..=3 {
+            lost.epoch(e);
+            lost.eval(e);
+        }
+        lost.ms[1] = adopted();
+        for l in 0..2 {
+            lost.round(step(4, l, Phase::Forward));
+        }
+        for l in (0..2).rev() {
+            lost.round(step(4, l, Phase::Backward));
+        }
+        let grads = vec![0.01f32; lost.ms[1].state().model().num_parameters()];
+        let id = lost.id();
+        lost.ms[1].handle_apply(id, RunId::from_u128(RUN), 4, &grads, None);
+        match &drain(&mut lost.ms[1]).answers[..] {
+            [(_, Err(e))] => assert!(
+                e.to_string().contains("evaluation of epoch 3"),
+                "{kind}: {e}"
+            ),
+            other => panic!("{kind}: {other:?}"),
+        }
+        // With the coordinator's replay of evaluation 3 first (as after a re-placement), the
+        // run goes on as the uninterrupted one: the same counts, weights and replica bytes.
+        twin.ms[1] = adopted();
+        assert_eq!(
+            twin.eval(3),
+            counts[2],
+            "{kind}: the replay counts what the first run did"
+        );
+        let (_, sa) = twin.epoch(4);
+        let mut uninterrupted = Cluster::with(&g, kind, 3, halo);
+        let mut sb = Vec::new();
+        for e in 1..=4 {
+            sb = uninterrupted.epoch(e).1;
+            if e < 4 {
+                uninterrupted.eval(e);
+            }
+        }
+        for (a, b) in sa.iter().zip(&sb) {
+            let bytes = |s: &Snapshot| ReplicaBytes::encode(0, s).bytes;
+            assert_eq!(
+                bytes(a),
+                bytes(b),
+                "{kind}: held rows and skip records of step 4"
+            );
+        }
+        assert_eq!(twin.eval(4), counts[3], "{kind}");
+        let mut again = Cluster::with(&g, kind, 3, halo);
+        let repeat: Vec<_> = (1..=4)
+            .map(|e| {
+                again.epoch(e);
+                again.eval(e)
+            })
+            .collect();
+        assert_eq!(counts, repeat, "{kind}: a run repeats exactly");
+    }
+}
+
+/// The smallest evaluation threshold skips only rows that did not change at all: the
+/// evaluations count exactly what the exact run's do. (On this small graph nearly every
+/// evaluation row moves, so most blocks go whole, smaller than their changed rows with their
+/// indices; the held-and-merged path is the test above's.)
+#[test]
+fn skipping_only_unchanged_evaluation_rows_counts_what_the_exact_run_counts() {
+    let g = SimGraph::new().unwrap();
+    let halo = HaloConfig {
+        eval_skip_threshold: f32::MIN_POSITIVE,
+        ..HaloConfig::default()
+    };
+    for kind in [ModelKind::Gcn, ModelKind::Sage, ModelKind::Gat] {
+        let mut c = Cluster::with(&g, kind, 3, halo.clone());
+        let mut exact = Cluster::new(&g, kind, 3, false);
+        for e in 1..=4 {
+            c.epoch(e);
+            exact.epoch(e);
+            assert_eq!(c.eval(e), exact.eval(e), "{kind}: epoch {e}");
+        }
     }
 }
