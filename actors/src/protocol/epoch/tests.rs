@@ -623,20 +623,23 @@ fn with_evaluation_rows_skipped_a_replaced_partition_gets_the_last_evaluation_re
     }
     assert_eq!(d.requests()[0], "Forward0");
     assert!(d.sent.iter().all(|o| o.epoch == 2));
-    // Epoch 2's training pass loses partition 1's node.
-    let lost = || ActorError::Node {
-        node: 4,
-        detail: "connection lost".into(),
+    // Epoch 2's training pass loses partition 1's node; it is placed on node 5.
+    let lose_partition_1 = |d: &mut Drive| {
+        let lost = || ActorError::Node {
+            node: 4,
+            detail: "connection lost".into(),
+        };
+        d.answer_round(|o| (o.part == 1).then(|| Err(lost())));
+        d.m.handle_placement(
+            Ok(Placement {
+                moves: vec![(1, 5)],
+                digest_ok: true,
+            }),
+            d.now,
+        );
+        d.collect();
     };
-    d.answer_round(|o| (o.part == 1).then(|| Err(lost())));
-    d.m.handle_placement(
-        Ok(Placement {
-            moves: vec![(1, 5)],
-            digest_ok: true,
-        }),
-        d.now,
-    );
-    d.collect();
+    lose_partition_1(&mut d);
     assert_eq!(d.requests()[0], "Reset");
     d.answer_round(|_| None);
     // Epoch 1's evaluation is replayed (requests of epoch 1), then epoch 2's training pass.
@@ -666,15 +669,7 @@ fn with_evaluation_rows_skipped_a_replaced_partition_gets_the_last_evaluation_re
     for _ in 0..7 {
         d.answer_round(|_| None);
     }
-    d.answer_round(|o| (o.part == 1).then(|| Err(lost())));
-    d.m.handle_placement(
-        Ok(Placement {
-            moves: vec![(1, 5)],
-            digest_ok: true,
-        }),
-        d.now,
-    );
-    d.collect();
+    lose_partition_1(&mut d);
     d.answer_round(|_| None);
     assert_eq!(d.requests()[0], "Forward0");
 }
