@@ -800,7 +800,7 @@ fn skipping_only_unchanged_evaluation_rows_counts_what_the_exact_run_counts() {
         ..HaloConfig::default()
     };
     for kind in [ModelKind::Gcn, ModelKind::Sage, ModelKind::Gat] {
-        let mut c = Cluster::with(&g, kind, 3, halo.clone());
+        let mut c = Cluster::with(&g, kind, 3, halo);
         let mut exact = Cluster::new(&g, kind, 3, false);
         for e in 1..=4 {
             c.epoch(e);
