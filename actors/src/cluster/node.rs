@@ -314,7 +314,7 @@ impl ReplicaShipper {
     /// Sends `bytes` to the replica nodes of its partition (queued on their connections; a
     /// lost node is the failure detector's business, not this send's): to a node that
     /// acknowledged an earlier step still kept here, the bytes that changed since that step
-    /// ([`ReplicaDelta`]) where that saves half or more, else the whole.
+    /// ([`ReplicaDelta`]) where that saves a quarter or more, else the whole.
     pub fn ship(&self, bytes: ReplicaBytes) {
         let owner = {
             let placement = self.placement.lock().unwrap_or_else(|p| p.into_inner());
