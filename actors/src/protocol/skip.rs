@@ -22,6 +22,17 @@
 //! and reach the replicas with that step's snapshot; a partition re-placed in between has
 //! none, and the coordinator replays that evaluation before the training pass
 //! (ARCHITECTURE.md, "Staleness and skipping", step 8).
+//!
+//! Evaluation records are kept only where they pay ([`keeps_eval_rows`]): while a model still
+//! moves, most evaluation rows change by more than the threshold every epoch, so a record
+//! saves few halo bytes and costs its replicas (the record and the receiver's copy change in
+//! most rows every step). Where more than half of a block's rows changed by value the block
+//! goes whole and neither side keeps it; the next evaluations send it whole, and every
+//! [`EVAL_PROBE_EPOCHS`] epochs one is kept again to see whether its rows settled. Where a
+//! record is kept, the block goes as a sparse payload even when every row goes (rows forced
+//! by `--max-staleness` are not a change of value): the receiver keeps a block exactly when it
+//! is sparse, or when it held none and the epoch is a probe, so both sides decide alike from
+//! what crossed the wire.
 use crate::protocol::codec::HaloEncoder;
 use crate::protocol::halo::{proto, Tag};
 use std::collections::BTreeMap;
@@ -61,22 +72,27 @@ pub enum SentValues {
 }
 
 impl SentRows {
-    /// The record of a whole block sent in `epoch` as `payload`, whose decoded values are
-    /// `values`.
-    fn whole(key: Key, cols: usize, payload: &HaloPayload, values: &[f32], epoch: u32) -> Self {
-        let rows = values.len() / cols.max(1);
+    /// The record of a whole block sent in `epoch` as `payload` (decoded only where the
+    /// record keeps values, not the payload itself).
+    fn whole(
+        key: Key,
+        cols: usize,
+        rows: usize,
+        payload: &HaloPayload,
+        epoch: u32,
+    ) -> Result<Self> {
         let kept = match payload {
             HaloPayload::Encoded(b) if codec::is_fixed_width(b) => SentValues::Encoded(b.clone()),
-            _ => SentValues::quantised(values, cols),
+            _ => SentValues::quantised(&decoded(key.0, payload, rows, cols)?, cols),
         };
-        SentRows {
+        Ok(SentRows {
             to: key.0,
             phase: key.1,
             layer: key.2,
             cols: cols as u32,
             values: kept,
             sent: vec![epoch; rows],
-        }
+        })
     }
 
     /// The rows as the receiver holds them, decoded (`rows * cols` values, row-major).
@@ -92,14 +108,14 @@ impl SentRows {
         }
     }
 
-    /// This record after `sparse` (a sparse payload of the rows `changed`, decoded as
-    /// `values`) was sent in `epoch`: merged in encoded form where both are in one
-    /// fixed-width codec, else kept as int8.
+    /// This record after `sparse` (a sparse payload of the rows `changed`, whose rows are
+    /// `inner`) was sent in `epoch`: merged in encoded form where both are in one fixed-width
+    /// codec, else kept as int8 (the only case that decodes `inner`).
     fn updated(
         &self,
         sparse: &[u8],
         changed: &[u32],
-        values: &[f32],
+        inner: &HaloPayload,
         epoch: u32,
     ) -> std::result::Result<Self, codec::CodecError> {
         let (rows, cols) = (self.sent.len(), self.cols as usize);
@@ -110,8 +126,12 @@ impl SentRows {
         let kept = match merged {
             Some(m) => SentValues::Encoded(Arc::from(m)),
             None => {
+                let values = match inner {
+                    HaloPayload::F32(d) => d.to_vec(),
+                    HaloPayload::Encoded(b) => codec::decode(b, changed.len(), cols)?,
+                };
                 let mut all = self.decoded()?;
-                codec::overwrite_rows(&mut all, cols, changed, values);
+                codec::overwrite_rows(&mut all, cols, changed, &values);
                 SentValues::quantised(&all, cols)
             }
         };
@@ -160,6 +180,18 @@ impl SentValues {
 
 type Key = (PartId, Phase, u16);
 
+/// Evaluation blocks that are not kept (more than half of their rows changed) are kept
+/// again at evaluations `1, 1 + this, 1 + 2 * this, ...`, to see whether their rows settled.
+pub const EVAL_PROBE_EPOCHS: u32 = 8;
+
+/// Whether the receiver of evaluation `epoch`'s block and its sender keep it for the next
+/// evaluation: a sparse block always (its sender kept the record); a whole one where none was
+/// held before and `epoch` is a probe ([`EVAL_PROBE_EPOCHS`]); otherwise not (most of its rows
+/// changed). The same function of what crossed the wire on both sides.
+pub fn keeps_eval_rows(epoch: u32, held_before: bool, sparse: bool) -> bool {
+    sparse || (!held_before && epoch.saturating_sub(1).is_multiple_of(EVAL_PROBE_EPOCHS))
+}
+
 /// A partition's skip state as a sender.
 #[derive(Debug, Default)]
 pub(crate) struct SkipSender {
@@ -169,10 +201,11 @@ pub(crate) struct SkipSender {
     eval_threshold: f32,
     committed: BTreeMap<Key, SentRows>,
     /// The records of the epoch in progress (kept through an epoch reset: the replay
-    /// recomputes the same ones).
-    pending: Option<(u32, BTreeMap<Key, SentRows>)>,
-    /// The records of the last evaluation, until the next optimizer step commits them.
-    eval_pending: Option<(u32, BTreeMap<Key, SentRows>)>,
+    /// recomputes the same ones; always `Some` for training rows).
+    pending: Option<(u32, BTreeMap<Key, Option<SentRows>>)>,
+    /// The records of the last evaluation, until the next optimizer step commits them
+    /// (`None`: the block was not kept, its record goes at the commit).
+    eval_pending: Option<(u32, BTreeMap<Key, Option<SentRows>>)>,
 }
 
 impl SkipSender {
@@ -224,34 +257,52 @@ impl SkipSender {
         };
         let rows = gids.len();
         let key = (to, tag.phase, tag.layer);
+        let eval = tag.phase == Phase::Eval;
         let bad = |what: String| proto(from, &format!("skip record for partition {to}: {what}"));
         let base = self
             .committed
             .get(&key)
             .filter(|b| b.cols as usize == cols && b.sent.len() == rows);
-        let changed: Vec<u32> = match base {
-            None => (0..rows as u32).collect(),
+        // The rows to resend, and how many of them changed by value (not only forced by age).
+        let (changed, moved) = match base {
+            None => ((0..rows as u32).collect(), rows),
             Some(b) => {
                 let held = b.decoded().map_err(|e| bad(e.to_string()))?;
-                (0..rows)
-                    .filter(|&r| {
-                        let at = r * cols..(r + 1) * cols;
-                        let age = (tag.epoch + staleness).saturating_sub(b.sent[r]);
-                        self.must_send(age, &data[at.clone()], &held[at], threshold)
-                    })
-                    .map(|r| r as u32)
-                    .collect()
+                let (mut changed, mut moved) = (Vec::new(), 0);
+                for r in 0..rows {
+                    let at = r * cols..(r + 1) * cols;
+                    let age = (tag.epoch + staleness).saturating_sub(b.sent[r]);
+                    let forced = self.max_staleness.is_some_and(|k| age > k);
+                    let m = moved_past(&data[at.clone()], &held[at], threshold);
+                    moved += usize::from(m);
+                    if m || forced {
+                        changed.push(r as u32);
+                    }
+                }
+                (changed, moved)
             }
         };
+        let whole = || -> Result<(HaloPayload, Option<SentRows>)> {
+            let p = encoder.payload(from, tag, gids, cols, data.clone())?;
+            let keep = !eval || keeps_eval_rows(tag.epoch, base.is_some(), false);
+            let next = if keep {
+                Some(SentRows::whole(key, cols, rows, &p, tag.epoch)?)
+            } else {
+                None
+            };
+            Ok((p, next))
+        };
         let (payload, next) = match base {
-            Some(b) if changed.len() < rows => {
+            // Evaluation: a record is kept where at most half of the rows changed by value
+            // (`keeps_eval_rows`), and then the rows go sparse however many were forced.
+            Some(_) if eval && 2 * moved > rows => whole()?,
+            Some(b) if eval || changed.len() < rows => {
                 let mut sub = Vec::with_capacity(changed.len() * cols);
                 for &r in &changed {
                     sub.extend_from_slice(&data[r as usize * cols..(r as usize + 1) * cols]);
                 }
                 let sub_gids: Vec<u32> = changed.iter().map(|&r| gids[r as usize]).collect();
                 let inner = encoder.payload(from, tag, &sub_gids, cols, Arc::from(sub))?;
-                let v = decoded(from, &inner, changed.len(), cols)?;
                 let bytes = match &inner {
                     HaloPayload::F32(d) => {
                         codec::encode_sparse(rows, &changed, SparseInner::F32(d))
@@ -263,25 +314,19 @@ impl SkipSender {
                 .map_err(|e| proto(from, &format!("sparse halo block for partition {to}: {e}")))?;
                 // Each row sent costs its index too: where most rows go, the whole block is
                 // smaller (estimated from the rows' own size, so the choice is a pure
-                // function of the values).
+                // function of the values). Not for evaluation rows, whose record the sparse
+                // form keeps (above).
                 let per_row = inner.len_bytes() as f64 / changed.len().max(1) as f64;
-                if !changed.is_empty() && bytes.len() as f64 >= per_row * rows as f64 {
-                    let p = encoder.payload(from, tag, gids, cols, data)?;
-                    let v = decoded(from, &p, rows, cols)?;
-                    (p.clone(), SentRows::whole(key, cols, &p, &v, tag.epoch))
+                if !eval && !changed.is_empty() && bytes.len() as f64 >= per_row * rows as f64 {
+                    whole()?
                 } else {
                     let next = b
-                        .updated(&bytes, &changed, &v, tag.epoch)
+                        .updated(&bytes, &changed, &inner, tag.epoch)
                         .map_err(|e| bad(e.to_string()))?;
-                    (HaloPayload::Encoded(Arc::from(bytes)), next)
+                    (HaloPayload::Encoded(Arc::from(bytes)), Some(next))
                 }
             }
-            _ => {
-                let p = encoder.payload(from, tag, gids, cols, data)?;
-                let v = decoded(from, &p, rows, cols)?;
-                let next = SentRows::whole(key, cols, &p, &v, tag.epoch);
-                (p, next)
-            }
+            _ => whole()?,
         };
         let slot = match tag.phase {
             Phase::Eval => &mut self.eval_pending,
@@ -293,22 +338,6 @@ impl SkipSender {
         };
         pending.insert(key, next);
         Ok(payload)
-    }
-
-    /// Whether a row held by the receiver as `held` and now `x` must be resent under
-    /// `threshold`, where the receiver would use it `age` epochs after it was last sent.
-    fn must_send(&self, age: u32, x: &[f32], held: &[f32], threshold: f32) -> bool {
-        if self.max_staleness.is_some_and(|k| age > k) {
-            return true;
-        }
-        let (mut d2, mut p2) = (0.0f64, 0.0f64);
-        for (&a, &p) in x.iter().zip(held) {
-            let d = f64::from(a) - f64::from(p);
-            d2 += d * d;
-            p2 += f64::from(p) * f64::from(p);
-        }
-        let t = f64::from(threshold);
-        d2 > t * t * p2
     }
 
     /// Whether the records of `epoch`'s pass are at hand (always, when nothing was sent).
@@ -327,14 +356,24 @@ impl SkipSender {
     pub fn commit(&mut self, epoch: u32) {
         if let Some((e, m)) = self.pending.take() {
             if e == epoch {
-                self.committed.extend(m);
+                self.settle(m);
             }
         }
         match self.eval_pending.take() {
-            Some((e, m)) if e + 1 == epoch => self.committed.extend(m),
+            Some((e, m)) if e + 1 == epoch => self.settle(m),
             // An evaluation of this step's own epoch or later stays pending.
             Some((e, m)) if e >= epoch => self.eval_pending = Some((e, m)),
             _ => {}
+        }
+    }
+
+    /// Commits `records`: a record replaces the one of its key, `None` drops it.
+    fn settle(&mut self, records: BTreeMap<Key, Option<SentRows>>) {
+        for (key, record) in records {
+            match record {
+                Some(r) => self.committed.insert(key, r),
+                None => self.committed.remove(&key),
+            };
         }
     }
 
@@ -358,6 +397,19 @@ impl SkipSender {
             self.eval_pending = None;
         }
     }
+}
+
+/// Whether a row held by the receiver as `held` and now `x` changed by more than
+/// `threshold` relative to `held` in L2 norm.
+fn moved_past(x: &[f32], held: &[f32], threshold: f32) -> bool {
+    let (mut d2, mut p2) = (0.0f64, 0.0f64);
+    for (&a, &p) in x.iter().zip(held) {
+        let d = f64::from(a) - f64::from(p);
+        d2 += d * d;
+        p2 += f64::from(p) * f64::from(p);
+    }
+    let t = f64::from(threshold);
+    d2 > t * t * p2
 }
 
 /// The values a receiver decodes from `p` (`rows x cols`).
@@ -547,15 +599,65 @@ mod tests {
         assert!(matches!(train, HaloPayload::F32(_)));
         s.commit(3);
         assert_eq!(s.committed()[0].sent, [1, 2, 1]);
-        // No record older than --max-staleness 3: evaluation 5 resends rows 0 and 2, as the
-        // whole block (smaller than two rows with their indices).
+        // No record older than --max-staleness 3: evaluation 5 resends rows 0 and 2, as a
+        // sparse block (rows forced by age are no change of value: the record is kept).
         assert!(sent(&mut s, 3, next).is_empty());
         s.commit(4);
         assert!(sent(&mut s, 4, next).is_empty());
         s.commit(5);
-        assert_eq!(sent(&mut s, 5, next), [0, 1, 2]);
+        assert_eq!(sent(&mut s, 5, next), [0, 2]);
         s.restore(4, &s.committed());
         assert!(!s.eval_ready(5), "a restore of step 4 has no evaluation 5");
+        assert_eq!(sent(&mut s, 5, next), [0, 2]);
+        s.commit(6);
+        assert_eq!(s.committed().len(), 1);
+        // Evaluation 6 moves two rows of three (more than half): the block goes whole and the
+        // record is dropped at the next commit; evaluations 7 and 8 then go whole with none
+        // kept, and evaluation 9 (a probe, `EVAL_PROBE_EPOCHS` after 1) keeps its record.
+        let moved = [2.0, 0.0, 0.0, 3.0, 9.0, 9.0];
+        let whole = |s: &mut SkipSender, epoch: u32, rows: [f32; 6]| {
+            let p = s
+                .payload(
+                    &enc,
+                    PartId(0),
+                    eval(epoch),
+                    PartId(1),
+                    &[10, 11, 12],
+                    2,
+                    Arc::from(rows),
+                )
+                .unwrap();
+            !matches!(&p, HaloPayload::Encoded(b) if codec::is_sparse(b))
+        };
+        assert!(whole(&mut s, 6, moved));
+        s.commit(7);
+        assert!(s.committed().is_empty(), "a block that moved is not kept");
+        for e in 7..=8 {
+            assert!(whole(&mut s, e, moved));
+            s.commit(e + 1);
+            assert!(s.committed().is_empty(), "evaluation {e} is no probe");
+        }
+        assert!(whole(&mut s, 9, moved));
+        s.commit(10);
+        assert_eq!(s.committed().len(), 1, "evaluation 9 is a probe");
+        assert_eq!(sent(&mut s, 10, moved), Vec::<u32>::new());
+    }
+
+    #[test]
+    fn the_receiver_keeps_an_evaluation_block_exactly_where_its_sender_keeps_the_record() {
+        assert!(keeps_eval_rows(5, true, true), "sparse: kept");
+        assert!(
+            !keeps_eval_rows(5, true, false),
+            "whole after a record: dropped"
+        );
+        assert!(!keeps_eval_rows(5, false, false), "whole, no probe");
+        for probe in [1, 1 + EVAL_PROBE_EPOCHS, 1 + 2 * EVAL_PROBE_EPOCHS] {
+            assert!(keeps_eval_rows(probe, false, false), "probe {probe}");
+            assert!(
+                !keeps_eval_rows(probe, true, false),
+                "a dropped record at {probe}"
+            );
+        }
     }
 
     #[test]

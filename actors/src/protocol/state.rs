@@ -8,7 +8,7 @@
 use crate::protocol::codec::HaloEncoder;
 use crate::protocol::halo::{proto, HaloLists, Staging, Tag};
 use crate::protocol::messages::Outcome;
-use crate::protocol::skip::SkipSender;
+use crate::protocol::skip::{self, SkipSender};
 use crate::replica::{PendingResidual, Snapshot};
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -355,11 +355,27 @@ impl PartitionState {
     }
 
     /// The held blocks of the next epoch: `blocks` (the training blocks of the epoch being
-    /// applied) merged into the ones held now.
+    /// applied, and the blocks of the evaluation before it) merged into the ones held now. An
+    /// evaluation block is held only where its sender kept its record
+    /// ([`skip::keeps_eval_rows`]: it came sparse, or it is a probe's first).
     pub fn merge_held(&self, blocks: EpochBlocks) -> Result<EpochBlocks> {
         blocks
             .into_iter()
-            .map(|((phase, tag), by)| Ok(((phase, tag), self.full_blocks(phase, tag, &by)?)))
+            .map(|((phase, tag), mut by)| {
+                if phase == Phase::Eval {
+                    let held = self.held.get(&(phase, tag));
+                    by.retain(|q, b| {
+                        let before = held
+                            .and_then(|h| h.get(q))
+                            .is_some_and(|h| (h.rows, h.cols) == (b.rows, b.cols));
+                        let sparse =
+                            matches!(&b.payload, HaloPayload::Encoded(p) if codec::is_sparse(p));
+                        skip::keeps_eval_rows(b.header.epoch, before, sparse)
+                    });
+                }
+                Ok(((phase, tag), self.full_blocks(phase, tag, &by)?))
+            })
+            .filter(|r| !matches!(r, Ok(((Phase::Eval, _), by)) if by.is_empty()))
             .collect()
     }
 

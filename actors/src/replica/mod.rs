@@ -2,11 +2,15 @@
 //! optimizer, kept in memory so a restarted actor resumes from it without a checkpoint file;
 //! and the replicated wire form of a snapshot ([`ReplicaBytes`]).
 //!
-//! The wire form is `archive length u64 | rkyv archive | raw section`: the archive holds the
-//! model and every small field, the raw section the payloads of the held halo blocks and skip
-//! records (what grows with the graph), which the archive locates by offset. Encoding writes
-//! each payload once, straight into the one buffer that is shipped and kept (no intermediate
-//! copies of the held rows); decoding reads them out of it.
+//! The wire form is `raw section length u64 | raw section | rkyv archive`: the archive holds
+//! the model and every small field, the raw section the payloads of the held halo blocks and
+//! skip records (what grows with the graph), which the archive locates by offset. Encoding
+//! writes each payload once, straight into the one buffer that is shipped and kept (no
+//! intermediate copies of the held rows); decoding reads them out of it. The raw section
+//! starts at the same offset every step and holds the training rows' blocks and records before
+//! the evaluation rows' ones, so that evaluation blocks kept or dropped from one step to the
+//! next (`skip::keeps_eval_rows`) move only what follows them, not the training rows a patch
+//! ([`delta`]) finds unchanged at the same offsets.
 //!
 //! A replica may leave the model and optimizer state out (`model_elided`): after a step every
 //! partition's model replica and optimizer are identical (the all-reduce makes them so, and
@@ -340,17 +344,25 @@ impl Encoding {
     /// Lays `snap` out and archives its small fields (and, `with_model`, its model and
     /// optimizer state).
     pub fn start(part: u32, snap: &Snapshot, with_model: bool) -> Self {
+        // Raw section order: training blocks, training records, evaluation blocks, evaluation
+        // records (see the module's doc); the archive keeps the snapshot's own order.
         let mut raw = RawLayout::default();
-        let held_halo: Vec<WireBlock> = snap
-            .held_halo
-            .iter()
-            .map(|b| WireBlock::of(b, &mut raw))
-            .collect();
-        let skip_sent: Vec<WireSent> = snap
-            .skip_sent
-            .iter()
-            .map(|s| WireSent::of(s, &mut raw))
-            .collect();
+        let mut held: Vec<Option<WireBlock>> = snap.held_halo.iter().map(|_| None).collect();
+        let mut sent: Vec<Option<WireSent>> = snap.skip_sent.iter().map(|_| None).collect();
+        for eval in [false, true] {
+            for (i, b) in snap.held_halo.iter().enumerate() {
+                if (b.header.phase == Phase::Eval) == eval {
+                    held[i] = Some(WireBlock::of(b, &mut raw));
+                }
+            }
+            for (i, r) in snap.skip_sent.iter().enumerate() {
+                if (r.phase == Phase::Eval) == eval {
+                    sent[i] = Some(WireSent::of(r, &mut raw));
+                }
+            }
+        }
+        let held_halo: Vec<WireBlock> = held.into_iter().flatten().collect();
+        let skip_sent: Vec<WireSent> = sent.into_iter().flatten().collect();
         let (params, moments) = if with_model {
             (
                 snap.params.iter().map(WireTensor::of).collect(),
@@ -398,14 +410,14 @@ impl Encoding {
     /// Writes the payloads of `snap` (the snapshot [`Encoding::start`] laid out) and digests
     /// the whole.
     pub fn finish(self, snap: &Snapshot) -> ReplicaBytes {
-        let head = 8 + self.archive.len();
+        let end = 8 + self.raw_len as usize;
         // One allocation, the size of the whole (a trusted-length iterator collects into an
         // `Arc<[u8]>` in place); every payload is written into it once.
         let mut bytes: Arc<[u8]> = std::iter::repeat_n(0u8, self.len() as usize).collect();
         let buf = Arc::get_mut(&mut bytes).expect("just allocated: not shared");
-        buf[..8].copy_from_slice(&(self.archive.len() as u64).to_le_bytes());
-        buf[8..head].copy_from_slice(&self.archive);
-        let section = &mut buf[head..];
+        buf[..8].copy_from_slice(&self.raw_len.to_le_bytes());
+        buf[end..].copy_from_slice(&self.archive);
+        let section = &mut buf[8..end];
         for (b, r) in snap.held_halo.iter().zip(&self.blocks) {
             let dst = &mut section[r.offset as usize..][..r.len as usize];
             match &b.payload {
@@ -485,8 +497,8 @@ impl ReplicaBytes {
             .get(..8)
             .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
             .filter(|n| *n <= self.bytes.len() as u64 - 8)
-            .ok_or_else(|| corrupt("no archive length".into()))?;
-        let (archive, raw) = self.bytes[8..].split_at(len as usize);
+            .ok_or_else(|| corrupt("no raw section length".into()))?;
+        let (raw, archive) = self.bytes[8..].split_at(len as usize);
         let raw = Raw(raw);
         let mut aligned = rkyv::util::AlignedVec::<16>::with_capacity(archive.len());
         aligned.extend_from_slice(archive);
@@ -1229,6 +1241,71 @@ mod tests {
         assert!(store.remote_at(5, 2).is_none());
         assert_eq!(store.remote_at(5, 3).unwrap().epoch, 3);
         assert!(store.remote_at(6, 3).is_none());
+    }
+
+    /// Evaluation blocks and records kept at one step and dropped at the next
+    /// (`skip::keeps_eval_rows`) change only the tail of the replica: the patch between the
+    /// two carries none of the training rows before it.
+    #[test]
+    fn evaluation_state_dropped_between_steps_leaves_the_training_rows_in_place() {
+        let block = |phase: Phase, fill: u8| HaloBlock {
+            header: MsgHeader {
+                run: RunId::nil(),
+                epoch: 7,
+                layer: 1,
+                phase,
+                from: PartId(0),
+                to: PartId(3),
+            },
+            rows: 64,
+            cols: 64,
+            payload: HaloPayload::Encoded(Arc::from(vec![fill; 16 << 10])),
+            trace: None,
+        };
+        let record = |phase: Phase, fill: u8| SentRows {
+            to: PartId(0),
+            phase,
+            layer: 1,
+            cols: 64,
+            values: SentValues::Int8 {
+                codes: vec![fill as i8; 16 << 10],
+                scales: vec![1.0; 256],
+            },
+            sent: vec![4; 256],
+        };
+        let mut kept = snap();
+        kept.held_halo = vec![block(Phase::Forward, 1), block(Phase::Eval, 2)];
+        // Records sort by receiver first: the evaluation one comes between training ones.
+        kept.skip_sent = vec![
+            record(Phase::Forward, 3),
+            record(Phase::Eval, 4),
+            record(Phase::Backward, 5),
+        ];
+        let mut dropped = kept.clone();
+        dropped.held_halo.pop();
+        dropped.skip_sent.remove(1);
+        let (a, b) = (
+            ReplicaBytes::encode(3, &kept),
+            ReplicaBytes::encode(3, &dropped),
+        );
+        let training = 3 * (16 << 10);
+        assert!(a.bytes.len() > training + (32 << 10));
+        // Dropping ships the archive alone; keeping them again the evaluation rows too.
+        let eval = (16 << 10) + (16 << 10) + 4 * 256;
+        for (from, to, most) in [(&a, &b, 4 << 10), (&b, &a, eval + (4 << 10))] {
+            let patch = ReplicaDelta::between(from, to);
+            assert!(
+                patch.len() < most as u64,
+                "{} bytes of patch for a change in the evaluation rows",
+                patch.len()
+            );
+            let mut rebuilt = from.bytes.to_vec();
+            rebuilt.resize(patch.header.total as usize, 0);
+            for piece in patch.pieces() {
+                delta::apply_runs(&mut rebuilt, &piece.runs).unwrap();
+            }
+            assert_eq!(rebuilt[..], to.bytes[..]);
+        }
     }
 
     /// Held blocks (fp32 and encoded) and skip records travel in the raw section; one whose
