@@ -547,22 +547,25 @@ mod tests {
             phase: Phase::Eval,
             ..tag(epoch)
         };
-        let sent = |s: &mut SkipSender, epoch: u32, rows: [f32; 6]| {
-            let p = s
-                .payload(
-                    &enc,
-                    PartId(0),
-                    eval(epoch),
-                    PartId(1),
-                    &[10, 11, 12],
-                    2,
-                    Arc::from(rows),
-                )
-                .unwrap();
-            match p {
-                HaloPayload::F32(_) => vec![0, 1, 2],
-                HaloPayload::Encoded(b) => codec::decode_sparse(&b, 3, 2).unwrap().index,
-            }
+        let payload = |s: &mut SkipSender, epoch: u32, rows: [f32; 6]| {
+            s.payload(
+                &enc,
+                PartId(0),
+                eval(epoch),
+                PartId(1),
+                &[10, 11, 12],
+                2,
+                Arc::from(rows),
+            )
+            .unwrap()
+        };
+        // The rows an evaluation sends, and whether it sends the whole block.
+        let sent = |s: &mut SkipSender, epoch: u32, rows: [f32; 6]| match payload(s, epoch, rows) {
+            HaloPayload::F32(_) => vec![0, 1, 2],
+            HaloPayload::Encoded(b) => codec::decode_sparse(&b, 3, 2).unwrap().index,
+        };
+        let whole = |s: &mut SkipSender, epoch: u32, rows: [f32; 6]| {
+            matches!(payload(s, epoch, rows), HaloPayload::F32(_))
         };
         let first = [1.0, 0.0, 0.0, 2.0, 5.0, 5.0];
         let next = [1.05, 0.0, 0.0, 3.0, 5.0, 5.0];
@@ -615,20 +618,6 @@ mod tests {
         // record is dropped at the next commit; evaluations 7 and 8 then go whole with none
         // kept, and evaluation 9 (a probe, `EVAL_PROBE_EPOCHS` after 1) keeps its record.
         let moved = [2.0, 0.0, 0.0, 3.0, 9.0, 9.0];
-        let whole = |s: &mut SkipSender, epoch: u32, rows: [f32; 6]| {
-            let p = s
-                .payload(
-                    &enc,
-                    PartId(0),
-                    eval(epoch),
-                    PartId(1),
-                    &[10, 11, 12],
-                    2,
-                    Arc::from(rows),
-                )
-                .unwrap();
-            !matches!(&p, HaloPayload::Encoded(b) if codec::is_sparse(b))
-        };
         assert!(whole(&mut s, 6, moved));
         s.commit(7);
         assert!(s.committed().is_empty(), "a block that moved is not kept");
