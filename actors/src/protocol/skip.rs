@@ -35,6 +35,7 @@
 //! what crossed the wire.
 use crate::protocol::codec::HaloEncoder;
 use crate::protocol::halo::{proto, Tag};
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use trellis_runtime::comm::HaloConfig;
@@ -126,10 +127,7 @@ impl SentRows {
         let kept = match merged {
             Some(m) => SentValues::Encoded(Arc::from(m)),
             None => {
-                let values = match inner {
-                    HaloPayload::F32(d) => d.to_vec(),
-                    HaloPayload::Encoded(b) => codec::decode(b, changed.len(), cols)?,
-                };
+                let values = values_of(inner, changed.len(), cols)?;
                 let mut all = self.decoded()?;
                 codec::overwrite_rows(&mut all, cols, changed, &values);
                 SentValues::quantised(&all, cols)
@@ -414,10 +412,20 @@ fn moved_past(x: &[f32], held: &[f32], threshold: f32) -> bool {
 
 /// The values a receiver decodes from `p` (`rows x cols`).
 fn decoded(from: PartId, p: &HaloPayload, rows: usize, cols: usize) -> Result<Vec<f32>> {
+    values_of(p, rows, cols)
+        .map(Cow::into_owned)
+        .map_err(|e| proto(from, &format!("decoding its own halo block: {e}")))
+}
+
+/// The values of `p` (`rows x cols`): fp32 rows as they are, encoded ones decoded.
+fn values_of(
+    p: &HaloPayload,
+    rows: usize,
+    cols: usize,
+) -> std::result::Result<Cow<'_, [f32]>, codec::CodecError> {
     match p {
-        HaloPayload::F32(d) => Ok(d.to_vec()),
-        HaloPayload::Encoded(b) => codec::decode(b, rows, cols)
-            .map_err(|e| proto(from, &format!("decoding its own halo block: {e}"))),
+        HaloPayload::F32(d) => Ok(Cow::Borrowed(d)),
+        HaloPayload::Encoded(b) => codec::decode(b, rows, cols).map(Cow::Owned),
     }
 }
 

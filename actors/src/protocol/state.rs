@@ -375,7 +375,6 @@ impl PartitionState {
                 }
                 Ok(((phase, tag), self.full_blocks(phase, tag, &by)?))
             })
-            .filter(|r| !matches!(r, Ok(((Phase::Eval, _), by)) if by.is_empty()))
             .collect()
     }
 

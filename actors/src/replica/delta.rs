@@ -6,14 +6,13 @@
 //! A partition's replicated state changes little from one step to the next where it is
 //! large: its held halo rows and skip records (`--staleness`, `--skip-threshold`) stay in
 //! their wire encoding and only the rows resent in the step change, byte for byte
-//! (`codec::merge_sparse`); the archive's layout is the same every step. So the patch is
-//! about the size of the rows that moved, not of the state. Where a patch would not save a
-//! quarter of the bytes (the first replica, a node that never acknowledged one, a state that
-//! changed nearly everywhere) the whole replica is shipped: a patch costs the replica node a
-//! rebuild and a digest of the whole, and the sender a base kept per node, so it must save
-//! more than its run headers. (Evaluation rows skipped, `--eval-skip-threshold`, change in
-//! most rows while a model still moves: half the state may change, the rest must not go
-//! with it.)
+//! (`codec::merge_sparse`); the raw section starts at the same offset every step, training
+//! rows before evaluation rows, so evaluation blocks kept or dropped move only what follows
+//! them (see [`super`]). So the patch is about the size of the rows that moved, not of the
+//! state. Where a patch would not save a quarter of the bytes (the first replica, a node that
+//! never acknowledged one, a state that changed nearly everywhere) the whole replica is
+//! shipped: a patch costs the replica node a rebuild and a digest of the whole, and the
+//! sender a base kept per node, so it must save more than its run headers.
 //!
 //! The diff is a plain byte comparison written here: it runs on buffers of the same layout
 //! (same offsets every step), where a general binary-diff crate (rolling hashes, moved
