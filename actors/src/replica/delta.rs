@@ -280,14 +280,13 @@ impl DeltaBases {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::Arc;
 
     fn replica(epoch: u32, bytes: Vec<u8>) -> ReplicaBytes {
         ReplicaBytes {
             part: 2,
             epoch,
             digest: blake3::hash(&bytes).to_hex().to_string(),
-            bytes: Arc::from(bytes),
+            bytes: bytes.into(),
         }
     }
 

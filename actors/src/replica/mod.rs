@@ -309,7 +309,10 @@ pub struct ReplicaBytes {
     pub part: u32,
     /// The step the snapshot was taken after.
     pub epoch: u32,
-    pub bytes: Arc<[u8]>,
+    /// Shared, never copied once made: assembled or patched buffers become this without a
+    /// copy (a `Vec<u8>` into `Arc<[u8]>` copies the whole, and a replica of held halo rows
+    /// is hundreds of MB, kept for two steps).
+    pub bytes: bytes::Bytes,
     /// Hex BLAKE3 of `bytes`, computed by the sender.
     pub digest: String,
 }
@@ -411,10 +414,8 @@ impl Encoding {
     /// the whole.
     pub fn finish(self, snap: &Snapshot) -> ReplicaBytes {
         let end = 8 + self.raw_len as usize;
-        // One allocation, the size of the whole (a trusted-length iterator collects into an
-        // `Arc<[u8]>` in place); every payload is written into it once.
-        let mut bytes: Arc<[u8]> = std::iter::repeat_n(0u8, self.len() as usize).collect();
-        let buf = Arc::get_mut(&mut bytes).expect("just allocated: not shared");
+        // One allocation, the size of the whole; every payload is written into it once.
+        let mut buf = vec![0u8; self.len() as usize];
         buf[..8].copy_from_slice(&self.raw_len.to_le_bytes());
         buf[end..].copy_from_slice(&self.archive);
         let section = &mut buf[8..end];
@@ -439,11 +440,11 @@ impl Encoding {
                 }
             }
         }
-        let digest = blake3::hash(&bytes).to_hex().to_string();
+        let digest = blake3::hash(&buf).to_hex().to_string();
         ReplicaBytes {
             part: self.part,
             epoch: self.epoch,
-            bytes,
+            bytes: buf.into(),
             digest,
         }
     }
@@ -580,7 +581,7 @@ struct Assembly {
     total: u64,
     /// Which pieces (by index: offset / [`REPLICA_PIECE`]) arrived.
     arrived: Vec<bool>,
-    bytes: Vec<u8>,
+    bytes: bytes::BytesMut,
 }
 
 /// The largest replica a store assembles (a bound on what a piece's `total` may claim).
@@ -689,7 +690,7 @@ struct Patching {
     total: u64,
     count: u32,
     arrived: Vec<bool>,
-    bytes: Vec<u8>,
+    bytes: bytes::BytesMut,
 }
 
 impl std::fmt::Debug for ReplicaStore {
@@ -870,7 +871,7 @@ impl ReplicaStore {
             digest: piece.digest.clone(),
             total: piece.total,
             arrived: vec![false; count.min(MAX_REPLICA / step) as usize],
-            bytes: Vec::new(),
+            bytes: self.recycled(part, epoch, u32::MAX),
         });
         let fits = a.digest == piece.digest
             && a.total == piece.total
@@ -903,7 +904,7 @@ impl ReplicaStore {
         self.put_remote(ReplicaBytes {
             part,
             epoch,
-            bytes: a.bytes.into(),
+            bytes: a.bytes.freeze(),
             digest: a.digest,
         });
         Ok(Some((part, epoch)))
@@ -951,8 +952,13 @@ impl ReplicaStore {
                         piece.count, h.total
                     )));
                 }
-                let mut bytes = base.bytes.to_vec();
-                bytes.resize(h.total as usize, 0);
+                // Into an obsolete step's buffer, or one allocation of the final size
+                // (growing a copy of the base would reallocate it).
+                let total = h.total as usize;
+                let mut bytes = self.recycled(part, epoch, h.base_epoch);
+                bytes.reserve(total);
+                bytes.extend_from_slice(&base.bytes[..base.bytes.len().min(total)]);
+                bytes.resize(total, 0);
                 v.insert(Patching {
                     digest: h.digest.clone(),
                     total: h.total,
@@ -995,10 +1001,36 @@ impl ReplicaStore {
         self.put_remote(ReplicaBytes {
             part,
             epoch,
-            bytes: p.bytes.into(),
+            bytes: p.bytes.freeze(),
             digest: p.digest,
         });
         Ok(Some((part, epoch)))
+    }
+
+    /// An empty buffer for the replica of `part`'s step `epoch` that is arriving: the buffer
+    /// of a kept step of `part` older than `epoch - 1` and than `base` (the step a patch
+    /// starts from), if one is kept beside a newer one and nothing else holds it (it is
+    /// dropped from the store), else a new one. Such a step is obsolete: a partition's step
+    /// `epoch` exists only after the coordinator committed step `epoch - 1` on every
+    /// partition (epoch protocol, step 6), so a recovery resumes from `epoch - 1` or later.
+    /// Reusing it keeps a node at two replicas of each
+    /// partition and the one arriving, where a fresh buffer would add a third copy of
+    /// hundreds of MB for as long as the arriving one takes.
+    fn recycled(&self, part: u32, epoch: u32, base: u32) -> bytes::BytesMut {
+        let old = self.remote.get_mut(&part).and_then(|mut kept| {
+            let newest = kept.iter().map(|b| b.epoch).max()?;
+            let oldest = kept
+                .iter()
+                .position(|b| b.epoch + 1 < epoch && b.epoch < base && b.epoch < newest)?;
+            Some(kept.remove(oldest))
+        });
+        match old.map(|b| b.bytes.try_into_mut()) {
+            Some(Ok(mut buf)) => {
+                buf.clear();
+                buf
+            }
+            _ => bytes::BytesMut::new(),
+        }
     }
 
     /// The replica of another node's partition `part` at step `epoch`, if kept here.
@@ -1229,6 +1261,64 @@ mod tests {
         assert!(store.remote_at(4, 8).is_none());
     }
 
+    /// A node keeps two steps of a remote partition and the one arriving, not three: the
+    /// replica arriving (whole or as a patch) is written into the buffer of a kept step older
+    /// than the one before it, which is dropped as it starts; never into the patch's base,
+    /// the step before it, or a buffer something else still holds.
+    #[test]
+    fn an_arriving_replica_reuses_the_buffer_of_an_obsolete_step() {
+        let at = |epoch: u32, fill: f32| {
+            let mut s = snap();
+            s.epoch = epoch;
+            s.grad_residual = vec![fill; REPLICA_PIECE / 2];
+            ReplicaBytes::encode(4, &s)
+        };
+        let store = ReplicaStore::new();
+        store.put_remote(at(5, 1.0));
+        store.put_remote(at(6, 2.0));
+        let old = store.remote_at(4, 5).unwrap().bytes.as_ptr();
+        // Step 7 patched against step 6: step 5's buffer takes it.
+        let new = at(7, 3.0);
+        let pieces = ReplicaDelta::between(&at(6, 2.0), &new).pieces();
+        store.put_remote_delta_piece(1, pieces[0].clone()).unwrap();
+        assert_eq!(store.remote_steps(4), vec![6], "step 5 is dropped as step 7 starts");
+        let mut got = None;
+        for p in &pieces[1..] {
+            got = store.put_remote_delta_piece(1, p.clone()).unwrap();
+        }
+        if pieces.len() == 1 {
+            got = Some((4, 7));
+        }
+        assert_eq!(got, Some((4, 7)));
+        let kept = store.remote_at(4, 7).unwrap();
+        assert_eq!(kept, new);
+        assert_eq!(kept.bytes.as_ptr(), old, "written into step 5's buffer");
+        // Step 8 as a patch against step 6 (its node acknowledged 6, not 7): the base stays.
+        let new = at(8, 4.0);
+        for p in ReplicaDelta::between(&at(6, 2.0), &new).pieces() {
+            store.put_remote_delta_piece(1, p).unwrap();
+        }
+        assert_eq!(store.remote_steps(4), vec![7, 8]);
+        assert_eq!(store.remote_at(4, 8).unwrap(), new);
+        // A whole replica of step 10 reuses step 7's buffer unless something holds it.
+        let held = store.remote_at(4, 7).unwrap();
+        let whole = at(10, 5.0);
+        for p in whole.pieces() {
+            store.put_remote_piece(2, p).unwrap();
+        }
+        assert_eq!(store.remote_steps(4), vec![8, 10]);
+        assert_ne!(store.remote_at(4, 10).unwrap().bytes.as_ptr(), held.bytes.as_ptr());
+        assert_eq!(store.remote_at(4, 10).unwrap(), whole);
+        let eight = store.remote_at(4, 8).unwrap().bytes.as_ptr();
+        let whole = at(12, 6.0);
+        for p in whole.pieces() {
+            store.put_remote_piece(2, p).unwrap();
+        }
+        assert_eq!(store.remote_steps(4), vec![10, 12]);
+        assert_eq!(store.remote_at(4, 12).unwrap(), whole);
+        assert_eq!(store.remote_at(4, 12).unwrap().bytes.as_ptr(), eight);
+    }
+
     #[test]
     fn a_store_keeps_the_two_newest_steps_of_each_remote_partition() {
         let store = ReplicaStore::new();
@@ -1386,7 +1476,7 @@ mod tests {
         for cut in [1, 5, 19] {
             let short = &r.bytes[..r.bytes.len() - cut];
             let bad = ReplicaBytes {
-                bytes: Arc::from(short),
+                bytes: bytes::Bytes::copy_from_slice(short),
                 digest: blake3::hash(short).to_hex().to_string(),
                 ..r.clone()
             };
@@ -1453,7 +1543,7 @@ mod tests {
                 let mut b = r.bytes.to_vec();
                 b[i] ^= 1 << bit;
                 let bad = ReplicaBytes {
-                    bytes: Arc::from(b),
+                    bytes: b.into(),
                     ..r.clone()
                 };
                 let e = bad.decode().unwrap_err();
