@@ -1,7 +1,7 @@
 //! `trellis serve --cluster` as a user runs it: real `trellis serve` processes on 127.0.0.1
 //! with ephemeral ports (QUIC between the nodes, HTTP to the engine node), driven by a real
 //! HTTP client. The served outputs equal `trellis predict` before and after node and edge
-//! updates and a model swap; a worker node killed with SIGKILL under open-loop load costs
+//! updates, partition panics on the other nodes and a model swap; a worker node killed with SIGKILL under open-loop load costs
 //! no wrong answer and no hang, and after recovery every prediction equals `trellis
 //! predict` again. Every process a test starts is killed and reaped when it ends (also when
 //! it fails), and every wait is bounded.
@@ -280,9 +280,19 @@ fn a_three_node_cluster_serves_what_trellis_predict_computes_through_updates_and
     let dir = cluster_dir(3);
     let model = train(dir.path(), "m1.safetensors", "0");
     let newer = train(dir.path(), "m2.safetensors", "7");
-    let c = start_cluster(dir.path(), 3, &model, &["--partitions", "3"]);
+    // Partition p is on node p: the second update panics partition 2 (node 2) as it starts
+    // layer 0, the third partition 1 (node 1) at layer 1. Those nodes fire them (the plan
+    // travels in their setup) and restore the partitions; the engine node recovers the pass.
+    let chaos = "serve-panic:part=2:update=2,serve-panic:part=1:update=3:layer=1";
+    let c = start_cluster(
+        dir.path(),
+        3,
+        &model,
+        &["--partitions", "3", "--chaos", chaos],
+    );
     let ready = call(&agent(), "GET", &format!("{}/readyz", c.url), b"");
     assert_eq!(ready.status, 200, "{}", ready.text);
+    assert_eq!(ready.body["recoveries"], 0, "{}", ready.text);
     let logits = predict(&model, DATA, dir.path());
     // Any node takes queries: the engine node and the two others, which forward them.
     for url in std::iter::once(&c.url).chain(&c.node_urls) {
@@ -336,6 +346,10 @@ fn a_three_node_cluster_serves_what_trellis_predict_computes_through_updates_and
     for url in std::iter::once(&c.url).chain(&c.node_urls) {
         assert_matches(url, &logits, "after updates");
     }
+    // Both faults fired on the other nodes, each one recovery of the engine node's.
+    let ready = call(&agent(), "GET", &format!("{}/readyz", c.url), b"");
+    assert_eq!(ready.status, 200, "{}", ready.text);
+    assert_eq!(ready.body["recoveries"], 2, "{}", ready.text);
 
     // A model swap: every node's tables move to the new version together.
     let bytes = std::fs::read(&newer).unwrap();

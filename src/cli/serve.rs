@@ -85,7 +85,8 @@ pub struct ServeArgs {
     pub threads: usize,
     /// Fault injection into the partition actors:
     /// `serve-panic:part=P:update=U[:layer=L]` (comma separated) panics partition P when it
-    /// starts layer L of the U-th graph update; it is restarted and recomputed.
+    /// starts layer L of the U-th graph update; it is restarted and recomputed. With
+    /// `--cluster`, given to the engine node: a partition of another node fails there.
     #[arg(long)]
     pub chaos: Option<String>,
     /// Longest one layer of a pass may take on every partition, ms.

@@ -1281,7 +1281,11 @@ mod tests {
         let new = at(7, 3.0);
         let pieces = ReplicaDelta::between(&at(6, 2.0), &new).pieces();
         store.put_remote_delta_piece(1, pieces[0].clone()).unwrap();
-        assert_eq!(store.remote_steps(4), vec![6], "step 5 is dropped as step 7 starts");
+        assert_eq!(
+            store.remote_steps(4),
+            vec![6],
+            "step 5 is dropped as step 7 starts"
+        );
         let mut got = None;
         for p in &pieces[1..] {
             got = store.put_remote_delta_piece(1, p.clone()).unwrap();
@@ -1307,7 +1311,10 @@ mod tests {
             store.put_remote_piece(2, p).unwrap();
         }
         assert_eq!(store.remote_steps(4), vec![8, 10]);
-        assert_ne!(store.remote_at(4, 10).unwrap().bytes.as_ptr(), held.bytes.as_ptr());
+        assert_ne!(
+            store.remote_at(4, 10).unwrap().bytes.as_ptr(),
+            held.bytes.as_ptr()
+        );
         assert_eq!(store.remote_at(4, 10).unwrap(), whole);
         let eight = store.remote_at(4, 8).unwrap().bytes.as_ptr();
         let whole = at(12, 6.0);

@@ -649,6 +649,7 @@ impl Engine {
                     &self.store,
                     &placement,
                     run,
+                    &self.launch.faults,
                 )
                 .await
                 .map_err(actor_err)?;

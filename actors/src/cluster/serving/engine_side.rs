@@ -3,10 +3,13 @@
 //! and the served inputs from the engine's [`ServeStore`], and waits until every node
 //! reports its partitions running. A node that joins as a training node, fails its setup,
 //! or does not come within the cluster's join timeout is an error naming it.
-use super::proto::{PeerAddr, ServeMsg, ServeSetup, ServedWire, WireModel, INPUT_CHUNK};
+use super::proto::{
+    PeerAddr, ServeMsg, ServeSetup, ServedWire, WireModel, WireServeFault, INPUT_CHUNK,
+};
 use crate::cluster::config::ClusterFile;
 use crate::cluster::node::{ControlInbox, InboxEvent, NodeEndpoint};
 use crate::cluster::proto::ControlMsg;
+use crate::faults::FaultPlan;
 use crate::serving::shell::ServeStore;
 use crate::ActorError;
 use std::collections::BTreeMap;
@@ -39,6 +42,7 @@ pub async fn connect(
     store: &ServeStore,
     placement: &[u32],
     run: RunId,
+    faults: &FaultPlan,
 ) -> Result<(), ActorError> {
     let workers = cluster.workers();
     let until = Instant::now() + Duration::from_millis(cluster.join_timeout_ms);
@@ -95,6 +99,7 @@ pub async fn connect(
         peers,
         model,
         sparse_input: store.sparse_input,
+        faults: WireServeFault::shipped(faults, placement, ep.id),
     });
     let inputs = {
         let s = store.served.read().unwrap_or_else(|e| e.into_inner());

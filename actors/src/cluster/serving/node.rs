@@ -10,7 +10,6 @@ use super::proto::{
 use crate::cluster::config::ClusterFile;
 use crate::cluster::node::{reroute, ControlInbox, InboxEvent, NodeEndpoint};
 use crate::cluster::proto::ControlMsg;
-use crate::faults::FaultPlan;
 use crate::serving::part::{DeltaOp, ModelValues};
 use crate::serving::shell::{
     Abort, Delta, DropStaged, Install, Lookup, ServeActor, ServeNode, ServeStore, Stage, Step,
@@ -347,6 +346,10 @@ async fn host(
         .filter(|&p| setup.placement[p as usize] == ep.id)
         .collect();
     let run = uuid::Uuid::from_bytes(setup.run);
+    let faults = super::proto::WireServeFault::plan(&setup.faults);
+    if !setup.faults.is_empty() {
+        crate::faults::quiet_injected_panics(true);
+    }
     reroute(&ep.transport, &setup.placement, ep.id);
     ep.transport.set_epoch(run, 0);
     let node = ServeNode::start_parts(
@@ -354,7 +357,7 @@ async fn host(
         run,
         ep.transport.clone(),
         store.clone(),
-        Arc::new(FaultPlan::default()),
+        Arc::new(faults),
         threads,
         None,
     )?;

@@ -6,6 +6,7 @@
 //! I/O: encode, decode and the conversions from and to the serving machine's types are all
 //! here and unit-tested without sockets.
 use crate::cluster::proto::ControlMsg;
+use crate::faults::{FaultPlan, ServeFaultAction};
 use crate::serving::part::{
     ComputedRows, DeltaOp, LookedUp, ModelValues, PassStep, StepDone, Target,
 };
@@ -18,7 +19,7 @@ use trellis_runtime::ModelConfig;
 use trellis_transport::TraceContext;
 
 /// The version of the serving messages this build speaks.
-pub const SERVE_PROTOCOL: u16 = 1;
+pub const SERVE_PROTOCOL: u16 = 2;
 
 /// Bytes of the served inputs per [`ServeMsg::Inputs`] chunk (control frames are limited
 /// to 16 MiB).
@@ -112,6 +113,60 @@ pub struct ServeSetup {
     pub model: WireModel,
     /// Layer 0's input layout, decided by the start-up feature matrix.
     pub sparse_input: bool,
+    /// The serving faults planned (`--chaos` on the engine node) for partitions of other
+    /// nodes, not yet fired: the partitions of the node they are placed on fire them.
+    pub faults: Vec<WireServeFault>,
+}
+
+/// A planned serving fault: partition `part` fails as `action` says when it starts layer
+/// `layer` of graph update `update`.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct WireServeFault {
+    pub part: u32,
+    pub update: u64,
+    pub layer: u16,
+    pub action: WireServeFaultAction,
+}
+
+/// What a [`WireServeFault`] does (`ServeFaultAction`).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq)]
+pub enum WireServeFaultAction {
+    Panic,
+    Stall { ms: u64 },
+}
+
+impl WireServeFault {
+    /// The faults of `plan` not fired yet for partitions not placed on node `engine`.
+    pub fn shipped(plan: &FaultPlan, placement: &[u32], engine: u32) -> Vec<WireServeFault> {
+        plan.serve_faults()
+            .into_iter()
+            .filter(|f| !f.fired && placement.get(f.part as usize).is_some_and(|&n| n != engine))
+            .map(|f| WireServeFault {
+                part: f.part,
+                update: f.update,
+                layer: f.layer,
+                action: match f.action {
+                    ServeFaultAction::Panic => WireServeFaultAction::Panic,
+                    ServeFaultAction::Stall(d) => WireServeFaultAction::Stall {
+                        ms: u64::try_from(d.as_millis()).unwrap_or(u64::MAX),
+                    },
+                },
+            })
+            .collect()
+    }
+
+    /// The plan of a node's partitions made of `faults`.
+    pub fn plan(faults: &[WireServeFault]) -> FaultPlan {
+        faults.iter().fold(FaultPlan::none(), |plan, f| {
+            let action = match f.action {
+                WireServeFaultAction::Panic => ServeFaultAction::Panic,
+                WireServeFaultAction::Stall { ms } => {
+                    ServeFaultAction::Stall(std::time::Duration::from_millis(ms))
+                }
+            };
+            plan.serve_fault_at(f.part, f.update, f.layer, action)
+        })
+    }
 }
 
 /// Node `node` listens on `addr`.
@@ -714,6 +769,35 @@ mod tests {
             };
             assert_eq!(ServeMsg::open(&env, 1).unwrap(), m);
         }
+    }
+
+    /// The faults planned on the engine node for other nodes' partitions travel in the
+    /// setup and come out as the same plan there; fired ones and the engine node's own stay.
+    #[test]
+    fn serving_faults_for_other_nodes_travel_in_the_setup() {
+        let plan = FaultPlan::parse(
+            "serve-panic:part=0:update=1,serve-panic:part=2:update=3:layer=1,serve-stall:part=1:update=2:ms=250",
+        )
+        .unwrap();
+        let placement = [0, 1, 2];
+        let shipped = WireServeFault::shipped(&plan, &placement, 0);
+        assert_eq!(shipped.len(), 2, "{shipped:?}");
+        let bytes = rkyv::to_bytes::<rkyv::rancor::Error>(&shipped).unwrap();
+        let back: Vec<WireServeFault> = rkyv::from_bytes::<_, rkyv::rancor::Error>(&bytes).unwrap();
+        assert_eq!(back, shipped);
+        let there = WireServeFault::plan(&shipped).serve_faults();
+        let wanted: Vec<_> = plan
+            .serve_faults()
+            .into_iter()
+            .filter(|f| f.part != 0)
+            .collect();
+        assert_eq!(format!("{there:?}"), format!("{wanted:?}"));
+        assert!(there
+            .iter()
+            .any(|f| f.part == 2 && f.update == 3 && f.layer == 1));
+        assert!(there
+            .iter()
+            .any(|f| f.action == ServeFaultAction::Stall(std::time::Duration::from_millis(250))));
     }
 
     #[test]
