@@ -1013,9 +1013,9 @@ impl ReplicaStore {
     /// dropped from the store), else a new one. Such a step is obsolete: a partition's step
     /// `epoch` exists only after the coordinator committed step `epoch - 1` on every
     /// partition (epoch protocol, step 6), so a recovery resumes from `epoch - 1` or later.
-    /// Reusing it keeps a node at two replicas of each
-    /// partition and the one arriving, where a fresh buffer would add a third copy of
-    /// hundreds of MB for as long as the arriving one takes.
+    /// Reusing it keeps a node at two replicas of each partition and the one arriving, where
+    /// a fresh buffer would add a third copy of hundreds of MB for as long as the arriving
+    /// one takes.
     fn recycled(&self, part: u32, epoch: u32, base: u32) -> bytes::BytesMut {
         let old = self.remote.get_mut(&part).and_then(|mut kept| {
             let newest = kept.iter().map(|b| b.epoch).max()?;
