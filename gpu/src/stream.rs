@@ -406,6 +406,16 @@ impl Stream {
         Tensor::from_vec(t.rows(), t.cols(), self.download(t)?)
     }
 
+    /// A tensor's contents on the host, taking the tensor: a host tensor's buffer is moved
+    /// out (no copy), a device tensor's copied as [`Stream::download`] does.
+    pub fn download_owned(&self, t: Tensor) -> Result<Vec<f32>> {
+        match &self.backend {
+            Backend::Cpu => t.into_host(),
+            #[cfg(feature = "cuda")]
+            Backend::Cuda(_) => self.download(&t),
+        }
+    }
+
     /// Device -> host copy of a tensor's contents (waits for the work that writes it).
     pub fn download(&self, t: &Tensor) -> Result<Vec<f32>> {
         match &self.backend {
@@ -478,5 +488,19 @@ mod priority_tests {
             .unwrap();
         assert_eq!(calls, 1);
         assert_eq!(gate.yields(), 0);
+    }
+}
+
+#[cfg(test)]
+mod download_tests {
+    use super::*;
+
+    /// Taking a tensor gives the values a copy gives.
+    #[test]
+    fn a_taken_tensor_holds_what_its_copy_holds() {
+        let s = Stream::cpu(1).unwrap();
+        let t = s.upload(&[1.0, -2.0, 3.5, 0.25], 2, 2).unwrap();
+        let copy = s.download(&t).unwrap();
+        assert_eq!(s.download_owned(t).unwrap(), copy);
     }
 }

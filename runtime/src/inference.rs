@@ -572,7 +572,10 @@ impl RowSource for PartInput<'_> {
             )));
         }
         let mut out = Vec::with_capacity(ids.len() * w);
-        for &v in ids {
+        for (k, &v) in ids.iter().enumerate() {
+            if let Some(&next) = ids.get(k + PREFETCH_AHEAD) {
+                self.own.prefetch_row(self.graph.local(next).as_ref());
+            }
             let row = match self.graph.local(v) {
                 Some(l) if (l as usize) < self.own.len() => self.own.row(l),
                 Some(l) => {
@@ -593,6 +596,10 @@ impl RowSource for PartInput<'_> {
         Ok(out)
     }
 }
+
+/// How many rows ahead the loops over rows at random places prefetch (enough to hide a
+/// memory access behind the copies of the rows between, few enough to stay in L1).
+pub const PREFETCH_AHEAD: usize = 2;
 
 /// A row-major table with one row per node.
 #[derive(Debug, Clone, PartialEq)]
@@ -625,15 +632,27 @@ impl Rows {
     /// The rows `ids`, in that order, as one `ids.len() x width` buffer.
     pub fn gather(&self, ids: &[u32]) -> Vec<f32> {
         let mut out = Vec::with_capacity(ids.len() * self.width);
-        for &i in ids {
+        for (k, &i) in ids.iter().enumerate() {
+            self.prefetch_row(ids.get(k + PREFETCH_AHEAD));
             out.extend_from_slice(self.row(i));
         }
         out
+    }
+    /// Starts loading row `i` (if any and in the table) into the cache.
+    #[inline]
+    pub fn prefetch_row(&self, i: Option<&u32>) {
+        if let Some(&i) = i {
+            let w = self.width;
+            if let Some(row) = self.data.get(i as usize * w..(i as usize + 1) * w) {
+                crate::host_memory::prefetch(row);
+            }
+        }
     }
     /// Writes `rows` (one per id) into rows `ids`.
     pub fn scatter(&mut self, ids: &[u32], rows: &[f32]) {
         let w = self.width;
         for (k, &i) in ids.iter().enumerate() {
+            self.prefetch_row(ids.get(k + PREFETCH_AHEAD));
             self.data[i as usize * w..(i as usize + 1) * w]
                 .copy_from_slice(&rows[k * w..(k + 1) * w]);
         }
@@ -643,12 +662,27 @@ impl Rows {
     /// nodes) is hundreds of megabytes, and a reallocation copies it into fresh pages
     /// (seconds of page faults on the 1M-node graph's tables).
     pub fn reserve_rows(&mut self, rows: usize) {
+        let capacity = self.data.capacity();
         self.data.reserve_exact(rows * self.width);
+        self.moved_from(capacity);
     }
     /// Appends zero rows up to `n` rows.
     pub fn grow(&mut self, n: usize) {
         if n > self.len() {
+            let capacity = self.data.capacity();
             self.data.resize(n * self.width, 0.0);
+            self.moved_from(capacity);
+        }
+    }
+    /// Asks for transparent huge pages under a large table (a hint: see
+    /// [`crate::host_memory`]); tables that grow keep asking when their buffer moves.
+    pub fn prefer_huge_pages(&self) {
+        crate::host_memory::prefer_huge_pages(&self.data, self.data.capacity());
+    }
+    /// After the buffer may have moved (its capacity was `capacity`): asks again.
+    fn moved_from(&self, capacity: usize) {
+        if self.data.capacity() != capacity {
+            self.prefer_huge_pages();
         }
     }
 }
@@ -720,6 +754,11 @@ impl Inference {
             sparse_input: None,
             ids: LocalIds::default(),
         })
+    }
+
+    /// The stream its kernels run on.
+    pub fn stream(&self) -> &Stream {
+        &self.stream
     }
 
     /// The model.
@@ -807,6 +846,23 @@ impl Inference {
         if inner.is_empty() {
             return Ok(Vec::new());
         }
+        let rows = input.gather_rows(inner)?;
+        self.transform_given_rows(l, graph, inner, rows)
+    }
+
+    /// [`Inference::transform_rows`] of input rows the caller holds already: `rows` are the
+    /// input rows of `inner`, in that order.
+    pub fn transform_given_rows<G: Adjacency + ?Sized>(
+        &mut self,
+        l: usize,
+        graph: &G,
+        inner: &[u32],
+        rows: Vec<f32>,
+    ) -> Result<Vec<f32>> {
+        if inner.is_empty() {
+            return Ok(Vec::new());
+        }
+        let width = rows.len() / inner.len();
         // The transform reads only the inner rows: a block without edges.
         let degrees: Vec<u32> = inner.iter().map(|&g| graph.degree(g) as u32).collect();
         let indptr = vec![0usize; inner.len() + 1];
@@ -818,7 +874,7 @@ impl Inference {
             &degrees,
             self.model.config().kind.aggregation(),
         )?;
-        let x = Tensor::from_vec(inner.len(), input.width(), input.gather_rows(inner)?)?;
+        let x = Tensor::from_vec(inner.len(), width, rows)?;
         let x = self.stream.place(x)?;
         let z = if l == 0 && !self.model.is_split(0) {
             self.model.transform_first(&self.stream, &block, x)?
@@ -826,7 +882,7 @@ impl Inference {
             self.model
                 .forward_transform(&self.stream, l, &block, x, EVAL)?
         };
-        Ok(self.stream.download(&z)?)
+        Ok(self.stream.download_owned(z)?)
     }
 
     /// The block of the nodes `inner` (ascending) over the current graph.
@@ -854,13 +910,13 @@ impl Inference {
             let y = self
                 .model
                 .forward_aggregate(&self.stream, l, &block, &zt, EVAL)?;
-            return Ok(self.stream.download(&y)?);
+            return Ok(self.stream.download_owned(y)?);
         }
         let x = self.layer_input(l, x)?;
         let out = self
             .model
             .forward_layer(&self.stream, l, &block, Cow::Owned(x), EVAL)?;
-        Ok(self.stream.download(&out)?)
+        Ok(self.stream.download_owned(out)?)
     }
 
     /// The block of the nodes `inner` and its input rows from `source`.
@@ -914,7 +970,7 @@ impl Inference {
             self.model
                 .forward_pre_activation(s, l, &block, PreActivationInput::Input(&x))?
         };
-        Ok(s.download(&p)?)
+        Ok(s.download_owned(p)?)
     }
 
     /// Layer `l`'s activation of the rows `pre` (rows of the layer's width).
@@ -930,7 +986,7 @@ impl Inference {
             .stream
             .place(Tensor::from_vec(pre.len() / width, width, pre)?)?;
         self.model.activate(&self.stream, l, &mut t)?;
-        Ok(self.stream.download(&t)?)
+        Ok(self.stream.download_owned(t)?)
     }
 
     /// Layer 0's input layout (sparse or dense), fixed by the whole feature matrix.

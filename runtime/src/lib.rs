@@ -10,6 +10,7 @@ pub mod data;
 mod error;
 pub mod grad_codec;
 pub mod graph;
+pub mod host_memory;
 pub mod inference;
 pub mod metrics;
 pub mod model;

@@ -25,7 +25,9 @@ use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
 use std::time::Instant;
 use trellis_gpu::{PriorityGate, Stream, Tensor, UrgentGuard};
-use trellis_runtime::inference::{Adjacency, HaloRows, Inference, PartGraph, PartInput, Rows};
+use trellis_runtime::inference::{
+    Adjacency, HaloRows, Inference, PartGraph, PartInput, Rows, PREFETCH_AHEAD,
+};
 use trellis_runtime::{Model, ModelConfig, RuntimeError};
 use trellis_transport::{
     HaloBlock, HaloPayload, MsgHeader, PartId, Phase, RunId, INCREMENT, TRANSFORMED,
@@ -212,6 +214,7 @@ impl Tables {
             };
             t.reserve_rows(rows + super::spare_rows(rows));
             t.grow(rows);
+            t.prefer_huge_pages();
             t
         };
         let layers = (0..n).map(table).collect();
@@ -259,6 +262,115 @@ struct State {
     /// nodes whose degree changed since (an incremental step scales their old transformed
     /// rows by it); [`NEW_NODE`] for nodes added since (they had no row).
     prev_degree: HashMap<u32, u32>,
+    /// The rows the last step computed, when the next layer of its pass is split: that
+    /// layer re-transforms exactly these rows, and takes them from here instead of gathering
+    /// them again from the table (1 KB rows at random places of a table of 1 GB).
+    carried: Option<CarriedRows>,
+}
+
+/// A step's computed rows of layer `layer` of pass `seq` on the tables `target`: the rows
+/// of `ids`, one after the other (the incremented rows, then the computed ones; each part
+/// ascending).
+struct CarriedRows {
+    seq: u32,
+    layer: u16,
+    target: Target,
+    ids: Vec<u32>,
+    data: Vec<f32>,
+}
+
+/// Carried rows taken as the input of a transform: `order[j]` is the place in `ids` of the
+/// `j`-th row of the step's (ascending) list.
+struct CarriedInput {
+    ids: Vec<u32>,
+    data: Vec<f32>,
+    order: Vec<u32>,
+}
+
+impl CarriedRows {
+    /// The computed rows `computed` of `computed_ids` and the incremented rows
+    /// `incremented` of `incremented_ids` (both ascending, disjoint), without copying the
+    /// incremented ones (all of an update's rows but its new nodes).
+    fn new(
+        (seq, layer, target): (u32, u16, Target),
+        (computed_ids, computed): (&[u32], Vec<f32>),
+        (incremented_ids, mut incremented): (&[u32], Vec<f32>),
+    ) -> Self {
+        let (ids, data) = if incremented_ids.is_empty() {
+            (computed_ids.to_vec(), computed)
+        } else {
+            incremented.extend_from_slice(&computed);
+            let mut ids = incremented_ids.to_vec();
+            ids.extend_from_slice(computed_ids);
+            (ids, incremented)
+        };
+        CarriedRows {
+            seq,
+            layer,
+            target,
+            ids,
+            data,
+        }
+    }
+
+    /// The rows, if they are the input of `step` (its re-transformed rows).
+    fn input_of(self, step: &PassStep) -> Option<CarriedInput> {
+        if self.seq != step.seq
+            || self.target != step.target
+            || self.layer + 1 != step.layer
+            || self.ids.len() != step.transform.len()
+        {
+            return None;
+        }
+        // The two ascending runs of `ids`, merged: each row's place in the step's list.
+        let split = self
+            .ids
+            .windows(2)
+            .position(|p| p[0] > p[1])
+            .map_or(self.ids.len(), |i| i + 1);
+        let (a, b) = self.ids.split_at(split);
+        let mut order = Vec::with_capacity(self.ids.len());
+        let (mut i, mut j) = (0, 0);
+        for &want in step.transform.iter() {
+            if i < a.len() && a[i] == want {
+                order.push(i as u32);
+                i += 1;
+            } else if j < b.len() && b[j] == want {
+                order.push((split + j) as u32);
+                j += 1;
+            } else {
+                return None;
+            }
+        }
+        Some(CarriedInput {
+            ids: self.ids,
+            data: self.data,
+            order,
+        })
+    }
+}
+
+impl CarriedInput {
+    /// Layer `l`'s transform of the carried rows, in the step's order (the transformed rows
+    /// are the narrower ones: reordering them is cheaper than the input).
+    fn transform(
+        self,
+        inference: &mut Inference,
+        l: usize,
+        graph: &PartGraph,
+    ) -> Result<Vec<f32>, RuntimeError> {
+        let z = inference.transform_given_rows(l, graph, &self.ids, self.data)?;
+        let n = self.order.len();
+        if n == 0 || self.order.iter().enumerate().all(|(j, &k)| j == k as usize) {
+            return Ok(z);
+        }
+        let w = z.len() / n;
+        let mut out = Vec::with_capacity(z.len());
+        for &k in &self.order {
+            out.extend_from_slice(&z[k as usize * w..(k as usize + 1) * w]);
+        }
+        Ok(out)
+    }
 }
 
 /// `prev_degree` of a node added since the live last layer was computed.
@@ -352,6 +464,7 @@ impl ServePartMachine {
             .map_err(|e| self.compute_err(e))?;
         let mut features = data.features;
         features.reserve_rows(super::spare_rows(rows));
+        features.prefer_huge_pages();
         Ok(State {
             graph: data.graph,
             features,
@@ -362,6 +475,7 @@ impl ServePartMachine {
             increment_slots: Vec::new(),
             update_scales: Vec::new(),
             prev_degree: HashMap::new(),
+            carried: None,
         })
     }
 
@@ -409,6 +523,23 @@ impl ServePartMachine {
             part,
             detail: "the partition could not be restored".into(),
         })
+    }
+
+    /// [`Self::guarded`], run on the stream's thread budget: the stage's kernels then run
+    /// where they are issued instead of each being handed to a pool thread and waited for
+    /// (two thread switches per kernel, most of a small update's time).
+    fn guarded_on_stream<T: Send>(
+        &mut self,
+        f: impl FnOnce(&mut Self) -> Result<T, ActorError> + Send,
+    ) -> Result<T, ActorError> {
+        match self
+            .state
+            .as_ref()
+            .map(|st| st.live.inference.stream().budget().clone())
+        {
+            Some(budget) => budget.install(|| self.guarded(f)),
+            None => self.guarded(f),
+        }
     }
 
     /// Runs `f` inside `catch_unwind`; a panic becomes [`ActorError::Panicked`] and a restart.
@@ -500,7 +631,7 @@ impl ServePartMachine {
         }
         let t = Instant::now();
         let urgent = self.urgent(step.target);
-        let started = self.guarded(|m| m.start(&step));
+        let started = self.guarded_on_stream(|m| m.start(&step));
         drop(urgent);
         match started {
             Ok(Started { bytes, changes }) => {
@@ -604,8 +735,10 @@ impl ServePartMachine {
             live,
             staged,
             prev_degree,
+            carried,
             ..
         } = st;
+        let carried = carried.take().and_then(|c| c.input_of(step));
         let tables = match step.target {
             Target::Live => live,
             Target::Staged => staged.as_mut().expect("checked by tag"),
@@ -627,12 +760,15 @@ impl ServePartMachine {
         if let Some(mut z) = tables.transformed[l].take() {
             let r = (|| {
                 let input = &tables.layers[l - 1];
-                let zr = tables.inference.transform_rows(
-                    l,
-                    &*graph,
-                    &step.transform,
-                    &local_table(graph, input),
-                )?;
+                let zr = match carried {
+                    Some(rows) => rows.transform(&mut tables.inference, l, graph)?,
+                    None => tables.inference.transform_rows(
+                        l,
+                        &*graph,
+                        &step.transform,
+                        &local_table(graph, input),
+                    )?,
+                };
                 let locals = graph.locals(&step.transform)?;
                 if step.is_incremental() {
                     let old = OldRows::Table {
@@ -740,7 +876,7 @@ impl ServePartMachine {
         let increments = self.inbox.remove(&increment_key).unwrap_or_default();
         let t = Instant::now();
         let urgent = self.urgent(step.target);
-        let result = self.guarded(|m| m.finish(&step, &blocks, &changes, &increments));
+        let result = self.guarded_on_stream(|m| m.finish(&step, &blocks, &changes, &increments));
         drop(urgent);
         let result = result.map(|rows| StepDone {
             part: self.part,
@@ -776,6 +912,7 @@ impl ServePartMachine {
             increment_slots,
             update_scales,
             prev_degree,
+            carried,
             ..
         } = st;
         let tables = match step.target {
@@ -821,6 +958,10 @@ impl ServePartMachine {
         tables.layers[l].scatter(&locals, &rows);
         let width = tables.layers[l].width;
         let mut ids = step.compute.clone();
+        // The next layer re-transforms the rows this one computes (`plan_layers`).
+        let carry =
+            !step.return_rows && tables.transformed.get(l + 1).is_some_and(Option::is_some);
+        let mut incremented = Vec::new();
         if !step.increment.is_empty() {
             let mut add = HaloRows::reuse(width, std::mem::take(increment_slots));
             let r = received(
@@ -840,21 +981,25 @@ impl ServePartMachine {
                 let received = (!step.increment_recv.is_empty()).then_some(&add);
                 match &mut tables.pre[l] {
                     Some(pre) => {
-                        add_changes(graph, &locals, own, received, pre, update_scales);
-                        let y = tables
-                            .inference
-                            .activate_rows(l, pre.gather(&locals))
-                            .map_err(err)?;
+                        let updated =
+                            add_changes(graph, &locals, own, received, pre, update_scales);
+                        let y = tables.inference.activate_rows(l, updated).map_err(err)?;
                         tables.layers[l].scatter(&locals, &y);
+                        incremented = y;
                     }
-                    None => add_changes(
-                        graph,
-                        &locals,
-                        own,
-                        received,
-                        &mut tables.layers[l],
-                        update_scales,
-                    ),
+                    None => {
+                        let updated = add_changes(
+                            graph,
+                            &locals,
+                            own,
+                            received,
+                            &mut tables.layers[l],
+                            update_scales,
+                        );
+                        if carry {
+                            incremented = updated;
+                        }
+                    }
                 }
                 Ok(locals)
             });
@@ -866,6 +1011,14 @@ impl ServePartMachine {
                 all.extend_from_slice(&step.increment);
                 ids = Arc::new(all);
             }
+        }
+        if carry {
+            *carried = Some(CarriedRows::new(
+                (step.seq, step.layer, step.target),
+                (&step.compute, rows),
+                (&step.increment, incremented),
+            ));
+            return Ok(None);
         }
         if step.return_rows && step.target == Target::Live {
             // The live last layer now matches the degrees of the graph as it is.
@@ -1074,10 +1227,13 @@ struct OwnChanges<'a> {
 }
 
 /// Adds into the local rows `locals` of `table` `Σ_u ΔY_u / sqrt(d_v + 1)` over the
-/// neighbours `u` of each row `v` (and `v` itself) that changed: the partition's own changes
-/// are added from their side (a change reaches its own node's neighbours, whose lists the
-/// partition holds: ~20 rows per change instead of ~20 lookups per updated row), the
-/// received ones (`received`, the halo nodes' changes) from the updated rows' side.
+/// neighbours `u` of each row `v` (and `v` itself) that changed, and returns the updated rows
+/// in the order of `locals`. The partition's own changes are found from their side (a
+/// change reaches its own node's neighbours, whose lists the partition holds: ~20 rows per
+/// change instead of ~20 lookups per updated row), the received ones (`received`, the halo
+/// nodes' changes) from the updated rows' side. Each row is then visited once, in memory
+/// order, with every change it takes (in the changes' order, own ones first: the sums of a
+/// visit per change), and copied out while it is in the cache.
 fn add_changes(
     graph: &PartGraph,
     locals: &[u32],
@@ -1085,7 +1241,7 @@ fn add_changes(
     received: Option<&HaloRows>,
     table: &mut Rows,
     scales: &mut Vec<f32>,
-) {
+) -> Vec<f32> {
     let w = table.width;
     // One read per reached row tells whether it is updated and its scale (a cache miss per
     // neighbour on a large graph, where the flag and the degree were two).
@@ -1096,35 +1252,70 @@ fn add_changes(
     for &r in locals {
         scales[r as usize] = 1.0 / (graph.degree(inner[r as usize]) as f32 + 1.0).sqrt();
     }
+    /// An own change `change` (its place in `own.ids`) that reaches local row `row`.
+    struct Reach {
+        row: u32,
+        change: u32,
+    }
+    let mut reached = Vec::with_capacity(own.ids.len() * 24);
     for (k, &u) in own.ids.iter().enumerate() {
-        let dy = &own.values[k * w..(k + 1) * w];
         for v in std::iter::once(u).chain(graph.neighbors(u).iter().copied()) {
-            let Some(r) = graph.local(v) else {
-                continue;
-            };
-            let s = scales[r as usize];
-            if s == 0.0 {
-                continue;
+            if let Some(r) = graph.local(v).filter(|&r| scales[r as usize] != 0.0) {
+                reached.push(Reach {
+                    row: r,
+                    change: k as u32,
+                });
             }
-            let row = &mut table.data[r as usize * w..(r as usize + 1) * w];
-            row.iter_mut().zip(dy).for_each(|(y, &d)| *y += d * s);
         }
     }
-    if let Some(received) = received {
-        for &r in locals {
-            let v = inner[r as usize];
-            let s = scales[r as usize];
-            for &u in graph.neighbors(v) {
+    // Stable: a row's changes stay in their order.
+    reached.sort_by_key(|c| c.row);
+    // The rows in memory order with their places in `locals` (nearly always ascending
+    // already: a partition numbers its rows in the order of their ids).
+    let mut visits: Vec<(u32, u32)> = locals
+        .iter()
+        .enumerate()
+        .map(|(i, &r)| (r, i as u32))
+        .collect();
+    let in_order = locals.is_sorted();
+    if !in_order {
+        visits.sort_unstable();
+    }
+    let mut out = Vec::with_capacity(locals.len() * w);
+    if !in_order {
+        out.resize(locals.len() * w, 0.0);
+    }
+    let mut next = 0;
+    for (j, &(r, place)) in visits.iter().enumerate() {
+        table.prefetch_row(visits.get(j + PREFETCH_AHEAD).map(|(r, _)| r));
+        let s = scales[r as usize];
+        let row = &mut table.data[r as usize * w..(r as usize + 1) * w];
+        while next < reached.len() && reached[next].row < r {
+            next += 1;
+        }
+        while next < reached.len() && reached[next].row == r {
+            let k = reached[next].change as usize;
+            let dy = &own.values[k * w..(k + 1) * w];
+            row.iter_mut().zip(dy).for_each(|(y, &d)| *y += d * s);
+            next += 1;
+        }
+        if let Some(received) = received {
+            for &u in graph.neighbors(inner[r as usize]) {
                 if let Some(dy) = received.get(u) {
-                    let row = &mut table.data[r as usize * w..(r as usize + 1) * w];
                     row.iter_mut().zip(dy).for_each(|(y, &d)| *y += d * s);
                 }
             }
+        }
+        if in_order {
+            out.extend_from_slice(row);
+        } else {
+            out[place as usize * w..(place as usize + 1) * w].copy_from_slice(row);
         }
     }
     for &r in locals {
         scales[r as usize] = 0.0;
     }
+    out
 }
 
 /// A part's own table read by global id (a transform reads only its inner rows).

@@ -644,3 +644,173 @@ fn a_last_layer_read_from_transformed_rows_aggregates_to_the_whole_graphs_logits
         check(&h, &z, &format!("update {u}"));
     }
 }
+
+/// Deterministic test values in [-1, 1).
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+/// `add_changes` visits each updated row once, in memory order: its sums are bit for bit
+/// those of adding each change from its own side in the changes' order (own changes, then
+/// received ones), rows it does not update keep their bits, and it returns the updated rows
+/// in the order of `locals`.
+#[test]
+fn added_changes_equal_a_visit_per_change_and_come_back_in_the_order_asked() {
+    let h = Harness::new(config(ModelKind::Gcn, false), FaultPlan::none());
+    let data = h.data(0);
+    let graph = &data.graph;
+    let inner = graph.inner().to_vec();
+    let w = 5;
+    let table = Rows {
+        width: w,
+        data: values(inner.len() * w, 1),
+    };
+    // Changes of a few own nodes; the updated rows are those they reach, listed ascending
+    // (the usual order) and descending.
+    let changed: Vec<u32> = inner.iter().copied().step_by(37).collect();
+    let dy = values(changed.len() * w, 2);
+    let mut updated: Vec<u32> = changed
+        .iter()
+        .flat_map(|&u| std::iter::once(u).chain(graph.neighbors(u).iter().copied()))
+        .filter_map(|v| graph.local(v))
+        .collect();
+    updated.sort_unstable();
+    updated.dedup();
+    // Leave one reached row out (a row computed in full takes no increments).
+    let left_out = updated.remove(updated.len() / 2);
+    for ascending in [true, false] {
+        let mut table = table.clone();
+        let mut updated = updated.clone();
+        if !ascending {
+            updated.reverse();
+        }
+        // Received changes of halo nodes, added from the updated rows' side.
+        let halo: Vec<u32> = (0..h.graph.num_nodes() as u32)
+            .filter(|&v| graph.local(v).is_none())
+            .take(40)
+            .collect();
+        let mut received = HaloRows::new(w);
+        received.extend(&halo, &values(halo.len() * w, 3)).unwrap();
+        let scale = |r: u32| 1.0 / (graph.degree(inner[r as usize]) as f32 + 1.0).sqrt();
+        let mut want = table.clone();
+        for (k, &u) in changed.iter().enumerate() {
+            for v in std::iter::once(u).chain(graph.neighbors(u).iter().copied()) {
+                if let Some(r) = graph.local(v).filter(|r| updated.contains(r)) {
+                    let s = scale(r);
+                    let row = &mut want.data[r as usize * w..(r as usize + 1) * w];
+                    for (y, d) in row.iter_mut().zip(&dy[k * w..(k + 1) * w]) {
+                        *y += d * s;
+                    }
+                }
+            }
+        }
+        for &r in &updated {
+            let s = scale(r);
+            for &u in graph.neighbors(inner[r as usize]) {
+                if let Some(d) = received.get(u) {
+                    let row = &mut want.data[r as usize * w..(r as usize + 1) * w];
+                    row.iter_mut().zip(d).for_each(|(y, &d)| *y += d * s);
+                }
+            }
+        }
+        let mut scales = Vec::new();
+        let own = OwnChanges {
+            ids: &changed,
+            values: &dy,
+        };
+        let rows = add_changes(
+            graph,
+            &updated,
+            own,
+            Some(&received),
+            &mut table,
+            &mut scales,
+        );
+        assert_eq!(table, want, "the updated table");
+        assert_eq!(table.row(left_out), want.row(left_out));
+        assert_eq!(rows, table.gather(&updated), "the returned rows, in order");
+        assert!(scales.iter().all(|&s| s == 0.0), "the scales are reset");
+    }
+}
+
+/// Carried rows are the input only of the next layer of their pass on the same tables and
+/// of exactly their rows; taken, their transform equals the transform of the same rows
+/// gathered from the table, in the step's order.
+#[test]
+fn carried_rows_feed_only_the_next_layer_of_their_pass_in_its_order() {
+    let h = Harness::new(config(ModelKind::Gcn, false), FaultPlan::none());
+    let data = h.data(0);
+    let graph = &data.graph;
+    let mut inference = h.model.build(Stream::cpu(0).unwrap()).unwrap();
+    assert!(inference.model().is_split(1));
+    let w = inference.layer_width(0);
+    let table = Rows {
+        width: w,
+        data: values(graph.inner().len() * w, 4),
+    };
+    let inner = graph.inner();
+    let computed: Vec<u32> = inner.iter().copied().step_by(5).collect();
+    let incremented: Vec<u32> = inner
+        .iter()
+        .copied()
+        .enumerate()
+        .filter(|(i, _)| i % 5 == 2 || i % 5 == 3)
+        .map(|(_, v)| v)
+        .collect();
+    let rows_of = |ids: &[u32]| {
+        let locals = graph.locals(ids).unwrap();
+        table.gather(&locals)
+    };
+    let mut transform: Vec<u32> = computed.iter().chain(&incremented).copied().collect();
+    transform.sort_unstable();
+    let ids = |v: &[u32]| Arc::new(v.to_vec());
+    let step = |seq: u32, layer: u16, target: Target, transform: &[u32]| PassStep {
+        trace: None,
+        seq,
+        layer,
+        target,
+        update: Some(1),
+        transform: ids(transform),
+        compute: ids(&[]),
+        send: Vec::new(),
+        recv: Vec::new(),
+        increment: ids(&[]),
+        increment_send: Vec::new(),
+        increment_recv: Vec::new(),
+        return_rows: true,
+        return_transformed: true,
+        full: false,
+    };
+    let carried = || {
+        CarriedRows::new(
+            (7, 0, Target::Live),
+            (&computed, rows_of(&computed)),
+            (&incremented, rows_of(&incremented)),
+        )
+    };
+    let mut fewer = transform.clone();
+    fewer.pop();
+    for (what, other) in [
+        ("another pass", step(8, 1, Target::Live, &transform)),
+        ("another layer", step(7, 0, Target::Live, &transform)),
+        ("other tables", step(7, 1, Target::Staged, &transform)),
+        ("other rows", step(7, 1, Target::Live, &fewer)),
+    ] {
+        assert!(carried().input_of(&other).is_none(), "{what}");
+    }
+    let next = step(7, 1, Target::Live, &transform);
+    let input = carried().input_of(&next).expect("the next layer's input");
+    let got = input.transform(&mut inference, 1, graph).unwrap();
+    let want = inference
+        .transform_rows(1, graph, &transform, &local_table(graph, &table))
+        .unwrap();
+    assert_eq!(got, want);
+}
