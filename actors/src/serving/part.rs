@@ -959,8 +959,7 @@ impl ServePartMachine {
         let width = tables.layers[l].width;
         let mut ids = step.compute.clone();
         // The next layer re-transforms the rows this one computes (`plan_layers`).
-        let carry =
-            !step.return_rows && tables.transformed.get(l + 1).is_some_and(Option::is_some);
+        let carry = !step.return_rows && tables.transformed.get(l + 1).is_some_and(Option::is_some);
         let mut incremented = Vec::new();
         if !step.increment.is_empty() {
             let mut add = HaloRows::reuse(width, std::mem::take(increment_slots));
