@@ -1141,7 +1141,23 @@ fn bench_serve_reports_every_workload() {
             "{line}"
         );
     }
-    assert!(text.contains("load generator CPU"), "{text}");
+    assert!(text.contains("CPU: load generator"), "{text}");
+    // The limit beside (c)'s training share: what (a)'s load took of the machine's cores.
+    let limit = text
+        .lines()
+        .find(|l| l.starts_with("(c) CPU limit"))
+        .unwrap_or_else(|| panic!("no (c) CPU limit in {text}"));
+    let number_after = |what: &str| -> f64 {
+        let rest = &limit[limit.find(what).unwrap_or_else(|| panic!("{limit}")) + what.len()..];
+        let end = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(rest.len());
+        rest[..end].parse().unwrap_or_else(|_| panic!("{limit}"))
+    };
+    let service = number_after("(service ");
+    let share = number_after("leaving training at most ");
+    assert!(service > 0.0, "the service used no CPU under load: {limit}");
+    assert!((0.0..=100.0).contains(&share), "{limit}");
     assert!(
         text.contains("the served version advanced"),
         "training beside the service published no weights: {text}"

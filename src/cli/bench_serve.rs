@@ -115,10 +115,30 @@ fn line(name: &str, rate: f64, r: &LoadResult) {
 
 fn generator(run: &LoadRun) {
     println!(
-        "{:<28} load generator CPU {:.2} s = {:.2} cores (same machine as the server)",
+        "{:<28} CPU: load generator {:.2} cores, the rest of the process {:.2} cores, of {} on this machine",
         "",
-        run.generator_cpu.as_secs_f64(),
-        run.generator_cores()
+        run.generator_cores(),
+        run.server_cores(),
+        machine_cores()
+    );
+}
+
+/// The cores this process may run on.
+fn machine_cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// The CPU limit beside (c)'s training share: the cores (a)'s load took alone (the
+/// service and the generator), taken from every core. Training that scales with its cores
+/// keeps at most the rest's share of its epoch rate beside the load.
+fn ceiling_line(alone_load: &LoadRun) {
+    let cores = machine_cores() as f64;
+    let taken = alone_load.server_cores() + alone_load.generator_cores();
+    println!(
+        "(c) CPU limit: (a) alone took {taken:.2} cores (service {:.2}, load generator {:.2}) of {cores}, leaving training at most {:.0}% of the CPU it has alone",
+        alone_load.server_cores(),
+        alone_load.generator_cores(),
+        100.0 * ((cores - taken) / cores).clamp(0.0, 1.0)
     );
 }
 
@@ -460,6 +480,7 @@ fn beside_partitioned(
         publisher.published,
         publisher.skipped,
     );
+    ceiling_line(alone_load);
     Ok(())
 }
 
@@ -533,6 +554,7 @@ fn beside_training(
         publisher.published,
         publisher.skipped,
     );
+    ceiling_line(alone_load);
     Ok(())
 }
 

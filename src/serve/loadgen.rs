@@ -61,36 +61,59 @@ impl LoadResult {
     }
 }
 
-/// A whole run: each caller's results (in [`LoadSpec::tenants`] order) and the CPU time
-/// the generator itself used (its clock thread and connection threads), so a reader can
-/// tell how much of the machine the client took from the server.
+/// A whole run: each caller's results (in [`LoadSpec::tenants`] order), the CPU time the
+/// generator itself used (its clock thread and connection threads) and the CPU time of
+/// the whole process meanwhile, so a reader can tell how much of the machine the client
+/// took and how much the rest of the process (the service, and training beside it) used.
 #[derive(Debug)]
 pub struct LoadRun {
     pub tenants: Vec<LoadResult>,
     pub generator_cpu: Duration,
+    /// Every thread of this process, the generator's included, over the run.
+    pub process_cpu: Duration,
     pub elapsed: Duration,
 }
 
 impl LoadRun {
     /// The generator's CPU use in cores (1.0 = one core busy the whole run).
     pub fn generator_cores(&self) -> f64 {
-        self.generator_cpu.as_secs_f64() / self.elapsed.as_secs_f64().max(1e-9)
+        self.cores(self.generator_cpu)
+    }
+
+    /// The CPU use of the rest of the process in cores: the service (and whatever runs
+    /// beside it in the process), the generator left out.
+    pub fn server_cores(&self) -> f64 {
+        self.cores(self.process_cpu.saturating_sub(self.generator_cpu))
+    }
+
+    fn cores(&self, cpu: Duration) -> f64 {
+        cpu.as_secs_f64() / self.elapsed.as_secs_f64().max(1e-9)
     }
 }
 
-/// CPU time the calling thread has used.
-fn thread_cpu() -> Duration {
+/// CPU time of `clock` (a thread's or the process's CPU-time clock).
+fn cpu_clock(clock: libc::clockid_t) -> Duration {
     let mut ts = libc::timespec {
         tv_sec: 0,
         tv_nsec: 0,
     };
-    // SAFETY: `ts` is a valid, writable timespec; CLOCK_THREAD_CPUTIME_ID is always
-    // supported on Linux.
-    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    // SAFETY: `ts` is a valid, writable timespec; the thread and process CPU-time clocks
+    // are always supported on Linux.
+    let rc = unsafe { libc::clock_gettime(clock, &mut ts) };
     if rc != 0 {
         return Duration::ZERO;
     }
     Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
+/// CPU time the calling thread has used.
+fn thread_cpu() -> Duration {
+    cpu_clock(libc::CLOCK_THREAD_CPUTIME_ID)
+}
+
+/// CPU time every thread of this process has used.
+fn process_cpu() -> Duration {
+    cpu_clock(libc::CLOCK_PROCESS_CPUTIME_ID)
 }
 
 struct Job {
@@ -269,6 +292,7 @@ pub fn run_open_loop(
     // The arrival clock runs on this thread: sleeps to each scheduled time (Linux timers
     // are ~0.1 ms precise; tokio's are 1 ms), never waiting for answers.
     let clock_cpu = thread_cpu();
+    let process_start = process_cpu();
     let mut rng = Rng::new(spec.seed);
     let start = Instant::now();
     let mut next = start;
@@ -310,6 +334,7 @@ pub fn run_open_loop(
         }
     });
     let elapsed = start.elapsed();
+    let process_cpu = process_cpu().saturating_sub(process_start);
     let clock_cpu = thread_cpu().saturating_sub(clock_cpu);
     drop(rt); // joins the worker thread, which adds its CPU time
     let generator_cpu =
@@ -333,6 +358,7 @@ pub fn run_open_loop(
     Ok(LoadRun {
         tenants,
         generator_cpu,
+        process_cpu,
         elapsed,
     })
 }
