@@ -650,7 +650,16 @@ fn bad_requests_get_a_4xx_that_says_what_is_wrong_and_others_are_still_served() 
 fn health_readiness_metrics_and_shedding() {
     let dir = tempfile::tempdir().unwrap();
     let file = train(dir.path(), "m.safetensors", "sage", "0");
-    let server = Server::start(&file, &["--quota-rps", "5"]);
+    // The HTTP workers pinned to the first CPU this test may use.
+    let cpu = first_allowed_cpu(&std::fs::read_to_string("/proc/self/status").unwrap());
+    let server = Server::start(&file, &["--quota-rps", "5", "--http-cpus", &cpu]);
+    // Two workers (`--http-workers` 2) beside actix's system thread, which is not one.
+    let threads = http_thread_cpus(server.child.id(), &cpu, 2);
+    assert_eq!(
+        threads.iter().filter(|c| *c == &cpu).count(),
+        2,
+        "HTTP threads on CPUs {threads:?}: not both workers pinned to {cpu}"
+    );
     let a = agent();
     assert_eq!(
         call(&a, "GET", &format!("{}/healthz", server.url), b"", None).status,
@@ -700,6 +709,76 @@ fn health_readiness_metrics_and_shedding() {
     ] {
         assert!(m.contains(want), "/metrics lacks {want}:\n{m}");
     }
+}
+
+/// The first CPU of a `/proc/.../status` file's `Cpus_allowed_list` (`0-1` -> `0`).
+fn first_allowed_cpu(status: &str) -> String {
+    let list = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .expect("Cpus_allowed_list in /proc status")
+        .trim();
+    list.split([',', '-']).next().unwrap().to_string()
+}
+
+/// The `Cpus_allowed_list` of each `actix-rt|system` thread of process `pid` (the HTTP
+/// workers and actix's system thread), once `want` of them are on `cpu` or after 10 s:
+/// the workers build their app, and pin themselves, as they start.
+fn http_thread_cpus(pid: u32, cpu: &str, want: usize) -> Vec<String> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut cpus = Vec::new();
+        for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+            let dir = task.unwrap().path();
+            let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+            if comm.trim() != "actix-rt|system" {
+                continue;
+            }
+            let status = std::fs::read_to_string(dir.join("status")).unwrap_or_default();
+            if let Some(list) = status
+                .lines()
+                .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+            {
+                cpus.push(list.trim().to_string());
+            }
+        }
+        if cpus.iter().filter(|c| *c == cpu).count() >= want || Instant::now() > deadline {
+            return cpus;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn http_cpus_outside_the_process_are_refused_with_the_flag_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_trellis"))
+        .args(["serve", "--model", s(&dir.path().join("none.safetensors"))])
+        .args([
+            "--data",
+            DATA,
+            "--listen",
+            "127.0.0.1:0",
+            "--http-cpus",
+            "1023",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(
+        err.contains("--http-cpus") && err.contains("1023"),
+        "the error does not name the flag and the CPU: {err}"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_trellis"))
+        .args(["serve", "--http-cpus", "2-1"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("runs backwards"),
+        "{err}"
+    );
 }
 
 /// What one request of the open-loop load saw.
@@ -1116,6 +1195,7 @@ fn bench_serve_reports_every_workload() {
             "50",
         ])
         .args(["--connections", "4", "--threads", "2"])
+        .args(["--pin-generator", "auto"])
         .output()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
@@ -1142,6 +1222,14 @@ fn bench_serve_reports_every_workload() {
         );
     }
     assert!(text.contains("CPU: load generator"), "{text}");
+    // With two CPUs or more the generator gets the last and the HTTP workers the others.
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let placed = if cpus >= 2 {
+        "load generator on CPU "
+    } else {
+        "not pinned"
+    };
+    assert!(text.contains(placed), "no `{placed}` in {text}");
     // The limit beside (c)'s training share: what (a)'s load took of the machine's cores.
     let limit = text
         .lines()

@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 use trellis_actors::serving::engine::{self, EngineConfig};
-use trellis_actors::serving::priority::Class;
+use trellis_actors::serving::priority::{Class, CpuSet};
 use trellis_actors::serving::scheduler::SchedulerConfig;
 use trellis_actors::{RunEvent, Topology, TrainingRun};
 use trellis_gpu::{bench, PriorityGate, Stream};
@@ -83,6 +83,60 @@ pub struct ServeBenchArgs {
     /// --partitions P --serve` does.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     pub beside_partitions: u32,
+    /// Where the load generator runs: `auto` (on the last CPU, the HTTP workers on the
+    /// others, where the process has two or more), `off` (both wherever the kernel puts
+    /// them), or a CPU list such as `3` (the HTTP workers on the other CPUs). On one
+    /// machine a generator on its own CPUs stands in for one on another machine; training
+    /// beside (c) runs on every CPU either way.
+    #[arg(long, default_value = "off", value_parser = parse_pin)]
+    pub pin_generator: Pin,
+}
+
+/// Where `bench serve` runs its load generator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pin {
+    Auto,
+    Off,
+    On(CpuSet),
+}
+
+fn parse_pin(s: &str) -> std::result::Result<Pin, String> {
+    match s {
+        "auto" => Ok(Pin::Auto),
+        "off" => Ok(Pin::Off),
+        list => CpuSet::parse(list).map(Pin::On),
+    }
+}
+
+/// The CPUs of the load generator and of the HTTP workers (`None`: unpinned).
+#[derive(Debug, Clone, Copy)]
+struct Placement {
+    generator: CpuSet,
+    http: CpuSet,
+}
+
+fn placement(pin: Pin) -> Result<Option<Placement>> {
+    let all = CpuSet::of_this_thread()?;
+    match pin {
+        Pin::Off => Ok(None),
+        Pin::Auto => Ok(all
+            .split_last()
+            .map(|(http, generator)| Placement { generator, http })),
+        Pin::On(generator) => {
+            let http = CpuSet::of(
+                all.cpus()
+                    .into_iter()
+                    .filter(|c| !generator.cpus().contains(c)),
+            )
+            .expect("CPUs of this process are below CPU_SETSIZE");
+            if generator.is_empty() || !generator.is_subset_of(&all) || http.is_empty() {
+                anyhow::bail!(
+                    "--pin-generator {generator}: the generator's CPUs must be some of this process's CPUs ({all}) and leave at least one to the HTTP workers"
+                );
+            }
+            Ok(Some(Placement { generator, http }))
+        }
+    }
 }
 
 fn parse_class(s: &str) -> std::result::Result<Class, String> {
@@ -149,6 +203,7 @@ fn median_ms(mut v: Vec<f64>) -> f64 {
 }
 
 pub fn run(a: ServeBenchArgs) -> Result<()> {
+    let pinned = placement(a.pin_generator)?;
     let ds = load_data(&a.data)?;
     let stream = Stream::cpu(a.threads)?;
     let triad = bench::triad_bandwidth_gbs(256 << 20, stream.budget());
@@ -201,6 +256,7 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
         features: width,
         classes: ds.num_classes,
         workers: a.http_workers.max(1),
+        cpus: pinned.map(|p| p.http),
     };
     let (tx, rx) = std::sync::mpsc::channel();
     let server = handle.clone();
@@ -223,6 +279,7 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
         duration: Duration::from_secs(a.seconds),
         connections: a.connections,
         seed,
+        cpus: pinned.map(|p| p.generator),
     };
     let one = |rate: f64| {
         vec![TenantLoad {
@@ -234,6 +291,13 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
         "trellis bench serve: {} ({n} nodes), GCN hidden {}, {parts} part(s), SLO {} ms, {} s per workload, {} HTTP worker(s), memory bandwidth (STREAM triad) {triad:.1} GB/s",
         ds.name, a.hidden, a.slo_ms, a.seconds, a.http_workers.max(1)
     );
+    match pinned {
+        Some(p) => println!(
+            "load generator on CPU {}, HTTP workers on CPU {} (--pin-generator off: both anywhere); training beside (c) on every CPU",
+            p.generator, p.http
+        ),
+        None => println!("load generator and HTTP workers on any CPU (not pinned)"),
+    }
     let query = move |_: usize, rng: &mut crate::serve::loadgen::Rng| {
         let v = rng.below(n as u64);
         ("/v1/predict", format!("{{\"nodes\":[{v}]}}").into_bytes())

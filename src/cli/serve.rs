@@ -16,6 +16,7 @@ use trellis_actors::cluster::serving::ClusterServing;
 use trellis_actors::cluster::ClusterFile;
 use trellis_actors::faults::FaultPlan;
 use trellis_actors::serving::engine::{self, EngineConfig};
+use trellis_actors::serving::priority::CpuSet;
 use trellis_actors::serving::scheduler::SchedulerConfig;
 use trellis_runtime::inference::NodeGraph;
 use trellis_runtime::model_file;
@@ -80,6 +81,11 @@ pub struct ServeArgs {
     /// HTTP worker threads.
     #[arg(long, default_value_t = 2)]
     pub http_workers: usize,
+    /// The CPUs the engine node's HTTP workers run on, as `0` or `0,2-3` (default: every
+    /// CPU the process may use). Keeps them off cores where another busy thread would
+    /// make a woken worker wait.
+    #[arg(long, value_parser = CpuSet::parse)]
+    pub http_cpus: Option<CpuSet>,
     /// CPU threads for kernels (0 = all CPUs).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
@@ -100,6 +106,9 @@ pub struct ServeArgs {
 const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
 
 pub fn run(a: ServeArgs) -> Result<()> {
+    if let Some(cpus) = &a.http_cpus {
+        crate::serve::check_http_cpus(cpus).map_err(|e| anyhow::anyhow!("--http-cpus: {e}"))?;
+    }
     let cluster = match &a.cluster {
         Some(path) => Some(ClusterFile::load(path)?),
         None => None,
@@ -250,6 +259,7 @@ fn serve_engine(a: &ServeArgs, cluster: Option<(ClusterFile, u32)>) -> Result<()
         features: ds.num_features,
         classes: ds.num_classes,
         workers: a.http_workers,
+        cpus: a.http_cpus,
     };
     let (forward_slot, answer_within) = (
         handle.http_forward.clone(),

@@ -150,6 +150,7 @@ impl Beside {
             features: ds.num_features,
             classes: ds.num_classes,
             workers: 2,
+            cpus: None,
         };
         let (tx, rx) = std::sync::mpsc::channel();
         let handle = engine.clone();

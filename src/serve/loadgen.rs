@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, Mutex};
+use trellis_actors::serving::priority::CpuSet;
 
 /// One caller of the load: its API key and arrival rate.
 #[derive(Debug, Clone)]
@@ -32,6 +33,10 @@ pub struct LoadSpec {
     /// Keep-alive connections (requests beyond them wait on the client, timed).
     pub connections: usize,
     pub seed: u64,
+    /// The CPUs the generator's threads run on (`None`: wherever the process may). On one
+    /// machine with the service, keeping it off the service's cores stands in for a load
+    /// generator on another machine.
+    pub cpus: Option<CpuSet>,
 }
 
 /// What happened to one caller's requests.
@@ -249,8 +254,30 @@ pub fn run_open_loop(
             format!("the load's arrival rates sum to {total}/s: nothing to send"),
         ));
     }
+    // The clock thread (this one) is pinned for the run and given its own CPUs back after.
+    let own_cpus = match spec.cpus {
+        Some(cpus) => {
+            let own = CpuSet::of_this_thread()?;
+            cpus.pin_this_thread()?;
+            Some(own)
+        }
+        None => None,
+    };
+    let run = run_pinned(spec, &mut make);
+    if let Some(own) = own_cpus {
+        own.pin_this_thread()?;
+    }
+    run
+}
+
+fn run_pinned(
+    spec: &LoadSpec,
+    make: &mut impl FnMut(usize, &mut Rng) -> (&'static str, Vec<u8>),
+) -> std::io::Result<LoadRun> {
+    let total: f64 = spec.tenants.iter().map(|t| t.rate.max(0.0)).sum();
     let worker_cpu = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let on_stop = worker_cpu.clone();
+    // The connection thread is created by the (pinned) clock thread and inherits its CPUs.
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .thread_name("trellis-loadgen")

@@ -28,6 +28,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
 use tracing::Instrument;
 use trellis_actors::serving::engine::{Answer, Command, EngineHandle};
+use trellis_actors::serving::priority::CpuSet;
 use trellis_actors::serving::ServeError;
 use trellis_actors::telemetry;
 use trellis_runtime::model_file;
@@ -46,6 +47,8 @@ pub struct HttpConfig {
     pub classes: usize,
     /// HTTP worker threads.
     pub workers: usize,
+    /// The CPUs the HTTP workers run on (`None`: wherever the process may).
+    pub cpus: Option<CpuSet>,
 }
 
 struct AppState {
@@ -421,6 +424,32 @@ pub fn run_http(
     run_http_stoppable(engine, cfg, listen, |addr, _| on_bound(addr))
 }
 
+/// Checks that the HTTP workers can be pinned to `cpus`: a non-empty subset of the CPUs
+/// the calling thread may run on.
+pub fn check_http_cpus(cpus: &CpuSet) -> std::io::Result<()> {
+    let allowed = CpuSet::of_this_thread()?;
+    if cpus.is_empty() || !cpus.is_subset_of(&allowed) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidInput,
+            format!(
+                "the HTTP workers' CPUs `{cpus}` are not a non-empty subset of the CPUs this process may run on ({allowed})"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Pins the calling HTTP worker thread to `cpus` the first time it builds its app.
+fn pin_worker_once(cpus: &CpuSet) {
+    thread_local!(static PINNED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) });
+    if PINNED.with(|p| p.replace(true)) {
+        return;
+    }
+    if let Err(e) = cpus.pin_this_thread() {
+        eprintln!("warning: an HTTP worker could not be pinned to CPUs {cpus}: {e}");
+    }
+}
+
 /// [`run_http`], handing `on_bound` the server's handle too: `handle.stop(true)` ends it
 /// as SIGINT or SIGTERM would (requests in flight are answered first).
 pub fn run_http_stoppable(
@@ -429,6 +458,9 @@ pub fn run_http_stoppable(
     listen: SocketAddr,
     on_bound: impl FnOnce(SocketAddr, actix_web::dev::ServerHandle),
 ) -> std::io::Result<()> {
+    if let Some(cpus) = cfg.cpus {
+        check_http_cpus(&cpus)?;
+    }
     let metrics = Arc::new(HttpMetrics::default());
     let state = web::Data::new(AppState {
         engine,
@@ -437,6 +469,10 @@ pub fn run_http_stoppable(
     });
     actix_web::rt::System::new().block_on(async move {
         let server = HttpServer::new(move || {
+            // actix-web builds the app on each worker's own thread as it starts.
+            if let Some(cpus) = cfg.cpus {
+                pin_worker_once(&cpus);
+            }
             App::new()
                 .app_data(state.clone())
                 .route("/v1/predict", web::post().to(predict))
