@@ -123,12 +123,8 @@ fn placement(pin: Pin) -> Result<Option<Placement>> {
             .split_last()
             .map(|(http, generator)| Placement { generator, http })),
         Pin::On(generator) => {
-            let http = CpuSet::of(
-                all.cpus()
-                    .into_iter()
-                    .filter(|c| !generator.cpus().contains(c)),
-            )
-            .expect("CPUs of this process are below CPU_SETSIZE");
+            let http = CpuSet::of(all.cpus().into_iter().filter(|&c| !generator.contains(c)))
+                .expect("CPUs of this process are below CPU_SETSIZE");
             if generator.is_empty() || !generator.is_subset_of(&all) || http.is_empty() {
                 anyhow::bail!(
                     "--pin-generator {generator}: the generator's CPUs must be some of this process's CPUs ({all}) and leave at least one to the HTTP workers"

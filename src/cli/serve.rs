@@ -106,6 +106,8 @@ pub struct ServeArgs {
 const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
 
 pub fn run(a: ServeArgs) -> Result<()> {
+    // Checked before the data and model are loaded (which can take minutes), not only
+    // when the HTTP server starts.
     if let Some(cpus) = &a.http_cpus {
         crate::serve::check_http_cpus(cpus).map_err(|e| anyhow::anyhow!("--http-cpus: {e}"))?;
     }

@@ -263,18 +263,20 @@ pub fn run_open_loop(
         }
         None => None,
     };
-    let run = run_pinned(spec, &mut make);
+    let run = run_pinned(spec, total, &mut make);
     if let Some(own) = own_cpus {
         own.pin_this_thread()?;
     }
     run
 }
 
+/// [`run_open_loop`] on the calling thread as it is placed; `total` is the sum of the
+/// tenants' rates.
 fn run_pinned(
     spec: &LoadSpec,
+    total: f64,
     make: &mut impl FnMut(usize, &mut Rng) -> (&'static str, Vec<u8>),
 ) -> std::io::Result<LoadRun> {
-    let total: f64 = spec.tenants.iter().map(|t| t.rate.max(0.0)).sum();
     let worker_cpu = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let on_stop = worker_cpu.clone();
     // The connection thread is created by the (pinned) clock thread and inherits its CPUs.

@@ -143,8 +143,7 @@ impl CpuSet {
     /// The CPUs in the set, ascending.
     pub fn cpus(&self) -> Vec<usize> {
         (0..libc::CPU_SETSIZE as usize)
-            // SAFETY: `c` is below CPU_SETSIZE, so the bit read is inside the array.
-            .filter(|&c| unsafe { libc::CPU_ISSET(c, &self.set) })
+            .filter(|&c| self.contains(c))
             .collect()
     }
 
@@ -157,10 +156,15 @@ impl CpuSet {
         self.len() == 0
     }
 
+    /// True when `cpu` is in the set.
+    pub fn contains(&self, cpu: usize) -> bool {
+        // SAFETY: `cpu` is checked below CPU_SETSIZE, so the bit read is inside the array.
+        cpu < libc::CPU_SETSIZE as usize && unsafe { libc::CPU_ISSET(cpu, &self.set) }
+    }
+
     /// True when every CPU of `self` is in `other`.
     pub fn is_subset_of(&self, other: &CpuSet) -> bool {
-        let theirs = other.cpus();
-        self.cpus().iter().all(|c| theirs.contains(c))
+        self.cpus().into_iter().all(|c| other.contains(c))
     }
 
     /// The CPUs the calling thread may run on.
