@@ -30,10 +30,12 @@ pub const CHECKPOINT_PREFIX: &str = "checkpoint-";
 pub const CHECKPOINT_SUFFIX: &str = ".ckpt";
 /// The first bytes of every checkpoint file.
 pub const MAGIC: &[u8; 8] = b"TRELCKPT";
-/// 6: a partition's state with its raw section before its archive (5 had it after; 5 and
-/// later: skip records as the rows sent where the codec has fixed widths, else int8; 4 had
-/// them all in int8, 3 in f32, 2 had no partition's own state: refused, as any other version).
-const VERSION: u32 = 6;
+/// 7: a partition's state whose held blocks and skip records carry a `mirror` flag (always
+/// off in a checkpoint, which holds every row; replicas may leave mirrored rows out); 6 had
+/// its raw section before its archive (5 had it after; 5 and later: skip records as the rows
+/// sent where the codec has fixed widths, else int8; 4 had them all in int8, 3 in f32, 2 had
+/// no partition's own state): refused, as any other version.
+const VERSION: u32 = 7;
 /// Magic, version, payload length, digest.
 const HEAD: usize = 8 + 4 + 8 + 32;
 /// The file older builds wrote (no integrity digest): refused with a clear message.

@@ -39,6 +39,10 @@ pub mod names {
     /// Of those, the payload bytes of the halo blocks a partition holds for its next epoch
     /// (`--staleness 1`), per partition.
     pub const REPLICA_HALO_BYTES: &str = "replica_halo_bytes";
+    /// Of the state replicated, the bytes a replica left out because the partitions of the
+    /// node it goes to hold them byte for byte (skip records and held halo rows), per
+    /// partition.
+    pub const REPLICA_MIRRORED_BYTES: &str = "replica_mirrored_bytes";
     /// From shipping a partition's state to a replica node until that node acknowledged
     /// storing it (QUIC transfer, queueing behind other traffic included), per partition.
     pub const REPLICA_TRANSFER: &str = "replica_transfer";
@@ -54,13 +58,14 @@ pub mod names {
         REPLICA_TRANSFER,
     ];
     /// Every counter name.
-    pub const COUNTERS: [&str; 7] = [
+    pub const COUNTERS: [&str; 8] = [
         HALO_BYTES,
         HALO_MESSAGES,
         RESTARTS,
         REPLICA_BYTES,
         REPLICA_WIRE_BYTES,
         REPLICA_HALO_BYTES,
+        REPLICA_MIRRORED_BYTES,
         REFUSED_CONNECTIONS,
     ];
     /// Every label name.

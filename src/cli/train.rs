@@ -655,12 +655,21 @@ pub fn replication_summary(r: &RunReport) -> Option<String> {
         return None;
     }
     let wire = r.counter_total(trellis_runtime::metrics::names::REPLICA_WIRE_BYTES);
+    let mirrored = r.counter_total(trellis_runtime::metrics::names::REPLICA_MIRRORED_BYTES);
     let step_ms: f64 = logs.iter().map(|l| l.ms).sum();
     let n = logs.len() as f64;
     let kib = |b: u64| b as f64 / n / 1024.0;
+    let left_out = if mirrored > 0 {
+        format!(
+            "; {:.1} KiB per epoch of the state left out, which the replica nodes' partitions hold",
+            kib(mirrored)
+        )
+    } else {
+        String::new()
+    };
     let sent = if wire > 0 {
         format!(
-            " ({:.1} KiB per epoch sent to the replica nodes: whole, or the bytes that changed)",
+            " ({:.1} KiB per epoch sent to the replica nodes: whole, or the bytes that changed{left_out})",
             kib(wire)
         )
     } else {

@@ -29,6 +29,9 @@ pub fn help(name: &str) -> &'static str {
         names::REPLICA_WIRE_BYTES => {
             "Bytes of replica messages sent: whole states, or the bytes that changed since one a node holds"
         }
+        names::REPLICA_MIRRORED_BYTES => {
+            "Bytes of partition state a replica left out: the replica node's partitions hold them"
+        }
         names::REPLICA_TRANSFER => {
             "From shipping a partition's state to a replica node until it acknowledged storing it"
         }

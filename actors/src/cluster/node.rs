@@ -4,7 +4,7 @@ use super::config::ClusterFile;
 use super::proto::ControlMsg;
 use crate::faults::FaultPlan;
 use crate::protocol::state::{GlobalCounts, PartitionState};
-use crate::replica::{DeltaBases, ReplicaBytes, ReplicaDelta, ReplicaStore};
+use crate::replica::{DeltaBases, Mirrors, MirrorsOf, ReplicaBytes, ReplicaDelta, ReplicaStore};
 use crate::shells::supervisor::NodeSupervisor;
 use crate::ActorError;
 use std::collections::HashMap;
@@ -440,6 +440,37 @@ impl ReplicaShipper {
         self.ids.iter().all(hosts) && self.also_to.as_ref().is_none_or(hosts)
     }
 
+    /// What each partition's next replica leaves out ([`Mirrors`]): where it goes to one node
+    /// only (one replica, no checkpoint writer beside), the rows of the partitions hosted
+    /// there. `None` where replicas go to more than one node (their bytes are the same for
+    /// every receiver), so nothing is left out. `training_records`: partitions keep skip
+    /// records of their training rows (`--skip-threshold` above 0).
+    pub fn mirrors(self: &Arc<Self>, training_records: bool) -> Option<MirrorsOf> {
+        if self.replicas != 1 || self.also_to.is_some() {
+            return None;
+        }
+        let me = self.clone();
+        Some(Arc::new(move |part| me.mirrors_of(part, training_records)))
+    }
+
+    /// The rows partition `part`'s replica leaves out now (see [`ReplicaShipper::mirrors`]).
+    fn mirrors_of(&self, part: u32, training_records: bool) -> Mirrors {
+        let placement = self.placement.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(&owner) = placement.get(part as usize) else {
+            return Mirrors::default();
+        };
+        let nodes = super::config::replica_nodes(&self.ids, owner, self.replicas);
+        let [to] = nodes[..] else {
+            return Mirrors::default();
+        };
+        Mirrors {
+            hosted: (0..placement.len() as u32)
+                .filter(|&p| p != part && placement[p as usize] == to)
+                .collect(),
+            training_records,
+        }
+    }
+
     /// The sender a node's [`ReplicaStore`] ships through.
     pub fn sender(self: &Arc<Self>) -> crate::replica::ReplicaSender {
         let me = self.clone();
@@ -542,6 +573,11 @@ pub fn host_partitions(
     });
     if let Some(s) = shipper {
         replicas.set_sender(s.sender(), s.receivers_host_partitions());
+        if cfg.halo.skip_threshold > 0.0 || cfg.halo.skips_eval_rows() {
+            if let Some(of) = s.mirrors(cfg.halo.skip_threshold > 0.0) {
+                replicas.set_mirrors(of);
+            }
+        }
     }
     Ok(NodeSupervisor::start(
         states,

@@ -21,6 +21,15 @@
 //! against that digest. What is left is what only that partition holds: its gradient
 //! residual, held halo rows and skip records.
 //!
+//! A replica also leaves out the rows its one receiver holds already, byte for byte
+//! ([`Mirrors`]): a skip record is exactly the held block of the partition it was sent to,
+//! and a held block exactly the record of the partition that sent it (where that partition
+//! keeps one), so where that partition is hosted on the replica node, the replica carries
+//! only the BLAKE3 digest of such a payload and the receiver completes it from the
+//! snapshot of the same step its own partition committed ([`ReplicaBytes::decode_in`]),
+//! checked against that digest. Each pair of partitions on two nodes then ships the rows
+//! between them once instead of twice.
+//!
 //! After the first replica a node acknowledged, later ones reach it as the bytes that
 //! changed ([`delta`]).
 pub mod delta;
@@ -48,6 +57,102 @@ struct SnapshotWire {
     skip_sent: Vec<WireSent>,
 }
 
+/// Bytes of a BLAKE3 digest: what a replica carries in place of rows it leaves out.
+const DIGEST_LEN: usize = 32;
+
+/// What a replica may leave out because the one node it goes to holds it byte for byte: a
+/// skip record to a partition hosted there (the record is what that partition holds: its
+/// held block), and a held block from one (the block is that partition's record of it).
+/// The replica carries the payload's BLAKE3 digest instead, and the receiver completes it
+/// from the snapshot its own partition committed at the same step ([`ReplicaStore::set_mirrors`]).
+/// Only fixed-width payloads are mirrors: rows sent as fp32 or in adaptive widths are
+/// recorded by their sender in int8, which is not what the receiver holds.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Mirrors {
+    /// The partitions hosted on the node the replica goes to (empty: leave nothing out).
+    pub hosted: Vec<u32>,
+    /// Partitions keep skip records of their training rows (`--skip-threshold` above 0), so
+    /// that a held training block is its sender's record; evaluation blocks are held exactly
+    /// where their sender keeps a record (`skip::keeps_eval_rows`).
+    pub training_records: bool,
+}
+
+impl Mirrors {
+    /// Whether the receiver's partition `r.to` holds this record's rows as its held block.
+    fn record(&self, r: &SentRows) -> bool {
+        matches!(r.values, SentValues::Encoded(_)) && self.hosted.contains(&r.to.0)
+    }
+
+    /// Whether the receiver's partition `b.from` holds this block as its skip record.
+    fn block(&self, b: &HaloBlock) -> bool {
+        let fixed = matches!(&b.payload, HaloPayload::Encoded(e) if codec::is_fixed_width(e));
+        fixed
+            && self.hosted.contains(&b.header.from.0)
+            && (b.header.phase == Phase::Eval || self.training_records)
+    }
+}
+
+/// The [`Mirrors`] of each partition's next replica (given by the cluster node, which knows
+/// where the replica goes and what is hosted there).
+pub type MirrorsOf = Arc<dyn Fn(u32) -> Mirrors + Send + Sync>;
+
+/// A payload a replica left out: partition `holder`'s skip record to `peer` (`record`), or
+/// its held block from `peer`, of one phase and layer tag.
+#[derive(Debug, Clone, Copy)]
+struct MirrorKey {
+    holder: u32,
+    peer: u32,
+    phase: Phase,
+    layer: u16,
+    record: bool,
+}
+
+/// Where a replica being decoded finds the payloads it left out: the snapshots of the same
+/// step that the receiving store's own partitions committed.
+struct MirrorSource<'a> {
+    /// The replica's partition and step.
+    part: u32,
+    epoch: u32,
+    store: Option<&'a ReplicaStore>,
+}
+
+impl MirrorSource<'_> {
+    /// The payload `key` names, checked against `digest` (the sender's BLAKE3 of it).
+    fn payload(&self, key: MirrorKey, digest: &[u8]) -> Result<Arc<[u8]>, String> {
+        let what = format!(
+            "the {} partition {} keeps of {:?} layer tag {} with partition {}",
+            if key.record {
+                "skip record"
+            } else {
+                "held rows"
+            },
+            key.holder,
+            key.phase,
+            key.layer,
+            key.peer
+        );
+        let store = self.store.ok_or_else(|| {
+            format!(
+                "it leaves out {what}: it is completed only on the node that hosts partition {}",
+                key.holder
+            )
+        })?;
+        let bytes = store.mirror_at(self.epoch, key).ok_or_else(|| {
+            format!(
+                "it leaves out {what} at step {}, which this node does not hold",
+                self.epoch
+            )
+        })?;
+        if blake3::hash(&bytes).as_bytes()[..] != *digest {
+            return Err(format!(
+                "it leaves out {what} at step {}, and this node's copy has another digest than the sender's",
+                self.epoch
+            ));
+        }
+        Ok(bytes)
+    }
+}
+
 /// A sender's record of the rows one receiver holds (`--skip-threshold`).
 #[derive(Archive, Serialize, Deserialize)]
 struct WireSent {
@@ -59,6 +164,9 @@ struct WireSent {
     /// The values are the rows as sent, a dense payload of a fixed-width codec, in `codes`
     /// (`scales` empty); else int8 codes and per-row scales.
     encoded: bool,
+    /// The rows are left out (the receiver's partition `to` holds them: see [`Mirrors`]);
+    /// `codes` holds their BLAKE3 digest (32 bytes).
+    mirror: bool,
     /// The int8 codes, or the encoded rows, in the raw section.
     codes: RawRange,
     /// The per-row scales, f32 little endian in the raw section.
@@ -152,8 +260,9 @@ fn phase_of(code: u8) -> Option<Phase> {
 }
 
 impl WireSent {
-    fn of(s: &SentRows, raw: &mut RawLayout) -> Self {
+    fn of(s: &SentRows, raw: &mut RawLayout, mirror: bool) -> Self {
         let (encoded, codes, scales) = match &s.values {
+            SentValues::Encoded(_) if mirror => (true, DIGEST_LEN, 0),
             SentValues::Encoded(b) => (true, b.len(), 0),
             SentValues::Int8 { codes, scales } => (false, codes.len(), scales.len()),
         };
@@ -163,13 +272,15 @@ impl WireSent {
             layer: s.layer,
             cols: s.cols,
             encoded,
+            mirror,
             codes: raw.take(codes as u64),
             scales: raw.take(4 * scales as u64),
             sent: s.sent.clone(),
         }
     }
 
-    fn record(self, raw: &Raw<'_>) -> Result<SentRows, String> {
+    /// The record; rows left out are taken from `mirrors` (the receiver's own partitions).
+    fn record(self, raw: &Raw<'_>, mirrors: &MirrorSource<'_>) -> Result<SentRows, String> {
         let phase = phase_of(self.phase)
             .ok_or_else(|| format!("skip record with unknown phase {}", self.phase))?;
         let rows = self.sent.len() as u64;
@@ -181,6 +292,17 @@ impl WireSent {
             values,
             sent: self.sent.clone(),
         };
+        if self.mirror {
+            let key = MirrorKey {
+                holder: self.to,
+                peer: mirrors.part,
+                phase,
+                layer: self.layer,
+                record: false,
+            };
+            let bytes = mirrors.payload(key, raw.bytes(self.codes)?)?;
+            return Ok(record(SentValues::Encoded(bytes)));
+        }
         if self.encoded {
             let bytes = raw.bytes(self.codes)?;
             if !codec::is_fixed_width(bytes) {
@@ -223,12 +345,20 @@ struct WireBlock {
     cols: u32,
     /// Encoded bytes (a codec's payload), else f32 values.
     encoded: bool,
+    /// The rows are left out (the receiver's partition `from` holds them as its skip record:
+    /// see [`Mirrors`]); `payload` holds their BLAKE3 digest (32 bytes).
+    mirror: bool,
     payload: RawRange,
 }
 
 impl WireBlock {
-    fn of(b: &HaloBlock, raw: &mut RawLayout) -> Self {
+    fn of(b: &HaloBlock, raw: &mut RawLayout, mirror: bool) -> Self {
         let encoded = matches!(b.payload, HaloPayload::Encoded(_));
+        let len = if mirror {
+            DIGEST_LEN as u64
+        } else {
+            b.payload.len_bytes()
+        };
         WireBlock {
             epoch: b.header.epoch,
             phase: phase_code(b.header.phase),
@@ -238,16 +368,27 @@ impl WireBlock {
             rows: b.rows,
             cols: b.cols,
             encoded,
-            payload: raw.take(b.payload.len_bytes()),
+            mirror,
+            payload: raw.take(len),
         }
     }
 
     /// The block (run id nil: a held block is only read for its rows). Fp32 values must be
     /// exactly `rows x cols`; encoded payloads are checked by the decoder when used.
-    fn block(self, raw: &Raw<'_>) -> Result<HaloBlock, String> {
+    /// Rows left out are taken from `mirrors` (the receiver's own partitions).
+    fn block(self, raw: &Raw<'_>, mirrors: &MirrorSource<'_>) -> Result<HaloBlock, String> {
         let phase = phase_of(self.phase)
             .ok_or_else(|| format!("held halo block with unknown phase {}", self.phase))?;
-        let payload = if self.encoded {
+        let payload = if self.mirror {
+            let key = MirrorKey {
+                holder: self.from,
+                peer: mirrors.part,
+                phase,
+                layer: self.layer,
+                record: true,
+            };
+            HaloPayload::Encoded(mirrors.payload(key, raw.bytes(self.payload)?)?)
+        } else if self.encoded {
             HaloPayload::Encoded(Arc::from(raw.bytes(self.payload)?))
         } else {
             let values = raw.floats(self.payload)?;
@@ -320,12 +461,18 @@ pub struct ReplicaBytes {
 impl ReplicaBytes {
     /// Encodes `snap` (host tensors) for replication, model included.
     pub fn encode(part: u32, snap: &Snapshot) -> Self {
-        Encoding::start(part, snap, true).finish(snap)
+        Encoding::start(part, snap, true, &Mirrors::default()).finish(snap)
     }
 
     /// Encodes `snap` without its model and optimizer state (see the module's doc).
     pub fn encode_without_model(part: u32, snap: &Snapshot) -> Self {
-        Encoding::start(part, snap, false).finish(snap)
+        Self::encode_for(part, snap, &Mirrors::default())
+    }
+
+    /// Encodes `snap` without its model and optimizer state, and without the payloads of
+    /// `mirrors` (see the module's doc).
+    pub fn encode_for(part: u32, snap: &Snapshot, mirrors: &Mirrors) -> Self {
+        Encoding::start(part, snap, false, mirrors).finish(snap)
     }
 }
 
@@ -337,16 +484,19 @@ pub struct Encoding {
     part: u32,
     epoch: u32,
     archive: rkyv::util::AlignedVec,
-    /// Where each held block's and each skip record's payload goes in the raw section.
-    blocks: Vec<RawRange>,
-    records: Vec<(RawRange, RawRange)>,
+    /// Where each held block's and each skip record's payload goes in the raw section, and
+    /// whether only its digest does (a mirror).
+    blocks: Vec<(RawRange, bool)>,
+    records: Vec<(RawRange, RawRange, bool)>,
     raw_len: u64,
+    /// Bytes of the payloads left out, less the digests carried in their place.
+    left_out: u64,
 }
 
 impl Encoding {
     /// Lays `snap` out and archives its small fields (and, `with_model`, its model and
-    /// optimizer state).
-    pub fn start(part: u32, snap: &Snapshot, with_model: bool) -> Self {
+    /// optimizer state); the payloads of `mirrors` are laid out as their digests.
+    pub fn start(part: u32, snap: &Snapshot, with_model: bool, mirrors: &Mirrors) -> Self {
         // Raw section order: training blocks, training records, evaluation blocks, evaluation
         // records (see the module's doc); the archive keeps the snapshot's own order.
         let mut raw = RawLayout::default();
@@ -355,17 +505,30 @@ impl Encoding {
         for eval in [false, true] {
             for (i, b) in snap.held_halo.iter().enumerate() {
                 if (b.header.phase == Phase::Eval) == eval {
-                    held[i] = Some(WireBlock::of(b, &mut raw));
+                    held[i] = Some(WireBlock::of(b, &mut raw, mirrors.block(b)));
                 }
             }
             for (i, r) in snap.skip_sent.iter().enumerate() {
                 if (r.phase == Phase::Eval) == eval {
-                    sent[i] = Some(WireSent::of(r, &mut raw));
+                    sent[i] = Some(WireSent::of(r, &mut raw, mirrors.record(r)));
                 }
             }
         }
         let held_halo: Vec<WireBlock> = held.into_iter().flatten().collect();
         let skip_sent: Vec<WireSent> = sent.into_iter().flatten().collect();
+        let left_out =
+            snap.held_halo
+                .iter()
+                .filter(|b| mirrors.block(b))
+                .map(|b| b.payload.len_bytes())
+                .chain(snap.skip_sent.iter().filter(|r| mirrors.record(r)).map(
+                    |r| match &r.values {
+                        SentValues::Encoded(b) => b.len() as u64,
+                        SentValues::Int8 { .. } => 0,
+                    },
+                ))
+                .map(|n| n.saturating_sub(DIGEST_LEN as u64))
+                .sum();
         let (params, moments) = if with_model {
             (
                 snap.params.iter().map(WireTensor::of).collect(),
@@ -394,10 +557,25 @@ impl Encoding {
             part,
             epoch: snap.epoch,
             archive,
-            blocks: wire.held_halo.iter().map(|w| w.payload).collect(),
-            records: wire.skip_sent.iter().map(|w| (w.codes, w.scales)).collect(),
+            blocks: wire
+                .held_halo
+                .iter()
+                .map(|w| (w.payload, w.mirror))
+                .collect(),
+            records: wire
+                .skip_sent
+                .iter()
+                .map(|w| (w.codes, w.scales, w.mirror))
+                .collect(),
             raw_len: raw.len,
+            left_out,
         }
+    }
+
+    /// Bytes of the state the encoding leaves out ([`Mirrors`]), less the digests it carries
+    /// in their place: with [`Encoding::len`], the size of the whole state.
+    pub fn left_out(&self) -> u64 {
+        self.left_out
     }
 
     /// Bytes of the encoded snapshot.
@@ -419,16 +597,22 @@ impl Encoding {
         buf[..8].copy_from_slice(&self.raw_len.to_le_bytes());
         buf[end..].copy_from_slice(&self.archive);
         let section = &mut buf[8..end];
-        for (b, r) in snap.held_halo.iter().zip(&self.blocks) {
+        for (b, (r, mirror)) in snap.held_halo.iter().zip(&self.blocks) {
             let dst = &mut section[r.offset as usize..][..r.len as usize];
             match &b.payload {
+                HaloPayload::Encoded(e) if *mirror => {
+                    dst.copy_from_slice(blake3::hash(e).as_bytes())
+                }
                 HaloPayload::F32(d) => put_floats(dst, d),
                 HaloPayload::Encoded(e) => dst.copy_from_slice(e),
             }
         }
-        for (s, (codes, scales)) in snap.skip_sent.iter().zip(&self.records) {
+        for (s, (codes, scales, mirror)) in snap.skip_sent.iter().zip(&self.records) {
             let dst = &mut section[codes.offset as usize..][..codes.len as usize];
             match &s.values {
+                SentValues::Encoded(b) if *mirror => {
+                    dst.copy_from_slice(blake3::hash(b).as_bytes())
+                }
                 SentValues::Encoded(b) => dst.copy_from_slice(b),
                 SentValues::Int8 {
                     codes: c,
@@ -455,7 +639,7 @@ impl ReplicaBytes {
     /// bytes: a mismatch or a corrupt archive is an error saying which; so is a replica that
     /// left its model out (decode it with [`ReplicaBytes::decode_in`]).
     pub fn decode(&self) -> Result<Snapshot, String> {
-        match self.decode_parts()? {
+        match self.decode_parts(None)? {
             (snap, false) => Ok(snap),
             (snap, true) => Err(format!(
                 "replica of partition {} (step {}) leaves the model out: it is completed only on a node that hosts a partition",
@@ -467,9 +651,10 @@ impl ReplicaBytes {
     /// As [`ReplicaBytes::decode`]; a replica that left its model out is completed from the
     /// model and optimizer state of the same step that `store`'s own partitions committed,
     /// with the weights digest it names (an error naming the partition and step when `store`
-    /// holds none).
+    /// holds none), and one that left out rows this node's partitions hold ([`Mirrors`])
+    /// from their snapshots of that step, each checked against the digest it names.
     pub fn decode_in(&self, store: &ReplicaStore) -> Result<Snapshot, String> {
-        let (mut snap, elided) = self.decode_parts()?;
+        let (mut snap, elided) = self.decode_parts(Some(store))?;
         if elided {
             let model = store.model_at(snap.epoch, &snap.digest).ok_or_else(|| {
                 format!(
@@ -483,8 +668,9 @@ impl ReplicaBytes {
         Ok(snap)
     }
 
-    /// The snapshot as shipped, and whether it left its model out.
-    fn decode_parts(&self) -> Result<(Snapshot, bool), String> {
+    /// The snapshot as shipped, and whether it left its model out; rows it left out are
+    /// completed from `store` (an error without one).
+    fn decode_parts(&self, store: Option<&ReplicaStore>) -> Result<(Snapshot, bool), String> {
         let got = blake3::hash(&self.bytes).to_hex().to_string();
         if got != self.digest {
             return Err(format!(
@@ -506,6 +692,11 @@ impl ReplicaBytes {
         let w = rkyv::from_bytes::<SnapshotWire, rkyv::rancor::Error>(&aligned)
             .map_err(|e| corrupt(e.to_string()))?;
         let elided = w.model_elided;
+        let mirrors = MirrorSource {
+            part: self.part,
+            epoch: w.epoch,
+            store,
+        };
         let snap = Snapshot {
             epoch: w.epoch,
             params: w
@@ -524,13 +715,13 @@ impl ReplicaBytes {
             held_halo: w
                 .held_halo
                 .into_iter()
-                .map(|b| b.block(&raw))
+                .map(|b| b.block(&raw, &mirrors))
                 .collect::<Result<_, _>>()
                 .map_err(|e| format!("replica of partition {}: {e}", self.part))?,
             skip_sent: w
                 .skip_sent
                 .into_iter()
-                .map(|s| s.record(&raw))
+                .map(|s| s.record(&raw, &mirrors))
                 .collect::<Result<_, _>>()
                 .map_err(|e| format!("replica of partition {}: {e}", self.part))?,
         };
@@ -682,6 +873,11 @@ pub struct ReplicaStore {
     assembling: std::sync::Mutex<std::collections::HashMap<(u32, u32, u32), Assembly>>,
     /// Replicas arriving as patches, by (sender, partition, step).
     patching: std::sync::Mutex<std::collections::HashMap<(u32, u32, u32), Patching>>,
+    /// Which rows the replicas shipped from here leave out ([`ReplicaStore::set_mirrors`]).
+    mirrors_of: std::sync::OnceLock<MirrorsOf>,
+    /// While replicas leave rows out: the snapshots of the newest steps of each partition
+    /// hosted here (newest last), which replicas from other nodes are completed from.
+    history: std::sync::Mutex<std::collections::HashMap<u32, Vec<Arc<Snapshot>>>>,
 }
 
 /// A replica being rebuilt from its base and the pieces of its patch (in any order).
@@ -752,7 +948,9 @@ impl ReplicaStore {
 
     /// Stores `part`'s latest snapshot and, in a cluster, ships it to the partition's replica
     /// nodes (the initial state, step 0, is not shipped: any node recomputes it from the
-    /// configuration). Returns the bytes shipped to each replica node (0: none). Only the
+    /// configuration). Returns the bytes of state replicated: those shipped to each replica
+    /// node and those the replica left out for its receiver's partitions hold them
+    /// ([`Mirrors`]) (0: none). Only the
     /// snapshot's layout and small fields are encoded here; its payloads are written, digested
     /// and shipped on the store's replication thread, overlapped with the next epoch.
     pub fn put(&self, part: u32, snap: Arc<Snapshot>) -> u64 {
@@ -764,14 +962,19 @@ impl ReplicaStore {
         if !with_model {
             self.keep_model(&snap);
         }
+        self.keep_history(part, &snap);
         if let Some(queue) = self.shipping.get() {
             if snap.epoch > 0 {
                 use trellis_runtime::metrics::{names, Key, Metrics};
-                let encoding = Encoding::start(part, &snap, with_model);
-                shipped = encoding.len();
+                let mirrors = self.mirrors_of.get().map(|f| f(part)).unwrap_or_default();
+                let encoding = Encoding::start(part, &snap, with_model, &mirrors);
+                shipped = encoding.len() + encoding.left_out();
                 let metrics = Metrics::global();
                 let key = |name| Key::new(name).with("partition", part);
                 metrics.add(key(names::REPLICA_BYTES), shipped);
+                if encoding.left_out() > 0 {
+                    metrics.add(key(names::REPLICA_MIRRORED_BYTES), encoding.left_out());
+                }
                 let held = snap.held_halo_bytes();
                 if held > 0 {
                     metrics.add(key(names::REPLICA_HALO_BYTES), held);
@@ -797,7 +1000,64 @@ impl ReplicaStore {
             if self.elides_model() {
                 self.keep_model(&snap);
             }
+            self.keep_history(part, &snap);
             self.snaps.insert(part, snap);
+        }
+    }
+
+    /// Leaves out of the replicas shipped from here the rows their receiver holds
+    /// ([`Mirrors`]; `of` says which for each partition), and keeps the snapshots of the
+    /// newest [`MODELS_KEPT`] steps of this node's partitions, which replicas from other
+    /// nodes that leave rows out are completed from: every node of a cluster sets it alike.
+    /// Set once.
+    pub fn set_mirrors(&self, of: MirrorsOf) {
+        if !self.disabled {
+            let _ = self.mirrors_of.set(of);
+        }
+    }
+
+    /// Keeps `snap` among `part`'s newest snapshots while replicas leave rows out (one per
+    /// step: a step replayed after a rollback replaces its first snapshot).
+    fn keep_history(&self, part: u32, snap: &Arc<Snapshot>) {
+        if self.mirrors_of.get().is_none() {
+            return;
+        }
+        let mut history = self.history.lock().unwrap_or_else(|p| p.into_inner());
+        let kept = history.entry(part).or_default();
+        kept.retain(|s| s.epoch != snap.epoch);
+        kept.push(snap.clone());
+        kept.sort_by_key(|s| s.epoch);
+        let extra = kept.len().saturating_sub(MODELS_KEPT);
+        kept.drain(..extra);
+    }
+
+    /// The payload `key` names in the snapshot of step `epoch` of this node's partition
+    /// `key.holder` (see [`Mirrors`]).
+    fn mirror_at(&self, epoch: u32, key: MirrorKey) -> Option<Arc<[u8]>> {
+        let history = self.history.lock().unwrap_or_else(|p| p.into_inner());
+        let snap = history
+            .get(&key.holder)?
+            .iter()
+            .find(|s| s.epoch == epoch)?;
+        if key.record {
+            let r = snap
+                .skip_sent
+                .iter()
+                .find(|r| r.to.0 == key.peer && r.phase == key.phase && r.layer == key.layer)?;
+            match &r.values {
+                SentValues::Encoded(b) => Some(b.clone()),
+                SentValues::Int8 { .. } => None,
+            }
+        } else {
+            let b = snap.held_halo.iter().find(|b| {
+                b.header.from.0 == key.peer
+                    && b.header.phase == key.phase
+                    && b.header.layer == key.layer
+            })?;
+            match &b.payload {
+                HaloPayload::Encoded(e) => Some(e.clone()),
+                HaloPayload::F32(_) => None,
+            }
         }
     }
 

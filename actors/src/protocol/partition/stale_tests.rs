@@ -816,3 +816,214 @@ fn skipping_only_unchanged_evaluation_rows_counts_what_the_exact_run_counts() {
         }
     }
 }
+
+/// The payload's bytes, whatever its form (f32 values little endian).
+fn payload_bytes(p: &HaloPayload) -> Vec<u8> {
+    match p {
+        HaloPayload::Encoded(b) => b.to_vec(),
+        HaloPayload::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+    }
+}
+
+/// Halo settings whose partitions hold rows or keep records, each with what a replica may
+/// leave out under it.
+fn holding_configs() -> Vec<(&'static str, HaloConfig)> {
+    use trellis_runtime::comm::HaloCodec;
+    vec![
+        ("efficient", HaloConfig::efficient()),
+        (
+            "int8, skip only",
+            HaloConfig {
+                codec: HaloCodec::Int8,
+                skip_threshold: 0.5,
+                max_staleness: Some(3),
+                ..HaloConfig::default()
+            },
+        ),
+        (
+            "fp16, staleness, evaluation skip only",
+            HaloConfig {
+                codec: HaloCodec::Fp16,
+                staleness: 1,
+                eval_skip_threshold: 0.1,
+                max_staleness: Some(3),
+                ..HaloConfig::default()
+            },
+        ),
+        (
+            "fp32, skip and staleness",
+            HaloConfig {
+                staleness: 1,
+                skip_threshold: 0.5,
+                max_staleness: Some(3),
+                ..HaloConfig::default()
+            },
+        ),
+    ]
+}
+
+/// What [`crate::replica::Mirrors`] relies on, after every step of runs with each setting:
+/// every skip record kept as encoded rows is, byte for byte, the block its receiver holds
+/// (same phase and layer tag), and every held block of a fixed-width codec is its sender's
+/// record wherever the sender keeps records of that phase (training rows with
+/// `--skip-threshold`, evaluation rows always).
+#[test]
+fn skip_records_and_held_blocks_mirror_each_other_byte_for_byte() {
+    use crate::protocol::skip::SentValues;
+    let g = SimGraph::new().unwrap();
+    for kind in [ModelKind::Gcn, ModelKind::Sage] {
+        for (name, halo) in holding_configs() {
+            let mut c = Cluster::with(&g, kind, 3, halo);
+            let mut mirrored = 0;
+            for e in 1..=6 {
+                let (_, snaps) = c.epoch(e);
+                c.eval(e);
+                for (l, s) in snaps.iter().enumerate() {
+                    for r in &s.skip_sent {
+                        let SentValues::Encoded(v) = &r.values else {
+                            continue;
+                        };
+                        let held = snaps[r.to.0 as usize].held_halo.iter().find(|b| {
+                            b.header.from.0 as usize == l
+                                && (b.header.phase, b.header.layer) == (r.phase, r.layer)
+                        });
+                        let held = held.map(|b| payload_bytes(&b.payload));
+                        assert_eq!(held.as_deref(), Some(&v[..]), "{kind:?} {name} e{e}");
+                        mirrored += 1;
+                    }
+                    for b in &s.held_halo {
+                        let fixed = matches!(&b.payload,
+                            HaloPayload::Encoded(p) if codec::is_fixed_width(p));
+                        let recorded = b.header.phase == Phase::Eval || halo.skip_threshold > 0.0;
+                        if !(fixed && recorded) {
+                            continue;
+                        }
+                        let record = snaps[b.header.from.0 as usize].skip_sent.iter().find(|r| {
+                            r.to.0 as usize == l
+                                && (r.phase, r.layer) == (b.header.phase, b.header.layer)
+                        });
+                        let Some(SentValues::Encoded(v)) = record.map(|r| &r.values) else {
+                            panic!("{kind:?} {name} e{e}: no encoded record of {:?}", b.header);
+                        };
+                        assert_eq!(payload_bytes(&b.payload), v.to_vec(), "{kind:?} {name}");
+                        mirrored += 1;
+                    }
+                }
+            }
+            let fp32 = halo.codec == trellis_runtime::comm::HaloCodec::Fp32;
+            assert_eq!(mirrored == 0, fp32, "{kind:?} {name}: {mirrored} mirrors");
+        }
+    }
+}
+
+/// A replica that leaves out the rows its receiver's partitions hold is smaller, decodes
+/// only on a node that holds them at its step, and there decodes to the whole snapshot;
+/// rows there that differ from the sender's are refused, naming them.
+#[test]
+fn a_replica_leaves_out_the_rows_its_receiver_holds_and_is_completed_from_them() {
+    use crate::replica::{Mirrors, ReplicaStore};
+    let g = SimGraph::new().unwrap();
+    for (name, halo) in holding_configs() {
+        let mut c = Cluster::with(&g, ModelKind::Gcn, 3, halo);
+        let mut snaps = Vec::new();
+        for e in 1..=4 {
+            snaps = c.epoch(e).1;
+            c.eval(e);
+        }
+        // Partition 0's replica goes to the node that hosts partitions 1 and 2.
+        let mirrors = Mirrors {
+            hosted: vec![1, 2],
+            training_records: halo.skip_threshold > 0.0,
+        };
+        let whole = ReplicaBytes::encode_without_model(0, &snaps[0]);
+        let thin = ReplicaBytes::encode_for(0, &snaps[0], &mirrors);
+        // Fp32 rows are recorded in int8, and this setting's evaluation blocks all moved
+        // (neither side keeps them): nothing to leave out. Elsewhere the records and held
+        // blocks of partitions 1 and 2 (on this small graph, a small part of a replica).
+        let fp32 = halo.codec == trellis_runtime::comm::HaloCodec::Fp32;
+        let leaves_out = !fp32 && halo.skip_threshold > 0.0;
+        assert_eq!(thin.bytes.len() < whole.bytes.len(), leaves_out, "{name}");
+        if leaves_out {
+            let e = thin.decode().unwrap_err();
+            assert!(
+                e.contains("completed only on the node that hosts partition"),
+                "{e}"
+            );
+        }
+        let receiver = ReplicaStore::new();
+        receiver.set_sender(Arc::new(|_| {}), true);
+        receiver.set_mirrors(Arc::new(|_| Mirrors::default()));
+        let full = |store: &ReplicaStore| {
+            let mut s = thin.decode_in(store)?;
+            s.params = snaps[0].params.clone();
+            s.opt_state = snaps[0].opt_state.clone();
+            Ok::<_, String>(s)
+        };
+        // The model of the step is there, the rows not yet.
+        receiver.put(
+            1,
+            Arc::new(Snapshot {
+                held_halo: Vec::new(),
+                skip_sent: Vec::new(),
+                ..snaps[1].clone()
+            }),
+        );
+        if leaves_out {
+            let e = full(&receiver).unwrap_err();
+            assert!(
+                e.contains("which this node does not hold") || e.contains("another digest"),
+                "{e}"
+            );
+        }
+        receiver.put(1, Arc::new(snaps[1].clone()));
+        receiver.put(2, Arc::new(snaps[2].clone()));
+        let back = full(&receiver).unwrap();
+        assert_eq!(back.skip_sent, snaps[0].skip_sent, "{name}");
+        assert_eq!(back.held_halo.len(), snaps[0].held_halo.len());
+        for (a, b) in back.held_halo.iter().zip(&snaps[0].held_halo) {
+            assert_eq!(
+                payload_bytes(&a.payload),
+                payload_bytes(&b.payload),
+                "{name}"
+            );
+            assert_eq!(
+                (
+                    a.header.epoch,
+                    a.header.phase,
+                    a.header.layer,
+                    a.header.from,
+                    a.rows
+                ),
+                (
+                    b.header.epoch,
+                    b.header.phase,
+                    b.header.layer,
+                    b.header.from,
+                    b.rows
+                )
+            );
+        }
+        if !leaves_out {
+            continue;
+        }
+        // A held block of partition 2 that is not what partition 0 recorded: refused.
+        let mut other = snaps[2].clone();
+        let b = other
+            .held_halo
+            .iter_mut()
+            .find(|b| b.header.from.0 == 0 && matches!(b.payload, HaloPayload::Encoded(_)))
+            .unwrap();
+        let HaloPayload::Encoded(p) = &b.payload else {
+            unreachable!()
+        };
+        let mut p = p.to_vec();
+        *p.last_mut().unwrap() ^= 1;
+        b.payload = HaloPayload::Encoded(Arc::from(p));
+        receiver.put(2, Arc::new(other));
+        let e = full(&receiver).unwrap_err();
+        assert!(
+            e.contains("another digest than the sender's") && e.contains("partition 2"),
+            "{e}"
+        );
+    }
+}
