@@ -659,22 +659,20 @@ pub fn replication_summary(r: &RunReport) -> Option<String> {
     let step_ms: f64 = logs.iter().map(|l| l.ms).sum();
     let n = logs.len() as f64;
     let kib = |b: u64| b as f64 / n / 1024.0;
-    let left_out = if mirrored > 0 {
-        format!(
-            "; {:.1} KiB per epoch of the state left out, which the replica nodes' partitions hold",
-            kib(mirrored)
-        )
-    } else {
-        String::new()
+    // A clause about `b` bytes per epoch, only where there were any.
+    let clause = |b: u64, text: &dyn Fn(f64) -> String| {
+        if b > 0 {
+            text(kib(b))
+        } else {
+            String::new()
+        }
     };
-    let sent = if wire > 0 {
-        format!(
-            " ({:.1} KiB per epoch sent to the replica nodes: whole, or the bytes that changed{left_out})",
-            kib(wire)
-        )
-    } else {
-        String::new()
-    };
+    let left_out = clause(mirrored, &|k| {
+        format!("; {k:.1} KiB per epoch of the state left out, which the replica nodes' partitions hold")
+    });
+    let sent = clause(wire, &|k| {
+        format!(" ({k:.1} KiB per epoch sent to the replica nodes: whole, or the bytes that changed{left_out})")
+    });
     Some(format!(
         "replication: {:.1} KiB per epoch of state{sent}, {:.3} ms per epoch on the step's \
          critical path ({:.2}% of the training step)",
