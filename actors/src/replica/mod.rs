@@ -1007,7 +1007,7 @@ impl ReplicaStore {
 
     /// Leaves out of the replicas shipped from here the rows their receiver holds
     /// ([`Mirrors`]; `of` says which for each partition), and keeps the snapshots of the
-    /// newest [`MODELS_KEPT`] steps of this node's partitions, which replicas from other
+    /// newest three steps of this node's partitions, which replicas from other
     /// nodes that leave rows out are completed from: every node of a cluster sets it alike.
     /// Set once.
     pub fn set_mirrors(&self, of: MirrorsOf) {
