@@ -124,9 +124,11 @@ impl SentRows {
             SentValues::Encoded(b) => codec::merge_sparse(b, rows, cols, sparse)?,
             SentValues::Int8 { .. } => None,
         };
-        let kept = match merged {
-            Some(m) => SentValues::Encoded(Arc::from(m)),
-            None => {
+        let kept = match (merged, &self.values) {
+            // No row resent: the same buffer (replicas find it unchanged by identity).
+            (Some(Cow::Borrowed(_)), SentValues::Encoded(b)) => SentValues::Encoded(b.clone()),
+            (Some(m), _) => SentValues::Encoded(Arc::from(m)),
+            (None, _) => {
                 let values = values_of(inner, changed.len(), cols)?;
                 let mut all = self.decoded()?;
                 codec::overwrite_rows(&mut all, cols, changed, &values);
@@ -690,9 +692,10 @@ mod tests {
             };
             // The receiver's side: a dense block, or a sparse one merged into what it holds.
             held = Some(match held {
-                Some(h) if codec::is_sparse(&b) => {
-                    codec::merge_sparse(&h, 3, 2, &b).unwrap().unwrap()
-                }
+                Some(h) if codec::is_sparse(&b) => codec::merge_sparse(&h, 3, 2, &b)
+                    .unwrap()
+                    .unwrap()
+                    .into_owned(),
                 _ => b.to_vec(),
             });
             let rec = &s.committed()[0];

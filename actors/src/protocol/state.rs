@@ -400,11 +400,16 @@ impl PartitionState {
             .filter(|h| (h.rows, h.cols) == (b.rows, b.cols))
             .ok_or_else(|| bad(format!("no {rows}x{cols} rows held to merge it into")))?;
         if let HaloPayload::Encoded(held) = &base.payload {
-            if let Some(merged) =
-                codec::merge_sparse(held, rows, cols, bytes).map_err(|e| bad(e.to_string()))?
-            {
+            let merged =
+                codec::merge_sparse(held, rows, cols, bytes).map_err(|e| bad(e.to_string()))?;
+            if let Some(merged) = merged {
+                // No row resent: the held buffer itself, not a copy.
+                let payload = match merged {
+                    std::borrow::Cow::Borrowed(_) => base.payload.clone(),
+                    std::borrow::Cow::Owned(m) => HaloPayload::Encoded(Arc::from(m)),
+                };
                 return Ok(HaloBlock {
-                    payload: HaloPayload::Encoded(Arc::from(merged)),
+                    payload,
                     ..b.clone()
                 });
             }

@@ -92,6 +92,41 @@ impl Mirrors {
     }
 }
 
+/// The BLAKE3 digests of the payloads each partition's last replica left out
+/// ([`Mirrors`]), with the payloads themselves: a payload that is the same buffer in the next
+/// replica (a block or record no row of which was resent, which keeps its buffer) is not
+/// hashed again. Holding the buffers keeps their addresses from being reused by others while
+/// their digests are kept.
+#[derive(Default)]
+pub struct MirrorDigests(std::collections::HashMap<u32, Vec<MirrorDigest>>);
+
+/// A payload left out and its digest.
+struct MirrorDigest {
+    payload: Arc<[u8]>,
+    digest: [u8; DIGEST_LEN],
+}
+
+impl MirrorDigests {
+    /// `payload`'s digest: the one in `prev` if it is the same buffer, else computed; noted
+    /// in `next`.
+    fn digest(
+        prev: &[MirrorDigest],
+        next: &mut Vec<MirrorDigest>,
+        payload: &Arc<[u8]>,
+    ) -> [u8; DIGEST_LEN] {
+        let digest = prev
+            .iter()
+            .find(|m| Arc::ptr_eq(&m.payload, payload))
+            .map(|m| m.digest)
+            .unwrap_or_else(|| *blake3::hash(payload).as_bytes());
+        next.push(MirrorDigest {
+            payload: payload.clone(),
+            digest,
+        });
+        digest
+    }
+}
+
 /// The [`Mirrors`] of each partition's next replica (given by the cluster node, which knows
 /// where the replica goes and what is hosted there).
 pub type MirrorsOf = Arc<dyn Fn(u32) -> Mirrors + Send + Sync>;
@@ -591,6 +626,15 @@ impl Encoding {
     /// Writes the payloads of `snap` (the snapshot [`Encoding::start`] laid out) and digests
     /// the whole.
     pub fn finish(self, snap: &Snapshot) -> ReplicaBytes {
+        self.finish_with(snap, &mut MirrorDigests::default())
+    }
+
+    /// As [`Encoding::finish`], taking the digests of payloads left out that are unchanged
+    /// since the partition's last replica from `digests` (and noting this one's there).
+    pub fn finish_with(self, snap: &Snapshot, digests: &mut MirrorDigests) -> ReplicaBytes {
+        let prev = digests.0.remove(&self.part).unwrap_or_default();
+        let mut next = Vec::new();
+        let mut digest_of = |p: &Arc<[u8]>| MirrorDigests::digest(&prev, &mut next, p);
         let end = 8 + self.raw_len as usize;
         // One allocation, the size of the whole; every payload is written into it once.
         let mut buf = vec![0u8; self.len() as usize];
@@ -600,9 +644,7 @@ impl Encoding {
         for (b, (r, mirror)) in snap.held_halo.iter().zip(&self.blocks) {
             let dst = &mut section[r.offset as usize..][..r.len as usize];
             match &b.payload {
-                HaloPayload::Encoded(e) if *mirror => {
-                    dst.copy_from_slice(blake3::hash(e).as_bytes())
-                }
+                HaloPayload::Encoded(e) if *mirror => dst.copy_from_slice(&digest_of(e)),
                 HaloPayload::F32(d) => put_floats(dst, d),
                 HaloPayload::Encoded(e) => dst.copy_from_slice(e),
             }
@@ -610,9 +652,7 @@ impl Encoding {
         for (s, (codes, scales, mirror)) in snap.skip_sent.iter().zip(&self.records) {
             let dst = &mut section[codes.offset as usize..][..codes.len as usize];
             match &s.values {
-                SentValues::Encoded(b) if *mirror => {
-                    dst.copy_from_slice(blake3::hash(b).as_bytes())
-                }
+                SentValues::Encoded(b) if *mirror => dst.copy_from_slice(&digest_of(b)),
                 SentValues::Encoded(b) => dst.copy_from_slice(b),
                 SentValues::Int8 {
                     codes: c,
@@ -624,6 +664,7 @@ impl Encoding {
                 }
             }
         }
+        digests.0.insert(self.part, next);
         let digest = blake3::hash(&buf).to_hex().to_string();
         ReplicaBytes {
             part: self.part,
@@ -934,8 +975,9 @@ impl ReplicaStore {
             .name("trellis-replicate".into())
             .spawn(move || {
                 // Ends when the store (the channel's sender) is dropped.
+                let mut digests = MirrorDigests::default();
                 while let Ok(s) = rx.recv() {
-                    sender(s.encoding.finish(&s.snap));
+                    sender(s.encoding.finish_with(&s.snap, &mut digests));
                 }
             });
         match spawned {

@@ -523,13 +523,15 @@ fn walk(
 ///
 /// A receiver that keeps a block's rows between epochs (`--skip-threshold`) keeps them this
 /// way: in the width they travelled in (an int4 row of 256 values is 132 bytes, its fp32
-/// values 1,024), which is also what its replicas and checkpoints carry.
-pub fn merge_sparse(
-    base: &[u8],
+/// values 1,024), which is also what its replicas and checkpoints carry. A sparse payload of
+/// no rows (nothing changed enough to be resent: most blocks of most epochs) gives `base`
+/// itself, borrowed, so that callers keep the buffer they hold instead of a copy of it.
+pub fn merge_sparse<'a>(
+    base: &'a [u8],
     rows: usize,
     cols: usize,
     sparse: &[u8],
-) -> Result<Option<Vec<u8>>, CodecError> {
+) -> Result<Option<std::borrow::Cow<'a, [u8]>>, CodecError> {
     if !is_sparse(sparse) {
         return Err(CodecError::UnknownCodec(
             sparse.first().copied().unwrap_or(0),
@@ -551,6 +553,9 @@ pub fn merge_sparse(
     // every merge would only repeat that work.
     validate(inner, index.len(), cols)?;
     let (to, from) = (parse(base, rows, cols)?, parse(inner, index.len(), cols)?);
+    if index.is_empty() {
+        return Ok(Some(std::borrow::Cow::Borrowed(base)));
+    }
     let row_len = to.body.len() / rows.max(1);
     let headers_at = base.len() - to.body.len() - to.headers.len();
     let body_at = base.len() - to.body.len();
@@ -563,7 +568,7 @@ pub fn merge_sparse(
         out[body_at + r * row_len..body_at + (r + 1) * row_len]
             .copy_from_slice(&from.body[k * row_len..(k + 1) * row_len]);
     }
-    Ok(Some(out))
+    Ok(Some(std::borrow::Cow::Owned(out)))
 }
 
 /// The longest payload any codec writes for `rows x cols` values (a decoder's bound before it

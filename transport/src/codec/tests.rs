@@ -636,3 +636,19 @@ fn a_payload_decodes_into_scattered_rows_of_a_buffer() {
         assert!(matches!(e, CodecError::Output { .. }), "{e}");
     }
 }
+
+/// A sparse payload of no rows merges into the base itself, borrowed (no copy).
+#[test]
+fn merging_no_rows_borrows_the_base() {
+    let (rows, cols) = (4, 3);
+    let values: Vec<f32> = (0..rows * cols).map(|v| v as f32 * 0.25).collect();
+    for codec in [Codec::Fp16, Codec::Int8, Codec::Int4] {
+        let base = encode(codec, rows, cols, &values, &TestDither(1)).unwrap();
+        let inner = encode(codec, 0, cols, &[], &TestDither(2)).unwrap();
+        let sparse = encode_sparse(rows, &[], SparseInner::Encoded(&inner)).unwrap();
+        match merge_sparse(&base, rows, cols, &sparse) {
+            Ok(Some(std::borrow::Cow::Borrowed(b))) => assert!(std::ptr::eq(b, &base[..])),
+            other => panic!("{codec:?}: {other:?}"),
+        }
+    }
+}

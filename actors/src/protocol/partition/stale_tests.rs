@@ -1027,3 +1027,46 @@ fn a_replica_leaves_out_the_rows_its_receiver_holds_and_is_completed_from_them()
         );
     }
 }
+
+/// A block or record no row of which was resent keeps its buffer from one step to the next
+/// (no copy on the partition's thread), and a replica whose left-out payloads' digests are
+/// taken from the last replica's where the buffer is the same has the bytes of one that
+/// hashes every payload.
+#[test]
+fn unchanged_rows_keep_their_buffer_and_replicas_reuse_their_digests() {
+    use crate::protocol::skip::SentValues;
+    use crate::replica::{Encoding, MirrorDigests, Mirrors};
+    let g = SimGraph::new().unwrap();
+    let mut c = Cluster::with(&g, ModelKind::Gcn, 3, HaloConfig::efficient());
+    let mirrors = Mirrors {
+        hosted: vec![1, 2],
+        training_records: true,
+    };
+    let mut digests = MirrorDigests::default();
+    let (mut kept_records, mut kept_blocks) = (0, 0);
+    let mut last: Option<Snapshot> = None;
+    for e in 1..=6 {
+        let snap = c.epoch(e).1.remove(0);
+        c.eval(e);
+        let cached = Encoding::start(0, &snap, false, &mirrors).finish_with(&snap, &mut digests);
+        assert_eq!(cached, ReplicaBytes::encode_for(0, &snap, &mirrors), "e{e}");
+        if let Some(prev) = &last {
+            for (a, b) in snap.skip_sent.iter().zip(&prev.skip_sent) {
+                if let (SentValues::Encoded(a), SentValues::Encoded(b)) = (&a.values, &b.values) {
+                    kept_records += usize::from(Arc::ptr_eq(a, b));
+                }
+            }
+            for (a, b) in snap.held_halo.iter().zip(&prev.held_halo) {
+                if let (HaloPayload::Encoded(a), HaloPayload::Encoded(b)) = (&a.payload, &b.payload)
+                {
+                    kept_blocks += usize::from(Arc::ptr_eq(a, b));
+                }
+            }
+        }
+        last = Some(snap);
+    }
+    assert!(
+        kept_records > 0 && kept_blocks > 0,
+        "{kept_records} {kept_blocks}"
+    );
+}
