@@ -537,33 +537,34 @@ impl Encoding {
         let mut raw = RawLayout::default();
         let mut held: Vec<Option<WireBlock>> = snap.held_halo.iter().map(|_| None).collect();
         let mut sent: Vec<Option<WireSent>> = snap.skip_sent.iter().map(|_| None).collect();
+        // Bytes of the payloads left out, less the digests laid out in their place.
+        let mut left_out = 0;
+        let mut leave_out = |mirror: bool, len: usize| {
+            if mirror {
+                left_out += len.saturating_sub(DIGEST_LEN) as u64;
+            }
+            mirror
+        };
         for eval in [false, true] {
             for (i, b) in snap.held_halo.iter().enumerate() {
                 if (b.header.phase == Phase::Eval) == eval {
-                    held[i] = Some(WireBlock::of(b, &mut raw, mirrors.block(b)));
+                    let mirror = leave_out(mirrors.block(b), b.payload.len_bytes() as usize);
+                    held[i] = Some(WireBlock::of(b, &mut raw, mirror));
                 }
             }
             for (i, r) in snap.skip_sent.iter().enumerate() {
                 if (r.phase == Phase::Eval) == eval {
-                    sent[i] = Some(WireSent::of(r, &mut raw, mirrors.record(r)));
+                    let len = match &r.values {
+                        SentValues::Encoded(b) => b.len(),
+                        SentValues::Int8 { .. } => 0,
+                    };
+                    let mirror = leave_out(mirrors.record(r), len);
+                    sent[i] = Some(WireSent::of(r, &mut raw, mirror));
                 }
             }
         }
         let held_halo: Vec<WireBlock> = held.into_iter().flatten().collect();
         let skip_sent: Vec<WireSent> = sent.into_iter().flatten().collect();
-        let left_out =
-            snap.held_halo
-                .iter()
-                .filter(|b| mirrors.block(b))
-                .map(|b| b.payload.len_bytes())
-                .chain(snap.skip_sent.iter().filter(|r| mirrors.record(r)).map(
-                    |r| match &r.values {
-                        SentValues::Encoded(b) => b.len() as u64,
-                        SentValues::Int8 { .. } => 0,
-                    },
-                ))
-                .map(|n| n.saturating_sub(DIGEST_LEN as u64))
-                .sum();
         let (params, moments) = if with_model {
             (
                 snap.params.iter().map(WireTensor::of).collect(),

@@ -980,28 +980,14 @@ fn a_replica_leaves_out_the_rows_its_receiver_holds_and_is_completed_from_them()
         let back = full(&receiver).unwrap();
         assert_eq!(back.skip_sent, snaps[0].skip_sent, "{name}");
         assert_eq!(back.held_halo.len(), snaps[0].held_halo.len());
+        let header = |b: &HaloBlock| {
+            let h = &b.header;
+            (h.epoch, h.phase, h.layer, h.from, b.rows)
+        };
         for (a, b) in back.held_halo.iter().zip(&snaps[0].held_halo) {
-            assert_eq!(
-                payload_bytes(&a.payload),
-                payload_bytes(&b.payload),
-                "{name}"
-            );
-            assert_eq!(
-                (
-                    a.header.epoch,
-                    a.header.phase,
-                    a.header.layer,
-                    a.header.from,
-                    a.rows
-                ),
-                (
-                    b.header.epoch,
-                    b.header.phase,
-                    b.header.layer,
-                    b.header.from,
-                    b.rows
-                )
-            );
+            let bytes = (payload_bytes(&a.payload), payload_bytes(&b.payload));
+            assert_eq!(bytes.0, bytes.1, "{name}");
+            assert_eq!(header(a), header(b));
         }
         if !leaves_out {
             continue;
