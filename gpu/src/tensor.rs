@@ -228,6 +228,17 @@ impl Tensor {
         self.rows += other.len() / cols;
         Ok(())
     }
+    /// Keeps only the first `rows` rows and hands the memory of the others back: a host
+    /// tensor's allocation shrinks (in place with glibc's allocator), a device tensor keeps
+    /// its buffer and shows a prefix, as [`Tensor::truncate_rows`].
+    pub fn shrink_to_rows(&mut self, rows: usize) {
+        self.truncate_rows(rows);
+        match &mut self.data {
+            Storage::Host(v) => v.shrink_to_fit(),
+            #[cfg(feature = "cuda")]
+            Storage::Cuda(_) => {}
+        }
+    }
     /// Keeps only the first `rows` rows (a device tensor keeps its buffer and shows a prefix).
     pub fn truncate_rows(&mut self, rows: usize) {
         self.rows = self.rows.min(rows);

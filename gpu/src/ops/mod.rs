@@ -250,6 +250,19 @@ impl Stream {
         Tensor::from_vec(t.rows(), t.cols(), t.host("copy")?.to_vec())
     }
 
+    /// A copy of the first `rows` rows of `t` (all of them if it has fewer).
+    pub fn copy_rows_prefix(&self, t: &Tensor, rows: usize) -> Result<Tensor> {
+        self.admit()?;
+        let rows = rows.min(t.rows());
+        on_gpu!(self, |g| {
+            let mut out = Tensor::from_device(g.clone_tensor(t.on_device("copy_rows_prefix")?)?);
+            out.truncate_rows(rows);
+            Ok(out)
+        });
+        let values = &t.host("copy_rows_prefix")?[..rows * t.cols()];
+        Tensor::from_vec(rows, t.cols(), values.to_vec())
+    }
+
     /// Appends the host rows `rows` (row-major, `t`'s width) below `t`'s rows.
     pub fn append_rows(&self, t: &mut Tensor, rows: &[f32]) -> Result<()> {
         self.admit()?;

@@ -160,21 +160,22 @@ pub(crate) fn backward(
         seed,
         block,
     } = *a;
-    let ax = match &c.saved {
-        Saved::Input(_) => {
-            // h = Â Z, Z = X W: gZ = Â^T g, gW = X^T gZ, gX = gZ W^T.
-            let gz = grad_z(a, p, &c, g)?;
-            return grad_transform(a, p, c, gz, need_input_grad);
-        }
-        Saved::Aggregated(ax) => ax,
-    };
+    if let Saved::Input(_) = &c.saved {
+        // h = Â Z, Z = X W: gZ = Â^T g, gW = X^T gZ, gX = gZ W^T.
+        let gz = grad_z(a, p, &c, g)?;
+        return grad_transform(a, p, c, gz, need_input_grad);
+    }
     // h = (Â X) W: gW = (ÂX)^T g, gÂX = g W^T, gX = Â^T gÂX.
     c.act.backward(s, spec.act, &mut g)?;
     s.add_column_sums(&g, &mut p[1].grad)?;
-    s.gemm(1.0, ax, true, &g, false, 1.0, &mut p[0].grad)?;
+    let Saved::Aggregated(ax) = c.saved else {
+        unreachable!("the other case returned above")
+    };
+    s.gemm(1.0, &ax, true, &g, false, 1.0, &mut p[0].grad)?;
     if !need_input_grad {
         return Ok(None);
     }
+    drop(ax); // done with: freed before the input gradient is allocated
     let gax = s.matmul(&g, false, &p[0].value, true)?;
     let mut gx = s.zeros(block.n_in(), spec.in_dim)?;
     s.spmm(block.adj_t(), EdgeWeights::Stored, &gax, &mut gx)?;
@@ -241,6 +242,7 @@ pub(crate) fn grad_transform(
     if !need_input_grad {
         return Ok(None);
     }
+    drop(xd); // done with: freed before the input gradient is allocated
     let mut gx = s.matmul(&gz, false, &p[0].value, true)?;
     if spec.dropout > 0.0 {
         let gids = &block.gids()[..gx.rows()];

@@ -1,7 +1,10 @@
 //! GraphSAGE layer with the mean aggregator (Hamilton et al. 2017, as PyG's `SAGEConv`):
-//! `act(mean_{j in N(i)} x_j · W_l + x_i · W_r + b)` on dropped-out inputs, computed as
-//! `Ā (X W_l) + X_inner W_r + b` (the mean is linear, so transforming first is exact and
-//! aggregates the narrower rows).
+//! `act(mean_{j in N(i)} x_j · W_l + x_i · W_r + b)` on dropped-out inputs. The mean is
+//! linear, so the layer aggregates over the narrower side, as GCN's does: a narrowing layer
+//! transforms first, `Ā (X W_l)` (the aggregation reads the narrower rows); any other layer
+//! with dense inputs aggregates first, `(Ā X) W_l`, which multiplies only the inner rows and
+//! keeps for backward the aggregated and the inner rows instead of every input row (a
+//! partition of a large graph has about twice as many halo rows as inner ones).
 use super::{dropout_backward, ActSaved, Init, LayerArgs, LayerInput, LayerSpec, Param, StepCtx};
 use crate::Result;
 use std::borrow::Cow;
@@ -16,10 +19,17 @@ pub(crate) fn param_shapes(spec: &LayerSpec) -> Vec<(String, usize, usize, Init)
     ]
 }
 
+/// What backward needs besides the output.
+pub(crate) enum Saved {
+    /// Transform first: every dropped-out input row (`W_l`'s gradient reads them all).
+    Input(LayerInput),
+    /// Aggregate first: the aggregated rows `Ā X` and the dropped-out inner rows.
+    Aggregated { mean: Tensor, inner: Tensor },
+}
+
 pub(crate) struct SageCache {
     epoch: u32,
-    /// Dropped-out input rows.
-    xd: LayerInput,
+    pub(crate) saved: Saved,
     act: ActSaved,
 }
 
@@ -35,25 +45,50 @@ pub(crate) fn forward(
         seed,
         block,
     } = *a;
+    let (w_l, b, w_r) = (&p[0].value, &p[1].value, &p[2].value);
+    let n_out = block.n_out();
     let xd = LayerInput::dropped(x, s, spec, seed, block, ctx)?;
-    let z = xd.matmul(s, &p[0].value)?;
-    let mut h = s.zeros(block.n_out(), spec.out_dim)?;
-    s.spmm(block.adj(), EdgeWeights::Stored, &z, &mut h)?;
-    drop(z);
-    xd.matmul_prefix_acc(s, block.n_out(), &p[2].value, &mut h)?;
-    s.add_bias(&mut h, &p[1].value)?;
+    let mut h = s.zeros(n_out, spec.out_dim)?;
+    let saved = match xd.as_ref() {
+        LayerInput::Dense(xt) if spec.out_dim >= spec.in_dim => {
+            let mut mean = s.zeros(n_out, spec.in_dim)?;
+            s.spmm(block.adj(), EdgeWeights::Stored, xt, &mut mean)?;
+            s.gemm(1.0, &mean, false, w_l, false, 0.0, &mut h)?;
+            s.gemm_prefix(1.0, xt, n_out, false, w_r, false, 1.0, &mut h)?;
+            match (ctx.train, xd) {
+                (false, _) => None,
+                (true, Cow::Owned(LayerInput::Dense(mut inner))) => {
+                    inner.shrink_to_rows(n_out);
+                    Some(Saved::Aggregated { mean, inner })
+                }
+                (true, xd) => {
+                    let LayerInput::Dense(all) = xd.as_ref() else {
+                        unreachable!("matched dense above")
+                    };
+                    let inner = s.copy_rows_prefix(all, n_out)?;
+                    Some(Saved::Aggregated { mean, inner })
+                }
+            }
+        }
+        xi => {
+            let z = xi.matmul(s, w_l)?;
+            s.spmm(block.adj(), EdgeWeights::Stored, &z, &mut h)?;
+            drop(z);
+            xi.matmul_prefix_acc(s, n_out, w_r, &mut h)?;
+            ctx.train.then(|| Saved::Input(xd.into_owned()))
+        }
+    };
+    s.add_bias(&mut h, b)?;
     s.activate(spec.act, &mut h)?;
     let y = h;
-    let act = if ctx.train {
-        Some(ActSaved::save(s, spec.act, &y)?)
-    } else {
-        None
+    let cache = match saved {
+        Some(saved) => Some(SageCache {
+            epoch: ctx.epoch,
+            saved,
+            act: ActSaved::save(s, spec.act, &y)?,
+        }),
+        None => None,
     };
-    let cache = ctx.train.then(|| SageCache {
-        epoch: ctx.epoch,
-        xd: xd.into_owned(),
-        act: act.expect("saved in training"),
-    });
     Ok((y, cache))
 }
 
@@ -72,14 +107,35 @@ pub(crate) fn backward(
     } = *a;
     c.act.backward(s, spec.act, &mut g)?;
     s.add_column_sums(&g, &mut p[1].grad)?;
-    let mut gz = s.zeros(block.n_in(), spec.out_dim)?;
-    s.spmm(block.adj_t(), EdgeWeights::Stored, &g, &mut gz)?;
-    c.xd.t_matmul_acc(s, &gz, &mut p[0].grad)?;
-    c.xd.t_matmul_acc(s, &g, &mut p[2].grad)?;
-    if !need_input_grad {
-        return Ok(None);
-    }
-    let mut gx = s.matmul(&gz, false, &p[0].value, true)?;
+    let mut gx = match c.saved {
+        Saved::Input(xd) => {
+            // h = Ā (X W_l) + X_inner W_r: gZ = Ā^T g, gW_l = X^T gZ, gX = gZ W_l^T.
+            let mut gz = s.zeros(block.n_in(), spec.out_dim)?;
+            s.spmm(block.adj_t(), EdgeWeights::Stored, &g, &mut gz)?;
+            xd.t_matmul_acc(s, &gz, &mut p[0].grad)?;
+            xd.t_matmul_acc(s, &g, &mut p[2].grad)?;
+            if !need_input_grad {
+                return Ok(None);
+            }
+            // The input rows are done with: free them before the input gradient (as large)
+            // is allocated.
+            drop(xd);
+            s.matmul(&gz, false, &p[0].value, true)?
+        }
+        Saved::Aggregated { mean, inner } => {
+            // h = (Ā X) W_l + X_inner W_r: gW_l = (ĀX)^T g, gX = Ā^T (g W_l^T).
+            s.gemm(1.0, &mean, true, &g, false, 1.0, &mut p[0].grad)?;
+            s.gemm(1.0, &inner, true, &g, false, 1.0, &mut p[2].grad)?;
+            if !need_input_grad {
+                return Ok(None);
+            }
+            drop((mean, inner)); // as above
+            let gmean = s.matmul(&g, false, &p[0].value, true)?;
+            let mut gx = s.zeros(block.n_in(), spec.in_dim)?;
+            s.spmm(block.adj_t(), EdgeWeights::Stored, &gmean, &mut gx)?;
+            gx
+        }
+    };
     let gself = s.matmul(&g, false, &p[2].value, true)?;
     s.add_rows_prefix(&gself, &mut gx)?;
     dropout_backward(s, spec, seed, block, &mut gx, c.epoch)?;
