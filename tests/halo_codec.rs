@@ -63,11 +63,11 @@ fn every_codec_converges_repeats_bit_for_bit_and_sends_fewer_bytes() {
             // The same rows travel whatever the codec (what fp32 would send is the same).
             assert_eq!(fp32, exact_fp32, "{kind} {codec}");
             let ratio = fp32 as f64 / sent as f64;
-            // The rows exchanged are w wide: GCN's split output layer sends its transformed
-            // rows (4 classes), GraphSAGE its hidden rows (16). A fp32 row is 4w bytes; fp16
+            // The rows exchanged are w = 4 wide: both models' output layers run split and
+            // send their transformed rows (4 classes). A fp32 row is 4w bytes; fp16
             // and bf16 2w; int8 4 (min, step) + w; int4 4 + w/2; adaptive 4 + w/4..2w and a
             // quarter byte of width code. Every block adds 2 bytes (codec id, version).
-            let w = if kind == ModelKind::Gcn { 4.0 } else { 16.0 };
+            let w = 4.0;
             let row = |bytes: f64| 4.0 * w / bytes;
             let (lo, hi) = match codec {
                 HaloCodec::Fp32 => (1.0, 1.0),

@@ -47,7 +47,8 @@ fn a_run_exports_spans_and_metrics_over_http_protobuf() {
         assert_eq!(e.span.parent_span_id, run.span.span_id);
     }
     let forward = spans.iter().filter(|r| r.span.name == "forward").count();
-    assert_eq!(forward, 2 * 2 * 2, "epochs x partitions x layers");
+    // Layer 1 (16 -> 3 classes) runs split: its two stages are a span each.
+    assert_eq!(forward, 2 * 2 * 3, "epochs x partitions x layer stages");
     // Paused, a run records no spans and so has no trace id.
     t.pause_tracing(true);
     let mut cfg = TrainConfig::paper_defaults(ModelKind::Sage, ds.num_features, ds.num_classes, 0);

@@ -691,7 +691,7 @@ impl Rows {
 #[derive(Debug, Clone, PartialEq)]
 pub struct LayerOutputs {
     pub layers: Vec<Rows>,
-    /// For split layers (narrowing GCN layers after the first, [`Model::is_split`]): their
+    /// For split layers (narrowing GCN layers after the first, [`Model::reads_transformed_only`]): their
     /// transformed input rows `Z = H W`, one per node. An update re-transforms only the rows
     /// whose input changed, and aggregates the changed region from this table instead of
     /// transforming every input row of its block again.
@@ -811,7 +811,7 @@ impl Inference {
         };
         for l in 0..layers_n {
             let mut rows = Rows::zeros(n, self.layer_width(l));
-            if self.model.is_split(l) {
+            if self.model.reads_transformed_only(l) {
                 let mut z = Rows::zeros(n, self.layer_width(l));
                 for inner in parts {
                     let zr = self.transform_rows(l, graph, inner, &out.layers[l - 1])?;
@@ -876,7 +876,7 @@ impl Inference {
         )?;
         let x = Tensor::from_vec(inner.len(), width, rows)?;
         let x = self.stream.place(x)?;
-        let z = if l == 0 && !self.model.is_split(0) {
+        let z = if l == 0 && !self.model.reads_transformed_only(0) {
             self.model.transform_first(&self.stream, &block, x)?
         } else {
             self.model
@@ -892,7 +892,7 @@ impl Inference {
     }
 
     /// Layer `l`'s output rows of the nodes `inner` (ascending). `source` holds the rows the
-    /// layer reads: for a split layer ([`Model::is_split`]) the transformed rows `Z` of
+    /// layer reads: for a split layer ([`Model::reads_transformed_only`]) the transformed rows `Z` of
     /// [`Inference::transform_rows`], else layer `l-1`'s rows (the features for `l = 0`).
     pub fn compute_rows<G: Adjacency + ?Sized>(
         &mut self,
@@ -905,7 +905,7 @@ impl Inference {
             return Ok(Vec::new());
         }
         let (block, x) = self.block_input(graph, inner, source)?;
-        if self.model.is_split(l) {
+        if self.model.reads_transformed_only(l) {
             let zt = self.stream.place(x)?;
             let y = self
                 .model
@@ -961,7 +961,7 @@ impl Inference {
         }
         let (block, x) = self.block_input(graph, inner, source)?;
         let s = &self.stream;
-        let p = if self.model.is_split(l) {
+        let p = if self.model.reads_transformed_only(l) {
             let z = s.place(x)?;
             self.model
                 .forward_pre_activation(s, l, &block, PreActivationInput::Transformed(&z))?

@@ -465,7 +465,9 @@ fn start_engine(
     let normalize = saved.meta.normalize_features;
     let in_dim = model.config().in_dim;
     let classes = model.config().out_dim;
-    let split: Vec<bool> = (0..model.num_layers()).map(|l| model.is_split(l)).collect();
+    let split: Vec<bool> = (0..model.num_layers())
+        .map(|l| model.reads_transformed_only(l))
+        .collect();
     let incremental: Vec<bool> = (0..model.num_layers())
         .map(|l| model.takes_increments(l))
         .collect();

@@ -223,7 +223,7 @@ impl Tables {
                 .map(|l| keep(inference.model(), l).then(|| table(l)))
                 .collect()
         };
-        let transformed = table_if(Model::is_split);
+        let transformed = table_if(Model::reads_transformed_only);
         let pre = table_if(Model::keeps_pre_activation);
         Ok(Tables {
             inference,
@@ -695,7 +695,10 @@ impl ServePartMachine {
                 .as_ref()
                 .ok_or_else(|| self.protocol("no new model is being computed".into()))?,
         };
-        let split = tables.inference.model().is_split(step.layer as usize);
+        let split = tables
+            .inference
+            .model()
+            .reads_transformed_only(step.layer as usize);
         Ok(step.layer | if split { TRANSFORMED } else { 0 })
     }
 

@@ -161,15 +161,16 @@ fn debug_seed() {
 }
 
 /// Regression (seeds found by sweeping 2,000 schedules): a node crashing during a recovery
-/// while the optimizer step was being replayed, with skipped rows (915) and with staleness and
-/// skipping (1317). The adopted
+/// while the optimizer step was being replayed, with skipped rows (915; 2737 since GraphSAGE's
+/// output layer runs split, which moved schedule 915's faults elsewhere) and with staleness
+/// and skipping (1317). The adopted
 /// partitions lacked the rows received in that epoch and the skip records of it, and the run
 /// stopped (`HeldRowsLost`); now every partition rolls back to the committed step and the
 /// epoch is replayed with its training pass, ending with the fault-free digest.
 #[test]
 fn regression_a_node_lost_during_the_optimizer_step_with_held_rows_rolls_back() {
     let g = graph();
-    for (seed, stale) in [(915, 0), (1317, 1)] {
+    for (seed, stale) in [(2737, 0), (1317, 1)] {
         let r = run_schedule(&g, seed);
         assert!(r.violation.is_none(), "seed {seed}: {:?}", r.violation);
         assert!(r.skip && r.staleness == stale, "seed {seed}: {r:?}");

@@ -84,14 +84,15 @@ fn finish(
 }
 
 /// Forward stage 1 of a split transform-first layer (the halo exchange carries its output):
-/// `Z = dropout(X) W` over the block's inner rows `x` only. Returns `Z` and, in training, the
-/// dropped rows backward needs.
+/// `Z = dropout(X) W` over the block's inner rows `x` only (`W`: the layer's first parameter;
+/// GraphSAGE's `W_l` too). Returns `Z` and the dropped rows (backward reads them, and a
+/// GraphSAGE layer's self term).
 pub(crate) fn transform(
     a: &LayerArgs<'_>,
     p: &[Param],
     mut x: Tensor,
     ctx: StepCtx,
-) -> Result<(Tensor, Option<LayerInput>)> {
+) -> Result<(Tensor, LayerInput)> {
     let LayerArgs {
         s,
         spec,
@@ -103,7 +104,7 @@ pub(crate) fn transform(
         s.dropout(&mut x, block.inner_gids(), key, spec.dropout)?;
     }
     let z = s.matmul(&x, false, &p[0].value, false)?;
-    Ok((z, ctx.train.then_some(LayerInput::Dense(x))))
+    Ok((z, LayerInput::Dense(x)))
 }
 
 /// Forward stage 2 of a split layer: `act(Â Z + b)`, `z` holding every input row (inner rows
@@ -244,14 +245,6 @@ pub(crate) fn grad_transform(
     }
     drop(xd); // done with: freed before the input gradient is allocated
     let mut gx = s.matmul(&gz, false, &p[0].value, true)?;
-    if spec.dropout > 0.0 {
-        let gids = &block.gids()[..gx.rows()];
-        s.dropout(
-            &mut gx,
-            gids,
-            spec.dropout_key(seed, c.epoch, 0),
-            spec.dropout,
-        )?;
-    }
+    dropout_backward(s, spec, seed, block, &mut gx, c.epoch)?;
     Ok(Some(gx))
 }

@@ -8,7 +8,7 @@
 //! keep `p` and add the changes instead of aggregating every neighbour again. Which `Z` rows
 //! changed must be known without recomputing them all: for layer 0 they are the rows of the
 //! new nodes and of the nodes whose degree changed (the features never change), for a split
-//! layer ([`Model::is_split`]) the rows its partition re-transformed.
+//! layer ([`Model::reads_transformed_only`]) the rows its partition re-transformed.
 use super::{gcn, LayerInput, Model, ModelKind, Residual, StepCtx};
 use crate::graph::Block;
 use crate::{Result, RuntimeError};
@@ -29,7 +29,7 @@ impl Model {
         self.cfg.kind == ModelKind::Gcn
             && l < self.layers.len()
             && self.layers[l].residual == Residual::None
-            && (l == 0 || self.is_split(l))
+            && (l == 0 || self.reads_transformed_only(l))
     }
 
     /// True when a service keeps layer `l`'s pre-activation rows beside its output rows: it
@@ -85,7 +85,7 @@ impl Model {
         };
         let p = &self.params[spec.first_param..];
         let a = self.args(s, &spec, block);
-        let (y, _) = match (input, self.is_split(l)) {
+        let (y, _) = match (input, self.reads_transformed_only(l)) {
             (PreActivationInput::Input(x), false) => {
                 self.check_layer_input(l, block, x)?;
                 gcn::forward(&a, p, Cow::Borrowed(x), EVAL)?
@@ -111,14 +111,14 @@ impl Model {
     }
 
     /// True when the last layer's output rows can be aggregated where they are read, from
-    /// its transformed rows `Z`: a split GCN layer ([`Model::is_split`]) with no activation,
+    /// its transformed rows `Z`: a split GCN layer ([`Model::reads_transformed_only`]) with no activation,
     /// whose rows are `b + Σ_u Z_u / sqrt((d_u + 1)(d_v + 1))` over `u ∈ N(v) ∪ {v}`
     /// ([`crate::inference::aggregate_gcn_row`]). A service then keeps `Z` and the bias, and
     /// a graph change re-transforms the rows whose input changed instead of aggregating
     /// every row that reads them (about twenty times as many).
     pub fn last_layer_reads_transformed(&self) -> bool {
         let l = self.layers.len() - 1;
-        self.is_split(l) && self.layers[l].act == Activation::Identity
+        self.reads_transformed_only(l) && self.layers[l].act == Activation::Identity
     }
 
     /// The last layer's bias `b` (see [`Model::last_layer_reads_transformed`]).

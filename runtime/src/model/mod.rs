@@ -277,8 +277,8 @@ pub(crate) struct LayerArgs<'a> {
 /// What one layer needs for its backward pass.
 pub(crate) enum Cache {
     Gcn(gcn::GcnCache),
-    /// A split GCN layer between its forward stages: the dropped inner input rows.
-    GcnInput(LayerInput),
+    /// A split layer between its forward stages: the dropped inner input rows.
+    SplitInput(LayerInput),
     Sage(sage::SageCache),
     /// Boxed: it holds the most tensors (and a device tensor is larger than a host one).
     Gat(Box<gat::GatCache>),
@@ -577,7 +577,7 @@ impl Model {
             Cache::Gcn(c) => gcn::backward(&a, params, c, grad_out, need_input_grad),
             Cache::Sage(c) => sage::backward(&a, params, c, grad_out, need_input_grad),
             Cache::Gat(c) => gat::backward(&a, params, *c, grad_out, need_input_grad),
-            Cache::GcnInput(_) => Err(RuntimeError::Config(format!(
+            Cache::SplitInput(_) => Err(RuntimeError::Config(format!(
                 "backward of layer {l} before its forward finished"
             ))),
         }?;
@@ -679,7 +679,8 @@ impl Init {
     }
 }
 
-/// Applies the input dropout mask of a training step to an input gradient.
+/// Applies the input dropout mask of a training step to an input gradient: of every input
+/// row of `block`, or of its first `g.rows()` (a split layer's inner rows).
 pub(crate) fn dropout_backward(
     s: &Stream,
     spec: &LayerSpec,
@@ -691,7 +692,7 @@ pub(crate) fn dropout_backward(
     if spec.dropout > 0.0 {
         s.dropout(
             g,
-            block.gids(),
+            &block.gids()[..g.rows().min(block.n_in())],
             spec.dropout_key(seed, epoch, 0),
             spec.dropout,
         )?;

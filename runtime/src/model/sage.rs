@@ -8,7 +8,8 @@
 use super::{dropout_backward, ActSaved, Init, LayerArgs, LayerInput, LayerSpec, Param, StepCtx};
 use crate::Result;
 use std::borrow::Cow;
-use trellis_gpu::{EdgeWeights, Tensor};
+use trellis_gpu::halo::HaloRows;
+use trellis_gpu::{EdgeWeights, Stream, Tensor};
 
 pub(crate) fn param_shapes(spec: &LayerSpec) -> Vec<(String, usize, usize, Init)> {
     let fan = Init::LinearUniform(spec.in_dim);
@@ -31,6 +32,9 @@ pub(crate) struct SageCache {
     epoch: u32,
     pub(crate) saved: Saved,
     act: ActSaved,
+    /// A split layer between its backward stages: `act'(grad_out)`, which the self term's
+    /// gradients read in stage 2.
+    grad_h: Option<Tensor>,
 }
 
 pub(crate) fn forward(
@@ -78,18 +82,125 @@ pub(crate) fn forward(
             ctx.train.then(|| Saved::Input(xd.into_owned()))
         }
     };
+    finish(s, spec, b, h, saved, ctx)
+}
+
+/// `act(h + b)`, and in training the cache backward needs.
+fn finish(
+    s: &Stream,
+    spec: &LayerSpec,
+    b: &Tensor,
+    mut h: Tensor,
+    saved: Option<Saved>,
+    ctx: StepCtx,
+) -> Result<(Tensor, Option<SageCache>)> {
     s.add_bias(&mut h, b)?;
     s.activate(spec.act, &mut h)?;
-    let y = h;
     let cache = match saved {
         Some(saved) => Some(SageCache {
             epoch: ctx.epoch,
             saved,
-            act: ActSaved::save(s, spec.act, &y)?,
+            act: ActSaved::save(s, spec.act, &h)?,
+            grad_h: None,
         }),
         None => None,
     };
-    Ok((y, cache))
+    Ok((h, cache))
+}
+
+/// Forward stage 2 of a split layer (its stage 1 is GCN's, `Z = dropout(X_inner) W_l`):
+/// `act(Ā Z + X_inner W_r + b)` with `z` holding every input row's `Z` (inner, then halo)
+/// and `xd` the dropped inner rows stage 1 kept; the same operations, in the same order, as
+/// the whole transform-first layer.
+pub(crate) fn aggregate(
+    a: &LayerArgs<'_>,
+    p: &[Param],
+    z: &Tensor,
+    xd: LayerInput,
+    ctx: StepCtx,
+) -> Result<(Tensor, Option<SageCache>)> {
+    let LayerArgs { s, spec, block, .. } = *a;
+    let mut h = s.zeros(block.n_out(), spec.out_dim)?;
+    s.spmm(block.adj(), EdgeWeights::Stored, z, &mut h)?;
+    finish_split(a, p, h, xd, ctx)
+}
+
+/// Overlapped forward stage 2b of a split layer: adds `Ā_halo Z_halo` to the inner rows'
+/// part `h` (stage 2a, GCN's), then finishes as [`aggregate`].
+pub(crate) fn aggregate_halo(
+    a: &LayerArgs<'_>,
+    p: &[Param],
+    mut h: Tensor,
+    z_halo: &HaloRows,
+    xd: LayerInput,
+    ctx: StepCtx,
+) -> Result<(Tensor, Option<SageCache>)> {
+    let (_, halo) = a.block.adj_split()?;
+    a.s.spmm_halo_acc(halo, EdgeWeights::Stored, z_halo, &mut h)?;
+    finish_split(a, p, h, xd, ctx)
+}
+
+/// `h += X_inner W_r`, then [`finish`]; training keeps the inner rows.
+fn finish_split(
+    a: &LayerArgs<'_>,
+    p: &[Param],
+    mut h: Tensor,
+    xd: LayerInput,
+    ctx: StepCtx,
+) -> Result<(Tensor, Option<SageCache>)> {
+    let LayerArgs { s, spec, block, .. } = *a;
+    xd.matmul_prefix_acc(s, block.n_out(), &p[2].value, &mut h)?;
+    let saved = ctx.train.then_some(Saved::Input(xd));
+    finish(s, spec, &p[1].value, h, saved, ctx)
+}
+
+/// Backward stage 1 of a split layer: `act'(grad_out)`, with the bias gradient accumulated;
+/// keeps a copy for stage 2 (the self term's gradients).
+pub(crate) fn grad_h(
+    a: &LayerArgs<'_>,
+    p: &mut [Param],
+    c: &mut SageCache,
+    mut g: Tensor,
+) -> Result<Tensor> {
+    let LayerArgs { s, spec, .. } = *a;
+    c.act.backward(s, spec.act, &mut g)?;
+    s.add_column_sums(&g, &mut p[1].grad)?;
+    c.grad_h = Some(s.copy(&g)?);
+    Ok(g)
+}
+
+/// Backward stage 2 of a split layer, given `gZ` of the inner rows with every part's
+/// contribution added: `gW_l += X_inner^T gZ`, `gW_r += X_inner^T g` and, if asked, the inner
+/// rows' input gradient `dropout'(gZ W_l^T + g W_r^T)`.
+pub(crate) fn grad_transform(
+    a: &LayerArgs<'_>,
+    p: &mut [Param],
+    c: SageCache,
+    gz: Tensor,
+    need_input_grad: bool,
+) -> Result<Option<Tensor>> {
+    let LayerArgs {
+        s,
+        spec,
+        seed,
+        block,
+    } = *a;
+    let (Saved::Input(xd), Some(g)) = (c.saved, c.grad_h) else {
+        return Err(crate::RuntimeError::Config(
+            "GraphSAGE transform backward before its aggregation backward".into(),
+        ));
+    };
+    xd.t_matmul_acc(s, &gz, &mut p[0].grad)?;
+    xd.t_matmul_acc(s, &g, &mut p[2].grad)?;
+    if !need_input_grad {
+        return Ok(None);
+    }
+    drop(xd); // done with: freed before the input gradient is allocated
+    let mut gx = s.matmul(&gz, false, &p[0].value, true)?;
+    let gself = s.matmul(&g, false, &p[2].value, true)?;
+    s.add_rows_prefix(&gself, &mut gx)?;
+    dropout_backward(s, spec, seed, block, &mut gx, c.epoch)?;
+    Ok(Some(gx))
 }
 
 pub(crate) fn backward(

@@ -1,40 +1,51 @@
-//! Split layers: the two-stage form of a transform-first GCN layer for partitioned runs, where
-//! the halo exchange carries the layer's transformed rows `Z = dropout(H) W` (out_dim wide)
-//! instead of its input rows (in_dim wide).
+//! Split layers: the two-stage form of a transform-first layer (GCN's `Â (X W)`, GraphSAGE's
+//! `Ā (X W_l) + X_inner W_r`) for partitioned runs, where the halo exchange carries the
+//! layer's transformed rows `Z = dropout(H) W` (out_dim wide) instead of its input rows
+//! (in_dim wide).
 //!
 //! Forward: stage 1 transforms the inner rows; the caller sends the `Z` rows its neighbours
-//! hold as halo and assembles `[Z_inner; Z_halo]`; stage 2 aggregates. Backward: stage 1
-//! computes `gZ = Â^T g` for every input row; the caller sends the halo rows of `gZ` to their
-//! owners and adds the rows it receives into its inner rows; stage 2 computes the weight
-//! gradient and the inner rows' input gradient. Overlapped forward (GPU streams, or asked for
+//! hold as halo and assembles `[Z_inner; Z_halo]`; stage 2 aggregates (and adds GraphSAGE's
+//! self term from the inner rows stage 1 kept). Backward: stage 1 computes `gZ = Â^T g` for
+//! every input row; the caller sends the halo rows of `gZ` to their owners and adds the rows
+//! it receives into its inner rows; stage 2 computes the weight gradients and the inner
+//! rows' input gradient. Overlapped forward (GPU streams, or asked for
 //! with `TrainConfig::halo_overlap`): stage 2 runs as 2a, the aggregation over the inner rows,
 //! enqueued right after the sends start, and 2b, which adds the halo rows' part once they
 //! arrive. Between the stages the model keeps what
 //! stage 2 needs in the layer's cache; [`Model::clear_caches`] forgets it.
-use super::{gcn, Cache, LayerInput, Model, ModelKind, Residual, StepCtx};
+use super::{gcn, sage, Cache, LayerInput, Model, ModelKind, Residual, StepCtx};
 use crate::graph::Block;
 use crate::{Result, RuntimeError};
 use trellis_gpu::halo::HaloRows;
 use trellis_gpu::{Stream, Tensor};
 
 impl Model {
-    /// True when layer `l` runs split in a partitioned run: a GCN layer after the first that
-    /// narrows (`out_dim < in_dim`), so exchanging its transformed rows moves fewer bytes and
-    /// transforms no halo row. (The first layer's halo inputs are static: never exchanged.)
-    /// A layer with a residual connection does not run split: it runs whole, as
-    /// [`Model::forward_layer`] adds its residual.
+    /// True when layer `l` runs split in a partitioned run: a GCN or GraphSAGE layer after
+    /// the first that narrows (`out_dim < in_dim`), so exchanging its transformed rows moves
+    /// fewer bytes and transforms no halo row. (The first layer's halo inputs are static:
+    /// never exchanged.) A layer with a residual connection does not run split: it runs
+    /// whole, as [`Model::forward_layer`] adds its residual.
     pub fn is_split(&self, l: usize) -> bool {
         let spec = &self.layers[l];
-        self.cfg.kind == ModelKind::Gcn
+        matches!(self.cfg.kind, ModelKind::Gcn | ModelKind::Sage)
             && l > 0
             && spec.out_dim < spec.in_dim
             && spec.residual == Residual::None
     }
 
+    /// True when layer `l`'s output rows are a function of its transformed rows `Z` alone: a
+    /// split GCN layer, `act(Â Z + b)` (a split GraphSAGE layer also reads its own input rows
+    /// for the self term). Layer-wise inference and the service keep a `Z` table for these
+    /// layers, and an update re-transforms the rows whose input changed.
+    pub fn reads_transformed_only(&self, l: usize) -> bool {
+        self.cfg.kind == ModelKind::Gcn && self.is_split(l)
+    }
+
     fn check_split(&self, l: usize) -> Result<()> {
         if l >= self.num_layers() || !self.is_split(l) {
             return Err(RuntimeError::Config(format!(
-                "layer {l} does not run split (only narrowing GCN layers after the first do)"
+                "layer {l} does not run split (only narrowing GCN and GraphSAGE layers after \
+                 the first do)"
             )));
         }
         Ok(())
@@ -62,7 +73,9 @@ impl Model {
         }
         let p = &self.params[spec.first_param..];
         let (z, xd) = gcn::transform(&self.args(s, &spec, block), p, x, ctx)?;
-        self.caches[l] = xd.map(Cache::GcnInput);
+        // GraphSAGE's stage 2 reads the inner rows in evaluation too (its self term).
+        let keep = ctx.train || self.cfg.kind == ModelKind::Sage;
+        self.caches[l] = keep.then_some(Cache::SplitInput(xd));
         Ok(z)
     }
 
@@ -89,16 +102,32 @@ impl Model {
         }
         let xd = self.take_transform_input(l, ctx)?;
         let p = &self.params[spec.first_param..];
-        let (y, cache) = gcn::aggregate(&self.args(s, &spec, block), p, z, xd, ctx)?;
-        self.caches[l] = cache.map(Cache::Gcn);
+        let a = self.args(s, &spec, block);
+        match (self.cfg.kind, xd) {
+            (ModelKind::Sage, Some(xd)) => {
+                let (y, cache) = sage::aggregate(&a, p, z, xd, ctx)?;
+                self.finish_stage(l, y, cache.map(Cache::Sage))
+            }
+            (_, xd) => {
+                let (y, cache) = gcn::aggregate(&a, p, z, xd, ctx)?;
+                self.finish_stage(l, y, cache.map(Cache::Gcn))
+            }
+        }
+    }
+
+    /// Keeps a finished forward stage's cache; returns its output rows.
+    fn finish_stage(&mut self, l: usize, y: Tensor, cache: Option<Cache>) -> Result<Tensor> {
+        self.caches[l] = cache;
         Ok(y)
     }
 
-    /// What stage 1 of split layer `l` kept for the backward (nothing outside training).
+    /// What stage 1 of split layer `l` kept: the dropped inner rows (GCN: for the backward,
+    /// nothing outside training; GraphSAGE: always, for its self term).
     fn take_transform_input(&mut self, l: usize, ctx: StepCtx) -> Result<Option<LayerInput>> {
-        match (ctx.train, self.caches[l].take()) {
+        let needed = ctx.train || self.cfg.kind == ModelKind::Sage;
+        match (needed, self.caches[l].take()) {
             (false, _) => Ok(None),
-            (true, Some(Cache::GcnInput(xd))) => Ok(Some(xd)),
+            (true, Some(Cache::SplitInput(xd))) => Ok(Some(xd)),
             (true, _) => Err(RuntimeError::Config(format!(
                 "layer {l}: aggregation stage without its transform stage"
             ))),
@@ -145,9 +174,16 @@ impl Model {
         let xd = self.take_transform_input(l, ctx)?;
         let p = &self.params[spec.first_param..];
         let a = self.args(s, &spec, block);
-        let (y, cache) = gcn::aggregate_halo(&a, p, h, z_halo, xd, ctx)?;
-        self.caches[l] = cache.map(Cache::Gcn);
-        Ok(y)
+        match (self.cfg.kind, xd) {
+            (ModelKind::Sage, Some(xd)) => {
+                let (y, cache) = sage::aggregate_halo(&a, p, h, z_halo, xd, ctx)?;
+                self.finish_stage(l, y, cache.map(Cache::Sage))
+            }
+            (_, xd) => {
+                let (y, cache) = gcn::aggregate_halo(&a, p, h, z_halo, xd, ctx)?;
+                self.finish_stage(l, y, cache.map(Cache::Gcn))
+            }
+        }
     }
 
     /// Backward stage 1 of split layer `l`: `gZ = Â^T act'(grad_out)` for every input row of
@@ -176,11 +212,6 @@ impl Model {
     ) -> Result<Tensor> {
         self.check_split(l)?;
         let spec = self.layers[l];
-        let Some(Cache::Gcn(c)) = &self.caches[l] else {
-            return Err(RuntimeError::Config(format!(
-                "backward of layer {l} without a training forward"
-            )));
-        };
         if grad_out.rows() != block.n_out() || grad_out.cols() != spec.out_dim {
             return Err(RuntimeError::Config(format!(
                 "layer {l}: output gradient is {}x{}, expected {}x{}",
@@ -192,7 +223,13 @@ impl Model {
         }
         let a = self.args(s, &spec, block);
         let p = &mut self.params[spec.first_param..];
-        gcn::grad_h(&a, p, c, grad_out)
+        match &mut self.caches[l] {
+            Some(Cache::Gcn(c)) => gcn::grad_h(&a, p, c, grad_out),
+            Some(Cache::Sage(c)) => sage::grad_h(&a, p, c, grad_out),
+            _ => Err(RuntimeError::Config(format!(
+                "backward of layer {l} without a training forward"
+            ))),
+        }
     }
 
     /// `gZ` of split layer `l` for the block's inner input rows (`halo = false`) or its halo
@@ -234,35 +271,41 @@ impl Model {
                 spec.out_dim
             )));
         }
-        let Some(Cache::Gcn(c)) = self.caches[l].take() else {
-            return Err(RuntimeError::Config(format!(
-                "backward of layer {l} without a training forward"
-            )));
-        };
         let a = self.args(s, &spec, block);
         let p = &mut self.params[spec.first_param..];
-        gcn::grad_transform(&a, p, c, gz, need_input_grad)
+        match self.caches[l].take() {
+            Some(Cache::Gcn(c)) => gcn::grad_transform(&a, p, c, gz, need_input_grad),
+            Some(Cache::Sage(c)) => sage::grad_transform(&a, p, c, gz, need_input_grad),
+            _ => Err(RuntimeError::Config(format!(
+                "backward of layer {l} without a training forward"
+            ))),
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::graph::{Aggregation, Graph};
+    use crate::graph::Graph;
     use crate::model::{LayerInput, ModelConfig};
     use std::borrow::Cow;
 
     /// A split layer run on one block (no halo) equals the same layer run whole, forward and
-    /// backward, bit for bit.
+    /// backward, bit for bit, for GCN and GraphSAGE; in evaluation too.
     #[test]
     fn split_stages_equal_the_whole_layer() {
+        split_stages_equal_the_whole_layer_of(ModelKind::Gcn);
+        split_stages_equal_the_whole_layer_of(ModelKind::Sage);
+    }
+
+    fn split_stages_equal_the_whole_layer_of(kind: ModelKind) {
         let s = Stream::cpu(2).unwrap();
         let n = 40;
         let src: Vec<u32> = (0..n).collect();
         let dst: Vec<u32> = (0..n).map(|i| (i * 7 + 3) % n).collect();
         let g = Graph::from_edges(n as usize, &src, &dst).unwrap();
-        let block = Block::full(&g, Aggregation::GcnNorm).unwrap();
-        let mut cfg = ModelConfig::paper_defaults(ModelKind::Gcn, 6, 3, 9);
+        let block = Block::full(&g, kind.aggregation()).unwrap();
+        let mut cfg = ModelConfig::paper_defaults(kind, 6, 3, 9);
         cfg.hidden = 12;
         let mut whole = Model::new(cfg.clone()).unwrap();
         let mut split = Model::new(cfg).unwrap();
@@ -276,10 +319,21 @@ mod tests {
             .collect();
         let h = Tensor::from_vec(n as usize, 12, h).unwrap();
         let x = Cow::Owned(LayerInput::Dense(h.clone()));
+        let eval = StepCtx {
+            epoch: 2,
+            train: false,
+        };
+        let x_eval = Cow::Owned(LayerInput::Dense(h.clone()));
+        let y_whole = whole.forward_layer(&s, 1, &block, x_eval, eval).unwrap();
+        let z = split
+            .forward_transform(&s, 1, &block, h.clone(), eval)
+            .unwrap();
+        let y_split = split.forward_aggregate(&s, 1, &block, &z, eval).unwrap();
+        assert_eq!(y_whole.as_slice(), y_split.as_slice(), "{kind} evaluation");
         let y_whole = whole.forward_layer(&s, 1, &block, x, ctx).unwrap();
         let z = split.forward_transform(&s, 1, &block, h, ctx).unwrap();
         let y_split = split.forward_aggregate(&s, 1, &block, &z, ctx).unwrap();
-        assert_eq!(y_whole.as_slice(), y_split.as_slice());
+        assert_eq!(y_whole.as_slice(), y_split.as_slice(), "{kind} training");
 
         let g_out: Vec<f32> = (0..n as usize * 3).map(|i| (i % 5) as f32 - 2.0).collect();
         let g_out = Tensor::from_vec(n as usize, 3, g_out).unwrap();
@@ -298,11 +352,11 @@ mod tests {
         }
         // Stage 1 of the backward in two row parts (inner, halo) gives the same rows.
         let halo_block =
-            Block::build(&g, &(0..25).collect::<Vec<u32>>(), Aggregation::GcnNorm).unwrap();
+            Block::build(&g, &(0..25).collect::<Vec<u32>>(), kind.aggregation()).unwrap();
         let (n_out, n_in) = (halo_block.n_out(), halo_block.n_in());
         assert!(n_in > n_out, "the block has halo rows");
         let trained = || {
-            let cfg = ModelConfig::paper_defaults(ModelKind::Gcn, 6, 3, 9);
+            let cfg = ModelConfig::paper_defaults(kind, 6, 3, 9);
             let mut m = Model::new(cfg).unwrap();
             let h = (0..n_out * 16).map(|i| (i % 7) as f32).collect();
             let h = Tensor::from_vec(n_out, 16, h).unwrap();

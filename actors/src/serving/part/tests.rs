@@ -84,7 +84,7 @@ impl Harness {
     fn split(&self) -> Vec<bool> {
         let inf = self.model.build(Stream::cpu(0).unwrap()).unwrap();
         (0..inf.model().num_layers())
-            .map(|l| inf.model().is_split(l))
+            .map(|l| inf.model().reads_transformed_only(l))
             .collect()
     }
 
@@ -750,7 +750,7 @@ fn carried_rows_feed_only_the_next_layer_of_their_pass_in_its_order() {
     let data = h.data(0);
     let graph = &data.graph;
     let mut inference = h.model.build(Stream::cpu(0).unwrap()).unwrap();
-    assert!(inference.model().is_split(1));
+    assert!(inference.model().reads_transformed_only(1));
     let w = inference.layer_width(0);
     let table = Rows {
         width: w,
