@@ -68,14 +68,7 @@ fn finish(
     saved: Option<Saved>,
     ctx: StepCtx,
 ) -> Result<(Tensor, Option<GcnCache>)> {
-    s.add_bias(&mut h, b)?;
-    s.activate(spec.act, &mut h)?;
-    let act = if ctx.train {
-        Some(ActSaved::save(s, spec.act, &h)?)
-    } else {
-        None
-    };
-    let cache = saved.zip(act).map(|(saved, act)| GcnCache {
+    let cache = ActSaved::finish(s, spec.act, b, &mut h, saved)?.map(|(saved, act)| GcnCache {
         epoch: ctx.epoch,
         saved,
         act,

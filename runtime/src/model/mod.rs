@@ -627,6 +627,23 @@ pub(crate) enum ActSaved {
 }
 
 impl ActSaved {
+    /// `h = act(h + b)` in place; with `saved` (what a training forward keeps for backward),
+    /// also what the activation's backward needs.
+    pub(crate) fn finish<S>(
+        s: &Stream,
+        act: Activation,
+        b: &Tensor,
+        h: &mut Tensor,
+        saved: Option<S>,
+    ) -> Result<Option<(S, ActSaved)>> {
+        s.add_bias(h, b)?;
+        s.activate(act, h)?;
+        match saved {
+            Some(saved) => Ok(Some((saved, ActSaved::save(s, act, h)?))),
+            None => Ok(None),
+        }
+    }
+
     pub(crate) fn save(s: &Stream, act: Activation, y: &Tensor) -> Result<Self> {
         Ok(match act {
             Activation::Identity => ActSaved::Nothing,

@@ -94,17 +94,12 @@ fn finish(
     saved: Option<Saved>,
     ctx: StepCtx,
 ) -> Result<(Tensor, Option<SageCache>)> {
-    s.add_bias(&mut h, b)?;
-    s.activate(spec.act, &mut h)?;
-    let cache = match saved {
-        Some(saved) => Some(SageCache {
-            epoch: ctx.epoch,
-            saved,
-            act: ActSaved::save(s, spec.act, &h)?,
-            grad_h: None,
-        }),
-        None => None,
-    };
+    let cache = ActSaved::finish(s, spec.act, b, &mut h, saved)?.map(|(saved, act)| SageCache {
+        epoch: ctx.epoch,
+        saved,
+        act,
+        grad_h: None,
+    });
     Ok((h, cache))
 }
 
@@ -179,28 +174,12 @@ pub(crate) fn grad_transform(
     gz: Tensor,
     need_input_grad: bool,
 ) -> Result<Option<Tensor>> {
-    let LayerArgs {
-        s,
-        spec,
-        seed,
-        block,
-    } = *a;
     let (Saved::Input(xd), Some(g)) = (c.saved, c.grad_h) else {
         return Err(crate::RuntimeError::Config(
             "GraphSAGE transform backward before its aggregation backward".into(),
         ));
     };
-    xd.t_matmul_acc(s, &gz, &mut p[0].grad)?;
-    xd.t_matmul_acc(s, &g, &mut p[2].grad)?;
-    if !need_input_grad {
-        return Ok(None);
-    }
-    drop(xd); // done with: freed before the input gradient is allocated
-    let mut gx = s.matmul(&gz, false, &p[0].value, true)?;
-    let gself = s.matmul(&g, false, &p[2].value, true)?;
-    s.add_rows_prefix(&gself, &mut gx)?;
-    dropout_backward(s, spec, seed, block, &mut gx, c.epoch)?;
-    Ok(Some(gx))
+    transform_backward(a, p, xd, &gz, &g, c.epoch, need_input_grad)
 }
 
 pub(crate) fn backward(
@@ -210,28 +189,15 @@ pub(crate) fn backward(
     mut g: Tensor,
     need_input_grad: bool,
 ) -> Result<Option<Tensor>> {
-    let LayerArgs {
-        s,
-        spec,
-        seed,
-        block,
-    } = *a;
+    let LayerArgs { s, spec, block, .. } = *a;
     c.act.backward(s, spec.act, &mut g)?;
     s.add_column_sums(&g, &mut p[1].grad)?;
-    let mut gx = match c.saved {
+    match c.saved {
         Saved::Input(xd) => {
-            // h = Ā (X W_l) + X_inner W_r: gZ = Ā^T g, gW_l = X^T gZ, gX = gZ W_l^T.
+            // h = Ā (X W_l) + X_inner W_r: gZ = Ā^T g for every input row.
             let mut gz = s.zeros(block.n_in(), spec.out_dim)?;
             s.spmm(block.adj_t(), EdgeWeights::Stored, &g, &mut gz)?;
-            xd.t_matmul_acc(s, &gz, &mut p[0].grad)?;
-            xd.t_matmul_acc(s, &g, &mut p[2].grad)?;
-            if !need_input_grad {
-                return Ok(None);
-            }
-            // The input rows are done with: free them before the input gradient (as large)
-            // is allocated.
-            drop(xd);
-            s.matmul(&gz, false, &p[0].value, true)?
+            transform_backward(a, p, xd, &gz, &g, c.epoch, need_input_grad)
         }
         Saved::Aggregated { mean, inner } => {
             // h = (Ā X) W_l + X_inner W_r: gW_l = (ĀX)^T g, gX = Ā^T (g W_l^T).
@@ -240,15 +206,55 @@ pub(crate) fn backward(
             if !need_input_grad {
                 return Ok(None);
             }
-            drop((mean, inner)); // as above
+            drop((mean, inner)); // done with: freed before the input gradient is allocated
             let gmean = s.matmul(&g, false, &p[0].value, true)?;
             let mut gx = s.zeros(block.n_in(), spec.in_dim)?;
             s.spmm(block.adj_t(), EdgeWeights::Stored, &gmean, &mut gx)?;
-            gx
+            self_term_backward(a, p, &g, gx, c.epoch)
         }
-    };
-    let gself = s.matmul(&g, false, &p[2].value, true)?;
+    }
+}
+
+/// A transform-first layer's backward from `gZ` (of every input row, or of the inner rows of
+/// a split layer) and `g = act'(grad_out)`: `gW_l += X^T gZ`, `gW_r += X_inner^T g` and, if
+/// asked, `dropout'(gZ W_l^T + g W_r^T)` for `gZ`'s rows.
+fn transform_backward(
+    a: &LayerArgs<'_>,
+    p: &mut [Param],
+    xd: LayerInput,
+    gz: &Tensor,
+    g: &Tensor,
+    epoch: u32,
+    need_input_grad: bool,
+) -> Result<Option<Tensor>> {
+    let s = a.s;
+    xd.t_matmul_acc(s, gz, &mut p[0].grad)?;
+    xd.t_matmul_acc(s, g, &mut p[2].grad)?;
+    if !need_input_grad {
+        return Ok(None);
+    }
+    drop(xd); // done with: freed before the input gradient is allocated
+    let gx = s.matmul(gz, false, &p[0].value, true)?;
+    self_term_backward(a, p, g, gx, epoch)
+}
+
+/// Adds the self term's input gradient `g W_r^T` into the inner rows of `gx`, then applies
+/// the input dropout's mask.
+fn self_term_backward(
+    a: &LayerArgs<'_>,
+    p: &[Param],
+    g: &Tensor,
+    mut gx: Tensor,
+    epoch: u32,
+) -> Result<Option<Tensor>> {
+    let LayerArgs {
+        s,
+        spec,
+        seed,
+        block,
+    } = *a;
+    let gself = s.matmul(g, false, &p[2].value, true)?;
     s.add_rows_prefix(&gself, &mut gx)?;
-    dropout_backward(s, spec, seed, block, &mut gx, c.epoch)?;
+    dropout_backward(s, spec, seed, block, &mut gx, epoch)?;
     Ok(Some(gx))
 }
