@@ -8,7 +8,7 @@
 mod serve_support;
 
 use serde_json::{json, Value};
-use serve_support::{agent, s, trellis, Reply};
+use serve_support::{agent, first_allowed_cpu, http_thread_cpus, s, trellis, Reply};
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::path::{Path, PathBuf};
@@ -708,44 +708,6 @@ fn health_readiness_metrics_and_shedding() {
         "trellis_serve_model_info{version=",
     ] {
         assert!(m.contains(want), "/metrics lacks {want}:\n{m}");
-    }
-}
-
-/// The first CPU of a `/proc/.../status` file's `Cpus_allowed_list` (`0-1` -> `0`).
-fn first_allowed_cpu(status: &str) -> String {
-    let list = status
-        .lines()
-        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
-        .expect("Cpus_allowed_list in /proc status")
-        .trim();
-    list.split([',', '-']).next().unwrap().to_string()
-}
-
-/// The `Cpus_allowed_list` of each `actix-rt|system` thread of process `pid` (the HTTP
-/// workers and actix's system thread), once `want` of them are on `cpu` or after 10 s:
-/// the workers build their app, and pin themselves, as they start.
-fn http_thread_cpus(pid: u32, cpu: &str, want: usize) -> Vec<String> {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let mut cpus = Vec::new();
-        for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
-            let dir = task.unwrap().path();
-            let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
-            if comm.trim() != "actix-rt|system" {
-                continue;
-            }
-            let status = std::fs::read_to_string(dir.join("status")).unwrap_or_default();
-            if let Some(list) = status
-                .lines()
-                .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
-            {
-                cpus.push(list.trim().to_string());
-            }
-        }
-        if cpus.iter().filter(|c| *c == cpu).count() >= want || Instant::now() > deadline {
-            return cpus;
-        }
-        std::thread::sleep(Duration::from_millis(50));
     }
 }
 

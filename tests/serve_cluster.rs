@@ -8,7 +8,7 @@
 mod serve_support;
 
 use serde_json::{json, Value};
-use serve_support::{agent, s, trellis, Reply};
+use serve_support::{agent, first_allowed_cpu, http_thread_cpus, s, trellis, Reply};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -229,6 +229,17 @@ struct Cluster {
 }
 
 fn start_cluster(dir: &Path, n: u32, model: &Path, extra: &[&str]) -> Cluster {
+    start_cluster_with(dir, n, model, extra, &[])
+}
+
+/// [`start_cluster`], with `node_extra` given to every node but the engine node.
+fn start_cluster_with(
+    dir: &Path,
+    n: u32,
+    model: &Path,
+    extra: &[&str],
+    node_extra: &[&str],
+) -> Cluster {
     let c0 = write_cluster(dir, "c0.toml", "127.0.0.1:0", n);
     let addr_file = dir.join("node0.addr");
     let mut args = vec!["serve", "--cluster", s(&c0), "--model", s(model)];
@@ -253,6 +264,7 @@ fn start_cluster(dir: &Path, n: u32, model: &Path, extra: &[&str]) -> Cluster {
             let id = i.to_string();
             let mut args = vec!["serve", "--cluster", s(&c1), "--id", &id, "--threads", "1"];
             args.extend(["--listen", "127.0.0.1:0"]);
+            args.extend(node_extra);
             Proc::start(&format!("node {i}"), &args)
         })
         .collect::<Vec<_>>();
@@ -284,12 +296,24 @@ fn a_three_node_cluster_serves_what_trellis_predict_computes_through_updates_and
     // layer 0, the third partition 1 (node 1) at layer 1. Those nodes fire them (the plan
     // travels in their setup) and restore the partitions; the engine node recovers the pass.
     let chaos = "serve-panic:part=2:update=2,serve-panic:part=1:update=3:layer=1";
-    let c = start_cluster(
+    // The other nodes' forwarding front ends pinned to the first CPU this test may use.
+    let cpu = first_allowed_cpu(&std::fs::read_to_string("/proc/self/status").unwrap());
+    let c = start_cluster_with(
         dir.path(),
         3,
         &model,
         &["--partitions", "3", "--chaos", chaos],
+        &["--http-cpus", &cpu, "--http-workers", "2"],
     );
+    for node in &c.nodes {
+        let threads = http_thread_cpus(node.child.id(), &cpu, 2);
+        assert_eq!(
+            threads.iter().filter(|c| *c == &cpu).count(),
+            2,
+            "{}: HTTP threads on CPUs {threads:?}: not both forwarding workers pinned to {cpu}",
+            node.name
+        );
+    }
     let ready = call(&agent(), "GET", &format!("{}/readyz", c.url), b"");
     assert_eq!(ready.status, 200, "{}", ready.text);
     assert_eq!(ready.body["recoveries"], 0, "{}", ready.text);

@@ -81,9 +81,9 @@ pub struct ServeArgs {
     /// HTTP worker threads.
     #[arg(long, default_value_t = 2)]
     pub http_workers: usize,
-    /// The CPUs the engine node's HTTP workers run on, as `0` or `0,2-3` (default: every
-    /// CPU the process may use). Keeps them off cores where another busy thread would
-    /// make a woken worker wait.
+    /// The CPUs this node's HTTP workers run on (the engine node's front end, or another
+    /// node's forwarding one), as `0` or `0,2-3` (default: every CPU the process may use).
+    /// Keeps them off cores where another busy thread would make a woken worker wait.
     #[arg(long, value_parser = CpuSet::parse)]
     pub http_cpus: Option<CpuSet>,
     /// CPU threads for kernels (0 = all CPUs).
@@ -146,6 +146,7 @@ fn serve_node(a: &ServeArgs, cluster: &ClusterFile, id: u32) -> Result<()> {
         client_timeout: Duration::from_millis(a.client_timeout_ms.max(1)),
         answer_timeout: Duration::from_millis(a.step_timeout_ms.max(1)),
         workers: a.http_workers,
+        cpus: a.http_cpus,
     };
     let listen = a.listen;
     run_serve_node(

@@ -13,6 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use trellis_actors::cluster::serving::proto::{HttpAnswerWire, HttpRequestWire};
 use trellis_actors::cluster::serving::{HttpForward, HttpUplink};
+use trellis_actors::serving::priority::CpuSet;
 
 /// Settings of a forwarding front end.
 #[derive(Debug, Clone, Copy)]
@@ -25,6 +26,8 @@ pub struct ForwardConfig {
     pub answer_timeout: Duration,
     /// HTTP worker threads.
     pub workers: usize,
+    /// The CPUs the HTTP workers pin themselves to (`--http-cpus`), if any.
+    pub cpus: Option<CpuSet>,
 }
 
 struct ForwardState {
@@ -83,15 +86,25 @@ pub fn run_forwarding_http(
     listen: SocketAddr,
     on_bound: impl FnOnce(SocketAddr),
 ) -> std::io::Result<()> {
+    if let Some(cpus) = &cfg.cpus {
+        super::check_http_cpus(cpus)?;
+    }
+    let workers = cfg.workers.max(1);
+    let client_timeout = cfg.client_timeout;
+    let cpus = cfg.cpus;
     let state = web::Data::new(ForwardState { uplink, cfg });
     actix_web::rt::System::new().block_on(async move {
         let server = HttpServer::new(move || {
+            // actix-web builds the app on each worker's own thread as it starts.
+            if let Some(cpus) = cpus {
+                super::pin_worker_once(&cpus);
+            }
             App::new()
                 .app_data(state.clone())
                 .default_service(web::to(forward))
         })
-        .workers(cfg.workers.max(1))
-        .client_request_timeout(cfg.client_timeout)
+        .workers(workers)
+        .client_request_timeout(client_timeout)
         .client_disconnect_timeout(Duration::from_millis(500))
         .bind(listen)?;
         let addr = server.addrs()[0];

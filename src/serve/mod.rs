@@ -440,7 +440,7 @@ pub fn check_http_cpus(cpus: &CpuSet) -> std::io::Result<()> {
 }
 
 /// Pins the calling HTTP worker thread to `cpus` the first time it builds its app.
-fn pin_worker_once(cpus: &CpuSet) {
+pub(crate) fn pin_worker_once(cpus: &CpuSet) {
     thread_local!(static PINNED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) });
     if PINNED.with(|p| p.replace(true)) {
         return;

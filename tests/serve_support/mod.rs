@@ -6,7 +6,7 @@ use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// A started `trellis` process with its stdout read line by line.
 pub struct Started {
@@ -142,5 +142,43 @@ pub fn request(
         text,
         retry_after,
         traceparent,
+    }
+}
+
+/// The first CPU of a `/proc/.../status` file's `Cpus_allowed_list` (`0-1` -> `0`).
+pub fn first_allowed_cpu(status: &str) -> String {
+    let list = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .expect("Cpus_allowed_list in /proc status")
+        .trim();
+    list.split([',', '-']).next().unwrap().to_string()
+}
+
+/// The `Cpus_allowed_list` of each `actix-rt|system` thread of process `pid` (the HTTP
+/// workers and actix's system thread), once `want` of them are on `cpu` or after 10 s:
+/// the workers build their app, and pin themselves, as they start.
+pub fn http_thread_cpus(pid: u32, cpu: &str, want: usize) -> Vec<String> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let mut cpus = Vec::new();
+        for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+            let dir = task.unwrap().path();
+            let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+            if comm.trim() != "actix-rt|system" {
+                continue;
+            }
+            let status = std::fs::read_to_string(dir.join("status")).unwrap_or_default();
+            if let Some(list) = status
+                .lines()
+                .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+            {
+                cpus.push(list.trim().to_string());
+            }
+        }
+        if cpus.iter().filter(|c| *c == cpu).count() >= want || Instant::now() > deadline {
+            return cpus;
+        }
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
