@@ -65,12 +65,15 @@ pub(crate) fn forward(
                     inner.shrink_to_rows(n_out);
                     Some(Saved::Aggregated { mean, inner })
                 }
-                (true, xd) => {
-                    let LayerInput::Dense(all) = xd.as_ref() else {
-                        unreachable!("matched dense above")
-                    };
+                (true, Cow::Borrowed(LayerInput::Dense(all))) => {
                     let inner = s.copy_rows_prefix(all, n_out)?;
                     Some(Saved::Aggregated { mean, inner })
+                }
+                (true, _) => {
+                    return Err(crate::RuntimeError::Config(format!(
+                        "GraphSAGE layer {}: dense input rows turned sparse",
+                        spec.index
+                    )))
                 }
             }
         }
