@@ -86,25 +86,18 @@ pub fn run_forwarding_http(
     listen: SocketAddr,
     on_bound: impl FnOnce(SocketAddr),
 ) -> std::io::Result<()> {
-    if let Some(cpus) = &cfg.cpus {
-        super::check_http_cpus(cpus)?;
-    }
-    let workers = cfg.workers.max(1);
-    let client_timeout = cfg.client_timeout;
-    let cpus = cfg.cpus;
+    cfg.cpus.as_ref().map(super::check_http_cpus).transpose()?;
     let state = web::Data::new(ForwardState { uplink, cfg });
     actix_web::rt::System::new().block_on(async move {
         let server = HttpServer::new(move || {
             // actix-web builds the app on each worker's own thread as it starts.
-            if let Some(cpus) = cpus {
-                super::pin_worker_once(&cpus);
-            }
+            super::pin_worker_once(cfg.cpus);
             App::new()
                 .app_data(state.clone())
                 .default_service(web::to(forward))
         })
-        .workers(workers)
-        .client_request_timeout(client_timeout)
+        .workers(cfg.workers.max(1))
+        .client_request_timeout(cfg.client_timeout)
         .client_disconnect_timeout(Duration::from_millis(500))
         .bind(listen)?;
         let addr = server.addrs()[0];

@@ -439,8 +439,11 @@ pub fn check_http_cpus(cpus: &CpuSet) -> std::io::Result<()> {
     Ok(())
 }
 
-/// Pins the calling HTTP worker thread to `cpus` the first time it builds its app.
-pub(crate) fn pin_worker_once(cpus: &CpuSet) {
+/// Pins the calling HTTP worker thread to `cpus` (if any) the first time it builds its app.
+pub(crate) fn pin_worker_once(cpus: Option<CpuSet>) {
+    let Some(cpus) = cpus else {
+        return;
+    };
     thread_local!(static PINNED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) });
     if PINNED.with(|p| p.replace(true)) {
         return;
@@ -458,9 +461,7 @@ pub fn run_http_stoppable(
     listen: SocketAddr,
     on_bound: impl FnOnce(SocketAddr, actix_web::dev::ServerHandle),
 ) -> std::io::Result<()> {
-    if let Some(cpus) = cfg.cpus {
-        check_http_cpus(&cpus)?;
-    }
+    cfg.cpus.as_ref().map(check_http_cpus).transpose()?;
     let metrics = Arc::new(HttpMetrics::default());
     let state = web::Data::new(AppState {
         engine,
@@ -470,9 +471,7 @@ pub fn run_http_stoppable(
     actix_web::rt::System::new().block_on(async move {
         let server = HttpServer::new(move || {
             // actix-web builds the app on each worker's own thread as it starts.
-            if let Some(cpus) = cfg.cpus {
-                pin_worker_once(&cpus);
-            }
+            pin_worker_once(cfg.cpus);
             App::new()
                 .app_data(state.clone())
                 .route("/v1/predict", web::post().to(predict))

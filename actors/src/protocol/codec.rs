@@ -133,6 +133,16 @@ impl PhiloxDither<'_> {
     }
 }
 
+/// What a payload held between epochs becomes once a sparse payload is merged into it
+/// ([`codec::merge_sparse`]): `held` itself, the same buffer, when no row was resent (so a
+/// replica finds it unchanged by identity and no copy is made), else the merged bytes.
+pub(crate) fn merged_payload(held: &Arc<[u8]>, merged: std::borrow::Cow<'_, [u8]>) -> Arc<[u8]> {
+    match merged {
+        std::borrow::Cow::Borrowed(_) => held.clone(),
+        std::borrow::Cow::Owned(m) => Arc::from(m),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

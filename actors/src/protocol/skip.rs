@@ -33,7 +33,7 @@
 //! by `--max-staleness` are not a change of value): the receiver keeps a block exactly when it
 //! is sparse, or when it held none and the epoch is a probe, so both sides decide alike from
 //! what crossed the wire.
-use crate::protocol::codec::HaloEncoder;
+use crate::protocol::codec::{merged_payload, HaloEncoder};
 use crate::protocol::halo::{proto, Tag};
 use std::borrow::Cow;
 use std::collections::BTreeMap;
@@ -121,14 +121,14 @@ impl SentRows {
     ) -> std::result::Result<Self, codec::CodecError> {
         let (rows, cols) = (self.sent.len(), self.cols as usize);
         let merged = match &self.values {
-            SentValues::Encoded(b) => codec::merge_sparse(b, rows, cols, sparse)?,
+            SentValues::Encoded(b) => {
+                codec::merge_sparse(b, rows, cols, sparse)?.map(|m| merged_payload(b, m))
+            }
             SentValues::Int8 { .. } => None,
         };
-        let kept = match (merged, &self.values) {
-            // No row resent: the same buffer (replicas find it unchanged by identity).
-            (Some(Cow::Borrowed(_)), SentValues::Encoded(b)) => SentValues::Encoded(b.clone()),
-            (Some(m), _) => SentValues::Encoded(Arc::from(m)),
-            (None, _) => {
+        let kept = match merged {
+            Some(m) => SentValues::Encoded(m),
+            None => {
                 let values = values_of(inner, changed.len(), cols)?;
                 let mut all = self.decoded()?;
                 codec::overwrite_rows(&mut all, cols, changed, &values);

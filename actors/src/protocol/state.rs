@@ -5,7 +5,7 @@
 //! first sends the layer's transformed rows (forward) or their gradients (backward), the
 //! second runs once the neighbours' blocks of those are in. Between the stages the state
 //! holds a `Staged` record; [`PartitionState::reset_epoch`] forgets it.
-use crate::protocol::codec::HaloEncoder;
+use crate::protocol::codec::{merged_payload, HaloEncoder};
 use crate::protocol::halo::{proto, HaloLists, Staging, Tag};
 use crate::protocol::messages::Outcome;
 use crate::protocol::skip::{self, SkipSender};
@@ -400,16 +400,11 @@ impl PartitionState {
             .filter(|h| (h.rows, h.cols) == (b.rows, b.cols))
             .ok_or_else(|| bad(format!("no {rows}x{cols} rows held to merge it into")))?;
         if let HaloPayload::Encoded(held) = &base.payload {
-            let merged =
-                codec::merge_sparse(held, rows, cols, bytes).map_err(|e| bad(e.to_string()))?;
-            if let Some(merged) = merged {
-                // No row resent: the held buffer itself, not a copy.
-                let payload = match merged {
-                    std::borrow::Cow::Borrowed(_) => base.payload.clone(),
-                    std::borrow::Cow::Owned(m) => HaloPayload::Encoded(Arc::from(m)),
-                };
+            if let Some(merged) =
+                codec::merge_sparse(held, rows, cols, bytes).map_err(|e| bad(e.to_string()))?
+            {
                 return Ok(HaloBlock {
-                    payload,
+                    payload: HaloPayload::Encoded(merged_payload(held, merged)),
                     ..b.clone()
                 });
             }

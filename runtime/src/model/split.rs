@@ -73,9 +73,9 @@ impl Model {
         }
         let p = &self.params[spec.first_param..];
         let (z, xd) = gcn::transform(&self.args(s, &spec, block), p, x, ctx)?;
-        // GraphSAGE's stage 2 reads the inner rows in evaluation too (its self term).
-        let keep = ctx.train || self.cfg.kind == ModelKind::Sage;
-        self.caches[l] = keep.then_some(Cache::SplitInput(xd));
+        self.caches[l] = self
+            .stage_2_reads_input(ctx)
+            .then_some(Cache::SplitInput(xd));
         Ok(z)
     }
 
@@ -115,6 +115,12 @@ impl Model {
         }
     }
 
+    /// Whether a split layer's stage 2 reads the dropped inner rows stage 1 kept: in
+    /// training (the backward reads them), and always for GraphSAGE (its self term).
+    fn stage_2_reads_input(&self, ctx: StepCtx) -> bool {
+        ctx.train || self.cfg.kind == ModelKind::Sage
+    }
+
     /// Keeps a finished forward stage's cache; returns its output rows.
     fn finish_stage(&mut self, l: usize, y: Tensor, cache: Option<Cache>) -> Result<Tensor> {
         self.caches[l] = cache;
@@ -124,8 +130,7 @@ impl Model {
     /// What stage 1 of split layer `l` kept: the dropped inner rows (GCN: for the backward,
     /// nothing outside training; GraphSAGE: always, for its self term).
     fn take_transform_input(&mut self, l: usize, ctx: StepCtx) -> Result<Option<LayerInput>> {
-        let needed = ctx.train || self.cfg.kind == ModelKind::Sage;
-        match (needed, self.caches[l].take()) {
+        match (self.stage_2_reads_input(ctx), self.caches[l].take()) {
             (false, _) => Ok(None),
             (true, Some(Cache::SplitInput(xd))) => Ok(Some(xd)),
             (true, _) => Err(RuntimeError::Config(format!(
