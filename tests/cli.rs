@@ -48,7 +48,7 @@ fn train_writes_a_complete_report_and_is_deterministic() {
         "test_acc",
         "best_val_acc",
         "best_epoch",
-        "epoch_ms_median",
+        "step_ms_median",
         "peak_rss_bytes",
         "weights_digest",
         "epochs_log",

@@ -404,7 +404,7 @@ fn a_recovery_is_timed_from_the_panic_not_from_the_start_of_the_step() {
     let r = read_report(&report);
     let rec = &r["recoveries"][0];
     let detected = rec["detected_ms"].as_f64().expect("detected_ms");
-    let step = r["epoch_ms_median"].as_f64().expect("epoch_ms_median");
+    let step = r["step_ms_median"].as_f64().expect("step_ms_median");
     assert!(
         detected >= 0.0 && detected < 0.25 * step,
         "detected {detected} ms after the panic, a step takes {step} ms: {rec}"

@@ -19,6 +19,7 @@ mod error;
 mod failure_clock;
 pub mod faults;
 mod kept_model;
+pub mod priority;
 pub mod profile;
 pub mod protocol;
 pub mod replica;

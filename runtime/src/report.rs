@@ -78,7 +78,11 @@ pub struct RunReport {
     pub test_acc: f64,
     pub best_val_acc: f64,
     pub best_epoch: u32,
-    pub epoch_ms_median: f64,
+    /// Median wall time of a training step (`EpochLog::ms`: forward, backward, all-reduce,
+    /// optimizer; evaluation not included), ms. Reports written before it was named so
+    /// call it `epoch_ms_median`.
+    #[serde(alias = "epoch_ms_median")]
+    pub step_ms_median: f64,
     pub peak_rss_bytes: u64,
     /// Hex BLAKE3 digest of the final parameters' bytes.
     pub weights_digest: String,

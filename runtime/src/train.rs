@@ -433,7 +433,7 @@ pub fn build_report(
         test_acc: best.test_at_best,
         best_val_acc: best.best_val_acc,
         best_epoch: best.best_epoch,
-        epoch_ms_median: report::median(&ms),
+        step_ms_median: report::median(&ms),
         peak_rss_bytes: report::peak_rss_bytes(),
         weights_digest,
         config: serde_json::to_value(cfg).unwrap_or(serde_json::Value::Null),

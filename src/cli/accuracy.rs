@@ -90,10 +90,10 @@ pub fn run(a: AccuracyArgs) -> Result<()> {
     let spec = data_spec(a.data.clone())?;
     let ds = load_data(&spec)?;
     if a.partitions > 1 {
-        println!("| model | partitions | halo codec | seeds | test accuracy (mean ± std) | min | max | median epoch ms | halo bytes vs fp32 |");
+        println!("| model | partitions | halo codec | seeds | test accuracy (mean ± std) | min | max | median step ms | halo bytes vs fp32 |");
         println!("|---|---|---|---|---|---|---|---|---|");
     } else {
-        println!("| model | seeds | test accuracy (mean ± std) | min | max | median epoch ms |");
+        println!("| model | seeds | test accuracy (mean ± std) | min | max | median step ms |");
         println!("|---|---|---|---|---|---|");
     }
     for &kind in &a.models {
@@ -129,7 +129,7 @@ fn table_row(a: &AccuracyArgs, ds: &Dataset, kind: ModelKind, halo: HaloConfig) 
             .map(|l| l.halo_fp32_bytes)
             .sum::<u64>();
         accs.push(report.test_acc);
-        ms.push(report.epoch_ms_median);
+        ms.push(report.step_ms_median);
     }
     let n = accs.len() as f64;
     let mean = accs.iter().sum::<f64>() / n;

@@ -101,9 +101,9 @@ pub fn run(a: BenchArgs) -> Result<()> {
         100.0 * spmm / triad
     );
     println!(
-        "{} epoch       {:.1} ms median over {} epochs ({} layers{}, hidden {}), peak RSS {:.1} MiB",
+        "{} step        {:.1} ms median over {} training steps ({} layers{}, hidden {}), peak RSS {:.1} MiB",
         a.model,
-        report.epoch_ms_median,
+        report.step_ms_median,
         a.epochs,
         a.shape.layers.unwrap_or(2),
         if a.shape.residual { ", residual" } else { "" },

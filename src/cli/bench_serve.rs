@@ -13,8 +13,8 @@ use clap::Args;
 use std::path::PathBuf;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
+use trellis_actors::priority::{Class, CpuSet};
 use trellis_actors::serving::engine::{self, EngineConfig};
-use trellis_actors::serving::priority::{Class, CpuSet};
 use trellis_actors::serving::scheduler::SchedulerConfig;
 use trellis_actors::{RunEvent, Topology, TrainingRun};
 use trellis_gpu::{bench, PriorityGate, Stream};
@@ -461,7 +461,7 @@ fn beside_partitioned(
         });
         let training = sc.spawn(|| -> Result<(Vec<f64>, Vec<BesideEpoch>)> {
             // The partition actors' threads inherit this thread's class.
-            trellis_actors::serving::priority::background_this_thread_as(a.beside_priority);
+            trellis_actors::priority::background_this_thread_as(a.beside_priority);
             let (gate, gate_rx) = mpsc::channel();
             let run = topo.with_epoch_gate(gate_rx).spawn()?;
             let mut alone = Vec::new();
@@ -486,7 +486,7 @@ fn beside_partitioned(
             Ok(()) => {
                 let budget = trellis_gpu::ThreadBudget::global(a.threads);
                 if let Ok(b) = &budget {
-                    trellis_actors::serving::priority::background_pool_as(b, a.beside_priority);
+                    trellis_actors::priority::background_pool_as(b, a.beside_priority);
                 }
                 load()
             }
@@ -563,14 +563,14 @@ fn beside_training(
         alone.push(t.elapsed().as_secs_f64() * 1e3);
     }
     let alone_ms = median_ms(alone);
-    trellis_actors::serving::priority::background_pool_as(tr.stream().budget(), a.beside_priority);
+    trellis_actors::priority::background_pool_as(tr.stream().budget(), a.beside_priority);
     let stop = AtomicBool::new(false);
     let first = start_epoch + a.beside_epochs;
     let mut publisher = Publisher::new(handle.clone(), meta(cfg, tr), a.publish_every);
     let v0 = handle.published.version();
     let (run, times) = std::thread::scope(|sc| {
         let trainer = sc.spawn(|| -> Result<Vec<f64>> {
-            trellis_actors::serving::priority::background_this_thread_as(a.beside_priority);
+            trellis_actors::priority::background_this_thread_as(a.beside_priority);
             let mut times = Vec::new();
             let mut e = first;
             while !stop.load(Ordering::Relaxed) {

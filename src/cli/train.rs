@@ -686,7 +686,7 @@ pub fn replication_summary(r: &RunReport) -> Option<String> {
 pub fn print_summary(r: &RunReport) {
     println!(
         "{} on {} ({} partition{}): test accuracy {:.2}% at best validation epoch {} (val {:.2}%), \
-         median epoch {:.1} ms, peak RSS {:.1} MiB\nweights_digest {}",
+         median training step {:.1} ms, peak RSS {:.1} MiB\nweights_digest {}",
         r.model,
         r.dataset,
         r.partitions,
@@ -694,7 +694,7 @@ pub fn print_summary(r: &RunReport) {
         100.0 * r.test_acc,
         r.best_epoch,
         100.0 * r.best_val_acc,
-        r.epoch_ms_median,
+        r.step_ms_median,
         r.peak_rss_bytes as f64 / (1 << 20) as f64,
         r.weights_digest
     );

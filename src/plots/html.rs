@@ -79,7 +79,7 @@ pub fn page(r: &RunReport, marks: &[RecoveryMark], pngs: &[PathBuf]) -> Result<S
     row(
         &mut out,
         "median training step",
-        &format!("{:.1} ms", r.epoch_ms_median),
+        &format!("{:.1} ms", r.step_ms_median),
     );
     row(
         &mut out,

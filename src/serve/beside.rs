@@ -12,7 +12,7 @@
 //! publishes every K-th and the last.
 //!
 //! Training runs at a lower CPU priority than the query threads
-//! ([`trellis_actors::serving::priority`]) and its streams yield to the service's update
+//! ([`trellis_actors::priority`]) and its streams yield to the service's update
 //! steps between kernel pieces (the single trainer's, or every training partition's); a
 //! publish that comes while the previous one is still being computed is skipped (the next
 //! one carries newer weights anyway), except the last, which waits for it.
@@ -172,7 +172,7 @@ impl Beside {
         println!("listening on http://{addr}");
         use std::io::Write;
         let _ = std::io::stdout().flush();
-        trellis_actors::serving::priority::background_this_thread();
+        trellis_actors::priority::background_this_thread();
         Ok(Beside {
             publisher: Some(Publisher::new(engine, meta, every)),
             publishing: None,
@@ -210,7 +210,7 @@ impl Beside {
             .take()
             .ok_or_else(|| anyhow!("the partitioned run is already publishing"))?;
         let budget = trellis_gpu::ThreadBudget::global(cfg.threads)?;
-        trellis_actors::serving::priority::background_pool(&budget);
+        trellis_actors::priority::background_pool(&budget);
         let (tx, rx) = mpsc::channel::<KeptModel>();
         let model_cfg = cfg.model.clone();
         let epochs = cfg.epochs;
@@ -256,7 +256,7 @@ impl Beside {
     /// threads, and makes its stream yield to the service's update steps between kernel
     /// pieces.
     pub fn lower_training(&self, trainer: &mut Trainer) {
-        trellis_actors::serving::priority::background_pool(trainer.stream().budget());
+        trellis_actors::priority::background_pool(trainer.stream().budget());
         trainer.yield_to(self.gate.clone());
     }
 

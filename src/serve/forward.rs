@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use trellis_actors::cluster::serving::proto::{HttpAnswerWire, HttpRequestWire};
 use trellis_actors::cluster::serving::{HttpForward, HttpUplink};
-use trellis_actors::serving::priority::CpuSet;
+use trellis_actors::priority::CpuSet;
 
 /// Settings of a forwarding front end.
 #[derive(Debug, Clone, Copy)]

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, Mutex};
-use trellis_actors::serving::priority::CpuSet;
+use trellis_actors::priority::CpuSet;
 
 /// One caller of the load: its API key and arrival rate.
 #[derive(Debug, Clone)]

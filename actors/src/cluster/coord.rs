@@ -734,9 +734,7 @@ async fn dispatch(
         match inbox.next(None, Duration::from_secs(3600)).await {
             Ok((from, ControlMsg::Reply { id, body })) => client.on_reply(from, id, body),
             Ok((from, m)) if m.is_replica() => {
-                if let Some(answer) = on_replica_msg(&replicas, &shipper, from, m) {
-                    let _ = client.transport().send_control(from, answer.encode());
-                }
+                on_replica_msg(&replicas, &shipper, client.transport(), from, m)
             }
             // A node adopting a lost node's partition may lack its file.
             Ok((from, ControlMsg::FetchPart { part })) => {

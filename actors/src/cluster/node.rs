@@ -4,7 +4,9 @@ use super::config::ClusterFile;
 use super::proto::ControlMsg;
 use crate::faults::FaultPlan;
 use crate::protocol::state::{GlobalCounts, PartitionState};
-use crate::replica::{DeltaBases, Mirrors, MirrorsOf, ReplicaBytes, ReplicaDelta, ReplicaStore};
+use crate::replica::{
+    DeltaBases, Mirrors, MirrorsOf, ReceivedPiece, ReplicaBytes, ReplicaDelta, ReplicaStore, Stored,
+};
 use crate::shells::supervisor::NodeSupervisor;
 use crate::ActorError;
 use std::collections::HashMap;
@@ -479,42 +481,43 @@ impl ReplicaShipper {
 }
 
 /// Takes a replica message that reached this node from node `from` (a piece of a replica or
-/// of a patch, an acknowledgement, a refusal) into `store` or `shipper`; returns the answer
-/// to send `from` (an acknowledgement once a replica is stored whole, a refusal when it
-/// cannot be), if any. Other messages are left alone (`None`).
+/// of a patch, an acknowledgement, a refusal) into `store` or `shipper`. A piece is stored
+/// on the store's intake thread where it has one (`ReplicaStore::receive_in_background`),
+/// which then answers `from` through `transport`: an acknowledgement once a replica is
+/// stored whole, a refusal when it cannot be. Other messages are left alone.
 pub fn on_replica_msg(
     store: &ReplicaStore,
     shipper: &ReplicaShipper,
+    transport: &Arc<QuicTransport>,
     from: u32,
     msg: ControlMsg,
-) -> Option<ControlMsg> {
-    let (stored, part, epoch) = match msg {
+) {
+    let (piece, part, epoch) = match msg {
         ControlMsg::Replica(r) => {
             let (part, epoch) = (r.part, r.epoch);
-            (store.put_remote_piece(from, r.into()), part, epoch)
+            (ReceivedPiece::Whole(r.into()), part, epoch)
         }
         ControlMsg::ReplicaDelta(d) => {
             let (part, epoch) = (d.header.part, d.header.epoch);
-            (store.put_remote_delta_piece(from, d), part, epoch)
+            (ReceivedPiece::Patch(d), part, epoch)
         }
-        ControlMsg::ReplicaAck { part, epoch } => {
-            shipper.acked(from, part, epoch);
-            return None;
-        }
-        ControlMsg::ReplicaNack { part, epoch } => {
-            shipper.refused(from, part, epoch);
-            return None;
-        }
-        _ => return None,
+        ControlMsg::ReplicaAck { part, epoch } => return shipper.acked(from, part, epoch),
+        ControlMsg::ReplicaNack { part, epoch } => return shipper.refused(from, part, epoch),
+        _ => return,
     };
-    match stored {
-        Ok(Some((part, epoch))) => Some(ControlMsg::ReplicaAck { part, epoch }),
-        Ok(None) => None,
-        Err(e) => {
-            tracing::warn!("{e}");
-            Some(ControlMsg::ReplicaNack { part, epoch })
-        }
-    }
+    let transport = transport.clone();
+    let answer = move |stored: Stored| {
+        let answer = match stored {
+            Ok(Some((part, epoch))) => ControlMsg::ReplicaAck { part, epoch },
+            Ok(None) => return,
+            Err(e) => {
+                tracing::warn!("{e}");
+                ControlMsg::ReplicaNack { part, epoch }
+            }
+        };
+        let _ = transport.send_control(from, answer.encode());
+    };
+    store.receive(from, piece, Box::new(answer));
 }
 
 /// Loads partition `p` of `set` into a fresh state (initial weights) with its own stream.
@@ -571,6 +574,7 @@ pub fn host_partitions(
     } else {
         ReplicaStore::disabled()
     });
+    replicas.receive_in_background();
     if let Some(s) = shipper {
         replicas.set_sender(s.sender(), s.receivers_host_partitions());
         if cfg.halo.skip_threshold > 0.0 || cfg.halo.skips_eval_rows() {

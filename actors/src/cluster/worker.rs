@@ -143,9 +143,7 @@ async fn serve(
         }
         match (pending.take(), hosted.as_mut()) {
             (Some((from, m)), Some(h)) if m.is_replica() => {
-                if let Some(answer) = on_replica_msg(h.node.replicas(), &h.shipper, from, m) {
-                    let _ = ep.send(from, &answer);
-                }
+                on_replica_msg(h.node.replicas(), &h.shipper, &ep.transport, from, m)
             }
             (Some((_, ControlMsg::Request { id, part, req })), Some(h)) => {
                 on_request(ep, &mut inbox, coord, h, id, part, req).await?

@@ -33,9 +33,11 @@
 //! After the first replica a node acknowledged, later ones reach it as the bytes that
 //! changed ([`delta`]).
 pub mod delta;
+mod intake;
 use crate::protocol::skip::{SentRows, SentValues};
 use dashmap::DashMap;
 pub use delta::{DeltaBases, DeltaHeader, DeltaPiece, ReplicaDelta};
+pub use intake::{OnStored, ReceivedPiece, Stored};
 use rkyv::{Archive, Deserialize, Serialize};
 use std::sync::Arc;
 use trellis_gpu::Tensor;
@@ -911,6 +913,8 @@ pub struct ReplicaStore {
     /// While replicas leave the model out: the model of the newest steps this node's
     /// partitions committed, one copy per step.
     models: std::sync::Mutex<Vec<Arc<CommittedModel>>>,
+    /// Stores arriving pieces on a thread of its own ([`ReplicaStore::receive_in_background`]).
+    intake: std::sync::OnceLock<intake::Intake>,
     /// Replicas arriving in pieces, by (sender, partition, step).
     assembling: std::sync::Mutex<std::collections::HashMap<(u32, u32, u32), Assembly>>,
     /// Replicas arriving as patches, by (sender, partition, step).
@@ -975,6 +979,8 @@ impl ReplicaStore {
         let spawned = std::thread::Builder::new()
             .name("trellis-replicate".into())
             .spawn(move || {
+                // Background work beside the steps (see `intake`'s doc).
+                crate::priority::background_this_thread_as(crate::priority::Class::Nice(10));
                 // Ends when the store (the channel's sender) is dropped.
                 let mut digests = MirrorDigests::default();
                 while let Ok(s) = rx.recv() {
@@ -1136,6 +1142,44 @@ impl ReplicaStore {
             .cloned()
     }
 
+    /// Stores the replica pieces that reach this node ([`ReplicaStore::receive`]) on a thread
+    /// of its own, in order, off the caller's (see [`intake`]). Set once, by a cluster node.
+    pub fn receive_in_background(self: &Arc<Self>) {
+        if self.disabled || self.intake.get().is_some() {
+            return;
+        }
+        match intake::Intake::start(Arc::downgrade(self)) {
+            Ok(i) => {
+                let _ = self.intake.set(i);
+            }
+            Err(e) => {
+                tracing::error!("no replica intake thread: {e}; pieces are stored on arrival")
+            }
+        }
+    }
+
+    /// Takes a piece of a replica node `from` shipped and calls `then` with what storing it
+    /// gave: on the intake thread where [`ReplicaStore::receive_in_background`] started one,
+    /// else at once.
+    pub fn receive(&self, from: u32, piece: ReceivedPiece, then: OnStored) {
+        let (piece, then) = match self.intake.get() {
+            Some(intake) => match intake.push(from, piece, then) {
+                Ok(()) => return,
+                Err(back) => back,
+            },
+            None => (piece, then),
+        };
+        then(self.store_piece(from, piece))
+    }
+
+    /// Stores one received piece (see [`ReplicaStore::receive`]).
+    fn store_piece(&self, from: u32, piece: ReceivedPiece) -> Stored {
+        match piece {
+            ReceivedPiece::Whole(p) => self.put_remote_piece(from, p),
+            ReceivedPiece::Patch(p) => self.put_remote_delta_piece(from, p),
+        }
+    }
+
     /// Keeps the replica of another node's partition (with the one step before it).
     pub fn put_remote(&self, bytes: ReplicaBytes) {
         if self.disabled {
@@ -1237,7 +1281,7 @@ impl ReplicaStore {
             std::collections::hash_map::Entry::Occupied(o) => o.into_mut(),
             std::collections::hash_map::Entry::Vacant(v) => {
                 let base = self
-                .remote_at(part, h.base_epoch)
+                .kept_at(part, h.base_epoch)
                 .filter(|b| b.digest == h.base_digest)
                 .ok_or_else(|| {
                     fail(format!(
@@ -1336,8 +1380,17 @@ impl ReplicaStore {
         }
     }
 
-    /// The replica of another node's partition `part` at step `epoch`, if kept here.
+    /// The replica of another node's partition `part` at step `epoch`, if kept here, once
+    /// every piece received before this call is stored.
     pub fn remote_at(&self, part: u32, epoch: u32) -> Option<ReplicaBytes> {
+        if let Some(intake) = self.intake.get() {
+            intake.settle();
+        }
+        self.kept_at(part, epoch)
+    }
+
+    /// The replica of partition `part` at step `epoch` stored so far.
+    fn kept_at(&self, part: u32, epoch: u32) -> Option<ReplicaBytes> {
         self.remote
             .get(&part)?
             .iter()
@@ -1562,6 +1615,74 @@ mod tests {
         let e = last.unwrap_err();
         assert!(e.contains("not the sender's"), "{e}");
         assert!(store.remote_at(4, 8).is_none());
+    }
+
+    /// Pieces received for the intake thread are stored in order off the caller's thread,
+    /// each answered once (the whole replica, a patch against it, and a patch that does not
+    /// fit: refused, naming the sender); a reader of the kept replicas asked right after the
+    /// last piece was handed over sees it, and the thread ends with the store.
+    #[test]
+    fn the_intake_thread_stores_pieces_in_order_and_readers_wait_for_them() {
+        let mut s = snap();
+        s.grad_residual = (0..3 * REPLICA_PIECE / 4).map(|i| i as f32).collect();
+        let base = ReplicaBytes::encode(4, &s);
+        s.epoch = 8;
+        for i in (0..s.grad_residual.len()).step_by(5) {
+            s.grad_residual[i] = -2.0;
+        }
+        let new = ReplicaBytes::encode(4, &s);
+        let patch = ReplicaDelta::between(&base, &new).pieces();
+        let store = Arc::new(ReplicaStore::new());
+        store.receive_in_background();
+        let caller = std::thread::current().id();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let answer = |tag: &'static str| -> OnStored {
+            let tx = tx.clone();
+            Box::new(move |stored: Stored| {
+                assert_ne!(std::thread::current().id(), caller, "stored off the caller");
+                tx.send((tag, stored)).unwrap();
+            })
+        };
+        for p in base.pieces() {
+            store.receive(3, ReceivedPiece::Whole(p), answer("whole"));
+        }
+        // The patch names step 7, which is stored only once the pieces before it are.
+        for p in patch.iter().rev() {
+            store.receive(3, ReceivedPiece::Patch(p.clone()), answer("patch"));
+        }
+        let misfit = DeltaPiece {
+            index: 99,
+            ..patch[0].clone()
+        };
+        store.receive(2, ReceivedPiece::Patch(misfit), answer("misfit"));
+        assert_eq!(store.remote_at(4, 8).unwrap(), new, "the reader waited");
+        assert_eq!(store.remote_at(4, 7).unwrap(), base);
+        drop(tx);
+        let got: Vec<_> = rx.iter().collect();
+        assert_eq!(got.len(), base.pieces().count() + patch.len() + 1);
+        let whole: Vec<_> = got
+            .iter()
+            .filter(|g| g.0 == "whole")
+            .map(|g| &g.1)
+            .collect();
+        assert_eq!(whole.last().unwrap(), &&Ok(Some((4, 7))));
+        assert!(whole[..whole.len() - 1].iter().all(|g| g == &&Ok(None)));
+        let patched: Vec<_> = got
+            .iter()
+            .filter(|g| g.0 == "patch")
+            .map(|g| &g.1)
+            .collect();
+        assert_eq!(patched.last().unwrap(), &&Ok(Some((4, 8))));
+        let e = got
+            .iter()
+            .find(|g| g.0 == "misfit")
+            .unwrap()
+            .1
+            .clone()
+            .unwrap_err();
+        assert!(e.contains("partition 4") && e.contains("node 2"), "{e}");
+        // Only the caller's `Arc` holds the store: the thread keeps a weak one.
+        assert_eq!(Arc::strong_count(&store), 1);
     }
 
     /// A node keeps two steps of a remote partition and the one arriving, not three: the

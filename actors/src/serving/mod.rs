@@ -22,7 +22,6 @@ pub mod engine;
 pub mod handle;
 pub mod part;
 pub mod plan;
-pub mod priority;
 pub mod published;
 pub mod routing;
 pub mod scheduler;
