@@ -144,16 +144,16 @@ fn whole_answer(body: &Value, nodes: &[u32], embedding_width: Option<usize>) -> 
         .collect()
 }
 
-/// Trains 2 partitions with `extra` without a service, then the same run with `--serve`,
+/// Trains 2 partitions with `extra` without a service (`trellis train --partitions 2`),
+/// then the same run with `--serve` as `run` says (`train`, or `launch` of a cluster),
 /// querying it (published rows and, every other request, through the serving partition
 /// actors with embeddings) for as long as it trains; checks every answer is whole and of
 /// one version, versions only move forward, the weights digest equals the run without
 /// the service, and afterwards every served probability equals `trellis predict` with the
-/// saved last weights.
-fn serves_beside_partitioned_training(extra: &[&str]) {
+/// saved last weights; Ctrl-C then ends the process successfully.
+fn serves_beside_partitioned_training(run: &[&str], extra: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
-    let base = [
-        "train",
+    let settings = [
         "--data",
         DATA,
         "--model",
@@ -165,7 +165,12 @@ fn serves_beside_partitioned_training(extra: &[&str]) {
         "--threads",
         "2",
     ];
-    let alone: Vec<&str> = base.iter().chain(extra).copied().collect();
+    let alone: Vec<&str> = ["train"]
+        .iter()
+        .chain(&settings)
+        .chain(extra)
+        .copied()
+        .collect();
     let out = trellis(&alone);
     let want = digest_of(
         out.lines()
@@ -174,7 +179,7 @@ fn serves_beside_partitioned_training(extra: &[&str]) {
     );
 
     let file = dir.path().join("last.safetensors");
-    let mut args = alone.clone();
+    let mut args: Vec<&str> = run.iter().chain(&settings).chain(extra).copied().collect();
     args.extend([
         "--serve",
         "127.0.0.1:0",
@@ -267,12 +272,12 @@ fn serves_beside_partitioned_training(extra: &[&str]) {
 
 #[test]
 fn partitioned_training_serves_its_published_weights_and_trains_the_same_weights() {
-    serves_beside_partitioned_training(&[]);
+    serves_beside_partitioned_training(&["train"], &[]);
 }
 
 #[test]
 fn with_efficient_communication_too() {
-    serves_beside_partitioned_training(&["--comm", "efficient"]);
+    serves_beside_partitioned_training(&["train"], &["--comm", "efficient"]);
 }
 
 /// The topology API: training partitions that yield to a gate wait between kernel pieces
@@ -563,12 +568,30 @@ fn a_batch_step_is_the_child_of_its_first_request_and_links_the_others() {
     t.shutdown().unwrap();
 }
 
-/// Cluster training does not serve beside itself yet: `--serve` there is refused with a
-/// message saying what to do instead, not ignored.
+/// A cluster's training serves beside itself from its coordinator (`trellis launch
+/// --serve`): the same checks as in one process (the cluster's weights equal the
+/// single-process run's), and the launcher passes Ctrl-C on and exits cleanly.
 #[test]
-fn serve_beside_cluster_training_is_refused_clearly() {
-    let out = Command::new(env!("CARGO_BIN_EXE_trellis"))
-        .args([
+fn cluster_training_serves_its_published_weights_and_trains_the_same_weights() {
+    serves_beside_partitioned_training(&["launch", "--nodes", "2"], &[]);
+}
+
+/// `--serve` is for the coordinator: another node given it, or a launch on an emulated
+/// network (where the service would listen inside a namespace), is refused with a message
+/// saying why, not ignored.
+#[test]
+fn serve_beside_cluster_training_is_refused_where_it_cannot_serve() {
+    let refused = |args: &[&str], says: &str| {
+        let out = Command::new(env!("CARGO_BIN_EXE_trellis"))
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?} succeeded");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(says), "{args:?}: {err}");
+    };
+    refused(
+        &[
             "launch",
             "--nodes",
             "2",
@@ -576,14 +599,29 @@ fn serve_beside_cluster_training_is_refused_clearly() {
             DATA,
             "--serve",
             "127.0.0.1:0",
-        ])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        err.contains("--serve is not available for cluster training (trellis launch)"),
-        "{err}"
+            "--link-rate",
+            "1gbit",
+        ],
+        "--serve with --link-rate",
     );
-    assert!(err.contains("--partitions P"), "{err}");
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = dir.path().join("cluster.toml");
+    std::fs::write(
+        &cluster,
+        "certs = \"certs\"\npartitions = \"parts\"\ncoordinator = 0\n[[node]]\nid = 0\naddr = \"127.0.0.1:1\"\n\
+         [[node]]\nid = 1\naddr = \"127.0.0.1:2\"\n",
+    )
+    .unwrap();
+    refused(
+        &[
+            "node",
+            "--cluster",
+            s(&cluster),
+            "--id",
+            "1",
+            "--serve",
+            "127.0.0.1:0",
+        ],
+        "--serve is given to the coordinator node (node 0)",
+    );
 }

@@ -158,29 +158,7 @@ impl Topology {
 
     /// The partition of every node (by global id), read from the partition files.
     pub fn owners(&self) -> Result<Vec<u32>, ActorError> {
-        let mut owner = vec![u32::MAX; self.set.book().num_nodes];
-        for p in 0..self.set.parts() {
-            let file = self.set.open_part(p)?;
-            for &g in file.inner() {
-                let slot = owner.get_mut(g as usize).ok_or_else(|| {
-                    ActorError::Runtime(trellis_runtime::RuntimeError::BadData(format!(
-                        "{}: node {g} is past the {} nodes of the partition book",
-                        file.path().display(),
-                        self.set.book().num_nodes
-                    )))
-                })?;
-                *slot = p as u32;
-            }
-        }
-        if let Some(v) = owner.iter().position(|&o| o == u32::MAX) {
-            return Err(ActorError::Runtime(trellis_runtime::RuntimeError::BadData(
-                format!(
-                    "{}: node {v} is owned by no partition",
-                    self.set.dir().display()
-                ),
-            )));
-        }
-        Ok(owner)
+        Ok(self.set.owners()?)
     }
 
     /// Number of partitions.

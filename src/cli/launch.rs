@@ -4,6 +4,8 @@
 //! for them. Every child dies with the launcher (PR_SET_PDEATHSIG) and is killed and reaped
 //! when any node fails or on Ctrl-C / SIGTERM / SIGHUP. With `--link-rate` the nodes run in
 //! an emulated rate-limited network instead of loopback (`crate::netns`), removed on exit.
+//! With `--serve ADDR` (passed to the coordinator) the coordinator serves the model while the
+//! cluster trains it and after, until the launcher is stopped.
 use super::train::TrainArgs;
 use crate::netns::{remove_leftovers, EmulatedNet, LinkRate, NetSpec};
 use anyhow::{bail, Context, Result};
@@ -112,7 +114,13 @@ const OWN_OPTIONS: [&str; 10] = [
 const OWN_FLAGS: [&str; 1] = ["--probe-link"];
 
 pub fn run(a: LaunchArgs) -> Result<()> {
-    super::train::refuse_serve_on_a_cluster(&a.train, "launch")?;
+    if a.train.serve.is_some() && a.link.spec(a.cluster.nodes).is_some() {
+        bail!(
+            "--serve with --link-rate: the coordinator runs in a network namespace of its own, \
+             where the service would not be reachable from this machine; serve without \
+             --link-rate"
+        );
+    }
     if let Some(path) = &a.train.report {
         super::train::check_report_path(path)?;
     }
@@ -276,7 +284,12 @@ pub fn launch_cluster_on(
     for n in 1..opts.nodes {
         nodes.spawn(n, node_command(&exe, &cluster, n, true, net))?;
     }
-    nodes.wait_all(stop)
+    // A coordinator serving beside the training (`--serve`) serves until it is stopped: a
+    // stop is then its end, passed on as Ctrl-C.
+    let serving = train_args
+        .iter()
+        .any(|a| a == "--serve" || a.starts_with("--serve="));
+    nodes.wait_all(stop, serving)
 }
 
 fn node_command(
@@ -414,9 +427,14 @@ impl Nodes {
     }
 
     /// Waits for every node: done when the coordinator and then all others exit cleanly.
-    fn wait_all(&mut self, stop: &AtomicBool) -> Result<()> {
+    /// `serving`: a stop signal is passed to the coordinator as Ctrl-C (it stops the run if
+    /// one is in progress, and its service), and the launch ends as the nodes do.
+    fn wait_all(&mut self, stop: &AtomicBool, serving: bool) -> Result<()> {
         let mut coordinator_done: Option<Instant> = None;
         loop {
+            if serving && stop.load(Ordering::SeqCst) {
+                return self.stop_serving();
+            }
             self.check_running(stop)?;
             let mut running = 0;
             for (id, child) in &mut self.children {
@@ -435,6 +453,43 @@ impl Nodes {
                 bail!("{running} node(s) did not exit within 15 s of the coordinator");
             }
             std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Nodes {
+    /// Sends Ctrl-C to the coordinator and waits (bounded) for every node to exit: fine when
+    /// the coordinator exits cleanly.
+    fn stop_serving(&mut self) -> Result<()> {
+        let end = Instant::now() + Duration::from_secs(30);
+        for (id, child) in &mut self.children {
+            if *id == 0 {
+                // SAFETY: a signal to a child this launcher started and has not reaped
+                // (`try_wait` reaps; a reaped child is not signalled).
+                if let Ok(None) = child.try_wait() {
+                    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) };
+                }
+            }
+        }
+        let mut coordinator = None;
+        while Instant::now() < end {
+            let mut running = 0;
+            for (id, child) in &mut self.children {
+                match child.try_wait()? {
+                    Some(status) if *id == 0 => coordinator = Some(status),
+                    Some(_) => {}
+                    None => running += 1,
+                }
+            }
+            if running == 0 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        match coordinator {
+            Some(status) if status.success() => Ok(()),
+            Some(status) => bail!("the coordinator (node 0) failed ({})", describe(status)),
+            None => bail!("the coordinator (node 0) did not stop within 30 s of the stop signal"),
         }
     }
 }

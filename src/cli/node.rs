@@ -1,12 +1,14 @@
 //! `trellis node`: runs one node of a cluster described by a cluster file. The coordinator
 //! node takes the training options (`--data`, `--model`, ...), partitions the data into the
 //! cluster's partition folder if it does not hold a matching partitioning yet, and drives the
-//! run; every other node only needs `--cluster` and `--id`.
+//! run; every other node only needs `--cluster` and `--id`. With `--serve ADDR` the
+//! coordinator also serves the model while the cluster trains it
+//! ([`crate::serve::beside`]), and goes on serving the last weights after the run.
 use super::train::{
-    check_report_path, follow_keeping, load_data, print_summary, save_kept_model, write_report,
-    TrainArgs,
+    check_report_path, follow, load_data, print_summary, save_kept_model, write_report, TrainArgs,
 };
-use anyhow::{Context, Result};
+use crate::serve::beside::{Beside, BesideOptions};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 use std::path::PathBuf;
 use trellis_actors::cluster::{run_worker, ClusterFile, ClusterJob};
@@ -29,18 +31,29 @@ pub struct NodeArgs {
 }
 
 pub fn run(a: NodeArgs) -> Result<()> {
-    super::train::refuse_serve_on_a_cluster(&a.train, "node")?;
     let cluster = ClusterFile::load(&a.cluster)?;
     // Every node exports its own spans (with its node id); they join the coordinator's trace
     // through the trace context carried in control messages and halo blocks.
     let telemetry = a.train.telemetry.start(a.id)?;
     let result = run_node(&a, cluster);
+    // The service's spans are exported for as long as it serves.
+    let result = result.and_then(|service| service.map_or(Ok(()), |s| s.serve_until_stopped()));
     a.train.telemetry.finish(telemetry);
     result
 }
 
-fn run_node(a: &NodeArgs, cluster: ClusterFile) -> Result<()> {
+/// Runs this node's part of the training; the coordinator returns the service of `--serve`,
+/// still running.
+fn run_node(a: &NodeArgs, cluster: ClusterFile) -> Result<Option<Beside>> {
     if a.id != cluster.coordinator {
+        if a.train.serve.is_some() {
+            bail!(
+                "--serve is given to the coordinator node (node {}), which serves beside the \
+                 cluster's training; node {} takes only --cluster and --id",
+                cluster.coordinator,
+                a.id
+            );
+        }
         cluster.node(a.id)?;
         let threads = (a.train.threads != 0).then_some(a.train.threads);
         let traffic = run_worker(&cluster, a.id, a.addr_file.as_deref(), threads)?;
@@ -48,7 +61,7 @@ fn run_node(a: &NodeArgs, cluster: ClusterFile) -> Result<()> {
             "node {} done: partitions {:?}, sent {} bytes, received {} bytes",
             traffic.node, traffic.partitions, traffic.bytes_sent, traffic.bytes_received
         );
-        return Ok(());
+        return Ok(None);
     }
     let t = &a.train;
     if let Some(path) = &t.report {
@@ -66,10 +79,22 @@ fn run_node(a: &NodeArgs, cluster: ClusterFile) -> Result<()> {
     }
     let set = open_or_partition(&ds, parts, t.partition_method, cfg.partition_seed, &dir)
         .with_context(|| format!("cannot partition into {}", dir.display()))?;
-    drop(ds);
     let epochs = cfg.epochs as u64;
     let (cfg_saved, data_digest) = (cfg.clone(), set.book().data_digest.clone());
-    let job = ClusterJob {
+    let mut service = match t.serve {
+        Some(listen) => {
+            let opts = BesideOptions {
+                listen,
+                publish_every: t.publish_every,
+                owner: set.owners()?,
+                lower_this_thread: false,
+            };
+            Some(Beside::start(&ds, &cfg, &data_digest, opts)?)
+        }
+        None => None,
+    };
+    drop(ds);
+    let mut job = ClusterJob {
         cluster,
         id: a.id,
         set,
@@ -78,8 +103,18 @@ fn run_node(a: &NodeArgs, cluster: ClusterFile) -> Result<()> {
         addr_file: a.addr_file.clone(),
         checkpoints: t.checkpoints(),
         keep_models: t.save_model.is_some(),
+        publish: None,
+        yield_to: None,
     };
-    let (mut report, kept) = follow_keeping(job.spawn()?, epochs, t.verbose)?;
+    if let Some(s) = &mut service {
+        job = s.lower_cluster(job)?;
+    }
+    let stop_service = service.as_ref().map(|s| s.stopper());
+    let (mut report, kept) = follow(job.spawn()?, epochs, t.verbose, move || {
+        if let Some(stop) = &stop_service {
+            stop()
+        }
+    })?;
     if let Some(path) = &t.save_model {
         save_kept_model(
             &kept,
@@ -95,5 +130,5 @@ fn run_node(a: &NodeArgs, cluster: ClusterFile) -> Result<()> {
     if let Some(path) = &t.report {
         write_report(&report, path)?;
     }
-    Ok(())
+    Ok(service)
 }

@@ -121,7 +121,8 @@ pub struct TrainArgs {
     pub save_model_at: SaveAt,
     /// Serve the model while it trains (HTTP/JSON API of `trellis serve`; port 0: any free
     /// port, printed as `listening on http://HOST:PORT`): answers come from the last
-    /// published weights; after training the service keeps running until stopped.
+    /// published weights; after training the service keeps running until stopped. On a
+    /// cluster (`launch`, the coordinator's `node`) the coordinator serves.
     #[arg(long, value_name = "ADDR")]
     pub serve: Option<std::net::SocketAddr>,
     /// With --serve: publish the trainer's weights every K epochs (and after the last).
@@ -403,6 +404,7 @@ pub fn train_partitioned(
             listen,
             publish_every: a.publish_every,
             owner: topo.owners()?,
+            lower_this_thread: true,
         };
         let mut s = crate::serve::beside::Beside::start(ds, &cfg, &data_digest, opts)?;
         topo = s.lower_partitions(topo, &cfg)?;
@@ -428,18 +430,10 @@ pub fn train_partitioned(
 }
 
 /// Shows a run's progress (a bar on a terminal, per-epoch lines with `verbose`, every
-/// recovery), stops it on Ctrl-C, and returns its report and the models it kept.
-pub fn follow_keeping(
-    run: TrainingRun,
-    epochs: u64,
-    verbose: bool,
-) -> Result<(RunReport, KeptModels)> {
-    follow(run, epochs, verbose, || {})
-}
-
-/// [`follow_keeping`], calling `on_ctrl_c` too on every Ctrl-C (this process's SIGINT
-/// handler from now on: `--serve` stops its service there).
-fn follow(
+/// recovery), stops it on Ctrl-C, and returns its report and the models it kept; calls
+/// `on_ctrl_c` too on every Ctrl-C (this process's SIGINT handler from now on: `--serve`
+/// stops its service there).
+pub fn follow(
     run: TrainingRun,
     epochs: u64,
     verbose: bool,
@@ -549,19 +543,6 @@ pub fn run(a: TrainArgs) -> Result<()> {
     Ok(())
 }
 
-/// Fails when `--serve` is asked of cluster training (`launch`, `node`), which does not
-/// serve beside itself yet, rather than ignoring it.
-pub fn refuse_serve_on_a_cluster(a: &TrainArgs, command: &str) -> Result<()> {
-    if a.serve.is_some() {
-        bail!(
-            "--serve is not available for cluster training (trellis {command}) yet: train in one \
-             process (trellis train, with --partitions P) to serve beside it, or serve the saved \
-             model with trellis serve"
-        );
-    }
-    Ok(())
-}
-
 /// Trains single-process with the service of `--serve` beside it (see
 /// [`crate::serve::beside`]); returns the report and the service, still running.
 fn train_serving(
@@ -576,6 +557,7 @@ fn train_serving(
         listen,
         publish_every: every,
         owner: vec![0; ds.num_nodes],
+        lower_this_thread: true,
     };
     let mut service = crate::serve::beside::Beside::start(&ds, &cfg, &ds.digest(), opts)?;
     let epochs = cfg.epochs;

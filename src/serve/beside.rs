@@ -11,6 +11,11 @@
 //! the run's replica store ([`Topology::publishing_models`]) to a publishing thread, which
 //! publishes every K-th and the last.
 //!
+//! A cluster's training (`trellis launch --serve`, or the coordinator's `trellis node
+//! --serve`) is served the same way from its coordinator's process: the service's
+//! partition actors own the nodes of the training partitions, and the committed models
+//! come from the coordinator's own partitions' snapshots ([`Beside::lower_cluster`]).
+//!
 //! Training runs at a lower CPU priority than the query threads
 //! ([`trellis_actors::priority`]) and its streams yield to the service's update
 //! steps between kernel pieces (the single trainer's, or every training partition's); a
@@ -25,6 +30,7 @@ use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 use tokio::sync::oneshot;
+use trellis_actors::cluster::ClusterJob;
 use trellis_actors::serving::engine::{self, Answer, Command, EngineConfig, EngineHandle};
 use trellis_actors::serving::scheduler::SchedulerConfig;
 use trellis_actors::serving::ServeError;
@@ -57,6 +63,11 @@ pub struct BesideOptions {
     /// The serving partition of every node (all 0: one part); the service runs
     /// `max + 1` serving partition actors.
     pub owner: Vec<u32>,
+    /// Lower the calling thread's CPU class once the service is up, so the training it then
+    /// starts inherits it (in one process). A cluster's coordinator keeps its own (its
+    /// control and transport threads answer the other nodes); only its kernel pool is
+    /// lowered ([`Beside::lower_cluster`]).
+    pub lower_this_thread: bool,
 }
 
 /// A service running beside a training run.
@@ -100,6 +111,7 @@ impl Beside {
             listen,
             publish_every: every,
             owner,
+            lower_this_thread,
         } = opts;
         if owner.len() != ds.num_nodes {
             return Err(anyhow!(
@@ -172,7 +184,9 @@ impl Beside {
         println!("listening on http://{addr}");
         use std::io::Write;
         let _ = std::io::stdout().flush();
-        trellis_actors::priority::background_this_thread();
+        if lower_this_thread {
+            trellis_actors::priority::background_this_thread();
+        }
         Ok(Beside {
             publisher: Some(Publisher::new(engine, meta, every)),
             publishing: None,
@@ -205,6 +219,24 @@ impl Beside {
     /// last one, `cfg.epochs`, or the last the run committed when it stopped early, are
     /// published). Call before [`Topology::spawn`].
     pub fn lower_partitions(&mut self, topo: Topology, cfg: &TrainConfig) -> Result<Topology> {
+        let tx = self.publish_committed(cfg)?;
+        Ok(topo.yielding_to(self.gate.clone()).publishing_models(tx))
+    }
+
+    /// As [`Beside::lower_partitions`], for a cluster's training driven from this process
+    /// (its coordinator): the coordinator's own partitions' streams yield to the service's
+    /// update steps, this process's kernel thread pool runs in the background class, and
+    /// every epoch the cluster commits reaches the publishing thread from the coordinator's
+    /// partitions' snapshots. Call before [`ClusterJob::spawn`].
+    pub fn lower_cluster(&mut self, mut job: ClusterJob) -> Result<ClusterJob> {
+        job.publish = Some(self.publish_committed(&job.cfg)?);
+        job.yield_to = Some(self.gate.clone());
+        Ok(job)
+    }
+
+    /// Lowers this process's kernel thread pool and starts the thread that publishes every
+    /// K-th committed model sent down the returned channel, and the last one.
+    fn publish_committed(&mut self, cfg: &TrainConfig) -> Result<mpsc::Sender<KeptModel>> {
         let mut publisher = self
             .publisher
             .take()
@@ -249,7 +281,7 @@ impl Beside {
             })
             .context("cannot start the publishing thread")?;
         self.publishing = Some(thread);
-        Ok(topo.yielding_to(self.gate.clone()).publishing_models(tx))
+        Ok(tx)
     }
 
     /// Lowers the trainer's kernel threads (the process's thread pool) below the query

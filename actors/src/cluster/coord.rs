@@ -11,7 +11,7 @@ use super::proto::{ControlMsg, Setup};
 use super::proto::{ReplyBody, Request};
 use super::remote::{ControlClient, RemotePart};
 use crate::checkpoint::{Checkpoint, CheckpointPolicy, CheckpointWriter};
-use crate::kept_model::{KeptModels, ModelKeeper};
+use crate::kept_model::{KeptModel, KeptModels, ModelKeeper};
 use crate::protocol::session::{CoordAction, CoordState, CoordinatorConfig, CoordinatorSession};
 use crate::protocol::session::{SessionMsg, Verdict};
 use crate::shells::coordinator::{Coordinator, NodeRecovery, Replaced, RestartPolicy};
@@ -52,6 +52,13 @@ pub struct ClusterJob {
     /// Keep the trained models (best validation epoch, last epoch) from the coordinator's own
     /// partitions' snapshots, for [`TrainingRun::wait_with_models`].
     pub keep_models: bool,
+    /// Every committed epoch's model, from the coordinator's own partitions' snapshots, goes
+    /// down this channel as the epoch ends (serving beside a cluster's training publishes
+    /// from it).
+    pub publish: Option<mpsc::Sender<KeptModel>>,
+    /// The coordinator's own partitions' streams yield to this gate between kernel pieces
+    /// (serving beside training: the service's update steps come first).
+    pub yield_to: Option<trellis_gpu::PriorityGate>,
 }
 
 impl ClusterJob {
@@ -70,7 +77,8 @@ impl ClusterJob {
         let (tx, rx) = mpsc::channel();
         let cancel = Arc::new(AtomicBool::new(false));
         let cancel2 = cancel.clone();
-        let kept: Option<Arc<Mutex<KeptModels>>> = self.keep_models.then(Arc::default);
+        let kept: Option<Arc<Mutex<KeptModels>>> =
+            (self.keep_models || self.publish.is_some()).then(Arc::default);
         let kept2 = kept.clone();
         let thread = std::thread::Builder::new()
             .name("trellis-coordinator".into())
@@ -138,8 +146,9 @@ async fn drive(
     }
     if kept.is_some() && (cluster.replicas == 0 || !placement.contains(&ep.id)) {
         return Err(ActorError::Cluster(
-            "--save-model takes the model from the coordinator's own partitions' replicated \
-             state: it needs replicas >= 1 and at least one partition placed on the coordinator"
+            "--save-model and --serve take the model from the coordinator's own partitions' \
+             replicated state: they need replicas >= 1 and at least one partition placed on the \
+             coordinator"
                 .into(),
         ));
     }
@@ -198,6 +207,7 @@ async fn drive(
             resume.as_ref(),
             cluster.replicas > 0,
             Some(&shipper),
+            job.yield_to.as_ref(),
         )?;
         if let Some(ck) = &resume {
             // Resumed: the checkpoint is every partition's committed state until the next
@@ -360,7 +370,8 @@ async fn drive(
         coord = coord.with_checkpoints(pol.every, writer.into_fn());
     }
     if let Some(into) = kept {
-        let mut keeper = ModelKeeper::new(local.borrow().replicas().clone(), &prior_logs, into);
+        let mut keeper = ModelKeeper::new(local.borrow().replicas().clone(), &prior_logs, into)
+            .publishing_to(job.publish.clone());
         coord = coord.with_epoch_done(Box::new(move |log| keeper.epoch_done(log)));
     }
     let totals = (book.train_nodes, book.val_nodes, book.test_nodes);

@@ -553,11 +553,17 @@ pub fn host_partitions(
     resume: Option<&crate::checkpoint::Checkpoint>,
     replicate: bool,
     shipper: Option<&Arc<ReplicaShipper>>,
+    yield_to: Option<&trellis_gpu::PriorityGate>,
 ) -> Result<NodeSupervisor, ActorError> {
     let mut states = parts
         .iter()
         .map(|&p| load_state(set, p, cfg))
         .collect::<Result<Vec<_>, _>>()?;
+    if let Some(gate) = yield_to {
+        for s in &mut states {
+            s.yield_to(gate.clone());
+        }
+    }
     if let Some(ck) = resume {
         for (s, &p) in states.iter_mut().zip(parts) {
             if !s.restore(&ck.snapshot_for(p))? {

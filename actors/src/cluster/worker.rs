@@ -510,6 +510,7 @@ async fn setup_node(
         resume.as_ref(),
         setup.replicas > 0,
         Some(&shipper),
+        None,
     )?;
     if let Some(ck) = &resume {
         // Resumed: the checkpoint is every partition's committed state until the next step

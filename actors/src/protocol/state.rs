@@ -303,6 +303,12 @@ impl PartitionState {
         self.stream = self.stream.with_cancel(token);
     }
 
+    /// Makes this partition's work background work of `gate` (serving beside training): its
+    /// long kernels pause between pieces while an inference step holds the gate.
+    pub fn yield_to(&mut self, gate: trellis_gpu::PriorityGate) {
+        self.stream = self.stream.yielding_to(gate);
+    }
+
     /// The compute stream (its kernel clock times the steps).
     pub fn stream(&self) -> &Stream {
         &self.stream

@@ -195,6 +195,32 @@ impl PartitionSet {
         self.book.parts
     }
 
+    /// The part that owns each node (its inner nodes), read from the part files; a node
+    /// past the book's count or owned by no part is an error naming the file or folder.
+    pub fn owners(&self) -> Result<Vec<u32>> {
+        let mut owner = vec![u32::MAX; self.book.num_nodes];
+        for p in 0..self.parts() {
+            let file = self.open_part(p)?;
+            for &g in file.inner() {
+                let slot = owner.get_mut(g as usize).ok_or_else(|| {
+                    RuntimeError::BadData(format!(
+                        "{}: node {g} is past the {} nodes of the partition book",
+                        file.path().display(),
+                        self.book.num_nodes
+                    ))
+                })?;
+                *slot = p as u32;
+            }
+        }
+        if let Some(v) = owner.iter().position(|&o| o == u32::MAX) {
+            return Err(RuntimeError::BadData(format!(
+                "{}: node {v} is owned by no partition",
+                self.dir.display()
+            )));
+        }
+        Ok(owner)
+    }
+
     /// Maps part `p`, checking its digest against the book and its identity and sizes
     /// against the book's entry.
     pub fn open_part(&self, p: usize) -> Result<PartitionFile> {
