@@ -2,9 +2,9 @@
 //! in Linux's `SCHED_IDLE` class, below every ordinary thread, so that whenever a thread
 //! that answers queries wants a core the kernel scheduler gives it one at once, and the
 //! training threads get every cycle the queries leave (where the class is refused, the
-//! thread falls back to the lowest `nice`, 19). Replication of a cluster's partition state
-//! (encoding and shipping replicas, storing the ones that arrive) runs at `nice` 10 beside
-//! the training steps: it yields to them but is never starved (`replica`).
+//! thread falls back to the lowest `nice`, 19). Storing the replicas that reach a cluster
+//! node runs at `nice` 10 beside the training steps: it yields to them but is never starved
+//! (`replica::intake`).
 //!
 //! Where the service's threads run ([`CpuSet`]): an HTTP worker pinned away from a busy
 //! thread of the normal class (on one machine, a load generator) is not queued behind it

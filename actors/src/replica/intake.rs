@@ -4,9 +4,10 @@
 //! Storing a piece is not free: the last piece of a patch copies its base, applies the runs
 //! and checks the BLAKE3 digest of the whole replica (tens of MB for held halo rows), and on
 //! the control task every request of the epoch protocol and every reply to the coordinator
-//! waited behind it. Here that work runs beside the steps, at `nice` 10 like the replication
-//! thread that encodes and ships them (`ReplicaStore::set_sender`): replication is
-//! background work, and a step's compute comes first on a shared CPU.
+//! waited behind it. Here that work runs beside the steps, at `nice` 10: a step's compute
+//! comes first on a shared CPU. (The replication thread that encodes and ships replicas,
+//! `ReplicaStore::set_sender`, keeps its class: the sooner a replica leaves, the shorter the
+//! time in which a node lost with it takes its step with it.)
 //!
 //! Readers of the kept replicas (adopting a lost node's partition, a checkpoint of a
 //! cluster) first wait until every piece received before their call is stored

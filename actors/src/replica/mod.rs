@@ -979,8 +979,9 @@ impl ReplicaStore {
         let spawned = std::thread::Builder::new()
             .name("trellis-replicate".into())
             .spawn(move || {
-                // Background work beside the steps (see `intake`'s doc).
-                crate::priority::background_this_thread_as(crate::priority::Class::Nice(10));
+                // Keeps the calling class (unlike the intake thread): until a replica has
+                // left, a node lost with it takes the step with it (ARCHITECTURE.md,
+                // "Replicated state", step 5).
                 // Ends when the store (the channel's sender) is dropped.
                 let mut digests = MirrorDigests::default();
                 while let Ok(s) = rx.recv() {
