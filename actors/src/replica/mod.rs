@@ -1144,7 +1144,8 @@ impl ReplicaStore {
     }
 
     /// Stores the replica pieces that reach this node ([`ReplicaStore::receive`]) on a thread
-    /// of its own, in order, off the caller's (see [`intake`]). Set once, by a cluster node.
+    /// of its own, in order, off the caller's (the `intake` module). Set once, by a cluster
+    /// node.
     pub fn receive_in_background(self: &Arc<Self>) {
         if self.disabled || self.intake.get().is_some() {
             return;

@@ -4,7 +4,7 @@
 //!   objective, load shedding, per-tenant fair shares and quotas);
 //! - [`published`]: the last layer's rows and their model version as the engine last
 //!   published them, read by the HTTP workers to answer existing-node predictions;
-//! - [`priority`]: background work (training beside serving) at a lower CPU priority than
+//! - [`crate::priority`]: background work (training beside serving) at a lower CPU priority than
 //!   the threads that answer queries;
 //! - [`routing`]: which part owns a queried node, and which part a new node joins;
 //! - [`part`]: a serving partition as a sans-I/O machine: its rows of every layer, the
