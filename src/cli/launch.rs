@@ -455,9 +455,7 @@ impl Nodes {
             std::thread::sleep(Duration::from_millis(50));
         }
     }
-}
 
-impl Nodes {
     /// Sends Ctrl-C to the coordinator and waits (bounded) for every node to exit: fine when
     /// the coordinator exits cleanly.
     fn stop_serving(&mut self) -> Result<()> {
