@@ -387,6 +387,7 @@ fn bench_comm_prints_the_reference_and_the_emulated_rows() {
             "500",
             "--configs",
             "efficient",
+            "--without-replicas",
         ])
         .args(["--", "--dropout", "0.3"])
         .output()
@@ -458,6 +459,22 @@ fn bench_comm_prints_the_reference_and_the_emulated_rows() {
     let link = text.lines().find(|l| l.starts_with("link: ")).unwrap();
     assert!(link.contains("100 Mbit/s configured"), "{link}");
     assert!(text.contains("a perfect overlap would hide"), "{text}");
+    // With and without replicas side by side, each seed's pair named: the noise is shown.
+    let cost = text
+        .lines()
+        .find(|l| l.starts_with("efficient: replication (1 replica(s))"))
+        .unwrap_or_else(|| panic!("no replication line in\n{text}"));
+    let pairs = cost
+        .split_once("per seed, each pair run back to back: ")
+        .and_then(|(_, rest)| rest.split_once(';'))
+        .map(|(list, _)| list.split(", ").collect::<Vec<_>>())
+        .unwrap_or_else(|| panic!("no per-seed pairs in {cost:?}"));
+    assert_eq!(pairs.len(), 2, "{cost}");
+    assert!(pairs.iter().all(|p| p.ends_with('%')), "{cost}");
+    assert!(
+        text.contains("| efficient (100 Mbit/s, replicas 0) |"),
+        "{text}"
+    );
     // ... and reach the runs: a bad one fails the bench with the run's own message.
     let bad = trellis()
         .args([

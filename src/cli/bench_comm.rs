@@ -606,18 +606,29 @@ fn print_table(a: &CommBenchArgs, rows: &[Row], probe: &str) {
             continue;
         }
         let (w, wo) = (with.epoch_ms(), without.epoch_ms());
+        // Each seed's pair ran one after the other: their spread is the comparison's noise.
+        let per_seed: Vec<String> = with
+            .runs
+            .iter()
+            .zip(&without.runs)
+            .map(|(a, b)| {
+                let (x, y) = (median(&a.epoch_ms), median(&b.epoch_ms));
+                format!("{:+.1}%", 100.0 * (x - y) / y.max(f64::MIN_POSITIVE))
+            })
+            .collect();
         println!(
             "{}: replication ({} replica(s)) sends {}/epoch (of {} of state) and holds each \
              training step up {:.3} ms ({:.2}% of the epoch); epoch {w:.1} ms with, {wo:.1} ms \
-             without ({:+.1}%, run-to-run noise included; the two alternate their order from \
-             seed to seed)",
+             without ({:+.1}%; per seed, each pair run back to back: {}; run-to-run noise \
+             included, the two alternate their order from seed to seed)",
             with.config.name,
             with.replicas,
             size(with.mean(|r| r.replica_bytes)),
             size(with.mean(|r| r.replica_state_bytes)),
             with.replica_ms(),
             100.0 * with.replica_ms() / w.max(f64::MIN_POSITIVE),
-            100.0 * (w - wo) / wo.max(f64::MIN_POSITIVE)
+            100.0 * (w - wo) / wo.max(f64::MIN_POSITIVE),
+            per_seed.join(", ")
         );
     }
     println!(
