@@ -109,12 +109,12 @@ fn run_node(a: &NodeArgs, cluster: ClusterFile) -> Result<Option<Beside>> {
     if let Some(s) = &mut service {
         job = s.lower_cluster(job)?;
     }
-    let stop_service = service.as_ref().map(|s| s.stopper());
-    let (mut report, kept) = follow(job.spawn()?, epochs, t.verbose, move || {
-        if let Some(stop) = &stop_service {
-            stop()
-        }
-    })?;
+    let (mut report, kept) = follow(
+        job.spawn()?,
+        epochs,
+        t.verbose,
+        Beside::stopper(service.as_ref()),
+    )?;
     if let Some(path) = &t.save_model {
         save_kept_model(
             &kept,

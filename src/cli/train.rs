@@ -410,12 +410,12 @@ pub fn train_partitioned(
         topo = s.lower_partitions(topo, &cfg)?;
         service = Some(s);
     }
-    let stop_service = service.as_ref().map(|s| s.stopper());
-    let (report, kept) = follow(topo.spawn()?, epochs, a.verbose, move || {
-        if let Some(stop) = &stop_service {
-            stop()
-        }
-    })?;
+    let (report, kept) = follow(
+        topo.spawn()?,
+        epochs,
+        a.verbose,
+        crate::serve::beside::Beside::stopper(service.as_ref()),
+    )?;
     if let Some(path) = &a.save_model {
         save_kept_model(
             &kept,

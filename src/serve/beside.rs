@@ -292,13 +292,16 @@ impl Beside {
         trainer.yield_to(self.gate.clone());
     }
 
-    /// A function that stops the service (what SIGINT does where no other handler took it:
-    /// partitioned training's Ctrl-C handler stops the run and calls this).
-    pub fn stopper(&self) -> impl Fn() + Send + 'static {
-        let server = self.server.clone();
+    /// A function that stops `service`, if there is one (what SIGINT does where no other
+    /// handler took it: partitioned and cluster training's Ctrl-C handler stops the run and
+    /// calls this); without a service it does nothing.
+    pub fn stopper(service: Option<&Beside>) -> impl Fn() + Send + 'static {
+        let server = service.map(|s| s.server.clone());
         move || {
-            // The command is sent at once; nothing needs to wait for the stop here.
-            drop(server.stop(true));
+            if let Some(server) = &server {
+                // The command is sent at once; nothing needs to wait for the stop here.
+                drop(server.stop(true));
+            }
         }
     }
 
