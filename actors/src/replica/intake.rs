@@ -50,7 +50,7 @@ struct Progress {
 
 /// The queue of a store's intake thread.
 pub(super) struct Intake {
-    queue: Mutex<mpsc::Sender<Job>>,
+    queue: mpsc::Sender<Job>,
     progress: Arc<Progress>,
 }
 
@@ -79,7 +79,7 @@ impl Intake {
                 }
             })?;
         Ok(Intake {
-            queue: Mutex::new(tx),
+            queue: tx,
             progress,
         })
     }
@@ -94,8 +94,7 @@ impl Intake {
         // Counted before it is queued, so a reader that starts waiting after this call
         // returns waits for it too.
         self.progress.received.fetch_add(1, Ordering::SeqCst);
-        let queue = self.queue.lock().unwrap_or_else(|p| p.into_inner());
-        queue.send(Job { from, piece, then }).map_err(|e| {
+        self.queue.send(Job { from, piece, then }).map_err(|e| {
             self.progress.received.fetch_sub(1, Ordering::SeqCst);
             let job = e.0;
             (job.piece, job.then)
@@ -103,8 +102,8 @@ impl Intake {
     }
 
     /// Waits until every piece queued before this call is stored (at most
-    /// [`SETTLE_WITHIN`]); false if it was not.
-    pub(super) fn settle(&self) -> bool {
+    /// [`SETTLE_WITHIN`], then says so in the log).
+    pub(super) fn settle(&self) {
         let target = self.progress.received.load(Ordering::SeqCst);
         let stored = self
             .progress
@@ -121,8 +120,6 @@ impl Intake {
                 "replica pieces still waiting to be stored after {SETTLE_WITHIN:?} ({} of {target} stored)",
                 *stored
             );
-            return false;
         }
-        true
     }
 }
