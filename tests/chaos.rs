@@ -346,6 +346,10 @@ fn faults_with_held_rows(name: &str, setting: &[&str]) {
     let fixed_width_skips = setting.contains(&"efficient")
         || (setting.contains(&"--skip-threshold") && setting.contains(&"--halo-codec"));
     assert_eq!(mirrored > 0, fixed_width_skips, "{counters}");
+    // Node 2's partitions share rows with node 1's, which their replicas left out: node 0,
+    // adopting them, fetched those rows from node 1 (and restored the committed digest).
+    let fetched = sum("replica_fetched_bytes");
+    assert_eq!(fetched > 0, fixed_width_skips, "{counters}");
     if setting.windows(2).any(|w| w == ["--skip-threshold", "2"]) {
         assert!(
             wire < state,
@@ -353,7 +357,7 @@ fn faults_with_held_rows(name: &str, setting: &[&str]) {
         );
     }
     eprintln!(
-        "{}: {held} of {state} replica bytes are held halo rows and skip records; {wire} sent, {mirrored} left out",
+        "{}: {held} of {state} replica bytes are held halo rows and skip records; {wire} sent, {mirrored} left out, {fetched} fetched at adoption",
         setting.join(" ")
     );
 }

@@ -152,6 +152,12 @@ fn whole_answer(body: &Value, nodes: &[u32], embedding_width: Option<usize>) -> 
 /// the service, and afterwards every served probability equals `trellis predict` with the
 /// saved last weights; Ctrl-C then ends the process successfully.
 fn serves_beside_partitioned_training(run: &[&str], extra: &[&str]) {
+    serves_beside_and_says(run, extra, &[]);
+}
+
+/// As [`serves_beside_partitioned_training`], and the service's output says each of `says`
+/// (a line containing it) while it trains.
+fn serves_beside_and_says(run: &[&str], extra: &[&str], says: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
     let settings = [
         "--data",
@@ -194,6 +200,7 @@ fn serves_beside_partitioned_training(run: &[&str], extra: &[&str]) {
     let agent = agent();
     let mut versions: Vec<String> = Vec::new();
     let (mut answers, mut through_actors) = (0, 0);
+    let mut said = Vec::new();
     let asked = [0, 7, NODES - 1, 7];
     let deadline = Instant::now() + Duration::from_secs(300);
     let digest_line = loop {
@@ -217,8 +224,15 @@ fn serves_beside_partitioned_training(run: &[&str], extra: &[&str]) {
             if line.starts_with("weights_digest") {
                 break line;
             }
+            said.push(line);
         }
     };
+    for want in says {
+        assert!(
+            said.iter().any(|l| l.contains(want)),
+            "the service never said {want:?}: {said:?}"
+        );
+    }
     println!(
         "{answers} answers ({through_actors} through the serving partitions) while training, versions: {versions:?}"
     );
@@ -574,6 +588,33 @@ fn a_batch_step_is_the_child_of_its_first_request_and_links_the_others() {
 #[test]
 fn cluster_training_serves_its_published_weights_and_trains_the_same_weights() {
     serves_beside_partitioned_training(&["launch", "--nodes", "2"], &[]);
+}
+
+/// Node 1 dies (SIGKILL) in epoch 300 while the coordinator serves: the coordinator adopts
+/// its partition from the replica (its stream yielding to the service as the coordinator's
+/// own do), training ends with the weights of the run without fault or service, and the
+/// service answered whole, one-version answers throughout and serves the last weights.
+#[test]
+fn cluster_training_that_loses_a_node_keeps_serving_and_trains_the_same_weights() {
+    serves_beside_and_says(
+        &[
+            "launch",
+            "--nodes",
+            "2",
+            "--heartbeat-ms",
+            "100",
+            "--idle-timeout-ms",
+            "800",
+            "--chaos",
+            "kill-node:node=1:epoch=300",
+        ],
+        &[],
+        // The fault fired, and the recovery restored the committed weights.
+        &[
+            "recovered: loss of node 1 (partitions 1->node 0) in epoch 300",
+            "restored state matched its digest",
+        ],
+    );
 }
 
 /// `--serve` is for the coordinator: another node given it, or a launch on an emulated

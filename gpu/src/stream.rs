@@ -243,6 +243,11 @@ impl Stream {
         }
     }
 
+    /// Whether this stream is background work of a gate ([`Stream::yielding_to`]).
+    pub fn yields(&self) -> bool {
+        self.yield_to.is_some()
+    }
+
     /// Cuts a cancellable stream's kernels into `divisor` times more pieces (for tests that
     /// exercise pieces on small inputs).
     #[doc(hidden)]

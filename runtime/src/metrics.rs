@@ -39,10 +39,12 @@ pub mod names {
     /// Of those, the payload bytes of the halo blocks a partition holds for its next epoch
     /// (`--staleness 1`), per partition.
     pub const REPLICA_HALO_BYTES: &str = "replica_halo_bytes";
-    /// Of the state replicated, the bytes a replica left out because the partitions of the
-    /// node it goes to hold them byte for byte (skip records and held halo rows), per
-    /// partition.
+    /// Of the state replicated, the bytes a replica left out because partitions on other
+    /// nodes hold them byte for byte (skip records and held halo rows), per partition.
     pub const REPLICA_MIRRORED_BYTES: &str = "replica_mirrored_bytes";
+    /// Of those, the bytes a node adopting the partition fetched from a third node (per
+    /// adopted partition).
+    pub const REPLICA_FETCHED_BYTES: &str = "replica_fetched_bytes";
     /// From shipping a partition's state to a replica node until that node acknowledged
     /// storing it (QUIC transfer, queueing behind other traffic included), per partition.
     pub const REPLICA_TRANSFER: &str = "replica_transfer";
@@ -58,7 +60,7 @@ pub mod names {
         REPLICA_TRANSFER,
     ];
     /// Every counter name.
-    pub const COUNTERS: [&str; 8] = [
+    pub const COUNTERS: [&str; 9] = [
         HALO_BYTES,
         HALO_MESSAGES,
         RESTARTS,
@@ -66,6 +68,7 @@ pub mod names {
         REPLICA_WIRE_BYTES,
         REPLICA_HALO_BYTES,
         REPLICA_MIRRORED_BYTES,
+        REPLICA_FETCHED_BYTES,
         REFUSED_CONNECTIONS,
     ];
     /// Every label name.

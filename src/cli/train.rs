@@ -650,7 +650,9 @@ pub fn replication_summary(r: &RunReport) -> Option<String> {
         }
     };
     let left_out = clause(mirrored, &|k| {
-        format!("; {k:.1} KiB per epoch of the state left out, which the replica nodes' partitions hold")
+        format!(
+            "; {k:.1} KiB per epoch of the state left out, which partitions on other nodes hold"
+        )
     });
     let sent = clause(wire, &|k| {
         format!(" ({k:.1} KiB per epoch sent to the replica nodes: whole, or the bytes that changed{left_out})")

@@ -30,7 +30,10 @@ pub fn help(name: &str) -> &'static str {
             "Bytes of replica messages sent: whole states, or the bytes that changed since one a node holds"
         }
         names::REPLICA_MIRRORED_BYTES => {
-            "Bytes of partition state a replica left out: the replica node's partitions hold them"
+            "Bytes of partition state a replica left out: partitions on other nodes hold them"
+        }
+        names::REPLICA_FETCHED_BYTES => {
+            "Bytes of partition state left out of a replica that an adopting node fetched from a third node"
         }
         names::REPLICA_TRANSFER => {
             "From shipping a partition's state to a replica node until it acknowledged storing it"

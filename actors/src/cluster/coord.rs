@@ -5,7 +5,9 @@ use super::config::ClusterFile;
 use super::config::{replica_nodes, replicated_by};
 use super::files::serve_part;
 use super::node::InboxEvent;
-use super::node::{adopt_partitions, apply_link_faults, reroute, Standby};
+use super::node::{
+    adopt_partitions, apply_link_faults, await_mirrors, fetch_mirrors, reroute, Standby,
+};
 use super::node::{host_partitions, on_replica_msg, ControlInbox, NodeEndpoint, ReplicaShipper};
 use super::proto::{ControlMsg, Setup};
 use super::proto::{ReplyBody, Request};
@@ -56,8 +58,9 @@ pub struct ClusterJob {
     /// down this channel as the epoch ends (serving beside a cluster's training publishes
     /// from it).
     pub publish: Option<mpsc::Sender<KeptModel>>,
-    /// The coordinator's own partitions' streams yield to this gate between kernel pieces
-    /// (serving beside training: the service's update steps come first).
+    /// The coordinator's own partitions' streams, and those of partitions it adopts after a
+    /// node loss, yield to this gate between kernel pieces (serving beside training: the
+    /// service's update steps come first).
     pub yield_to: Option<trellis_gpu::PriorityGate>,
 }
 
@@ -218,7 +221,8 @@ async fn drive(
                     .put_remote(crate::replica::ReplicaBytes::encode(p, &ck.snapshot_for(p)));
             }
         }
-        let standby = Standby::load(&job.set, &replicated, &job.cfg)?;
+        let standby =
+            Standby::load(&job.set, &replicated, &job.cfg)?.yielding_to(job.yield_to.clone());
         Ok((local, standby))
     };
     let mut hosted: Option<(NodeSupervisor, Standby)> = None;
@@ -630,6 +634,18 @@ impl RecoveryRefs {
         let mut digest_ok = true;
         for (to, parts) in by_node {
             if to == self.me {
+                if epoch > 0 {
+                    let store = self.local.borrow().replicas().clone();
+                    let keys = fetch_mirrors(
+                        &store,
+                        &self.shipper,
+                        &self.transport,
+                        self.me,
+                        &parts,
+                        epoch,
+                    )?;
+                    await_mirrors(&store, epoch, &keys).await?;
+                }
                 let (addrs, ok) = adopt_partitions(
                     &mut self.local.borrow_mut(),
                     &mut self.standby.borrow_mut(),

@@ -5,11 +5,12 @@ use super::proto::ControlMsg;
 use crate::faults::FaultPlan;
 use crate::protocol::state::{GlobalCounts, PartitionState};
 use crate::replica::{
-    DeltaBases, Mirrors, MirrorsOf, ReceivedPiece, ReplicaBytes, ReplicaDelta, ReplicaStore, Stored,
+    DeltaBases, FetchProgress, MirrorKey, Mirrors, MirrorsOf, ReceivedPiece, ReplicaBytes,
+    ReplicaDelta, ReplicaStore, Stored, REPLICA_PIECE,
 };
 use crate::shells::supervisor::NodeSupervisor;
 use crate::ActorError;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
@@ -443,10 +444,13 @@ impl ReplicaShipper {
     }
 
     /// What each partition's next replica leaves out ([`Mirrors`]): where it goes to one node
-    /// only (one replica, no checkpoint writer beside), the rows of the partitions hosted
-    /// there. `None` where replicas go to more than one node (their bytes are the same for
-    /// every receiver), so nothing is left out. `training_records`: partitions keep skip
-    /// records of their training rows (`--skip-threshold` above 0).
+    /// only (one replica, no checkpoint writer beside), the rows it shares with partitions on
+    /// other nodes than its own (the replica node's own, completed there; a third node's,
+    /// fetched from it when the partition is adopted, [`fetch_mirrors`]). `None` where
+    /// replicas go to more than one node (they are then meant to survive more than one lost
+    /// node, which may take a third node's rows too), so nothing is left out.
+    /// `training_records`: partitions keep skip records of their training rows
+    /// (`--skip-threshold` above 0).
     pub fn mirrors(self: &Arc<Self>, training_records: bool) -> Option<MirrorsOf> {
         if self.replicas != 1 || self.also_to.is_some() {
             return None;
@@ -461,16 +465,18 @@ impl ReplicaShipper {
         let Some(&owner) = placement.get(part as usize) else {
             return Mirrors::default();
         };
-        let nodes = super::config::replica_nodes(&self.ids, owner, self.replicas);
-        let [to] = nodes[..] else {
-            return Mirrors::default();
-        };
         Mirrors {
-            hosted: (0..placement.len() as u32)
-                .filter(|&p| p != part && placement[p as usize] == to)
+            peers: (0..placement.len() as u32)
+                .filter(|&p| placement[p as usize] != owner)
                 .collect(),
             training_records,
         }
+    }
+
+    /// The node partition `part` is placed on now.
+    pub fn owner(&self, part: u32) -> Option<u32> {
+        let placement = self.placement.lock().unwrap_or_else(|p| p.into_inner());
+        placement.get(part as usize).copied()
     }
 
     /// The sender a node's [`ReplicaStore`] ships through.
@@ -502,6 +508,17 @@ pub fn on_replica_msg(
             (ReceivedPiece::Patch(d), part, epoch)
         }
         ControlMsg::ReplicaAck { part, epoch } => return shipper.acked(from, part, epoch),
+        ControlMsg::MirrorFetch { epoch, keys } => {
+            return answer_mirror_fetch(store, transport, from, epoch, keys)
+        }
+        ControlMsg::MirrorRows {
+            epoch,
+            key,
+            found,
+            offset,
+            total,
+            data,
+        } => return store.put_fetched(epoch, key, found, offset, total, data),
         ControlMsg::ReplicaNack { part, epoch } => return shipper.refused(from, part, epoch),
         _ => return,
     };
@@ -518,6 +535,146 @@ pub fn on_replica_msg(
         let _ = transport.send_control(from, answer.encode());
     };
     store.receive(from, piece, Box::new(answer));
+}
+
+/// Sends node `to` the payloads `keys` of step `epoch` that this node's partitions keep
+/// ([`ReplicaStore::mirror_at`]), each in pieces of at most [`REPLICA_PIECE`] bytes, or that
+/// it keeps none of one. Copies them out on a thread of its own, off the control loop.
+fn answer_mirror_fetch(
+    store: &ReplicaStore,
+    transport: &Arc<QuicTransport>,
+    to: u32,
+    epoch: u32,
+    keys: Vec<MirrorKey>,
+) {
+    let found: Vec<(MirrorKey, Option<Arc<[u8]>>)> = keys
+        .into_iter()
+        .map(|k| (k, store.mirror_at(epoch, k)))
+        .collect();
+    let transport = transport.clone();
+    let spawned = std::thread::Builder::new()
+        .name("trellis-mirror-out".into())
+        .spawn(move || {
+            for (key, payload) in found {
+                let Some(payload) = payload else {
+                    tracing::warn!(
+                        peer = to,
+                        "asked for rows this node does not keep: {key:?} at step {epoch}"
+                    );
+                    let msg = ControlMsg::MirrorRows {
+                        epoch,
+                        key,
+                        found: false,
+                        offset: 0,
+                        total: 0,
+                        data: Vec::new(),
+                    };
+                    let _ = transport.send_control(to, msg.encode());
+                    continue;
+                };
+                let total = payload.len();
+                for start in (0..total.div_ceil(REPLICA_PIECE).max(1)).map(|i| i * REPLICA_PIECE) {
+                    let end = (start + REPLICA_PIECE).min(total);
+                    let msg = ControlMsg::MirrorRows {
+                        epoch,
+                        key,
+                        found: true,
+                        offset: start as u64,
+                        total: total as u64,
+                        data: payload[start..end].to_vec(),
+                    };
+                    if transport.send_control(to, msg.encode()).is_err() {
+                        return;
+                    }
+                }
+            }
+        });
+    if let Err(e) = spawned {
+        tracing::error!("cannot answer node {to}'s fetch of replica rows: {e}");
+    }
+}
+
+/// The payloads that the replicas of `parts` at step `epoch` kept in `store` left out and
+/// this node's own partitions do not hold: asks the node each holder is placed on (by
+/// `shipper`) for them, and returns them, to wait for with [`ReplicaStore::fetch_progress`].
+/// An error names a holder placed on no live node.
+pub fn fetch_mirrors(
+    store: &ReplicaStore,
+    shipper: &ReplicaShipper,
+    transport: &QuicTransport,
+    me: u32,
+    parts: &[u32],
+    epoch: u32,
+) -> Result<Vec<MirrorKey>, ActorError> {
+    let mut by_node: BTreeMap<u32, Vec<MirrorKey>> = BTreeMap::new();
+    for &p in parts {
+        for key in store
+            .missing_mirrors(p, epoch)
+            .map_err(ActorError::Cluster)?
+        {
+            let node = shipper
+                .owner(key.holder)
+                .filter(|&n| n != me)
+                .ok_or_else(|| {
+                    ActorError::Cluster(format!(
+                        "partition {p}: its replica at step {epoch} leaves out rows partition {} holds, which is placed nowhere to fetch them from",
+                        key.holder
+                    ))
+                })?;
+            by_node.entry(node).or_default().push(key);
+        }
+    }
+    let mut all = Vec::new();
+    for (node, keys) in by_node {
+        tracing::info!(
+            "fetching {} payloads of step {epoch} left out of replicas from node {node}",
+            keys.len()
+        );
+        all.extend_from_slice(&keys);
+        let msg = ControlMsg::MirrorFetch { epoch, keys };
+        transport
+            .send_control(node, msg.encode())
+            .map_err(|e| ActorError::Node {
+                node,
+                detail: format!("cannot ask for replica rows: {e}"),
+            })?;
+    }
+    Ok(all)
+}
+
+/// The error of an adoption whose fetched rows (`keys`, `left` of them still missing) did not
+/// arrive in time: names the partitions whose rows they are.
+pub fn fetch_timed_out(epoch: u32, keys: &[MirrorKey], left: usize) -> ActorError {
+    let mut holders: Vec<u32> = keys.iter().map(|k| k.holder).collect();
+    holders.sort_unstable();
+    holders.dedup();
+    ActorError::Cluster(format!(
+        "{left} payloads left out of replicas of step {epoch} did not arrive within {} s (rows partitions {holders:?} hold, asked of the nodes they are placed on)",
+        MIRROR_FETCH_WITHIN.as_secs()
+    ))
+}
+
+/// How long an adoption waits for the rows it fetches ([`fetch_mirrors`]).
+pub const MIRROR_FETCH_WITHIN: Duration = Duration::from_secs(60);
+
+/// Waits until `store` holds every payload of `keys` at step `epoch` (fetched by
+/// [`fetch_mirrors`]; another task hands the answers to [`on_replica_msg`]).
+pub async fn await_mirrors(
+    store: &ReplicaStore,
+    epoch: u32,
+    keys: &[MirrorKey],
+) -> Result<(), ActorError> {
+    let until = Instant::now() + MIRROR_FETCH_WITHIN;
+    loop {
+        match store.fetch_progress(epoch, keys) {
+            FetchProgress::Done => return Ok(()),
+            FetchProgress::Failed(why) => return Err(ActorError::Cluster(why)),
+            FetchProgress::Waiting(n) if Instant::now() >= until => {
+                return Err(fetch_timed_out(epoch, keys, n))
+            }
+            FetchProgress::Waiting(_) => tokio::time::sleep(Duration::from_millis(5)).await,
+        }
+    }
 }
 
 /// Loads partition `p` of `set` into a fresh state (initial weights) with its own stream.
@@ -616,6 +773,9 @@ pub type Adopted = (u32, crate::shells::partition::PartitionRef);
 #[derive(Default)]
 pub struct Standby {
     states: std::collections::HashMap<u32, PartitionState>,
+    /// The gate of a service beside the training (`launch --serve`): partitions adopted here
+    /// yield to it as this node's own do.
+    yield_to: Option<trellis_gpu::PriorityGate>,
 }
 
 impl Standby {
@@ -625,12 +785,39 @@ impl Standby {
         for &p in parts {
             states.insert(p, load_state(set, p, cfg)?);
         }
-        Ok(Standby { states })
+        Ok(Standby {
+            states,
+            yield_to: None,
+        })
+    }
+
+    /// Partitions adopted here yield to `gate` (see [`PartitionState::yield_to`]).
+    pub fn yielding_to(mut self, gate: Option<trellis_gpu::PriorityGate>) -> Self {
+        self.yield_to = gate;
+        self
     }
 
     /// Partition `p`'s loaded state, if kept here.
     pub fn take(&mut self, p: u32) -> Option<PartitionState> {
         self.states.remove(&p)
+    }
+
+    /// Partition `p`'s state to adopt: the warm one, else loaded from `set`; yielding to
+    /// the gate of a service beside, if any.
+    fn adoptable(
+        &mut self,
+        set: &PartitionSet,
+        p: u32,
+        cfg: &TrainConfig,
+    ) -> Result<PartitionState, ActorError> {
+        let mut state = match self.take(p) {
+            Some(s) => s,
+            None => load_state(set, p, cfg)?,
+        };
+        if let Some(gate) = &self.yield_to {
+            state.yield_to(gate.clone());
+        }
+        Ok(state)
     }
 }
 
@@ -655,10 +842,7 @@ pub fn adopt_partitions(
     for &p in parts {
         // Faults of the epoch in progress already fired where the partition was.
         node.faults().retire_panics(p, epoch + 1);
-        let mut state = match standby.take(p) {
-            Some(s) => s,
-            None => load_state(set, p, cfg)?,
-        };
+        let mut state = standby.adoptable(set, p, cfg)?;
         if epoch > 0 {
             let replica = node.replicas().remote_at(p, epoch).ok_or_else(|| {
                 ActorError::Cluster(format!(
@@ -678,5 +862,46 @@ pub fn adopt_partitions(
         ok &= digest.is_empty() || restored == digest;
         out.push((p, node.adopt(state)));
     }
+    node.replicas().clear_fetched();
     Ok((out, ok))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use trellis_runtime::partition::{partition, PartitionMethod};
+    use trellis_runtime::{DataSource, ModelKind};
+
+    /// A partition adopted on a node that serves beside its training (`launch --serve`)
+    /// yields to the service's gate as the node's own partitions do, whether its state was
+    /// kept warm or is loaded at adoption; without a gate it does not.
+    #[test]
+    fn adopted_partitions_yield_to_the_gate_of_a_service_beside() {
+        let ds = DataSource::parse("synthetic:nodes=120,degree=6,features=12,classes=4,seed=3")
+            .unwrap()
+            .load()
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        partition(&ds, 3, PartitionMethod::Metis, 0, dir.path()).unwrap();
+        let set = PartitionSet::open(dir.path()).unwrap();
+        let mut cfg = TrainConfig::paper_defaults(ModelKind::Gcn, 12, 4, 7);
+        cfg.threads = 1;
+        let gate = trellis_gpu::PriorityGate::new();
+        let mut standby = Standby::load(&set, &[1], &cfg)
+            .unwrap()
+            .yielding_to(Some(gate));
+        for p in [1, 2] {
+            assert!(
+                standby.adoptable(&set, p, &cfg).unwrap().stream().yields(),
+                "{p}"
+            );
+        }
+        let mut plain = Standby::load(&set, &[1], &cfg).unwrap();
+        for p in [1, 2] {
+            assert!(
+                !plain.adoptable(&set, p, &cfg).unwrap().stream().yields(),
+                "{p}"
+            );
+        }
+    }
 }

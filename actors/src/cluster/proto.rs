@@ -55,6 +55,22 @@ pub enum ControlMsg {
     /// could not be stored (a patch against a step it does not hold, or a piece that did not
     /// fit): ship the whole.
     ReplicaNack { part: u32, epoch: u32 },
+    /// Node adopting partitions -> a node hosting partitions whose rows their replicas left
+    /// out ([`crate::replica::Mirrors`]): send me these payloads of step `epoch`.
+    MirrorFetch {
+        epoch: u32,
+        keys: Vec<crate::replica::MirrorKey>,
+    },
+    /// The answer to a `MirrorFetch`: one piece of one payload (bytes `offset..` of `total`,
+    /// pieces of at most [`crate::replica::REPLICA_PIECE`]); `found` false: not kept here.
+    MirrorRows {
+        epoch: u32,
+        key: crate::replica::MirrorKey,
+        found: bool,
+        offset: u64,
+        total: u64,
+        data: Vec<u8>,
+    },
     /// A serving message (`trellis serve --cluster`), versioned on its own
     /// ([`super::serving::proto`]).
     Serve(super::serving::proto::ServeEnvelope),
@@ -225,7 +241,8 @@ pub struct DecodeError(pub String);
 
 impl ControlMsg {
     /// Whether this is a replica message (a piece of a replica or of a patch, an
-    /// acknowledgement, a refusal): every node hands these to `node::on_replica_msg`.
+    /// acknowledgement, a refusal, a fetch of rows a replica left out and its answer): every
+    /// node hands these to `node::on_replica_msg`.
     pub fn is_replica(&self) -> bool {
         matches!(
             self,
@@ -233,6 +250,8 @@ impl ControlMsg {
                 | ControlMsg::ReplicaDelta(_)
                 | ControlMsg::ReplicaAck { .. }
                 | ControlMsg::ReplicaNack { .. }
+                | ControlMsg::MirrorFetch { .. }
+                | ControlMsg::MirrorRows { .. }
         )
     }
 
@@ -258,7 +277,9 @@ impl ControlMsg {
             ControlMsg::Replica(_)
             | ControlMsg::ReplicaDelta(_)
             | ControlMsg::ReplicaAck { .. }
-            | ControlMsg::ReplicaNack { .. } => S::Replica,
+            | ControlMsg::ReplicaNack { .. }
+            | ControlMsg::MirrorFetch { .. }
+            | ControlMsg::MirrorRows { .. } => S::Replica,
             ControlMsg::Finish => S::Finish,
             ControlMsg::Bye { .. } => S::Bye,
             ControlMsg::Abort { reason } => S::Abort {
@@ -472,6 +493,30 @@ mod tests {
                 runs: vec![0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 7],
             }),
             ControlMsg::ReplicaNack { part: 3, epoch: 10 },
+            ControlMsg::MirrorFetch {
+                epoch: 4,
+                keys: vec![crate::replica::MirrorKey {
+                    holder: 2,
+                    peer: 0,
+                    phase: 1,
+                    layer: 3,
+                    record: true,
+                }],
+            },
+            ControlMsg::MirrorRows {
+                epoch: 4,
+                key: crate::replica::MirrorKey {
+                    holder: 2,
+                    peer: 0,
+                    phase: 2,
+                    layer: 1,
+                    record: false,
+                },
+                found: true,
+                offset: 0,
+                total: 3,
+                data: vec![1, 2, 3],
+            },
             ControlMsg::Bye {
                 bytes_sent: 1,
                 bytes_received: 2,

@@ -6,8 +6,9 @@ use super::config::ClusterFile;
 use super::files::PartDownload;
 use super::node::InboxEvent;
 use super::node::{
-    adopt_partitions, apply_link_faults, host_partitions, on_replica_msg, reroute, ControlInbox,
-    NodeEndpoint, ReplicaShipper, Standby,
+    adopt_partitions, apply_link_faults, fetch_mirrors, fetch_timed_out, host_partitions,
+    on_replica_msg, reroute, ControlInbox, NodeEndpoint, ReplicaShipper, Standby,
+    MIRROR_FETCH_WITHIN,
 };
 use super::proto::{phase_from, ControlMsg, ReplyBody, Request, Setup};
 use crate::checkpoint::Checkpoint;
@@ -319,6 +320,17 @@ impl Hosted {
         digest: &str,
     ) -> Result<bool, ActorError> {
         self.set = ensure_files(&self.dir, &self.book, parts, ep, inbox, coord).await?;
+        if epoch > 0 {
+            let keys = fetch_mirrors(
+                self.node.replicas(),
+                &self.shipper,
+                &ep.transport,
+                ep.id,
+                parts,
+                epoch,
+            )?;
+            self.receive_mirrors(ep, inbox, coord, epoch, &keys).await?;
+        }
         let (addrs, ok) = adopt_partitions(
             &mut self.node,
             &mut self.standby,
@@ -333,6 +345,55 @@ impl Hosted {
             self.parts.push(p);
         }
         Ok(ok)
+    }
+}
+
+impl Hosted {
+    /// Waits until the rows [`fetch_mirrors`] asked for (`keys`, of step `epoch`) are here,
+    /// storing every replica message that arrives meanwhile (the answers among them).
+    async fn receive_mirrors(
+        &self,
+        ep: &NodeEndpoint,
+        inbox: &mut ControlInbox,
+        coord: u32,
+        epoch: u32,
+        keys: &[crate::replica::MirrorKey],
+    ) -> Result<(), ActorError> {
+        use crate::replica::FetchProgress;
+        let store = self.node.replicas();
+        let until = Instant::now() + MIRROR_FETCH_WITHIN;
+        loop {
+            match store.fetch_progress(epoch, keys) {
+                FetchProgress::Done => return Ok(()),
+                FetchProgress::Failed(why) => return Err(ActorError::Cluster(why)),
+                FetchProgress::Waiting(_) => {}
+            }
+            match inbox.next_event(Some(coord), Some(until)).await? {
+                InboxEvent::Message { from, msg } if msg.is_replica() => {
+                    on_replica_msg(store, &self.shipper, &ep.transport, from, msg)
+                }
+                InboxEvent::Message {
+                    msg: ControlMsg::Abort { reason },
+                    ..
+                } => return Err(aborted(coord, reason)),
+                InboxEvent::Message { from, msg } => {
+                    tracing::warn!(peer = from, "ignored {msg:?} while fetching replica rows")
+                }
+                InboxEvent::PeerDown { node, detail } if node == coord => {
+                    return Err(ActorError::Node { node, detail })
+                }
+                InboxEvent::PeerDown { node, detail } => {
+                    tracing::warn!(peer = node, "node {node}: {detail}")
+                }
+                InboxEvent::Timeout => {
+                    let left = match store.fetch_progress(epoch, keys) {
+                        FetchProgress::Waiting(n) => n,
+                        _ => continue,
+                    };
+                    return Err(fetch_timed_out(epoch, keys, left));
+                }
+            }
+        }
     }
 }
 

@@ -21,14 +21,17 @@
 //! against that digest. What is left is what only that partition holds: its gradient
 //! residual, held halo rows and skip records.
 //!
-//! A replica also leaves out the rows its one receiver holds already, byte for byte
+//! A replica also leaves out the rows that partitions on other nodes hold byte for byte
 //! ([`Mirrors`]): a skip record is exactly the held block of the partition it was sent to,
 //! and a held block exactly the record of the partition that sent it (where that partition
-//! keeps one), so where that partition is hosted on the replica node, the replica carries
-//! only the BLAKE3 digest of such a payload and the receiver completes it from the
-//! snapshot of the same step its own partition committed ([`ReplicaBytes::decode_in`]),
-//! checked against that digest. Each pair of partitions on two nodes then ships the rows
-//! between them once instead of twice.
+//! keeps one). The replica carries only the BLAKE3 digest of such a payload. Where that
+//! partition is hosted on the replica node, the receiver completes it from the snapshot of
+//! the same step its own partition committed ([`ReplicaBytes::decode_in`]); where it is
+//! hosted on a third node, the node adopting the partition fetches it from that node first
+//! ([`ReplicaStore::missing_mirrors`], [`ReplicaStore::put_fetched`]); either is checked
+//! against the digest. Only a partition's own node can lose both copies of such rows at once,
+//! so rows shared with partitions on the same node are shipped; the rest cross the wire only
+//! as halo rows. This holds with one replica node (one node lost at a time), where it is set.
 //!
 //! After the first replica a node acknowledged, later ones reach it as the bytes that
 //! changed ([`delta`]).
@@ -62,17 +65,19 @@ struct SnapshotWire {
 /// Bytes of a BLAKE3 digest: what a replica carries in place of rows it leaves out.
 const DIGEST_LEN: usize = 32;
 
-/// What a replica may leave out because the one node it goes to holds it byte for byte: a
-/// skip record to a partition hosted there (the record is what that partition holds: its
-/// held block), and a held block from one (the block is that partition's record of it).
-/// The replica carries the payload's BLAKE3 digest instead, and the receiver completes it
-/// from the snapshot its own partition committed at the same step ([`ReplicaStore::set_mirrors`]).
+/// What a replica may leave out because partitions on other nodes hold it byte for byte: a
+/// skip record to such a partition (the record is what that partition holds: its held
+/// block), and a held block from one (the block is that partition's record of it). The
+/// replica carries the payload's BLAKE3 digest instead; the receiver completes it from the
+/// snapshot that partition committed at the same step, its own or fetched from the
+/// partition's node at adoption ([`ReplicaStore::set_mirrors`]).
 /// Only fixed-width payloads are mirrors: rows sent as fp32 or in adaptive widths are
 /// recorded by their sender in int8, which is not what the receiver holds.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Mirrors {
-    /// The partitions hosted on the node the replica goes to (empty: leave nothing out).
-    pub hosted: Vec<u32>,
+    /// The partitions whose rows the replica leaves out: those hosted on other nodes than
+    /// the replicated partition's (empty: leave nothing out).
+    pub peers: Vec<u32>,
     /// Partitions keep skip records of their training rows (`--skip-threshold` above 0), so
     /// that a held training block is its sender's record; evaluation blocks are held exactly
     /// where their sender keeps a record (`skip::keeps_eval_rows`).
@@ -82,14 +87,14 @@ pub struct Mirrors {
 impl Mirrors {
     /// Whether the receiver's partition `r.to` holds this record's rows as its held block.
     fn record(&self, r: &SentRows) -> bool {
-        matches!(r.values, SentValues::Encoded(_)) && self.hosted.contains(&r.to.0)
+        matches!(r.values, SentValues::Encoded(_)) && self.peers.contains(&r.to.0)
     }
 
     /// Whether the receiver's partition `b.from` holds this block as its skip record.
     fn block(&self, b: &HaloBlock) -> bool {
         let fixed = matches!(&b.payload, HaloPayload::Encoded(e) if codec::is_fixed_width(e));
         fixed
-            && self.hosted.contains(&b.header.from.0)
+            && self.peers.contains(&b.header.from.0)
             && (b.header.phase == Phase::Eval || self.training_records)
     }
 }
@@ -134,18 +139,39 @@ impl MirrorDigests {
 pub type MirrorsOf = Arc<dyn Fn(u32) -> Mirrors + Send + Sync>;
 
 /// A payload a replica left out: partition `holder`'s skip record to `peer` (`record`), or
-/// its held block from `peer`, of one phase and layer tag.
-#[derive(Debug, Clone, Copy)]
-struct MirrorKey {
-    holder: u32,
-    peer: u32,
-    phase: Phase,
-    layer: u16,
-    record: bool,
+/// its held block from `peer`, of one phase and layer tag. Also what a node adopting a
+/// partition asks a third node for ([`ReplicaStore::missing_mirrors`]).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct MirrorKey {
+    pub holder: u32,
+    pub peer: u32,
+    /// The phase: 0 forward, 1 backward, 2 evaluation.
+    pub phase: u8,
+    pub layer: u16,
+    pub record: bool,
+}
+
+impl MirrorKey {
+    /// What the payload is, for errors.
+    fn describe(&self) -> String {
+        format!(
+            "the {} partition {} keeps of {:?} layer tag {} with partition {}",
+            if self.record {
+                "skip record"
+            } else {
+                "held rows"
+            },
+            self.holder,
+            phase_of(self.phase),
+            self.layer,
+            self.peer
+        )
+    }
 }
 
 /// Where a replica being decoded finds the payloads it left out: the snapshots of the same
-/// step that the receiving store's own partitions committed.
+/// step that the receiving store's own partitions committed, or the payloads it fetched from
+/// the nodes hosting the others.
 struct MirrorSource<'a> {
     /// The replica's partition and step.
     part: u32,
@@ -156,30 +182,22 @@ struct MirrorSource<'a> {
 impl MirrorSource<'_> {
     /// The payload `key` names, checked against `digest` (the sender's BLAKE3 of it).
     fn payload(&self, key: MirrorKey, digest: &[u8]) -> Result<Arc<[u8]>, String> {
-        let what = format!(
-            "the {} partition {} keeps of {:?} layer tag {} with partition {}",
-            if key.record {
-                "skip record"
-            } else {
-                "held rows"
-            },
-            key.holder,
-            key.phase,
-            key.layer,
-            key.peer
-        );
+        let what = key.describe();
         let store = self.store.ok_or_else(|| {
             format!(
-                "it leaves out {what}: it is completed only on the node that hosts partition {}",
+                "it leaves out {what}: it is completed only on the node that hosts partition {} or fetches it",
                 key.holder
             )
         })?;
-        let bytes = store.mirror_at(self.epoch, key).ok_or_else(|| {
-            format!(
-                "it leaves out {what} at step {}, which this node does not hold",
-                self.epoch
-            )
-        })?;
+        let bytes = store
+            .mirror_at(self.epoch, key)
+            .or_else(|| store.fetched_at(self.epoch, key))
+            .ok_or_else(|| {
+                format!(
+                    "it leaves out {what} at step {}, which this node neither holds nor fetched",
+                    self.epoch
+                )
+            })?;
         if blake3::hash(&bytes).as_bytes()[..] != *digest {
             return Err(format!(
                 "it leaves out {what} at step {}, and this node's copy has another digest than the sender's",
@@ -333,7 +351,7 @@ impl WireSent {
             let key = MirrorKey {
                 holder: self.to,
                 peer: mirrors.part,
-                phase,
+                phase: self.phase,
                 layer: self.layer,
                 record: false,
             };
@@ -420,7 +438,7 @@ impl WireBlock {
             let key = MirrorKey {
                 holder: self.from,
                 peer: mirrors.part,
-                phase,
+                phase: self.phase,
                 layer: self.layer,
                 record: true,
             };
@@ -712,6 +730,44 @@ impl ReplicaBytes {
         Ok(snap)
     }
 
+    /// The raw section and the archive of small fields (not checked against the digest).
+    fn parts(&self) -> Result<(Raw<'_>, SnapshotWire), String> {
+        let corrupt = |e: String| format!("replica of partition {}: corrupt: {e}", self.part);
+        let len = self
+            .bytes
+            .get(..8)
+            .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+            .filter(|n| *n <= self.bytes.len() as u64 - 8)
+            .ok_or_else(|| corrupt("no raw section length".into()))?;
+        let (raw, archive) = self.bytes[8..].split_at(len as usize);
+        let mut aligned = rkyv::util::AlignedVec::<16>::with_capacity(archive.len());
+        aligned.extend_from_slice(archive);
+        let w = rkyv::from_bytes::<SnapshotWire, rkyv::rancor::Error>(&aligned)
+            .map_err(|e| corrupt(e.to_string()))?;
+        Ok((Raw(raw), w))
+    }
+
+    /// The payloads this replica left out ([`Mirrors`]): what decoding it completes from
+    /// the snapshots of their holders.
+    pub fn left_out(&self) -> Result<Vec<MirrorKey>, String> {
+        let (_, w) = self.parts()?;
+        let blocks = w.held_halo.iter().filter(|b| b.mirror).map(|b| MirrorKey {
+            holder: b.from,
+            peer: self.part,
+            phase: b.phase,
+            layer: b.layer,
+            record: true,
+        });
+        let records = w.skip_sent.iter().filter(|r| r.mirror).map(|r| MirrorKey {
+            holder: r.to,
+            peer: self.part,
+            phase: r.phase,
+            layer: r.layer,
+            record: false,
+        });
+        Ok(blocks.chain(records).collect())
+    }
+
     /// The snapshot as shipped, and whether it left its model out; rows it left out are
     /// completed from `store` (an error without one).
     fn decode_parts(&self, store: Option<&ReplicaStore>) -> Result<(Snapshot, bool), String> {
@@ -722,19 +778,7 @@ impl ReplicaBytes {
                 self.part, self.epoch, self.digest
             ));
         }
-        let corrupt = |e: String| format!("replica of partition {}: corrupt: {e}", self.part);
-        let len = self
-            .bytes
-            .get(..8)
-            .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
-            .filter(|n| *n <= self.bytes.len() as u64 - 8)
-            .ok_or_else(|| corrupt("no raw section length".into()))?;
-        let (raw, archive) = self.bytes[8..].split_at(len as usize);
-        let raw = Raw(raw);
-        let mut aligned = rkyv::util::AlignedVec::<16>::with_capacity(archive.len());
-        aligned.extend_from_slice(archive);
-        let w = rkyv::from_bytes::<SnapshotWire, rkyv::rancor::Error>(&aligned)
-            .map_err(|e| corrupt(e.to_string()))?;
+        let (raw, w) = self.parts()?;
         let elided = w.model_elided;
         let mirrors = MirrorSource {
             part: self.part,
@@ -924,6 +968,32 @@ pub struct ReplicaStore {
     /// While replicas leave rows out: the snapshots of the newest steps of each partition
     /// hosted here (newest last), which replicas from other nodes are completed from.
     history: std::sync::Mutex<std::collections::HashMap<u32, Vec<Arc<Snapshot>>>>,
+    /// Payloads left out of replicas kept here, fetched from the nodes that hold them to adopt
+    /// a partition ([`ReplicaStore::put_fetched`]), by step and key.
+    fetched: std::sync::Mutex<std::collections::HashMap<(u32, MirrorKey), Fetched>>,
+}
+
+/// A payload being fetched for an adoption ([`ReplicaStore::put_fetched`]).
+enum Fetched {
+    /// Pieces arriving (by index: offset / [`REPLICA_PIECE`]).
+    Arriving {
+        arrived: Vec<bool>,
+        bytes: Vec<u8>,
+    },
+    Whole(Arc<[u8]>),
+    /// The node asked does not hold it (or sent pieces that do not fit): why.
+    Refused(String),
+}
+
+/// Where fetching the payloads an adoption needs stands ([`ReplicaStore::fetch_progress`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FetchProgress {
+    /// Every payload is here.
+    Done,
+    /// So many payloads are still to come.
+    Waiting(usize),
+    /// One cannot come: why.
+    Failed(String),
 }
 
 /// A replica being rebuilt from its base and the pieces of its patch (in any order).
@@ -1082,18 +1152,18 @@ impl ReplicaStore {
     }
 
     /// The payload `key` names in the snapshot of step `epoch` of this node's partition
-    /// `key.holder` (see [`Mirrors`]).
-    fn mirror_at(&self, epoch: u32, key: MirrorKey) -> Option<Arc<[u8]>> {
+    /// `key.holder` (see [`Mirrors`]), if this node keeps it: what a node adopting
+    /// `key.peer` fetches from here.
+    pub fn mirror_at(&self, epoch: u32, key: MirrorKey) -> Option<Arc<[u8]>> {
         let history = self.history.lock().unwrap_or_else(|p| p.into_inner());
         let snap = history
             .get(&key.holder)?
             .iter()
             .find(|s| s.epoch == epoch)?;
         if key.record {
-            let r = snap
-                .skip_sent
-                .iter()
-                .find(|r| r.to.0 == key.peer && r.phase == key.phase && r.layer == key.layer)?;
+            let r = snap.skip_sent.iter().find(|r| {
+                r.to.0 == key.peer && phase_code(r.phase) == key.phase && r.layer == key.layer
+            })?;
             match &r.values {
                 SentValues::Encoded(b) => Some(b.clone()),
                 SentValues::Int8 { .. } => None,
@@ -1101,7 +1171,7 @@ impl ReplicaStore {
         } else {
             let b = snap.held_halo.iter().find(|b| {
                 b.header.from.0 == key.peer
-                    && b.header.phase == key.phase
+                    && phase_code(b.header.phase) == key.phase
                     && b.header.layer == key.layer
             })?;
             match &b.payload {
@@ -1109,6 +1179,119 @@ impl ReplicaStore {
                 HaloPayload::F32(_) => None,
             }
         }
+    }
+
+    /// The payloads that the replica of partition `part` at step `epoch` kept here left out
+    /// and this node cannot complete from its own partitions or has not fetched yet: what
+    /// an adoption of `part` first fetches from the nodes hosting their holders. Empty when
+    /// no such replica is kept (the adoption then fails, naming the steps kept).
+    pub fn missing_mirrors(&self, part: u32, epoch: u32) -> Result<Vec<MirrorKey>, String> {
+        let Some(replica) = self.remote_at(part, epoch) else {
+            return Ok(Vec::new());
+        };
+        Ok(replica
+            .left_out()?
+            .into_iter()
+            .filter(|&k| self.mirror_at(epoch, k).is_none() && self.fetched_at(epoch, k).is_none())
+            .collect())
+    }
+
+    /// Takes one piece of a payload fetched for an adoption: `data` is bytes `offset..` of
+    /// the payload `key` names at step `epoch`, `total` bytes long; `found` false: the node
+    /// asked does not hold it. Checked against the replica's digest when it is used.
+    pub fn put_fetched(
+        &self,
+        epoch: u32,
+        key: MirrorKey,
+        found: bool,
+        offset: u64,
+        total: u64,
+        data: Vec<u8>,
+    ) {
+        let mut fetched = self.fetched.lock().unwrap_or_else(|p| p.into_inner());
+        let refused =
+            |why: String| Fetched::Refused(format!("{} at step {epoch}: {why}", key.describe()));
+        if !found {
+            fetched.insert(
+                (epoch, key),
+                refused("the node that hosts it does not hold it".into()),
+            );
+            return;
+        }
+        if total > MAX_REPLICA {
+            fetched.insert(
+                (epoch, key),
+                refused(format!("a piece claims {total} bytes")),
+            );
+            return;
+        }
+        let pieces = (total as usize).div_ceil(REPLICA_PIECE).max(1);
+        let entry = fetched
+            .entry((epoch, key))
+            .or_insert_with(|| Fetched::Arriving {
+                arrived: vec![false; pieces],
+                bytes: vec![0; total as usize],
+            });
+        let Fetched::Arriving { arrived, bytes } = entry else {
+            return;
+        };
+        let index = (offset as usize) / REPLICA_PIECE;
+        let end = offset.checked_add(data.len() as u64);
+        let fits = offset.is_multiple_of(REPLICA_PIECE as u64)
+            && arrived.len() == pieces
+            && bytes.len() as u64 == total
+            && end.is_some_and(|e| e <= total)
+            && (end == Some(total) || data.len() == REPLICA_PIECE);
+        if !fits {
+            *entry = refused(format!(
+                "a piece at {offset}..+{} does not fit {total} bytes",
+                data.len()
+            ));
+            return;
+        }
+        bytes[offset as usize..][..data.len()].copy_from_slice(&data);
+        arrived[index] = true;
+        if arrived.iter().all(|&a| a) {
+            use trellis_runtime::metrics::{names, Key, Metrics};
+            let key = Key::new(names::REPLICA_FETCHED_BYTES).with("partition", key.peer);
+            Metrics::global().add(key, total);
+            *entry = Fetched::Whole(Arc::from(std::mem::take(bytes)));
+        }
+    }
+
+    /// Whether every payload of `keys` at step `epoch` was fetched whole.
+    pub fn fetch_progress(&self, epoch: u32, keys: &[MirrorKey]) -> FetchProgress {
+        let fetched = self.fetched.lock().unwrap_or_else(|p| p.into_inner());
+        let mut waiting = 0;
+        for k in keys {
+            match fetched.get(&(epoch, *k)) {
+                Some(Fetched::Whole(_)) => {}
+                Some(Fetched::Refused(why)) => return FetchProgress::Failed(why.clone()),
+                Some(Fetched::Arriving { .. }) | None => waiting += 1,
+            }
+        }
+        if waiting == 0 {
+            FetchProgress::Done
+        } else {
+            FetchProgress::Waiting(waiting)
+        }
+    }
+
+    /// A payload fetched whole for an adoption.
+    fn fetched_at(&self, epoch: u32, key: MirrorKey) -> Option<Arc<[u8]>> {
+        let fetched = self.fetched.lock().unwrap_or_else(|p| p.into_inner());
+        match fetched.get(&(epoch, key))? {
+            Fetched::Whole(b) => Some(b.clone()),
+            _ => None,
+        }
+    }
+
+    /// Drops every fetched payload (an adoption restored what it needed).
+    pub fn clear_fetched(&self) {
+        self.fetched
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clear();
     }
 
     fn elides_model(&self) -> bool {

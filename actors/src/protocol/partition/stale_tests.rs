@@ -932,7 +932,7 @@ fn a_replica_leaves_out_the_rows_its_receiver_holds_and_is_completed_from_them()
         }
         // Partition 0's replica goes to the node that hosts partitions 1 and 2.
         let mirrors = Mirrors {
-            hosted: vec![1, 2],
+            peers: vec![1, 2],
             training_records: halo.skip_threshold > 0.0,
         };
         let whole = ReplicaBytes::encode_without_model(0, &snaps[0]);
@@ -971,7 +971,8 @@ fn a_replica_leaves_out_the_rows_its_receiver_holds_and_is_completed_from_them()
         if leaves_out {
             let e = full(&receiver).unwrap_err();
             assert!(
-                e.contains("which this node does not hold") || e.contains("another digest"),
+                e.contains("which this node neither holds nor fetched")
+                    || e.contains("another digest"),
                 "{e}"
             );
         }
@@ -1025,7 +1026,7 @@ fn unchanged_rows_keep_their_buffer_and_replicas_reuse_their_digests() {
     let g = SimGraph::new().unwrap();
     let mut c = Cluster::with(&g, ModelKind::Gcn, 3, HaloConfig::efficient());
     let mirrors = Mirrors {
-        hosted: vec![1, 2],
+        peers: vec![1, 2],
         training_records: true,
     };
     let mut digests = MirrorDigests::default();
@@ -1055,4 +1056,123 @@ fn unchanged_rows_keep_their_buffer_and_replicas_reuse_their_digests() {
         kept_records > 0 && kept_blocks > 0,
         "{kept_records} {kept_blocks}"
     );
+}
+
+/// With partitions on three nodes, a replica also leaves out the rows it shares with a
+/// partition on a third node: the receiver lists them as missing, takes them as fetched
+/// from that node (in pieces, any order), and then decodes the whole snapshot; a payload
+/// the third node does not keep, a piece that does not fit, or fetched rows with another
+/// digest are refused, naming them.
+#[test]
+fn rows_shared_with_a_third_nodes_partition_are_fetched_at_adoption() {
+    use crate::replica::{FetchProgress, MirrorKey, Mirrors, ReplicaStore};
+    let g = SimGraph::new().unwrap();
+    let mut c = Cluster::with(&g, ModelKind::Gcn, 3, HaloConfig::efficient());
+    let mut snaps = Vec::new();
+    for e in 1..=4 {
+        snaps = c.epoch(e).1;
+        c.eval(e);
+    }
+    let epoch = snaps[0].epoch;
+    // Partition 0 on node 0, its replica on node 1 (partition 1), partition 2 on node 2.
+    let mirrors = Mirrors {
+        peers: vec![1, 2],
+        training_records: true,
+    };
+    let thin = ReplicaBytes::encode_for(0, &snaps[0], &mirrors);
+    let setup = || {
+        let receiver = ReplicaStore::new();
+        receiver.set_sender(Arc::new(|_| {}), true);
+        receiver.set_mirrors(Arc::new(|_| Mirrors::default()));
+        receiver.put(1, Arc::new(snaps[1].clone()));
+        receiver.put_remote(thin.clone());
+        receiver
+    };
+    let third = ReplicaStore::new();
+    third.set_mirrors(Arc::new(|_| Mirrors::default()));
+    third.put(2, Arc::new(snaps[2].clone()));
+    let receiver = setup();
+    let keys = receiver.missing_mirrors(0, epoch).unwrap();
+    assert!(!keys.is_empty());
+    assert!(
+        keys.iter().all(|k| k.holder == 2 && k.peer == 0),
+        "{keys:?}"
+    );
+    assert_eq!(
+        thin.left_out().unwrap().len(),
+        keys.len() + keys_held_by(&thin, 1),
+        "the rest are partition 1's, held here"
+    );
+    let e = thin.decode_in(&receiver).unwrap_err();
+    assert!(e.contains("neither holds nor fetched"), "{e}");
+    assert_eq!(
+        receiver.fetch_progress(epoch, &keys),
+        FetchProgress::Waiting(keys.len())
+    );
+    // The answers, in any order.
+    for &k in keys.iter().rev() {
+        let payload = third.mirror_at(epoch, k).expect("the third node keeps it");
+        receiver.put_fetched(epoch, k, true, 0, payload.len() as u64, payload.to_vec());
+    }
+    assert_eq!(receiver.fetch_progress(epoch, &keys), FetchProgress::Done);
+    assert!(receiver.missing_mirrors(0, epoch).unwrap().is_empty());
+    let back = thin.decode_in(&receiver).unwrap();
+    assert_eq!(back.skip_sent, snaps[0].skip_sent);
+    for (a, b) in back.held_halo.iter().zip(&snaps[0].held_halo) {
+        assert_eq!(payload_bytes(&a.payload), payload_bytes(&b.payload));
+    }
+    receiver.clear_fetched();
+    assert_eq!(receiver.missing_mirrors(0, epoch).unwrap(), keys);
+
+    // Not kept on the third node: a clear failure naming the payload.
+    let k = keys[0];
+    receiver.put_fetched(epoch, k, false, 0, 0, Vec::new());
+    let FetchProgress::Failed(why) = receiver.fetch_progress(epoch, &keys) else {
+        panic!("a refusal is a failure");
+    };
+    assert!(
+        why.contains("partition 2") && why.contains("does not hold"),
+        "{why}"
+    );
+    // A piece past its end.
+    let receiver = setup();
+    receiver.put_fetched(epoch, k, true, 0, 4, vec![0; 8]);
+    let FetchProgress::Failed(why) = receiver.fetch_progress(epoch, &[k]) else {
+        panic!("a misfit piece is a failure");
+    };
+    assert!(why.contains("does not fit"), "{why}");
+    // Rows that are not the sender's: refused by digest when decoded.
+    let receiver = setup();
+    for &k in &keys {
+        let mut payload = third.mirror_at(epoch, k).unwrap().to_vec();
+        *payload.last_mut().unwrap() ^= 1;
+        receiver.put_fetched(epoch, k, true, 0, payload.len() as u64, payload);
+    }
+    let e = thin.decode_in(&receiver).unwrap_err();
+    assert!(
+        e.contains("another digest") && e.contains("partition 2"),
+        "{e}"
+    );
+    // A key nobody left out is not kept anywhere.
+    let none = MirrorKey { layer: 99, ..k };
+    assert!(third.mirror_at(epoch, none).is_none());
+    // A payload larger than a piece arrives in pieces, in any order, and is whole once all
+    // are in.
+    let big = crate::replica::REPLICA_PIECE as u64 + 10;
+    receiver.put_fetched(epoch, none, true, big - 10, big, vec![7; 10]);
+    assert_eq!(
+        receiver.fetch_progress(epoch, &[none]),
+        FetchProgress::Waiting(1)
+    );
+    receiver.put_fetched(epoch, none, true, 0, big, vec![7; big as usize - 10]);
+    assert_eq!(receiver.fetch_progress(epoch, &[none]), FetchProgress::Done);
+}
+
+/// How many payloads `r` left out that partition `holder` holds.
+fn keys_held_by(r: &ReplicaBytes, holder: u32) -> usize {
+    r.left_out()
+        .unwrap()
+        .iter()
+        .filter(|k| k.holder == holder)
+        .count()
 }
