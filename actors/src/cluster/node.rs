@@ -518,7 +518,7 @@ pub fn on_replica_msg(
             offset,
             total,
             data,
-        } => return store.put_fetched(epoch, key, found, offset, total, data),
+        } => return store.put_fetched(from, epoch, key, found, offset, total, data),
         ControlMsg::ReplicaNack { part, epoch } => return shipper.refused(from, part, epoch),
         _ => return,
     };
@@ -631,6 +631,7 @@ pub fn fetch_mirrors(
             keys.len()
         );
         all.extend_from_slice(&keys);
+        store.expect_fetched(epoch, &keys, node);
         let msg = ControlMsg::MirrorFetch { epoch, keys };
         transport
             .send_control(node, msg.encode())

@@ -975,8 +975,13 @@ pub struct ReplicaStore {
 
 /// A payload being fetched for an adoption ([`ReplicaStore::put_fetched`]).
 enum Fetched {
-    /// Pieces arriving (by index: offset / [`REPLICA_PIECE`]).
+    /// Asked of node `from`; no piece arrived yet.
+    Asked {
+        from: u32,
+    },
+    /// Pieces arriving from node `from` (by index: offset / [`REPLICA_PIECE`]).
     Arriving {
+        from: u32,
         arrived: Vec<bool>,
         bytes: Vec<u8>,
     },
@@ -1196,11 +1201,24 @@ impl ReplicaStore {
             .collect())
     }
 
-    /// Takes one piece of a payload fetched for an adoption: `data` is bytes `offset..` of
-    /// the payload `key` names at step `epoch`, `total` bytes long; `found` false: the node
-    /// asked does not hold it. Checked against the replica's digest when it is used.
+    /// Expects the payloads `keys` of step `epoch` from node `from` (asked by an adoption):
+    /// only pieces of payloads expected, from the node asked, are taken.
+    pub fn expect_fetched(&self, epoch: u32, keys: &[MirrorKey], from: u32) {
+        let mut fetched = self.fetched.lock().unwrap_or_else(|p| p.into_inner());
+        for &k in keys {
+            fetched.insert((epoch, k), Fetched::Asked { from });
+        }
+    }
+
+    /// Takes one piece of a payload fetched for an adoption from node `from`: `data` is
+    /// bytes `offset..` of the payload `key` names at step `epoch`, `total` bytes long;
+    /// `found` false: the node asked does not hold it. A piece of a payload not expected
+    /// from `from` ([`ReplicaStore::expect_fetched`]) is dropped. Checked against the
+    /// replica's digest when it is used.
+    #[allow(clippy::too_many_arguments)]
     pub fn put_fetched(
         &self,
+        from: u32,
         epoch: u32,
         key: MirrorKey,
         found: bool,
@@ -1209,30 +1227,43 @@ impl ReplicaStore {
         data: Vec<u8>,
     ) {
         let mut fetched = self.fetched.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(entry) = fetched.get_mut(&(epoch, key)) else {
+            tracing::warn!(
+                peer = from,
+                "dropped rows not asked for: {key:?} at step {epoch}"
+            );
+            return;
+        };
+        let asked_of = match entry {
+            Fetched::Asked { from } | Fetched::Arriving { from, .. } => *from,
+            Fetched::Whole(_) | Fetched::Refused(_) => u32::MAX,
+        };
+        if asked_of != from {
+            tracing::warn!(
+                peer = from,
+                "dropped rows not asked of node {from}: {key:?} at step {epoch}"
+            );
+            return;
+        }
         let refused =
             |why: String| Fetched::Refused(format!("{} at step {epoch}: {why}", key.describe()));
         if !found {
-            fetched.insert(
-                (epoch, key),
-                refused("the node that hosts it does not hold it".into()),
-            );
+            *entry = refused(format!("node {from}, which hosts it, does not hold it"));
             return;
         }
         if total > MAX_REPLICA {
-            fetched.insert(
-                (epoch, key),
-                refused(format!("a piece claims {total} bytes")),
-            );
+            *entry = refused(format!("node {from} sent a piece of {total} bytes"));
             return;
         }
         let pieces = (total as usize).div_ceil(REPLICA_PIECE).max(1);
-        let entry = fetched
-            .entry((epoch, key))
-            .or_insert_with(|| Fetched::Arriving {
+        if let Fetched::Asked { .. } = entry {
+            *entry = Fetched::Arriving {
+                from,
                 arrived: vec![false; pieces],
                 bytes: vec![0; total as usize],
-            });
-        let Fetched::Arriving { arrived, bytes } = entry else {
+            };
+        }
+        let Fetched::Arriving { arrived, bytes, .. } = entry else {
             return;
         };
         let index = (offset as usize) / REPLICA_PIECE;
@@ -1244,7 +1275,7 @@ impl ReplicaStore {
             && (end == Some(total) || data.len() == REPLICA_PIECE);
         if !fits {
             *entry = refused(format!(
-                "a piece at {offset}..+{} does not fit {total} bytes",
+                "node {from} sent a piece at {offset}..+{} that does not fit {total} bytes",
                 data.len()
             ));
             return;
@@ -1267,7 +1298,7 @@ impl ReplicaStore {
             match fetched.get(&(epoch, *k)) {
                 Some(Fetched::Whole(_)) => {}
                 Some(Fetched::Refused(why)) => return FetchProgress::Failed(why.clone()),
-                Some(Fetched::Arriving { .. }) | None => waiting += 1,
+                Some(Fetched::Asked { .. } | Fetched::Arriving { .. }) | None => waiting += 1,
             }
         }
         if waiting == 0 {

@@ -1060,9 +1060,10 @@ fn unchanged_rows_keep_their_buffer_and_replicas_reuse_their_digests() {
 
 /// With partitions on three nodes, a replica also leaves out the rows it shares with a
 /// partition on a third node: the receiver lists them as missing, takes them as fetched
-/// from that node (in pieces, any order), and then decodes the whole snapshot; a payload
-/// the third node does not keep, a piece that does not fit, or fetched rows with another
-/// digest are refused, naming them.
+/// from that node (in pieces, any order; pieces from another node or of payloads not asked
+/// for are dropped), and then decodes the whole snapshot; a payload the third node does not
+/// keep, a piece that does not fit, or fetched rows with another digest are refused, naming
+/// them.
 #[test]
 fn rows_shared_with_a_third_nodes_partition_are_fetched_at_adoption() {
     use crate::replica::{FetchProgress, MirrorKey, Mirrors, ReplicaStore};
@@ -1109,10 +1110,38 @@ fn rows_shared_with_a_third_nodes_partition_are_fetched_at_adoption() {
         receiver.fetch_progress(epoch, &keys),
         FetchProgress::Waiting(keys.len())
     );
+    // Asked of node 2 (the third node): pieces from another node, or of payloads not
+    // asked for, are dropped.
+    receiver.expect_fetched(epoch, &keys, 2);
+    let first = third
+        .mirror_at(epoch, keys[0])
+        .expect("the third node keeps it");
+    receiver.put_fetched(
+        1,
+        epoch,
+        keys[0],
+        true,
+        0,
+        first.len() as u64,
+        first.to_vec(),
+    );
+    let other = MirrorKey {
+        layer: 99,
+        ..keys[0]
+    };
+    receiver.put_fetched(2, epoch, other, true, 0, 3, vec![1, 2, 3]);
+    assert_eq!(
+        receiver.fetch_progress(epoch, &keys),
+        FetchProgress::Waiting(keys.len())
+    );
+    assert_eq!(
+        receiver.fetch_progress(epoch, &[other]),
+        FetchProgress::Waiting(1)
+    );
     // The answers, in any order.
     for &k in keys.iter().rev() {
         let payload = third.mirror_at(epoch, k).expect("the third node keeps it");
-        receiver.put_fetched(epoch, k, true, 0, payload.len() as u64, payload.to_vec());
+        receiver.put_fetched(2, epoch, k, true, 0, payload.len() as u64, payload.to_vec());
     }
     assert_eq!(receiver.fetch_progress(epoch, &keys), FetchProgress::Done);
     assert!(receiver.missing_mirrors(0, epoch).unwrap().is_empty());
@@ -1126,27 +1155,30 @@ fn rows_shared_with_a_third_nodes_partition_are_fetched_at_adoption() {
 
     // Not kept on the third node: a clear failure naming the payload.
     let k = keys[0];
-    receiver.put_fetched(epoch, k, false, 0, 0, Vec::new());
+    receiver.expect_fetched(epoch, &keys, 2);
+    receiver.put_fetched(2, epoch, k, false, 0, 0, Vec::new());
     let FetchProgress::Failed(why) = receiver.fetch_progress(epoch, &keys) else {
         panic!("a refusal is a failure");
     };
     assert!(
-        why.contains("partition 2") && why.contains("does not hold"),
+        why.contains("partition 2") && why.contains("node 2") && why.contains("does not hold"),
         "{why}"
     );
     // A piece past its end.
     let receiver = setup();
-    receiver.put_fetched(epoch, k, true, 0, 4, vec![0; 8]);
+    receiver.expect_fetched(epoch, &[k], 2);
+    receiver.put_fetched(2, epoch, k, true, 0, 4, vec![0; 8]);
     let FetchProgress::Failed(why) = receiver.fetch_progress(epoch, &[k]) else {
         panic!("a misfit piece is a failure");
     };
     assert!(why.contains("does not fit"), "{why}");
     // Rows that are not the sender's: refused by digest when decoded.
     let receiver = setup();
+    receiver.expect_fetched(epoch, &keys, 2);
     for &k in &keys {
         let mut payload = third.mirror_at(epoch, k).unwrap().to_vec();
         *payload.last_mut().unwrap() ^= 1;
-        receiver.put_fetched(epoch, k, true, 0, payload.len() as u64, payload);
+        receiver.put_fetched(2, epoch, k, true, 0, payload.len() as u64, payload);
     }
     let e = thin.decode_in(&receiver).unwrap_err();
     assert!(
@@ -1159,12 +1191,13 @@ fn rows_shared_with_a_third_nodes_partition_are_fetched_at_adoption() {
     // A payload larger than a piece arrives in pieces, in any order, and is whole once all
     // are in.
     let big = crate::replica::REPLICA_PIECE as u64 + 10;
-    receiver.put_fetched(epoch, none, true, big - 10, big, vec![7; 10]);
+    receiver.expect_fetched(epoch, &[none], 2);
+    receiver.put_fetched(2, epoch, none, true, big - 10, big, vec![7; 10]);
     assert_eq!(
         receiver.fetch_progress(epoch, &[none]),
         FetchProgress::Waiting(1)
     );
-    receiver.put_fetched(epoch, none, true, 0, big, vec![7; big as usize - 10]);
+    receiver.put_fetched(2, epoch, none, true, 0, big, vec![7; big as usize - 10]);
     assert_eq!(receiver.fetch_progress(epoch, &[none]), FetchProgress::Done);
 }
 
