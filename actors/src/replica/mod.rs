@@ -1252,7 +1252,7 @@ impl ReplicaStore {
             return;
         }
         if total > MAX_REPLICA {
-            *entry = refused(format!("node {from} sent a piece of {total} bytes"));
+            *entry = refused(format!("node {from} claims a payload of {total} bytes"));
             return;
         }
         let pieces = (total as usize).div_ceil(REPLICA_PIECE).max(1);
