@@ -7,7 +7,7 @@
 //! `--seeds`) and from the links themselves: the bytes each node's link carried (kernel
 //! counters: every frame, headers included) and the packets its token buckets dropped. The
 //! link's achieved rate is measured on the same network before the runs.
-use super::launch::{create_net, launch_cluster_on, stopped, ClusterOptions};
+use super::launch::{create_net, launch_cluster_on, stopped, ClusterOptions, CoordinatorRun};
 use crate::netns::{EmulatedNet, LinkCounters, LinkRate, NetSpec};
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -511,7 +511,12 @@ fn run_one(
         max_restarts: 0,
         step_deadline_ms: 600_000,
     };
-    launch_cluster_on(&opts, net, &dir, Some(&parts), &args, true)?;
+    let coordinator = CoordinatorRun {
+        train_args: &args,
+        quiet: true,
+        serving: false,
+    };
+    launch_cluster_on(&opts, net, &dir, Some(&parts), coordinator)?;
     Ok(RunReport::read(&report)?)
 }
 

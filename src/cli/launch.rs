@@ -148,14 +148,12 @@ pub fn run(a: LaunchArgs) -> Result<()> {
         }
     };
     let parts = a.train.partition_dir.as_deref();
-    launch_cluster_on(
-        &a.cluster,
-        net.as_ref(),
-        &dir,
-        parts,
-        &forwarded_args(),
-        false,
-    )
+    let coordinator = CoordinatorRun {
+        train_args: &forwarded_args(),
+        quiet: false,
+        serving: a.train.serve.is_some(),
+    };
+    launch_cluster_on(&a.cluster, net.as_ref(), &dir, parts, coordinator)
 }
 
 /// Removes what killed launchers left behind, then builds the network of `spec`.
@@ -204,7 +202,23 @@ pub fn launch_cluster(
     train_args: &[String],
     quiet: bool,
 ) -> Result<()> {
-    launch_cluster_on(opts, None, dir, parts, train_args, quiet)
+    let coordinator = CoordinatorRun {
+        train_args,
+        quiet,
+        serving: false,
+    };
+    launch_cluster_on(opts, None, dir, parts, coordinator)
+}
+
+/// What the coordinator node of a launched cluster runs.
+pub struct CoordinatorRun<'a> {
+    /// The training options it is given.
+    pub train_args: &'a [String],
+    /// Its stdout is not shown.
+    pub quiet: bool,
+    /// It serves beside the training (`--serve`) and then until it is stopped: a stop is
+    /// then its end, passed on as Ctrl-C.
+    pub serving: bool,
 }
 
 /// [`launch_cluster`] on the emulated network `net` when given (node `i` in its namespace,
@@ -214,9 +228,13 @@ pub fn launch_cluster_on(
     net: Option<&EmulatedNet>,
     dir: &Path,
     parts: Option<&Path>,
-    train_args: &[String],
-    quiet: bool,
+    coordinator: CoordinatorRun<'_>,
 ) -> Result<()> {
+    let CoordinatorRun {
+        train_args,
+        quiet,
+        serving,
+    } = coordinator;
     if opts.nodes == 0 {
         bail!("--nodes must be at least 1");
     }
@@ -284,11 +302,6 @@ pub fn launch_cluster_on(
     for n in 1..opts.nodes {
         nodes.spawn(n, node_command(&exe, &cluster, n, true, net))?;
     }
-    // A coordinator serving beside the training (`--serve`) serves until it is stopped: a
-    // stop is then its end, passed on as Ctrl-C.
-    let serving = train_args
-        .iter()
-        .any(|a| a == "--serve" || a.starts_with("--serve="));
     nodes.wait_all(stop, serving)
 }
 
