@@ -634,18 +634,16 @@ impl RecoveryRefs {
         let mut digest_ok = true;
         for (to, parts) in by_node {
             if to == self.me {
-                if epoch > 0 {
-                    let store = self.local.borrow().replicas().clone();
-                    let keys = fetch_mirrors(
-                        &store,
-                        &self.shipper,
-                        &self.transport,
-                        self.me,
-                        &parts,
-                        epoch,
-                    )?;
-                    await_mirrors(&store, epoch, &keys).await?;
-                }
+                let store = self.local.borrow().replicas().clone();
+                let keys = fetch_mirrors(
+                    &store,
+                    &self.shipper,
+                    &self.transport,
+                    self.me,
+                    &parts,
+                    epoch,
+                )?;
+                await_mirrors(&store, epoch, &keys).await?;
                 let (addrs, ok) = adopt_partitions(
                     &mut self.local.borrow_mut(),
                     &mut self.standby.borrow_mut(),

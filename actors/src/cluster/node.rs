@@ -5,8 +5,8 @@ use super::proto::ControlMsg;
 use crate::faults::FaultPlan;
 use crate::protocol::state::{GlobalCounts, PartitionState};
 use crate::replica::{
-    DeltaBases, FetchProgress, MirrorKey, Mirrors, MirrorsOf, ReceivedPiece, ReplicaBytes,
-    ReplicaDelta, ReplicaStore, Stored, REPLICA_PIECE,
+    piece_ranges, DeltaBases, FetchProgress, MirrorKey, Mirrors, MirrorsOf, ReceivedPiece,
+    ReplicaBytes, ReplicaDelta, ReplicaStore, Stored,
 };
 use crate::shells::supervisor::NodeSupervisor;
 use crate::ActorError;
@@ -538,7 +538,7 @@ pub fn on_replica_msg(
 }
 
 /// Sends node `to` the payloads `keys` of step `epoch` that this node's partitions keep
-/// ([`ReplicaStore::mirror_at`]), each in pieces of at most [`REPLICA_PIECE`] bytes, or that
+/// ([`ReplicaStore::mirror_at`]), each in pieces ([`piece_ranges`]), or that
 /// it keeps none of one. Copies them out on a thread of its own, off the control loop.
 fn answer_mirror_fetch(
     store: &ReplicaStore,
@@ -572,16 +572,14 @@ fn answer_mirror_fetch(
                     let _ = transport.send_control(to, msg.encode());
                     continue;
                 };
-                let total = payload.len();
-                for start in (0..total.div_ceil(REPLICA_PIECE).max(1)).map(|i| i * REPLICA_PIECE) {
-                    let end = (start + REPLICA_PIECE).min(total);
+                for r in piece_ranges(payload.len()) {
                     let msg = ControlMsg::MirrorRows {
                         epoch,
                         key,
                         found: true,
-                        offset: start as u64,
-                        total: total as u64,
-                        data: payload[start..end].to_vec(),
+                        offset: r.start as u64,
+                        total: payload.len() as u64,
+                        data: payload[r].to_vec(),
                     };
                     if transport.send_control(to, msg.encode()).is_err() {
                         return;
@@ -595,7 +593,8 @@ fn answer_mirror_fetch(
 }
 
 /// The payloads that the replicas of `parts` at step `epoch` kept in `store` left out and
-/// this node's own partitions do not hold: asks the node each holder is placed on (by
+/// this node's own partitions do not hold (none before the first step, which is not
+/// replicated): asks the node each holder is placed on (by
 /// `shipper`) for them, and returns them, to wait for with [`ReplicaStore::fetch_progress`].
 /// An error names a holder placed on no live node.
 pub fn fetch_mirrors(
@@ -643,20 +642,33 @@ pub fn fetch_mirrors(
     Ok(all)
 }
 
-/// The error of an adoption whose fetched rows (`keys`, `left` of them still missing) did not
-/// arrive in time: names the partitions whose rows they are.
-pub fn fetch_timed_out(epoch: u32, keys: &[MirrorKey], left: usize) -> ActorError {
-    let mut holders: Vec<u32> = keys.iter().map(|k| k.holder).collect();
-    holders.sort_unstable();
-    holders.dedup();
-    ActorError::Cluster(format!(
-        "{left} payloads left out of replicas of step {epoch} did not arrive within {} s (rows partitions {holders:?} hold, asked of the nodes they are placed on)",
-        MIRROR_FETCH_WITHIN.as_secs()
-    ))
-}
-
 /// How long an adoption waits for the rows it fetches ([`fetch_mirrors`]).
 pub const MIRROR_FETCH_WITHIN: Duration = Duration::from_secs(60);
+
+/// Whether the rows an adoption fetched (`keys`, of step `epoch`) are all in `store`
+/// (`Some(Ok)`), one cannot come or they are not all in by `until` (`Some(Err)`, naming the
+/// partitions whose rows they are), or it waits on (`None`).
+pub fn fetched(
+    store: &ReplicaStore,
+    epoch: u32,
+    keys: &[MirrorKey],
+    until: Instant,
+) -> Option<Result<(), ActorError>> {
+    match store.fetch_progress(epoch, keys) {
+        FetchProgress::Done => Some(Ok(())),
+        FetchProgress::Failed(why) => Some(Err(ActorError::Cluster(why))),
+        FetchProgress::Waiting(left) if Instant::now() >= until => {
+            let mut holders: Vec<u32> = keys.iter().map(|k| k.holder).collect();
+            holders.sort_unstable();
+            holders.dedup();
+            Some(Err(ActorError::Cluster(format!(
+                "{left} payloads left out of replicas of step {epoch} did not arrive within {} s (rows partitions {holders:?} hold, asked of the nodes they are placed on)",
+                MIRROR_FETCH_WITHIN.as_secs()
+            ))))
+        }
+        FetchProgress::Waiting(_) => None,
+    }
+}
 
 /// Waits until `store` holds every payload of `keys` at step `epoch` (fetched by
 /// [`fetch_mirrors`]; another task hands the answers to [`on_replica_msg`]).
@@ -667,14 +679,10 @@ pub async fn await_mirrors(
 ) -> Result<(), ActorError> {
     let until = Instant::now() + MIRROR_FETCH_WITHIN;
     loop {
-        match store.fetch_progress(epoch, keys) {
-            FetchProgress::Done => return Ok(()),
-            FetchProgress::Failed(why) => return Err(ActorError::Cluster(why)),
-            FetchProgress::Waiting(n) if Instant::now() >= until => {
-                return Err(fetch_timed_out(epoch, keys, n))
-            }
-            FetchProgress::Waiting(_) => tokio::time::sleep(Duration::from_millis(5)).await,
+        if let Some(outcome) = fetched(store, epoch, keys, until) {
+            return outcome;
         }
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
 }
 
@@ -798,11 +806,6 @@ impl Standby {
         self
     }
 
-    /// Partition `p`'s loaded state, if kept here.
-    pub fn take(&mut self, p: u32) -> Option<PartitionState> {
-        self.states.remove(&p)
-    }
-
     /// Partition `p`'s state to adopt: the warm one, else loaded from `set`; yielding to
     /// the gate of a service beside, if any.
     fn adoptable(
@@ -811,7 +814,7 @@ impl Standby {
         p: u32,
         cfg: &TrainConfig,
     ) -> Result<PartitionState, ActorError> {
-        let mut state = match self.take(p) {
+        let mut state = match self.states.remove(&p) {
             Some(s) => s,
             None => load_state(set, p, cfg)?,
         };

@@ -6,9 +6,8 @@ use super::config::ClusterFile;
 use super::files::PartDownload;
 use super::node::InboxEvent;
 use super::node::{
-    adopt_partitions, apply_link_faults, fetch_mirrors, fetch_timed_out, host_partitions,
-    on_replica_msg, reroute, ControlInbox, NodeEndpoint, ReplicaShipper, Standby,
-    MIRROR_FETCH_WITHIN,
+    adopt_partitions, apply_link_faults, fetch_mirrors, fetched, host_partitions, on_replica_msg,
+    reroute, ControlInbox, NodeEndpoint, ReplicaShipper, Standby, MIRROR_FETCH_WITHIN,
 };
 use super::proto::{phase_from, ControlMsg, ReplyBody, Request, Setup};
 use crate::checkpoint::Checkpoint;
@@ -320,17 +319,15 @@ impl Hosted {
         digest: &str,
     ) -> Result<bool, ActorError> {
         self.set = ensure_files(&self.dir, &self.book, parts, ep, inbox, coord).await?;
-        if epoch > 0 {
-            let keys = fetch_mirrors(
-                self.node.replicas(),
-                &self.shipper,
-                &ep.transport,
-                ep.id,
-                parts,
-                epoch,
-            )?;
-            self.receive_mirrors(ep, inbox, coord, epoch, &keys).await?;
-        }
+        let keys = fetch_mirrors(
+            self.node.replicas(),
+            &self.shipper,
+            &ep.transport,
+            ep.id,
+            parts,
+            epoch,
+        )?;
+        self.receive_mirrors(ep, inbox, coord, epoch, &keys).await?;
         let (addrs, ok) = adopt_partitions(
             &mut self.node,
             &mut self.standby,
@@ -346,9 +343,7 @@ impl Hosted {
         }
         Ok(ok)
     }
-}
 
-impl Hosted {
     /// Waits until the rows [`fetch_mirrors`] asked for (`keys`, of step `epoch`) are here,
     /// storing every replica message that arrives meanwhile (the answers among them).
     async fn receive_mirrors(
@@ -359,14 +354,11 @@ impl Hosted {
         epoch: u32,
         keys: &[crate::replica::MirrorKey],
     ) -> Result<(), ActorError> {
-        use crate::replica::FetchProgress;
         let store = self.node.replicas();
         let until = Instant::now() + MIRROR_FETCH_WITHIN;
         loop {
-            match store.fetch_progress(epoch, keys) {
-                FetchProgress::Done => return Ok(()),
-                FetchProgress::Failed(why) => return Err(ActorError::Cluster(why)),
-                FetchProgress::Waiting(_) => {}
+            if let Some(outcome) = fetched(store, epoch, keys, until) {
+                return outcome;
             }
             match inbox.next_event(Some(coord), Some(until)).await? {
                 InboxEvent::Message { from, msg } if msg.is_replica() => {
@@ -385,13 +377,8 @@ impl Hosted {
                 InboxEvent::PeerDown { node, detail } => {
                     tracing::warn!(peer = node, "node {node}: {detail}")
                 }
-                InboxEvent::Timeout => {
-                    let left = match store.fetch_progress(epoch, keys) {
-                        FetchProgress::Waiting(n) => n,
-                        _ => continue,
-                    };
-                    return Err(fetch_timed_out(epoch, keys, left));
-                }
+                // The next check says whether the rows came after all.
+                InboxEvent::Timeout => {}
             }
         }
     }

@@ -834,33 +834,85 @@ pub struct ReplicaPiece {
     pub data: Vec<u8>,
 }
 
+/// The byte ranges of a payload of `total` bytes in pieces of at most [`REPLICA_PIECE`]
+/// bytes, in order (one, maybe empty, for a small payload).
+pub fn piece_ranges(total: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+    (0..total.div_ceil(REPLICA_PIECE).max(1))
+        .map(move |i| i * REPLICA_PIECE..((i + 1) * REPLICA_PIECE).min(total))
+}
+
 impl ReplicaBytes {
     /// The replica in pieces of at most [`REPLICA_PIECE`] bytes, in order (one for a small
     /// replica).
     pub fn pieces(&self) -> impl Iterator<Item = ReplicaPiece> + '_ {
         let total = self.bytes.len();
-        (0..total.div_ceil(REPLICA_PIECE).max(1)).map(move |i| {
-            let start = i * REPLICA_PIECE;
-            let end = (start + REPLICA_PIECE).min(total);
-            ReplicaPiece {
-                part: self.part,
-                epoch: self.epoch,
-                digest: self.digest.clone(),
-                offset: start as u64,
-                total: total as u64,
-                data: self.bytes[start..end].to_vec(),
-            }
+        piece_ranges(total).map(move |r| ReplicaPiece {
+            part: self.part,
+            epoch: self.epoch,
+            digest: self.digest.clone(),
+            offset: r.start as u64,
+            total: total as u64,
+            data: self.bytes[r].to_vec(),
         })
+    }
+}
+
+/// A payload of `total` bytes whose pieces ([`piece_ranges`]) are arriving, in any order.
+struct Pieces {
+    total: u64,
+    /// Which pieces (by index: offset / [`REPLICA_PIECE`]) arrived.
+    arrived: Vec<bool>,
+    bytes: bytes::BytesMut,
+}
+
+impl Pieces {
+    /// None arrived yet; they are written into `bytes` (cleared).
+    fn start(total: u64, mut bytes: bytes::BytesMut) -> Self {
+        let count = total.div_ceil(REPLICA_PIECE as u64).max(1);
+        bytes.clear();
+        Pieces {
+            total,
+            arrived: vec![false; count.min(MAX_REPLICA / REPLICA_PIECE as u64) as usize],
+            bytes,
+        }
+    }
+
+    /// Takes bytes `offset..` of the whole, which the sender says is `total` bytes: false
+    /// if they are not the next of its pieces at that index (another total, a length or
+    /// offset off its grid, a piece that arrived already).
+    fn put(&mut self, offset: u64, total: u64, data: &[u8]) -> bool {
+        let step = REPLICA_PIECE as u64;
+        let index = offset / step;
+        let expected = total.saturating_sub(offset).min(step);
+        let fits = self.total == total
+            && total <= MAX_REPLICA
+            && offset.is_multiple_of(step)
+            && index < total.div_ceil(step).max(1)
+            && data.len() as u64 == expected
+            && self.arrived.get(index as usize) == Some(&false);
+        if !fits {
+            return false;
+        }
+        // The buffer grows to the end of the furthest piece so far (at most `total`).
+        let (offset, end) = (offset as usize, (offset + expected) as usize);
+        if self.bytes.len() < end {
+            self.bytes.resize(end, 0);
+        }
+        self.bytes[offset..end].copy_from_slice(data);
+        self.arrived[index as usize] = true;
+        true
+    }
+
+    /// Whether every piece arrived.
+    fn whole(&self) -> bool {
+        self.arrived.iter().all(|&got| got)
     }
 }
 
 /// A replica whose pieces are arriving (in any order).
 struct Assembly {
     digest: String,
-    total: u64,
-    /// Which pieces (by index: offset / [`REPLICA_PIECE`]) arrived.
-    arrived: Vec<bool>,
-    bytes: bytes::BytesMut,
+    pieces: Pieces,
 }
 
 /// The largest replica a store assembles (a bound on what a piece's `total` may claim).
@@ -979,11 +1031,10 @@ enum Fetched {
     Asked {
         from: u32,
     },
-    /// Pieces arriving from node `from` (by index: offset / [`REPLICA_PIECE`]).
+    /// Pieces arriving from node `from`.
     Arriving {
         from: u32,
-        arrived: Vec<bool>,
-        bytes: Vec<u8>,
+        pieces: Pieces,
     },
     Whole(Arc<[u8]>),
     /// The node asked does not hold it (or sent pieces that do not fit): why.
@@ -1251,42 +1302,28 @@ impl ReplicaStore {
             *entry = refused(format!("node {from}, which hosts it, does not hold it"));
             return;
         }
-        if total > MAX_REPLICA {
-            *entry = refused(format!("node {from} claims a payload of {total} bytes"));
-            return;
-        }
-        let pieces = (total as usize).div_ceil(REPLICA_PIECE).max(1);
         if let Fetched::Asked { .. } = entry {
             *entry = Fetched::Arriving {
                 from,
-                arrived: vec![false; pieces],
-                bytes: vec![0; total as usize],
+                pieces: Pieces::start(total, bytes::BytesMut::new()),
             };
         }
-        let Fetched::Arriving { arrived, bytes, .. } = entry else {
+        let Fetched::Arriving { pieces, .. } = entry else {
             return;
         };
-        let index = (offset as usize) / REPLICA_PIECE;
-        let end = offset.checked_add(data.len() as u64);
-        let fits = offset.is_multiple_of(REPLICA_PIECE as u64)
-            && arrived.len() == pieces
-            && bytes.len() as u64 == total
-            && end.is_some_and(|e| e <= total)
-            && (end == Some(total) || data.len() == REPLICA_PIECE);
-        if !fits {
+        if !pieces.put(offset, total, &data) {
             *entry = refused(format!(
                 "node {from} sent a piece at {offset}..+{} that does not fit {total} bytes",
                 data.len()
             ));
             return;
         }
-        bytes[offset as usize..][..data.len()].copy_from_slice(&data);
-        arrived[index] = true;
-        if arrived.iter().all(|&a| a) {
+        if pieces.whole() {
             use trellis_runtime::metrics::{names, Key, Metrics};
             let key = Key::new(names::REPLICA_FETCHED_BYTES).with("partition", key.peer);
             Metrics::global().add(key, total);
-            *entry = Fetched::Whole(Arc::from(std::mem::take(bytes)));
+            let bytes = std::mem::take(&mut pieces.bytes);
+            *entry = Fetched::Whole(Arc::from(&bytes[..]));
         }
     }
 
@@ -1426,38 +1463,18 @@ impl ReplicaStore {
         let key = (from, piece.part, piece.epoch);
         let (part, epoch) = (piece.part, piece.epoch);
         let mut assembling = self.assembling.lock().unwrap_or_else(|p| p.into_inner());
-        let step = REPLICA_PIECE as u64;
-        let count = piece.total.div_ceil(step).max(1);
-        let index = piece.offset / step;
-        let expected = piece.total.saturating_sub(piece.offset).min(step);
         let a = assembling.entry(key).or_insert_with(|| Assembly {
             digest: piece.digest.clone(),
-            total: piece.total,
-            arrived: vec![false; count.min(MAX_REPLICA / step) as usize],
-            bytes: self.recycled(part, epoch, u32::MAX),
+            pieces: Pieces::start(piece.total, self.recycled(part, epoch, u32::MAX)),
         });
-        let fits = a.digest == piece.digest
-            && a.total == piece.total
-            && piece.total <= MAX_REPLICA
-            && piece.offset.is_multiple_of(step)
-            && index < count
-            && piece.data.len() as u64 == expected
-            && a.arrived.get(index as usize) == Some(&false);
-        if !fits {
+        if a.digest != piece.digest || !a.pieces.put(piece.offset, piece.total, &piece.data) {
             assembling.remove(&key);
             return Err(format!(
                 "replica of partition {part} (step {epoch}) from node {from}: a piece at byte {} of {} does not fit the others",
                 piece.offset, piece.total
             ));
         }
-        // The buffer grows to the end of the furthest piece so far (at most `total`).
-        let (offset, end) = (piece.offset as usize, (piece.offset + expected) as usize);
-        if a.bytes.len() < end {
-            a.bytes.resize(end, 0);
-        }
-        a.bytes[offset..end].copy_from_slice(&piece.data);
-        a.arrived[index as usize] = true;
-        if a.arrived.iter().any(|&got| !got) {
+        if !a.pieces.whole() {
             // Older steps of the same partition from the same sender will not complete.
             assembling.retain(|k, _| !(k.0 == from && k.1 == part && k.2 + 1 < epoch));
             return Ok(None);
@@ -1467,7 +1484,7 @@ impl ReplicaStore {
         self.put_remote(ReplicaBytes {
             part,
             epoch,
-            bytes: a.bytes.freeze(),
+            bytes: a.pieces.bytes.freeze(),
             digest: a.digest,
         });
         Ok(Some((part, epoch)))
