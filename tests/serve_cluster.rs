@@ -403,6 +403,132 @@ enum Outcome {
     Failed,
 }
 
+/// Open-loop load on a serving cluster: a request for `queried` (with layer 0's embeddings,
+/// so the owning partitions answer) leaves every 10 ms whatever the answers do, in turn to
+/// each of `urls`. An answer is right when it equals one of `expected` (the probabilities of
+/// `queried` in one state of the graph) to 1e-5.
+struct Load {
+    stop: Arc<AtomicBool>,
+    sent: Arc<AtomicUsize>,
+    clock: std::thread::JoinHandle<()>,
+    workers: Vec<std::thread::JoinHandle<()>>,
+    seen: mpsc::Receiver<(Outcome, Duration)>,
+}
+
+impl Load {
+    fn start(urls: Vec<String>, queried: &[u32], expected: Arc<Vec<Vec<Vec<f64>>>>) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let sent = Arc::new(AtomicUsize::new(0));
+        let (tx, seen) = mpsc::channel::<(Outcome, Duration)>();
+        let (jobs_tx, jobs_rx) = mpsc::channel::<()>();
+        let jobs_rx = Arc::new(std::sync::Mutex::new(jobs_rx));
+        let workers = (0..6)
+            .map(|i| {
+                let url = urls[i % urls.len()].clone();
+                let (jobs, tx) = (jobs_rx.clone(), tx.clone());
+                let (queried, expected) = (queried.to_vec(), expected.clone());
+                std::thread::spawn(move || {
+                    let agent = agent();
+                    while jobs.lock().unwrap().recv().is_ok() {
+                        let t = Instant::now();
+                        let body = json!({ "nodes": queried, "embeddings": 0 }).to_string();
+                        let r = call(
+                            &agent,
+                            "POST",
+                            &format!("{url}/v1/predict"),
+                            body.as_bytes(),
+                        );
+                        let outcome = match r.status {
+                            200 => {
+                                let got: Vec<Vec<f64>> = r.body["predictions"]
+                                    .as_array()
+                                    .unwrap()
+                                    .iter()
+                                    .map(|p| {
+                                        p["probabilities"]
+                                            .as_array()
+                                            .unwrap()
+                                            .iter()
+                                            .map(|x| x.as_f64().unwrap())
+                                            .collect()
+                                    })
+                                    .collect();
+                                let close = expected.iter().any(|state| {
+                                    got.len() == state.len()
+                                        && got.iter().zip(state).all(|(a, b)| {
+                                            a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-5)
+                                        })
+                                });
+                                if close {
+                                    Outcome::Right
+                                } else {
+                                    Outcome::Wrong
+                                }
+                            }
+                            503 if r.retry_after.is_some() => Outcome::Shed,
+                            _ => {
+                                eprintln!("failed request to {url}: {} {}", r.status, r.text);
+                                Outcome::Failed
+                            }
+                        };
+                        let _ = tx.send((outcome, t.elapsed()));
+                    }
+                })
+            })
+            .collect();
+        let clock = {
+            let (stop, sent) = (stop.clone(), sent.clone());
+            std::thread::spawn(move || {
+                let t0 = Instant::now();
+                let mut k = 0u32;
+                while !stop.load(Ordering::SeqCst) {
+                    let _ = jobs_tx.send(());
+                    sent.fetch_add(1, Ordering::SeqCst);
+                    k += 1;
+                    let next = t0 + Duration::from_millis(10) * k;
+                    std::thread::sleep(next.saturating_duration_since(Instant::now()));
+                }
+            })
+        };
+        Load {
+            stop,
+            sent,
+            clock,
+            workers,
+            seen,
+        }
+    }
+
+    /// Stops the load and checks it: every request answered, none wrong or failed (a 503
+    /// with `Retry-After` is shed, not failed), none slower than 10 s, some right.
+    fn stop_and_check(self, what: &str, recovered: Duration) {
+        self.stop.store(true, Ordering::SeqCst);
+        self.clock.join().unwrap();
+        for w in self.workers {
+            w.join().unwrap();
+        }
+        let seen: Vec<(Outcome, Duration)> = self.seen.try_iter().collect();
+        let count = |o: Outcome| seen.iter().filter(|(x, _)| *x == o).count();
+        let slowest = seen.iter().map(|(_, d)| *d).max().unwrap_or_default();
+        let sent = self.sent.load(Ordering::SeqCst);
+        eprintln!(
+            "{what}: sent {sent}, answered {}, shed (503) {}, wrong {}, failed {}, slowest {slowest:?}, ready again {recovered:?} after the kill",
+            count(Outcome::Right),
+            count(Outcome::Shed),
+            count(Outcome::Wrong),
+            count(Outcome::Failed),
+        );
+        assert_eq!(seen.len(), sent, "every request answered");
+        assert_eq!(count(Outcome::Wrong), 0, "no wrong answer");
+        assert_eq!(count(Outcome::Failed), 0, "no failed request");
+        assert!(
+            slowest < Duration::from_secs(10),
+            "no hang: slowest {slowest:?}"
+        );
+        assert!(count(Outcome::Right) > 0);
+    }
+}
+
 #[test]
 fn a_node_killed_under_load_costs_no_wrong_answer_and_its_partitions_are_recovered() {
     let dir = cluster_dir(3);
@@ -440,79 +566,11 @@ fn a_node_killed_under_load_costs_no_wrong_answer_and_its_partitions_are_recover
     // Open-loop load: a request leaves every 10 ms whatever the answers do, through the
     // partitions (embeddings) so the lost node's partition is needed; half of them to the
     // engine node, half to node 1 (which forwards them).
-    let stop = Arc::new(AtomicBool::new(false));
-    let sent = Arc::new(AtomicUsize::new(0));
-    let (tx, rx) = mpsc::channel::<(Outcome, Duration)>();
-    let (jobs_tx, jobs_rx) = mpsc::channel::<()>();
-    let jobs_rx = Arc::new(std::sync::Mutex::new(jobs_rx));
-    let workers: Vec<_> = (0..6)
-        .map(|i| {
-            let url = if i % 2 == 0 { &c.url } else { &c.node_urls[0] };
-            let (jobs, tx, url) = (jobs_rx.clone(), tx.clone(), url.clone());
-            let (queried, expected) = (queried.clone(), expected.clone());
-            std::thread::spawn(move || {
-                let agent = agent();
-                while jobs.lock().unwrap().recv().is_ok() {
-                    let t = Instant::now();
-                    let body = json!({ "nodes": queried, "embeddings": 0 }).to_string();
-                    let r = call(
-                        &agent,
-                        "POST",
-                        &format!("{url}/v1/predict"),
-                        body.as_bytes(),
-                    );
-                    let outcome = match r.status {
-                        200 => {
-                            let got: Vec<Vec<f64>> = r.body["predictions"]
-                                .as_array()
-                                .unwrap()
-                                .iter()
-                                .map(|p| {
-                                    p["probabilities"]
-                                        .as_array()
-                                        .unwrap()
-                                        .iter()
-                                        .map(|x| x.as_f64().unwrap())
-                                        .collect()
-                                })
-                                .collect();
-                            let close = expected.iter().any(|state| {
-                                got.len() == state.len()
-                                    && got.iter().zip(state).all(|(a, b)| {
-                                        a.iter().zip(b).all(|(x, y)| (x - y).abs() <= 1e-5)
-                                    })
-                            });
-                            if close {
-                                Outcome::Right
-                            } else {
-                                Outcome::Wrong
-                            }
-                        }
-                        503 if r.retry_after.is_some() => Outcome::Shed,
-                        _ => {
-                            eprintln!("failed request: {} {}", r.status, r.text);
-                            Outcome::Failed
-                        }
-                    };
-                    let _ = tx.send((outcome, t.elapsed()));
-                }
-            })
-        })
-        .collect();
-    let clock = {
-        let (stop, sent) = (stop.clone(), sent.clone());
-        std::thread::spawn(move || {
-            let t0 = Instant::now();
-            let mut k = 0u32;
-            while !stop.load(Ordering::SeqCst) {
-                let _ = jobs_tx.send(());
-                sent.fetch_add(1, Ordering::SeqCst);
-                k += 1;
-                let next = t0 + Duration::from_millis(10) * k;
-                std::thread::sleep(next.saturating_duration_since(Instant::now()));
-            }
-        })
-    };
+    let load = Load::start(
+        vec![c.url.clone(), c.node_urls[0].clone()],
+        &queried,
+        expected,
+    );
     std::thread::sleep(Duration::from_millis(800));
     // SIGKILL node 2 (it serves partition 2).
     let mut killed = c.nodes.remove(1);
@@ -537,37 +595,7 @@ fn a_node_killed_under_load_costs_no_wrong_answer_and_its_partitions_are_recover
         std::thread::sleep(Duration::from_millis(50));
     };
     std::thread::sleep(Duration::from_millis(800));
-    stop.store(true, Ordering::SeqCst);
-    clock.join().unwrap();
-    for w in workers {
-        w.join().unwrap();
-    }
-    drop(tx);
-    let seen: Vec<(Outcome, Duration)> = rx.iter().collect();
-    let count = |o: Outcome| seen.iter().filter(|(x, _)| *x == o).count();
-    let slowest = seen.iter().map(|(_, d)| *d).max().unwrap_or_default();
-    eprintln!(
-        "node loss under load: sent {}, answered {}, shed (503) {}, wrong {}, failed {}, slowest {:?}, ready again {:?} after the kill",
-        sent.load(Ordering::SeqCst),
-        count(Outcome::Right),
-        count(Outcome::Shed),
-        count(Outcome::Wrong),
-        count(Outcome::Failed),
-        slowest,
-        recovered
-    );
-    assert_eq!(
-        seen.len(),
-        sent.load(Ordering::SeqCst),
-        "every request answered"
-    );
-    assert_eq!(count(Outcome::Wrong), 0, "no wrong answer");
-    assert_eq!(count(Outcome::Failed), 0, "no failed request");
-    assert!(
-        slowest < Duration::from_secs(10),
-        "no hang: slowest {slowest:?}"
-    );
-    assert!(count(Outcome::Right) > 0);
+    load.stop_and_check("node loss under load", recovered);
 
     // After recovery: every prediction (with the update made during the loss), and one
     // more update across the re-placed partition.
@@ -586,6 +614,107 @@ fn a_node_killed_under_load_costs_no_wrong_answer_and_its_partitions_are_recover
     assert_matches(&c.url, &logits, "after an update on the recovered cluster");
     assert_matches(&c.node_urls[0], &logits, "after an update, through node 1");
     drop(c);
+}
+
+#[test]
+fn the_engine_node_killed_under_load_is_succeeded_by_another_node_with_no_wrong_answer() {
+    let dir = cluster_dir(3);
+    let model = train(dir.path(), "m.safetensors", "0");
+    let Cluster {
+        _engine: mut engine,
+        nodes,
+        node_urls,
+        ..
+    } = start_cluster(
+        dir.path(),
+        3,
+        &model,
+        &["--partitions", "3", "--deadline-ms", "1500"],
+    );
+    // An update through node 2 before the loss: the successor serves the graph with it.
+    let ds: Dataset = DataSource::parse(DATA).unwrap().load().unwrap();
+    let mut edges = undirected_edges(&ds);
+    let r = post(&node_urls[1], "/v1/edges", &json!({ "add": [[7, 880]] }));
+    assert_eq!(r.status, 200, "{}", r.text);
+    edges.insert((7, 880));
+    let data = |name: &str, edges: &std::collections::BTreeSet<(u32, u32)>| {
+        let list: Vec<(u32, u32)> = edges.iter().copied().collect();
+        write_dataset(dir.path(), name, &ds.features, &list)
+    };
+    let before = predict(&model, s(&data("before", &edges)), dir.path());
+    let (version, _) = served(&node_urls[0], &[0], true);
+    let queried: Vec<u32> = vec![5, 7, 320, 640, 880, 899];
+    let expected = Arc::new(vec![queried
+        .iter()
+        .map(|&v| softmax(before.row(v as usize).as_slice().unwrap()))
+        .collect::<Vec<_>>()]);
+    // Open-loop load through the two other nodes (which forward to the engine node).
+    let load = Load::start(node_urls.clone(), &queried, expected);
+    std::thread::sleep(Duration::from_millis(800));
+    // SIGKILL the engine node (it serves partition 0, the published rows and the API).
+    engine.child.kill().unwrap();
+    engine.child.wait().unwrap();
+    let killed_at = Instant::now();
+    // Node 1, the lowest-numbered survivor, takes over; both survivors answer again.
+    let mut node1 = nodes.into_iter();
+    let (n1, n2) = (node1.next().unwrap(), node1.next().unwrap());
+    let line = loop {
+        let left = Duration::from_secs(60).saturating_sub(killed_at.elapsed());
+        let line = n1
+            .lines
+            .recv_timeout(left)
+            .expect("node 1 said it took over within 60 s");
+        if line.contains("took over") {
+            break line;
+        }
+    };
+    assert!(line.contains("from node 0"), "{line}");
+    let recovered = loop {
+        let ready = node_urls.iter().all(|u| {
+            let r = call(&agent(), "GET", &format!("{u}/readyz"), b"");
+            r.status == 200
+        });
+        if ready {
+            break killed_at.elapsed();
+        }
+        assert!(
+            killed_at.elapsed() < Duration::from_secs(60),
+            "the survivors were not ready 60 s after the kill"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    std::thread::sleep(Duration::from_millis(800));
+    load.stop_and_check("engine node loss under load", recovered);
+
+    // The successor serves the same model version and every prediction, through both
+    // survivors, and takes updates and a model swap as the engine node did.
+    let (v, _) = served(&node_urls[1], &[0], true);
+    assert_eq!(v, version, "the model version survives the take-over");
+    for u in &node_urls {
+        assert_matches(u, &before, "after the take-over");
+    }
+    let r = post(&node_urls[1], "/v1/edges", &json!({ "add": [[300, 700]] }));
+    assert_eq!(r.status, 200, "{}", r.text);
+    edges.insert((300, 700));
+    let updated = data("after", &edges);
+    let logits = predict(&model, s(&updated), dir.path());
+    for u in &node_urls {
+        assert_matches(u, &logits, "after an update on the successor");
+    }
+    let newer = train(dir.path(), "newer.safetensors", "1");
+    let bytes = std::fs::read(&newer).unwrap();
+    let r = call(
+        &agent(),
+        "PUT",
+        &format!("{}/v1/model", node_urls[0]),
+        &bytes,
+    );
+    assert_eq!(r.status, 200, "{}", r.text);
+    let logits = predict(&newer, s(&updated), dir.path());
+    for u in &node_urls {
+        assert_matches(u, &logits, "after a swap on the successor");
+    }
+    drop((n1, n2));
 }
 
 #[test]

@@ -11,12 +11,12 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
-use trellis_actors::cluster::serving::node::run_serve_node;
+use trellis_actors::cluster::serving::node::{run_serve_node, ServeNodeEnd};
 use trellis_actors::cluster::serving::ClusterServing;
 use trellis_actors::cluster::ClusterFile;
 use trellis_actors::faults::FaultPlan;
 use trellis_actors::priority::CpuSet;
-use trellis_actors::serving::engine::{self, EngineConfig};
+use trellis_actors::serving::engine::{self, EngineConfig, EngineHandle};
 use trellis_actors::serving::scheduler::SchedulerConfig;
 use trellis_runtime::inference::NodeGraph;
 use trellis_runtime::model_file;
@@ -38,7 +38,9 @@ pub struct ServeArgs {
     pub partitions: Option<usize>,
     /// Serve on the cluster of this cluster file (TOML, as `trellis node`): its coordinator
     /// runs the engine (with --model and --data); every other node is started with
-    /// `--cluster FILE --id N` and hosts the partitions placed on it.
+    /// `--cluster FILE --id N` and hosts the partitions placed on it. Should the engine
+    /// node be lost, the lowest-numbered surviving node takes over as the engine node, with
+    /// its own serving options (start every node with the same ones).
     #[arg(long)]
     pub cluster: Option<PathBuf>,
     /// This node's id in the cluster file (default: its coordinator, the engine node).
@@ -149,11 +151,15 @@ fn serve_node(a: &ServeArgs, cluster: &ClusterFile, id: u32) -> Result<()> {
         cpus: a.http_cpus,
     };
     let listen = a.listen;
-    run_serve_node(
+    // Should the engine node be lost and this node succeed it, its engine runs with this
+    // node's serving options.
+    let takeover = engine_config(a, 1, Arc::default());
+    let end = run_serve_node(
         cluster,
         id,
         a.addr_file.as_deref(),
         a.threads,
+        takeover,
         |parts, uplink| {
             eprintln!("node {id} serves partitions {parts:?}");
             let Some(listen) = listen else {
@@ -181,8 +187,54 @@ fn serve_node(a: &ServeArgs, cluster: &ClusterFile, id: u32) -> Result<()> {
         },
     )
     .with_context(|| format!("serving node {id}"))?;
-    println!("node {id} done");
-    Ok(())
+    match end {
+        ServeNodeEnd::Finished => {
+            println!("node {id} done");
+            Ok(())
+        }
+        ServeNodeEnd::Engine {
+            handle,
+            uplink,
+            succession,
+        } => {
+            println!(
+                "node {id} took over as the engine node from node {}",
+                succession.lost
+            );
+            let _ = std::io::stdout().flush();
+            // The API is served on a loopback port of its own; this node's --listen front
+            // end (which has forwarded to the lost engine node) now forwards to it, so its
+            // clients keep their address.
+            let internal: SocketAddr = "127.0.0.1:0".parse().expect("a valid address");
+            let within = Duration::from_millis(a.step_timeout_ms.max(1));
+            serve_api(handle, a, internal, true, move |addr| {
+                match engine_forwarder(addr, within) {
+                    Ok(f) => uplink.serve_locally(f),
+                    Err(e) => {
+                        eprintln!("warning: this node's front end cannot reach its engine: {e}")
+                    }
+                }
+                eprintln!("node {id} answers as the engine node on http://{addr}");
+            })
+        }
+    }
+}
+
+/// The engine's settings from the serving options.
+fn engine_config(a: &ServeArgs, parts: usize, faults: Arc<FaultPlan>) -> EngineConfig {
+    EngineConfig {
+        scheduler: SchedulerConfig {
+            slo: Duration::from_millis(a.slo_ms.max(1)),
+            max_batch: a.max_batch.max(1),
+            max_queue: a.max_queue.max(a.max_batch),
+            quota_rps: a.quota_rps,
+        },
+        parts,
+        threads: a.threads,
+        faults,
+        step_timeout: Duration::from_millis(a.step_timeout_ms.max(1)),
+        priority: None,
+    }
 }
 
 fn serve_engine(a: &ServeArgs, cluster: Option<(ClusterFile, u32)>) -> Result<()> {
@@ -218,19 +270,7 @@ fn serve_engine(a: &ServeArgs, cluster: Option<(ClusterFile, u32)>) -> Result<()
     };
     let version = saved.version();
     let t = std::time::Instant::now();
-    let cfg = EngineConfig {
-        scheduler: SchedulerConfig {
-            slo: Duration::from_millis(a.slo_ms.max(1)),
-            max_batch: a.max_batch.max(1),
-            max_queue: a.max_queue.max(a.max_batch),
-            quota_rps: a.quota_rps,
-        },
-        parts,
-        threads: a.threads,
-        faults,
-        step_timeout: Duration::from_millis(a.step_timeout_ms.max(1)),
-        priority: None,
-    };
+    let cfg = engine_config(a, parts, faults);
     let (graph, features) = (NodeGraph::from_graph(&graph), ds.features);
     let on_cluster = cluster.is_some();
     let handle = match cluster {
@@ -251,6 +291,21 @@ fn serve_engine(a: &ServeArgs, cluster: Option<(ClusterFile, u32)>) -> Result<()
         t.elapsed().as_secs_f64() * 1e3,
         if parts == 1 { "" } else { "s" }
     );
+    serve_api(handle, a, listen, on_cluster, |addr| {
+        println!("listening on http://{addr}");
+        let _ = std::io::stdout().flush();
+    })
+}
+
+/// Serves the HTTP API of `handle` on `listen` until the process is stopped; on a cluster
+/// it also answers the requests other nodes forward. `on_bound` gets the bound address.
+fn serve_api(
+    handle: EngineHandle,
+    a: &ServeArgs,
+    listen: SocketAddr,
+    on_cluster: bool,
+    on_bound: impl FnOnce(SocketAddr),
+) -> Result<()> {
     let cfg = HttpConfig {
         limits: Limits {
             max_batch: a.max_batch.max(1),
@@ -259,8 +314,8 @@ fn serve_engine(a: &ServeArgs, cluster: Option<(ClusterFile, u32)>) -> Result<()
         },
         deadline: Duration::from_millis(a.deadline_ms.max(1)),
         client_timeout: Duration::from_millis(a.client_timeout_ms.max(1)),
-        features: ds.num_features,
-        classes: ds.num_classes,
+        features: handle.features,
+        classes: handle.classes,
         workers: a.http_workers,
         cpus: a.http_cpus,
     };
@@ -278,8 +333,7 @@ fn serve_engine(a: &ServeArgs, cluster: Option<(ClusterFile, u32)>) -> Result<()
                 }
             }
         }
-        println!("listening on http://{addr}");
-        let _ = std::io::stdout().flush();
+        on_bound(addr);
     })
     .with_context(|| format!("cannot serve on {listen}"))?;
     Ok(())

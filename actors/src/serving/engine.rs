@@ -196,6 +196,10 @@ pub struct EngineHandle {
     pub faults: Arc<FaultPlan>,
     /// On a cluster: how the HTTP front end answers requests other nodes forward.
     pub http_forward: Arc<ForwardSlot>,
+    /// The width of a node's raw features (a new node's `features`).
+    pub features: usize,
+    /// Classes of the served model.
+    pub classes: usize,
 }
 
 impl EngineHandle {
@@ -461,40 +465,11 @@ fn start_engine(
     cluster: Option<ClusterServing>,
 ) -> Result<EngineHandle, ServeError> {
     let version = saved.version();
-    let model = saved.model;
     let normalize = saved.meta.normalize_features;
-    let in_dim = model.config().in_dim;
-    let classes = model.config().out_dim;
-    let split: Vec<bool> = (0..model.num_layers())
-        .map(|l| model.reads_transformed_only(l))
-        .collect();
-    let incremental: Vec<bool> = (0..model.num_layers())
-        .map(|l| model.takes_increments(l))
-        .collect();
-    let last_bias = last_bias(&model)?;
+    let model = saved.model;
     let values = Arc::new(ModelValues::of(&model, normalize)?);
-    let mut features = prepare_features(raw_features, in_dim, normalize)?;
+    let mut features = prepare_features(raw_features, model.config().in_dim, normalize)?;
     features.reserve_rows(super::spare_rows(features.len()));
-    let parts = cfg.parts.max(1);
-    if owner.len() != graph.num_nodes() || owner.iter().any(|&o| o as usize >= parts) {
-        return Err(ServeError::BadRequest(format!(
-            "the ownership table does not fit {} nodes on {parts} partitions",
-            graph.num_nodes()
-        )));
-    }
-    let mut part_sizes = vec![0usize; parts];
-    for &o in &owner {
-        part_sizes[o as usize] += 1;
-    }
-    let stats = Arc::new(EngineStats::default());
-    *stats.version.lock().expect("stats lock") = version.clone();
-    stats.nodes.store(graph.num_nodes(), Ordering::Relaxed);
-    let n = graph.num_nodes();
-    let published = Arc::new(Published::new(
-        version.clone(),
-        last_rows(Rows::zeros(n, classes), last_bias.as_ref()),
-        &graph,
-    ));
     let store = Arc::new(ServeStore {
         sparse_input: LayerInput::would_be_sparse(&features.data),
         served: RwLock::new(Served {
@@ -504,6 +479,105 @@ fn start_engine(
         }),
         model: RwLock::new(values),
     });
+    launch_engine(
+        model,
+        version,
+        store,
+        cfg,
+        cluster.map(|c| (c, EngineEndpoint::Bind)),
+    )
+}
+
+/// Where the engine of a cluster gets its QUIC endpoint.
+enum EngineEndpoint {
+    /// Binds the cluster file's address of its node.
+    Bind,
+    /// This process's endpoint, already bound and joined (a node taking over as the
+    /// engine node).
+    Bound(NodeEndpoint, ControlInbox),
+}
+
+/// A serving node becomes the engine node of what remains of its cluster after the engine
+/// node was lost (`cluster`: the survivors, this node their coordinator, the placement
+/// explicit): the engine starts from this node's copy of the served inputs and model
+/// (`store`), on this node's endpoint, sends every other survivor its setup and the inputs,
+/// and computes every layer again before it answers.
+pub fn take_over(
+    store: Arc<ServeStore>,
+    cfg: EngineConfig,
+    cluster: ClusterServing,
+    endpoint: NodeEndpoint,
+    inbox: ControlInbox,
+) -> Result<EngineHandle, ServeError> {
+    let values = store
+        .model
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .clone();
+    let model = trellis_runtime::Model::with_values(values.config.clone(), values.values.clone())?;
+    // The version a model file of these weights names (`SavedModel::version`), so answers
+    // name the same version after the take-over as before it.
+    let stream = trellis_gpu::Stream::cpu(1).map_err(trellis_runtime::RuntimeError::from)?;
+    let version: String = model.weights_digest(&stream)?.chars().take(12).collect();
+    {
+        let mut served = store.served.write().unwrap_or_else(|e| e.into_inner());
+        let spare = super::spare_rows(served.features.len());
+        served.features.reserve_rows(spare);
+    }
+    launch_engine(
+        model,
+        version,
+        store,
+        cfg,
+        Some((cluster, EngineEndpoint::Bound(endpoint, inbox))),
+    )
+}
+
+fn launch_engine(
+    model: trellis_runtime::Model,
+    version: String,
+    store: Arc<ServeStore>,
+    cfg: EngineConfig,
+    cluster: Option<(ClusterServing, EngineEndpoint)>,
+) -> Result<EngineHandle, ServeError> {
+    let normalize = store
+        .model
+        .read()
+        .unwrap_or_else(|e| e.into_inner())
+        .normalize;
+    let (in_dim, classes) = (model.config().in_dim, model.config().out_dim);
+    let split: Vec<bool> = (0..model.num_layers())
+        .map(|l| model.reads_transformed_only(l))
+        .collect();
+    let incremental: Vec<bool> = (0..model.num_layers())
+        .map(|l| model.takes_increments(l))
+        .collect();
+    let last_bias = last_bias(&model)?;
+    let parts = cfg.parts.max(1);
+    let (n, part_sizes, published) = {
+        let served = store.served.read().unwrap_or_else(|e| e.into_inner());
+        let (graph, owner) = (&served.graph, &served.owner);
+        if owner.len() != graph.num_nodes() || owner.iter().any(|&o| o as usize >= parts) {
+            return Err(ServeError::BadRequest(format!(
+                "the ownership table does not fit {} nodes on {parts} partitions",
+                graph.num_nodes()
+            )));
+        }
+        let mut part_sizes = vec![0usize; parts];
+        for &o in owner {
+            part_sizes[o as usize] += 1;
+        }
+        let n = graph.num_nodes();
+        let published = Arc::new(Published::new(
+            version.clone(),
+            last_rows(Rows::zeros(n, classes), last_bias.as_ref()),
+            graph,
+        ));
+        (n, part_sizes, published)
+    };
+    let stats = Arc::new(EngineStats::default());
+    *stats.version.lock().expect("stats lock") = version.clone();
+    stats.nodes.store(n, Ordering::Relaxed);
     // Quotas are charged where a query arrives (the front end), for both paths.
     let quotas = Arc::new(Mutex::new(Quotas::new(cfg.scheduler.quota_rps)));
     let scheduler = Scheduler::new(SchedulerConfig {
@@ -554,15 +628,18 @@ fn start_engine(
         .spawn(move || {
             // The QUIC endpoint is bound (and dropped) outside the actix system: its
             // runtime must not be entered from another one.
-            let (ep, inbox) = match &cluster {
-                Some(c) => match NodeEndpoint::bind(&c.cluster, c.id, c.addr_file.as_deref()) {
-                    Ok((ep, inbox)) => (Some(ep), Some(inbox)),
-                    Err(e) => {
-                        let _ = ready_tx.send(Err(actor_err(e)));
-                        return;
+            let (cluster, ep, inbox) = match cluster {
+                Some((c, EngineEndpoint::Bind)) => {
+                    match NodeEndpoint::bind(&c.cluster, c.id, c.addr_file.as_deref()) {
+                        Ok((ep, inbox)) => (Some(c), Some(ep), Some(inbox)),
+                        Err(e) => {
+                            let _ = ready_tx.send(Err(actor_err(e)));
+                            return;
+                        }
                     }
-                },
-                None => (None, None),
+                }
+                Some((c, EngineEndpoint::Bound(ep, inbox))) => (Some(c), Some(ep), Some(inbox)),
+                None => (None, None, None),
             };
             let sys = actix::System::new();
             let on = ep.as_ref().zip(inbox).zip(cluster);
@@ -594,6 +671,8 @@ fn start_engine(
         quotas,
         faults: plan,
         http_forward,
+        features: in_dim,
+        classes,
     })
 }
 
@@ -1100,15 +1179,24 @@ impl Engine {
         let Some(c) = &mut self.cluster else {
             return Vec::new();
         };
-        let lost = c.link.take_lost();
+        // Only this service's nodes: a loss reported again for an engine node this one took
+        // over from is not one.
+        let lost: Vec<u32> = c
+            .link
+            .take_lost()
+            .into_iter()
+            .filter(|n| c.workers.contains(n) && !c.lost.contains(n))
+            .collect();
         if lost.is_empty() {
             return Vec::new();
         }
-        self.stats.ready.store(false, Ordering::SeqCst);
         c.lost.extend(&lost);
         let moved: Vec<u32> = (0..self.parts as u32)
             .filter(|&p| lost.contains(&c.placement[p as usize]))
             .collect();
+        if !moved.is_empty() {
+            self.stats.ready.store(false, Ordering::SeqCst);
+        }
         let Some(node) = self.node.as_mut() else {
             return Vec::new();
         };

@@ -3,13 +3,20 @@
 //! [`ServeStore`] copied here, so a partition that panics is restored on this node), starts
 //! a [`ServeActor`] per hosted partition on the QUIC
 //! transport (halo blocks go straight to the partitions of other nodes), and answers the
-//! engine's steps, deltas, lookups and model swaps until `Finish` or the engine's loss.
+//! engine's steps, deltas, lookups and model swaps until `Finish`. When the engine node is
+//! lost, the survivors agree on its successor ([`succession`](super::succession)): that
+//! node starts the engine from its own copy of the served inputs ([`take_over`]), the
+//! others join it as they joined the first and are set up again.
 use super::proto::{
     HttpAnswerWire, HttpRequestWire, ServeMsg, ServeReply, ServeRequest, ServeSetup, ServeWireError,
 };
+use super::remote::{ForwardSlot, HttpForward};
+use super::succession::{self, Succession};
+use super::ClusterServing;
 use crate::cluster::config::ClusterFile;
 use crate::cluster::node::{reroute, ControlInbox, InboxEvent, NodeEndpoint};
 use crate::cluster::proto::ControlMsg;
+use crate::serving::engine::{take_over, EngineConfig, EngineHandle};
 use crate::serving::part::{DeltaOp, ModelValues};
 use crate::serving::shell::{
     Abort, Delta, DropStaged, Install, Lookup, ServeActor, ServeNode, ServeStore, Stage, Step,
@@ -18,7 +25,7 @@ use crate::ActorError;
 use actix::Addr;
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
@@ -26,10 +33,13 @@ use trellis_transport::quic::QuicTransport;
 use trellis_transport::TraceContext;
 
 /// This node's way to the engine node's HTTP front end: requests its own HTTP front end
-/// received go over QUIC, and their answers come back.
+/// received go over QUIC, and their answers come back. After a take-over it leads to the
+/// new engine node (on the node that took over: to its own engine's front end).
 pub struct HttpUplink {
     transport: Arc<QuicTransport>,
-    engine: u32,
+    engine: AtomicU32,
+    /// Set on the node that took over: its engine's front end, reached in this process.
+    local: ForwardSlot,
     waiting: Mutex<HashMap<u64, oneshot::Sender<HttpAnswerWire>>>,
     next_id: AtomicU64,
     /// Why the engine node is unreachable, once it is.
@@ -44,7 +54,15 @@ impl HttpUplink {
         req: HttpRequestWire,
         within: Duration,
     ) -> Result<HttpAnswerWire, String> {
-        let engine = self.engine;
+        if let Some(local) = self.local.get() {
+            return tokio::time::timeout(within, local(req)).await.map_err(|_| {
+                format!(
+                    "no answer from this node's engine within {} ms",
+                    within.as_millis()
+                )
+            });
+        }
+        let engine = self.engine.load(Ordering::SeqCst);
         if let Some(why) = self.lost.lock().unwrap_or_else(|e| e.into_inner()).clone() {
             return Err(format!("the engine node {engine} is unreachable: {why}"));
         }
@@ -82,9 +100,20 @@ impl HttpUplink {
         let msg = ServeMsg::Http {
             addr: addr.to_string(),
         };
-        if let Err(e) = tell(&self.transport, self.engine, &msg) {
+        if let Err(e) = tell(&self.transport, self.engine.load(Ordering::SeqCst), &msg) {
             tracing::warn!("{e}");
         }
+    }
+
+    /// This node took over as the engine node: requests go to its engine's front end.
+    pub fn serve_locally(&self, front_end: HttpForward) {
+        self.local.set(front_end);
+    }
+
+    /// The node joined `engine`, the engine node after a take-over.
+    fn rejoined(&self, engine: u32) {
+        self.engine.store(engine, Ordering::SeqCst);
+        *self.lost.lock().unwrap_or_else(|e| e.into_inner()) = None;
     }
 
     fn deliver(&self, id: u64, answer: HttpAnswerWire) {
@@ -107,31 +136,98 @@ impl HttpUplink {
     }
 }
 
-/// Runs serving node `id` of `cluster` until the engine node stops the service (`Ok`) or
-/// is lost (an error naming it). `on_ready` runs once its partitions are serving, with
-/// this node's way to the engine node's HTTP front end.
+/// How a serving node's part in the service ended.
+pub enum ServeNodeEnd {
+    /// The engine node stopped the service.
+    Finished,
+    /// The engine node was lost and this node took over: its engine runs (every layer
+    /// computed, the survivors set up); the caller serves the HTTP API from `handle` and
+    /// plugs its front end into `uplink`, the way this node's own front end has forwarded.
+    Engine {
+        handle: EngineHandle,
+        uplink: Arc<HttpUplink>,
+        succession: Succession,
+    },
+}
+
+/// Runs serving node `id` of `cluster` until the engine node stops the service
+/// ([`ServeNodeEnd::Finished`]) or this node takes over as the engine node after its loss
+/// ([`ServeNodeEnd::Engine`], with `engine`'s settings); an error when it cannot go on (no
+/// setup, a failed setup, or the engine node lost with no successor). `on_ready` runs once
+/// its partitions first serve, with this node's way to the engine node's HTTP front end.
 pub fn run_serve_node(
     cluster: &ClusterFile,
     id: u32,
     addr_file: Option<&Path>,
     threads: usize,
+    engine: EngineConfig,
     on_ready: impl FnOnce(&[u32], Arc<HttpUplink>),
-) -> Result<(), ActorError> {
+) -> Result<ServeNodeEnd, ActorError> {
     let coord = cluster.coordinator;
     if id == coord {
         return Err(ActorError::Cluster(format!(
             "node {id} is the engine node; start it with --model and --data"
         )));
     }
-    let (endpoint, inbox) = NodeEndpoint::bind(cluster, id, addr_file)?;
+    let (endpoint, mut inbox) = NodeEndpoint::bind(cluster, id, addr_file)?;
     endpoint
         .transport
         .add_peer(coord, cluster.node(coord)?.addr);
     let sys = actix::System::new();
-    let result = sys.block_on(serve(cluster, &endpoint, inbox, threads, on_ready));
+    let result = sys.block_on(serve(cluster, &endpoint, &mut inbox, threads, on_ready));
     drop(sys);
-    drop(endpoint);
-    result
+    match result? {
+        Served::Finished => Ok(ServeNodeEnd::Finished),
+        Served::TakeOver {
+            store,
+            succession,
+            uplink,
+        } => {
+            let serving = ClusterServing {
+                cluster: succession.cluster(cluster),
+                id,
+                addr_file: None,
+            };
+            let cfg = EngineConfig {
+                parts: succession.placement.len(),
+                ..engine
+            };
+            let t = std::time::Instant::now();
+            let handle = take_over(store, cfg, serving, endpoint, inbox).map_err(|e| {
+                ActorError::Cluster(format!(
+                    "node {id} could not take over as the engine node: {e}"
+                ))
+            })?;
+            crate::cluster::say(&format!(
+                "serving: node {id} took over as the engine node (partitions on nodes {:?}, every layer computed in {:.0} ms)",
+                succession.placement,
+                t.elapsed().as_secs_f64() * 1e3
+            ));
+            Ok(ServeNodeEnd::Engine {
+                handle,
+                uplink,
+                succession,
+            })
+        }
+    }
+}
+
+/// How [`serve`] ended.
+enum Served {
+    Finished,
+    /// The engine node was lost and this node is its successor.
+    TakeOver {
+        store: Arc<ServeStore>,
+        succession: Succession,
+        uplink: Arc<HttpUplink>,
+    },
+}
+
+/// How [`answer_requests`] ended.
+enum Answered {
+    Finished,
+    /// The engine node is lost (why).
+    EngineLost(String),
 }
 
 fn wire(e: ServeWireError) -> ActorError {
@@ -201,83 +297,135 @@ struct Hosted {
     generation: u64,
     /// The model being staged (installed into the store with the tables).
     staged: Option<Arc<ModelValues>>,
+    /// Every node of the setup (the engine node among them).
+    peers: Vec<u32>,
+    /// `placement[p]`: the node serving partition `p`, as last rerouted.
+    placement: Vec<u32>,
+    /// Nodes the engine node declared lost.
+    fenced: Vec<u32>,
 }
 
 async fn serve(
     cluster: &ClusterFile,
     ep: &NodeEndpoint,
-    mut inbox: ControlInbox,
+    inbox: &mut ControlInbox,
     threads: usize,
     on_ready: impl FnOnce(&[u32], Arc<HttpUplink>),
-) -> Result<(), ActorError> {
-    let coord = cluster.coordinator;
+) -> Result<Served, ActorError> {
+    let mut coord = cluster.coordinator;
     let t = ep.transport.clone();
-    let join_until = Instant::now() + Duration::from_millis(cluster.join_timeout_ms);
-    let join = ServeMsg::Join {
-        addr: ep.addr().to_string(),
-    };
-    tell(&t, coord, &join)?;
-    let setup = loop {
-        let retry = (Instant::now() + Duration::from_secs(1)).min(join_until);
-        match next_from(&mut inbox, coord, retry, "joining").await {
-            Ok(Some(ServeMsg::Setup(s))) => break s,
-            Ok(Some(other)) => tracing::warn!("ignored {other:?} before the setup"),
-            Ok(None) | Err(ActorError::Node { .. }) if Instant::now() < join_until => {
-                // Not up yet (or it restarted): try again with a fresh connection.
-                if !t.node().connected_peers().contains(&coord) {
-                    t.node().reset_peer(coord);
-                    tell(&t, coord, &join)?;
-                }
-            }
-            Ok(None) => {
-                return Err(ActorError::Node {
-                    node: coord,
-                    detail: format!(
-                        "no serving setup from the engine node within {} ms",
-                        cluster.join_timeout_ms
-                    ),
-                })
-            }
-            Err(e) => return Err(e),
-        }
-    };
-    let mut hosted = match host(ep, &mut inbox, coord, &setup, threads).await {
-        Ok(h) => h,
-        Err(e) => {
-            let _ = tell(
-                &t,
-                coord,
-                &ServeMsg::SetupFailed {
-                    error: e.to_string(),
-                },
-            );
-            ep.flush(Duration::from_secs(2)).await;
-            return Err(e);
-        }
-    };
-    let mut parts: Vec<u32> = hosted.addrs.keys().copied().collect();
-    parts.sort_unstable();
-    tell(
-        &t,
-        coord,
-        &ServeMsg::Ready {
-            parts: parts.clone(),
-        },
-    )?;
+    let mut on_ready = Some(on_ready);
     let uplink = Arc::new(HttpUplink {
         transport: t.clone(),
-        engine: coord,
+        engine: AtomicU32::new(coord),
+        local: ForwardSlot::default(),
         waiting: Mutex::new(HashMap::new()),
         next_id: AtomicU64::new(1),
         lost: Mutex::new(None),
     });
-    on_ready(&parts, uplink.clone());
-    let result = answer_requests(ep, &mut inbox, coord, &mut hosted, &uplink).await;
-    if let Err(e) = &result {
-        uplink.engine_lost(&e.to_string());
+    // After a take-over the new engine node may have dropped this node's first `Join`
+    // while it still answered the old engine: it is sent again every second.
+    let mut rejoin = false;
+    loop {
+        let join_until = Instant::now() + Duration::from_millis(cluster.join_timeout_ms);
+        let join = ServeMsg::Join {
+            addr: ep.addr().to_string(),
+        };
+        tell(&t, coord, &join)?;
+        let setup = loop {
+            let retry = (Instant::now() + Duration::from_secs(1)).min(join_until);
+            match next_from(inbox, coord, retry, "joining").await {
+                Ok(Some(ServeMsg::Setup(s))) => break s,
+                Ok(Some(other)) => tracing::warn!("ignored {other:?} before the setup"),
+                Ok(None) | Err(ActorError::Node { .. }) if Instant::now() < join_until => {
+                    // Not up yet (or it restarted): try again with a fresh connection.
+                    if !t.node().connected_peers().contains(&coord) {
+                        t.node().reset_peer(coord);
+                        tell(&t, coord, &join)?;
+                    } else if rejoin {
+                        tell(&t, coord, &join)?;
+                    }
+                }
+                Ok(None) => {
+                    return Err(ActorError::Node {
+                        node: coord,
+                        detail: format!(
+                            "no serving setup from the engine node within {} ms",
+                            cluster.join_timeout_ms
+                        ),
+                    })
+                }
+                Err(e) => return Err(e),
+            }
+        };
+        let mut hosted = match host(ep, inbox, coord, &setup, threads).await {
+            Ok(h) => h,
+            Err(e) => {
+                let _ = tell(
+                    &t,
+                    coord,
+                    &ServeMsg::SetupFailed {
+                        error: e.to_string(),
+                    },
+                );
+                ep.flush(Duration::from_secs(2)).await;
+                return Err(e);
+            }
+        };
+        let mut parts: Vec<u32> = hosted.addrs.keys().copied().collect();
+        parts.sort_unstable();
+        tell(
+            &t,
+            coord,
+            &ServeMsg::Ready {
+                parts: parts.clone(),
+            },
+        )?;
+        uplink.rejoined(coord);
+        if let Some(on_ready) = on_ready.take() {
+            on_ready(&parts, uplink.clone());
+        } else {
+            crate::cluster::say(&format!(
+                "serving: node {} serves partitions {parts:?} for the engine node {coord}",
+                ep.id
+            ));
+        }
+        let answered = answer_requests(ep, inbox, coord, &mut hosted, &uplink).await;
+        hosted.node.shutdown();
+        let why = match answered {
+            Ok(Answered::Finished) => return Ok(Served::Finished),
+            Ok(Answered::EngineLost(why)) => why,
+            Err(e) => {
+                uplink.engine_lost(&e.to_string());
+                return Err(e);
+            }
+        };
+        uplink.engine_lost(&why);
+        t.fence(coord);
+        let Some(next) =
+            succession::after_loss(&hosted.peers, coord, &hosted.fenced, &hosted.placement)
+        else {
+            return Err(ActorError::Node {
+                node: coord,
+                detail: format!(
+                    "the engine node was lost ({why}) and no node is left to take over"
+                ),
+            });
+        };
+        crate::cluster::say(&format!(
+            "serving: the engine node {coord} was lost ({why}); node {} takes over",
+            next.engine
+        ));
+        if next.engine == ep.id {
+            return Ok(Served::TakeOver {
+                store: hosted.store.clone(),
+                succession: next,
+                uplink,
+            });
+        }
+        coord = next.engine;
+        rejoin = true;
     }
-    hosted.node.shutdown();
-    result
 }
 
 /// Receives the served inputs and starts the hosted partitions' actors.
@@ -366,23 +514,30 @@ async fn host(
         .copied()
         .zip(node.addrs().iter().cloned())
         .collect();
+    let mut peers: Vec<u32> = setup.peers.iter().map(|p| p.node).collect();
+    peers.push(coord);
+    peers.sort_unstable();
+    peers.dedup();
     Ok(Hosted {
         node,
         addrs,
         store,
         generation: 0,
         staged: None,
+        peers,
+        placement: setup.placement.clone(),
+        fenced: Vec::new(),
     })
 }
 
-/// Answers the engine node until it says `Finish` (or is lost).
+/// Answers the engine node until it says `Finish` or is lost.
 async fn answer_requests(
     ep: &NodeEndpoint,
     inbox: &mut ControlInbox,
     coord: u32,
     h: &mut Hosted,
     uplink: &HttpUplink,
-) -> Result<(), ActorError> {
+) -> Result<Answered, ActorError> {
     let t = ep.transport.clone();
     loop {
         let msg = match inbox.next_event(Some(coord), None).await? {
@@ -400,12 +555,7 @@ async fn answer_requests(
                 tracing::warn!(peer = from, "ignored {msg:?} from node {from}");
                 continue;
             }
-            InboxEvent::PeerDown { node, detail } => {
-                return Err(ActorError::Node {
-                    node,
-                    detail: format!("the engine node was lost: {detail}"),
-                })
-            }
+            InboxEvent::PeerDown { detail, .. } => return Ok(Answered::EngineLost(detail)),
             InboxEvent::Timeout => continue,
         };
         match msg {
@@ -426,7 +576,9 @@ async fn answer_requests(
                         message: format!("partition {part} is not served on node {}", ep.id),
                     },
                 };
-                tell(&t, coord, &ServeMsg::Reply { id, body })?;
+                if let Err(e) = tell(&t, coord, &ServeMsg::Reply { id, body }) {
+                    return Ok(Answered::EngineLost(e.to_string()));
+                }
             }
             ServeMsg::Abort { part, seq } => {
                 if let Some(a) = h.addrs.get(&part) {
@@ -439,15 +591,19 @@ async fn answer_requests(
                 }
             }
             ServeMsg::Reroute { placement, fenced } => {
-                for n in fenced {
+                for &n in &fenced {
                     t.fence(n);
                 }
                 reroute(&t, &placement, ep.id);
+                h.fenced.extend(fenced);
+                h.fenced.sort_unstable();
+                h.fenced.dedup();
+                h.placement = placement;
             }
             ServeMsg::HttpReply { id, answer } => uplink.deliver(id, answer),
             ServeMsg::Finish => {
                 ep.flush(Duration::from_secs(2)).await;
-                return Ok(());
+                return Ok(Answered::Finished);
             }
             other => tracing::warn!("ignored {other:?} from the engine node"),
         }

@@ -40,7 +40,7 @@ impl ForwardSlot {
         *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(f);
     }
 
-    fn get(&self) -> Option<HttpForward> {
+    pub(crate) fn get(&self) -> Option<HttpForward> {
         self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 }

@@ -1,0 +1,106 @@
+//! Who runs the engine of a serving cluster after its engine node is lost, and on which
+//! nodes the partitions then run. Pure: every serving node computes the same answer from
+//! what it was told (the setup's peers, the reroutes' placement and fenced nodes), so the
+//! survivors agree on the new engine node without a vote.
+//!
+//! The rule: the lowest-numbered node of the setup that is neither the lost engine node nor
+//! fenced takes over; the partitions of the lost nodes (the engine node's, and those the
+//! engine had re-placed on itself) move to it, every other partition stays where it ran.
+use crate::cluster::config::ClusterFile;
+
+/// The serving cluster after its engine node was lost.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Succession {
+    /// The node that takes over as the engine node.
+    pub engine: u32,
+    /// The lost engine node.
+    pub lost: u32,
+    /// Every node still serving (the new engine node among them), ascending.
+    pub survivors: Vec<u32>,
+    /// `placement[p]`: the node serving partition `p` after the take-over.
+    pub placement: Vec<u32>,
+}
+
+/// The succession after the loss of engine node `lost`, seen from a node of a cluster whose
+/// setup named `peers` (every node, the engine node among them), that has fenced `fenced`
+/// since, and whose partitions run on `placement`. `None` when no node is left to take
+/// over.
+pub fn after_loss(
+    peers: &[u32],
+    lost: u32,
+    fenced: &[u32],
+    placement: &[u32],
+) -> Option<Succession> {
+    let mut survivors: Vec<u32> = peers
+        .iter()
+        .copied()
+        .filter(|&n| n != lost && !fenced.contains(&n))
+        .collect();
+    survivors.sort_unstable();
+    survivors.dedup();
+    let engine = *survivors.first()?;
+    let placement = placement
+        .iter()
+        .map(|&n| if survivors.contains(&n) { n } else { engine })
+        .collect();
+    Some(Succession {
+        engine,
+        lost,
+        survivors,
+        placement,
+    })
+}
+
+impl Succession {
+    /// The cluster file the new engine node serves with: `file` (certificates, timeouts)
+    /// with only the survivors, the new engine node its coordinator, and the placement
+    /// explicit.
+    pub fn cluster(&self, file: &ClusterFile) -> ClusterFile {
+        let mut c = file.clone();
+        c.coordinator = self.engine;
+        c.nodes.retain(|n| self.survivors.contains(&n.id));
+        for n in &mut c.nodes {
+            n.parts = Some(
+                (0..self.placement.len() as u32)
+                    .filter(|&p| self.placement[p as usize] == n.id)
+                    .collect(),
+            );
+        }
+        c
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_lowest_surviving_node_takes_over_with_the_lost_nodes_partitions() {
+        // Engine 0 had re-placed node 2's partition 2 on itself before it was lost.
+        let s = after_loss(&[0, 1, 2, 3], 0, &[2], &[0, 1, 0, 3]).unwrap();
+        assert_eq!(s.engine, 1);
+        assert_eq!(s.survivors, vec![1, 3]);
+        assert_eq!(s.placement, vec![1, 1, 1, 3]);
+        // Every survivor computes the same succession from the same view.
+        assert_eq!(after_loss(&[3, 2, 1, 0], 0, &[2], &[0, 1, 0, 3]), Some(s));
+        // Nobody left.
+        assert_eq!(after_loss(&[0, 1], 0, &[1], &[0, 1]), None);
+    }
+
+    #[test]
+    fn the_cluster_file_names_the_new_engine_and_places_every_partition() {
+        let file = ClusterFile::parse(
+            "certs = \"c\"\npartitions = \"p\"\nidle_timeout_ms = 1500\n\
+             [[node]]\nid = 0\naddr = \"127.0.0.1:0\"\n\
+             [[node]]\nid = 1\naddr = \"127.0.0.1:0\"\n\
+             [[node]]\nid = 2\naddr = \"127.0.0.1:0\"\n",
+        )
+        .unwrap();
+        let s = after_loss(&[0, 1, 2], 0, &[], &[0, 1, 2]).unwrap();
+        let c = s.cluster(&file);
+        assert_eq!(c.coordinator, 1);
+        assert_eq!(c.workers(), vec![2]);
+        assert_eq!(c.idle_timeout_ms, 1500);
+        assert_eq!(c.placement(3).unwrap(), vec![1, 1, 2]);
+    }
+}
