@@ -220,8 +220,8 @@ fn write_cluster(dir: &Path, name: &str, engine: &str, n: u32) -> PathBuf {
 /// The engine node and the other nodes of an `n`-node serving cluster; the engine node's
 /// HTTP address.
 struct Cluster {
-    /// Kept for its drop (the engine node is killed and reaped with the cluster).
-    _engine: Proc,
+    /// The engine node (killed and reaped with the cluster).
+    engine: Proc,
     nodes: Vec<Proc>,
     url: String,
     /// The HTTP addresses of the other nodes (which forward to the engine node).
@@ -271,7 +271,7 @@ fn start_cluster_with(
     let url = engine.listening();
     let node_urls = nodes.iter().map(Proc::listening).collect();
     Cluster {
-        _engine: engine,
+        engine,
         nodes,
         url,
         node_urls,
@@ -581,10 +581,12 @@ fn a_node_killed_under_load_costs_no_wrong_answer_and_its_partitions_are_recover
     // re-placed (never on a partition that missed it).
     let r = post(&c.url, "/v1/edges", &json!({ "add": [[7, 880]] }));
     assert_eq!(r.status, 200, "update during the loss: {}", r.text);
-    // Ready again: the engine re-placed partition 2 and recomputed it.
+    // Ready again: the engine re-placed partition 2 on node 1 (the survivor serving
+    // fewest partitions, a node other than the engine node at equal counts) and recomputed it.
     let recovered = loop {
         let r = call(&agent(), "GET", &format!("{}/readyz", c.url), b"");
         if r.status == 200 && r.body["recoveries"].as_u64().unwrap_or(0) >= 1 {
+            assert_eq!(r.body["placement"], json!([0, 1, 1]), "{}", r.text);
             break killed_at.elapsed();
         }
         assert!(
@@ -613,6 +615,31 @@ fn a_node_killed_under_load_costs_no_wrong_answer_and_its_partitions_are_recover
     let logits = predict(&model, s(&updated), dir.path());
     assert_matches(&c.url, &logits, "after an update on the recovered cluster");
     assert_matches(&c.node_urls[0], &logits, "after an update, through node 1");
+
+    // Then the engine node is lost too: node 1, the last one, takes over with every
+    // partition (its own, the one it took from node 2, and the engine node's).
+    c.engine.child.kill().unwrap();
+    c.engine.child.wait().unwrap();
+    let t = Instant::now();
+    loop {
+        let r = call(&agent(), "GET", &format!("{}/readyz", c.node_urls[0]), b"");
+        if r.status == 200 {
+            assert_eq!(r.body["placement"], json!([1, 1, 1]), "{}", r.text);
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "node 1 did not take over within 60 s: {} {}",
+            r.status,
+            r.text
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_matches(
+        &c.node_urls[0],
+        &logits,
+        "after both losses, through node 1",
+    );
     drop(c);
 }
 
@@ -621,7 +648,7 @@ fn the_engine_node_killed_under_load_is_succeeded_by_another_node_with_no_wrong_
     let dir = cluster_dir(3);
     let model = train(dir.path(), "m.safetensors", "0");
     let Cluster {
-        _engine: mut engine,
+        mut engine,
         nodes,
         node_urls,
         ..
@@ -670,11 +697,15 @@ fn the_engine_node_killed_under_load_is_succeeded_by_another_node_with_no_wrong_
     };
     assert!(line.contains("from node 0"), "{line}");
     let recovered = loop {
-        let ready = node_urls.iter().all(|u| {
-            let r = call(&agent(), "GET", &format!("{u}/readyz"), b"");
-            r.status == 200
-        });
-        if ready {
+        let ready: Vec<Reply> = node_urls
+            .iter()
+            .map(|u| call(&agent(), "GET", &format!("{u}/readyz"), b""))
+            .collect();
+        if ready.iter().all(|r| r.status == 200) {
+            // Node 0's partition moved to node 1, the successor.
+            for r in &ready {
+                assert_eq!(r.body["placement"], json!([1, 1, 2]), "{}", r.text);
+            }
             break killed_at.elapsed();
         }
         assert!(

@@ -385,13 +385,18 @@ async fn readyz(state: web::Data<AppState>) -> HttpResponse {
     let stats = &state.engine.stats;
     let version = stats.version.lock().expect("stats lock").clone();
     let ready = stats.ready.load(std::sync::atomic::Ordering::SeqCst);
-    let body = serde_json::json!({
+    let mut body = serde_json::json!({
         "ready": ready,
         "model_version": version,
         "recoveries": stats.recoveries.load(std::sync::atomic::Ordering::Relaxed),
         "rebuilds": stats.rebuilds.load(std::sync::atomic::Ordering::Relaxed),
         "faults_fired": state.engine.faults.fired_total(),
     });
+    // On a cluster: the node serving each partition.
+    let placement = stats.placement.lock().expect("stats lock").clone();
+    if !placement.is_empty() {
+        body["placement"] = serde_json::json!(placement);
+    }
     json_response(if ready { 200 } else { 503 }, body.to_string())
 }
 

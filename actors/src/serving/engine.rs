@@ -23,7 +23,8 @@ use super::scheduler::{Action, Pending, Quotas, Refusal, Scheduler, SchedulerCon
 use super::shell::{ServeNode, ServeStore, Served};
 use super::ServeError;
 use crate::cluster::node::{reroute, ControlInbox, NodeEndpoint};
-use crate::cluster::serving::proto::ServeMsg;
+use crate::cluster::serving::proto::{ServeMsg, ServeReply, ServeRequest};
+use crate::cluster::serving::succession;
 use crate::cluster::serving::{ClusterServing, ForwardSlot, RemoteServePart, ServeLink};
 use crate::faults::FaultPlan;
 use crate::ActorError;
@@ -139,6 +140,8 @@ pub struct EngineStats {
     /// number of additions that waited for each other and ran as one update).
     pub addition_updates: AtomicUsize,
     pub added_nodes: AtomicUsize,
+    /// On a cluster: `placement[p]`, the node serving partition `p` now.
+    pub placement: Mutex<Vec<u32>>,
 }
 
 impl EngineStats {
@@ -776,6 +779,7 @@ impl Engine {
                     })
                     .collect();
                 self.node = Some(node);
+                *self.stats.placement.lock().expect("stats lock") = placement.clone();
                 self.cluster = Some(EngineCluster {
                     link,
                     transport: ep.transport.clone(),
@@ -869,7 +873,7 @@ impl Engine {
         update: Option<u64>,
         full: &[bool],
     ) -> Result<PassOutput, PassError> {
-        let replaced = self.replace_lost();
+        let replaced = self.replace_lost().await;
         if !replaced.is_empty() {
             // They start with no tables: the caller runs the pass again with them full.
             return Err(PassError::Failed(replaced));
@@ -1172,10 +1176,15 @@ impl Engine {
             .map(drop)
     }
 
-    /// Re-places the partitions of nodes lost since the last call on this node (restored
-    /// from the store, with no tables yet): every other node routes their halo blocks here
-    /// from now on and refuses the lost nodes. Returns the re-placed partitions.
-    fn replace_lost(&mut self) -> Vec<u32> {
+    /// How long a survivor may take to start a re-placed partition.
+    const HOST_WITHIN: Duration = Duration::from_secs(10);
+
+    /// Re-places the partitions of nodes lost since the last call (restored from a store,
+    /// with no tables yet) on the least loaded survivors, this node among them
+    /// ([`succession::re_place`]): every other node routes their halo blocks there from
+    /// now on and refuses the lost nodes. A survivor that cannot start one leaves it to
+    /// this node. Returns the re-placed partitions.
+    async fn replace_lost(&mut self) -> Vec<u32> {
         let Some(c) = &mut self.cluster else {
             return Vec::new();
         };
@@ -1200,7 +1209,37 @@ impl Engine {
         let Some(node) = self.node.as_mut() else {
             return Vec::new();
         };
-        for &p in &moved {
+        let targets = succession::re_place(&c.placement, &moved, c.me, &c.lost);
+        for (&p, &target) in moved.iter().zip(&targets) {
+            if target != c.me {
+                let hosted = c
+                    .link
+                    .request(
+                        target,
+                        p,
+                        ServeRequest::Host,
+                        Self::HOST_WITHIN.min(self.step_timeout),
+                    )
+                    .await;
+                match hosted {
+                    Ok(ServeReply::Hosting) => {
+                        self.handles[p as usize] = PartHandle::Remote(RemoteServePart::new(
+                            p,
+                            target,
+                            c.link.clone(),
+                            self.step_timeout,
+                        ));
+                        c.placement[p as usize] = target;
+                        continue;
+                    }
+                    Ok(other) => tracing::warn!(
+                        "serving: node {target} did not start partition {p} ({other:?}); it runs here"
+                    ),
+                    Err(e) => tracing::warn!(
+                        "serving: node {target} did not start partition {p} ({e}); it runs here"
+                    ),
+                }
+            }
             match node.add_part(
                 p,
                 c.run,
@@ -1217,6 +1256,7 @@ impl Engine {
             }
         }
         reroute(&c.transport, &c.placement, c.me);
+        *self.stats.placement.lock().expect("stats lock") = c.placement.clone();
         let msg = ServeMsg::Reroute {
             placement: c.placement.clone(),
             fenced: c.lost.clone(),
@@ -1226,9 +1266,9 @@ impl Engine {
                 tracing::warn!("serving: rerouting node {w}: {e}");
             }
         }
+        let onto: Vec<u32> = moved.iter().map(|&p| c.placement[p as usize]).collect();
         crate::cluster::say(&format!(
-            "serving: nodes {lost:?} lost; partitions {moved:?} re-placed on node {} and recomputed",
-            c.me
+            "serving: nodes {lost:?} lost; partitions {moved:?} re-placed on nodes {onto:?} and recomputed"
         ));
         moved
     }
@@ -1236,7 +1276,7 @@ impl Engine {
     /// Recovers the partitions of lost nodes (noticed while idle): re-placed here and
     /// recomputed before anything else runs.
     async fn recover_lost(&mut self) {
-        let moved = self.replace_lost();
+        let moved = self.replace_lost().await;
         if !moved.is_empty() {
             if let Err(e) = self.recover(moved).await {
                 tracing::error!("serving: {e}");

@@ -303,6 +303,10 @@ struct Hosted {
     placement: Vec<u32>,
     /// Nodes the engine node declared lost.
     fenced: Vec<u32>,
+    /// What a partition the engine re-places here starts with.
+    run: uuid::Uuid,
+    faults: Arc<crate::faults::FaultPlan>,
+    threads: usize,
 }
 
 async fn serve(
@@ -500,12 +504,13 @@ async fn host(
     }
     reroute(&ep.transport, &setup.placement, ep.id);
     ep.transport.set_epoch(run, 0);
+    let faults = Arc::new(faults);
     let node = ServeNode::start_parts(
         &mine,
         run,
         ep.transport.clone(),
         store.clone(),
-        Arc::new(faults),
+        faults.clone(),
         threads,
         None,
     )?;
@@ -527,6 +532,9 @@ async fn host(
         peers,
         placement: setup.placement.clone(),
         fenced: Vec::new(),
+        run,
+        faults,
+        threads,
     })
 }
 
@@ -559,6 +567,16 @@ async fn answer_requests(
             InboxEvent::Timeout => continue,
         };
         match msg {
+            ServeMsg::Request {
+                id,
+                part,
+                req: ServeRequest::Host,
+            } => {
+                let body = host_part(h, part, ep.id);
+                if let Err(e) = tell(&t, coord, &ServeMsg::Reply { id, body }) {
+                    return Ok(Answered::EngineLost(e.to_string()));
+                }
+            }
             ServeMsg::Request { id, part, req } => {
                 let body = match h.addrs.get(&part).cloned() {
                     Some(addr) => match on_request(h, coord, addr, req) {
@@ -607,6 +625,31 @@ async fn answer_requests(
             }
             other => tracing::warn!("ignored {other:?} from the engine node"),
         }
+    }
+}
+
+/// Starts partition `part` here for the engine (a lost node's partition re-placed on this
+/// node), restored from this node's copy of the served inputs.
+fn host_part(h: &mut Hosted, part: u32, me: u32) -> ServeReply {
+    if h.addrs.contains_key(&part) {
+        return ServeReply::Hosting;
+    }
+    match h.node.add_part(
+        part,
+        h.run,
+        h.store.clone(),
+        h.faults.clone(),
+        h.threads,
+        None,
+    ) {
+        Ok(addr) => {
+            h.addrs.insert(part, addr);
+            crate::cluster::say(&format!("serving: node {me} now serves partition {part}"));
+            ServeReply::Hosting
+        }
+        Err(e) => ServeReply::Failed {
+            message: format!("node {me} cannot serve partition {part}: {e}"),
+        },
     }
 }
 
@@ -677,6 +720,12 @@ fn on_request(
                 }
             })
         }
+        // Answered before a partition is looked up (`host_part`); never reaches here.
+        ServeRequest::Host => Box::pin(async {
+            ServeReply::Failed {
+                message: "a partition was asked to host itself".into(),
+            }
+        }),
         ServeRequest::Install => {
             // The store follows the partitions' tables: a partition restored from now on
             // computes with the new model.

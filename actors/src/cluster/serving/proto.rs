@@ -19,7 +19,7 @@ use trellis_runtime::ModelConfig;
 use trellis_transport::TraceContext;
 
 /// The version of the serving messages this build speaks.
-pub const SERVE_PROTOCOL: u16 = 2;
+pub const SERVE_PROTOCOL: u16 = 3;
 
 /// Bytes of the served inputs per [`ServeMsg::Inputs`] chunk (control frames are limited
 /// to 16 MiB).
@@ -273,6 +273,9 @@ pub enum ServeRequest {
     },
     Stage(WireModel),
     Install,
+    /// Start partition `part` (of the request) on this node, restored from its copy of the
+    /// served inputs with empty tables: the engine re-places a lost node's partition here.
+    Host,
 }
 
 /// Rows a step computed.
@@ -302,6 +305,8 @@ pub enum ServeReply {
     Found(Vec<WireLookedUp>),
     Staged,
     Installed(bool),
+    /// The partition of a [`ServeRequest::Host`] runs on this node.
+    Hosting,
     /// The partition panicked (its node restored it from its copy of the inputs).
     Panicked {
         message: String,
@@ -741,6 +746,15 @@ mod tests {
             ServeMsg::Reroute {
                 placement: vec![0, 0, 2],
                 fenced: vec![1],
+            },
+            ServeMsg::Request {
+                id: 9,
+                part: 2,
+                req: ServeRequest::Host,
+            },
+            ServeMsg::Reply {
+                id: 9,
+                body: ServeReply::Hosting,
             },
             ServeMsg::HttpRequest {
                 id: 3,

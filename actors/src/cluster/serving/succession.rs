@@ -4,8 +4,11 @@
 //! survivors agree on the new engine node without a vote.
 //!
 //! The rule: the lowest-numbered node of the setup that is neither the lost engine node nor
-//! fenced takes over; the partitions of the lost nodes (the engine node's, and those the
-//! engine had re-placed on itself) move to it, every other partition stays where it ran.
+//! fenced, and that hosts a partition, takes over; the partitions of the lost nodes (the
+//! engine node's, and those the engine had re-placed on itself) move to it, every other
+//! partition stays where it ran. A node hosting a partition is preferred because the engine
+//! sends graph updates and model installs to the partitions: only such a node's copy of the
+//! served inputs is sure to be current.
 use crate::cluster::config::ClusterFile;
 
 /// The serving cluster after its engine node was lost.
@@ -38,7 +41,11 @@ pub fn after_loss(
         .collect();
     survivors.sort_unstable();
     survivors.dedup();
-    let engine = *survivors.first()?;
+    let engine = survivors
+        .iter()
+        .copied()
+        .find(|n| placement.contains(n))
+        .or_else(|| survivors.first().copied())?;
     let placement = placement
         .iter()
         .map(|&n| if survivors.contains(&n) { n } else { engine })
@@ -70,9 +77,48 @@ impl Succession {
     }
 }
 
+/// Where the engine re-places the partitions `moved` (those of lost nodes; `placement` as
+/// before the loss, `lost` every node lost so far): each, in order, on the node that then
+/// serves the fewest partitions, among the engine node `engine` and the nodes still
+/// serving one (their copy of the served inputs is current, see the module's doc); at
+/// equal counts another node before the engine node (which also routes and answers every
+/// request), then the lower id. `result[i]`: the node of `moved[i]`.
+pub fn re_place(placement: &[u32], moved: &[u32], engine: u32, lost: &[u32]) -> Vec<u32> {
+    let mut load: std::collections::BTreeMap<u32, usize> = std::collections::BTreeMap::new();
+    load.insert(engine, 0);
+    for (p, &n) in placement.iter().enumerate() {
+        if !lost.contains(&n) && !moved.contains(&(p as u32)) {
+            *load.entry(n).or_default() += 1;
+        }
+    }
+    moved
+        .iter()
+        .map(|_| {
+            let (&node, _) = load
+                .iter()
+                .min_by_key(|(&n, &count)| (count, n == engine, n))
+                .expect("the engine node is a candidate");
+            *load.get_mut(&node).expect("a candidate") += 1;
+            node
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_lost_nodes_partitions_go_to_the_least_loaded_survivors() {
+        // Node 2 (partitions 4 and 5) lost: one to node 1 (not the engine at equal counts)...
+        let targets = re_place(&[0, 0, 1, 1, 2, 2], &[4, 5], 0, &[2]);
+        assert_eq!(targets, vec![1, 0]);
+        // ...and to the engine node when it serves fewer.
+        assert_eq!(re_place(&[0, 1, 1, 2], &[3], 0, &[2]), vec![0]);
+        // A node serving nothing is not a candidate (its copy may be behind); nor a lost one.
+        assert_eq!(re_place(&[0, 2, 3], &[2], 0, &[3]), vec![2]);
+        assert_eq!(re_place(&[0, 2, 3], &[1, 2], 0, &[2, 3]), vec![0, 0]);
+    }
 
     #[test]
     fn the_lowest_surviving_node_takes_over_with_the_lost_nodes_partitions() {
@@ -83,6 +129,9 @@ mod tests {
         assert_eq!(s.placement, vec![1, 1, 1, 3]);
         // Every survivor computes the same succession from the same view.
         assert_eq!(after_loss(&[3, 2, 1, 0], 0, &[2], &[0, 1, 0, 3]), Some(s));
+        // Node 1 hosts nothing (explicit placement): its copy may be behind, node 2 takes over.
+        let s = after_loss(&[0, 1, 2], 0, &[], &[0, 2, 2]).unwrap();
+        assert_eq!((s.engine, s.placement), (2, vec![2, 2, 2]));
         // Nobody left.
         assert_eq!(after_loss(&[0, 1], 0, &[1], &[0, 1]), None);
     }
