@@ -4,7 +4,7 @@
 //! a [`ServeActor`] per hosted partition on the QUIC
 //! transport (halo blocks go straight to the partitions of other nodes), and answers the
 //! engine's steps, deltas, lookups and model swaps until `Finish`. When the engine node is
-//! lost, the survivors agree on its successor ([`succession`](super::succession)): that
+//! lost, the survivors agree on its successor ([`succession`]): that
 //! node starts the engine from its own copy of the served inputs ([`take_over`]), the
 //! others join it as they joined the first and are set up again.
 use super::proto::{
