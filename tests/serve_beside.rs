@@ -617,9 +617,8 @@ fn cluster_training_that_loses_a_node_keeps_serving_and_trains_the_same_weights(
     );
 }
 
-/// `--serve` is for the coordinator: another node given it, or a launch on an emulated
-/// network (where the service would listen inside a namespace), is refused with a message
-/// saying why, not ignored.
+/// A launch on an emulated network (where the service would listen inside a namespace) is
+/// refused with a message saying why, not ignored.
 #[test]
 fn serve_beside_cluster_training_is_refused_where_it_cannot_serve() {
     let refused = |args: &[&str], says: &str| {
@@ -645,24 +644,159 @@ fn serve_beside_cluster_training_is_refused_where_it_cannot_serve() {
         ],
         "--serve with --link-rate",
     );
+}
+
+/// A cluster of `trellis node` processes on 127.0.0.1, node 0 (the coordinator) serving
+/// beside the training and node 1 given `--serve` too: node 1's address answers the API
+/// while the cluster trains and after, each answer whole and of one version, versions
+/// moving forward, and at the end exactly `trellis predict` with the saved last weights;
+/// Ctrl-C to the coordinator ends both processes successfully.
+#[test]
+fn another_node_of_a_training_cluster_takes_queries_for_the_coordinators_service() {
     let dir = tempfile::tempdir().unwrap();
-    let cluster = dir.path().join("cluster.toml");
-    std::fs::write(
-        &cluster,
-        "certs = \"certs\"\npartitions = \"parts\"\ncoordinator = 0\n[[node]]\nid = 0\naddr = \"127.0.0.1:1\"\n\
-         [[node]]\nid = 1\naddr = \"127.0.0.1:2\"\n",
-    )
-    .unwrap();
-    refused(
+    let certs = dir.path().join("certs");
+    trellis::transport::certs::init(&certs).unwrap();
+    for i in 0..2 {
+        trellis::transport::certs::issue(&certs, i).unwrap();
+    }
+    let cluster = |name: &str, coordinator: &str| {
+        let path = dir.path().join(name);
+        let text = format!(
+            "certs = \"certs\"\npartitions = \"parts\"\njoin_timeout_ms = 60000\n\
+             [[node]]\nid = 0\naddr = \"{coordinator}\"\n[[node]]\nid = 1\naddr = \"127.0.0.1:0\"\n"
+        );
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    let c0 = cluster("c0.toml", "127.0.0.1:0");
+    let (addr_file, file) = (
+        dir.path().join("node0.addr"),
+        dir.path().join("last.safetensors"),
+    );
+    let mut coordinator = Server::spawn(
         &[
             "node",
             "--cluster",
-            s(&cluster),
+            s(&c0),
+            "--id",
+            "0",
+            "--addr-file",
+            s(&addr_file),
+            "--data",
+            DATA,
+            "--model",
+            "gcn",
+            "--partitions",
+            "2",
+            "--epochs",
+            "300",
+            "--threads",
+            "1",
+            "--serve",
+            "127.0.0.1:0",
+            "--publish-every",
+            "25",
+            "--save-model",
+            s(&file),
+            "--save-model-at",
+            "last",
+        ],
+        &[],
+    );
+    let t = Instant::now();
+    let quic = loop {
+        if let Ok(a) = std::fs::read_to_string(&addr_file) {
+            break a;
+        }
+        assert!(t.elapsed() < Duration::from_secs(60), "node 0 never bound");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let c1 = cluster("c1.toml", &quic);
+    let mut node1 = Server::spawn(
+        &[
+            "node",
+            "--cluster",
+            s(&c1),
             "--id",
             "1",
             "--serve",
             "127.0.0.1:0",
         ],
-        "--serve is given to the coordinator node (node 0)",
+        &[],
     );
+    assert_ne!(node1.url, coordinator.url);
+    let agent = agent();
+    let asked = [0, 7, NODES - 1, 7];
+    let mut versions: Vec<String> = Vec::new();
+    let mut answers = 0;
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        assert!(Instant::now() < deadline, "training did not finish in time");
+        let with_embeddings = answers % 2 == 1;
+        let body = if with_embeddings {
+            json!({ "nodes": asked, "embeddings": 0 })
+        } else {
+            json!({ "nodes": asked })
+        };
+        let r = node1.post(&agent, "/v1/predict", &body);
+        assert_eq!(r.status, 200, "{}", r.text);
+        let version = r.body["model_version"].as_str().unwrap().to_string();
+        let rows = whole_answer(&r.body, &asked, with_embeddings.then_some(16));
+        assert_eq!(rows[1], rows[3], "one node, one answer within a version");
+        answers += 1;
+        serve_support::note_version(&mut versions, version);
+        if matches!(coordinator.lines.try_recv(), Ok(l) if l.starts_with("weights_digest")) {
+            break;
+        }
+    }
+    println!("{answers} answers through node 1 while the cluster trained, versions: {versions:?}");
+    assert!(versions.len() >= 3, "versions: {versions:?}");
+    coordinator.wait_line("still serving", Duration::from_secs(120));
+    // After the run: node 1 still answers, with the saved last weights.
+    let out = dir.path().join("logits.npy");
+    trellis(&[
+        "predict",
+        "--model",
+        s(&file),
+        "--data",
+        DATA,
+        "--out",
+        s(&out),
+    ]);
+    let logits: ndarray::Array2<f32> = ndarray_npy::read_npy(&out).unwrap();
+    let all: Vec<u32> = (0..NODES).collect();
+    let mut worst = 0f64;
+    for chunk in all.chunks(500) {
+        let r = node1.post(&agent, "/v1/predict", &json!({ "nodes": chunk }));
+        assert_eq!(r.status, 200, "{}", r.text);
+        let direct = coordinator.post(&agent, "/v1/predict", &json!({ "nodes": chunk }));
+        assert_eq!(
+            r.body, direct.body,
+            "node 1 answers as the coordinator does"
+        );
+        for (row, &node) in whole_answer(&r.body, chunk, None).iter().zip(chunk) {
+            let want = softmax(logits.row(node as usize).as_slice().unwrap());
+            for (a, b) in row.iter().zip(&want) {
+                worst = worst.max((a - b).abs());
+            }
+        }
+    }
+    assert!(
+        worst <= 1e-5,
+        "served through node 1 and predicted differ by {worst}"
+    );
+    // Ctrl-C to the coordinator ends the service; node 1 then ends too, successfully.
+    coordinator.interrupt_and_wait(Duration::from_secs(30));
+    let end = Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Some(status) = node1.child.try_wait().unwrap() {
+            assert!(status.success(), "node 1: {status}");
+            break;
+        }
+        assert!(
+            Instant::now() < end,
+            "node 1 still runs 30 s after the coordinator stopped"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }

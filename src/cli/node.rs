@@ -3,14 +3,21 @@
 //! cluster's partition folder if it does not hold a matching partitioning yet, and drives the
 //! run; every other node only needs `--cluster` and `--id`. With `--serve ADDR` the
 //! coordinator also serves the model while the cluster trains it
-//! ([`crate::serve::beside`]), and goes on serving the last weights after the run.
+//! ([`crate::serve::beside`]), and goes on serving the last weights after the run; another
+//! node given `--serve ADDR` takes the same HTTP API there and forwards every request to
+//! the coordinator's service over QUIC, until the coordinator stops serving.
 use super::train::{
     check_report_path, follow, load_data, print_summary, save_kept_model, write_report, TrainArgs,
 };
 use crate::serve::beside::{Beside, BesideOptions};
-use anyhow::{bail, Context, Result};
+use crate::serve::forward::{run_forwarding_http, ForwardConfig};
+use anyhow::{Context, Result};
 use clap::Args;
+use std::io::Write;
+use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::time::Duration;
+use trellis_actors::cluster::worker::OnUplink;
 use trellis_actors::cluster::{run_worker, ClusterFile, ClusterJob};
 use trellis_runtime::partition::open_or_partition;
 
@@ -46,17 +53,13 @@ pub fn run(a: NodeArgs) -> Result<()> {
 /// still running.
 fn run_node(a: &NodeArgs, cluster: ClusterFile) -> Result<Option<Beside>> {
     if a.id != cluster.coordinator {
-        if a.train.serve.is_some() {
-            bail!(
-                "--serve is given to the coordinator node (node {}), which serves beside the \
-                 cluster's training; node {} takes only --cluster and --id",
-                cluster.coordinator,
-                a.id
-            );
-        }
         cluster.node(a.id)?;
         let threads = (a.train.threads != 0).then_some(a.train.threads);
-        let traffic = run_worker(&cluster, a.id, a.addr_file.as_deref(), threads)?;
+        let http = a
+            .train
+            .serve
+            .map(|listen| forward_to_coordinator(a.id, listen));
+        let traffic = run_worker(&cluster, a.id, a.addr_file.as_deref(), threads, http)?;
         println!(
             "node {} done: partitions {:?}, sent {} bytes, received {} bytes",
             traffic.node, traffic.partitions, traffic.bytes_sent, traffic.bytes_received
@@ -105,6 +108,7 @@ fn run_node(a: &NodeArgs, cluster: ClusterFile) -> Result<Option<Beside>> {
         keep_models: t.save_model.is_some(),
         publish: None,
         yield_to: None,
+        http: None,
     };
     if let Some(s) = &mut service {
         job = s.lower_cluster(job)?;
@@ -131,4 +135,35 @@ fn run_node(a: &NodeArgs, cluster: ClusterFile) -> Result<Option<Beside>> {
         write_report(&report, path)?;
     }
     Ok(service)
+}
+
+/// Node `id`'s HTTP front end on `listen` (serving beside a cluster's training): every
+/// request goes over QUIC to the coordinator's service and is answered with its answer.
+fn forward_to_coordinator(id: u32, listen: SocketAddr) -> OnUplink {
+    let cfg = ForwardConfig {
+        max_body: 1 << 30,
+        client_timeout: Duration::from_secs(2),
+        answer_timeout: Duration::from_secs(120),
+        workers: 2,
+        cpus: None,
+    };
+    Box::new(move |uplink| {
+        let spawned = std::thread::Builder::new()
+            .name("trellis-forward-http".into())
+            .spawn(move || {
+                let r = run_forwarding_http(uplink, cfg, listen, |addr| {
+                    eprintln!("node {id} forwards HTTP requests to the coordinator's service");
+                    println!("listening on http://{addr}");
+                    let _ = std::io::stdout().flush();
+                });
+                if let Err(e) = r {
+                    eprintln!("error: node {id} cannot serve HTTP on {listen}: {e}");
+                    std::process::exit(1);
+                }
+            });
+        if let Err(e) = spawned {
+            eprintln!("error: node {id} cannot start its HTTP front end: {e}");
+            std::process::exit(1);
+        }
+    })
 }

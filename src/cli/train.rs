@@ -122,7 +122,8 @@ pub struct TrainArgs {
     /// Serve the model while it trains (HTTP/JSON API of `trellis serve`; port 0: any free
     /// port, printed as `listening on http://HOST:PORT`): answers come from the last
     /// published weights; after training the service keeps running until stopped. On a
-    /// cluster (`launch`, the coordinator's `node`) the coordinator serves.
+    /// cluster (`launch`, the coordinator's `node`) the coordinator serves; another `node`
+    /// given it takes queries at ADDR and forwards them to the coordinator's service.
     #[arg(long, value_name = "ADDR")]
     pub serve: Option<std::net::SocketAddr>,
     /// With --serve: publish the trainer's weights every K epochs (and after the last).

@@ -22,15 +22,17 @@
 //! publish that comes while the previous one is still being computed is skipped (the next
 //! one carries newer weights anyway), except the last, which waits for it.
 use super::api::Limits;
+use super::forward::engine_forwarder;
 use super::{run_http_stoppable, HttpConfig};
 use anyhow::{anyhow, Context, Result};
 use std::net::SocketAddr;
 use std::path::Path;
-use std::sync::mpsc;
+use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 use tokio::sync::oneshot;
-use trellis_actors::cluster::ClusterJob;
+use trellis_actors::cluster::node::NodeEndpoint;
+use trellis_actors::cluster::{ClusterJob, ForwardedHttp};
 use trellis_actors::serving::engine::{self, Answer, Command, EngineConfig, EngineHandle};
 use trellis_actors::serving::scheduler::SchedulerConfig;
 use trellis_actors::serving::ServeError;
@@ -85,7 +87,13 @@ pub struct Beside {
     server: actix_web::dev::ServerHandle,
     /// Where it listens.
     pub addr: SocketAddr,
+    /// On a cluster's coordinator: its QUIC endpoint once the run ended (other nodes'
+    /// forwarded requests are answered while it lives).
+    endpoint: Arc<Mutex<Option<NodeEndpoint>>>,
 }
+
+/// Longest a request another node forwards waits for this service's answer.
+const FORWARDED_WITHIN: Duration = Duration::from_secs(120);
 
 /// The model file bytes of `model` (`epoch`'s weights) read back as a served model.
 fn saved(model: &Model, stream: &Stream, meta: &ModelMeta) -> Result<SavedModel> {
@@ -194,6 +202,7 @@ impl Beside {
             http,
             server,
             addr,
+            endpoint: Arc::default(),
         })
     }
 
@@ -228,9 +237,18 @@ impl Beside {
     /// update steps, this process's kernel thread pool runs in the background class, and
     /// every epoch the cluster commits reaches the publishing thread from the coordinator's
     /// partitions' snapshots. Call before [`ClusterJob::spawn`].
+    /// Other nodes given `--serve` forward their HTTP requests to this service: they are
+    /// answered through its front end, also after the run while it serves (the run leaves
+    /// the coordinator's endpoint with the service, which closes it when it stops).
     pub fn lower_cluster(&mut self, mut job: ClusterJob) -> Result<ClusterJob> {
         job.publish = Some(self.publish_committed(&job.cfg)?);
         job.yield_to = Some(self.gate.clone());
+        let front_end = engine_forwarder(self.addr, FORWARDED_WITHIN)
+            .context("cannot answer other nodes' HTTP requests")?;
+        job.http = Some(ForwardedHttp {
+            front_end,
+            endpoint: self.endpoint.clone(),
+        });
         Ok(job)
     }
 
@@ -322,9 +340,18 @@ impl Beside {
         );
         use std::io::Write;
         let _ = std::io::stdout().flush();
-        self.http
+        let served = self
+            .http
             .join()
-            .map_err(|_| anyhow!("the HTTP thread panicked"))
+            .map_err(|_| anyhow!("the HTTP thread panicked"));
+        // Closes the cluster's connections: the other nodes' front ends stop with it.
+        drop(
+            self.endpoint
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .take(),
+        );
+        served
     }
 }
 

@@ -62,6 +62,21 @@ pub struct ClusterJob {
     /// node loss, yield to this gate between kernel pieces (serving beside training: the
     /// service's update steps come first).
     pub yield_to: Option<trellis_gpu::PriorityGate>,
+    /// Serving beside the training: the HTTP requests other nodes forward are answered
+    /// through this front end, during the run and after it, for as long as the endpoint
+    /// the run leaves in [`ForwardedHttp::endpoint`] lives.
+    pub http: Option<ForwardedHttp>,
+}
+
+/// How the coordinator answers the HTTP requests of the service beside its training that
+/// other nodes forward to it.
+pub struct ForwardedHttp {
+    /// The service's HTTP front end.
+    pub front_end: crate::cluster::serving::HttpForward,
+    /// Where the run leaves the coordinator's QUIC endpoint when it ends, so forwarded
+    /// requests keep being answered while the service goes on (dropping it closes the
+    /// connections: the other nodes' front ends then stop).
+    pub endpoint: Arc<Mutex<Option<NodeEndpoint>>>,
 }
 
 impl ClusterJob {
@@ -75,8 +90,34 @@ impl ClusterJob {
             self.cfg.model.layers as u16,
             nodes,
         )?;
-        let (endpoint, inbox) =
+        let (endpoint, mut inbox) =
             NodeEndpoint::bind(&self.cluster, self.id, self.addr_file.as_deref())?;
+        let keep_endpoint = match &self.http {
+            Some(h) => {
+                let (front_end, transport) = (h.front_end.clone(), endpoint.transport.clone());
+                let tap: super::node::ServeTap = Arc::new(move |from, env| {
+                    use crate::cluster::serving::proto::ServeMsg;
+                    match ServeMsg::open(&env, from) {
+                        Ok(ServeMsg::HttpRequest { id, req }) => {
+                            crate::cluster::serving::remote::answer_forwarded(
+                                transport.clone(),
+                                Some(front_end.clone()),
+                                from,
+                                id,
+                                req,
+                            )
+                        }
+                        Ok(other) => {
+                            tracing::warn!(peer = from, "node {from} sent {other:?}; ignored")
+                        }
+                        Err(e) => tracing::warn!(peer = from, "{e}; dropped"),
+                    }
+                });
+                inbox = inbox.tapped(&endpoint, tap);
+                Some(h.endpoint.clone())
+            }
+            None => None,
+        };
         let (tx, rx) = mpsc::channel();
         let cancel = Arc::new(AtomicBool::new(false));
         let cancel2 = cancel.clone();
@@ -112,7 +153,10 @@ impl ClusterJob {
                         report
                     });
                 drop(sys);
-                drop(endpoint);
+                match keep_endpoint {
+                    Some(slot) => *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(endpoint),
+                    None => drop(endpoint),
+                }
                 result
             })
             .map_err(|e| ActorError::System(e.to_string()))?;

@@ -32,7 +32,43 @@ pub struct NodeEndpoint {
 
 /// What arrives at a node: control messages and peer failures.
 pub struct ControlInbox {
-    control: ControlRx,
+    control: Control,
+    failures: broadcast::Receiver<QuicError>,
+    departures: broadcast::Receiver<u32>,
+}
+
+/// The control messages of an inbox: frames as the transport delivers them, or messages a
+/// tap ([`ControlInbox::tapped`]) decoded and passed on.
+enum Control {
+    Frames(ControlRx),
+    Decoded(tokio::sync::mpsc::UnboundedReceiver<(u32, ControlMsg)>),
+}
+
+impl Control {
+    /// The next decodable message (undecodable frames are logged and skipped: a bad peer
+    /// cannot stop the node); `None` once the channel closed. Cancel-safe.
+    async fn recv(&mut self) -> Option<(u32, ControlMsg)> {
+        match self {
+            Control::Frames(rx) => loop {
+                let (from, bytes) = rx.recv().await?;
+                match ControlMsg::decode(&bytes) {
+                    Ok(msg) => return Some((from, msg)),
+                    Err(e) => tracing::warn!(peer = from, "node {from}: {e}; dropped"),
+                }
+            },
+            Control::Decoded(rx) => rx.recv().await,
+        }
+    }
+}
+
+/// What a training node does with the serving messages it receives (serving beside a
+/// cluster's training: HTTP requests forwarded to the coordinator, their answers back).
+pub type ServeTap = Arc<dyn Fn(u32, super::serving::proto::ServeEnvelope) + Send + Sync>;
+
+/// A peer to wait for: its failure or departure (subscribed when made, so nothing after
+/// that is missed).
+pub struct PeerWatch {
+    node: u32,
     failures: broadcast::Receiver<QuicError>,
     departures: broadcast::Receiver<u32>,
 }
@@ -79,11 +115,49 @@ impl NodeEndpoint {
         Ok((
             endpoint,
             ControlInbox {
-                control,
+                control: Control::Frames(control),
                 failures,
                 departures,
             },
         ))
+    }
+
+    /// Watches `node` from now on (see [`NodeEndpoint::wait_until_gone`]).
+    pub fn watch(&self, node: u32) -> PeerWatch {
+        PeerWatch {
+            node,
+            failures: self.transport.failures(),
+            departures: self.transport.departures(),
+        }
+    }
+
+    /// Blocks (outside any async runtime) until the watched node fails or leaves, or this
+    /// node has no connection to it.
+    pub fn wait_until_gone(&self, mut w: PeerWatch) {
+        let Some(rt) = &self.rt else {
+            return;
+        };
+        let t = self.transport.clone();
+        rt.block_on(async move {
+            loop {
+                if !t.node().connected_peers().contains(&w.node) {
+                    return;
+                }
+                tokio::select! {
+                    f = w.failures.recv() => match f {
+                        Ok(e) if e.node() == Some(w.node) => return,
+                        Err(broadcast::error::RecvError::Closed) => return,
+                        _ => {}
+                    },
+                    d = w.departures.recv() => match d {
+                        Ok(n) if n == w.node => return,
+                        Err(broadcast::error::RecvError::Closed) => return,
+                        _ => {}
+                    },
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                }
+            }
+        });
     }
 
     /// Runs `task` on this node's QUIC runtime (off the caller's thread).
@@ -132,6 +206,33 @@ pub(crate) enum InboxEvent {
 }
 
 impl ControlInbox {
+    /// This inbox with its serving messages taken out as they arrive: a task on `ep`'s QUIC
+    /// runtime decodes every control message, gives each `ControlMsg::Serve` to `tap` there
+    /// and passes the others on. So a training node handles serving messages while its
+    /// session is busy with a step (or after its run, while the endpoint lives).
+    pub fn tapped(self, ep: &NodeEndpoint, tap: ServeTap) -> ControlInbox {
+        let ControlInbox {
+            mut control,
+            failures,
+            departures,
+        } = self;
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        ep.spawn(async move {
+            while let Some((from, msg)) = control.recv().await {
+                match msg {
+                    ControlMsg::Serve(env) => tap(from, env),
+                    // The session may be over (the inbox dropped): the tap goes on.
+                    msg => drop(tx.send((from, msg))),
+                }
+            }
+        });
+        ControlInbox {
+            control: Control::Decoded(rx),
+            failures,
+            departures,
+        }
+    }
+
     /// The next message, a failure of peer `watch` (of any peer when `None`; a watched peer's
     /// departure too), or [`InboxEvent::Timeout`] at `until` (never, when `None`).
     /// Undecodable messages are logged and skipped: a bad peer cannot stop the node.
@@ -151,10 +252,7 @@ impl ControlInbox {
         loop {
             tokio::select! {
                 m = self.control.recv() => match m {
-                    Some((from, bytes)) => match ControlMsg::decode(&bytes) {
-                        Ok(msg) => return Ok(InboxEvent::Message { from, msg }),
-                        Err(e) => tracing::warn!(peer = from, "node {from}: {e}; dropped"),
-                    },
+                    Some((from, msg)) => return Ok(InboxEvent::Message { from, msg }),
                     None => return Err(ActorError::System("the control channel closed".into())),
                 },
                 f = self.failures.recv() => match f {

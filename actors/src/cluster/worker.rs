@@ -11,6 +11,7 @@ use super::node::{
 };
 use super::proto::{phase_from, ControlMsg, ReplyBody, Request, Setup};
 use crate::checkpoint::Checkpoint;
+use crate::cluster::serving::HttpUplink;
 use crate::faults::FaultPlan;
 use crate::protocol::messages::{ApplyStep, ResetEpoch, Step};
 use crate::protocol::session::{LinkDown, Verdict, WorkerAction, WorkerConfig, WorkerSession};
@@ -27,13 +28,20 @@ use trellis_runtime::{NodeTraffic, TrainConfig};
 use trellis_transport::quic::{QuicError, REFUSED_PREFIX};
 use trellis_transport::{RunId, TraceContext};
 
+/// Takes this node's way to the coordinator's HTTP front end (serving beside the cluster's
+/// training) once the node is up: the caller starts a front end that forwards to it.
+pub type OnUplink = Box<dyn FnOnce(Arc<HttpUplink>) + Send>;
+
 /// Runs node `id` of `cluster` until the coordinator ends the run. Returns this node's
-/// traffic; errors name the node or file at fault.
+/// traffic; errors name the node or file at fault. With `http` (the coordinator serves
+/// beside the training), HTTP requests this node's front end takes are forwarded to the
+/// coordinator's service, during the run and after it, until the coordinator is gone.
 pub fn run_worker(
     cluster: &ClusterFile,
     id: u32,
     addr_file: Option<&Path>,
     threads: Option<usize>,
+    http: Option<OnUplink>,
 ) -> Result<NodeTraffic, ActorError> {
     let coord = cluster.coordinator;
     if id == coord {
@@ -41,13 +49,32 @@ pub fn run_worker(
             "node {id} is the coordinator; start it with training options"
         )));
     }
-    let (endpoint, inbox) = NodeEndpoint::bind(cluster, id, addr_file)?;
+    let (endpoint, mut inbox) = NodeEndpoint::bind(cluster, id, addr_file)?;
     endpoint
         .transport
         .add_peer(coord, cluster.node(coord)?.addr);
+    let mut forwarding = None;
+    if let Some(on_uplink) = http {
+        let uplink = Arc::new(HttpUplink::new(endpoint.transport.clone(), coord));
+        let tap = uplink.clone();
+        inbox = inbox.tapped(
+            &endpoint,
+            Arc::new(move |from, env| tap.on_serve_msg(from, &env)),
+        );
+        on_uplink(uplink.clone());
+        forwarding = Some((uplink, endpoint.watch(coord)));
+    }
     let sys = actix::System::new();
     let result = sys.block_on(serve(cluster, &endpoint, inbox, threads));
     drop(sys);
+    if let (Ok(_), Some((uplink, watch))) = (&result, forwarding) {
+        // The coordinator goes on serving after the run: so does this node's front end.
+        super::say(&format!(
+            "node {id}: the run ended; forwarding HTTP to node {coord} until it stops"
+        ));
+        endpoint.wait_until_gone(watch);
+        uplink.engine_lost("the coordinator stopped serving");
+    }
     drop(endpoint);
     result
 }

@@ -47,6 +47,28 @@ pub struct HttpUplink {
 }
 
 impl HttpUplink {
+    /// A way to node `engine`'s HTTP front end over `transport`.
+    pub fn new(transport: Arc<QuicTransport>, engine: u32) -> Self {
+        HttpUplink {
+            transport,
+            engine: AtomicU32::new(engine),
+            local: ForwardSlot::default(),
+            waiting: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(1),
+            lost: Mutex::new(None),
+        }
+    }
+
+    /// Takes a serving message that reached a training node (its tap): answers to the
+    /// requests it forwarded.
+    pub fn on_serve_msg(&self, from: u32, env: &super::proto::ServeEnvelope) {
+        match ServeMsg::open(env, from) {
+            Ok(ServeMsg::HttpReply { id, answer }) => self.deliver(id, answer),
+            Ok(other) => tracing::warn!(peer = from, "node {from} sent {other:?}; ignored"),
+            Err(e) => tracing::warn!(peer = from, "{e}; dropped"),
+        }
+    }
+
     /// Forwards `req` and waits at most `within` for the answer; an error says why there
     /// is none (the engine node is lost, or slow).
     pub async fn forward(
@@ -127,7 +149,8 @@ impl HttpUplink {
         }
     }
 
-    fn engine_lost(&self, why: &str) {
+    /// The node it forwards to is gone (why): every waiting and later request fails.
+    pub fn engine_lost(&self, why: &str) {
         *self.lost.lock().unwrap_or_else(|e| e.into_inner()) = Some(why.to_string());
         self.waiting
             .lock()
@@ -319,14 +342,7 @@ async fn serve(
     let mut coord = cluster.coordinator;
     let t = ep.transport.clone();
     let mut on_ready = Some(on_ready);
-    let uplink = Arc::new(HttpUplink {
-        transport: t.clone(),
-        engine: AtomicU32::new(coord),
-        local: ForwardSlot::default(),
-        waiting: Mutex::new(HashMap::new()),
-        next_id: AtomicU64::new(1),
-        lost: Mutex::new(None),
-    });
+    let uplink = Arc::new(HttpUplink::new(t.clone(), coord));
     // After a take-over the new engine node may have dropped this node's first `Join`
     // while it still answered the old engine: it is sent again every second.
     let mut rejoin = false;

@@ -207,22 +207,7 @@ impl ServeLink {
     /// Answers HTTP request `id` forwarded by `from` through the engine node's front end
     /// (a 503 while the front end is not listening yet).
     fn answer_http(self: &Arc<Self>, from: u32, id: u64, req: HttpRequestWire) {
-        let me = self.clone();
-        let forward = self.http.get();
-        tokio::spawn(async move {
-            let answer = match forward {
-                Some(f) => f(req).await,
-                None => HttpAnswerWire {
-                    status: 503,
-                    retry_after: Some("1".into()),
-                    content_type: Some("application/json".into()),
-                    body: br#"{"error":"the engine node's HTTP front end is starting"}"#.to_vec(),
-                },
-            };
-            if let Err(e) = me.tell(from, &ServeMsg::HttpReply { id, answer }) {
-                tracing::warn!("serving: the answer to node {from}'s HTTP request: {e}");
-            }
-        });
+        answer_forwarded(self.transport.clone(), self.http.get(), from, id, req);
     }
 
     /// Reads the control inbox until it closes: replies go to their requests, node
@@ -262,6 +247,33 @@ impl ServeLink {
             }
         }
     }
+}
+
+/// Answers HTTP request `id` that node `from` forwarded, through `front_end` (this node's
+/// HTTP front end; `None`: not listening yet, a 503), and sends the answer back. Spawned on
+/// the calling runtime (the QUIC one).
+pub fn answer_forwarded(
+    transport: Arc<QuicTransport>,
+    front_end: Option<HttpForward>,
+    from: u32,
+    id: u64,
+    req: HttpRequestWire,
+) {
+    tokio::spawn(async move {
+        let answer = match front_end {
+            Some(f) => f(req).await,
+            None => HttpAnswerWire {
+                status: 503,
+                retry_after: Some("1".into()),
+                content_type: Some("application/json".into()),
+                body: br#"{"error":"the serving node's HTTP front end is starting"}"#.to_vec(),
+            },
+        };
+        let reply = ServeMsg::HttpReply { id, answer }.control().encode();
+        if let Err(e) = transport.send_control(from, reply) {
+            tracing::warn!("serving: the answer to node {from}'s HTTP request: {e}");
+        }
+    });
 }
 
 /// How long a lookup waits for a partition on another node.
