@@ -7,6 +7,7 @@ mod support;
 use opentelemetry_proto::tonic::trace::v1::Span;
 use serde_json::{json, Value};
 use serve_support::{agent, s, trellis, Reply};
+use std::path::Path;
 use std::process::{Child, Command};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -65,15 +66,20 @@ impl Server {
             unsafe { libc::kill(self.child.id() as i32, libc::SIGINT) },
             0
         );
+        self.exits_successfully(within, "Ctrl-C");
+    }
+
+    /// Waits (bounded) for the process to exit successfully; `after` says after what.
+    fn exits_successfully(&mut self, within: Duration, after: &str) {
         let end = Instant::now() + within;
         loop {
             if let Some(status) = self.child.try_wait().unwrap() {
-                assert!(status.success(), "exit after Ctrl-C: {status}");
+                assert!(status.success(), "exit after {after}: {status}");
                 return;
             }
             assert!(
                 Instant::now() < end,
-                "still running {within:?} after Ctrl-C"
+                "still running {within:?} after {after}"
             );
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -144,6 +150,113 @@ fn whole_answer(body: &Value, nodes: &[u32], embedding_width: Option<usize>) -> 
         .collect()
 }
 
+/// Serve beside the training on an ephemeral port, publishing every 25 epochs, and save the
+/// last weights to `file`.
+fn serving_args(file: &Path) -> [&str; 8] {
+    [
+        "--serve",
+        "127.0.0.1:0",
+        "--publish-every",
+        "25",
+        "--save-model",
+        s(file),
+        "--save-model-at",
+        "last",
+    ]
+}
+
+/// What querying a service while its training ran saw.
+struct WhileTraining {
+    /// The trainer's `weights_digest` line.
+    digest_line: String,
+    /// The trainer's other lines meanwhile.
+    said: Vec<String>,
+    answers: usize,
+    /// Answers looked up on the serving partitions (with embeddings).
+    through_actors: usize,
+    /// The versions answers named, in order.
+    versions: Vec<String>,
+}
+
+/// Queries `queried` for the same nodes (the published rows and, every other request, the
+/// serving partition actors with embeddings) until `trainer` prints its weights digest,
+/// checking every answer is whole and of one version and versions only move forward.
+fn query_while_training(queried: &Server, trainer: &Server) -> WhileTraining {
+    let agent = agent();
+    let mut seen = WhileTraining {
+        digest_line: String::new(),
+        said: Vec::new(),
+        answers: 0,
+        through_actors: 0,
+        versions: Vec::new(),
+    };
+    let asked = [0, 7, NODES - 1, 7];
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        assert!(Instant::now() < deadline, "training did not finish in time");
+        let with_embeddings = seen.answers % 2 == 1;
+        let body = if with_embeddings {
+            json!({ "nodes": asked, "embeddings": 0 })
+        } else {
+            json!({ "nodes": asked })
+        };
+        let r = queried.post(&agent, "/v1/predict", &body);
+        assert_eq!(r.status, 200, "{}", r.text);
+        let version = r.body["model_version"].as_str().unwrap().to_string();
+        assert_eq!(version.len(), 12, "{}", r.text);
+        let rows = whole_answer(&r.body, &asked, with_embeddings.then_some(16));
+        assert_eq!(rows[1], rows[3], "one node, one answer within a version");
+        seen.answers += 1;
+        seen.through_actors += usize::from(with_embeddings);
+        serve_support::note_version(&mut seen.versions, version);
+        if let Ok(line) = trainer.lines.try_recv() {
+            if line.starts_with("weights_digest") {
+                seen.digest_line = line;
+                return seen;
+            }
+            seen.said.push(line);
+        }
+    }
+}
+
+/// Every node's served probabilities at `server` are of one version and equal those of
+/// `trellis predict` with the model file `saved` (1e-5).
+fn assert_serves_saved(server: &Server, saved: &Path, dir: &Path) {
+    let agent = agent();
+    let out = dir.join("logits.npy");
+    trellis(&[
+        "predict",
+        "--model",
+        s(saved),
+        "--data",
+        DATA,
+        "--out",
+        s(&out),
+    ]);
+    let logits: ndarray::Array2<f32> = ndarray_npy::read_npy(&out).unwrap();
+    let all: Vec<u32> = (0..NODES).collect();
+    let mut worst = 0f64;
+    let mut last_version = None;
+    for chunk in all.chunks(500) {
+        let r = server.post(&agent, "/v1/predict", &json!({ "nodes": chunk }));
+        assert_eq!(r.status, 200, "{}", r.text);
+        let v = r.body["model_version"].as_str().unwrap().to_string();
+        assert!(last_version.as_ref().is_none_or(|l| *l == v), "{v}");
+        last_version = Some(v);
+        for (row, &node) in whole_answer(&r.body, chunk, None).iter().zip(chunk) {
+            let want = softmax(logits.row(node as usize).as_slice().unwrap());
+            for (a, b) in row.iter().zip(&want) {
+                worst = worst.max((a - b).abs());
+            }
+        }
+    }
+    assert!(
+        worst <= 1e-5,
+        "served at {} and predicted (saved weights) differ by {worst}",
+        server.url
+    );
+}
+
 /// Trains 2 partitions with `extra` without a service (`trellis train --partitions 2`),
 /// then the same run with `--serve` as `run` says (`train`, or `launch` of a cluster),
 /// querying it (published rows and, every other request, through the serving partition
@@ -186,99 +299,34 @@ fn serves_beside_and_says(run: &[&str], extra: &[&str], says: &[&str]) {
 
     let file = dir.path().join("last.safetensors");
     let mut args: Vec<&str> = run.iter().chain(&settings).chain(extra).copied().collect();
-    args.extend([
-        "--serve",
-        "127.0.0.1:0",
-        "--publish-every",
-        "25",
-        "--save-model",
-        s(&file),
-        "--save-model-at",
-        "last",
-    ]);
+    args.extend(serving_args(&file));
     let server = Server::spawn(&args, &[]);
-    let agent = agent();
-    let mut versions: Vec<String> = Vec::new();
-    let (mut answers, mut through_actors) = (0, 0);
-    let mut said = Vec::new();
-    let asked = [0, 7, NODES - 1, 7];
-    let deadline = Instant::now() + Duration::from_secs(300);
-    let digest_line = loop {
-        assert!(Instant::now() < deadline, "training did not finish in time");
-        let with_embeddings = answers % 2 == 1;
-        let body = if with_embeddings {
-            json!({ "nodes": asked, "embeddings": 0 })
-        } else {
-            json!({ "nodes": asked })
-        };
-        let r = server.post(&agent, "/v1/predict", &body);
-        assert_eq!(r.status, 200, "{}", r.text);
-        let version = r.body["model_version"].as_str().unwrap().to_string();
-        assert_eq!(version.len(), 12, "{}", r.text);
-        let rows = whole_answer(&r.body, &asked, with_embeddings.then_some(16));
-        assert_eq!(rows[1], rows[3], "one node, one answer within a version");
-        answers += 1;
-        through_actors += usize::from(with_embeddings);
-        serve_support::note_version(&mut versions, version);
-        if let Ok(line) = server.lines.try_recv() {
-            if line.starts_with("weights_digest") {
-                break line;
-            }
-            said.push(line);
-        }
-    };
+    let seen = query_while_training(&server, &server);
     for want in says {
         assert!(
-            said.iter().any(|l| l.contains(want)),
-            "the service never said {want:?}: {said:?}"
+            seen.said.iter().any(|l| l.contains(want)),
+            "the service never said {want:?}: {:?}",
+            seen.said
         );
     }
     println!(
-        "{answers} answers ({through_actors} through the serving partitions) while training, versions: {versions:?}"
+        "{} answers ({} through the serving partitions) while training, versions: {:?}",
+        seen.answers, seen.through_actors, seen.versions
     );
     assert_eq!(
-        digest_of(&digest_line),
+        digest_of(&seen.digest_line),
         want,
         "serving beside changed the trained weights"
     );
     assert!(
-        versions.len() >= 3,
-        "the version advanced only {} time(s) over 24 publishes: {versions:?}",
-        versions.len() - 1
+        seen.versions.len() >= 3,
+        "the version advanced only {} time(s) over 24 publishes: {:?}",
+        seen.versions.len() - 1,
+        seen.versions
     );
     // Once the last publish is served it says so; then it serves exactly the saved weights.
     server.wait_line("still serving", Duration::from_secs(120));
-    let out = dir.path().join("logits.npy");
-    trellis(&[
-        "predict",
-        "--model",
-        s(&file),
-        "--data",
-        DATA,
-        "--out",
-        s(&out),
-    ]);
-    let logits: ndarray::Array2<f32> = ndarray_npy::read_npy(&out).unwrap();
-    let all: Vec<u32> = (0..NODES).collect();
-    let mut worst = 0f64;
-    let mut last_version = None;
-    for chunk in all.chunks(500) {
-        let r = server.post(&agent, "/v1/predict", &json!({ "nodes": chunk }));
-        assert_eq!(r.status, 200, "{}", r.text);
-        let v = r.body["model_version"].as_str().unwrap().to_string();
-        assert!(last_version.as_ref().is_none_or(|l| *l == v), "{v}");
-        last_version = Some(v);
-        for (row, &node) in whole_answer(&r.body, chunk, None).iter().zip(chunk) {
-            let want = softmax(logits.row(node as usize).as_slice().unwrap());
-            for (a, b) in row.iter().zip(&want) {
-                worst = worst.max((a - b).abs());
-            }
-        }
-    }
-    assert!(
-        worst <= 1e-5,
-        "served and predicted (saved last weights) differ by {worst}"
-    );
+    assert_serves_saved(&server, &file, dir.path());
     // Ctrl-C stops the service: the process exits, successfully.
     let mut server = server;
     server.interrupt_and_wait(Duration::from_secs(30));
@@ -692,15 +740,10 @@ fn another_node_of_a_training_cluster_takes_queries_for_the_coordinators_service
             "300",
             "--threads",
             "1",
-            "--serve",
-            "127.0.0.1:0",
-            "--publish-every",
-            "25",
-            "--save-model",
-            s(&file),
-            "--save-model-at",
-            "last",
-        ],
+        ]
+        .into_iter()
+        .chain(serving_args(&file))
+        .collect::<Vec<_>>(),
         &[],
     );
     let t = Instant::now();
@@ -725,78 +768,27 @@ fn another_node_of_a_training_cluster_takes_queries_for_the_coordinators_service
         &[],
     );
     assert_ne!(node1.url, coordinator.url);
-    let agent = agent();
-    let asked = [0, 7, NODES - 1, 7];
-    let mut versions: Vec<String> = Vec::new();
-    let mut answers = 0;
-    let deadline = Instant::now() + Duration::from_secs(300);
-    loop {
-        assert!(Instant::now() < deadline, "training did not finish in time");
-        let with_embeddings = answers % 2 == 1;
-        let body = if with_embeddings {
-            json!({ "nodes": asked, "embeddings": 0 })
-        } else {
-            json!({ "nodes": asked })
-        };
-        let r = node1.post(&agent, "/v1/predict", &body);
-        assert_eq!(r.status, 200, "{}", r.text);
-        let version = r.body["model_version"].as_str().unwrap().to_string();
-        let rows = whole_answer(&r.body, &asked, with_embeddings.then_some(16));
-        assert_eq!(rows[1], rows[3], "one node, one answer within a version");
-        answers += 1;
-        serve_support::note_version(&mut versions, version);
-        if matches!(coordinator.lines.try_recv(), Ok(l) if l.starts_with("weights_digest")) {
-            break;
-        }
-    }
-    println!("{answers} answers through node 1 while the cluster trained, versions: {versions:?}");
-    assert!(versions.len() >= 3, "versions: {versions:?}");
+    let seen = query_while_training(&node1, &coordinator);
+    println!(
+        "{} answers through node 1 while the cluster trained, versions: {:?}",
+        seen.answers, seen.versions
+    );
+    assert!(seen.versions.len() >= 3, "versions: {:?}", seen.versions);
     coordinator.wait_line("still serving", Duration::from_secs(120));
-    // After the run: node 1 still answers, with the saved last weights.
-    let out = dir.path().join("logits.npy");
-    trellis(&[
-        "predict",
-        "--model",
-        s(&file),
-        "--data",
-        DATA,
-        "--out",
-        s(&out),
-    ]);
-    let logits: ndarray::Array2<f32> = ndarray_npy::read_npy(&out).unwrap();
-    let all: Vec<u32> = (0..NODES).collect();
-    let mut worst = 0f64;
-    for chunk in all.chunks(500) {
-        let r = node1.post(&agent, "/v1/predict", &json!({ "nodes": chunk }));
-        assert_eq!(r.status, 200, "{}", r.text);
-        let direct = coordinator.post(&agent, "/v1/predict", &json!({ "nodes": chunk }));
-        assert_eq!(
-            r.body, direct.body,
-            "node 1 answers as the coordinator does"
-        );
-        for (row, &node) in whole_answer(&r.body, chunk, None).iter().zip(chunk) {
-            let want = softmax(logits.row(node as usize).as_slice().unwrap());
-            for (a, b) in row.iter().zip(&want) {
-                worst = worst.max((a - b).abs());
-            }
-        }
-    }
-    assert!(
-        worst <= 1e-5,
-        "served through node 1 and predicted differ by {worst}"
+    // After the run: node 1 still answers, as the coordinator does, with the saved weights.
+    assert_serves_saved(&node1, &file, dir.path());
+    let agent = agent();
+    let body = json!({ "nodes": [0, 1, 2, NODES - 1], "embeddings": 0 });
+    let (via, direct) = (
+        node1.post(&agent, "/v1/predict", &body),
+        coordinator.post(&agent, "/v1/predict", &body),
+    );
+    assert_eq!(via.status, 200, "{}", via.text);
+    assert_eq!(
+        via.body, direct.body,
+        "node 1 answers as the coordinator does"
     );
     // Ctrl-C to the coordinator ends the service; node 1 then ends too, successfully.
     coordinator.interrupt_and_wait(Duration::from_secs(30));
-    let end = Instant::now() + Duration::from_secs(30);
-    loop {
-        if let Some(status) = node1.child.try_wait().unwrap() {
-            assert!(status.success(), "node 1: {status}");
-            break;
-        }
-        assert!(
-            Instant::now() < end,
-            "node 1 still runs 30 s after the coordinator stopped"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    node1.exits_successfully(Duration::from_secs(30), "the coordinator stopped");
 }

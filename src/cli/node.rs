@@ -10,10 +10,9 @@ use super::train::{
     check_report_path, follow, load_data, print_summary, save_kept_model, write_report, TrainArgs,
 };
 use crate::serve::beside::{Beside, BesideOptions};
-use crate::serve::forward::{run_forwarding_http, ForwardConfig};
+use crate::serve::forward::{spawn_forwarding_http, ForwardConfig};
 use anyhow::{Context, Result};
 use clap::Args;
-use std::io::Write;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -148,22 +147,8 @@ fn forward_to_coordinator(id: u32, listen: SocketAddr) -> OnUplink {
         cpus: None,
     };
     Box::new(move |uplink| {
-        let spawned = std::thread::Builder::new()
-            .name("trellis-forward-http".into())
-            .spawn(move || {
-                let r = run_forwarding_http(uplink, cfg, listen, |addr| {
-                    eprintln!("node {id} forwards HTTP requests to the coordinator's service");
-                    println!("listening on http://{addr}");
-                    let _ = std::io::stdout().flush();
-                });
-                if let Err(e) = r {
-                    eprintln!("error: node {id} cannot serve HTTP on {listen}: {e}");
-                    std::process::exit(1);
-                }
-            });
-        if let Err(e) = spawned {
-            eprintln!("error: node {id} cannot start its HTTP front end: {e}");
-            std::process::exit(1);
-        }
+        spawn_forwarding_http(id, uplink, cfg, listen, move |_| {
+            eprintln!("node {id} forwards HTTP requests to the coordinator's service");
+        });
     })
 }

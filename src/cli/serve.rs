@@ -2,7 +2,7 @@
 use super::telemetry::TelemetryArgs;
 use super::train::load_data;
 use crate::serve::api::Limits;
-use crate::serve::forward::{engine_forwarder, run_forwarding_http, ForwardConfig};
+use crate::serve::forward::{engine_forwarder, spawn_forwarding_http, ForwardConfig};
 use crate::serve::{run_http, HttpConfig};
 use anyhow::{Context, Result};
 use clap::Args;
@@ -166,24 +166,10 @@ fn serve_node(a: &ServeArgs, cluster: &ClusterFile, id: u32) -> Result<()> {
                 return;
             };
             // This node's HTTP front end forwards to the engine node, on its own thread.
-            let spawned = std::thread::Builder::new()
-                .name("trellis-forward-http".into())
-                .spawn(move || {
-                    let announce = uplink.clone();
-                    let r = run_forwarding_http(uplink, forward, listen, |addr| {
-                        announce.announce(addr);
-                        println!("listening on http://{addr}");
-                        let _ = std::io::stdout().flush();
-                    });
-                    if let Err(e) = r {
-                        eprintln!("error: node {id} cannot serve HTTP on {listen}: {e}");
-                        std::process::exit(1);
-                    }
-                });
-            if let Err(e) = spawned {
-                eprintln!("error: node {id} cannot start its HTTP front end: {e}");
-                std::process::exit(1);
-            }
+            let announce = uplink.clone();
+            spawn_forwarding_http(id, uplink, forward, listen, move |addr| {
+                announce.announce(addr)
+            });
         },
     )
     .with_context(|| format!("serving node {id}"))?;

@@ -107,6 +107,35 @@ pub fn run_forwarding_http(
     })
 }
 
+/// [`run_forwarding_http`] on a thread of its own, for node `id`; it prints `listening on
+/// http://ADDR` once bound (after `on_bound`). The process exits with an error naming the
+/// node when the front end cannot start.
+pub fn spawn_forwarding_http(
+    id: u32,
+    uplink: Arc<HttpUplink>,
+    cfg: ForwardConfig,
+    listen: SocketAddr,
+    on_bound: impl FnOnce(SocketAddr) + Send + 'static,
+) {
+    let spawned = std::thread::Builder::new()
+        .name("trellis-forward-http".into())
+        .spawn(move || {
+            let r = run_forwarding_http(uplink, cfg, listen, |addr| {
+                on_bound(addr);
+                println!("listening on http://{addr}");
+                let _ = std::io::Write::flush(&mut std::io::stdout());
+            });
+            if let Err(e) = r {
+                eprintln!("error: node {id} cannot serve HTTP on {listen}: {e}");
+                std::process::exit(1);
+            }
+        });
+    if let Err(e) = spawned {
+        eprintln!("error: node {id} cannot start its HTTP front end: {e}");
+        std::process::exit(1);
+    }
+}
+
 /// Where this process reaches its own front end bound at `bound` (an unspecified address
 /// is reached on loopback).
 fn reachable(bound: SocketAddr) -> SocketAddr {
