@@ -7,7 +7,7 @@ mod support;
 use opentelemetry_proto::tonic::trace::v1::Span;
 use serde_json::{json, Value};
 use serve_support::{agent, s, trellis, Reply};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -702,71 +702,15 @@ fn serve_beside_cluster_training_is_refused_where_it_cannot_serve() {
 #[test]
 fn another_node_of_a_training_cluster_takes_queries_for_the_coordinators_service() {
     let dir = tempfile::tempdir().unwrap();
-    let certs = dir.path().join("certs");
-    trellis::transport::certs::init(&certs).unwrap();
-    for i in 0..2 {
-        trellis::transport::certs::issue(&certs, i).unwrap();
-    }
-    let cluster = |name: &str, coordinator: &str| {
-        let path = dir.path().join(name);
-        let text = format!(
-            "certs = \"certs\"\npartitions = \"parts\"\njoin_timeout_ms = 60000\n\
-             [[node]]\nid = 0\naddr = \"{coordinator}\"\n[[node]]\nid = 1\naddr = \"127.0.0.1:0\"\n"
-        );
-        std::fs::write(&path, text).unwrap();
-        path
-    };
-    let c0 = cluster("c0.toml", "127.0.0.1:0");
+    let c0 = two_node_cluster(dir.path(), "c0.toml", "127.0.0.1:0");
     let (addr_file, file) = (
         dir.path().join("node0.addr"),
         dir.path().join("last.safetensors"),
     );
-    let mut coordinator = Server::spawn(
-        &[
-            "node",
-            "--cluster",
-            s(&c0),
-            "--id",
-            "0",
-            "--addr-file",
-            s(&addr_file),
-            "--data",
-            DATA,
-            "--model",
-            "gcn",
-            "--partitions",
-            "2",
-            "--epochs",
-            "300",
-            "--threads",
-            "1",
-        ]
-        .into_iter()
-        .chain(serving_args(&file))
-        .collect::<Vec<_>>(),
-        &[],
-    );
-    let t = Instant::now();
-    let quic = loop {
-        if let Ok(a) = std::fs::read_to_string(&addr_file) {
-            break a;
-        }
-        assert!(t.elapsed() < Duration::from_secs(60), "node 0 never bound");
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let c1 = cluster("c1.toml", &quic);
-    let mut node1 = Server::spawn(
-        &[
-            "node",
-            "--cluster",
-            s(&c1),
-            "--id",
-            "1",
-            "--serve",
-            "127.0.0.1:0",
-        ],
-        &[],
-    );
+    let mut args = coordinator_args(&c0, &addr_file, "300");
+    args.extend(serving_args(&file));
+    let mut coordinator = Server::spawn(&args, &[]);
+    let mut node1 = serving_node1(dir.path(), &addr_file);
     assert_ne!(node1.url, coordinator.url);
     let seen = query_while_training(&node1, &coordinator);
     println!(
@@ -791,4 +735,103 @@ fn another_node_of_a_training_cluster_takes_queries_for_the_coordinators_service
     // Ctrl-C to the coordinator ends the service; node 1 then ends too, successfully.
     coordinator.interrupt_and_wait(Duration::from_secs(30));
     node1.exits_successfully(Duration::from_secs(30), "the coordinator stopped");
+}
+
+/// Certificates for nodes 0 and 1 in `dir` (made once) and the cluster file `dir/name` of
+/// the two, node 0 (the coordinator) at `coordinator`, node 1 at any port.
+fn two_node_cluster(dir: &Path, name: &str, coordinator: &str) -> PathBuf {
+    let certs = dir.join("certs");
+    if !certs.exists() {
+        trellis::transport::certs::init(&certs).unwrap();
+        for i in 0..2 {
+            trellis::transport::certs::issue(&certs, i).unwrap();
+        }
+    }
+    let path = dir.join(name);
+    let text = format!(
+        "certs = \"certs\"\npartitions = \"parts\"\njoin_timeout_ms = 60000\n\
+         [[node]]\nid = 0\naddr = \"{coordinator}\"\n[[node]]\nid = 1\naddr = \"127.0.0.1:0\"\n"
+    );
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+/// `trellis node` arguments of the coordinator of cluster file `c0` training `epochs` epochs
+/// of GCN on 2 partitions, its QUIC address written to `addr_file`.
+fn coordinator_args<'a>(c0: &'a Path, addr_file: &'a Path, epochs: &'a str) -> Vec<&'a str> {
+    vec![
+        "node",
+        "--cluster",
+        s(c0),
+        "--id",
+        "0",
+        "--addr-file",
+        s(addr_file),
+        "--data",
+        DATA,
+        "--model",
+        "gcn",
+        "--partitions",
+        "2",
+        "--epochs",
+        epochs,
+        "--threads",
+        "1",
+    ]
+}
+
+/// Node 1 of the cluster whose coordinator writes its address to `addr_file`, taking
+/// queries (`--serve`) on an ephemeral port.
+fn serving_node1(dir: &Path, addr_file: &Path) -> Server {
+    let c1 = two_node_cluster(dir, "c1.toml", &bound_addr(addr_file));
+    let args = [
+        "node",
+        "--cluster",
+        s(&c1),
+        "--id",
+        "1",
+        "--serve",
+        "127.0.0.1:0",
+    ];
+    Server::spawn(&args, &[])
+}
+
+/// The QUIC address node 0 wrote to `addr_file` (waits at most a minute).
+fn bound_addr(addr_file: &Path) -> String {
+    let t = Instant::now();
+    loop {
+        if let Ok(a) = std::fs::read_to_string(addr_file) {
+            return a;
+        }
+        assert!(t.elapsed() < Duration::from_secs(60), "node 0 never bound");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A node given `--serve` in a cluster whose coordinator does not serve answers 503 at once
+/// (with `Retry-After`), saying why, and ends successfully after the run.
+#[test]
+fn a_node_forwarding_to_a_coordinator_that_does_not_serve_answers_503_saying_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let c0 = two_node_cluster(dir.path(), "c0.toml", "127.0.0.1:0");
+    let addr_file = dir.path().join("node0.addr");
+    let coordinator = serve_support::start(&coordinator_args(&c0, &addr_file, "150"), &[]);
+    let mut coordinator = Server {
+        child: coordinator.child,
+        url: String::new(),
+        lines: coordinator.lines,
+    };
+    let mut node1 = serving_node1(dir.path(), &addr_file);
+    let t = Instant::now();
+    let r = node1.post(&agent(), "/v1/predict", &json!({ "nodes": [0] }));
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        t.elapsed()
+    );
+    assert_eq!(r.status, 503, "{}", r.text);
+    assert!(r.retry_after.is_some(), "{}", r.text);
+    assert!(r.text.contains("does not serve"), "{}", r.text);
+    coordinator.exits_successfully(Duration::from_secs(120), "its run");
+    node1.exits_successfully(Duration::from_secs(30), "the coordinator's run");
 }

@@ -90,34 +90,34 @@ impl ClusterJob {
             self.cfg.model.layers as u16,
             nodes,
         )?;
-        let (endpoint, mut inbox) =
+        let (endpoint, inbox) =
             NodeEndpoint::bind(&self.cluster, self.id, self.addr_file.as_deref())?;
-        let keep_endpoint = match &self.http {
-            Some(h) => {
-                let (front_end, transport) = (h.front_end.clone(), endpoint.transport.clone());
-                let tap: super::node::ServeTap = Arc::new(move |from, env| {
-                    use crate::cluster::serving::proto::ServeMsg;
-                    match ServeMsg::open(&env, from) {
-                        Ok(ServeMsg::HttpRequest { id, req }) => {
-                            crate::cluster::serving::remote::answer_forwarded(
-                                transport.clone(),
-                                Some(front_end.clone()),
-                                from,
-                                id,
-                                req,
-                            )
-                        }
-                        Ok(other) => {
-                            tracing::warn!(peer = from, "node {from} sent {other:?}; ignored")
-                        }
-                        Err(e) => tracing::warn!(peer = from, "{e}; dropped"),
-                    }
-                });
-                inbox = inbox.tapped(&endpoint, tap);
-                Some(h.endpoint.clone())
+        // Serving messages are taken out of the inbox as they arrive: HTTP requests other
+        // nodes forward are answered through the service beside the training, or refused
+        // at once when there is none (so a node given --serve does not wait on them).
+        let front_end = self.http.as_ref().map(|h| h.front_end.clone());
+        let (me, transport) = (self.id, endpoint.transport.clone());
+        let tap: super::node::ServeTap = Arc::new(move |from, env| {
+            use crate::cluster::serving::proto::ServeMsg;
+            use crate::cluster::serving::remote;
+            match (ServeMsg::open(&env, from), &front_end) {
+                (Ok(ServeMsg::HttpRequest { id, req }), Some(f)) => {
+                    remote::answer_forwarded(transport.clone(), Some(f.clone()), from, id, req)
+                }
+                (Ok(ServeMsg::HttpRequest { id, .. }), None) => {
+                    let why = format!(
+                        "node {me}, the coordinator, does not serve this training (start it with --serve ADDR)"
+                    );
+                    remote::reply_forwarded(&transport, from, id, remote::unavailable(&why))
+                }
+                (Ok(other), _) => {
+                    tracing::warn!(peer = from, "node {from} sent {other:?}; ignored")
+                }
+                (Err(e), _) => tracing::warn!(peer = from, "{e}; dropped"),
             }
-            None => None,
-        };
+        });
+        let inbox = inbox.tapped(&endpoint, tap);
+        let keep_endpoint = self.http.as_ref().map(|h| h.endpoint.clone());
         let (tx, rx) = mpsc::channel();
         let cancel = Arc::new(AtomicBool::new(false));
         let cancel2 = cancel.clone();

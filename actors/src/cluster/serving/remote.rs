@@ -262,18 +262,28 @@ pub fn answer_forwarded(
     tokio::spawn(async move {
         let answer = match front_end {
             Some(f) => f(req).await,
-            None => HttpAnswerWire {
-                status: 503,
-                retry_after: Some("1".into()),
-                content_type: Some("application/json".into()),
-                body: br#"{"error":"the serving node's HTTP front end is starting"}"#.to_vec(),
-            },
+            None => unavailable("the serving node's HTTP front end is starting"),
         };
-        let reply = ServeMsg::HttpReply { id, answer }.control().encode();
-        if let Err(e) = transport.send_control(from, reply) {
-            tracing::warn!("serving: the answer to node {from}'s HTTP request: {e}");
-        }
+        reply_forwarded(&transport, from, id, answer);
     });
+}
+
+/// A 503 with `Retry-After: 1` saying `why`, as the answer to a forwarded request.
+pub fn unavailable(why: &str) -> HttpAnswerWire {
+    HttpAnswerWire {
+        status: 503,
+        retry_after: Some("1".into()),
+        content_type: Some("application/json".into()),
+        body: serde_json::json!({ "error": why }).to_string().into_bytes(),
+    }
+}
+
+/// Sends `answer` to node `from` as the answer to its forwarded HTTP request `id`.
+pub fn reply_forwarded(transport: &QuicTransport, from: u32, id: u64, answer: HttpAnswerWire) {
+    let reply = ServeMsg::HttpReply { id, answer }.control().encode();
+    if let Err(e) = transport.send_control(from, reply) {
+        tracing::warn!("serving: the answer to node {from}'s HTTP request: {e}");
+    }
 }
 
 /// How long a lookup waits for a partition on another node.
