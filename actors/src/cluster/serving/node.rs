@@ -265,6 +265,28 @@ fn tell(t: &QuicTransport, to: u32, msg: &ServeMsg) -> Result<(), ActorError> {
         })
 }
 
+/// Sends the answer to request `id` to the engine node `coord`. An answer over the control
+/// message limit (a partition's rows of the last layer can be: 16 MiB is about 260,000
+/// rows of 16 classes) is answered with a failure that says so, at once, instead of never.
+fn reply(t: &QuicTransport, coord: u32, id: u64, body: ServeReply) -> Result<(), ActorError> {
+    match t.send_control(coord, ServeMsg::Reply { id, body }.control().encode()) {
+        Err(trellis_transport::quic::QuicError::TooLarge { bytes, max, .. }) => {
+            let body = ServeReply::Failed {
+                message: format!(
+                    "its answer ({bytes} bytes) exceeds the {max}-byte limit of a serving message: \
+                     serve with more partitions (--partitions), so each holds fewer rows"
+                ),
+            };
+            tell(t, coord, &ServeMsg::Reply { id, body })
+        }
+        Err(e) => Err(ActorError::Node {
+            node: coord,
+            detail: e.to_string(),
+        }),
+        Ok(()) => Ok(()),
+    }
+}
+
 /// The next serving message from the engine node `coord` within `until`; `None` on a
 /// timeout. Anything else from it ends the node with a clear error.
 async fn next_from(
@@ -600,7 +622,9 @@ async fn answer_requests(
                             let t = t.clone();
                             actix::spawn(async move {
                                 let body = task.await;
-                                let _ = tell(&t, coord, &ServeMsg::Reply { id, body });
+                                if let Err(e) = reply(&t, coord, id, body) {
+                                    tracing::warn!("{e}");
+                                }
                             });
                             continue;
                         }
