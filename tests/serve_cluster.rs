@@ -774,10 +774,22 @@ fn wrong_roles_are_clear_errors_naming_the_node() {
     );
 
     // A training node joining a serving cluster: the engine node refuses to start, naming it.
-    let c0 = write_cluster(dir.path(), "c0.toml", "127.0.0.1:0", 2);
-    let addr_file = dir.path().join("node0.addr");
-    let mut args = vec!["serve", "--cluster", s(&c0), "--model", s(&model)];
-    args.extend(["--data", DATA, "--listen", "127.0.0.1:0"]);
+    let err = engine_start_fails(dir.path(), &model, DATA, &["node"]);
+    assert!(
+        err.contains("node 1") && err.contains("trellis serve --cluster"),
+        "{err}"
+    );
+}
+
+/// Starts the engine node of a 2-node serving cluster (`model` on `data`) and node 1 as
+/// `trellis NODE1 --cluster FILE --id 1`; the engine node must exit unsuccessfully within
+/// 120 s. Its standard error.
+fn engine_start_fails(dir: &Path, model: &Path, data: &str, node1: &[&str]) -> String {
+    let c0 = write_cluster(dir, "c0.toml", "127.0.0.1:0", 2);
+    let addr_file = dir.join("node0.addr");
+    let _ = std::fs::remove_file(&addr_file);
+    let mut args = vec!["serve", "--cluster", s(&c0), "--model", s(model)];
+    args.extend(["--data", data, "--listen", "127.0.0.1:0", "--threads", "1"]);
     args.extend(["--addr-file", s(&addr_file)]);
     let mut engine = Reap(
         Command::new(env!("CARGO_BIN_EXE_trellis"))
@@ -798,17 +810,16 @@ fn wrong_roles_are_clear_errors_naming_the_node() {
         );
         std::thread::sleep(Duration::from_millis(20));
     };
-    let c1 = write_cluster(dir.path(), "c1.toml", &quic, 2);
-    let _trainer = Proc::start(
-        "training node 1",
-        &["node", "--cluster", s(&c1), "--id", "1"],
-    );
+    let c1 = write_cluster(dir, "c1.toml", &quic, 2);
+    let mut node_args = node1.to_vec();
+    node_args.extend(["--cluster", s(&c1), "--id", "1"]);
+    let _node1 = Proc::start("node 1", &node_args);
     let status = loop {
         if let Some(st) = engine.0.try_wait().unwrap() {
             break st;
         }
         assert!(
-            t.elapsed() < Duration::from_secs(60),
+            t.elapsed() < Duration::from_secs(120),
             "the engine node did not stop"
         );
         std::thread::sleep(Duration::from_millis(20));
@@ -818,8 +829,39 @@ fn wrong_roles_are_clear_errors_naming_the_node() {
     let mut stderr = engine.0.stderr.take().unwrap();
     stderr.read_to_string(&mut err).unwrap();
     assert!(!status.success());
+    err
+}
+
+/// A partition's answer over the 16 MiB limit of a serving message (10,000 rows of 500
+/// classes: 20 MB) fails the start at once with an error that says so, not after the
+/// step timeout.
+#[test]
+fn an_answer_over_the_message_limit_is_a_clear_error_not_a_hang() {
+    let dir = cluster_dir(2);
+    let data = "synthetic:nodes=20000,degree=4,features=8,classes=500,seed=1";
+    let model = dir.path().join("wide.safetensors");
+    trellis(&[
+        "train",
+        "--data",
+        data,
+        "--model",
+        "gcn",
+        "--hidden",
+        "8",
+        "--epochs",
+        "1",
+        "--save-model",
+        s(&model),
+    ]);
+    let t = Instant::now();
+    let err = engine_start_fails(dir.path(), &model, data, &["serve"]);
     assert!(
-        err.contains("node 1") && err.contains("trellis serve --cluster"),
+        err.contains("exceeds") && err.contains("--partitions"),
         "{err}"
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(60),
+        "took {:?}",
+        t.elapsed()
     );
 }
