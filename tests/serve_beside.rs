@@ -272,18 +272,7 @@ fn serves_beside_partitioned_training(run: &[&str], extra: &[&str]) {
 /// (a line containing it) while it trains.
 fn serves_beside_and_says(run: &[&str], extra: &[&str], says: &[&str]) {
     let dir = tempfile::tempdir().unwrap();
-    let settings = [
-        "--data",
-        DATA,
-        "--model",
-        "gcn",
-        "--partitions",
-        "2",
-        "--epochs",
-        "600",
-        "--threads",
-        "2",
-    ];
+    let settings = training_args("600", "2");
     let alone: Vec<&str> = ["train"]
         .iter()
         .chain(&settings)
@@ -759,7 +748,7 @@ fn two_node_cluster(dir: &Path, name: &str, coordinator: &str) -> PathBuf {
 /// `trellis node` arguments of the coordinator of cluster file `c0` training `epochs` epochs
 /// of GCN on 2 partitions, its QUIC address written to `addr_file`.
 fn coordinator_args<'a>(c0: &'a Path, addr_file: &'a Path, epochs: &'a str) -> Vec<&'a str> {
-    vec![
+    let mut args = vec![
         "node",
         "--cluster",
         s(c0),
@@ -767,6 +756,14 @@ fn coordinator_args<'a>(c0: &'a Path, addr_file: &'a Path, epochs: &'a str) -> V
         "0",
         "--addr-file",
         s(addr_file),
+    ];
+    args.extend(training_args(epochs, "1"));
+    args
+}
+
+/// GCN on `DATA` in 2 partitions for `epochs` epochs with `threads` kernel threads.
+fn training_args<'a>(epochs: &'a str, threads: &'a str) -> [&'a str; 10] {
+    [
         "--data",
         DATA,
         "--model",
@@ -776,7 +773,7 @@ fn coordinator_args<'a>(c0: &'a Path, addr_file: &'a Path, epochs: &'a str) -> V
         "--epochs",
         epochs,
         "--threads",
-        "1",
+        threads,
     ]
 }
 

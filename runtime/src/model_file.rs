@@ -359,8 +359,14 @@ impl SavedModel {
         Ok(())
     }
 
-    /// A short name of these weights: the first 12 hex digits of their digest.
+    /// A short name of these weights ([`version_of`] their digest).
     pub fn version(&self) -> String {
-        self.meta.weights_digest.chars().take(12).collect()
+        version_of(&self.meta.weights_digest)
     }
+}
+
+/// The short name of weights whose digest is `weights_digest`: its first 12 hex digits (what
+/// answers and logs name a served model by).
+pub fn version_of(weights_digest: &str) -> String {
+    weights_digest.chars().take(12).collect()
 }

@@ -158,7 +158,6 @@ fn serve_node(a: &ServeArgs, cluster: &ClusterFile, id: u32) -> Result<()> {
         cluster,
         id,
         a.addr_file.as_deref(),
-        a.threads,
         takeover,
         |parts, uplink| {
             eprintln!("node {id} serves partitions {parts:?}");

@@ -95,27 +95,14 @@ impl ClusterJob {
         // Serving messages are taken out of the inbox as they arrive: HTTP requests other
         // nodes forward are answered through the service beside the training, or refused
         // at once when there is none (so a node given --serve does not wait on them).
-        let front_end = self.http.as_ref().map(|h| h.front_end.clone());
-        let (me, transport) = (self.id, endpoint.transport.clone());
-        let tap: super::node::ServeTap = Arc::new(move |from, env| {
-            use crate::cluster::serving::proto::ServeMsg;
-            use crate::cluster::serving::remote;
-            match (ServeMsg::open(&env, from), &front_end) {
-                (Ok(ServeMsg::HttpRequest { id, req }), Some(f)) => {
-                    remote::answer_forwarded(transport.clone(), Some(f.clone()), from, id, req)
-                }
-                (Ok(ServeMsg::HttpRequest { id, .. }), None) => {
-                    let why = format!(
-                        "node {me}, the coordinator, does not serve this training (start it with --serve ADDR)"
-                    );
-                    remote::reply_forwarded(&transport, from, id, remote::unavailable(&why))
-                }
-                (Ok(other), _) => {
-                    tracing::warn!(peer = from, "node {from} sent {other:?}; ignored")
-                }
-                (Err(e), _) => tracing::warn!(peer = from, "{e}; dropped"),
-            }
-        });
+        let tap = crate::cluster::serving::remote::forwarded_http_tap(
+            endpoint.transport.clone(),
+            self.http.as_ref().map(|h| h.front_end.clone()),
+            format!(
+                "node {}, the coordinator, does not serve this training (start it with --serve ADDR)",
+                self.id
+            ),
+        );
         let inbox = inbox.tapped(&endpoint, tap);
         let keep_endpoint = self.http.as_ref().map(|h| h.endpoint.clone());
         let (tx, rx) = mpsc::channel();

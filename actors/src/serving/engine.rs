@@ -518,10 +518,10 @@ pub fn take_over(
         .unwrap_or_else(|e| e.into_inner())
         .clone();
     let model = trellis_runtime::Model::with_values(values.config.clone(), values.values.clone())?;
-    // The version a model file of these weights names (`SavedModel::version`), so answers
-    // name the same version after the take-over as before it.
+    // The version a model file of these weights names, so answers name the same version
+    // after the take-over as before it.
     let stream = trellis_gpu::Stream::cpu(1).map_err(trellis_runtime::RuntimeError::from)?;
-    let version: String = model.weights_digest(&stream)?.chars().take(12).collect();
+    let version = trellis_runtime::model_file::version_of(&model.weights_digest(&stream)?);
     {
         let mut served = store.served.write().unwrap_or_else(|e| e.into_inner());
         let spare = super::spare_rows(served.features.len());

@@ -175,14 +175,14 @@ pub enum ServeNodeEnd {
 
 /// Runs serving node `id` of `cluster` until the engine node stops the service
 /// ([`ServeNodeEnd::Finished`]) or this node takes over as the engine node after its loss
-/// ([`ServeNodeEnd::Engine`], with `engine`'s settings); an error when it cannot go on (no
-/// setup, a failed setup, or the engine node lost with no successor). `on_ready` runs once
-/// its partitions first serve, with this node's way to the engine node's HTTP front end.
+/// ([`ServeNodeEnd::Engine`], with `engine`'s settings; its partitions use `engine.threads`
+/// kernel threads either way); an error when it cannot go on (no setup, a failed setup, or
+/// the engine node lost with no successor). `on_ready` runs once its partitions first
+/// serve, with this node's way to the engine node's HTTP front end.
 pub fn run_serve_node(
     cluster: &ClusterFile,
     id: u32,
     addr_file: Option<&Path>,
-    threads: usize,
     engine: EngineConfig,
     on_ready: impl FnOnce(&[u32], Arc<HttpUplink>),
 ) -> Result<ServeNodeEnd, ActorError> {
@@ -197,6 +197,7 @@ pub fn run_serve_node(
         .transport
         .add_peer(coord, cluster.node(coord)?.addr);
     let sys = actix::System::new();
+    let threads = engine.threads;
     let result = sys.block_on(serve(cluster, &endpoint, &mut inbox, threads, on_ready));
     drop(sys);
     match result? {
@@ -369,37 +370,7 @@ async fn serve(
     // while it still answered the old engine: it is sent again every second.
     let mut rejoin = false;
     loop {
-        let join_until = Instant::now() + Duration::from_millis(cluster.join_timeout_ms);
-        let join = ServeMsg::Join {
-            addr: ep.addr().to_string(),
-        };
-        tell(&t, coord, &join)?;
-        let setup = loop {
-            let retry = (Instant::now() + Duration::from_secs(1)).min(join_until);
-            match next_from(inbox, coord, retry, "joining").await {
-                Ok(Some(ServeMsg::Setup(s))) => break s,
-                Ok(Some(other)) => tracing::warn!("ignored {other:?} before the setup"),
-                Ok(None) | Err(ActorError::Node { .. }) if Instant::now() < join_until => {
-                    // Not up yet (or it restarted): try again with a fresh connection.
-                    if !t.node().connected_peers().contains(&coord) {
-                        t.node().reset_peer(coord);
-                        tell(&t, coord, &join)?;
-                    } else if rejoin {
-                        tell(&t, coord, &join)?;
-                    }
-                }
-                Ok(None) => {
-                    return Err(ActorError::Node {
-                        node: coord,
-                        detail: format!(
-                            "no serving setup from the engine node within {} ms",
-                            cluster.join_timeout_ms
-                        ),
-                    })
-                }
-                Err(e) => return Err(e),
-            }
-        };
+        let setup = join(cluster, ep, inbox, coord, rejoin).await?;
         let mut hosted = match host(ep, inbox, coord, &setup, threads).await {
             Ok(h) => h,
             Err(e) => {
@@ -467,6 +438,50 @@ async fn serve(
         }
         coord = next.engine;
         rejoin = true;
+    }
+}
+
+/// Joins engine node `coord` (`Join`, resent every second with a fresh connection while it
+/// is not reachable, and also while it is, with `rejoin`) and returns its setup; an error
+/// when none comes within the join timeout.
+async fn join(
+    cluster: &ClusterFile,
+    ep: &NodeEndpoint,
+    inbox: &mut ControlInbox,
+    coord: u32,
+    rejoin: bool,
+) -> Result<ServeSetup, ActorError> {
+    let t = &ep.transport;
+    let until = Instant::now() + Duration::from_millis(cluster.join_timeout_ms);
+    let join = ServeMsg::Join {
+        addr: ep.addr().to_string(),
+    };
+    tell(t, coord, &join)?;
+    loop {
+        let retry = (Instant::now() + Duration::from_secs(1)).min(until);
+        match next_from(inbox, coord, retry, "joining").await {
+            Ok(Some(ServeMsg::Setup(s))) => return Ok(s),
+            Ok(Some(other)) => tracing::warn!("ignored {other:?} before the setup"),
+            Ok(None) | Err(ActorError::Node { .. }) if Instant::now() < until => {
+                // Not up yet (or it restarted): try again with a fresh connection.
+                if !t.node().connected_peers().contains(&coord) {
+                    t.node().reset_peer(coord);
+                    tell(t, coord, &join)?;
+                } else if rejoin {
+                    tell(t, coord, &join)?;
+                }
+            }
+            Ok(None) => {
+                return Err(ActorError::Node {
+                    node: coord,
+                    detail: format!(
+                        "no serving setup from the engine node within {} ms",
+                        cluster.join_timeout_ms
+                    ),
+                })
+            }
+            Err(e) => return Err(e),
+        }
     }
 }
 

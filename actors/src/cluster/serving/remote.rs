@@ -268,6 +268,25 @@ pub fn answer_forwarded(
     });
 }
 
+/// How a training cluster's coordinator takes the serving messages of its tapped inbox
+/// ([`ControlInbox::tapped`](crate::cluster::node::ControlInbox::tapped)): HTTP requests
+/// other nodes forward are answered through `front_end`, the service beside the training,
+/// or, without one, refused at once with a 503 saying `without`.
+pub fn forwarded_http_tap(
+    transport: Arc<QuicTransport>,
+    front_end: Option<HttpForward>,
+    without: String,
+) -> crate::cluster::node::ServeTap {
+    Arc::new(move |from, env| match ServeMsg::open(&env, from) {
+        Ok(ServeMsg::HttpRequest { id, req }) => match &front_end {
+            Some(f) => answer_forwarded(transport.clone(), Some(f.clone()), from, id, req),
+            None => reply_forwarded(&transport, from, id, unavailable(&without)),
+        },
+        Ok(other) => tracing::warn!(peer = from, "node {from} sent {other:?}; ignored"),
+        Err(e) => tracing::warn!(peer = from, "{e}; dropped"),
+    })
+}
+
 /// A 503 with `Retry-After: 1` saying `why`, as the answer to a forwarded request.
 pub fn unavailable(why: &str) -> HttpAnswerWire {
     HttpAnswerWire {
