@@ -80,6 +80,12 @@ fn valid_frames() -> Vec<(&'static str, Vec<u8>)> {
             "control",
             encode_to_vec(&Frame::Control(b"epoch 3 done".to_vec())),
         ),
+        (
+            "control-piece",
+            encode_to_vec(&Frame::ControlPiece(
+                b"the first piece of a large message".to_vec(),
+            )),
+        ),
         ("halo", encode_to_vec(&Frame::Halo(block(1, 2, 3, 4, 5)))),
         (
             "halo-empty",

@@ -52,11 +52,13 @@ fn node(ca: &ClusterCa, id: u32, part: u32, cfg: QuicConfig) -> (QuicTransport, 
 
 /// Nodes 1 and 2, node 1 knowing node 2, and node 2's inbox of control messages.
 fn control_pair() -> (QuicTransport, QuicTransport, ControlRx) {
+    control_pair_with(QuicConfig::loopback())
+}
+
+fn control_pair_with(cfg: QuicConfig) -> (QuicTransport, QuicTransport, ControlRx) {
     let ca = ClusterCa::generate().unwrap();
-    let (a, _) =
-        QuicTransport::bind(QuicConfig::loopback(), &ca.issue_identity(1).unwrap()).unwrap();
-    let (b, rx) =
-        QuicTransport::bind(QuicConfig::loopback(), &ca.issue_identity(2).unwrap()).unwrap();
+    let (a, _) = QuicTransport::bind(cfg.clone(), &ca.issue_identity(1).unwrap()).unwrap();
+    let (b, rx) = QuicTransport::bind(cfg, &ca.issue_identity(2).unwrap()).unwrap();
     a.add_peer(2, b.local_addr());
     (a, b, rx)
 }
@@ -136,8 +138,7 @@ async fn control_messages_arrive_in_order() {
 }
 
 /// Bulk messages (8 MiB each, as replica pieces go) arrive whole as control messages, beside
-/// ordinary control messages sent after them, and the sender's flush waits for them; one
-/// over the envelope limit is refused at once.
+/// ordinary control messages sent after them, and the sender's flush waits for them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bulk_messages_arrive_whole_beside_control_messages() {
     bounded(30, async {
@@ -158,8 +159,62 @@ async fn bulk_messages_arrive_whole_beside_control_messages() {
         for i in 0..3u8 {
             assert!(got.contains(&piece(i)), "bulk message {i} arrived whole");
         }
-        let e = a.send_bulk(2, vec![0; 16 << 20]).unwrap_err();
-        assert!(e.to_string().contains("node 2"), "{e}");
+        a.close().await;
+        b.close().await;
+    })
+    .await
+}
+
+/// Control messages over the 16 MiB envelope limit travel in pieces: they arrive whole and
+/// in order among small ones, on the ordered stream and as bulk messages; one over the
+/// message limit is refused at once, naming the peer and the sizes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn control_messages_over_the_envelope_limit_arrive_whole_and_in_order() {
+    bounded(60, async {
+        let cfg = QuicConfig {
+            max_message: 40 << 20,
+            ..QuicConfig::loopback()
+        };
+        let (a, b, mut rx) = control_pair_with(cfg);
+        let big = |i: u8, len: usize| -> Vec<u8> {
+            (0..len).map(|j| i.wrapping_add((j % 251) as u8)).collect()
+        };
+        let sent = vec![
+            b"first".to_vec(),
+            big(1, (16 << 20) + 3),
+            b"between".to_vec(),
+            big(2, 40 << 20),
+            b"last".to_vec(),
+        ];
+        for m in &sent {
+            a.send_control(2, m.clone()).unwrap();
+        }
+        for (i, m) in sent.iter().enumerate() {
+            let (from, bytes) = rx.recv().await.unwrap();
+            assert_eq!(from, 1);
+            assert!(
+                bytes == *m,
+                "message {i}: {} bytes, sent {}",
+                bytes.len(),
+                m.len()
+            );
+        }
+        a.send_bulk(2, big(3, 20 << 20)).unwrap();
+        a.flush(Duration::from_secs(30)).await.unwrap();
+        assert!(
+            rx.recv().await.unwrap().1 == big(3, 20 << 20),
+            "bulk arrived whole"
+        );
+        for e in [
+            a.send_control(2, vec![0; (40 << 20) + 1]).unwrap_err(),
+            a.send_bulk(2, vec![0; (40 << 20) + 1]).unwrap_err(),
+        ] {
+            let text = e.to_string();
+            assert!(
+                text.contains("node 2") && text.contains("41943041"),
+                "{text}"
+            );
+        }
         a.close().await;
         b.close().await;
     })

@@ -33,6 +33,7 @@ fn samples() -> Vec<Frame> {
         Frame::Refused(String::new()),
         Frame::Control(b"coordinator: start epoch 4".to_vec()),
         Frame::Control(Vec::new()),
+        Frame::ControlPiece(vec![7; 300]),
         Frame::Halo(block(1, 2, 5, 3, 4)),
         Frame::Halo(block(1, 2, 5, 0, 16)),
         Frame::Halo(transformed_block()),

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use trellis_runtime::partition::PartInfo;
 use trellis_transport::quic::QuicTransport;
 
-/// Bytes per chunk (control frames are limited to 16 MiB).
+/// Bytes per chunk: a file is read and sent a chunk at a time, never whole in memory.
 pub const CHUNK: usize = 8 << 20;
 
 /// Streams partition file `info` from `dir` to `node` on a thread of its own, so disk reads

@@ -818,8 +818,9 @@ impl ReplicaBytes {
 }
 
 /// Bytes of a replica per piece on the wire: a replica larger than this (held halo rows grow
-/// with the graph, to hundreds of MB) travels in pieces, as control frames are limited to
-/// 16 MiB, and the receiving store puts them together ([`ReplicaStore::put_remote_piece`]).
+/// with the graph, to hundreds of MB) travels in pieces, each a bulk message of its own that
+/// shares the link with halo blocks, and the receiving store puts them together
+/// ([`ReplicaStore::put_remote_piece`]).
 pub const REPLICA_PIECE: usize = 8 << 20;
 
 /// One piece of partition `part`'s replica of step `epoch`: `data` is `bytes[offset ..]` of

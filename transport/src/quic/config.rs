@@ -45,6 +45,9 @@ pub struct QuicConfig {
     pub send_streams: usize,
     /// Frame size limits.
     pub limits: Limits,
+    /// Largest control message: one over the envelope limit (`limits.max_meta`) travels in
+    /// pieces of half that limit, put together by the receiver up to this size.
+    pub max_message: u64,
     /// Bytes of halo bodies being received from one peer at once; a frame waits for budget
     /// before its buffer is allocated. At least `limits.max_body`.
     pub recv_budget: u64,
@@ -82,6 +85,7 @@ impl Default for QuicConfig {
             max_streams: 64,
             send_streams: 4,
             limits: Limits::default(),
+            max_message: 1 << 30,
             recv_budget: 1 << 30,
             max_queued: 4 << 30,
             max_udp_payload: 65527,
@@ -94,6 +98,12 @@ impl Default for QuicConfig {
 }
 
 impl QuicConfig {
+    /// Bytes per piece of a control message over the envelope limit: half the limit, so
+    /// that a piece and its envelope fit in one frame.
+    pub(crate) fn control_piece(&self) -> usize {
+        (self.limits.max_meta / 2) as usize
+    }
+
     /// Defaults, listening on `bind`.
     pub fn with_bind(bind: SocketAddr) -> Self {
         QuicConfig {

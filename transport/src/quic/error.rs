@@ -43,7 +43,7 @@ pub enum QuicError {
     },
     #[error("node {node}: send queue full ({queued} bytes queued, limit {max})")]
     QueueFull { node: u32, queued: u64, max: u64 },
-    #[error("node {node}: block of {bytes} bytes exceeds the frame limit of {max}")]
+    #[error("node {node}: a message of {bytes} bytes exceeds the limit of {max}")]
     TooLarge { node: u32, bytes: u64, max: u64 },
     #[error("node {node}: {pending} messages still pending after {after:?}")]
     FlushTimeout {

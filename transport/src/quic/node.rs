@@ -384,12 +384,10 @@ impl QuicNode {
         self.shared.enqueue(node, Outgoing::Control(bytes))
     }
 
-    /// A control message must fit the envelope limit (with its frame header).
+    /// A control message must fit the message limit (pieces carry one over the envelope
+    /// limit).
     fn check_control(&self, node: NodeId, bytes: &[u8]) -> Result<(), QuicError> {
-        let (len, max) = (
-            bytes.len() as u64 + 64,
-            self.shared.core.cfg.limits.max_meta as u64,
-        );
+        let (len, max) = (bytes.len() as u64, self.shared.core.cfg.max_message);
         if len > max {
             return Err(QuicError::TooLarge {
                 node,

@@ -1,7 +1,7 @@
 //! The receive side: one task per incoming stream, frames decoded into their final buffers.
 use super::error::StopCode;
 use super::node::{bump, Core, Outgoing, Peer};
-use crate::wire::{Frame, FrameDecoder};
+use crate::wire::{ControlAssembly, Frame, FrameDecoder};
 use quinn::{Connection, RecvStream};
 use std::sync::Arc;
 use tokio::sync::OwnedSemaphorePermit;
@@ -33,6 +33,7 @@ fn drop_stream(core: &Core, peer: &Peer, recv: &mut RecvStream, code: StopCode, 
 /// checked for admission before it is received.
 async fn read_stream(core: Arc<Core>, peer: Arc<Peer>, mut recv: RecvStream) {
     let mut dec = FrameDecoder::new(core.cfg.limits);
+    let mut assembly = ControlAssembly::new(core.cfg.max_message);
     let mut deadline: Option<Instant> = None;
     let mut budget: Option<OwnedSemaphorePermit> = None;
     let mut admitted = false;
@@ -114,10 +115,24 @@ async fn read_stream(core: Arc<Core>, peer: Arc<Peer>, mut recv: RecvStream) {
                         core.inbound.halo(peer.node, block);
                     }
                 }
-                Ok(Frame::Control(_)) if peer.chaos.is_cut() => {
+                Ok(f @ (Frame::Control(_) | Frame::ControlPiece(_))) if peer.chaos.is_cut() => {
+                    assembly.drop_message(matches!(f, Frame::Control(_)));
                     tracing::debug!(peer = peer.node, "link cut (injected): message dropped");
                 }
-                Ok(Frame::Control(bytes)) => core.inbound.control(peer.node, bytes),
+                Ok(Frame::ControlPiece(piece)) => {
+                    if let Err(e) = assembly.handle_piece(piece) {
+                        let why = e.to_string();
+                        return drop_stream(&core, &peer, &mut recv, StopCode::BadFrame, &why);
+                    }
+                }
+                Ok(Frame::Control(last)) => match assembly.handle_last(last) {
+                    Ok(Some(bytes)) => core.inbound.control(peer.node, bytes),
+                    Ok(None) => {}
+                    Err(e) => {
+                        let why = e.to_string();
+                        return drop_stream(&core, &peer, &mut recv, StopCode::BadFrame, &why);
+                    }
+                },
                 Ok(Frame::Ping(nonce)) => {
                     peer.pending
                         .fetch_add(1, std::sync::atomic::Ordering::SeqCst);

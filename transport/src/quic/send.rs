@@ -1,11 +1,12 @@
 //! The send side: one writer task per peer. Halo blocks go out on their own unidirectional
 //! streams, up to `send_streams` at once, their buffers handed to quinn without a copy;
-//! control messages share one ordered stream per connection; bulk control messages go one
-//! at a time on streams of their own at a lower priority than both.
+//! control messages share one ordered stream per connection (one over the envelope limit in
+//! pieces, back to back); bulk control messages go one at a time on streams of their own at
+//! a lower priority than both.
 use super::error::StopCode;
 use super::node::{bump, Core, Outgoing, Peer, Shared};
 use super::QuicError;
-use crate::wire::{encode_head, encode_to_vec, halo_body, Envelope, Frame};
+use crate::wire::{control_frames, encode_head, encode_to_vec, halo_body, Envelope, Frame};
 use crate::HaloBlock;
 use bytes::Bytes;
 use quinn::{Connection, SendStream, WriteError};
@@ -76,9 +77,14 @@ pub(crate) async fn writer(
             }
             Outgoing::Control(b) => {
                 peer.queued.fetch_sub(bytes, Ordering::SeqCst);
-                let r = send_small(&core, &peer, &conn, &mut control, Frame::Control(b)).await;
-                if let Err(e) = r {
-                    core.fail(&peer, e);
+                // The pieces of one message go back to back: this task is the control
+                // stream's only writer.
+                for frame in control_frames(b, core.cfg.control_piece()) {
+                    let r = send_small(&core, &peer, &conn, &mut control, frame).await;
+                    if let Err(e) = r {
+                        core.fail(&peer, e);
+                        break;
+                    }
                 }
                 peer.settle();
             }
@@ -117,9 +123,12 @@ async fn send_bulk(
     conn: &Connection,
     body: Vec<u8>,
 ) -> Result<(), QuicError> {
-    let data = Bytes::from(encode_to_vec(&Frame::Control(body)));
-    let bytes = data.len();
-    send_on_new_stream(core, peer, conn, &mut [data], BULK_PRIORITY, || {
+    let mut frames: Vec<Bytes> = control_frames(body, core.cfg.control_piece())
+        .iter()
+        .map(|f| Bytes::from(encode_to_vec(f)))
+        .collect();
+    let bytes: usize = frames.iter().map(Bytes::len).sum();
+    send_on_new_stream(core, peer, conn, &mut frames, BULK_PRIORITY, || {
         format!("a {bytes}-byte bulk message")
     })
     .await

@@ -43,6 +43,9 @@ pub enum Envelope {
     Refused {
         reason: String,
     },
+    /// A leading piece of a control message larger than one frame; the pieces travel back
+    /// to back on one stream, the last as a [`Envelope::Control`] (protocol version 5).
+    ControlPiece(Vec<u8>),
 }
 
 /// A W3C `traceparent` on the wire: trace id, span id, trace flags.
@@ -78,6 +81,8 @@ pub enum Frame {
     Halo(HaloBlock),
     /// A refused hello and why (see [`Envelope::Refused`]).
     Refused(String),
+    /// A leading piece of a control message (see [`Envelope::ControlPiece`]).
+    ControlPiece(Vec<u8>),
 }
 
 pub(crate) fn phase_code(p: Phase) -> u8 {
@@ -125,6 +130,7 @@ impl Envelope {
             Frame::Ping(n) => Envelope::Ping { nonce: *n },
             Frame::Pong(n) => Envelope::Pong { nonce: *n },
             Frame::Control(b) => Envelope::Control(b.clone()),
+            Frame::ControlPiece(b) => Envelope::ControlPiece(b.clone()),
             Frame::Halo(b) => Envelope::halo(b),
             Frame::Refused(reason) => Envelope::Refused {
                 reason: reason.clone(),
@@ -196,6 +202,7 @@ pub(crate) fn small_frame(env: &ArchivedEnvelope) -> Frame {
         ArchivedEnvelope::Ping { nonce } => Frame::Ping(nonce.to_native()),
         ArchivedEnvelope::Pong { nonce } => Frame::Pong(nonce.to_native()),
         ArchivedEnvelope::Control(b) => Frame::Control(b.as_slice().to_vec()),
+        ArchivedEnvelope::ControlPiece(b) => Frame::ControlPiece(b.as_slice().to_vec()),
         ArchivedEnvelope::Refused { reason } => Frame::Refused(reason.as_str().to_string()),
         ArchivedEnvelope::Halo { .. } => unreachable!("halo envelopes carry a body"),
     }

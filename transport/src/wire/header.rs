@@ -7,7 +7,7 @@ pub const MAGIC: [u8; 4] = *b"TRLS";
 /// Version 2 added the trace context of halo envelopes, version 3 encoded halo bodies
 /// (halo codecs), version 4 sparse-row halo bodies (`--skip-threshold`: only changed rows)
 /// and the `Refused` answer to a hello.
-pub const PROTOCOL_VERSION: u16 = 4;
+pub const PROTOCOL_VERSION: u16 = 5;
 /// Bytes in a frame header.
 pub const HEADER_LEN: usize = 20;
 
@@ -60,6 +60,8 @@ pub enum WireError {
     Flags(u8),
     #[error("envelope of {len} bytes exceeds the limit of {max}")]
     MetaTooLarge { len: u32, max: u32 },
+    #[error("control message of {len} bytes exceeds the limit of {max}")]
+    MessageTooLarge { len: u64, max: u64 },
     #[error("halo body of {len} bytes exceeds the limit of {max}")]
     BodyTooLarge { len: u64, max: u64 },
     #[error("frame kind {kind:?} with a body of {body_len} bytes is malformed")]

@@ -13,15 +13,19 @@
 //! (magic, version, kind, size limits) before allocating anything, checks the archive with
 //! bytecheck before reading it, and streams a halo body straight into the block's final
 //! buffer. [`RecvFilter`] then drops blocks for unknown partitions, runs or stale epochs.
+//! A control message over the envelope limit travels in pieces ([`control_frames`],
+//! [`ControlAssembly`]).
 
 mod decoder;
 mod encode;
 mod envelope;
 mod filter;
 mod header;
+mod pieces;
 
 pub use decoder::FrameDecoder;
 pub use encode::{encode_head, encode_to_vec, halo_body};
 pub use envelope::{ArchivedEnvelope, Envelope, Frame, TraceParent};
 pub use filter::{FilterStats, RecvFilter, Rejection};
 pub use header::{FrameHeader, FrameKind, Limits, WireError, HEADER_LEN, MAGIC, PROTOCOL_VERSION};
+pub use pieces::{control_frames, ControlAssembly};

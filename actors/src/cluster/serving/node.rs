@@ -266,9 +266,10 @@ fn tell(t: &QuicTransport, to: u32, msg: &ServeMsg) -> Result<(), ActorError> {
         })
 }
 
-/// Sends the answer to request `id` to the engine node `coord`. An answer over the control
-/// message limit (a partition's rows of the last layer can be: 16 MiB is about 260,000
-/// rows of 16 classes) is answered with a failure that says so, at once, instead of never.
+/// Sends the answer to request `id` to the engine node `coord`. An answer over a frame's
+/// 16 MiB travels in pieces; one over the message limit (`QuicConfig::max_message`, 1 GiB:
+/// about 16 million rows of 16 classes) is answered with a failure that says so, at once,
+/// instead of never.
 fn reply(t: &QuicTransport, coord: u32, id: u64, body: ServeReply) -> Result<(), ActorError> {
     match t.send_control(coord, ServeMsg::Reply { id, body }.control().encode()) {
         Err(trellis_transport::quic::QuicError::TooLarge { bytes, max, .. }) => {
@@ -288,6 +289,31 @@ fn reply(t: &QuicTransport, coord: u32, id: u64, body: ServeReply) -> Result<(),
     }
 }
 
+/// Why a node is not set up by an engine node.
+enum SetUpError {
+    /// The engine node's link went down (why).
+    EngineLost(String),
+    Failed(ActorError),
+}
+
+impl From<ActorError> for SetUpError {
+    fn from(e: ActorError) -> Self {
+        SetUpError::Failed(e)
+    }
+}
+
+impl SetUpError {
+    fn into_error(self, coord: u32) -> ActorError {
+        match self {
+            SetUpError::EngineLost(detail) => ActorError::Node {
+                node: coord,
+                detail,
+            },
+            SetUpError::Failed(e) => e,
+        }
+    }
+}
+
 /// The next serving message from the engine node `coord` within `until`; `None` on a
 /// timeout. Anything else from it ends the node with a clear error.
 async fn next_from(
@@ -295,13 +321,17 @@ async fn next_from(
     coord: u32,
     until: Instant,
     what: &str,
-) -> Result<Option<ServeMsg>, ActorError> {
+) -> Result<Option<ServeMsg>, SetUpError> {
     loop {
         match inbox.next_event(Some(coord), Some(until)).await? {
             InboxEvent::Message {
                 from,
                 msg: ControlMsg::Serve(env),
-            } if from == coord => return ServeMsg::open(&env, from).map(Some).map_err(wire),
+            } if from == coord => {
+                return ServeMsg::open(&env, from)
+                    .map(Some)
+                    .map_err(|e| wire(e).into())
+            }
             InboxEvent::Message {
                 from,
                 msg: ControlMsg::Setup(_),
@@ -309,7 +339,8 @@ async fn next_from(
                 return Err(ActorError::Cluster(format!(
                     "node {coord} started a training run, but this node was started to serve \
                      (trellis serve --cluster); start it with trellis node to train"
-                )))
+                ))
+                .into())
             }
             InboxEvent::Message {
                 from,
@@ -318,16 +349,16 @@ async fn next_from(
                 return Err(ActorError::Node {
                     node: coord,
                     detail: format!("the engine node refused this node: {reason}"),
-                })
+                }
+                .into())
             }
             InboxEvent::Message { from, msg } => {
                 tracing::warn!(peer = from, "ignored {msg:?} from node {from} while {what}")
             }
-            InboxEvent::PeerDown { node, detail } => {
-                return Err(ActorError::Node {
-                    node,
-                    detail: format!("lost while {what}: {detail}"),
-                })
+            InboxEvent::PeerDown { detail, .. } => {
+                return Err(SetUpError::EngineLost(format!(
+                    "lost while {what}: {detail}"
+                )))
             }
             InboxEvent::Timeout => return Ok(None),
         }
@@ -366,24 +397,43 @@ async fn serve(
     let t = ep.transport.clone();
     let mut on_ready = Some(on_ready);
     let uplink = Arc::new(HttpUplink::new(t.clone(), coord));
-    // After a take-over the new engine node may have dropped this node's first `Join`
-    // while it still answered the old engine: it is sent again every second.
-    let mut rejoin = false;
+    // After the engine node's loss: this node's copy of the inputs and the succession it
+    // follows, until the successor sets it up.
+    let mut following: Option<(Arc<ServeStore>, Succession)> = None;
     loop {
-        let setup = join(cluster, ep, inbox, coord, rejoin).await?;
-        let mut hosted = match host(ep, inbox, coord, &setup, threads).await {
+        let mut hosted = match set_up(cluster, ep, inbox, coord, following.is_some(), threads).await
+        {
             Ok(h) => h,
-            Err(e) => {
-                let _ = tell(
-                    &t,
-                    coord,
-                    &ServeMsg::SetupFailed {
-                        error: e.to_string(),
-                    },
-                );
-                ep.flush(Duration::from_secs(2)).await;
-                return Err(e);
+            Err(SetUpError::EngineLost(why)) if following.is_some() => {
+                // The successor was lost during its take-over: the next one takes over.
+                let (store, lost) = following.take().expect("following a succession");
+                t.fence(coord);
+                let Some(next) = lost.after_successor_loss() else {
+                    return Err(ActorError::Node {
+                        node: coord,
+                        detail: format!(
+                            "it was lost while taking over as the engine node ({why}) and no \
+                             node is left to take over"
+                        ),
+                    });
+                };
+                crate::cluster::say(&format!(
+                    "serving: node {coord}, taking over as the engine node, was lost ({why}); \
+                     node {} takes over",
+                    next.engine
+                ));
+                if next.engine == ep.id {
+                    return Ok(Served::TakeOver {
+                        store,
+                        succession: next,
+                        uplink,
+                    });
+                }
+                coord = next.engine;
+                following = Some((store, next));
+                continue;
             }
+            Err(e) => return Err(e.into_error(coord)),
         };
         let mut parts: Vec<u32> = hosted.addrs.keys().copied().collect();
         parts.sort_unstable();
@@ -437,38 +487,73 @@ async fn serve(
             });
         }
         coord = next.engine;
-        rejoin = true;
+        following = Some((hosted.store.clone(), next));
+    }
+}
+
+/// Joins engine node `coord` and hosts the partitions of its setup. A failed setup is
+/// reported to it (`SetupFailed`).
+async fn set_up(
+    cluster: &ClusterFile,
+    ep: &NodeEndpoint,
+    inbox: &mut ControlInbox,
+    coord: u32,
+    rejoin: bool,
+    threads: usize,
+) -> Result<Hosted, SetUpError> {
+    let setup = join(cluster, ep, inbox, coord, rejoin).await?;
+    match host(ep, inbox, coord, &setup, threads).await {
+        Ok(h) => Ok(h),
+        Err(SetUpError::Failed(e)) => {
+            let _ = tell(
+                &ep.transport,
+                coord,
+                &ServeMsg::SetupFailed {
+                    error: e.to_string(),
+                },
+            );
+            ep.flush(Duration::from_secs(2)).await;
+            Err(SetUpError::Failed(e))
+        }
+        Err(lost) => Err(lost),
     }
 }
 
 /// Joins engine node `coord` (`Join`, resent every second with a fresh connection while it
 /// is not reachable, and also while it is, with `rejoin`) and returns its setup; an error
-/// when none comes within the join timeout.
+/// when none comes within the join timeout. At start-up the engine node may not be up yet,
+/// so a failed link is tried again; with `rejoin` (a successor, which was up) it is
+/// [`SetUpError::EngineLost`].
 async fn join(
     cluster: &ClusterFile,
     ep: &NodeEndpoint,
     inbox: &mut ControlInbox,
     coord: u32,
     rejoin: bool,
-) -> Result<ServeSetup, ActorError> {
+) -> Result<ServeSetup, SetUpError> {
     let t = &ep.transport;
     let until = Instant::now() + Duration::from_millis(cluster.join_timeout_ms);
     let join = ServeMsg::Join {
         addr: ep.addr().to_string(),
     };
-    tell(t, coord, &join)?;
+    let sent = |t: &QuicTransport| match tell(t, coord, &join) {
+        Err(ActorError::Node { detail, .. }) if rejoin => Err(SetUpError::EngineLost(detail)),
+        r => r.map_err(SetUpError::from),
+    };
+    sent(t)?;
     loop {
         let retry = (Instant::now() + Duration::from_secs(1)).min(until);
         match next_from(inbox, coord, retry, "joining").await {
             Ok(Some(ServeMsg::Setup(s))) => return Ok(s),
             Ok(Some(other)) => tracing::warn!("ignored {other:?} before the setup"),
-            Ok(None) | Err(ActorError::Node { .. }) if Instant::now() < until => {
+            Err(SetUpError::EngineLost(why)) if rejoin => return Err(SetUpError::EngineLost(why)),
+            Ok(None) | Err(SetUpError::EngineLost(_)) if Instant::now() < until => {
                 // Not up yet (or it restarted): try again with a fresh connection.
                 if !t.node().connected_peers().contains(&coord) {
                     t.node().reset_peer(coord);
-                    tell(t, coord, &join)?;
+                    sent(t)?;
                 } else if rejoin {
-                    tell(t, coord, &join)?;
+                    sent(t)?;
                 }
             }
             Ok(None) => {
@@ -478,7 +563,8 @@ async fn join(
                         "no serving setup from the engine node within {} ms",
                         cluster.join_timeout_ms
                     ),
-                })
+                }
+                .into())
             }
             Err(e) => return Err(e),
         }
@@ -492,7 +578,7 @@ async fn host(
     coord: u32,
     setup: &ServeSetup,
     threads: usize,
-) -> Result<Hosted, ActorError> {
+) -> Result<Hosted, SetUpError> {
     let parts = setup.placement.len();
     for peer in &setup.peers {
         let addr = peer.addr.parse().map_err(|e| {
@@ -520,12 +606,14 @@ async fn host(
                     return Err(ActorError::Cluster(format!(
                         "node {coord} sent served inputs out of order (bytes at {offset} after {})",
                         bytes.len()
-                    )));
+                    ))
+                    .into());
                 }
                 if offset + data.len() as u64 > t {
                     return Err(ActorError::Cluster(format!(
                         "node {coord} sent more served input bytes than the {t} it announced"
-                    )));
+                    ))
+                    .into());
                 }
                 total = Some(t);
                 bytes.extend_from_slice(&data);
@@ -535,7 +623,8 @@ async fn host(
                 return Err(ActorError::Node {
                     node: coord,
                     detail: "the served inputs did not arrive within 120 s".into(),
-                })
+                }
+                .into())
             }
         }
     }

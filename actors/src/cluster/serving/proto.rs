@@ -21,8 +21,9 @@ use trellis_transport::TraceContext;
 /// The version of the serving messages this build speaks.
 pub const SERVE_PROTOCOL: u16 = 3;
 
-/// Bytes of the served inputs per [`ServeMsg::Inputs`] chunk (control frames are limited
-/// to 16 MiB).
+/// Bytes of the served inputs per [`ServeMsg::Inputs`] chunk: the inputs of a large graph
+/// exceed the 1 GiB a control message may have, and chunks are sent as they are cut, with
+/// no second whole copy of the inputs in a message.
 pub const INPUT_CHUNK: usize = 8 << 20;
 
 /// The envelope of a serving message.

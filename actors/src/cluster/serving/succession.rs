@@ -59,6 +59,13 @@ pub fn after_loss(
 }
 
 impl Succession {
+    /// The succession after this one's new engine node was lost too, before it had set the
+    /// survivors up: the same rule among the other survivors, from this placement (the
+    /// partitions it was to take go to the next one). `None` when no node is left.
+    pub fn after_successor_loss(&self) -> Option<Succession> {
+        after_loss(&self.survivors, self.engine, &[], &self.placement)
+    }
+
     /// The cluster file the new engine node serves with: `file` (certificates, timeouts)
     /// with only the survivors, the new engine node its coordinator, and the placement
     /// explicit.
@@ -134,6 +141,20 @@ mod tests {
         assert_eq!((s.engine, s.placement), (2, vec![2, 2, 2]));
         // Nobody left.
         assert_eq!(after_loss(&[0, 1], 0, &[1], &[0, 1]), None);
+    }
+
+    #[test]
+    fn a_successor_lost_during_its_take_over_is_succeeded_by_the_next_survivor() {
+        let first = after_loss(&[0, 1, 2, 3], 0, &[], &[0, 1, 2, 3]).unwrap();
+        assert_eq!((first.engine, &first.placement), (1, &vec![1, 1, 2, 3]));
+        let second = first.after_successor_loss().unwrap();
+        assert_eq!(second.engine, 2);
+        assert_eq!(second.lost, 1);
+        assert_eq!(second.survivors, vec![2, 3]);
+        assert_eq!(second.placement, vec![2, 2, 2, 3]);
+        let third = second.after_successor_loss().unwrap();
+        assert_eq!((third.engine, &third.placement), (3, &vec![3, 3, 3, 3]));
+        assert_eq!(third.after_successor_loss(), None);
     }
 
     #[test]
