@@ -115,6 +115,23 @@ fn post(url: &str, path: &str, body: &Value) -> Reply {
     )
 }
 
+/// The probabilities of each prediction of a `/v1/predict` answer.
+fn probabilities(body: &Value) -> Vec<Vec<f64>> {
+    body["predictions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| {
+            p["probabilities"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|x| x.as_f64().unwrap())
+                .collect()
+        })
+        .collect()
+}
+
 /// The probabilities `url` serves for `nodes`: from the published rows, or (with
 /// `through_partitions`) looked up on the owning partitions with layer 0's embeddings.
 fn served(url: &str, nodes: &[u32], through_partitions: bool) -> (String, Vec<Vec<f64>>) {
@@ -134,15 +151,8 @@ fn served(url: &str, nodes: &[u32], through_partitions: bool) -> (String, Vec<Ve
             if through_partitions {
                 assert!(p["embedding"].as_array().is_some_and(|e| !e.is_empty()));
             }
-            probs.push(
-                p["probabilities"]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|x| x.as_f64().unwrap())
-                    .collect(),
-            );
         }
+        probs.extend(probabilities(&r.body));
     }
     (version, probs)
 }
@@ -452,19 +462,7 @@ impl Load {
                         );
                         let outcome = match r.status {
                             200 => {
-                                let got: Vec<Vec<f64>> = r.body["predictions"]
-                                    .as_array()
-                                    .unwrap()
-                                    .iter()
-                                    .map(|p| {
-                                        p["probabilities"]
-                                            .as_array()
-                                            .unwrap()
-                                            .iter()
-                                            .map(|x| x.as_f64().unwrap())
-                                            .collect()
-                                    })
-                                    .collect();
+                                let got = probabilities(&r.body);
                                 let close = expected.iter().any(|state| {
                                     got.len() == state.len()
                                         && got.iter().zip(state).all(|(a, b)| {
@@ -944,19 +942,7 @@ fn answers_over_the_frame_limit_travel_in_pieces() {
     let r = post(&c.node_urls[0], "/v1/predict", &json!({ "nodes": nodes }));
     assert_eq!(r.status, 200, "{}", r.text);
     assert!(r.text.len() > 16 << 20, "{} bytes of JSON", r.text.len());
-    let probs: Vec<Vec<f64>> = r.body["predictions"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| {
-            p["probabilities"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|x| x.as_f64().unwrap())
-                .collect()
-        })
-        .collect();
+    let probs = probabilities(&r.body);
     assert_eq!(probs.len(), nodes.len());
     let w = worst(&probs, &logits, &nodes);
     assert!(w <= 1e-5, "through node 1: off by {w}");

@@ -135,6 +135,11 @@ async fn serve(
                 WorkerAction::EpochStarted(e) => {
                     if let Some(h) = &hosted {
                         if h.faults.kill_due(ep.id, e) {
+                            // The fault is the loss of a node whose replicas of the
+                            // committed step reached their nodes (one lost with a replica
+                            // on its way takes the step with it: a double fault).
+                            h.node.replicas().wait_shipped(Duration::from_secs(10));
+                            ep.flush(Duration::from_secs(10)).await;
                             kill_self(ep.id, e);
                         }
                         apply_link_faults(&ep.transport, &h.faults, ep.id, e);

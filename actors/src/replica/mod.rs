@@ -989,6 +989,13 @@ struct Shipment {
     snap: Arc<Snapshot>,
 }
 
+/// How far the replication thread has got.
+#[derive(Default)]
+struct ShipmentCount {
+    queued: std::sync::atomic::AtomicU64,
+    sent: std::sync::atomic::AtomicU64,
+}
+
 /// The replicas a node keeps: the latest snapshot of each partition it hosts (a restarted
 /// actor restores from it), and the replicated bytes of partitions hosted on other nodes
 /// (adopting one after its node is lost restores from them, checked against the sender's
@@ -1003,6 +1010,8 @@ pub struct ReplicaStore {
     pending: DashMap<u32, PendingResidual>,
     /// Encodes and ships snapshots on a thread of its own (cluster runs), in the order put.
     shipping: std::sync::OnceLock<std::sync::Mutex<std::sync::mpsc::Sender<Shipment>>>,
+    /// Snapshots given to the replication thread, and those it has handed to the transport.
+    shipments: Arc<ShipmentCount>,
     /// Replication off: nothing is stored (measures what replication costs).
     disabled: bool,
     /// Replicas shipped from here leave the model out (every receiver hosts a partition).
@@ -1103,6 +1112,7 @@ impl ReplicaStore {
         self.elide_model
             .store(without_model, std::sync::atomic::Ordering::Relaxed);
         let (tx, rx) = std::sync::mpsc::channel::<Shipment>();
+        let count = self.shipments.clone();
         let spawned = std::thread::Builder::new()
             .name("trellis-replicate".into())
             .spawn(move || {
@@ -1113,6 +1123,9 @@ impl ReplicaStore {
                 let mut digests = MirrorDigests::default();
                 while let Ok(s) = rx.recv() {
                     sender(s.encoding.finish_with(&s.snap, &mut digests));
+                    count
+                        .sent
+                        .fetch_add(1, std::sync::atomic::Ordering::Release);
                 }
             });
         match spawned {
@@ -1121,6 +1134,22 @@ impl ReplicaStore {
             }
             Err(e) => tracing::error!("no replication thread: {e}; replicas are not shipped"),
         }
+    }
+
+    /// Waits at most `within` until every snapshot put so far has been handed to the
+    /// transport by the replication thread (the transport's `flush` then waits for its
+    /// delivery); whether it was. True at once when nothing is shipped.
+    pub fn wait_shipped(&self, within: std::time::Duration) -> bool {
+        use std::sync::atomic::Ordering;
+        let target = self.shipments.queued.load(Ordering::Acquire);
+        let until = std::time::Instant::now() + within;
+        while self.shipments.sent.load(Ordering::Acquire) < target {
+            if std::time::Instant::now() >= until {
+                return false;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        true
     }
 
     /// Stores `part`'s latest snapshot and, in a cluster, ships it to the partition's replica
@@ -1161,6 +1190,9 @@ impl ReplicaStore {
                     snap: snap.clone(),
                 };
                 let queue = queue.lock().unwrap_or_else(|p| p.into_inner());
+                self.shipments
+                    .queued
+                    .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
                 if queue.send(shipment).is_err() {
                     tracing::error!("partition {part}: the replication thread is gone");
                 }
