@@ -657,16 +657,18 @@ fn a_node_killed_under_load_costs_no_wrong_answer_and_its_partitions_are_recover
 fn the_engine_node_killed_under_load_is_succeeded_by_another_node_with_no_wrong_answer() {
     let dir = cluster_dir(3);
     let model = train(dir.path(), "m.safetensors", "0");
+    // The other nodes let a prediction wait up to 3 s for a successor.
     let Cluster {
         mut engine,
         nodes,
         node_urls,
         ..
-    } = start_cluster(
+    } = start_cluster_with(
         dir.path(),
         3,
         &model,
         &["--partitions", "3", "--deadline-ms", "1500"],
+        &["--deadline-ms", "3000"],
     );
     // An update through node 2 before the loss: the successor serves the graph with it.
     let ds: Dataset = DataSource::parse(DATA).unwrap().load().unwrap();
@@ -692,6 +694,15 @@ fn the_engine_node_killed_under_load_is_succeeded_by_another_node_with_no_wrong_
     engine.child.kill().unwrap();
     engine.child.wait().unwrap();
     let killed_at = Instant::now();
+    // A prediction sent to node 2 now waits for the loss to be found, then for the
+    // successor, which answers it.
+    let in_flight = {
+        let (url, nodes) = (node_urls[1].clone(), queried.clone());
+        std::thread::spawn(move || {
+            let r = post(&url, "/v1/predict", &json!({ "nodes": nodes }));
+            (r, killed_at.elapsed())
+        })
+    };
     // Node 1, the lowest-numbered survivor, takes over; both survivors answer again.
     let mut node1 = nodes.into_iter();
     let (n1, n2) = (node1.next().unwrap(), node1.next().unwrap());
@@ -726,6 +737,11 @@ fn the_engine_node_killed_under_load_is_succeeded_by_another_node_with_no_wrong_
     };
     std::thread::sleep(Duration::from_millis(800));
     load.stop_and_check("engine node loss under load", recovered);
+    let (r, took) = in_flight.join().unwrap();
+    assert_eq!(r.status, 200, "{}", r.text);
+    let w = worst(&probabilities(&r.body), &before, &queried);
+    assert!(w <= 1e-5, "the successor's answer is off by {w}");
+    eprintln!("a prediction sent at the kill was answered by the successor after {took:?}");
 
     // The successor serves the same model version and every prediction, through both
     // survivors, and takes updates and a model swap as the engine node did.

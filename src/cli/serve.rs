@@ -154,11 +154,15 @@ fn serve_node(a: &ServeArgs, cluster: &ClusterFile, id: u32) -> Result<()> {
     // Should the engine node be lost and this node succeed it, its engine runs with this
     // node's serving options.
     let takeover = engine_config(a, 1, Arc::default());
+    // A prediction the lost engine node did not answer waits for its successor as long as
+    // a query waits for its answer.
+    let patience = Duration::from_millis(a.deadline_ms);
     let end = run_serve_node(
         cluster,
         id,
         a.addr_file.as_deref(),
         takeover,
+        patience,
         |parts, uplink| {
             eprintln!("node {id} serves partitions {parts:?}");
             let Some(listen) = listen else {

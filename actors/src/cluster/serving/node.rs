@@ -44,6 +44,25 @@ pub struct HttpUplink {
     next_id: AtomicU64,
     /// Why the engine node is unreachable, once it is.
     lost: Mutex<Option<String>>,
+    /// Counts the engine nodes this uplink has led to (a new one after each take-over).
+    term: tokio::sync::watch::Sender<u64>,
+    /// How long a read the lost engine node did not answer waits for its successor.
+    patience: Duration,
+}
+
+/// Why a forwarded request got no answer.
+enum Unanswered {
+    /// The engine node is lost: a read may go to its successor.
+    Unreachable(String),
+    /// No answer in time (the engine node may still act on it).
+    Late(String),
+}
+
+/// Whether `req` only reads (a prediction of existing or given nodes, a health or metrics
+/// page), so that sending it again changes nothing.
+fn only_reads(req: &HttpRequestWire) -> bool {
+    let path = req.path.split('?').next().unwrap_or_default();
+    req.method == "GET" || (req.method == "POST" && path == "/v1/predict")
 }
 
 impl HttpUplink {
@@ -56,7 +75,17 @@ impl HttpUplink {
             waiting: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             lost: Mutex::new(None),
+            term: tokio::sync::watch::Sender::new(0),
+            patience: Duration::ZERO,
         }
+    }
+
+    /// This uplink, where a read (a prediction, a GET) that the lost engine node did not
+    /// answer waits at most `patience` for its successor and is sent to it again. Updates
+    /// are never sent twice: one may have been applied before the loss.
+    pub fn waiting_for_a_successor(mut self, patience: Duration) -> Self {
+        self.patience = patience;
+        self
     }
 
     /// Takes a serving message that reached a training node (its tap): answers to the
@@ -70,23 +99,52 @@ impl HttpUplink {
     }
 
     /// Forwards `req` and waits at most `within` for the answer; an error says why there
-    /// is none (the engine node is lost, or slow).
+    /// is none (the engine node is lost, or slow). A read the lost engine node did not
+    /// answer goes to its successor, if one takes over within the patience.
     pub async fn forward(
         &self,
         req: HttpRequestWire,
         within: Duration,
     ) -> Result<HttpAnswerWire, String> {
+        if self.patience.is_zero() || !only_reads(&req) {
+            return self.forward_once(req, within).await.map_err(|e| match e {
+                Unanswered::Unreachable(why) | Unanswered::Late(why) => why,
+            });
+        }
+        let patience = tokio::time::Instant::now() + self.patience;
+        let mut term = self.term.subscribe();
+        loop {
+            match self.forward_once(req.clone(), within).await {
+                Ok(a) => return Ok(a),
+                Err(Unanswered::Late(why)) => return Err(why),
+                Err(Unanswered::Unreachable(why)) => {
+                    match tokio::time::timeout_at(patience, term.changed()).await {
+                        Ok(Ok(())) => continue,
+                        _ => return Err(why),
+                    }
+                }
+            }
+        }
+    }
+
+    async fn forward_once(
+        &self,
+        req: HttpRequestWire,
+        within: Duration,
+    ) -> Result<HttpAnswerWire, Unanswered> {
         if let Some(local) = self.local.get() {
             return tokio::time::timeout(within, local(req)).await.map_err(|_| {
-                format!(
+                Unanswered::Late(format!(
                     "no answer from this node's engine within {} ms",
                     within.as_millis()
-                )
+                ))
             });
         }
         let engine = self.engine.load(Ordering::SeqCst);
         if let Some(why) = self.lost.lock().unwrap_or_else(|e| e.into_inner()).clone() {
-            return Err(format!("the engine node {engine} is unreachable: {why}"));
+            return Err(Unanswered::Unreachable(format!(
+                "the engine node {engine} is unreachable: {why}"
+            )));
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = oneshot::channel();
@@ -102,17 +160,19 @@ impl HttpUplink {
         };
         if let Err(e) = tell(&self.transport, engine, &ServeMsg::HttpRequest { id, req }) {
             forget();
-            return Err(e.to_string());
+            return Err(Unanswered::Unreachable(e.to_string()));
         }
         match tokio::time::timeout(within, rx).await {
             Ok(Ok(a)) => Ok(a),
-            Ok(Err(_)) => Err(format!("the engine node {engine} is unreachable")),
+            Ok(Err(_)) => Err(Unanswered::Unreachable(format!(
+                "the engine node {engine} is unreachable"
+            ))),
             Err(_) => {
                 forget();
-                Err(format!(
+                Err(Unanswered::Late(format!(
                     "no answer from the engine node {engine} within {} ms",
                     within.as_millis()
-                ))
+                )))
             }
         }
     }
@@ -130,12 +190,14 @@ impl HttpUplink {
     /// This node took over as the engine node: requests go to its engine's front end.
     pub fn serve_locally(&self, front_end: HttpForward) {
         self.local.set(front_end);
+        self.term.send_modify(|t| *t += 1);
     }
 
     /// The node joined `engine`, the engine node after a take-over.
     fn rejoined(&self, engine: u32) {
         self.engine.store(engine, Ordering::SeqCst);
         *self.lost.lock().unwrap_or_else(|e| e.into_inner()) = None;
+        self.term.send_modify(|t| *t += 1);
     }
 
     fn deliver(&self, id: u64, answer: HttpAnswerWire) {
@@ -178,12 +240,14 @@ pub enum ServeNodeEnd {
 /// ([`ServeNodeEnd::Engine`], with `engine`'s settings; its partitions use `engine.threads`
 /// kernel threads either way); an error when it cannot go on (no setup, a failed setup, or
 /// the engine node lost with no successor). `on_ready` runs once its partitions first
-/// serve, with this node's way to the engine node's HTTP front end.
+/// serve, with this node's way to the engine node's HTTP front end, on which a read the
+/// lost engine node did not answer waits at most `patience` for its successor.
 pub fn run_serve_node(
     cluster: &ClusterFile,
     id: u32,
     addr_file: Option<&Path>,
     engine: EngineConfig,
+    patience: Duration,
     on_ready: impl FnOnce(&[u32], Arc<HttpUplink>),
 ) -> Result<ServeNodeEnd, ActorError> {
     let coord = cluster.coordinator;
@@ -198,7 +262,9 @@ pub fn run_serve_node(
         .add_peer(coord, cluster.node(coord)?.addr);
     let sys = actix::System::new();
     let threads = engine.threads;
-    let result = sys.block_on(serve(cluster, &endpoint, &mut inbox, threads, on_ready));
+    let result = sys.block_on(serve(
+        cluster, &endpoint, &mut inbox, threads, patience, on_ready,
+    ));
     drop(sys);
     match result? {
         Served::Finished => Ok(ServeNodeEnd::Finished),
@@ -391,12 +457,13 @@ async fn serve(
     ep: &NodeEndpoint,
     inbox: &mut ControlInbox,
     threads: usize,
+    patience: Duration,
     on_ready: impl FnOnce(&[u32], Arc<HttpUplink>),
 ) -> Result<Served, ActorError> {
     let mut coord = cluster.coordinator;
     let t = ep.transport.clone();
     let mut on_ready = Some(on_ready);
-    let uplink = Arc::new(HttpUplink::new(t.clone(), coord));
+    let uplink = Arc::new(HttpUplink::new(t.clone(), coord).waiting_for_a_successor(patience));
     // After the engine node's loss: this node's copy of the inputs and the succession it
     // follows, until the successor sets it up.
     let mut following: Option<(Arc<ServeStore>, Succession)> = None;

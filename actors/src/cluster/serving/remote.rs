@@ -33,17 +33,41 @@ pub type HttpForward = Arc<
 
 /// Where the engine node's HTTP front end plugs in its [`HttpForward`] once it listens.
 #[derive(Default)]
-pub struct ForwardSlot(Mutex<Option<HttpForward>>);
+pub struct ForwardSlot {
+    front_end: Mutex<Option<HttpForward>>,
+    set: tokio::sync::Notify,
+}
 
 impl ForwardSlot {
     pub fn set(&self, f: HttpForward) {
-        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = Some(f);
+        *self.front_end.lock().unwrap_or_else(|e| e.into_inner()) = Some(f);
+        self.set.notify_waiters();
     }
 
     pub(crate) fn get(&self) -> Option<HttpForward> {
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        self.front_end
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// The front end, waiting at most `within` for it to be set.
+    async fn wait(&self, within: Duration) -> Option<HttpForward> {
+        let set = self.set.notified();
+        tokio::pin!(set);
+        // Registered before the check, so a `set` between them is not missed.
+        set.as_mut().enable();
+        if let Some(f) = self.get() {
+            return Some(f);
+        }
+        let _ = tokio::time::timeout(within, set).await;
+        self.get()
     }
 }
+
+/// How long a request forwarded to an engine node whose HTTP front end is not listening yet
+/// (it is starting, or a successor is taking over) waits for it before a 503.
+const FRONT_END_START: Duration = Duration::from_secs(5);
 
 /// A request waiting for its reply.
 struct Waiting {
@@ -204,10 +228,14 @@ impl ServeLink {
         }
     }
 
-    /// Answers HTTP request `id` forwarded by `from` through the engine node's front end
-    /// (a 503 while the front end is not listening yet).
+    /// Answers HTTP request `id` forwarded by `from` through the engine node's front end,
+    /// once it listens (a 503 if it does not within [`FRONT_END_START`]).
     fn answer_http(self: &Arc<Self>, from: u32, id: u64, req: HttpRequestWire) {
-        answer_forwarded(self.transport.clone(), self.http.get(), from, id, req);
+        let link = self.clone();
+        tokio::spawn(async move {
+            let front_end = link.http.wait(FRONT_END_START).await;
+            answer_forwarded(link.transport.clone(), front_end, from, id, req);
+        });
     }
 
     /// Reads the control inbox until it closes: replies go to their requests, node
