@@ -359,6 +359,7 @@ fn reply(t: &QuicTransport, coord: u32, id: u64, body: ServeReply) -> Result<(),
 enum SetUpError {
     /// The engine node's link went down (why).
     EngineLost(String),
+    /// Anything else (no setup in time, a bad setup, a refusal).
     Failed(ActorError),
 }
 
