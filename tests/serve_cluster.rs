@@ -51,6 +51,37 @@ impl Proc {
             }
         }
     }
+
+    /// Waits (until 60 s after `since`) for a line of its output containing `needle`.
+    fn line_with(&self, needle: &str, since: Instant) -> String {
+        loop {
+            let left = Duration::from_secs(60).saturating_sub(since.elapsed());
+            let line = self.lines.recv_timeout(left).unwrap_or_else(|_| {
+                panic!("{} said nothing with {needle:?} within 60 s", self.name)
+            });
+            if line.contains(needle) {
+                return line;
+            }
+        }
+    }
+}
+
+/// Waits (until 60 s after `since`) for `url`'s `/readyz` to answer 200 with `placement`.
+fn wait_ready(url: &str, placement: &Value, since: Instant) {
+    loop {
+        let r = call(&agent(), "GET", &format!("{url}/readyz"), b"");
+        if r.status == 200 {
+            assert_eq!(&r.body["placement"], placement, "{}", r.text);
+            return;
+        }
+        assert!(
+            since.elapsed() < Duration::from_secs(60),
+            "{url} was not ready 60 s after the loss: {} {}",
+            r.status,
+            r.text
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }
 
 impl Drop for Proc {
@@ -630,21 +661,7 @@ fn a_node_killed_under_load_costs_no_wrong_answer_and_its_partitions_are_recover
     // partition (its own, the one it took from node 2, and the engine node's).
     c.engine.child.kill().unwrap();
     c.engine.child.wait().unwrap();
-    let t = Instant::now();
-    loop {
-        let r = call(&agent(), "GET", &format!("{}/readyz", c.node_urls[0]), b"");
-        if r.status == 200 {
-            assert_eq!(r.body["placement"], json!([1, 1, 1]), "{}", r.text);
-            break;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(60),
-            "node 1 did not take over within 60 s: {} {}",
-            r.status,
-            r.text
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_ready(&c.node_urls[0], &json!([1, 1, 1]), Instant::now());
     assert_matches(
         &c.node_urls[0],
         &logits,
@@ -706,16 +723,7 @@ fn the_engine_node_killed_under_load_is_succeeded_by_another_node_with_no_wrong_
     // Node 1, the lowest-numbered survivor, takes over; both survivors answer again.
     let mut node1 = nodes.into_iter();
     let (n1, n2) = (node1.next().unwrap(), node1.next().unwrap());
-    let line = loop {
-        let left = Duration::from_secs(60).saturating_sub(killed_at.elapsed());
-        let line = n1
-            .lines
-            .recv_timeout(left)
-            .expect("node 1 said it took over within 60 s");
-        if line.contains("took over") {
-            break line;
-        }
-    };
+    let line = n1.line_with("took over", killed_at);
     assert!(line.contains("from node 0"), "{line}");
     let recovered = loop {
         let ready: Vec<Reply> = node_urls
@@ -801,31 +809,10 @@ fn the_engine_node_and_its_successor_lost_together_leave_the_last_node_serving_e
         p.child.wait().unwrap();
     }
     let killed_at = Instant::now();
-    let line = loop {
-        let left = Duration::from_secs(60).saturating_sub(killed_at.elapsed());
-        let line = n2
-            .lines
-            .recv_timeout(left)
-            .expect("node 2 said it took over within 60 s");
-        if line.contains("took over") {
-            break line;
-        }
-    };
+    let line = n2.line_with("took over", killed_at);
     assert!(line.contains("node 2"), "{line}");
     let url = &node_urls[1];
-    loop {
-        let r = call(&agent(), "GET", &format!("{url}/readyz"), b"");
-        if r.status == 200 {
-            assert_eq!(r.body["placement"], json!([2, 2, 2]), "{}", r.text);
-            break;
-        }
-        assert!(
-            killed_at.elapsed() < Duration::from_secs(60),
-            "node 2 was not ready 60 s after the kill: {}",
-            r.text
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_ready(url, &json!([2, 2, 2]), killed_at);
     eprintln!("node 2 ready {:?} after both kills", killed_at.elapsed());
     assert_matches(url, &logits, "on the last node");
     let r = post(url, "/v1/edges", &json!({ "add": [[300, 700]] }));
