@@ -588,7 +588,7 @@ async fn set_up(
 }
 
 /// Joins engine node `coord` (`Join`, resent every second with a fresh connection while it
-/// is not reachable, and also while it is, with `rejoin`) and returns its setup; an error
+/// is not reachable, and every 200 ms while it is, with `rejoin`) and returns its setup; an error
 /// when none comes within the join timeout. At start-up the engine node may not be up yet,
 /// so a failed link is tried again; with `rejoin` (a successor, which was up) it is
 /// [`SetUpError::EngineLost`].
@@ -609,8 +609,16 @@ async fn join(
         r => r.map_err(SetUpError::from),
     };
     sent(t)?;
+    // A successor drops the `Join`s that reach it before it runs as the engine node: they
+    // are sent again soon, so the survivors are set up as soon as it does. At start-up a
+    // failed link is dialled again, at a slower pace.
+    let resend = if rejoin {
+        Duration::from_millis(200)
+    } else {
+        Duration::from_secs(1)
+    };
     loop {
-        let retry = (Instant::now() + Duration::from_secs(1)).min(until);
+        let retry = (Instant::now() + resend).min(until);
         match next_from(inbox, coord, retry, "joining").await {
             Ok(Some(ServeMsg::Setup(s))) => return Ok(s),
             Ok(Some(other)) => tracing::warn!("ignored {other:?} before the setup"),
