@@ -33,6 +33,24 @@ pub struct Served {
 }
 
 impl Served {
+    /// BLAKE3 of the graph (each node's neighbours in order), the features and the
+    /// ownership, with layer 0's input layout `sparse_input`: two nodes' copies with the
+    /// same digest serve alike (a successor's survivors skip its inputs when theirs match).
+    pub fn digest(&self, sparse_input: bool) -> [u8; 32] {
+        let mut h = blake3::Hasher::new();
+        h.update(&[u8::from(sparse_input)]);
+        h.update(&(self.graph.num_nodes() as u64).to_le_bytes());
+        for v in 0..self.graph.num_nodes() as u32 {
+            let nbrs = self.graph.neighbors(v);
+            h.update(&(nbrs.len() as u32).to_le_bytes());
+            h.update(bytemuck::cast_slice(nbrs));
+        }
+        h.update(&(self.features.width as u64).to_le_bytes());
+        h.update(bytemuck::cast_slice(&self.features.data));
+        h.update(bytemuck::cast_slice(&self.owner));
+        *h.finalize().as_bytes()
+    }
+
     /// Applies graph changes as the engine applied them to its copy (a node hosting
     /// serving partitions keeps its own copy, for restores, up to date with this).
     pub fn apply(&mut self, ops: &[DeltaOp]) -> Result<(), ActorError> {
@@ -80,6 +98,12 @@ pub struct ServeStore {
 }
 
 impl ServeStore {
+    /// The digest of the served inputs ([`Served::digest`]).
+    pub fn inputs_digest(&self) -> [u8; 32] {
+        let s = self.served.read().unwrap_or_else(|e| e.into_inner());
+        s.digest(self.sparse_input)
+    }
+
     /// Partition `part`'s inputs as the engine has them now.
     pub fn part_data(&self, part: u32) -> Result<PartData, ActorError> {
         let s = self.served.read().unwrap_or_else(|e| e.into_inner());
@@ -460,6 +484,32 @@ mod tests {
             },
             owner: vec![0, 0, 1],
         }
+    }
+
+    #[test]
+    fn copies_that_took_the_same_changes_have_the_same_digest_and_others_do_not() {
+        let (mut a, mut b) = (served(), served());
+        assert_eq!(a.digest(false), b.digest(false));
+        assert_ne!(a.digest(false), a.digest(true), "the input layout counts");
+        let ops = [
+            DeltaOp::AddNode {
+                id: 3,
+                owner: 1,
+                features: vec![1.0, 2.0],
+            },
+            DeltaOp::AddEdge { a: 3, b: 0 },
+        ];
+        a.apply(&ops).unwrap();
+        assert_ne!(a.digest(false), b.digest(false), "a copy behind differs");
+        b.apply(&ops).unwrap();
+        assert_eq!(a.digest(false), b.digest(false));
+        b.apply(&[DeltaOp::RemoveEdge { a: 0, b: 1 }]).unwrap();
+        assert_ne!(a.digest(false), b.digest(false), "an edge differs");
+        let (mut c, mut d) = (served(), served());
+        c.features.data[0] = 0.5;
+        assert_ne!(served().digest(false), c.digest(false), "a feature differs");
+        d.owner[0] = 1;
+        assert_ne!(served().digest(false), d.digest(false), "an owner differs");
     }
 
     #[test]

@@ -48,6 +48,8 @@ pub async fn connect(
     let until = Instant::now() + Duration::from_millis(cluster.join_timeout_ms);
     let mut addrs: BTreeMap<u32, String> = BTreeMap::new();
     addrs.insert(ep.id, ep.addr().to_string());
+    // The digest of the inputs each joining node holds, if it holds any (after a take-over).
+    let mut held: BTreeMap<u32, [u8; 32]> = BTreeMap::new();
     while workers.iter().any(|w| !addrs.contains_key(w)) {
         let (from, msg) = match next(inbox, until).await? {
             Some(m) => m,
@@ -64,13 +66,16 @@ pub async fn connect(
             }
         };
         match msg {
-            ServeMsg::Join { addr } if workers.contains(&from) => {
+            ServeMsg::Join { addr, inputs } if workers.contains(&from) => {
                 let parsed = addr.parse().map_err(|e| ActorError::Node {
                     node: from,
                     detail: format!("joined with a bad address {addr}: {e}"),
                 })?;
                 ep.transport.add_peer(from, parsed);
                 addrs.insert(from, addr);
+                if let Some(d) = inputs {
+                    held.insert(from, d);
+                }
             }
             other => tracing::warn!(
                 peer = from,
@@ -93,28 +98,44 @@ pub async fn connect(
             .clone();
         WireModel::of(&m)?
     };
-    let setup = ServeMsg::Setup(ServeSetup {
+    let setup = ServeSetup {
         run: *run.as_bytes(),
         placement: placement.to_vec(),
         peers,
         model,
         sparse_input: store.sparse_input,
         faults: WireServeFault::shipped(faults, placement, ep.id),
-    });
-    let inputs = {
+        inputs_follow: true,
+    };
+    // A node whose copy of the inputs equals this one's (a survivor of the engine node's
+    // loss, which applied the same updates) keeps it; the others get the inputs.
+    let mine = (!held.is_empty()).then(|| store.inputs_digest());
+    let needs = |w: &u32| mine.is_none() || held.get(w) != mine.as_ref();
+    let inputs = workers.iter().any(needs).then(|| {
         let s = store.served.read().unwrap_or_else(|e| e.into_inner());
         ServedWire::of(&s).encode()
-    };
-    let total = inputs.len() as u64;
-    for &w in &workers {
-        send(ep, w, &setup)?;
+    });
+    for w in &workers {
+        let inputs = inputs.as_ref().filter(|_| needs(w));
+        let setup = ServeSetup {
+            inputs_follow: inputs.is_some(),
+            ..setup.clone()
+        };
+        send(ep, *w, &ServeMsg::Setup(setup))?;
+        let Some(inputs) = inputs else {
+            crate::cluster::say(&format!(
+                "serving: node {w} holds the same inputs; none sent"
+            ));
+            continue;
+        };
+        let total = inputs.len() as u64;
         for (i, chunk) in inputs.chunks(INPUT_CHUNK).enumerate() {
             let msg = ServeMsg::Inputs {
                 offset: (i * INPUT_CHUNK) as u64,
                 total,
                 data: chunk.to_vec(),
             };
-            send(ep, w, &msg)?;
+            send(ep, *w, &msg)?;
         }
     }
     let mut ready: BTreeMap<u32, Vec<u32>> = BTreeMap::new();

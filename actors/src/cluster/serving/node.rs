@@ -469,8 +469,8 @@ async fn serve(
     // follows, until the successor sets it up.
     let mut following: Option<(Arc<ServeStore>, Succession)> = None;
     loop {
-        let mut hosted = match set_up(cluster, ep, inbox, coord, following.is_some(), threads).await
-        {
+        let held = following.as_ref().map(|(store, _)| store.clone());
+        let mut hosted = match set_up(cluster, ep, inbox, coord, held, threads).await {
             Ok(h) => h,
             Err(SetUpError::EngineLost(why)) if following.is_some() => {
                 // The successor was lost during its take-over: the next one takes over.
@@ -559,18 +559,19 @@ async fn serve(
     }
 }
 
-/// Joins engine node `coord` and hosts the partitions of its setup. A failed setup is
-/// reported to it (`SetupFailed`).
+/// Joins engine node `coord` and hosts the partitions of its setup; `held`: this node's
+/// copy of the served inputs, after the engine node's loss. A failed setup is reported to
+/// it (`SetupFailed`).
 async fn set_up(
     cluster: &ClusterFile,
     ep: &NodeEndpoint,
     inbox: &mut ControlInbox,
     coord: u32,
-    rejoin: bool,
+    held: Option<Arc<ServeStore>>,
     threads: usize,
 ) -> Result<Hosted, SetUpError> {
-    let setup = join(cluster, ep, inbox, coord, rejoin).await?;
-    match host(ep, inbox, coord, &setup, threads).await {
+    let setup = join(cluster, ep, inbox, coord, held.as_deref()).await?;
+    match host(ep, inbox, coord, &setup, threads, held).await {
         Ok(h) => Ok(h),
         Err(SetUpError::Failed(e)) => {
             let _ = tell(
@@ -590,19 +591,22 @@ async fn set_up(
 /// Joins engine node `coord` (`Join`, resent every second with a fresh connection while it
 /// is not reachable, and every 200 ms while it is, with `rejoin`) and returns its setup; an error
 /// when none comes within the join timeout. At start-up the engine node may not be up yet,
-/// so a failed link is tried again; with `rejoin` (a successor, which was up) it is
+/// so a failed link is tried again; when rejoining a successor (which was up), with
+/// `held` (this node's copy of the inputs, whose digest the `Join` carries), it is
 /// [`SetUpError::EngineLost`].
 async fn join(
     cluster: &ClusterFile,
     ep: &NodeEndpoint,
     inbox: &mut ControlInbox,
     coord: u32,
-    rejoin: bool,
+    held: Option<&ServeStore>,
 ) -> Result<ServeSetup, SetUpError> {
+    let rejoin = held.is_some();
     let t = &ep.transport;
     let until = Instant::now() + Duration::from_millis(cluster.join_timeout_ms);
     let join = ServeMsg::Join {
         addr: ep.addr().to_string(),
+        inputs: held.map(ServeStore::inputs_digest),
     };
     let sent = |t: &QuicTransport| match tell(t, coord, &join) {
         Err(ActorError::Node { detail, .. }) if rejoin => Err(SetUpError::EngineLost(detail)),
@@ -647,13 +651,15 @@ async fn join(
     }
 }
 
-/// Receives the served inputs and starts the hosted partitions' actors.
+/// Starts the hosted partitions' actors on the served inputs: those that follow the setup,
+/// or this node's own copy `held` when the setup says they equal the engine node's.
 async fn host(
     ep: &NodeEndpoint,
     inbox: &mut ControlInbox,
     coord: u32,
     setup: &ServeSetup,
     threads: usize,
+    held: Option<Arc<ServeStore>>,
 ) -> Result<Hosted, SetUpError> {
     let parts = setup.placement.len();
     for peer in &setup.peers {
@@ -667,51 +673,26 @@ async fn host(
             ep.transport.add_peer(peer.node, addr);
         }
     }
-    // The served inputs, in chunks.
-    let mut bytes: Vec<u8> = Vec::new();
-    let mut total = None;
-    let until = Instant::now() + Duration::from_secs(120);
-    while total != Some(bytes.len() as u64) {
-        match next_from(inbox, coord, until, "receiving the served inputs").await? {
-            Some(ServeMsg::Inputs {
-                offset,
-                total: t,
-                data,
-            }) => {
-                if offset != bytes.len() as u64 || total.is_some_and(|x| x != t) {
-                    return Err(ActorError::Cluster(format!(
-                        "node {coord} sent served inputs out of order (bytes at {offset} after {})",
-                        bytes.len()
-                    ))
-                    .into());
-                }
-                if offset + data.len() as u64 > t {
-                    return Err(ActorError::Cluster(format!(
-                        "node {coord} sent more served input bytes than the {t} it announced"
-                    ))
-                    .into());
-                }
-                total = Some(t);
-                bytes.extend_from_slice(&data);
-            }
-            Some(other) => tracing::warn!("ignored {other:?} while receiving the inputs"),
-            None => {
-                return Err(ActorError::Node {
-                    node: coord,
-                    detail: "the served inputs did not arrive within 120 s".into(),
-                }
-                .into())
-            }
-        }
-    }
-    let served = super::proto::ServedWire::decode(&bytes, coord, parts).map_err(wire)?;
-    drop(bytes);
     let model = Arc::new(setup.model.values(coord).map_err(wire)?);
-    let store = Arc::new(ServeStore {
-        served: RwLock::new(served),
-        model: RwLock::new(model),
-        sparse_input: setup.sparse_input,
-    });
+    let store = match held {
+        _ if setup.inputs_follow => Arc::new(ServeStore {
+            served: RwLock::new(receive_inputs(inbox, coord, parts).await?),
+            model: RwLock::new(model),
+            sparse_input: setup.sparse_input,
+        }),
+        // Its digest matched the engine node's: this node's copy serves as it is.
+        Some(store) => {
+            *store.model.write().unwrap_or_else(|e| e.into_inner()) = model;
+            store
+        }
+        None => {
+            return Err(ActorError::Node {
+                node: coord,
+                detail: "its setup sent no inputs, and this node holds none".into(),
+            }
+            .into())
+        }
+    };
     let mine: Vec<u32> = (0..parts as u32)
         .filter(|&p| setup.placement[p as usize] == ep.id)
         .collect();
@@ -754,6 +735,53 @@ async fn host(
         faults,
         threads,
     })
+}
+
+/// Receives the served inputs from the engine node `coord`, in chunks, and decodes them
+/// (checked to be a graph of `parts` partitions).
+async fn receive_inputs(
+    inbox: &mut ControlInbox,
+    coord: u32,
+    parts: usize,
+) -> Result<crate::serving::shell::Served, SetUpError> {
+    let mut bytes: Vec<u8> = Vec::new();
+    let mut total = None;
+    let until = Instant::now() + Duration::from_secs(120);
+    while total != Some(bytes.len() as u64) {
+        match next_from(inbox, coord, until, "receiving the served inputs").await? {
+            Some(ServeMsg::Inputs {
+                offset,
+                total: t,
+                data,
+            }) => {
+                if offset != bytes.len() as u64 || total.is_some_and(|x| x != t) {
+                    return Err(ActorError::Cluster(format!(
+                        "node {coord} sent served inputs out of order (bytes at {offset} after {})",
+                        bytes.len()
+                    ))
+                    .into());
+                }
+                if offset + data.len() as u64 > t {
+                    return Err(ActorError::Cluster(format!(
+                        "node {coord} sent more served input bytes than the {t} it announced"
+                    ))
+                    .into());
+                }
+                total = Some(t);
+                bytes.extend_from_slice(&data);
+            }
+            Some(other) => tracing::warn!("ignored {other:?} while receiving the inputs"),
+            None => {
+                return Err(ActorError::Node {
+                    node: coord,
+                    detail: "the served inputs did not arrive within 120 s".into(),
+                }
+                .into())
+            }
+        }
+    }
+    let served = super::proto::ServedWire::decode(&bytes, coord, parts).map_err(wire)?;
+    Ok(served)
 }
 
 /// Answers the engine node until it says `Finish` or is lost.

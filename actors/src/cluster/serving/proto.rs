@@ -19,7 +19,7 @@ use trellis_runtime::ModelConfig;
 use trellis_transport::TraceContext;
 
 /// The version of the serving messages this build speaks.
-pub const SERVE_PROTOCOL: u16 = 3;
+pub const SERVE_PROTOCOL: u16 = 4;
 
 /// Bytes of the served inputs per [`ServeMsg::Inputs`] chunk: the inputs of a large graph
 /// exceed the 1 GiB a control message may have, and chunks are sent as they are cut, with
@@ -37,8 +37,13 @@ pub struct ServeEnvelope {
 /// One serving message.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
 pub enum ServeMsg {
-    /// Node -> engine node, first message: this node serves, and listens on `addr`.
-    Join { addr: String },
+    /// Node -> engine node, first message: this node serves, and listens on `addr`. After a
+    /// take-over: `inputs`, the digest of the served inputs this node holds
+    /// ([`Served::digest`](crate::serving::shell::Served::digest)).
+    Join {
+        addr: String,
+        inputs: Option<[u8; 32]>,
+    },
     /// Engine node -> node: host these serving partitions; the inputs follow.
     Setup(ServeSetup),
     /// Engine node -> node: bytes `offset..offset+data.len()` of the served inputs
@@ -117,6 +122,9 @@ pub struct ServeSetup {
     /// The serving faults planned (`--chaos` on the engine node) for partitions of other
     /// nodes, not yet fired: the partitions of the node they are placed on fire them.
     pub faults: Vec<WireServeFault>,
+    /// The served inputs follow (`Inputs`); else the node's own copy, whose digest its
+    /// `Join` gave, equals the engine node's and is used.
+    pub inputs_follow: bool,
 }
 
 /// A planned serving fault: partition `part` fails as `action` says when it starts layer
@@ -711,6 +719,11 @@ mod tests {
         let msgs = vec![
             ServeMsg::Join {
                 addr: "127.0.0.1:9".into(),
+                inputs: None,
+            },
+            ServeMsg::Join {
+                addr: "127.0.0.1:9".into(),
+                inputs: Some([7; 32]),
             },
             ServeMsg::Request {
                 id: 7,
