@@ -486,19 +486,24 @@ mod tests {
         }
     }
 
-    #[test]
-    fn copies_that_took_the_same_changes_have_the_same_digest_and_others_do_not() {
-        let (mut a, mut b) = (served(), served());
-        assert_eq!(a.digest(false), b.digest(false));
-        assert_ne!(a.digest(false), a.digest(true), "the input layout counts");
-        let ops = [
+    /// A new node 3 (of partition 1) and its edge to node 0.
+    fn new_node() -> Vec<DeltaOp> {
+        vec![
             DeltaOp::AddNode {
                 id: 3,
                 owner: 1,
                 features: vec![1.0, 2.0],
             },
             DeltaOp::AddEdge { a: 3, b: 0 },
-        ];
+        ]
+    }
+
+    #[test]
+    fn copies_that_took_the_same_changes_have_the_same_digest_and_others_do_not() {
+        let (mut a, mut b) = (served(), served());
+        assert_eq!(a.digest(false), b.digest(false));
+        assert_ne!(a.digest(false), a.digest(true), "the input layout counts");
+        let ops = new_node();
         a.apply(&ops).unwrap();
         assert_ne!(a.digest(false), b.digest(false), "a copy behind differs");
         b.apply(&ops).unwrap();
@@ -515,15 +520,8 @@ mod tests {
     #[test]
     fn a_copy_of_the_served_graph_follows_the_engines_changes() {
         let mut s = served();
-        let ops = [
-            DeltaOp::AddNode {
-                id: 3,
-                owner: 1,
-                features: vec![1.0, 2.0],
-            },
-            DeltaOp::AddEdge { a: 3, b: 0 },
-            DeltaOp::RemoveEdge { a: 1, b: 0 },
-        ];
+        let mut ops = new_node();
+        ops.push(DeltaOp::RemoveEdge { a: 1, b: 0 });
         s.apply(&ops).unwrap();
         assert_eq!(s.graph.num_nodes(), 4);
         assert_eq!(s.owner, vec![0, 0, 1, 1]);
