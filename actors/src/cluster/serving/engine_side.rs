@@ -1,7 +1,8 @@
 //! The engine node's start-up of a serving cluster: waits for every other node of the
 //! cluster file to join as a serving node, sends each its setup (placement, peers, model)
-//! and the served inputs from the engine's [`ServeStore`], and waits until every node
-//! reports its partitions running. A node that joins as a training node, fails its setup,
+//! and the served inputs from the engine's [`ServeStore`] (unless, after a take-over, the
+//! node's own copy has the same digest), and waits until every node reports its
+//! partitions running. A node that joins as a training node, fails its setup,
 //! or does not come within the cluster's join timeout is an error naming it.
 use super::proto::{
     PeerAddr, ServeMsg, ServeSetup, ServedWire, WireModel, WireServeFault, INPUT_CHUNK,
