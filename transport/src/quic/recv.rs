@@ -119,13 +119,7 @@ async fn read_stream(core: Arc<Core>, peer: Arc<Peer>, mut recv: RecvStream) {
                     assembly.drop_message(matches!(f, Frame::Control(_)));
                     tracing::debug!(peer = peer.node, "link cut (injected): message dropped");
                 }
-                Ok(Frame::ControlPiece(piece)) => {
-                    if let Err(e) = assembly.handle_piece(piece) {
-                        let why = e.to_string();
-                        return drop_stream(&core, &peer, &mut recv, StopCode::BadFrame, &why);
-                    }
-                }
-                Ok(Frame::Control(last)) => match assembly.handle_last(last) {
+                Ok(f @ (Frame::Control(_) | Frame::ControlPiece(_))) => match assembly.handle(f) {
                     Ok(Some(bytes)) => core.inbound.control(peer.node, bytes),
                     Ok(None) => {}
                     Err(e) => {

@@ -45,8 +45,18 @@ impl ControlAssembly {
         }
     }
 
+    /// Takes a control frame of the stream ([`Frame::ControlPiece`] or [`Frame::Control`])
+    /// and returns the message it completes, if any; other frames are not its to take.
+    pub fn handle(&mut self, frame: Frame) -> Result<Option<Vec<u8>>, WireError> {
+        match frame {
+            Frame::ControlPiece(piece) => self.handle_piece(piece).map(|()| None),
+            Frame::Control(last) => self.handle_last(last),
+            other => unreachable!("not a control frame: {other:?}"),
+        }
+    }
+
     /// Takes a leading piece of a message.
-    pub fn handle_piece(&mut self, piece: Vec<u8>) -> Result<(), WireError> {
+    fn handle_piece(&mut self, piece: Vec<u8>) -> Result<(), WireError> {
         if self.dropping {
             return Ok(());
         }
@@ -61,7 +71,7 @@ impl ControlAssembly {
 
     /// Takes the last piece of a message (or a whole one) and returns the message; `None`
     /// when a piece of it was dropped.
-    pub fn handle_last(&mut self, last: Vec<u8>) -> Result<Option<Vec<u8>>, WireError> {
+    fn handle_last(&mut self, last: Vec<u8>) -> Result<Option<Vec<u8>>, WireError> {
         if std::mem::take(&mut self.dropping) {
             self.bytes = Vec::new();
             return Ok(None);
@@ -98,11 +108,7 @@ mod tests {
     fn assemble(frames: Vec<Frame>, a: &mut ControlAssembly) -> Vec<Vec<u8>> {
         let mut out = Vec::new();
         for f in frames {
-            match f {
-                Frame::ControlPiece(p) => a.handle_piece(p).unwrap(),
-                Frame::Control(b) => out.extend(a.handle_last(b).unwrap()),
-                other => panic!("not a control frame: {other:?}"),
-            }
+            out.extend(a.handle(f).unwrap());
         }
         out
     }

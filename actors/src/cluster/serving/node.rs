@@ -470,92 +470,88 @@ async fn serve(
     let mut following: Option<(Arc<ServeStore>, Succession)> = None;
     loop {
         let held = following.as_ref().map(|(store, _)| store.clone());
-        let mut hosted = match set_up(cluster, ep, inbox, coord, held, threads).await {
-            Ok(h) => h,
-            Err(SetUpError::EngineLost(why)) if following.is_some() => {
-                // The successor was lost during its take-over: the next one takes over.
-                let (store, lost) = following.take().expect("following a succession");
-                t.fence(coord);
-                let Some(next) = lost.after_successor_loss() else {
-                    return Err(ActorError::Node {
-                        node: coord,
-                        detail: format!(
-                            "it was lost while taking over as the engine node ({why}) and no \
-                             node is left to take over"
-                        ),
-                    });
+        // Who takes over, from which copy of the inputs, after what loss.
+        let (store, next, lost) = match set_up(cluster, ep, inbox, coord, held, threads).await {
+            Ok(mut hosted) => {
+                let served =
+                    serve_engine(ep, inbox, coord, &mut hosted, &uplink, &mut on_ready).await;
+                hosted.node.shutdown();
+                let Some(why) = served? else {
+                    return Ok(Served::Finished);
                 };
-                crate::cluster::say(&format!(
-                    "serving: node {coord}, taking over as the engine node, was lost ({why}); \
-                     node {} takes over",
-                    next.engine
-                ));
-                if next.engine == ep.id {
-                    return Ok(Served::TakeOver {
-                        store,
-                        succession: next,
-                        uplink,
-                    });
-                }
-                coord = next.engine;
-                following = Some((store, next));
-                continue;
+                let next =
+                    succession::after_loss(&hosted.peers, coord, &hosted.fenced, &hosted.placement);
+                let lost = format!("the engine node {coord} was lost ({why})");
+                (hosted.store.clone(), next, lost)
+            }
+            // The successor was lost during its take-over: the next one takes over.
+            Err(SetUpError::EngineLost(why)) if following.is_some() => {
+                let (store, succession) = following.take().expect("following a succession");
+                let lost =
+                    format!("node {coord}, taking over as the engine node, was lost ({why})");
+                (store, succession.after_successor_loss(), lost)
             }
             Err(e) => return Err(e.into_error(coord)),
         };
-        let mut parts: Vec<u32> = hosted.addrs.keys().copied().collect();
-        parts.sort_unstable();
-        tell(
-            &t,
-            coord,
-            &ServeMsg::Ready {
-                parts: parts.clone(),
-            },
-        )?;
-        uplink.rejoined(coord);
-        if let Some(on_ready) = on_ready.take() {
-            on_ready(&parts, uplink.clone());
-        } else {
-            crate::cluster::say(&format!(
-                "serving: node {} serves partitions {parts:?} for the engine node {coord}",
-                ep.id
-            ));
-        }
-        let answered = answer_requests(ep, inbox, coord, &mut hosted, &uplink).await;
-        hosted.node.shutdown();
-        let why = match answered {
-            Ok(Answered::Finished) => return Ok(Served::Finished),
-            Ok(Answered::EngineLost(why)) => why,
-            Err(e) => {
-                uplink.engine_lost(&e.to_string());
-                return Err(e);
-            }
-        };
-        uplink.engine_lost(&why);
         t.fence(coord);
-        let Some(next) =
-            succession::after_loss(&hosted.peers, coord, &hosted.fenced, &hosted.placement)
-        else {
+        let Some(next) = next else {
             return Err(ActorError::Node {
                 node: coord,
-                detail: format!(
-                    "the engine node was lost ({why}) and no node is left to take over"
-                ),
+                detail: format!("{lost}, and no node is left to take over"),
             });
         };
-        crate::cluster::say(&format!(
-            "serving: the engine node {coord} was lost ({why}); node {} takes over",
-            next.engine
-        ));
+        crate::cluster::say(&format!("serving: {lost}; node {} takes over", next.engine));
         if next.engine == ep.id {
             return Ok(Served::TakeOver {
-                store: hosted.store.clone(),
+                store,
                 succession: next,
                 uplink,
             });
         }
         coord = next.engine;
-        following = Some((hosted.store.clone(), next));
+        following = Some((store, next));
+    }
+}
+
+/// Serves engine node `coord` with the partitions `hosted` (reporting them `Ready`, and
+/// running `on_ready` the first time) until it finishes the service (`None`) or is lost
+/// (why). The caller shuts the partitions down.
+async fn serve_engine(
+    ep: &NodeEndpoint,
+    inbox: &mut ControlInbox,
+    coord: u32,
+    hosted: &mut Hosted,
+    uplink: &Arc<HttpUplink>,
+    on_ready: &mut Option<impl FnOnce(&[u32], Arc<HttpUplink>)>,
+) -> Result<Option<String>, ActorError> {
+    let mut parts: Vec<u32> = hosted.addrs.keys().copied().collect();
+    parts.sort_unstable();
+    tell(
+        &ep.transport,
+        coord,
+        &ServeMsg::Ready {
+            parts: parts.clone(),
+        },
+    )?;
+    uplink.rejoined(coord);
+    if let Some(on_ready) = on_ready.take() {
+        on_ready(&parts, uplink.clone());
+    } else {
+        crate::cluster::say(&format!(
+            "serving: node {} serves partitions {parts:?} for the engine node {coord}",
+            ep.id
+        ));
+    }
+    match answer_requests(ep, inbox, coord, hosted, uplink).await {
+        Ok(Answered::Finished) => Ok(None),
+        Ok(Answered::EngineLost(why)) => {
+            uplink.engine_lost(&why);
+            Ok(Some(why))
+        }
+        Err(e) => {
+            uplink.engine_lost(&e.to_string());
+            Err(e)
+        }
     }
 }
 
