@@ -233,8 +233,11 @@ impl ServeLink {
     fn answer_http(self: &Arc<Self>, from: u32, id: u64, req: HttpRequestWire) {
         let link = self.clone();
         tokio::spawn(async move {
-            let front_end = link.http.wait(FRONT_END_START).await;
-            answer_forwarded(link.transport.clone(), front_end, from, id, req);
+            let answer = match link.http.wait(FRONT_END_START).await {
+                Some(f) => f(req).await,
+                None => unavailable("the serving node's HTTP front end is starting"),
+            };
+            reply_forwarded(&link.transport, from, id, answer);
         });
     }
 
@@ -278,20 +281,17 @@ impl ServeLink {
 }
 
 /// Answers HTTP request `id` that node `from` forwarded, through `front_end` (this node's
-/// HTTP front end; `None`: not listening yet, a 503), and sends the answer back. Spawned on
-/// the calling runtime (the QUIC one).
+/// HTTP front end), and sends the answer back. Spawned on the calling runtime (the QUIC
+/// one).
 pub fn answer_forwarded(
     transport: Arc<QuicTransport>,
-    front_end: Option<HttpForward>,
+    front_end: HttpForward,
     from: u32,
     id: u64,
     req: HttpRequestWire,
 ) {
     tokio::spawn(async move {
-        let answer = match front_end {
-            Some(f) => f(req).await,
-            None => unavailable("the serving node's HTTP front end is starting"),
-        };
+        let answer = front_end(req).await;
         reply_forwarded(&transport, from, id, answer);
     });
 }
@@ -307,7 +307,7 @@ pub fn forwarded_http_tap(
 ) -> crate::cluster::node::ServeTap {
     Arc::new(move |from, env| match ServeMsg::open(&env, from) {
         Ok(ServeMsg::HttpRequest { id, req }) => match &front_end {
-            Some(f) => answer_forwarded(transport.clone(), Some(f.clone()), from, id, req),
+            Some(f) => answer_forwarded(transport.clone(), f.clone(), from, id, req),
             None => reply_forwarded(&transport, from, id, unavailable(&without)),
         },
         Ok(other) => tracing::warn!(peer = from, "node {from} sent {other:?}; ignored"),
