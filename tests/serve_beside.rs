@@ -46,6 +46,13 @@ impl Server {
         }
     }
 
+    /// `/readyz`'s placement: the node serving each serving partition (a cluster's).
+    fn placement(&self) -> Vec<u32> {
+        let r = serve_support::request(&agent(), "GET", &format!("{}/readyz", self.url), b"", &[]);
+        assert_eq!(r.status, 200, "{}", r.text);
+        serde_json::from_value(r.body["placement"].clone()).expect("a placement")
+    }
+
     /// Waits (bounded) for a stdout line containing `what`; returns it.
     fn wait_line(&self, what: &str, within: Duration) -> String {
         let end = Instant::now() + within;
@@ -174,6 +181,9 @@ struct WhileTraining {
     answers: usize,
     /// Answers looked up on the serving partitions (with embeddings).
     through_actors: usize,
+    /// 503s with `Retry-After` saying a serving partition is being recovered (only where
+    /// a node is lost).
+    recovering: usize,
     /// The versions answers named, in order.
     versions: Vec<String>,
 }
@@ -181,13 +191,17 @@ struct WhileTraining {
 /// Queries `queried` for the same nodes (the published rows and, every other request, the
 /// serving partition actors with embeddings) until `trainer` prints its weights digest,
 /// checking every answer is whole and of one version and versions only move forward.
-fn query_while_training(queried: &Server, trainer: &Server) -> WhileTraining {
+/// With `node_lost`, a query may also be answered a clear 503 (with `Retry-After`, saying a
+/// serving partition is being recovered) while a lost node's serving partition is
+/// re-placed: the loss is found by the QUIC idle timeout, after the query's deadline.
+fn query_while_training(queried: &Server, trainer: &Server, node_lost: bool) -> WhileTraining {
     let agent = agent();
     let mut seen = WhileTraining {
         digest_line: String::new(),
         said: Vec::new(),
         answers: 0,
         through_actors: 0,
+        recovering: 0,
         versions: Vec::new(),
     };
     let asked = [0, 7, NODES - 1, 7];
@@ -201,6 +215,13 @@ fn query_while_training(queried: &Server, trainer: &Server) -> WhileTraining {
             json!({ "nodes": asked })
         };
         let r = queried.post(&agent, "/v1/predict", &body);
+        if node_lost && r.status == 503 {
+            assert!(r.retry_after.is_some(), "{}", r.text);
+            assert!(r.text.contains("being recovered"), "{}", r.text);
+            seen.recovering += 1;
+            seen.answers += 1;
+            continue;
+        }
         assert_eq!(r.status, 200, "{}", r.text);
         let version = r.body["model_version"].as_str().unwrap().to_string();
         assert_eq!(version.len(), 12, "{}", r.text);
@@ -290,7 +311,13 @@ fn serves_beside_and_says(run: &[&str], extra: &[&str], says: &[&str]) {
     let mut args: Vec<&str> = run.iter().chain(&settings).chain(extra).copied().collect();
     args.extend(serving_args(&file));
     let server = Server::spawn(&args, &[]);
-    let seen = query_while_training(&server, &server);
+    let on_cluster = run[0] == "launch";
+    if on_cluster {
+        // One serving partition beside each training partition, on its node.
+        assert_eq!(server.placement(), [0, 1]);
+    }
+    let node_lost = extra.iter().chain(run).any(|a| a.contains("kill-node"));
+    let seen = query_while_training(&server, &server, node_lost);
     for want in says {
         assert!(
             seen.said.iter().any(|l| l.contains(want)),
@@ -299,9 +326,21 @@ fn serves_beside_and_says(run: &[&str], extra: &[&str], says: &[&str]) {
         );
     }
     println!(
-        "{} answers ({} through the serving partitions) while training, versions: {:?}",
-        seen.answers, seen.through_actors, seen.versions
+        "{} answers ({} through the serving partitions, {} 503s while a lost node's serving \
+         partition was recovered) while training, versions: {:?}",
+        seen.answers, seen.through_actors, seen.recovering, seen.versions
     );
+    if node_lost {
+        // The lost node's serving partition now runs on the coordinator, and the 503s
+        // were a short window of the run.
+        assert_eq!(server.placement(), [0, 0]);
+        assert!(
+            seen.recovering * 10 < seen.answers,
+            "{} of {}",
+            seen.recovering,
+            seen.answers
+        );
+    }
     assert_eq!(
         digest_of(&seen.digest_line),
         want,
@@ -698,10 +737,19 @@ fn another_node_of_a_training_cluster_takes_queries_for_the_coordinators_service
     );
     let mut args = coordinator_args(&c0, &addr_file, "300");
     args.extend(serving_args(&file));
-    let mut coordinator = Server::spawn(&args, &[]);
+    // The coordinator listens once node 1 has joined its training and its service.
+    let started = serve_support::start(&args, &[]);
     let mut node1 = serving_node1(dir.path(), &addr_file);
+    let url = serve_support::listening_url(&started.lines, Duration::from_secs(120));
+    let mut coordinator = Server {
+        child: started.child,
+        url,
+        lines: started.lines,
+    };
     assert_ne!(node1.url, coordinator.url);
-    let seen = query_while_training(&node1, &coordinator);
+    // Node 1 serves its training partition's serving partition.
+    assert_eq!(coordinator.placement(), [0, 1]);
+    let seen = query_while_training(&node1, &coordinator, false);
     println!(
         "{} answers through node 1 while the cluster trained, versions: {:?}",
         seen.answers, seen.versions

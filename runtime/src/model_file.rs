@@ -42,6 +42,22 @@ pub struct ModelMeta {
     pub code_version: String,
 }
 
+impl ModelMeta {
+    /// The metadata of the weights of `epoch` of a training with `cfg` on the data of
+    /// `data_digest` (the weights digest is computed when the file is written).
+    pub fn of_training(cfg: &crate::TrainConfig, data_digest: &str, epoch: u32) -> Self {
+        ModelMeta {
+            config: cfg.model.clone(),
+            train_config: serde_json::to_value(cfg).ok(),
+            normalize_features: cfg.normalize_features,
+            data_digest: data_digest.to_string(),
+            weights_digest: String::new(),
+            epoch,
+            code_version: env!("CARGO_PKG_VERSION").to_string(),
+        }
+    }
+}
+
 /// A model read from a file, its parameters on the host.
 #[derive(Debug)]
 pub struct SavedModel {

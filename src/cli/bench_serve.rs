@@ -375,15 +375,7 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
 
 /// The model metadata of the trainer's weights.
 fn meta(cfg: &TrainConfig, tr: &Trainer) -> ModelMeta {
-    ModelMeta {
-        config: cfg.model.clone(),
-        train_config: None,
-        normalize_features: cfg.normalize_features,
-        data_digest: tr.data_digest().to_string(),
-        weights_digest: String::new(),
-        epoch: cfg.epochs,
-        code_version: env!("CARGO_PKG_VERSION").to_string(),
-    }
+    ModelMeta::of_training(cfg, tr.data_digest(), cfg.epochs)
 }
 
 /// An epoch trained beside the load: its wall time, and whether it ended while the load
@@ -433,15 +425,7 @@ fn beside_partitioned(
         "(c) {parts} training partitions (METIS) in {:.1} s",
         t.elapsed().as_secs_f64()
     );
-    let meta = ModelMeta {
-        config: cfg.model.clone(),
-        train_config: None,
-        normalize_features: cfg.normalize_features,
-        data_digest: ds.digest(),
-        weights_digest: String::new(),
-        epoch: 0,
-        code_version: env!("CARGO_PKG_VERSION").to_string(),
-    };
+    let meta = ModelMeta::of_training(&cfg, &ds.digest(), 0);
     let mut publisher = Publisher::new(handle.clone(), meta, a.publish_every);
     let v0 = handle.published.version();
     let stop = AtomicBool::new(false);

@@ -2,8 +2,9 @@
 //! node takes the training options (`--data`, `--model`, ...), partitions the data into the
 //! cluster's partition folder if it does not hold a matching partitioning yet, and drives the
 //! run; every other node only needs `--cluster` and `--id`. With `--serve ADDR` the
-//! coordinator also serves the model while the cluster trains it
-//! ([`crate::serve::beside`]), and goes on serving the last weights after the run; another
+//! coordinator also serves the model while the cluster trains it, every node hosting the
+//! serving partitions beside its training partitions ([`crate::serve::beside`]), and goes
+//! on serving the last weights after the run; another
 //! node given `--serve ADDR` takes the same HTTP API there and forwards every request to
 //! the coordinator's service over QUIC, until the coordinator stops serving.
 use super::train::{
@@ -83,19 +84,6 @@ fn run_node(a: &NodeArgs, cluster: ClusterFile) -> Result<Option<Beside>> {
         .with_context(|| format!("cannot partition into {}", dir.display()))?;
     let epochs = cfg.epochs as u64;
     let (cfg_saved, data_digest) = (cfg.clone(), set.book().data_digest.clone());
-    let mut service = match t.serve {
-        Some(listen) => {
-            let opts = BesideOptions {
-                listen,
-                publish_every: t.publish_every,
-                owner: set.owners()?,
-                lower_this_thread: false,
-            };
-            Some(Beside::start(&ds, &cfg, &data_digest, opts)?)
-        }
-        None => None,
-    };
-    drop(ds);
     let mut job = ClusterJob {
         cluster,
         id: a.id,
@@ -107,17 +95,29 @@ fn run_node(a: &NodeArgs, cluster: ClusterFile) -> Result<Option<Beside>> {
         keep_models: t.save_model.is_some(),
         publish: None,
         yield_to: None,
-        http: None,
+        serving: None,
     };
-    if let Some(s) = &mut service {
-        job = s.lower_cluster(job)?;
+    let mut pending = None;
+    if let Some(listen) = t.serve {
+        let opts = BesideOptions {
+            listen,
+            publish_every: t.publish_every,
+            owner: job.set.owners()?,
+            lower_this_thread: false,
+        };
+        let (prepared, p) = Beside::prepare_cluster(job, opts)?;
+        job = prepared;
+        pending = Some(p);
     }
-    let (mut report, kept) = follow(
-        job.spawn()?,
-        epochs,
-        t.verbose,
-        Beside::stopper(service.as_ref()),
-    )?;
+    let run = job.spawn()?;
+    // The service starts with the run: its engine on the run's endpoint, its partitions on
+    // the training nodes once they are set up.
+    let service = match pending {
+        Some(p) => Some(p.start(&ds, &cfg_saved, &data_digest, &run.canceller())?),
+        None => None,
+    };
+    drop(ds);
+    let (mut report, kept) = follow(run, epochs, t.verbose, Beside::stopper(service.as_ref()))?;
     if let Some(path) = &t.save_model {
         save_kept_model(
             &kept,

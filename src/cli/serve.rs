@@ -270,7 +270,7 @@ fn serve_engine(a: &ServeArgs, cluster: Option<(ClusterFile, u32)>) -> Result<()
                 id,
                 addr_file: a.addr_file.clone(),
             };
-            engine::start_on_cluster(saved, graph, features, owner, cfg, c)
+            engine::start_on_cluster(saved, graph, features, owner, cfg, c, None)
         }
     }
     .map_err(|e| anyhow::anyhow!("cannot start serving {}: {e}", model.display()))?;

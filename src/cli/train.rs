@@ -122,8 +122,9 @@ pub struct TrainArgs {
     /// Serve the model while it trains (HTTP/JSON API of `trellis serve`; port 0: any free
     /// port, printed as `listening on http://HOST:PORT`): answers come from the last
     /// published weights; after training the service keeps running until stopped. On a
-    /// cluster (`launch`, the coordinator's `node`) the coordinator serves; another `node`
-    /// given it takes queries at ADDR and forwards them to the coordinator's service.
+    /// cluster (`launch`, the coordinator's `node`) the coordinator runs the service, with a
+    /// serving partition beside each training partition on its node; another `node` given
+    /// it takes queries at ADDR and forwards them to the coordinator's service.
     #[arg(long, value_name = "ADDR")]
     pub serve: Option<std::net::SocketAddr>,
     /// With --serve: publish the trainer's weights every K epochs (and after the last).
@@ -306,15 +307,7 @@ fn write_model(
     cfg: &TrainConfig,
     data_digest: &str,
 ) -> Result<()> {
-    let meta = ModelMeta {
-        config: cfg.model.clone(),
-        train_config: serde_json::to_value(cfg).ok(),
-        normalize_features: cfg.normalize_features,
-        data_digest: data_digest.to_string(),
-        weights_digest: String::new(),
-        epoch,
-        code_version: env!("CARGO_PKG_VERSION").to_string(),
-    };
+    let meta = ModelMeta::of_training(cfg, data_digest, epoch);
     model_file::save(path, model, stream, &meta)
         .with_context(|| format!("cannot write the model to {}", path.display()))?;
     println!(

@@ -12,9 +12,14 @@
 //! publishes every K-th and the last.
 //!
 //! A cluster's training (`trellis launch --serve`, or the coordinator's `trellis node
-//! --serve`) is served the same way from its coordinator's process: the service's
-//! partition actors own the nodes of the training partitions, and the committed models
-//! come from the coordinator's own partitions' snapshots ([`Beside::lower_cluster`]).
+//! --serve`) is served by an engine in its coordinator's process, on the training's own
+//! QUIC endpoint, with one serving partition beside each training partition, on the same
+//! node: every training node joins the service once its training is set up and hosts the
+//! serving partitions of its training partitions, their update steps ahead of its training
+//! (the node's training streams yield to them, its kernel pool runs in the background
+//! class). The committed models come from the coordinator's own partitions' snapshots and
+//! are published to every node's serving partitions ([`Beside::prepare_cluster`],
+//! [`PendingBeside::start`]).
 //!
 //! Training runs at a lower CPU priority than the query threads
 //! ([`trellis_actors::priority`]) and its streams yield to the service's update
@@ -31,9 +36,12 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 use tokio::sync::oneshot;
-use trellis_actors::cluster::node::NodeEndpoint;
-use trellis_actors::cluster::{ClusterJob, ForwardedHttp};
-use trellis_actors::serving::engine::{self, Answer, Command, EngineConfig, EngineHandle};
+use trellis_actors::cluster::node::{NodeEndpoint, SharedEndpoint};
+use trellis_actors::cluster::serving::ClusterServing;
+use trellis_actors::cluster::{ClusterJob, ServingBeside};
+use trellis_actors::serving::engine::{
+    self, Answer, Command, EngineConfig, EngineHandle, EngineStopped,
+};
 use trellis_actors::serving::scheduler::SchedulerConfig;
 use trellis_actors::serving::ServeError;
 use trellis_actors::{KeptModel, Topology};
@@ -68,7 +76,7 @@ pub struct BesideOptions {
     /// Lower the calling thread's CPU class once the service is up, so the training it then
     /// starts inherits it (in one process). A cluster's coordinator keeps its own (its
     /// control and transport threads answer the other nodes); only its kernel pool is
-    /// lowered ([`Beside::lower_cluster`]).
+    /// lowered ([`Beside::prepare_cluster`]).
     pub lower_this_thread: bool,
 }
 
@@ -87,9 +95,31 @@ pub struct Beside {
     server: actix_web::dev::ServerHandle,
     /// Where it listens.
     pub addr: SocketAddr,
-    /// On a cluster's coordinator: its QUIC endpoint once the run ended (other nodes'
-    /// forwarded requests are answered while it lives).
+    /// On a cluster's coordinator: its QUIC endpoint once the run ended (the engine serves
+    /// on it while it lives), and what says the engine stopped (it is closed after).
     endpoint: Arc<Mutex<Option<NodeEndpoint>>>,
+    engine_stopped: Option<Arc<EngineStopped>>,
+}
+
+/// A service beside a cluster's training before the run's endpoint exists (see
+/// [`Beside::prepare_cluster`]).
+pub struct PendingBeside {
+    opts: BesideOptions,
+    gate: PriorityGate,
+    committed: mpsc::Receiver<KeptModel>,
+    handoff: mpsc::Receiver<SharedEndpoint>,
+    endpoint: Arc<Mutex<Option<NodeEndpoint>>>,
+    serving: ClusterServing,
+}
+
+/// The engine and HTTP front end of a service beside training, as they start.
+struct Started {
+    engine: EngineHandle,
+    meta: ModelMeta,
+    gate: PriorityGate,
+    http: JoinHandle<()>,
+    server: actix_web::dev::ServerHandle,
+    addr: SocketAddr,
 }
 
 /// Longest a request another node forwards waits for this service's answer.
@@ -115,95 +145,59 @@ impl Beside {
         data_digest: &str,
         opts: BesideOptions,
     ) -> Result<Beside> {
-        let BesideOptions {
-            listen,
-            publish_every: every,
-            owner,
-            lower_this_thread,
-        } = opts;
-        if owner.len() != ds.num_nodes {
-            return Err(anyhow!(
-                "cannot serve beside training: {} nodes have a serving partition, the data has {}",
-                owner.len(),
-                ds.num_nodes
-            ));
-        }
-        let parts = owner.iter().max().map_or(1, |&m| m as usize + 1);
-        let meta = ModelMeta {
-            config: cfg.model.clone(),
-            train_config: serde_json::to_value(cfg).ok(),
-            normalize_features: cfg.normalize_features,
-            data_digest: data_digest.to_string(),
-            weights_digest: String::new(),
-            epoch: 0,
-            code_version: env!("CARGO_PKG_VERSION").to_string(),
-        };
-        // The trainer builds the same initial model from the same seed.
-        let initial = Model::new(cfg.model.clone())?;
-        let first = saved(&initial, &Stream::cpu(cfg.threads)?, &meta)?;
-        let graph = Graph::from_dataset(ds)?;
-        let gate = PriorityGate::new();
-        let engine = engine::start(
-            first,
-            NodeGraph::from_graph(&graph),
-            ds.features.clone(),
-            owner,
-            EngineConfig {
-                scheduler: SchedulerConfig::default(),
-                parts,
-                threads: cfg.threads,
-                faults: Default::default(),
-                step_timeout: engine::STEP_TIMEOUT,
-                priority: Some(gate.clone()),
-            },
-        )
-        .map_err(|e| anyhow!("cannot start serving beside training: {e}"))?;
-        drop(graph);
-        let http_cfg = HttpConfig {
-            limits: Limits {
-                max_batch: 10_000,
-                max_body: 4 << 20,
-                max_model_body: 1 << 30,
-            },
-            deadline: Duration::from_secs(1),
-            client_timeout: Duration::from_secs(2),
-            features: ds.num_features,
-            classes: ds.num_classes,
-            workers: 2,
-            cpus: None,
-        };
-        let (tx, rx) = std::sync::mpsc::channel();
-        let handle = engine.clone();
-        let http = std::thread::Builder::new()
-            .name("trellis-serve-http".into())
-            .spawn(move || {
-                let bound = tx.clone();
-                if let Err(e) = run_http_stoppable(handle, http_cfg, listen, move |addr, server| {
-                    let _ = bound.send(Ok((addr, server)));
-                }) {
-                    let _ = tx.send(Err(e));
-                }
-            })
-            .context("cannot start the HTTP thread")?;
-        let (addr, server) = rx
-            .recv_timeout(Duration::from_secs(60))
-            .map_err(|_| anyhow!("the HTTP server did not start within 60 s"))?
-            .with_context(|| format!("cannot serve on {listen}"))?;
-        println!("listening on http://{addr}");
-        use std::io::Write;
-        let _ = std::io::stdout().flush();
-        if lower_this_thread {
+        let s = start_service(ds, cfg, data_digest, &opts, PriorityGate::new(), None)?;
+        if opts.lower_this_thread {
             trellis_actors::priority::background_this_thread();
         }
         Ok(Beside {
-            publisher: Some(Publisher::new(engine, meta, every)),
+            publisher: Some(Publisher::new(s.engine, s.meta, opts.publish_every)),
             publishing: None,
-            gate,
-            http,
-            server,
-            addr,
+            gate: s.gate,
+            http: s.http,
+            server: s.server,
+            addr: s.addr,
             endpoint: Arc::default(),
+            engine_stopped: None,
         })
+    }
+
+    /// Serving beside the cluster's training `job`, driven from this process (its
+    /// coordinator): the coordinator's own partitions' streams, and those of partitions it
+    /// adopts, yield to the service's update steps, this process's kernel thread pool runs
+    /// in the background class, and every epoch the cluster commits reaches the service
+    /// from the coordinator's partitions' snapshots. Call before [`ClusterJob::spawn`], then
+    /// [`PendingBeside::start`] with the run going: the engine starts on the run's endpoint
+    /// once it is bound, and its partitions on the training nodes once they are set up.
+    pub fn prepare_cluster(
+        mut job: ClusterJob,
+        opts: BesideOptions,
+    ) -> Result<(ClusterJob, PendingBeside)> {
+        let gate = PriorityGate::new();
+        let budget = trellis_gpu::ThreadBudget::global(job.cfg.threads)?;
+        trellis_actors::priority::background_pool(&budget);
+        let (publish, committed) = mpsc::channel();
+        let (to_service, handoff) = mpsc::channel();
+        let endpoint: Arc<Mutex<Option<NodeEndpoint>>> = Arc::default();
+        job.publish = Some(publish);
+        job.yield_to = Some(gate.clone());
+        job.serving = Some(ServingBeside {
+            handoff: to_service,
+            endpoint: endpoint.clone(),
+        });
+        let serving = ClusterServing {
+            cluster: job.cluster.clone(),
+            id: job.id,
+            addr_file: None,
+        };
+        let pending = PendingBeside {
+            opts,
+            gate,
+            committed,
+            handoff,
+            endpoint,
+            serving,
+        };
+        Ok((job, pending))
     }
 
     /// Called after each epoch of single-process training (see [`Publisher::after_epoch`]).
@@ -228,78 +222,15 @@ impl Beside {
     /// last one, `cfg.epochs`, or the last the run committed when it stopped early, are
     /// published). Call before [`Topology::spawn`].
     pub fn lower_partitions(&mut self, topo: Topology, cfg: &TrainConfig) -> Result<Topology> {
-        let tx = self.publish_committed(cfg)?;
-        Ok(topo.yielding_to(self.gate.clone()).publishing_models(tx))
-    }
-
-    /// As [`Beside::lower_partitions`], for a cluster's training driven from this process
-    /// (its coordinator): the coordinator's own partitions' streams yield to the service's
-    /// update steps, this process's kernel thread pool runs in the background class, and
-    /// every epoch the cluster commits reaches the publishing thread from the coordinator's
-    /// partitions' snapshots. Call before [`ClusterJob::spawn`].
-    /// Other nodes given `--serve` forward their HTTP requests to this service: they are
-    /// answered through its front end, also after the run while it serves (the run leaves
-    /// the coordinator's endpoint with the service, which closes it when it stops).
-    pub fn lower_cluster(&mut self, mut job: ClusterJob) -> Result<ClusterJob> {
-        job.publish = Some(self.publish_committed(&job.cfg)?);
-        job.yield_to = Some(self.gate.clone());
-        let front_end = engine_forwarder(self.addr, FORWARDED_WITHIN)
-            .context("cannot answer other nodes' HTTP requests")?;
-        job.http = Some(ForwardedHttp {
-            front_end,
-            endpoint: self.endpoint.clone(),
-        });
-        Ok(job)
-    }
-
-    /// Lowers this process's kernel thread pool and starts the thread that publishes every
-    /// K-th committed model sent down the returned channel, and the last one.
-    fn publish_committed(&mut self, cfg: &TrainConfig) -> Result<mpsc::Sender<KeptModel>> {
-        let mut publisher = self
+        let publisher = self
             .publisher
             .take()
             .ok_or_else(|| anyhow!("the partitioned run is already publishing"))?;
         let budget = trellis_gpu::ThreadBudget::global(cfg.threads)?;
         trellis_actors::priority::background_pool(&budget);
         let (tx, rx) = mpsc::channel::<KeptModel>();
-        let model_cfg = cfg.model.clone();
-        let epochs = cfg.epochs;
-        let thread = std::thread::Builder::new()
-            .name("trellis-serve-publish".into())
-            .spawn(move || {
-                let host = match Stream::cpu(0) {
-                    Ok(s) => s,
-                    Err(e) => {
-                        eprintln!("warning: --serve: no host stream to read the weights on: {e}");
-                        return publisher;
-                    }
-                };
-                let publish = |p: &mut Publisher, kept: &KeptModel, last: bool| {
-                    let r = Model::with_values(model_cfg.clone(), kept.snapshot.params.clone())
-                        .map_err(anyhow::Error::from)
-                        .and_then(|m| p.after_epoch(kept.epoch, last, &m, &host));
-                    if let Err(e) = r {
-                        eprintln!(
-                            "warning: --serve: the weights of epoch {} were not published: {e:#}",
-                            kept.epoch
-                        );
-                    }
-                };
-                let mut newest: Option<KeptModel> = None;
-                for kept in rx {
-                    let last = kept.epoch >= epochs;
-                    publish(&mut publisher, &kept, last);
-                    newest = (!last).then_some(kept);
-                }
-                // A run that stopped before its last epoch: serve what it committed last.
-                if let Some(kept) = newest {
-                    publish(&mut publisher, &kept, true);
-                }
-                publisher
-            })
-            .context("cannot start the publishing thread")?;
-        self.publishing = Some(thread);
-        Ok(tx)
+        self.publishing = Some(publish_committed(publisher, rx, cfg)?);
+        Ok(topo.yielding_to(self.gate.clone()).publishing_models(tx))
     }
 
     /// Lowers the trainer's kernel threads (the process's thread pool) below the query
@@ -344,7 +275,15 @@ impl Beside {
             .http
             .join()
             .map_err(|_| anyhow!("the HTTP thread panicked"));
-        // Closes the cluster's connections: the other nodes' front ends stop with it.
+        // The engine stops once its last handle is gone, telling the other nodes' serving
+        // partitions to finish; then the cluster's connections close, and the other
+        // nodes' front ends stop with them.
+        drop(publisher);
+        if let Some(stopped) = &self.engine_stopped {
+            if !stopped.wait(Duration::from_secs(10)) {
+                eprintln!("warning: the serving engine did not stop within 10 s");
+            }
+        }
         drop(
             self.endpoint
                 .lock()
@@ -352,6 +291,154 @@ impl Beside {
                 .take(),
         );
         served
+    }
+}
+
+/// Computes every layer of `ds` with the initial weights of `cfg`'s model on the serving
+/// partitions `opts.owner` names (in this process, or `on_cluster` over the training
+/// nodes), their update steps holding `gate`; starts the engine and the HTTP front end on
+/// `opts.listen` and prints `listening on http://HOST:PORT`.
+fn start_service(
+    ds: &Dataset,
+    cfg: &TrainConfig,
+    data_digest: &str,
+    opts: &BesideOptions,
+    gate: PriorityGate,
+    on_cluster: Option<(ClusterServing, SharedEndpoint)>,
+) -> Result<Started> {
+    let (listen, owner) = (opts.listen, opts.owner.clone());
+    if owner.len() != ds.num_nodes {
+        return Err(anyhow!(
+            "cannot serve beside training: {} nodes have a serving partition, the data has {}",
+            owner.len(),
+            ds.num_nodes
+        ));
+    }
+    let parts = owner.iter().max().map_or(1, |&m| m as usize + 1);
+    let meta = ModelMeta::of_training(cfg, data_digest, 0);
+    // The trainer builds the same initial model from the same seed.
+    let initial = Model::new(cfg.model.clone())?;
+    let first = saved(&initial, &Stream::cpu(cfg.threads)?, &meta)?;
+    let graph = Graph::from_dataset(ds)?;
+    let engine_cfg = EngineConfig {
+        scheduler: SchedulerConfig::default(),
+        parts,
+        threads: cfg.threads,
+        faults: Default::default(),
+        step_timeout: engine::STEP_TIMEOUT,
+        priority: Some(gate.clone()),
+    };
+    let (graph_rows, features) = (NodeGraph::from_graph(&graph), ds.features.clone());
+    let engine = match on_cluster {
+        None => engine::start(first, graph_rows, features, owner, engine_cfg),
+        Some((serving, shared)) => engine::start_on_cluster(
+            first,
+            graph_rows,
+            features,
+            owner,
+            engine_cfg,
+            serving,
+            Some(shared),
+        ),
+    }
+    .map_err(|e| anyhow!("cannot start serving beside training: {e}"))?;
+    drop(graph);
+    let http_cfg = HttpConfig {
+        limits: Limits {
+            max_batch: 10_000,
+            max_body: 4 << 20,
+            max_model_body: 1 << 30,
+        },
+        deadline: Duration::from_secs(1),
+        client_timeout: Duration::from_secs(2),
+        features: ds.num_features,
+        classes: ds.num_classes,
+        workers: 2,
+        cpus: None,
+    };
+    let (tx, rx) = std::sync::mpsc::channel();
+    let handle = engine.clone();
+    let http = std::thread::Builder::new()
+        .name("trellis-serve-http".into())
+        .spawn(move || {
+            let bound = tx.clone();
+            if let Err(e) = run_http_stoppable(handle, http_cfg, listen, move |addr, server| {
+                let _ = bound.send(Ok((addr, server)));
+            }) {
+                let _ = tx.send(Err(e));
+            }
+        })
+        .context("cannot start the HTTP thread")?;
+    let (addr, server) = rx
+        .recv_timeout(Duration::from_secs(60))
+        .map_err(|_| anyhow!("the HTTP server did not start within 60 s"))?
+        .with_context(|| format!("cannot serve on {listen}"))?;
+    println!("listening on http://{addr}");
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    Ok(Started {
+        engine,
+        meta,
+        gate,
+        http,
+        server,
+        addr,
+    })
+}
+
+impl PendingBeside {
+    /// Starts the service once the run `cancel` belongs to has bound its endpoint: the
+    /// engine on the endpoint, its partitions on the training nodes as they join (after
+    /// their training's setup), the front end on `opts.listen`, which also answers the HTTP
+    /// requests the other nodes forward, and the thread that publishes the committed
+    /// models. On failure the run is cancelled.
+    pub fn start(
+        self,
+        ds: &Dataset,
+        cfg: &TrainConfig,
+        data_digest: &str,
+        cancel: &std::sync::atomic::AtomicBool,
+    ) -> Result<Beside> {
+        let started = self.start_engine(ds, cfg, data_digest);
+        let s = match started {
+            Ok(s) => s,
+            Err(e) => {
+                cancel.store(true, std::sync::atomic::Ordering::SeqCst);
+                return Err(e);
+            }
+        };
+        // Requests other nodes' front ends forward are answered through this one.
+        let front_end = engine_forwarder(s.addr, FORWARDED_WITHIN)
+            .context("cannot answer other nodes' HTTP requests")?;
+        s.engine.http_forward.set(front_end);
+        let engine_stopped = Some(s.engine.stopped());
+        let publisher = Publisher::new(s.engine, s.meta, self.opts.publish_every);
+        Ok(Beside {
+            publisher: None,
+            publishing: Some(publish_committed(publisher, self.committed, cfg)?),
+            gate: s.gate,
+            http: s.http,
+            server: s.server,
+            addr: s.addr,
+            endpoint: self.endpoint,
+            engine_stopped,
+        })
+    }
+
+    fn start_engine(&self, ds: &Dataset, cfg: &TrainConfig, data_digest: &str) -> Result<Started> {
+        let shared = self
+            .handoff
+            .recv_timeout(Duration::from_secs(60))
+            .map_err(|_| anyhow!("the cluster's training did not start"))?;
+        let on_cluster = Some((self.serving.clone(), shared));
+        start_service(
+            ds,
+            cfg,
+            data_digest,
+            &self.opts,
+            self.gate.clone(),
+            on_cluster,
+        )
     }
 }
 
@@ -432,4 +519,50 @@ impl Publisher {
         }
         Ok(())
     }
+}
+
+/// Starts the thread that publishes through `publisher` every K-th committed model that
+/// comes down `rx`, and the last one (`cfg.epochs`, or the last the run committed when it
+/// stopped early); it hands the publisher back when `rx` closes.
+fn publish_committed(
+    mut publisher: Publisher,
+    rx: mpsc::Receiver<KeptModel>,
+    cfg: &TrainConfig,
+) -> Result<JoinHandle<Publisher>> {
+    let model_cfg = cfg.model.clone();
+    let epochs = cfg.epochs;
+    std::thread::Builder::new()
+        .name("trellis-serve-publish".into())
+        .spawn(move || {
+            let host = match Stream::cpu(0) {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("warning: --serve: no host stream to read the weights on: {e}");
+                    return publisher;
+                }
+            };
+            let publish = |p: &mut Publisher, kept: &KeptModel, last: bool| {
+                let r = Model::with_values(model_cfg.clone(), kept.snapshot.params.clone())
+                    .map_err(anyhow::Error::from)
+                    .and_then(|m| p.after_epoch(kept.epoch, last, &m, &host));
+                if let Err(e) = r {
+                    eprintln!(
+                        "warning: --serve: the weights of epoch {} were not published: {e:#}",
+                        kept.epoch
+                    );
+                }
+            };
+            let mut newest: Option<KeptModel> = None;
+            for kept in rx {
+                let last = kept.epoch >= epochs;
+                publish(&mut publisher, &kept, last);
+                newest = (!last).then_some(kept);
+            }
+            // A run that stopped before its last epoch: serve what it committed last.
+            if let Some(kept) = newest {
+                publish(&mut publisher, &kept, true);
+            }
+            publisher
+        })
+        .context("cannot start the publishing thread")
 }

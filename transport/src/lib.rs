@@ -9,6 +9,7 @@
 
 mod inproc;
 mod message;
+mod space;
 mod trace;
 
 pub use inproc::Deliver;
@@ -16,6 +17,7 @@ pub use inproc::InProcessTransport;
 pub use message::{
     HaloBlock, HaloPayload, MsgHeader, PartId, Phase, RunId, SharedBuf, INCREMENT, TRANSFORMED,
 };
+pub use space::PartitionSpace;
 pub use trace::TraceContext;
 
 use thiserror::Error;

@@ -8,7 +8,9 @@ use super::node::InboxEvent;
 use super::node::{
     adopt_partitions, apply_link_faults, await_mirrors, fetch_mirrors, reroute, Standby,
 };
-use super::node::{host_partitions, on_replica_msg, ControlInbox, NodeEndpoint, ReplicaShipper};
+use super::node::{
+    host_partitions, on_replica_msg, ControlInbox, NodeEndpoint, ReplicaShipper, SharedEndpoint,
+};
 use super::proto::{ControlMsg, Setup};
 use super::proto::{ReplyBody, Request};
 use super::remote::{ControlClient, RemotePart};
@@ -62,20 +64,21 @@ pub struct ClusterJob {
     /// node loss, yield to this gate between kernel pieces (serving beside training: the
     /// service's update steps come first).
     pub yield_to: Option<trellis_gpu::PriorityGate>,
-    /// Serving beside the training: the HTTP requests other nodes forward are answered
-    /// through this front end, during the run and after it, for as long as the endpoint
-    /// the run leaves in [`ForwardedHttp::endpoint`] lives.
-    pub http: Option<ForwardedHttp>,
+    /// Serving beside the training: the service's engine runs on this run's endpoint, and
+    /// its partitions on the training nodes.
+    pub serving: Option<ServingBeside>,
 }
 
-/// How the coordinator answers the HTTP requests of the service beside its training that
-/// other nodes forward to it.
-pub struct ForwardedHttp {
-    /// The service's HTTP front end.
-    pub front_end: crate::cluster::serving::HttpForward,
-    /// Where the run leaves the coordinator's QUIC endpoint when it ends, so forwarded
-    /// requests keep being answered while the service goes on (dropping it closes the
-    /// connections: the other nodes' front ends then stop).
+/// What a service beside a cluster's training gets from the run (`launch --serve`, the
+/// coordinator's `node --serve`).
+pub struct ServingBeside {
+    /// Gets, once the coordinator's endpoint is bound, a handle on it and the serving
+    /// messages its inbox's tap takes out (the training nodes' `Join`s, replies, forwarded
+    /// HTTP requests): the service starts its engine on them.
+    pub handoff: mpsc::Sender<SharedEndpoint>,
+    /// Where the run leaves the coordinator's QUIC endpoint when it ends, so the service
+    /// goes on after the run; it closes the endpoint once its engine has stopped (the
+    /// other nodes' serving partitions and front ends then stop).
     pub endpoint: Arc<Mutex<Option<NodeEndpoint>>>,
 }
 
@@ -92,19 +95,36 @@ impl ClusterJob {
         )?;
         let (endpoint, inbox) =
             NodeEndpoint::bind(&self.cluster, self.id, self.addr_file.as_deref())?;
-        // Serving messages are taken out of the inbox as they arrive: HTTP requests other
-        // nodes forward are answered through the service beside the training, or refused
-        // at once when there is none (so a node given --serve does not wait on them).
-        let tap = crate::cluster::serving::remote::forwarded_http_tap(
-            endpoint.transport.clone(),
-            self.http.as_ref().map(|h| h.front_end.clone()),
-            format!(
-                "node {}, the coordinator, does not serve this training (start it with --serve ADDR)",
-                self.id
+        // Serving messages are taken out of the inbox as they arrive: to the service beside
+        // the training, or, without one, refused at once (a node's `Join` is told the
+        // service is over, a forwarded HTTP request gets a 503).
+        let inbox = match &self.serving {
+            Some(serving) => {
+                let (feed, serving_inbox) = ControlInbox::fed(&endpoint.transport);
+                serving
+                    .handoff
+                    .send(SharedEndpoint {
+                        handle: endpoint.handle()?,
+                        inbox: serving_inbox,
+                    })
+                    .map_err(|_| ActorError::System("the service beside stopped".into()))?;
+                inbox.tapped(
+                    &endpoint,
+                    Arc::new(move |from, env| drop(feed.send((from, ControlMsg::Serve(env))))),
+                )
+            }
+            None => inbox.tapped(
+                &endpoint,
+                crate::cluster::serving::remote::not_serving_tap(
+                    endpoint.transport.clone(),
+                    format!(
+                        "node {}, the coordinator, does not serve this training (start it with --serve ADDR)",
+                        self.id
+                    ),
+                ),
             ),
-        );
-        let inbox = inbox.tapped(&endpoint, tap);
-        let keep_endpoint = self.http.as_ref().map(|h| h.endpoint.clone());
+        };
+        let keep_endpoint = self.serving.as_ref().map(|s| s.endpoint.clone());
         let (tx, rx) = mpsc::channel();
         let cancel = Arc::new(AtomicBool::new(false));
         let cancel2 = cancel.clone();

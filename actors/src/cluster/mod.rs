@@ -36,6 +36,6 @@ pub(crate) fn say(line: &str) {
     use std::io::Write;
     let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
 }
-pub use coord::{ClusterJob, ForwardedHttp};
+pub use coord::{ClusterJob, ServingBeside};
 pub use remote::RemotePart;
 pub use worker::run_worker;

@@ -30,6 +30,48 @@ pub struct NodeEndpoint {
     rt: Option<tokio::runtime::Runtime>,
 }
 
+/// Another holder's view of a node's endpoint (a service sharing a training node's
+/// endpoint): it sends and spawns on the endpoint's runtime, and neither owns nor closes it.
+#[derive(Clone)]
+pub struct EndpointHandle {
+    pub id: u32,
+    pub transport: Arc<QuicTransport>,
+    rt: tokio::runtime::Handle,
+}
+
+impl EndpointHandle {
+    /// Where the node listens.
+    pub fn addr(&self) -> SocketAddr {
+        self.transport.local_addr()
+    }
+
+    /// Queues a control message for `node`.
+    pub fn send(&self, node: u32, msg: &ControlMsg) -> Result<(), ActorError> {
+        self.transport
+            .send_control(node, msg.encode())
+            .map_err(|e| ActorError::Node {
+                node,
+                detail: e.to_string(),
+            })
+    }
+
+    /// Runs `task` on the endpoint's QUIC runtime.
+    pub fn spawn(&self, task: impl std::future::Future<Output = ()> + Send + 'static) {
+        self.rt.spawn(task);
+    }
+}
+
+/// A node's endpoint as a service that shares it gets it: a handle on it and an inbox of
+/// the messages its tap takes out for the service.
+pub struct SharedEndpoint {
+    pub handle: EndpointHandle,
+    pub inbox: ControlInbox,
+}
+
+/// Where a tap puts the messages it takes out of a node's inbox for another inbox
+/// ([`ControlInbox::fed`]).
+pub type InboxFeed = tokio::sync::mpsc::UnboundedSender<(u32, ControlMsg)>;
+
 /// What arrives at a node: control messages and peer failures.
 pub struct ControlInbox {
     control: Control,
@@ -172,14 +214,23 @@ impl NodeEndpoint {
         self.transport.local_addr()
     }
 
+    /// A view of this endpoint for a service that shares it; it must not outlive the
+    /// endpoint's use (its sends fail, its tasks stop, once the endpoint is dropped).
+    pub fn handle(&self) -> Result<EndpointHandle, ActorError> {
+        let rt = self
+            .rt
+            .as_ref()
+            .ok_or_else(|| ActorError::System("the node's endpoint is closed".into()))?;
+        Ok(EndpointHandle {
+            id: self.id,
+            transport: self.transport.clone(),
+            rt: rt.handle().clone(),
+        })
+    }
+
     /// Queues a control message for `node`.
     pub fn send(&self, node: u32, msg: &ControlMsg) -> Result<(), ActorError> {
-        self.transport
-            .send_control(node, msg.encode())
-            .map_err(|e| ActorError::Node {
-                node,
-                detail: e.to_string(),
-            })
+        self.handle()?.send(node, msg)
     }
 
     /// Waits (at most `within`) until everything queued is acknowledged.
@@ -231,6 +282,18 @@ impl ControlInbox {
             failures,
             departures,
         }
+    }
+
+    /// An inbox of the messages sent down the returned feed (a tap's), with the peer
+    /// failures and departures `t` reports from now on.
+    pub fn fed(t: &QuicTransport) -> (InboxFeed, ControlInbox) {
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let inbox = ControlInbox {
+            control: Control::Decoded(rx),
+            failures: t.failures(),
+            departures: t.departures(),
+        };
+        (tx, inbox)
     }
 
     /// The next message, a failure of peer `watch` (of any peer when `None`; a watched peer's

@@ -11,6 +11,7 @@ use super::node::{
 };
 use super::proto::{phase_from, ControlMsg, ReplyBody, Request, Setup};
 use crate::checkpoint::Checkpoint;
+use crate::cluster::serving::node::host_beside_training;
 use crate::cluster::serving::HttpUplink;
 use crate::faults::FaultPlan;
 use crate::protocol::messages::{ApplyStep, ResetEpoch, Step};
@@ -32,10 +33,12 @@ use trellis_transport::{RunId, TraceContext};
 /// training) once the node is up: the caller starts a front end that forwards to it.
 pub type OnUplink = Box<dyn FnOnce(Arc<HttpUplink>) + Send>;
 
-/// Runs node `id` of `cluster` until the coordinator ends the run. Returns this node's
-/// traffic; errors name the node or file at fault. With `http` (the coordinator serves
-/// beside the training), HTTP requests this node's front end takes are forwarded to the
-/// coordinator's service, during the run and after it, until the coordinator is gone.
+/// Runs node `id` of `cluster` until the coordinator ends the run, and, when the coordinator
+/// serves beside the training, the serving partitions it places here until it stops
+/// serving ([`host_beside_training`]). Returns this node's traffic; errors name the node
+/// or file at fault. With `http`, HTTP requests this node's front end takes are forwarded
+/// to the coordinator's service, during the run and after it, until the coordinator is
+/// gone.
 pub fn run_worker(
     cluster: &ClusterFile,
     id: u32,
@@ -49,25 +52,48 @@ pub fn run_worker(
             "node {id} is the coordinator; start it with training options"
         )));
     }
-    let (endpoint, mut inbox) = NodeEndpoint::bind(cluster, id, addr_file)?;
+    let (endpoint, inbox) = NodeEndpoint::bind(cluster, id, addr_file)?;
     endpoint
         .transport
         .add_peer(coord, cluster.node(coord)?.addr);
-    let mut forwarding = None;
-    if let Some(on_uplink) = http {
+    // Serving messages are taken out of the inbox as they arrive: answers to the HTTP
+    // requests this node's front end forwarded, and the service's messages to the serving
+    // partitions this node hosts beside its training when the coordinator serves.
+    let uplink = http.map(|on_uplink| {
         let uplink = Arc::new(HttpUplink::new(endpoint.transport.clone(), coord));
-        let tap = uplink.clone();
-        inbox = inbox.tapped(
-            &endpoint,
-            Arc::new(move |from, env| tap.on_serve_msg(from, &env)),
-        );
         on_uplink(uplink.clone());
-        forwarding = Some((uplink, endpoint.watch(coord)));
+        (uplink, endpoint.watch(coord))
+    });
+    let (feed, serving) = ControlInbox::fed(&endpoint.transport);
+    let tap = HttpUplink::training_node_tap(uplink.as_ref().map(|(u, _)| u.clone()), feed);
+    let inbox = inbox.tapped(&endpoint, tap);
+    // The training partitions yield to the serving partitions' update steps.
+    let gate = trellis_gpu::PriorityGate::new();
+    let (go, joined) = std::sync::mpsc::channel();
+    let (result, hosting) = std::thread::scope(|s| {
+        let host = std::thread::Builder::new()
+            .name("trellis-serve-host".into())
+            .spawn_scoped(s, || {
+                host_beside_training(&endpoint, serving, coord, gate.clone(), joined)
+            });
+        let sys = actix::System::new();
+        let result = sys.block_on(serve(cluster, &endpoint, inbox, threads, &gate, go));
+        drop(sys);
+        // The hosted serving partitions serve until the coordinator stops its service.
+        let hosting = match host {
+            Ok(h) => h
+                .join()
+                .unwrap_or_else(|_| Err(ActorError::System("the serving host panicked".into()))),
+            Err(e) => Err(ActorError::System(format!(
+                "cannot start the serving host thread: {e}"
+            ))),
+        };
+        (result, hosting)
+    });
+    if let Err(e) = &hosting {
+        eprintln!("warning: node {id}: the serving partitions beside the training: {e}");
     }
-    let sys = actix::System::new();
-    let result = sys.block_on(serve(cluster, &endpoint, inbox, threads));
-    drop(sys);
-    if let (Ok(_), Some((uplink, watch))) = (&result, forwarding) {
+    if let (Ok(_), Some((uplink, watch))) = (&result, uplink) {
         // The coordinator goes on serving after the run: so does this node's front end.
         super::say(&format!(
             "node {id}: the run ended; forwarding HTTP to node {coord} until it stops"
@@ -87,7 +113,12 @@ async fn serve(
     ep: &NodeEndpoint,
     mut inbox: ControlInbox,
     threads: Option<usize>,
+    gate: &trellis_gpu::PriorityGate,
+    serving_go: std::sync::mpsc::Sender<usize>,
 ) -> Result<NodeTraffic, ActorError> {
+    // Sent once, when the training's setup came (with its kernel threads): the serving
+    // host then joins the service.
+    let mut serving_go = Some(serving_go);
     let coord = cluster.coordinator;
     let metrics_before = Metrics::global().snapshot();
     let quic = ep.transport.node();
@@ -120,7 +151,7 @@ async fn serve(
                     let s = setup.as_ref().ok_or_else(|| {
                         ActorError::System("the session started a setup it did not get".into())
                     })?;
-                    let result = setup_node(cluster, ep, &mut inbox, s, threads).await;
+                    let result = setup_node(cluster, ep, &mut inbox, s, threads, gate).await;
                     let result = result.map(|h| hosted = Some(h)).map_err(|e| e.to_string());
                     session.handle_setup_done(result, Instant::now());
                 }
@@ -191,6 +222,11 @@ async fn serve(
                 if let ControlMsg::Setup(s) = &msg {
                     if from == coord && setup.is_none() {
                         setup = Some(s.clone());
+                        if let Some(go) = serving_go.take() {
+                            // The serving partitions get the training's kernel threads.
+                            let cfg = serde_json::from_str::<TrainConfig>(&s.config_json);
+                            let _ = go.send(threads.or(cfg.ok().map(|c| c.threads)).unwrap_or(0));
+                        }
                     }
                 }
                 if session.handle_message(from, msg.session(), now) == Verdict::Accept {
@@ -524,6 +560,7 @@ async fn setup_node(
     inbox: &mut ControlInbox,
     setup: &Setup,
     threads: Option<usize>,
+    gate: &trellis_gpu::PriorityGate,
 ) -> Result<Hosted, ActorError> {
     let coord = cluster.coordinator;
     let mut cfg: TrainConfig = serde_json::from_str(&setup.config_json)
@@ -590,7 +627,7 @@ async fn setup_node(
         resume.as_ref(),
         setup.replicas > 0,
         Some(&shipper),
-        None,
+        Some(gate),
     )?;
     if let Some(ck) = &resume {
         // Resumed: the checkpoint is every partition's committed state until the next step
@@ -600,7 +637,7 @@ async fn setup_node(
                 .put_remote(crate::replica::ReplicaBytes::encode(p, &ck.snapshot_for(p)));
         }
     }
-    let standby = Standby::load(&set, &replicated, &cfg)?;
+    let standby = Standby::load(&set, &replicated, &cfg)?.yielding_to(Some(gate.clone()));
     let addrs = node
         .parts()
         .iter()

@@ -22,9 +22,10 @@ use super::routing::{place_new_node, route};
 use super::scheduler::{Action, Pending, Quotas, Refusal, Scheduler, SchedulerConfig};
 use super::shell::{ServeNode, ServeStore, Served};
 use super::ServeError;
-use crate::cluster::node::{reroute, ControlInbox, NodeEndpoint};
+use crate::cluster::node::{ControlInbox, EndpointHandle, NodeEndpoint, SharedEndpoint};
 use crate::cluster::serving::proto::{ServeMsg, ServeReply, ServeRequest};
 use crate::cluster::serving::succession;
+use crate::cluster::serving::{route_serving, serving_space};
 use crate::cluster::serving::{ClusterServing, ForwardSlot, RemoteServePart, ServeLink};
 use crate::faults::FaultPlan;
 use crate::ActorError;
@@ -40,7 +41,7 @@ use trellis_runtime::inference::{argmax, prepare_features, softmax_row, NodeGrap
 use trellis_runtime::model::LayerInput;
 use trellis_runtime::model_file::SavedModel;
 use trellis_transport::quic::QuicTransport;
-use trellis_transport::{InProcessTransport, RunId, TraceContext, Transport};
+use trellis_transport::{InProcessTransport, RunId, TraceContext};
 
 /// One node's answer.
 #[derive(Debug, Clone, PartialEq, serde::Serialize)]
@@ -203,6 +204,34 @@ pub struct EngineHandle {
     pub features: usize,
     /// Classes of the served model.
     pub classes: usize,
+    /// Set when the engine thread has ended.
+    stopped: Arc<EngineStopped>,
+}
+
+/// Whether an engine has stopped: its thread ends once every [`EngineHandle`] is dropped,
+/// after it said `Finish` to the other nodes of its cluster.
+#[derive(Debug, Default)]
+pub struct EngineStopped {
+    done: Mutex<bool>,
+    changed: std::sync::Condvar,
+}
+
+impl EngineStopped {
+    fn set(&self) {
+        *self.done.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        self.changed.notify_all();
+    }
+
+    /// Waits at most `within` for the engine to stop (drop every handle first); true if it
+    /// did.
+    pub fn wait(&self, within: Duration) -> bool {
+        let done = self.done.lock().unwrap_or_else(|e| e.into_inner());
+        let (done, _) = self
+            .changed
+            .wait_timeout_while(done, within, |d| !*d)
+            .unwrap_or_else(|e| e.into_inner());
+        *done
+    }
 }
 
 impl EngineHandle {
@@ -223,6 +252,11 @@ impl EngineHandle {
             self.stats.record_shed(Refusal::Quota);
             ServeError::Quota { retry_after }
         })
+    }
+
+    /// What says when the engine has stopped (it stops once every handle is dropped).
+    pub fn stopped(&self) -> Arc<EngineStopped> {
+        self.stopped.clone()
     }
 
     /// Class and probabilities of existing nodes, from the published rows: no engine round
@@ -448,6 +482,11 @@ pub fn start(
 
 /// As [`start`], on a cluster: this process is the engine node; the partitions are placed
 /// on the cluster's nodes (by the cluster file), which must join within its join timeout.
+/// The engine binds the cluster file's address of this node, or, with `shared`, serves on
+/// the endpoint of this process's training (serving beside a cluster's training: the
+/// serving partitions are placed as the training partitions, on the training nodes, which
+/// join through it; the caller keeps it open until the engine stopped,
+/// [`EngineHandle::stopped`]).
 pub fn start_on_cluster(
     saved: SavedModel,
     graph: NodeGraph,
@@ -455,8 +494,20 @@ pub fn start_on_cluster(
     owner: Vec<u32>,
     cfg: EngineConfig,
     cluster: ClusterServing,
+    shared: Option<SharedEndpoint>,
 ) -> Result<EngineHandle, ServeError> {
-    start_engine(saved, graph, raw_features, owner, cfg, Some(cluster))
+    let endpoint = match shared {
+        Some(s) => EngineEndpoint::Shared(s),
+        None => EngineEndpoint::Bind,
+    };
+    start_engine(
+        saved,
+        graph,
+        raw_features,
+        owner,
+        cfg,
+        Some((cluster, endpoint)),
+    )
 }
 
 fn start_engine(
@@ -465,7 +516,7 @@ fn start_engine(
     raw_features: Vec<f32>,
     owner: Vec<u32>,
     cfg: EngineConfig,
-    cluster: Option<ClusterServing>,
+    cluster: Option<(ClusterServing, EngineEndpoint)>,
 ) -> Result<EngineHandle, ServeError> {
     let version = saved.version();
     let normalize = saved.meta.normalize_features;
@@ -482,13 +533,7 @@ fn start_engine(
         }),
         model: RwLock::new(values),
     });
-    launch_engine(
-        model,
-        version,
-        store,
-        cfg,
-        cluster.map(|c| (c, EngineEndpoint::Bind)),
-    )
+    launch_engine(model, version, store, cfg, cluster)
 }
 
 /// Where the engine of a cluster gets its QUIC endpoint.
@@ -498,6 +543,10 @@ enum EngineEndpoint {
     /// This process's endpoint, already bound and joined (a node taking over as the
     /// engine node).
     Bound(NodeEndpoint, ControlInbox),
+    /// The endpoint of this process's training (serving beside a cluster's training; its
+    /// owner keeps it open while the engine runs), with the serving messages its inbox's
+    /// tap takes out.
+    Shared(SharedEndpoint),
 }
 
 /// A serving node becomes the engine node of what remains of its cluster after the engine
@@ -626,26 +675,38 @@ fn launch_engine(
     };
     let http_forward = engine.http_forward.clone();
     let plan = cfg.faults;
+    let stopped = Arc::new(EngineStopped::default());
+    let stopped_here = stopped.clone();
     std::thread::Builder::new()
         .name("trellis-serve-engine".into())
         .spawn(move || {
             // The QUIC endpoint is bound (and dropped) outside the actix system: its
             // runtime must not be entered from another one.
-            let (cluster, ep, inbox) = match cluster {
+            // The endpoint this thread owns (and drops), if any, and the handle it serves on.
+            let owned_handle = |ep: NodeEndpoint| ep.handle().map(|h| (Some(ep), h));
+            let bound = match cluster {
                 Some((c, EngineEndpoint::Bind)) => {
-                    match NodeEndpoint::bind(&c.cluster, c.id, c.addr_file.as_deref()) {
-                        Ok((ep, inbox)) => (Some(c), Some(ep), Some(inbox)),
-                        Err(e) => {
-                            let _ = ready_tx.send(Err(actor_err(e)));
-                            return;
-                        }
-                    }
+                    NodeEndpoint::bind(&c.cluster, c.id, c.addr_file.as_deref()).and_then(
+                        |(ep, inbox)| owned_handle(ep).map(|(ep, h)| Some((c, ep, h, inbox))),
+                    )
                 }
-                Some((c, EngineEndpoint::Bound(ep, inbox))) => (Some(c), Some(ep), Some(inbox)),
-                None => (None, None, None),
+                Some((c, EngineEndpoint::Bound(ep, inbox))) => {
+                    owned_handle(ep).map(|(ep, h)| Some((c, ep, h, inbox)))
+                }
+                Some((c, EngineEndpoint::Shared(shared))) => {
+                    Ok(Some((c, None, shared.handle, shared.inbox)))
+                }
+                None => Ok(None),
+            };
+            let (ep, on) = match bound {
+                Ok(Some((c, ep, h, inbox))) => (ep, Some(((h, inbox), c))),
+                Ok(None) => (None, None),
+                Err(e) => {
+                    let _ = ready_tx.send(Err(actor_err(e)));
+                    return;
+                }
             };
             let sys = actix::System::new();
-            let on = ep.as_ref().zip(inbox).zip(cluster);
             sys.block_on(async move {
                 let mut engine = engine;
                 let started = engine.start_partitions(on).await;
@@ -661,6 +722,7 @@ fn launch_engine(
             });
             drop(sys);
             drop(ep);
+            stopped_here.set();
         })
         .map_err(|e| ServeError::Internal(format!("cannot start the engine thread: {e}")))?;
     ready_rx
@@ -676,6 +738,7 @@ fn launch_engine(
         http_forward,
         features: in_dim,
         classes,
+        stopped,
     })
 }
 
@@ -683,7 +746,7 @@ impl Engine {
     /// Starts the partition actors and runs the start-up pass (every row of every layer).
     async fn start_partitions(
         &mut self,
-        cluster: Option<((&NodeEndpoint, ControlInbox), ClusterServing)>,
+        cluster: Option<((EndpointHandle, ControlInbox), ClusterServing)>,
     ) -> Result<(), ServeError> {
         self.launch_partitions(cluster).await?;
         self.full_pass().await
@@ -693,7 +756,7 @@ impl Engine {
     /// handle on every other node's.
     async fn launch_partitions(
         &mut self,
-        cluster: Option<((&NodeEndpoint, ControlInbox), ClusterServing)>,
+        cluster: Option<((EndpointHandle, ControlInbox), ClusterServing)>,
     ) -> Result<(), ServeError> {
         // A new run id (and, in one process, a new transport): blocks of abandoned actors
         // never reach the new ones.
@@ -727,7 +790,7 @@ impl Engine {
             Some(((ep, mut inbox), c)) => {
                 let placement = c.placement(self.parts).map_err(actor_err)?;
                 crate::cluster::serving::engine_side::connect(
-                    ep,
+                    &ep,
                     &mut inbox,
                     &c.cluster,
                     &self.store,
@@ -743,7 +806,7 @@ impl Engine {
                     self.http_forward.clone(),
                 );
                 ep.spawn(link.clone().pump(inbox));
-                reroute(&ep.transport, &placement, c.id);
+                route_serving(&ep.transport, &placement, c.id);
                 ep.transport.set_epoch(run, 0);
                 let mine: Vec<u32> = (0..self.parts as u32)
                     .filter(|&p| placement[p as usize] == c.id)
@@ -751,7 +814,7 @@ impl Engine {
                 let node = ServeNode::start_parts(
                     &mine,
                     run,
-                    ep.transport.clone() as Arc<dyn Transport>,
+                    serving_space(&ep.transport),
                     self.store.clone(),
                     faults.clone(),
                     threads,
@@ -1255,7 +1318,7 @@ impl Engine {
                 Err(e) => tracing::error!("serving partition {p} cannot be re-placed: {e}"),
             }
         }
-        reroute(&c.transport, &c.placement, c.me);
+        route_serving(&c.transport, &c.placement, c.me);
         *self.stats.placement.lock().expect("stats lock") = c.placement.clone();
         let msg = ServeMsg::Reroute {
             placement: c.placement.clone(),

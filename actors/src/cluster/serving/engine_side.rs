@@ -8,7 +8,7 @@ use super::proto::{
     PeerAddr, ServeMsg, ServeSetup, ServedWire, WireModel, WireServeFault, INPUT_CHUNK,
 };
 use crate::cluster::config::ClusterFile;
-use crate::cluster::node::{ControlInbox, InboxEvent, NodeEndpoint};
+use crate::cluster::node::{ControlInbox, EndpointHandle, InboxEvent};
 use crate::cluster::proto::ControlMsg;
 use crate::faults::FaultPlan;
 use crate::serving::shell::ServeStore;
@@ -37,7 +37,7 @@ impl ClusterServing {
 
 /// Brings up the serving nodes of `cluster` for run `run`: joins, setups, inputs, readiness.
 pub async fn connect(
-    ep: &NodeEndpoint,
+    ep: &EndpointHandle,
     inbox: &mut ControlInbox,
     cluster: &ClusterFile,
     store: &ServeStore,
@@ -185,7 +185,7 @@ pub async fn connect(
     Ok(())
 }
 
-fn send(ep: &NodeEndpoint, to: u32, msg: &ServeMsg) -> Result<(), ActorError> {
+fn send(ep: &EndpointHandle, to: u32, msg: &ServeMsg) -> Result<(), ActorError> {
     ep.send(to, &msg.control())
 }
 

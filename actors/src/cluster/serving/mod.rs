@@ -15,3 +15,29 @@ pub mod succession;
 pub use engine_side::ClusterServing;
 pub use node::HttpUplink;
 pub use remote::{ForwardSlot, HttpForward, RemoteServePart, ServeLink};
+
+use std::sync::Arc;
+use trellis_transport::quic::QuicTransport;
+use trellis_transport::{PartId, PartitionSpace, Transport};
+
+/// Where serving partition `p` is on a cluster's QUIC transport: `SERVING_PART_BASE + p`.
+/// A node serving beside its training hosts training partition `p` and serving partition
+/// `p` on one transport; their halo blocks never meet (training partitions keep `0..P`).
+pub const SERVING_PART_BASE: u32 = 1 << 24;
+
+/// The serving partitions' view of the cluster's transport `t` (see [`SERVING_PART_BASE`]).
+pub fn serving_space(t: &Arc<QuicTransport>) -> Arc<dyn Transport> {
+    Arc::new(PartitionSpace::new(
+        t.clone() as Arc<dyn Transport>,
+        SERVING_PART_BASE,
+    ))
+}
+
+/// Routes the serving partitions of `placement` that other nodes than `me` serve.
+pub fn route_serving(t: &QuicTransport, placement: &[u32], me: u32) {
+    for (p, &node) in placement.iter().enumerate() {
+        if node != me {
+            t.route(PartId(SERVING_PART_BASE + p as u32), node);
+        }
+    }
+}

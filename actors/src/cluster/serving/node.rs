@@ -13,8 +13,9 @@ use super::proto::{
 use super::remote::{ForwardSlot, HttpForward};
 use super::succession::{self, Succession};
 use super::ClusterServing;
+use super::{route_serving, serving_space};
 use crate::cluster::config::ClusterFile;
-use crate::cluster::node::{reroute, ControlInbox, InboxEvent, NodeEndpoint};
+use crate::cluster::node::{ControlInbox, InboxEvent, InboxFeed, NodeEndpoint, ServeTap};
 use crate::cluster::proto::ControlMsg;
 use crate::serving::engine::{take_over, EngineConfig, EngineHandle};
 use crate::serving::part::{DeltaOp, ModelValues};
@@ -29,6 +30,7 @@ use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 use tokio::sync::oneshot;
+use trellis_gpu::PriorityGate;
 use trellis_transport::quic::QuicTransport;
 use trellis_transport::TraceContext;
 
@@ -88,14 +90,21 @@ impl HttpUplink {
         self
     }
 
-    /// Takes a serving message that reached a training node (its tap): answers to the
-    /// requests it forwarded.
-    pub fn on_serve_msg(&self, from: u32, env: &super::proto::ServeEnvelope) {
-        match ServeMsg::open(env, from) {
-            Ok(ServeMsg::HttpReply { id, answer }) => self.deliver(id, answer),
-            Ok(other) => tracing::warn!(peer = from, "node {from} sent {other:?}; ignored"),
-            Err(e) => tracing::warn!(peer = from, "{e}; dropped"),
-        }
+    /// The tap of a training node's inbox ([`ControlInbox::tapped`]): answers to the HTTP
+    /// requests its front end forwarded go to `uplink`, if it has one; every other serving
+    /// message goes down `feed`, to the serving partitions it hosts beside its training
+    /// ([`host_beside_training`]).
+    pub fn training_node_tap(uplink: Option<Arc<HttpUplink>>, feed: InboxFeed) -> ServeTap {
+        Arc::new(move |from, env| {
+            if let Some(u) = &uplink {
+                if let Ok(ServeMsg::HttpReply { id, answer }) = ServeMsg::open(&env, from) {
+                    u.deliver(id, answer);
+                    return;
+                }
+            }
+            // The hosting thread is gone once the service ended: nothing waits for these.
+            let _ = feed.send((from, ControlMsg::Serve(env)));
+        })
     }
 
     /// Forwards `req` and waits at most `within` for the answer; an error says why there
@@ -451,6 +460,9 @@ struct Hosted {
     run: uuid::Uuid,
     faults: Arc<crate::faults::FaultPlan>,
     threads: usize,
+    /// The gate the hosted partitions' update steps hold (beside training: the node's
+    /// training partitions yield to it).
+    priority: Option<PriorityGate>,
 }
 
 async fn serve(
@@ -542,7 +554,7 @@ async fn serve_engine(
             ep.id
         ));
     }
-    match answer_requests(ep, inbox, coord, hosted, uplink).await {
+    match answer_requests(ep, inbox, coord, hosted, Some(uplink)).await {
         Ok(Answered::Finished) => Ok(None),
         Ok(Answered::EngineLost(why)) => {
             uplink.engine_lost(&why);
@@ -553,6 +565,87 @@ async fn serve_engine(
             Err(e)
         }
     }
+}
+
+/// Hosts the serving partitions that the coordinator `coord` of a cluster's training
+/// places on this training node when it serves beside the training (`launch --serve`, the
+/// coordinator's `node --serve`): once `go` says the training's setup came (the
+/// coordinator is up) and with how many kernel threads the partitions compute, it joins
+/// the service (`Join`); the coordinator answers with a
+/// serving setup, or with `Finish` when it does not serve. The partitions are set up as on
+/// a serving node, their update steps hold `gate` (the node's training partitions yield to
+/// it) and this process's kernel thread pool moves to the background class, as the
+/// coordinator's does. They serve until the coordinator stops the service (`Finish`), also
+/// after the training ended, or is lost (the training reports that). `inbox` carries the
+/// serving messages the training inbox's tap takes out, less HTTP answers. Returns at once
+/// when `go` closes unsent (the training ended before its setup).
+pub fn host_beside_training(
+    ep: &NodeEndpoint,
+    mut inbox: ControlInbox,
+    coord: u32,
+    gate: PriorityGate,
+    go: std::sync::mpsc::Receiver<usize>,
+) -> Result<(), ActorError> {
+    let Ok(threads) = go.recv() else {
+        return Ok(());
+    };
+    let sys = actix::System::new();
+    let served = sys.block_on(async {
+        let join = ServeMsg::Join {
+            addr: ep.addr().to_string(),
+            inputs: None,
+        };
+        tell(&ep.transport, coord, &join)?;
+        // As long as the coordinator lives: its service starts beside the training's first
+        // epochs, and this node may be done training before it is set up.
+        let setup = loop {
+            let until = Instant::now() + Duration::from_secs(3600);
+            match next_from(&mut inbox, coord, until, "waiting for the service's setup").await {
+                Ok(Some(ServeMsg::Setup(s))) => break s,
+                Ok(Some(ServeMsg::Finish)) => return Ok(()),
+                Ok(Some(other)) => tracing::warn!("ignored {other:?} before the serving setup"),
+                Ok(None) => {}
+                Err(SetUpError::EngineLost(_)) => return Ok(()),
+                Err(SetUpError::Failed(e)) => return Err(e),
+            }
+        };
+        let budget = trellis_gpu::ThreadBudget::global(threads)
+            .map_err(|e| ActorError::System(e.to_string()))?;
+        crate::priority::background_pool(&budget);
+        let mut hosted = match host(ep, &mut inbox, coord, &setup, threads, None, Some(gate)).await
+        {
+            Ok(h) => h,
+            Err(SetUpError::EngineLost(_)) => return Ok(()),
+            Err(SetUpError::Failed(e)) => {
+                let error = e.to_string();
+                let _ = tell(&ep.transport, coord, &ServeMsg::SetupFailed { error });
+                ep.flush(Duration::from_secs(2)).await;
+                return Err(e);
+            }
+        };
+        let mut parts: Vec<u32> = hosted.addrs.keys().copied().collect();
+        parts.sort_unstable();
+        let ready = tell(
+            &ep.transport,
+            coord,
+            &ServeMsg::Ready {
+                parts: parts.clone(),
+            },
+        );
+        crate::cluster::say(&format!(
+            "serving: node {} serves partitions {parts:?} beside its training",
+            ep.id
+        ));
+        let answered = match ready {
+            Ok(()) => answer_requests(ep, &mut inbox, coord, &mut hosted, None).await,
+            Err(e) => Ok(Answered::EngineLost(e.to_string())),
+        };
+        hosted.node.shutdown();
+        // A lost coordinator ends the training too, which says so.
+        answered.map(|_| ())
+    });
+    drop(sys);
+    served
 }
 
 /// Joins engine node `coord` and hosts the partitions of its setup; `held`: this node's
@@ -567,7 +660,7 @@ async fn set_up(
     threads: usize,
 ) -> Result<Hosted, SetUpError> {
     let setup = join(cluster, ep, inbox, coord, held.as_deref()).await?;
-    match host(ep, inbox, coord, &setup, threads, held).await {
+    match host(ep, inbox, coord, &setup, threads, held, None).await {
         Ok(h) => Ok(h),
         Err(SetUpError::Failed(e)) => {
             let _ = tell(
@@ -656,6 +749,7 @@ async fn host(
     setup: &ServeSetup,
     threads: usize,
     held: Option<Arc<ServeStore>>,
+    priority: Option<PriorityGate>,
 ) -> Result<Hosted, SetUpError> {
     let parts = setup.placement.len();
     for peer in &setup.peers {
@@ -697,17 +791,17 @@ async fn host(
     if !setup.faults.is_empty() {
         crate::faults::quiet_injected_panics(true);
     }
-    reroute(&ep.transport, &setup.placement, ep.id);
+    route_serving(&ep.transport, &setup.placement, ep.id);
     ep.transport.set_epoch(run, 0);
     let faults = Arc::new(faults);
     let node = ServeNode::start_parts(
         &mine,
         run,
-        ep.transport.clone(),
+        serving_space(&ep.transport),
         store.clone(),
         faults.clone(),
         threads,
-        None,
+        priority.clone(),
     )?;
     let addrs = mine
         .iter()
@@ -730,6 +824,7 @@ async fn host(
         run,
         faults,
         threads,
+        priority,
     })
 }
 
@@ -786,7 +881,7 @@ async fn answer_requests(
     inbox: &mut ControlInbox,
     coord: u32,
     h: &mut Hosted,
-    uplink: &HttpUplink,
+    uplink: Option<&HttpUplink>,
 ) -> Result<Answered, ActorError> {
     let t = ep.transport.clone();
     loop {
@@ -856,13 +951,16 @@ async fn answer_requests(
                 for &n in &fenced {
                     t.fence(n);
                 }
-                reroute(&t, &placement, ep.id);
+                route_serving(&t, &placement, ep.id);
                 h.fenced.extend(fenced);
                 h.fenced.sort_unstable();
                 h.fenced.dedup();
                 h.placement = placement;
             }
-            ServeMsg::HttpReply { id, answer } => uplink.deliver(id, answer),
+            ServeMsg::HttpReply { id, answer } => match uplink {
+                Some(u) => u.deliver(id, answer),
+                None => tracing::warn!("an HTTP answer ({id}) for a node that forwards none"),
+            },
             ServeMsg::Finish => {
                 ep.flush(Duration::from_secs(2)).await;
                 return Ok(Answered::Finished);
@@ -884,7 +982,7 @@ fn host_part(h: &mut Hosted, part: u32, me: u32) -> ServeReply {
         h.store.clone(),
         h.faults.clone(),
         h.threads,
-        None,
+        h.priority.clone(),
     ) {
         Ok(addr) => {
             h.addrs.insert(part, addr);

@@ -280,36 +280,24 @@ impl ServeLink {
     }
 }
 
-/// Answers HTTP request `id` that node `from` forwarded, through `front_end` (this node's
-/// HTTP front end), and sends the answer back. Spawned on the calling runtime (the QUIC
-/// one).
-pub fn answer_forwarded(
+/// How the coordinator of a cluster's training that does not serve takes the serving
+/// messages of its tapped inbox ([`ControlInbox::tapped`](crate::cluster::node::ControlInbox::tapped)):
+/// a training node's `Join` (its offer to host serving partitions) is told the service is
+/// over (`Finish`), and an HTTP request another node's front end forwards is refused at
+/// once with a 503 saying `why`.
+pub fn not_serving_tap(
     transport: Arc<QuicTransport>,
-    front_end: HttpForward,
-    from: u32,
-    id: u64,
-    req: HttpRequestWire,
-) {
-    tokio::spawn(async move {
-        let answer = front_end(req).await;
-        reply_forwarded(&transport, from, id, answer);
-    });
-}
-
-/// How a training cluster's coordinator takes the serving messages of its tapped inbox
-/// ([`ControlInbox::tapped`](crate::cluster::node::ControlInbox::tapped)): HTTP requests
-/// other nodes forward are answered through `front_end`, the service beside the training,
-/// or, without one, refused at once with a 503 saying `without`.
-pub fn forwarded_http_tap(
-    transport: Arc<QuicTransport>,
-    front_end: Option<HttpForward>,
-    without: String,
+    why: String,
 ) -> crate::cluster::node::ServeTap {
     Arc::new(move |from, env| match ServeMsg::open(&env, from) {
-        Ok(ServeMsg::HttpRequest { id, req }) => match &front_end {
-            Some(f) => answer_forwarded(transport.clone(), f.clone(), from, id, req),
-            None => reply_forwarded(&transport, from, id, unavailable(&without)),
-        },
+        Ok(ServeMsg::HttpRequest { id, req: _ }) => {
+            reply_forwarded(&transport, from, id, unavailable(&why))
+        }
+        Ok(ServeMsg::Join { .. }) => {
+            if let Err(e) = transport.send_control(from, ServeMsg::Finish.control().encode()) {
+                tracing::warn!(peer = from, "node {from}: {e}");
+            }
+        }
         Ok(other) => tracing::warn!(peer = from, "node {from} sent {other:?}; ignored"),
         Err(e) => tracing::warn!(peer = from, "{e}; dropped"),
     })
