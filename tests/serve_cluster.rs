@@ -858,6 +858,56 @@ fn wrong_roles_are_clear_errors_naming_the_node() {
         err.contains("node 1") && err.contains("trellis serve --cluster"),
         "{err}"
     );
+
+    // A serving node joining a training coordinator that does not serve: told so at once,
+    // it exits naming the coordinator (not after the join timeout).
+    let c0 = write_cluster(dir.path(), "t0.toml", "127.0.0.1:0", 2);
+    let addr_file = dir.path().join("trainer.addr");
+    let mut args = vec!["node", "--cluster", s(&c0), "--id", "0"];
+    args.extend([
+        "--addr-file",
+        s(&addr_file),
+        "--data",
+        DATA,
+        "--epochs",
+        "5",
+    ]);
+    let _trainer = Reap(
+        Command::new(env!("CARGO_BIN_EXE_trellis"))
+            .args(&args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let t = Instant::now();
+    let quic = loop {
+        if let Ok(a) = std::fs::read_to_string(&addr_file) {
+            break a;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "the trainer never listened"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let c1 = write_cluster(dir.path(), "t1.toml", &quic, 2);
+    let t = Instant::now();
+    let out = Command::new(env!("CARGO_BIN_EXE_trellis"))
+        .args(["serve", "--cluster", s(&c1), "--id", "1"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        t.elapsed() < Duration::from_secs(20),
+        "took {:?}",
+        t.elapsed()
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("node 0") && err.contains("does not serve"),
+        "{err}"
+    );
 }
 
 /// Starts the engine node of a 2-node serving cluster (`model` on `data`) and node 1 as

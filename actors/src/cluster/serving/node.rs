@@ -714,6 +714,16 @@ async fn join(
         let retry = (Instant::now() + resend).min(until);
         match next_from(inbox, coord, retry, "joining").await {
             Ok(Some(ServeMsg::Setup(s))) => return Ok(s),
+            // The coordinator of a training run that does not serve answers a `Join` so.
+            Ok(Some(ServeMsg::Finish)) => {
+                return Err(ActorError::Node {
+                    node: coord,
+                    detail: "it does not serve (a training coordinator?); start this node with \
+                             trellis node --cluster FILE --id N to train"
+                        .into(),
+                }
+                .into())
+            }
             Ok(Some(other)) => tracing::warn!("ignored {other:?} before the setup"),
             Err(SetUpError::EngineLost(why)) if rejoin => return Err(SetUpError::EngineLost(why)),
             Ok(None) | Err(SetUpError::EngineLost(_)) if Instant::now() < until => {
