@@ -171,36 +171,7 @@ fn assert_close(served: &[Vec<f64>], logits: &ndarray::Array2<f32>, what: &str) 
 
 /// Writes `ds` with the served graph's extra nodes and edges as a PyG-style folder.
 fn write_dataset(dir: &Path, features: &[f32], width: usize, src: &[i64], dst: &[i64]) -> PathBuf {
-    write_dataset_as(dir, "updated", features, width, src, dst)
-}
-
-/// [`write_dataset`] into the folder `dir/name`.
-fn write_dataset_as(
-    dir: &Path,
-    name: &str,
-    features: &[f32],
-    width: usize,
-    src: &[i64],
-    dst: &[i64],
-) -> PathBuf {
-    let out = dir.join(name);
-    std::fs::create_dir_all(&out).unwrap();
-    let n = features.len() / width;
-    let x = ndarray::Array2::from_shape_vec((n, width), features.to_vec()).unwrap();
-    let mut e = src.to_vec();
-    e.extend_from_slice(dst);
-    let ei = ndarray::Array2::from_shape_vec((2, src.len()), e).unwrap();
-    ndarray_npy::write_npy(out.join("x.npy"), &x).unwrap();
-    ndarray_npy::write_npy(out.join("edge_index.npy"), &ei).unwrap();
-    let mut y = ndarray::Array1::<i64>::zeros(n);
-    y[0] = 3; // four classes, as the model predicts
-    ndarray_npy::write_npy(out.join("y.npy"), &y).unwrap();
-    for m in ["train_mask", "val_mask", "test_mask"] {
-        let mut mask = ndarray::Array1::from_elem(n, false);
-        mask[0] = true;
-        ndarray_npy::write_npy(out.join(format!("{m}.npy")), &mask).unwrap();
-    }
-    out
+    serve_support::write_dataset(dir, "updated", features, width, src, dst)
 }
 
 /// A small deterministic generator (the test's own, for reproducible update sequences).
@@ -784,7 +755,7 @@ fn panicking_partition_actors_are_recovered_under_open_loop_load_without_wrong_a
             src.push(updates[k - 1].0 as i64);
             dst.push(updates[k - 1].1 as i64);
         }
-        let data = write_dataset_as(
+        let data = serve_support::write_dataset(
             dir.path(),
             &format!("state{k}"),
             &ds.features,
@@ -799,7 +770,8 @@ fn panicking_partition_actors_are_recovered_under_open_loop_load_without_wrong_a
             .collect();
         states.push(probs);
     }
-    let last_state = write_dataset_as(dir.path(), "final", &ds.features, 16, &src, &dst);
+    let last_state =
+        serve_support::write_dataset(dir.path(), "final", &ds.features, 16, &src, &dst);
 
     // Open-loop load: requests leave on a fixed clock (400/s) whatever the answers do, half
     // of them through the partition actors (with embeddings), half from the published rows.

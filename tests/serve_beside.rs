@@ -243,7 +243,6 @@ fn query_while_training(queried: &Server, trainer: &Server, node_lost: bool) -> 
 /// Every node's served probabilities at `server` are of one version and equal those of
 /// `trellis predict` with the model file `saved` (1e-5).
 fn assert_serves_saved(server: &Server, saved: &Path, dir: &Path) {
-    let agent = agent();
     let out = dir.join("logits.npy");
     trellis(&[
         "predict",
@@ -254,8 +253,20 @@ fn assert_serves_saved(server: &Server, saved: &Path, dir: &Path) {
         "--out",
         s(&out),
     ]);
-    let logits: ndarray::Array2<f32> = ndarray_npy::read_npy(&out).unwrap();
-    let all: Vec<u32> = (0..NODES).collect();
+    let worst = worst_difference(server, &out, NODES);
+    assert!(
+        worst <= 1e-5,
+        "served at {} and predicted (saved weights) differ by {worst}",
+        server.url
+    );
+}
+
+/// The largest difference between the probabilities `server` serves for nodes `0..n` (all
+/// of one version) and the softmax of the logits `trellis predict` wrote to `logits_file`.
+fn worst_difference(server: &Server, logits_file: &Path, n: u32) -> f64 {
+    let agent = agent();
+    let logits: ndarray::Array2<f32> = ndarray_npy::read_npy(logits_file).unwrap();
+    let all: Vec<u32> = (0..n).collect();
     let mut worst = 0f64;
     let mut last_version = None;
     for chunk in all.chunks(500) {
@@ -271,10 +282,51 @@ fn assert_serves_saved(server: &Server, saved: &Path, dir: &Path) {
             }
         }
     }
+    worst
+}
+
+/// Updates through `server` (an edge between the first and last nodes, then a new node
+/// with two edges) are served as `trellis predict` with the model file `saved` computes
+/// them on the updated graph (1e-5), every node's: on a cluster the updates' regions are
+/// recomputed on the serving partitions of every node that owns a part of them.
+fn assert_updates_served_as_predicted(server: &Server, saved: &Path, dir: &Path) {
+    let ds = DataSource::parse(DATA).unwrap().load().unwrap();
+    let agent = agent();
+    let width = ds.num_features;
+    let r = server.post(&agent, "/v1/edges", &json!({ "add": [[0, NODES - 1]] }));
+    assert_eq!(r.status, 200, "{}", r.text);
+    let features: Vec<f32> = (0..width).map(|i| (i % 3) as f32).collect();
+    let new_node = json!({ "nodes": [{ "features": features, "edges": [3, NODES - 2] }] });
+    let r = server.post(&agent, "/v1/nodes", &new_node);
+    assert_eq!(r.status, 200, "{}", r.text);
+    assert_eq!(r.body["predictions"][0]["node"], NODES, "{}", r.text);
+    let mut edges: std::collections::BTreeSet<(i64, i64)> = ds
+        .edge_src
+        .iter()
+        .zip(&ds.edge_dst)
+        .filter(|(a, b)| a != b)
+        .map(|(&a, &b)| (a.min(b) as i64, a.max(b) as i64))
+        .collect();
+    let n = NODES as i64;
+    edges.extend([(0, n - 1), (3, n), (n - 2, n)]);
+    let (src, dst): (Vec<i64>, Vec<i64>) = edges.into_iter().unzip();
+    let mut all_features = ds.features.clone();
+    all_features.extend(&features);
+    let updated = serve_support::write_dataset(dir, "updated", &all_features, width, &src, &dst);
+    let out = dir.join("updated.npy");
+    trellis(&[
+        "predict",
+        "--model",
+        s(saved),
+        "--data",
+        s(&updated),
+        "--out",
+        s(&out),
+    ]);
+    let worst = worst_difference(server, &out, NODES + 1);
     assert!(
         worst <= 1e-5,
-        "served at {} and predicted (saved weights) differ by {worst}",
-        server.url
+        "served after updates and predicted differ by {worst}"
     );
 }
 
@@ -355,6 +407,9 @@ fn serves_beside_and_says(run: &[&str], extra: &[&str], says: &[&str]) {
     // Once the last publish is served it says so; then it serves exactly the saved weights.
     server.wait_line("still serving", Duration::from_secs(120));
     assert_serves_saved(&server, &file, dir.path());
+    if on_cluster {
+        assert_updates_served_as_predicted(&server, &file, dir.path());
+    }
     // Ctrl-C stops the service: the process exits, successfully.
     let mut server = server;
     server.interrupt_and_wait(Duration::from_secs(30));

@@ -215,24 +215,9 @@ fn assert_matches(url: &str, logits: &ndarray::Array2<f32>, what: &str) {
 
 /// Writes a graph as a PyG-style folder `dir/name`.
 fn write_dataset(dir: &Path, name: &str, features: &[f32], edges: &[(u32, u32)]) -> PathBuf {
-    let out = dir.join(name);
-    std::fs::create_dir_all(&out).unwrap();
-    let n = features.len() / WIDTH;
-    let x = ndarray::Array2::from_shape_vec((n, WIDTH), features.to_vec()).unwrap();
-    let mut e: Vec<i64> = edges.iter().map(|&(a, _)| a as i64).collect();
-    e.extend(edges.iter().map(|&(_, b)| b as i64));
-    let ei = ndarray::Array2::from_shape_vec((2, edges.len()), e).unwrap();
-    ndarray_npy::write_npy(out.join("x.npy"), &x).unwrap();
-    ndarray_npy::write_npy(out.join("edge_index.npy"), &ei).unwrap();
-    let mut y = ndarray::Array1::<i64>::zeros(n);
-    y[0] = 3;
-    ndarray_npy::write_npy(out.join("y.npy"), &y).unwrap();
-    for m in ["train_mask", "val_mask", "test_mask"] {
-        let mut mask = ndarray::Array1::from_elem(n, false);
-        mask[0] = true;
-        ndarray_npy::write_npy(out.join(format!("{m}.npy")), &mask).unwrap();
-    }
-    out
+    let src: Vec<i64> = edges.iter().map(|&(a, _)| a as i64).collect();
+    let dst: Vec<i64> = edges.iter().map(|&(_, b)| b as i64).collect();
+    serve_support::write_dataset(dir, name, features, WIDTH, &src, &dst)
 }
 
 /// Certificates for nodes `0..n` in a fresh folder.
@@ -872,25 +857,7 @@ fn wrong_roles_are_clear_errors_naming_the_node() {
         "--epochs",
         "5",
     ]);
-    let _trainer = Reap(
-        Command::new(env!("CARGO_BIN_EXE_trellis"))
-            .args(&args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
-    let t = Instant::now();
-    let quic = loop {
-        if let Ok(a) = std::fs::read_to_string(&addr_file) {
-            break a;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(60),
-            "the trainer never listened"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let (_trainer, quic) = spawn_bound(&args, &addr_file, Stdio::null());
     let c1 = write_cluster(dir.path(), "t1.toml", &quic, 2);
     let t = Instant::now();
     let out = Command::new(env!("CARGO_BIN_EXE_trellis"))
@@ -910,6 +877,30 @@ fn wrong_roles_are_clear_errors_naming_the_node() {
     );
 }
 
+/// Starts `trellis ARGS` (stdout discarded, stderr to `stderr`), which writes its QUIC
+/// address to `addr_file`; the process and that address (waited for, at most a minute).
+fn spawn_bound(args: &[&str], addr_file: &Path, stderr: Stdio) -> (Reap, String) {
+    let child = Reap(
+        Command::new(env!("CARGO_BIN_EXE_trellis"))
+            .args(args)
+            .stdout(Stdio::null())
+            .stderr(stderr)
+            .spawn()
+            .unwrap(),
+    );
+    let t = Instant::now();
+    loop {
+        if let Ok(a) = std::fs::read_to_string(addr_file) {
+            return (child, a);
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "{args:?} never listened"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// Starts the engine node of a 2-node serving cluster (`model` on `data`) and node 1 as
 /// `trellis NODE1 --cluster FILE --id 1`; the engine node must exit unsuccessfully within
 /// 120 s. Its standard error.
@@ -920,25 +911,8 @@ fn engine_start_fails(dir: &Path, model: &Path, data: &str, node1: &[&str]) -> S
     let mut args = vec!["serve", "--cluster", s(&c0), "--model", s(model)];
     args.extend(["--data", data, "--listen", "127.0.0.1:0", "--threads", "1"]);
     args.extend(["--addr-file", s(&addr_file)]);
-    let mut engine = Reap(
-        Command::new(env!("CARGO_BIN_EXE_trellis"))
-            .args(&args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap(),
-    );
+    let (mut engine, quic) = spawn_bound(&args, &addr_file, Stdio::piped());
     let t = Instant::now();
-    let quic = loop {
-        if let Ok(a) = std::fs::read_to_string(&addr_file) {
-            break a;
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(60),
-            "the engine node never listened"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    };
     let c1 = write_cluster(dir, "c1.toml", &quic, 2);
     let mut node_args = node1.to_vec();
     node_args.extend(["--cluster", s(&c1), "--id", "1"]);

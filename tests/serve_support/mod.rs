@@ -182,3 +182,34 @@ pub fn http_thread_cpus(pid: u32, cpu: &str, want: usize) -> Vec<String> {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+/// Writes a graph (`features` of `width` per node; edges `src[i] -> dst[i]`) as a PyG-style
+/// folder `dir/name`, with labels of four classes (as the tests' models predict) and
+/// one-node masks.
+pub fn write_dataset(
+    dir: &Path,
+    name: &str,
+    features: &[f32],
+    width: usize,
+    src: &[i64],
+    dst: &[i64],
+) -> std::path::PathBuf {
+    let out = dir.join(name);
+    std::fs::create_dir_all(&out).unwrap();
+    let n = features.len() / width;
+    let x = ndarray::Array2::from_shape_vec((n, width), features.to_vec()).unwrap();
+    let mut e = src.to_vec();
+    e.extend_from_slice(dst);
+    let ei = ndarray::Array2::from_shape_vec((2, src.len()), e).unwrap();
+    ndarray_npy::write_npy(out.join("x.npy"), &x).unwrap();
+    ndarray_npy::write_npy(out.join("edge_index.npy"), &ei).unwrap();
+    let mut y = ndarray::Array1::<i64>::zeros(n);
+    y[0] = 3;
+    ndarray_npy::write_npy(out.join("y.npy"), &y).unwrap();
+    for m in ["train_mask", "val_mask", "test_mask"] {
+        let mut mask = ndarray::Array1::from_elem(n, false);
+        mask[0] = true;
+        ndarray_npy::write_npy(out.join(format!("{m}.npy")), &mask).unwrap();
+    }
+    out
+}
