@@ -655,6 +655,92 @@ fn a_node_killed_under_load_costs_no_wrong_answer_and_its_partitions_are_recover
     drop(c);
 }
 
+/// Waits (at most 60 s) until `url`'s `/readyz` answers 200 with `placement`; how long it
+/// took.
+fn wait_placement(url: &str, placement: &Value) -> Duration {
+    let t = Instant::now();
+    loop {
+        let r = call(&agent(), "GET", &format!("{url}/readyz"), b"");
+        if r.status == 200 && &r.body["placement"] == placement {
+            return t.elapsed();
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "{url} did not serve with placement {placement} within 60 s: {} {}",
+            r.status,
+            r.text
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A node killed (SIGKILL) and started again with its id is taken back: the engine node
+/// sets it up with the current model and inputs (an update made while it was away among
+/// them), moves its partition back from the node that adopted it and recomputes it there,
+/// and every node, the restarted one too, serves what `trellis predict` computes, also
+/// after a later update.
+#[test]
+fn a_restarted_node_is_taken_back_with_its_partitions() {
+    let dir = cluster_dir(3);
+    let model = train(dir.path(), "m.safetensors", "0");
+    let mut c = start_cluster(dir.path(), 3, &model, &["--partitions", "3"]);
+    wait_placement(&c.url, &json!([0, 1, 2]));
+    let mut killed = c.nodes.remove(1);
+    killed.child.kill().unwrap();
+    killed.child.wait().unwrap();
+    let lost = wait_placement(&c.url, &json!([0, 1, 1]));
+    // An update while node 2 is away.
+    let r = post(&c.url, "/v1/edges", &json!({ "add": [[7, 880]] }));
+    assert_eq!(r.status, 200, "{}", r.text);
+    let ds: Dataset = DataSource::parse(DATA).unwrap().load().unwrap();
+    let mut edges = undirected_edges(&ds);
+    edges.insert((7, 880));
+
+    // Node 2 again: a new process, the same id, a new port.
+    let c1 = dir.path().join("c1.toml");
+    let args = ["serve", "--cluster", s(&c1), "--id", "2", "--threads", "1"];
+    let restarted = Proc::start(
+        "node 2 again",
+        &[&args[..], &["--listen", "127.0.0.1:0"]].concat(),
+    );
+    let restarted_at = Instant::now();
+    let url2 = restarted.listening();
+    let back = wait_placement(&c.url, &json!([0, 1, 2]));
+    println!(
+        "node 2 lost after {lost:?}, taken back {:?} after its restart",
+        restarted_at.elapsed().max(back)
+    );
+    let edge_list: Vec<(u32, u32)> = edges.iter().copied().collect();
+    let during = write_dataset(dir.path(), "during", &ds.features, &edge_list);
+    let logits = predict(&model, s(&during), dir.path());
+    for (url, what) in [
+        (&c.url, "engine node"),
+        (&c.node_urls[0], "node 1"),
+        (&url2, "node 2"),
+    ] {
+        assert_matches(
+            url,
+            &logits,
+            &format!("after node 2 came back, through the {what}"),
+        );
+    }
+    // An update across the moved partition, computed on the node that came back.
+    let r = post(
+        &url2,
+        "/v1/edges",
+        &json!({ "add": [[300, 700], [650, 880]] }),
+    );
+    assert_eq!(r.status, 200, "{}", r.text);
+    edges.extend([(300, 700), (650, 880)]);
+    let edge_list: Vec<(u32, u32)> = edges.iter().copied().collect();
+    let updated = write_dataset(dir.path(), "updated", &ds.features, &edge_list);
+    let logits = predict(&model, s(&updated), dir.path());
+    assert_matches(&c.url, &logits, "after an update, through the engine node");
+    assert_matches(&url2, &logits, "after an update, through node 2");
+    drop(restarted);
+    drop(c);
+}
+
 #[test]
 fn the_engine_node_killed_under_load_is_succeeded_by_another_node_with_no_wrong_answer() {
     let dir = cluster_dir(3);

@@ -23,7 +23,10 @@ use super::scheduler::{Action, Pending, Quotas, Refusal, Scheduler, SchedulerCon
 use super::shell::{ServeNode, ServeStore, Served};
 use super::ServeError;
 use crate::cluster::node::{ControlInbox, EndpointHandle, NodeEndpoint, SharedEndpoint};
-use crate::cluster::serving::proto::{ServeMsg, ServeReply, ServeRequest};
+use crate::cluster::serving::engine_side::send_setup;
+use crate::cluster::serving::proto::{
+    PeerAddr, ServeMsg, ServeReply, ServeRequest, ServeSetup, ServedWire, WireModel,
+};
 use crate::cluster::serving::succession;
 use crate::cluster::serving::{route_serving, serving_space};
 use crate::cluster::serving::{ClusterServing, ForwardSlot, RemoteServePart, ServeLink};
@@ -329,10 +332,15 @@ struct EngineCluster {
     placement: Vec<u32>,
     me: u32,
     workers: Vec<u32>,
-    /// Nodes lost so far (fenced).
+    /// Nodes lost so far (fenced), less those that came back.
     lost: Vec<u32>,
     /// The run id a partition re-placed here joins.
     run: RunId,
+    /// The placement the service started with: a node that comes back gets its partitions
+    /// back.
+    first_placement: Vec<u32>,
+    /// Where every node of the service listens (a node that came back: its new address).
+    peers: Vec<PeerAddr>,
 }
 
 /// What starting the partition actors takes.
@@ -789,7 +797,7 @@ impl Engine {
             }
             Some(((ep, mut inbox), c)) => {
                 let placement = c.placement(self.parts).map_err(actor_err)?;
-                crate::cluster::serving::engine_side::connect(
+                let peers = crate::cluster::serving::engine_side::connect(
                     &ep,
                     &mut inbox,
                     &c.cluster,
@@ -846,11 +854,13 @@ impl Engine {
                 self.cluster = Some(EngineCluster {
                     link,
                     transport: ep.transport.clone(),
+                    first_placement: placement.clone(),
                     placement,
                     me: c.id,
                     workers: c.cluster.workers(),
                     lost: Vec::new(),
                     run,
+                    peers,
                 });
             }
         }
@@ -1323,6 +1333,7 @@ impl Engine {
         let msg = ServeMsg::Reroute {
             placement: c.placement.clone(),
             fenced: c.lost.clone(),
+            returned: Vec::new(),
         };
         for &w in c.workers.iter().filter(|w| !c.lost.contains(w)) {
             if let Err(e) = c.link.tell(w, &msg) {
@@ -1345,6 +1356,136 @@ impl Engine {
                 tracing::error!("serving: {e}");
             }
         }
+    }
+
+    /// Takes back the lost nodes whose restarted process joined again (noticed while idle):
+    /// each is set up as at start-up (the current placement, model and inputs), then the
+    /// partitions first placed on it move back to it from the nodes that adopted them, every
+    /// node is rerouted (the node admitted again, at its new address), and the moved
+    /// partitions are recomputed there before anything else runs.
+    async fn take_back_returned(&mut self) {
+        let Some(c) = &self.cluster else {
+            return;
+        };
+        for (node, addr) in c.link.take_returned() {
+            match self.take_back(node, &addr).await {
+                Ok(moved) => {
+                    crate::cluster::say(&format!(
+                        "serving: node {node} came back (at {addr}); partitions {moved:?} moved back to it and recomputed"
+                    ));
+                    if !moved.is_empty() {
+                        if let Err(e) = self.recover(moved).await {
+                            tracing::error!("serving: {e}");
+                        }
+                    }
+                }
+                Err(e) => {
+                    crate::cluster::say(&format!("serving: node {node} was not taken back: {e}"));
+                    if let Some(c) = &self.cluster {
+                        c.link.node_lost(node, &format!("not taken back: {e}"));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Sets node `node` (back at `addr`) up and moves its first partitions back to it;
+    /// returns them.
+    async fn take_back(&mut self, node: u32, addr: &str) -> Result<Vec<u32>, ActorError> {
+        let Some(c) = &mut self.cluster else {
+            return Ok(Vec::new());
+        };
+        if !c.lost.contains(&node) {
+            return Ok(Vec::new());
+        }
+        let parsed = addr.parse().map_err(|e| ActorError::Node {
+            node,
+            detail: format!("joined with a bad address {addr}: {e}"),
+        })?;
+        c.link.taken_back(node);
+        c.transport.add_peer(node, parsed);
+        match c.peers.iter_mut().find(|p| p.node == node) {
+            Some(p) => p.addr = addr.to_string(),
+            None => c.peers.push(PeerAddr {
+                node,
+                addr: addr.to_string(),
+            }),
+        }
+        let (model, sparse_input, inputs) = {
+            let m = self
+                .store
+                .model
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone();
+            let served = self.store.served.read().unwrap_or_else(|e| e.into_inner());
+            (
+                WireModel::of(&m)?,
+                self.store.sparse_input,
+                ServedWire::of(&served).encode(),
+            )
+        };
+        let setup = ServeSetup {
+            run: *c.run.as_bytes(),
+            placement: c.placement.clone(),
+            peers: c.peers.clone(),
+            model,
+            sparse_input,
+            faults: Vec::new(),
+            inputs_follow: true,
+        };
+        let ready = c.link.expect_ready(node, Duration::from_secs(120));
+        send_setup(&c.transport, node, &setup, Some(&inputs))?;
+        ready.await?;
+        c.lost.retain(|&n| n != node);
+        let mut moved = Vec::new();
+        for p in 0..self.parts as u32 {
+            let holder = c.placement[p as usize];
+            if c.first_placement[p as usize] != node || holder == node {
+                continue;
+            }
+            let hosted = c
+                .link
+                .request(node, p, ServeRequest::Host, Self::HOST_WITHIN)
+                .await?;
+            if !matches!(hosted, ServeReply::Hosting) {
+                return Err(ActorError::Node {
+                    node,
+                    detail: format!("did not start partition {p}: {hosted:?}"),
+                });
+            }
+            if holder == c.me {
+                if let Some(local) = self.node.as_mut() {
+                    local.remove_part(p);
+                }
+            } else {
+                c.link.tell(holder, &ServeMsg::DropPart { part: p })?;
+            }
+            self.handles[p as usize] = PartHandle::Remote(RemoteServePart::new(
+                p,
+                node,
+                c.link.clone(),
+                self.step_timeout,
+            ));
+            c.placement[p as usize] = node;
+            moved.push(p);
+        }
+        route_serving(&c.transport, &c.placement, c.me);
+        *self.stats.placement.lock().expect("stats lock") = c.placement.clone();
+        let msg = ServeMsg::Reroute {
+            placement: c.placement.clone(),
+            fenced: c.lost.clone(),
+            returned: vec![PeerAddr {
+                node,
+                addr: addr.to_string(),
+            }],
+        };
+        for &w in c.workers.iter().filter(|w| !c.lost.contains(w)) {
+            if let Err(e) = c.link.tell(w, &msg) {
+                tracing::warn!("serving: rerouting node {w}: {e}");
+            }
+        }
+        Ok(moved)
     }
 
     /// Tells the other nodes the service stops.
@@ -1397,6 +1538,7 @@ impl Engine {
                 self.handle(c).await;
             }
             self.recover_lost().await;
+            self.take_back_returned().await;
             self.apply_adds().await;
             self.swap_step().await;
             let actions = self.scheduler.poll(Instant::now());

@@ -430,6 +430,18 @@ impl ServeNode {
         }
     }
 
+    /// Stops partition `p`'s actor here (it moved to another node): its halo route is
+    /// removed first, and its arbiter stops once the actor is done with what it runs.
+    pub fn remove_part(&mut self, p: u32) {
+        let Some(i) = self.parts.iter().position(|&q| q == p) else {
+            return;
+        };
+        self.transport.unregister(PartId(p));
+        self.parts.remove(i);
+        drop(self.addrs.remove(i));
+        self.arbiters.remove(i).stop();
+    }
+
     /// The actors, in the order their partitions were started.
     pub fn addrs(&self) -> &[Addr<ServeActor>] {
         &self.addrs

@@ -33,4 +33,4 @@ pub use config::QuicConfig;
 pub use conn::REFUSED_PREFIX;
 pub use error::{QuicError, StopCode};
 pub use node::{Inbound, NodeId, QuicNode, QuicStats};
-pub use transport::{ControlRx, QuicTransport, RefusalSink};
+pub use transport::{ControlRx, FencedSink, QuicTransport, RefusalSink};

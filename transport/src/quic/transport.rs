@@ -18,6 +18,10 @@ pub type ControlRx = mpsc::UnboundedReceiver<(NodeId, Vec<u8>)>;
 /// Told of every refused connection (the peer's address and the reason), as it happens.
 pub type RefusalSink = Arc<dyn Fn(SocketAddr, &str) + Send + Sync>;
 
+/// Told of every control message a fenced node sends (refused for everything else): a
+/// service may take a restarted node back on its first message ([`QuicTransport::unfence`]).
+pub type FencedSink = Arc<dyn Fn(NodeId, Vec<u8>) + Send + Sync>;
+
 struct Dispatch {
     local: DashMap<PartId, Deliver>,
     /// Nodes declared lost: everything they send is refused (fencing).
@@ -25,6 +29,7 @@ struct Dispatch {
     filter: Mutex<RecvFilter>,
     control: mpsc::UnboundedSender<(NodeId, Vec<u8>)>,
     on_refusal: Mutex<Option<RefusalSink>>,
+    on_fenced: Mutex<Option<FencedSink>>,
 }
 
 impl Inbound for Dispatch {
@@ -51,10 +56,14 @@ impl Inbound for Dispatch {
 
     fn control(&self, from: NodeId, bytes: Vec<u8>) {
         if self.fenced.contains(&from) {
-            tracing::warn!(
-                peer = from,
-                "dropped a control message from fenced node {from}"
-            );
+            let sink = self.on_fenced.lock().expect("poisoned").clone();
+            match sink {
+                Some(sink) => sink(from, bytes),
+                None => tracing::warn!(
+                    peer = from,
+                    "dropped a control message from fenced node {from}"
+                ),
+            }
             return;
         }
         let _ = self.control.send((from, bytes));
@@ -88,6 +97,7 @@ impl QuicTransport {
             filter: Mutex::default(),
             control,
             on_refusal: Mutex::new(None),
+            on_fenced: Mutex::new(None),
         });
         let node = QuicNode::bind(cfg, id, dispatch.clone())?;
         Ok((
@@ -132,6 +142,17 @@ impl QuicTransport {
     pub fn fence(&self, node: NodeId) {
         self.dispatch.fenced.insert(node);
         self.routes.retain(|_, n| *n != node);
+    }
+
+    /// Takes back `node`, fenced before (a restarted process of it joined again): its
+    /// blocks and control messages are admitted again; routes to it are set anew.
+    pub fn unfence(&self, node: NodeId) {
+        self.dispatch.fenced.remove(&node);
+    }
+
+    /// Gives every control message of a fenced node to `sink` instead of dropping it.
+    pub fn on_fenced_control(&self, sink: FencedSink) {
+        *self.dispatch.on_fenced.lock().expect("poisoned") = Some(sink);
     }
 
     /// Sets `run`'s current epoch: blocks of older epochs are refused. A run's blocks are

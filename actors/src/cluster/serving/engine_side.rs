@@ -16,6 +16,7 @@ use crate::ActorError;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
+use trellis_transport::quic::QuicTransport;
 use trellis_transport::RunId;
 
 /// Serve on a cluster: this process is node `id` (the cluster file's coordinator) and runs
@@ -36,6 +37,7 @@ impl ClusterServing {
 }
 
 /// Brings up the serving nodes of `cluster` for run `run`: joins, setups, inputs, readiness.
+/// Returns where every node of the service (this one too) listens.
 pub async fn connect(
     ep: &EndpointHandle,
     inbox: &mut ControlInbox,
@@ -44,7 +46,7 @@ pub async fn connect(
     placement: &[u32],
     run: RunId,
     faults: &FaultPlan,
-) -> Result<(), ActorError> {
+) -> Result<Vec<PeerAddr>, ActorError> {
     let workers = cluster.workers();
     let until = Instant::now() + Duration::from_millis(cluster.join_timeout_ms);
     let mut addrs: BTreeMap<u32, String> = BTreeMap::new();
@@ -102,7 +104,7 @@ pub async fn connect(
     let setup = ServeSetup {
         run: *run.as_bytes(),
         placement: placement.to_vec(),
-        peers,
+        peers: peers.clone(),
         model,
         sparse_input: store.sparse_input,
         faults: WireServeFault::shipped(faults, placement, ep.id),
@@ -117,26 +119,12 @@ pub async fn connect(
         ServedWire::of(&s).encode()
     });
     for w in &workers {
-        let inputs = inputs.as_ref().filter(|_| needs(w));
-        let setup = ServeSetup {
-            inputs_follow: inputs.is_some(),
-            ..setup.clone()
-        };
-        send(ep, *w, &ServeMsg::Setup(setup))?;
-        let Some(inputs) = inputs else {
+        let inputs = inputs.as_deref().filter(|_| needs(w));
+        send_setup(&ep.transport, *w, &setup, inputs)?;
+        if inputs.is_none() {
             crate::cluster::say(&format!(
                 "serving: node {w} holds the same inputs; none sent"
             ));
-            continue;
-        };
-        let total = inputs.len() as u64;
-        for (i, chunk) in inputs.chunks(INPUT_CHUNK).enumerate() {
-            let msg = ServeMsg::Inputs {
-                offset: (i * INPUT_CHUNK) as u64,
-                total,
-                data: chunk.to_vec(),
-            };
-            send(ep, *w, &msg)?;
         }
     }
     let mut ready: BTreeMap<u32, Vec<u32>> = BTreeMap::new();
@@ -182,11 +170,41 @@ pub async fn connect(
     for (node, parts) in &ready {
         crate::cluster::say(&format!("serving: node {node} serves partitions {parts:?}"));
     }
-    Ok(())
+    Ok(peers)
 }
 
-fn send(ep: &EndpointHandle, to: u32, msg: &ServeMsg) -> Result<(), ActorError> {
-    ep.send(to, &msg.control())
+/// Sends node `to` its `setup` and, when given, the served `inputs` (an encoded
+/// [`ServedWire`]) in chunks as they are cut; without them the setup says none follow.
+pub(crate) fn send_setup(
+    t: &QuicTransport,
+    to: u32,
+    setup: &ServeSetup,
+    inputs: Option<&[u8]>,
+) -> Result<(), ActorError> {
+    let send = |msg: &ServeMsg| {
+        t.send_control(to, msg.control().encode())
+            .map_err(|e| ActorError::Node {
+                node: to,
+                detail: e.to_string(),
+            })
+    };
+    let setup = ServeSetup {
+        inputs_follow: inputs.is_some(),
+        ..setup.clone()
+    };
+    send(&ServeMsg::Setup(setup))?;
+    let Some(inputs) = inputs else {
+        return Ok(());
+    };
+    let total = inputs.len() as u64;
+    for (i, chunk) in inputs.chunks(INPUT_CHUNK).enumerate() {
+        send(&ServeMsg::Inputs {
+            offset: (i * INPUT_CHUNK) as u64,
+            total,
+            data: chunk.to_vec(),
+        })?;
+    }
+    Ok(())
 }
 
 /// The next serving message before `until` (`None` then). A node that joins for training

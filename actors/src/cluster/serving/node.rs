@@ -957,15 +957,47 @@ async fn answer_requests(
                     a.do_send(DropStaged);
                 }
             }
-            ServeMsg::Reroute { placement, fenced } => {
+            ServeMsg::Reroute {
+                placement,
+                fenced,
+                returned,
+            } => {
                 for &n in &fenced {
                     t.fence(n);
                 }
+                // Nodes that came back: admitted again, reached at their new address.
+                for n in h.fenced.iter().filter(|n| !fenced.contains(n)) {
+                    t.unfence(*n);
+                }
+                for peer in returned {
+                    match peer.addr.parse() {
+                        Ok(addr) => {
+                            t.add_peer(peer.node, addr);
+                            t.node().reset_peer(peer.node);
+                            if !h.peers.contains(&peer.node) {
+                                h.peers.push(peer.node);
+                                h.peers.sort_unstable();
+                            }
+                        }
+                        Err(e) => {
+                            tracing::warn!("node {} came back at {}: {e}", peer.node, peer.addr)
+                        }
+                    }
+                }
                 route_serving(&t, &placement, ep.id);
-                h.fenced.extend(fenced);
+                h.fenced = fenced;
                 h.fenced.sort_unstable();
                 h.fenced.dedup();
                 h.placement = placement;
+            }
+            ServeMsg::DropPart { part } => {
+                if h.addrs.remove(&part).is_some() {
+                    h.node.remove_part(part);
+                    crate::cluster::say(&format!(
+                        "serving: node {} no longer serves partition {part}",
+                        ep.id
+                    ));
+                }
             }
             ServeMsg::HttpReply { id, answer } => match uplink {
                 Some(u) => u.deliver(id, answer),

@@ -19,7 +19,7 @@ use trellis_runtime::ModelConfig;
 use trellis_transport::TraceContext;
 
 /// The version of the serving messages this build speaks.
-pub const SERVE_PROTOCOL: u16 = 4;
+pub const SERVE_PROTOCOL: u16 = 5;
 
 /// Bytes of the served inputs per [`ServeMsg::Inputs`] chunk: the inputs of a large graph
 /// exceed the 1 GiB a control message may have, and chunks are sent as they are cut, with
@@ -69,12 +69,18 @@ pub enum ServeMsg {
     Abort { part: u32, seq: u32 },
     /// Engine node -> node: drop partition `part`'s staged tables (no answer).
     DropStaged { part: u32 },
-    /// Engine node -> node: partitions moved (a node was lost): route halo blocks by
-    /// `placement` and refuse everything from the `fenced` nodes.
+    /// Engine node -> node: partitions moved (a node was lost, or one came back): route
+    /// halo blocks by `placement`, refuse everything from the `fenced` nodes (every node
+    /// lost so far and not back) and admit the others again, reaching each node of
+    /// `returned` (restarted since) at its new address.
     Reroute {
         placement: Vec<u32>,
         fenced: Vec<u32>,
+        returned: Vec<PeerAddr>,
     },
+    /// Engine node -> node: stop hosting partition `part` (it moved back to the node that
+    /// came back; no answer).
+    DropPart { part: u32 },
     /// Node -> engine node: it answers HTTP too, at `addr` (for the logs).
     Http { addr: String },
     /// Node -> engine node: an HTTP request this node received, for the engine node's
@@ -760,7 +766,12 @@ mod tests {
             ServeMsg::Reroute {
                 placement: vec![0, 0, 2],
                 fenced: vec![1],
+                returned: vec![PeerAddr {
+                    node: 3,
+                    addr: "127.0.0.1:4000".into(),
+                }],
             },
+            ServeMsg::DropPart { part: 2 },
             ServeMsg::Request {
                 id: 9,
                 part: 2,

@@ -22,6 +22,9 @@ use trellis_transport::TraceContext;
 
 type Waiter = oneshot::Sender<Result<ServeReply, ActorError>>;
 
+/// How a node set up again ended its setup: its partitions, or why it failed.
+type SetupOutcome = Result<Vec<u32>, String>;
+
 /// How the engine node's HTTP front end answers a request forwarded by another node.
 pub type HttpForward = Arc<
     dyn Fn(
@@ -87,6 +90,11 @@ pub struct ServeLink {
     timeout: Duration,
     /// Answers HTTP requests forwarded by other nodes.
     http: Arc<ForwardSlot>,
+    /// Lost nodes whose restarted process joined again (`Join` with no inputs), with the
+    /// address it joined from; not yet taken back by the engine.
+    returned: Mutex<Vec<(u32, String)>>,
+    /// A node the engine is setting up again, waiting for its `Ready` (or `SetupFailed`).
+    setting_up: Mutex<HashMap<u32, oneshot::Sender<SetupOutcome>>>,
 }
 
 impl ServeLink {
@@ -95,15 +103,99 @@ impl ServeLink {
         timeout: Duration,
         http: Arc<ForwardSlot>,
     ) -> Arc<Self> {
-        Arc::new(ServeLink {
-            transport,
+        let link = Arc::new(ServeLink {
+            transport: transport.clone(),
             waiting: Mutex::new(HashMap::new()),
             next_id: AtomicU64::new(1),
             lost: Mutex::new(BTreeMap::new()),
             unhandled: Mutex::new(Vec::new()),
             timeout,
             http,
-        })
+            returned: Mutex::new(Vec::new()),
+            setting_up: Mutex::new(HashMap::new()),
+        });
+        // A lost node is fenced: of what it sends only the `Join` of a restarted process
+        // (one that holds no inputs; a node that was only cut off or frozen says it holds
+        // some) is taken, as the node coming back.
+        let weak = Arc::downgrade(&link);
+        transport.on_fenced_control(Arc::new(move |from, bytes| {
+            let Some(link) = weak.upgrade() else {
+                return;
+            };
+            let Ok(ControlMsg::Serve(env)) = ControlMsg::decode(&bytes) else {
+                return;
+            };
+            match ServeMsg::open(&env, from) {
+                Ok(ServeMsg::Join { addr, inputs: None }) => link.came_back(from, addr),
+                Ok(other) => tracing::debug!(peer = from, "fenced node {from} sent {other:?}"),
+                Err(e) => tracing::debug!(peer = from, "fenced node {from}: {e}"),
+            }
+        }));
+        link
+    }
+
+    /// Lost node `node` joined again from `addr` (a restarted process).
+    fn came_back(&self, node: u32, addr: String) {
+        if self.lost(node).is_none() {
+            return;
+        }
+        let mut returned = self.returned.lock().unwrap_or_else(|e| e.into_inner());
+        // It resends its `Join` until it is set up: the latest address counts.
+        returned.retain(|(n, _)| *n != node);
+        returned.push((node, addr));
+    }
+
+    /// Lost nodes that joined again since the last call, with their addresses.
+    pub fn take_returned(&self) -> Vec<(u32, String)> {
+        std::mem::take(&mut *self.returned.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Node `node` came back and is taken back: admitted again, no longer lost.
+    pub fn taken_back(&self, node: u32) {
+        self.transport.unfence(node);
+        self.transport.node().reset_peer(node);
+        self.lost
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&node);
+    }
+
+    /// Waits at most `within` for node `node`'s `Ready` (its partitions); call before its
+    /// setup is sent.
+    pub fn expect_ready(
+        &self,
+        node: u32,
+        within: Duration,
+    ) -> impl std::future::Future<Output = Result<Vec<u32>, ActorError>> {
+        let (tx, rx) = oneshot::channel();
+        self.setting_up
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(node, tx);
+        async move {
+            let failed = |detail: String| ActorError::Node { node, detail };
+            match tokio::time::timeout(within, rx).await {
+                Ok(Ok(Ok(parts))) => Ok(parts),
+                Ok(Ok(Err(error))) => Err(failed(format!("its serving setup failed: {error}"))),
+                Ok(Err(_)) => Err(failed("lost while it was set up".into())),
+                Err(_) => Err(failed(format!(
+                    "not ready within {} s of its setup",
+                    within.as_secs()
+                ))),
+            }
+        }
+    }
+
+    fn setup_done(&self, node: u32, outcome: SetupOutcome) {
+        let waiter = self
+            .setting_up
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&node);
+        match waiter {
+            Some(tx) => drop(tx.send(outcome)),
+            None => tracing::warn!(peer = node, "node {node} reported its setup unasked"),
+        }
     }
 
     /// Sends `msg` to `node` without waiting for an answer.
@@ -207,6 +299,11 @@ impl ServeLink {
             lost.insert(node, detail.to_string());
         }
         self.transport.fence(node);
+        // A node lost while it was set up again fails its setup.
+        self.setting_up
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&node);
         self.unhandled
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -255,6 +352,8 @@ impl ServeLink {
                     Ok(ServeMsg::Http { addr }) => {
                         crate::cluster::say(&format!("node {from} answers HTTP on http://{addr}"))
                     }
+                    Ok(ServeMsg::Ready { parts }) => self.setup_done(from, Ok(parts)),
+                    Ok(ServeMsg::SetupFailed { error }) => self.setup_done(from, Err(error)),
                     Ok(other) => {
                         tracing::warn!(peer = from, "node {from} sent {other:?}; ignored")
                     }
