@@ -233,9 +233,15 @@ fn cluster_dir(n: u32) -> tempfile::TempDir {
 
 /// A cluster file of nodes `0..n` whose engine node listens at `engine`.
 fn write_cluster(dir: &Path, name: &str, engine: &str, n: u32) -> PathBuf {
+    let mut addrs = vec![engine];
+    addrs.extend((1..n).map(|_| "127.0.0.1:0"));
+    write_cluster_at(dir, name, &addrs)
+}
+
+/// The cluster file `dir/name` of nodes `0..addrs.len()`, node `i` at `addrs[i]`.
+fn write_cluster_at(dir: &Path, name: &str, addrs: &[&str]) -> PathBuf {
     let mut t = "certs = \"certs\"\npartitions = \"parts\"\nheartbeat_ms = 200\nidle_timeout_ms = 1500\njoin_timeout_ms = 30000\n".to_string();
-    for i in 0..n {
-        let addr = if i == 0 { engine } else { "127.0.0.1:0" };
+    for (i, addr) in addrs.iter().enumerate() {
         t += &format!("[[node]]\nid = {i}\naddr = \"{addr}\"\n");
     }
     let path = dir.join(name);
@@ -739,6 +745,113 @@ fn a_restarted_node_is_taken_back_with_its_partitions() {
     assert_matches(&url2, &logits, "after an update, through node 2");
     drop(restarted);
     drop(c);
+}
+
+/// The engine node killed (SIGKILL) and started again with `--rejoin`: it finds its
+/// successor (node 1) among the cluster file's nodes, which takes it back as a serving node
+/// and moves its partition back to it; every node then serves what `trellis predict`
+/// computes, with the update made while it was away and one made through it after.
+#[test]
+fn the_lost_engine_node_started_again_with_rejoin_is_taken_back_by_its_successor() {
+    let dir = cluster_dir(3);
+    let model = train(dir.path(), "m.safetensors", "0");
+    let c0 = write_cluster(dir.path(), "c0.toml", "127.0.0.1:0", 3);
+    let addr_of = |i: u32| dir.path().join(format!("node{i}.addr"));
+    let (a0, a1, a2) = (addr_of(0), addr_of(1), addr_of(2));
+    let mut args = vec![
+        "serve",
+        "--cluster",
+        s(&c0),
+        "--model",
+        s(&model),
+        "--data",
+        DATA,
+    ];
+    args.extend([
+        "--listen",
+        "127.0.0.1:0",
+        "--threads",
+        "1",
+        "--partitions",
+        "3",
+    ]);
+    args.extend(["--addr-file", s(&a0)]);
+    let mut engine = Proc::start("engine node", &args);
+    let c1 = write_cluster(dir.path(), "c1.toml", &bound(&a0), 3);
+    let nodes: Vec<Proc> = [("1", &a1), ("2", &a2)]
+        .iter()
+        .map(|(id, addr_file)| {
+            let mut args = vec!["serve", "--cluster", s(&c1), "--id", id, "--threads", "1"];
+            args.extend(["--listen", "127.0.0.1:0", "--addr-file", s(addr_file)]);
+            args.extend(["--deadline-ms", "3000"]);
+            Proc::start(&format!("node {id}"), &args)
+        })
+        .collect();
+    let url = engine.listening();
+    let urls: Vec<String> = nodes.iter().map(Proc::listening).collect();
+    wait_placement(&url, &json!([0, 1, 2]));
+    engine.child.kill().unwrap();
+    engine.child.wait().unwrap();
+    wait_placement(&urls[0], &json!([1, 1, 2]));
+    let r = post(&urls[0], "/v1/edges", &json!({ "add": [[7, 880]] }));
+    assert_eq!(r.status, 200, "{}", r.text);
+    let ds: Dataset = DataSource::parse(DATA).unwrap().load().unwrap();
+    let mut edges = undirected_edges(&ds);
+    edges.insert((7, 880));
+
+    // Node 0 again, as a serving node: its cluster file names where nodes 1 and 2 listen.
+    let c2 = write_cluster_at(
+        dir.path(),
+        "c2.toml",
+        &["127.0.0.1:0", &bound(&a1), &bound(&a2)],
+    );
+    let args = [
+        "serve",
+        "--cluster",
+        s(&c2),
+        "--id",
+        "0",
+        "--rejoin",
+        "--threads",
+        "1",
+    ];
+    let restarted = Proc::start(
+        "node 0 again",
+        &[&args[..], &["--listen", "127.0.0.1:0"]].concat(),
+    );
+    let url0 = restarted.listening();
+    let back = wait_placement(&urls[0], &json!([0, 1, 2]));
+    println!("node 0 taken back {back:?} after its front end listened");
+    let edge_list: Vec<(u32, u32)> = edges.iter().copied().collect();
+    let during = write_dataset(dir.path(), "during", &ds.features, &edge_list);
+    let logits = predict(&model, s(&during), dir.path());
+    for u in [&urls[0], &urls[1], &url0] {
+        assert_matches(u, &logits, "after node 0 came back");
+    }
+    let r = post(&url0, "/v1/edges", &json!({ "add": [[20, 500]] }));
+    assert_eq!(r.status, 200, "{}", r.text);
+    edges.insert((20, 500));
+    let edge_list: Vec<(u32, u32)> = edges.iter().copied().collect();
+    let updated = write_dataset(dir.path(), "updated", &ds.features, &edge_list);
+    let logits = predict(&model, s(&updated), dir.path());
+    assert_matches(&urls[0], &logits, "after an update through node 0");
+    assert_matches(&url0, &logits, "after an update, through node 0");
+    drop((restarted, nodes));
+}
+
+/// The QUIC address a node wrote to `addr_file` (waits at most a minute).
+fn bound(addr_file: &Path) -> String {
+    let t = Instant::now();
+    loop {
+        if let Ok(a) = std::fs::read_to_string(addr_file) {
+            return a;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "{addr_file:?} never written"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 #[test]

@@ -46,6 +46,13 @@ pub struct ServeArgs {
     /// This node's id in the cluster file (default: its coordinator, the engine node).
     #[arg(long, requires = "cluster")]
     pub id: Option<u32>,
+    /// Join the running service of the cluster as a serving node after this node's process
+    /// was lost and started again, wherever its engine node now is (also the lost engine
+    /// node, started with its own id): the engine node takes it back and moves its
+    /// partitions back to it. Without it, a node other than the engine node joins the
+    /// cluster file's coordinator.
+    #[arg(long, requires = "id", conflicts_with_all = ["model", "data"])]
+    pub rejoin: bool,
     /// Write the address this node's QUIC endpoint listens on to this file (launchers).
     #[arg(long, requires = "cluster")]
     pub addr_file: Option<PathBuf>,
@@ -127,7 +134,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     };
     let telemetry = a.telemetry.start(id)?;
     let result = match cluster {
-        Some(c) if id != c.coordinator => serve_node(&a, &c, id),
+        Some(c) if id != c.coordinator || a.rejoin => serve_node(&a, &c, id),
         cluster => serve_engine(&a, cluster.map(|c| (c, id))),
     };
     a.telemetry.finish(telemetry);
@@ -163,6 +170,7 @@ fn serve_node(a: &ServeArgs, cluster: &ClusterFile, id: u32) -> Result<()> {
         a.addr_file.as_deref(),
         takeover,
         patience,
+        a.rejoin,
         |parts, uplink| {
             eprintln!("node {id} serves partitions {parts:?}");
             let Some(listen) = listen else {
@@ -269,6 +277,8 @@ fn serve_engine(a: &ServeArgs, cluster: Option<(ClusterFile, u32)>) -> Result<()
                 cluster,
                 id,
                 addr_file: a.addr_file.clone(),
+                home: None,
+                lost: Vec::new(),
             };
             engine::start_on_cluster(saved, graph, features, owner, cfg, c, None)
         }

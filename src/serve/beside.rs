@@ -188,6 +188,8 @@ impl Beside {
             cluster: job.cluster.clone(),
             id: job.id,
             addr_file: None,
+            home: None,
+            lost: Vec::new(),
         };
         let pending = PendingBeside {
             opts,

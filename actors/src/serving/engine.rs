@@ -797,10 +797,11 @@ impl Engine {
             }
             Some(((ep, mut inbox), c)) => {
                 let placement = c.placement(self.parts).map_err(actor_err)?;
+                let home = c.home(&placement);
                 let peers = crate::cluster::serving::engine_side::connect(
                     &ep,
                     &mut inbox,
-                    &c.cluster,
+                    &c,
                     &self.store,
                     &placement,
                     run,
@@ -813,6 +814,11 @@ impl Engine {
                     self.step_timeout,
                     self.http_forward.clone(),
                 );
+                // Nodes lost before this node took over: fenced, and taken back should they
+                // come back.
+                for &n in &c.lost {
+                    link.node_lost(n, "lost before this node took over");
+                }
                 ep.spawn(link.clone().pump(inbox));
                 route_serving(&ep.transport, &placement, c.id);
                 ep.transport.set_epoch(run, 0);
@@ -851,14 +857,16 @@ impl Engine {
                     .collect();
                 self.node = Some(node);
                 *self.stats.placement.lock().expect("stats lock") = placement.clone();
+                let mut workers = c.cluster.workers();
+                workers.extend(&c.lost);
                 self.cluster = Some(EngineCluster {
                     link,
                     transport: ep.transport.clone(),
-                    first_placement: placement.clone(),
+                    first_placement: home,
                     placement,
                     me: c.id,
-                    workers: c.cluster.workers(),
-                    lost: Vec::new(),
+                    workers,
+                    lost: c.lost.clone(),
                     run,
                     peers,
                 });
@@ -1428,6 +1436,7 @@ impl Engine {
         let setup = ServeSetup {
             run: *c.run.as_bytes(),
             placement: c.placement.clone(),
+            home: c.first_placement.clone(),
             peers: c.peers.clone(),
             model,
             sparse_input,

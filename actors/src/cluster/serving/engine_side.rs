@@ -27,6 +27,11 @@ pub struct ClusterServing {
     pub id: u32,
     /// Write the bound address here (for launchers; ephemeral ports).
     pub addr_file: Option<PathBuf>,
+    /// After a take-over: the placement the service started with (else the cluster
+    /// file's), and the nodes of the service lost before (not in `cluster`), which may
+    /// come back.
+    pub home: Option<Vec<u32>>,
+    pub lost: Vec<u32>,
 }
 
 impl ClusterServing {
@@ -34,19 +39,25 @@ impl ClusterServing {
     pub fn placement(&self, parts: usize) -> Result<Vec<u32>, ActorError> {
         self.cluster.placement(parts)
     }
+
+    /// The placement the service started with, given the one it starts with now.
+    pub fn home(&self, placement: &[u32]) -> Vec<u32> {
+        self.home.clone().unwrap_or_else(|| placement.to_vec())
+    }
 }
 
-/// Brings up the serving nodes of `cluster` for run `run`: joins, setups, inputs, readiness.
-/// Returns where every node of the service (this one too) listens.
+/// Brings up the serving nodes of `serving`'s cluster for run `run`: joins, setups, inputs,
+/// readiness. Returns where every node of the service (this one too) listens.
 pub async fn connect(
     ep: &EndpointHandle,
     inbox: &mut ControlInbox,
-    cluster: &ClusterFile,
+    serving: &ClusterServing,
     store: &ServeStore,
     placement: &[u32],
     run: RunId,
     faults: &FaultPlan,
 ) -> Result<Vec<PeerAddr>, ActorError> {
+    let cluster = &serving.cluster;
     let workers = cluster.workers();
     let until = Instant::now() + Duration::from_millis(cluster.join_timeout_ms);
     let mut addrs: BTreeMap<u32, String> = BTreeMap::new();
@@ -104,6 +115,7 @@ pub async fn connect(
     let setup = ServeSetup {
         run: *run.as_bytes(),
         placement: placement.to_vec(),
+        home: serving.home(placement),
         peers: peers.clone(),
         model,
         sparse_input: store.sparse_input,

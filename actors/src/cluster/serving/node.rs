@@ -250,29 +250,43 @@ pub enum ServeNodeEnd {
 /// kernel threads either way); an error when it cannot go on (no setup, a failed setup, or
 /// the engine node lost with no successor). `on_ready` runs once its partitions first
 /// serve, with this node's way to the engine node's HTTP front end, on which a read the
-/// lost engine node did not answer waits at most `patience` for its successor.
+/// lost engine node did not answer waits at most `patience` for its successor. With
+/// `rejoin` (this node's process was lost and started again, the engine node's too) it
+/// joins the running service wherever its engine node now is ([`find_engine`]).
 pub fn run_serve_node(
     cluster: &ClusterFile,
     id: u32,
     addr_file: Option<&Path>,
     engine: EngineConfig,
     patience: Duration,
+    rejoin: bool,
     on_ready: impl FnOnce(&[u32], Arc<HttpUplink>),
 ) -> Result<ServeNodeEnd, ActorError> {
     let coord = cluster.coordinator;
-    if id == coord {
+    if id == coord && !rejoin {
         return Err(ActorError::Cluster(format!(
-            "node {id} is the engine node; start it with --model and --data"
+            "node {id} is the engine node; start it with --model and --data (or with --rejoin \
+             to join the service it ran as a serving node)"
         )));
     }
     let (endpoint, mut inbox) = NodeEndpoint::bind(cluster, id, addr_file)?;
-    endpoint
-        .transport
-        .add_peer(coord, cluster.node(coord)?.addr);
+    let candidates: Vec<u32> = if rejoin {
+        cluster.ids().into_iter().filter(|&n| n != id).collect()
+    } else {
+        vec![coord]
+    };
+    for &n in &candidates {
+        let addr = cluster.node(n)?.addr;
+        // A node of the file without a fixed port cannot be dialled (it dials this one).
+        if addr.port() != 0 || n == coord {
+            endpoint.transport.add_peer(n, addr);
+        }
+    }
     let sys = actix::System::new();
     let threads = engine.threads;
+    let candidates = rejoin.then_some(candidates);
     let result = sys.block_on(serve(
-        cluster, &endpoint, &mut inbox, threads, patience, on_ready,
+        cluster, &endpoint, &mut inbox, threads, patience, candidates, on_ready,
     ));
     drop(sys);
     match result? {
@@ -281,11 +295,15 @@ pub fn run_serve_node(
             store,
             succession,
             uplink,
+            home,
+            gone,
         } => {
             let serving = ClusterServing {
                 cluster: succession.cluster(cluster),
                 id,
                 addr_file: None,
+                home: Some(home),
+                lost: gone,
             };
             let cfg = EngineConfig {
                 parts: succession.placement.len(),
@@ -319,6 +337,10 @@ enum Served {
         store: Arc<ServeStore>,
         succession: Succession,
         uplink: Arc<HttpUplink>,
+        /// The placement the service started with.
+        home: Vec<u32>,
+        /// The nodes of the service that do not survive (they may come back).
+        gone: Vec<u32>,
     },
 }
 
@@ -456,6 +478,8 @@ struct Hosted {
     placement: Vec<u32>,
     /// Nodes the engine node declared lost.
     fenced: Vec<u32>,
+    /// The placement the service started with (the setup's).
+    home: Vec<u32>,
     /// What a partition the engine re-places here starts with.
     run: uuid::Uuid,
     faults: Arc<crate::faults::FaultPlan>,
@@ -471,6 +495,7 @@ async fn serve(
     inbox: &mut ControlInbox,
     threads: usize,
     patience: Duration,
+    mut rejoin: Option<Vec<u32>>,
     on_ready: impl FnOnce(&[u32], Arc<HttpUplink>),
 ) -> Result<Served, ActorError> {
     let mut coord = cluster.coordinator;
@@ -480,11 +505,25 @@ async fn serve(
     // After the engine node's loss: this node's copy of the inputs and the succession it
     // follows, until the successor sets it up.
     let mut following: Option<(Arc<ServeStore>, Succession)> = None;
+    // The last setup's nodes and the placement the service started with.
+    let (mut peers, mut home) = (Vec::new(), Vec::new());
     loop {
         let held = following.as_ref().map(|(store, _)| store.clone());
+        let set = match rejoin.take() {
+            Some(candidates) => match find_engine(cluster, ep, inbox, &candidates).await {
+                Ok((engine, setup)) => {
+                    coord = engine;
+                    let hosted = host(ep, inbox, coord, &setup, threads, None, None).await;
+                    reported(ep, coord, hosted).await
+                }
+                Err(e) => Err(e),
+            },
+            None => set_up(cluster, ep, inbox, coord, held, threads).await,
+        };
         // Who takes over, from which copy of the inputs, after what loss.
-        let (store, next, lost) = match set_up(cluster, ep, inbox, coord, held, threads).await {
+        let (store, next, lost) = match set {
             Ok(mut hosted) => {
+                (peers, home) = (hosted.peers.clone(), hosted.home.clone());
                 let served =
                     serve_engine(ep, inbox, coord, &mut hosted, &uplink, &mut on_ready).await;
                 hosted.node.shutdown();
@@ -514,10 +553,17 @@ async fn serve(
         };
         crate::cluster::say(&format!("serving: {lost}; node {} takes over", next.engine));
         if next.engine == ep.id {
+            let gone = peers
+                .iter()
+                .copied()
+                .filter(|n| !next.survivors.contains(n))
+                .collect();
             return Ok(Served::TakeOver {
                 store,
                 succession: next,
                 uplink,
+                home,
+                gone,
             });
         }
         coord = next.engine;
@@ -612,16 +658,11 @@ pub fn host_beside_training(
         let budget = trellis_gpu::ThreadBudget::global(threads)
             .map_err(|e| ActorError::System(e.to_string()))?;
         crate::priority::background_pool(&budget);
-        let mut hosted = match host(ep, &mut inbox, coord, &setup, threads, None, Some(gate)).await
-        {
+        let hosted = host(ep, &mut inbox, coord, &setup, threads, None, Some(gate)).await;
+        let mut hosted = match reported(ep, coord, hosted).await {
             Ok(h) => h,
             Err(SetUpError::EngineLost(_)) => return Ok(()),
-            Err(SetUpError::Failed(e)) => {
-                let error = e.to_string();
-                let _ = tell(&ep.transport, coord, &ServeMsg::SetupFailed { error });
-                ep.flush(Duration::from_secs(2)).await;
-                return Err(e);
-            }
+            Err(SetUpError::Failed(e)) => return Err(e),
         };
         let mut parts: Vec<u32> = hosted.addrs.keys().copied().collect();
         parts.sort_unstable();
@@ -660,20 +701,76 @@ async fn set_up(
     threads: usize,
 ) -> Result<Hosted, SetUpError> {
     let setup = join(cluster, ep, inbox, coord, held.as_deref()).await?;
-    match host(ep, inbox, coord, &setup, threads, held, None).await {
-        Ok(h) => Ok(h),
-        Err(SetUpError::Failed(e)) => {
-            let _ = tell(
-                &ep.transport,
-                coord,
-                &ServeMsg::SetupFailed {
-                    error: e.to_string(),
-                },
-            );
-            ep.flush(Duration::from_secs(2)).await;
-            Err(SetUpError::Failed(e))
+    let hosted = host(ep, inbox, coord, &setup, threads, held, None).await;
+    reported(ep, coord, hosted).await
+}
+
+/// `hosted`, with a failed setup reported to engine node `coord` (`SetupFailed`).
+async fn reported(
+    ep: &NodeEndpoint,
+    coord: u32,
+    hosted: Result<Hosted, SetUpError>,
+) -> Result<Hosted, SetUpError> {
+    if let Err(SetUpError::Failed(e)) = &hosted {
+        let error = e.to_string();
+        let _ = tell(&ep.transport, coord, &ServeMsg::SetupFailed { error });
+        ep.flush(Duration::from_secs(2)).await;
+    }
+    hosted
+}
+
+/// Looks for the engine node of a running service among `candidates` (this node's process
+/// was lost and started again): a fresh process's `Join` (no inputs) goes to each of them,
+/// again every second (with a fresh connection to those not connected), until one answers
+/// with a setup (the engine node takes the lost node back; the others refuse a fenced
+/// node's messages), within the join timeout. Returns the engine node and its setup.
+async fn find_engine(
+    cluster: &ClusterFile,
+    ep: &NodeEndpoint,
+    inbox: &mut ControlInbox,
+    candidates: &[u32],
+) -> Result<(u32, ServeSetup), SetUpError> {
+    let t = &ep.transport;
+    let until = Instant::now() + Duration::from_millis(cluster.join_timeout_ms);
+    let join = ServeMsg::Join {
+        addr: ep.addr().to_string(),
+        inputs: None,
+    };
+    loop {
+        let connected = t.node().connected_peers();
+        for &n in candidates {
+            if !connected.contains(&n) {
+                t.node().reset_peer(n);
+            }
+            // A node that is not up (or cannot be dialled) is tried again next round.
+            let _ = tell(t, n, &join);
         }
-        Err(lost) => Err(lost),
+        let retry = (Instant::now() + Duration::from_secs(1)).min(until);
+        loop {
+            match inbox.next_event(None, Some(retry)).await? {
+                InboxEvent::Message {
+                    from,
+                    msg: ControlMsg::Serve(env),
+                } if candidates.contains(&from) => match ServeMsg::open(&env, from) {
+                    Ok(ServeMsg::Setup(s)) => return Ok((from, s)),
+                    Ok(other) => tracing::debug!("ignored {other:?} from node {from}"),
+                    Err(e) => tracing::warn!(peer = from, "{e}; dropped"),
+                },
+                InboxEvent::Message { from, msg } => {
+                    tracing::debug!(peer = from, "ignored {msg:?} while looking for the engine")
+                }
+                InboxEvent::PeerDown { .. } => {}
+                InboxEvent::Timeout => break,
+            }
+        }
+        if Instant::now() >= until {
+            return Err(ActorError::Cluster(format!(
+                "no node of {candidates:?} took this node back as the engine node within {} ms \
+                 (is the service running?)",
+                cluster.join_timeout_ms
+            ))
+            .into());
+        }
     }
 }
 
@@ -831,6 +928,7 @@ async fn host(
         peers,
         placement: setup.placement.clone(),
         fenced: Vec::new(),
+        home: setup.home.clone(),
         run,
         faults,
         threads,
@@ -970,6 +1068,9 @@ async fn answer_requests(
                     t.unfence(*n);
                 }
                 for peer in returned {
+                    // Fenced here by an earlier loss (this node's own engine-node loss
+                    // fences the lost engine node outside any reroute).
+                    t.unfence(peer.node);
                     match peer.addr.parse() {
                         Ok(addr) => {
                             t.add_peer(peer.node, addr);

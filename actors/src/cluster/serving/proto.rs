@@ -119,6 +119,9 @@ pub struct ServeSetup {
     pub run: [u8; 16],
     /// `placement[p]`: the node hosting partition `p`.
     pub placement: Vec<u32>,
+    /// The placement the service started with: a lost node that comes back gets its
+    /// partitions of it back (kept by every node for a successor).
+    pub home: Vec<u32>,
     /// Every node's address.
     pub peers: Vec<PeerAddr>,
     /// The live model.
