@@ -252,7 +252,8 @@ pub enum ServeNodeEnd {
 /// serve, with this node's way to the engine node's HTTP front end, on which a read the
 /// lost engine node did not answer waits at most `patience` for its successor. With
 /// `rejoin` (this node's process was lost and started again, the engine node's too) it
-/// joins the running service wherever its engine node now is ([`find_engine`]).
+/// joins the running service wherever its engine node now is: its `Join` goes to every
+/// other node of the cluster file.
 pub fn run_serve_node(
     cluster: &ClusterFile,
     id: u32,
