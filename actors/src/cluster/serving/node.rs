@@ -837,7 +837,9 @@ async fn join(
                 return Err(ActorError::Node {
                     node: coord,
                     detail: format!(
-                        "no serving setup from the engine node within {} ms",
+                        "no serving setup from the engine node within {} ms (if the service \
+                         runs with another engine node since a take-over, start this node \
+                         with --rejoin)",
                         cluster.join_timeout_ms
                     ),
                 }
