@@ -661,6 +661,13 @@ fn a_node_killed_under_load_costs_no_wrong_answer_and_its_partitions_are_recover
     drop(c);
 }
 
+/// `url`'s `/readyz` answer (200 expected).
+fn readyz(url: &str) -> Value {
+    let r = call(&agent(), "GET", &format!("{url}/readyz"), b"");
+    assert_eq!(r.status, 200, "{}", r.text);
+    r.body
+}
+
 /// Waits (at most 60 s) until `url`'s `/readyz` answers 200 with `placement`; how long it
 /// took.
 fn wait_placement(url: &str, placement: &Value) -> Duration {
@@ -695,6 +702,7 @@ fn a_restarted_node_is_taken_back_with_its_partitions() {
     killed.child.kill().unwrap();
     killed.child.wait().unwrap();
     let lost = wait_placement(&c.url, &json!([0, 1, 1]));
+    assert_eq!(readyz(&c.url)["lost_nodes"], json!([2]));
     // An update while node 2 is away.
     let r = post(&c.url, "/v1/edges", &json!({ "add": [[7, 880]] }));
     assert_eq!(r.status, 200, "{}", r.text);
@@ -712,6 +720,7 @@ fn a_restarted_node_is_taken_back_with_its_partitions() {
     let restarted_at = Instant::now();
     let url2 = restarted.listening();
     let back = wait_placement(&c.url, &json!([0, 1, 2]));
+    assert_eq!(readyz(&c.url)["lost_nodes"], json!([]));
     println!(
         "node 2 lost after {lost:?}, taken back {:?} after its restart",
         restarted_at.elapsed().max(back)
@@ -793,6 +802,8 @@ fn the_lost_engine_node_started_again_with_rejoin_is_taken_back_by_its_successor
     engine.child.kill().unwrap();
     engine.child.wait().unwrap();
     wait_placement(&urls[0], &json!([1, 1, 2]));
+    // The successor names the lost engine node.
+    assert_eq!(readyz(&urls[0])["lost_nodes"], json!([0]));
     let r = post(&urls[0], "/v1/edges", &json!({ "add": [[7, 880]] }));
     assert_eq!(r.status, 200, "{}", r.text);
     let ds: Dataset = DataSource::parse(DATA).unwrap().load().unwrap();
@@ -821,6 +832,7 @@ fn the_lost_engine_node_started_again_with_rejoin_is_taken_back_by_its_successor
     );
     let url0 = restarted.listening();
     let back = wait_placement(&urls[0], &json!([0, 1, 2]));
+    assert_eq!(readyz(&urls[0])["lost_nodes"], json!([]));
     println!("node 0 taken back {back:?} after its front end listened");
     let edge_list: Vec<(u32, u32)> = edges.iter().copied().collect();
     let during = write_dataset(dir.path(), "during", &ds.features, &edge_list);

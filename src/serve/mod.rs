@@ -392,10 +392,11 @@ async fn readyz(state: web::Data<AppState>) -> HttpResponse {
         "rebuilds": stats.rebuilds.load(std::sync::atomic::Ordering::Relaxed),
         "faults_fired": state.engine.faults.fired_total(),
     });
-    // On a cluster: the node serving each partition.
+    // On a cluster: the node serving each partition, and the nodes lost (not back).
     let placement = stats.placement.lock().expect("stats lock").clone();
     if !placement.is_empty() {
         body["placement"] = serde_json::json!(placement);
+        body["lost_nodes"] = serde_json::json!(*stats.lost_nodes.lock().expect("stats lock"));
     }
     json_response(if ready { 200 } else { 503 }, body.to_string())
 }

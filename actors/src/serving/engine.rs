@@ -146,6 +146,8 @@ pub struct EngineStats {
     pub added_nodes: AtomicUsize,
     /// On a cluster: `placement[p]`, the node serving partition `p` now.
     pub placement: Mutex<Vec<u32>>,
+    /// On a cluster: the nodes of the service lost (and not taken back), ascending.
+    pub lost_nodes: Mutex<Vec<u32>>,
 }
 
 impl EngineStats {
@@ -156,6 +158,14 @@ impl EngineStats {
         });
         let _ = h.record(size.max(1) as u64);
     }
+    /// The nodes lost and not taken back (`lost`, in any order).
+    fn set_lost(&self, lost: &[u32]) {
+        let mut sorted = lost.to_vec();
+        sorted.sort_unstable();
+        sorted.dedup();
+        *self.lost_nodes.lock().expect("stats lock") = sorted;
+    }
+
     /// Counts a refused request.
     pub fn record_shed(&self, why: Refusal) {
         let key = match why {
@@ -857,6 +867,7 @@ impl Engine {
                     .collect();
                 self.node = Some(node);
                 *self.stats.placement.lock().expect("stats lock") = placement.clone();
+                self.stats.set_lost(&c.lost);
                 let mut workers = c.cluster.workers();
                 workers.extend(&c.lost);
                 self.cluster = Some(EngineCluster {
@@ -1338,6 +1349,7 @@ impl Engine {
         }
         route_serving(&c.transport, &c.placement, c.me);
         *self.stats.placement.lock().expect("stats lock") = c.placement.clone();
+        self.stats.set_lost(&c.lost);
         let msg = ServeMsg::Reroute {
             placement: c.placement.clone(),
             fenced: c.lost.clone(),
@@ -1481,6 +1493,7 @@ impl Engine {
         }
         route_serving(&c.transport, &c.placement, c.me);
         *self.stats.placement.lock().expect("stats lock") = c.placement.clone();
+        self.stats.set_lost(&c.lost);
         let msg = ServeMsg::Reroute {
             placement: c.placement.clone(),
             fenced: c.lost.clone(),
