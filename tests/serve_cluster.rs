@@ -661,6 +661,18 @@ fn a_node_killed_under_load_costs_no_wrong_answer_and_its_partitions_are_recover
     drop(c);
 }
 
+/// The `trellis_serve_cluster_nodes_lost` gauge of `url`'s `/metrics`.
+fn lost_gauge(url: &str) -> u64 {
+    let r = call(&agent(), "GET", &format!("{url}/metrics"), b"");
+    assert_eq!(r.status, 200, "{}", r.text);
+    let line = r
+        .text
+        .lines()
+        .find(|l| l.starts_with("trellis_serve_cluster_nodes_lost "))
+        .unwrap_or_else(|| panic!("no lost-nodes gauge in {}", r.text));
+    line.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
 /// `url`'s `/readyz` answer (200 expected).
 fn readyz(url: &str) -> Value {
     let r = call(&agent(), "GET", &format!("{url}/readyz"), b"");
@@ -703,6 +715,7 @@ fn a_restarted_node_is_taken_back_with_its_partitions() {
     killed.child.wait().unwrap();
     let lost = wait_placement(&c.url, &json!([0, 1, 1]));
     assert_eq!(readyz(&c.url)["lost_nodes"], json!([2]));
+    assert_eq!(lost_gauge(&c.url), 1);
     // An update while node 2 is away.
     let r = post(&c.url, "/v1/edges", &json!({ "add": [[7, 880]] }));
     assert_eq!(r.status, 200, "{}", r.text);
@@ -721,6 +734,7 @@ fn a_restarted_node_is_taken_back_with_its_partitions() {
     let url2 = restarted.listening();
     let back = wait_placement(&c.url, &json!([0, 1, 2]));
     assert_eq!(readyz(&c.url)["lost_nodes"], json!([]));
+    assert_eq!(lost_gauge(&c.url), 0);
     println!(
         "node 2 lost after {lost:?}, taken back {:?} after its restart",
         restarted_at.elapsed().max(back)

@@ -176,6 +176,12 @@ impl HttpMetrics {
                 "Nodes of the served graph.",
                 nodes as u64,
             ),
+            (
+                "trellis_serve_cluster_nodes_lost",
+                "gauge",
+                "Nodes of the serving cluster lost and not taken back.",
+                engine.lost_nodes.lock().expect("stats lock").len() as u64,
+            ),
         ];
         for (name, kind, help, value) in scalars {
             let _ = writeln!(
