@@ -47,18 +47,26 @@ impl EndpointHandle {
 
     /// Queues a control message for `node`.
     pub fn send(&self, node: u32, msg: &ControlMsg) -> Result<(), ActorError> {
-        self.transport
-            .send_control(node, msg.encode())
-            .map_err(|e| ActorError::Node {
-                node,
-                detail: e.to_string(),
-            })
+        send_control(&self.transport, node, msg)
     }
 
     /// Runs `task` on the endpoint's QUIC runtime.
     pub fn spawn(&self, task: impl std::future::Future<Output = ()> + Send + 'static) {
         self.rt.spawn(task);
     }
+}
+
+/// Queues control message `msg` for `node` on `t`; a failure names the node.
+pub(crate) fn send_control(
+    t: &QuicTransport,
+    node: u32,
+    msg: &ControlMsg,
+) -> Result<(), ActorError> {
+    t.send_control(node, msg.encode())
+        .map_err(|e| ActorError::Node {
+            node,
+            detail: e.to_string(),
+        })
 }
 
 /// A node's endpoint as a service that shares it gets it: a handle on it and an inbox of
@@ -230,7 +238,7 @@ impl NodeEndpoint {
 
     /// Queues a control message for `node`.
     pub fn send(&self, node: u32, msg: &ControlMsg) -> Result<(), ActorError> {
-        self.handle()?.send(node, msg)
+        send_control(&self.transport, node, msg)
     }
 
     /// Waits (at most `within`) until everything queued is acknowledged.
@@ -927,9 +935,16 @@ pub fn host_partitions(
 
 /// Routes every partition placed on another node to that node.
 pub fn reroute(transport: &QuicTransport, placement: &[u32], me: u32) {
+    route_from(transport, placement, me, 0);
+}
+
+/// Routes partition `base + p` to `placement[p]` for every `p` another node than `me` hosts
+/// (`base`: where a set of partitions starts on the transport, see
+/// [`SERVING_PART_BASE`](crate::cluster::serving::SERVING_PART_BASE)).
+pub(crate) fn route_from(transport: &QuicTransport, placement: &[u32], me: u32, base: u32) {
     for (p, &node) in placement.iter().enumerate() {
         if node != me {
-            transport.route(trellis_transport::PartId(p as u32), node);
+            transport.route(trellis_transport::PartId(base + p as u32), node);
         }
     }
 }

@@ -353,6 +353,27 @@ struct EngineCluster {
     peers: Vec<PeerAddr>,
 }
 
+impl EngineCluster {
+    /// Routes this node's halo blocks by the placement, shows it and the lost nodes in the
+    /// stats, and tells every other live node (`Reroute`; `returned`: nodes that came back,
+    /// at their new addresses).
+    fn reroute(&self, stats: &EngineStats, returned: Vec<PeerAddr>) {
+        route_serving(&self.transport, &self.placement, self.me);
+        *stats.placement.lock().expect("stats lock") = self.placement.clone();
+        stats.set_lost(&self.lost);
+        let msg = ServeMsg::Reroute {
+            placement: self.placement.clone(),
+            fenced: self.lost.clone(),
+            returned,
+        };
+        for &w in self.workers.iter().filter(|w| !self.lost.contains(w)) {
+            if let Err(e) = self.link.tell(w, &msg) {
+                tracing::warn!("serving: rerouting node {w}: {e}");
+            }
+        }
+    }
+}
+
 /// What starting the partition actors takes.
 struct PartLaunch {
     threads: usize,
@@ -1347,19 +1368,7 @@ impl Engine {
                 Err(e) => tracing::error!("serving partition {p} cannot be re-placed: {e}"),
             }
         }
-        route_serving(&c.transport, &c.placement, c.me);
-        *self.stats.placement.lock().expect("stats lock") = c.placement.clone();
-        self.stats.set_lost(&c.lost);
-        let msg = ServeMsg::Reroute {
-            placement: c.placement.clone(),
-            fenced: c.lost.clone(),
-            returned: Vec::new(),
-        };
-        for &w in c.workers.iter().filter(|w| !c.lost.contains(w)) {
-            if let Err(e) = c.link.tell(w, &msg) {
-                tracing::warn!("serving: rerouting node {w}: {e}");
-            }
-        }
+        c.reroute(&self.stats, Vec::new());
         let onto: Vec<u32> = moved.iter().map(|&p| c.placement[p as usize]).collect();
         crate::cluster::say(&format!(
             "serving: nodes {lost:?} lost; partitions {moved:?} re-placed on nodes {onto:?} and recomputed"
@@ -1491,22 +1500,11 @@ impl Engine {
             c.placement[p as usize] = node;
             moved.push(p);
         }
-        route_serving(&c.transport, &c.placement, c.me);
-        *self.stats.placement.lock().expect("stats lock") = c.placement.clone();
-        self.stats.set_lost(&c.lost);
-        let msg = ServeMsg::Reroute {
-            placement: c.placement.clone(),
-            fenced: c.lost.clone(),
-            returned: vec![PeerAddr {
-                node,
-                addr: addr.to_string(),
-            }],
+        let returned = PeerAddr {
+            node,
+            addr: addr.to_string(),
         };
-        for &w in c.workers.iter().filter(|w| !c.lost.contains(w)) {
-            if let Err(e) = c.link.tell(w, &msg) {
-                tracing::warn!("serving: rerouting node {w}: {e}");
-            }
-        }
+        c.reroute(&self.stats, vec![returned]);
         Ok(moved)
     }
 

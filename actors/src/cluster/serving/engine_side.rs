@@ -193,13 +193,7 @@ pub(crate) fn send_setup(
     setup: &ServeSetup,
     inputs: Option<&[u8]>,
 ) -> Result<(), ActorError> {
-    let send = |msg: &ServeMsg| {
-        t.send_control(to, msg.control().encode())
-            .map_err(|e| ActorError::Node {
-                node: to,
-                detail: e.to_string(),
-            })
-    };
+    let send = |msg: &ServeMsg| super::tell(t, to, msg);
     let setup = ServeSetup {
         inputs_follow: inputs.is_some(),
         ..setup.clone()

@@ -18,7 +18,7 @@ pub use remote::{ForwardSlot, HttpForward, RemoteServePart, ServeLink};
 
 use std::sync::Arc;
 use trellis_transport::quic::QuicTransport;
-use trellis_transport::{PartId, PartitionSpace, Transport};
+use trellis_transport::{PartitionSpace, Transport};
 
 /// Where serving partition `p` is on a cluster's QUIC transport: `SERVING_PART_BASE + p`.
 /// A node serving beside its training hosts training partition `p` and serving partition
@@ -33,11 +33,16 @@ pub fn serving_space(t: &Arc<QuicTransport>) -> Arc<dyn Transport> {
     ))
 }
 
+/// Queues serving message `msg` for `node` on `t`; a failure names the node.
+pub(crate) fn tell(
+    t: &QuicTransport,
+    node: u32,
+    msg: &proto::ServeMsg,
+) -> Result<(), crate::ActorError> {
+    crate::cluster::node::send_control(t, node, &msg.control())
+}
+
 /// Routes the serving partitions of `placement` that other nodes than `me` serve.
 pub fn route_serving(t: &QuicTransport, placement: &[u32], me: u32) {
-    for (p, &node) in placement.iter().enumerate() {
-        if node != me {
-            t.route(PartId(SERVING_PART_BASE + p as u32), node);
-        }
-    }
+    crate::cluster::node::route_from(t, placement, me, SERVING_PART_BASE);
 }

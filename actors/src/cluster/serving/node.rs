@@ -13,7 +13,7 @@ use super::proto::{
 use super::remote::{ForwardSlot, HttpForward};
 use super::succession::{self, Succession};
 use super::ClusterServing;
-use super::{route_serving, serving_space};
+use super::{route_serving, serving_space, tell};
 use crate::cluster::config::ClusterFile;
 use crate::cluster::node::{ControlInbox, InboxEvent, InboxFeed, NodeEndpoint, ServeTap};
 use crate::cluster::proto::ControlMsg;
@@ -354,14 +354,6 @@ enum Answered {
 
 fn wire(e: ServeWireError) -> ActorError {
     ActorError::Cluster(e.to_string())
-}
-
-fn tell(t: &QuicTransport, to: u32, msg: &ServeMsg) -> Result<(), ActorError> {
-    t.send_control(to, msg.control().encode())
-        .map_err(|e| ActorError::Node {
-            node: to,
-            detail: e.to_string(),
-        })
 }
 
 /// Sends the answer to request `id` to the engine node `coord`. An answer over a frame's

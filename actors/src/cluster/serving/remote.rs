@@ -200,12 +200,7 @@ impl ServeLink {
 
     /// Sends `msg` to `node` without waiting for an answer.
     pub fn tell(&self, node: u32, msg: &ServeMsg) -> Result<(), ActorError> {
-        self.transport
-            .send_control(node, msg.control().encode())
-            .map_err(|e| ActorError::Node {
-                node,
-                detail: e.to_string(),
-            })
+        super::tell(&self.transport, node, msg)
     }
 
     /// Why `node` was lost, if it was.
