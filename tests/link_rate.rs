@@ -5,15 +5,13 @@
 //! pass; the refusals are tested everywhere. Every wait is bounded, every process reaped.
 mod binary;
 
-use binary::{read_report, trellis};
+use binary::{can_build_networks, read_report, trellis};
 use std::path::Path;
 use std::process::{Child, Output, Stdio};
 use std::time::{Duration, Instant};
 
 const DATA: &str = "synthetic:nodes=1500,degree=8,features=24,classes=4,seed=3";
 
-/// Whether this process may build namespaces (effective CAP_NET_ADMIN and CAP_SYS_ADMIN) and
-/// has iproute2; else prints why the test is skipped.
 /// Tests that start launchers share the host's networks; the SIGKILL test needs them to
 /// itself (another launcher cleans up the killed one's leftovers when it starts, which would
 /// race with the test's own check that there is something to clean up).
@@ -21,26 +19,6 @@ static LAUNCHERS: std::sync::RwLock<()> = std::sync::RwLock::new(());
 
 fn sharing_launchers() -> std::sync::RwLockReadGuard<'static, ()> {
     LAUNCHERS.read().unwrap_or_else(|p| p.into_inner())
-}
-
-fn can_build_networks(test: &str) -> bool {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-    let caps = status
-        .lines()
-        .find_map(|l| l.strip_prefix("CapEff:"))
-        .and_then(|h| u64::from_str_radix(h.trim(), 16).ok())
-        .unwrap_or(0);
-    let needed = (1u64 << 12) | (1u64 << 21);
-    if caps & needed != needed {
-        println!("SKIPPED: {test}: needs CAP_NET_ADMIN and CAP_SYS_ADMIN (run the tests as root)");
-        return false;
-    }
-    let ip = std::process::Command::new("ip").arg("-V").output();
-    if !ip.is_ok_and(|o| o.status.success()) {
-        println!("SKIPPED: {test}: iproute2 (`ip`, `tc`) is not installed");
-        return false;
-    }
-    true
 }
 
 /// A started launcher, killed and reaped on drop (also when the test fails).

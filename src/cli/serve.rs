@@ -3,7 +3,7 @@ use super::telemetry::TelemetryArgs;
 use super::train::load_data;
 use crate::serve::api::Limits;
 use crate::serve::forward::{engine_forwarder, spawn_forwarding_http, ForwardConfig};
-use crate::serve::{run_http, HttpConfig};
+use crate::serve::{run_http_stoppable, HttpConfig};
 use anyhow::{Context, Result};
 use clap::Args;
 use std::io::Write;
@@ -134,11 +134,14 @@ pub fn run(a: ServeArgs) -> Result<()> {
     };
     let telemetry = a.telemetry.start(id)?;
     let result = match cluster {
-        Some(c) if id != c.coordinator || a.rejoin => serve_node(&a, &c, id),
+        Some(c) if id != c.coordinator || a.rejoin => serve_node(&a, &c, id).map(|()| None),
         cluster => serve_engine(&a, cluster.map(|c| (c, id))),
     };
     a.telemetry.finish(telemetry);
-    result
+    match result? {
+        Some(id) => rejoin_in_place(id),
+        None => Ok(()),
+    }
 }
 
 /// A node of a serving cluster other than the engine node: hosts its partitions until the
@@ -204,7 +207,7 @@ fn serve_node(a: &ServeArgs, cluster: &ClusterFile, id: u32) -> Result<()> {
             // clients keep their address.
             let internal: SocketAddr = "127.0.0.1:0".parse().expect("a valid address");
             let within = Duration::from_millis(a.step_timeout_ms.max(1));
-            serve_api(handle, a, internal, true, move |addr| {
+            serve_api(handle, a, internal, true, move |addr, _| {
                 match engine_forwarder(addr, within) {
                     Ok(f) => uplink.serve_locally(f),
                     Err(e) => {
@@ -234,7 +237,9 @@ fn engine_config(a: &ServeArgs, parts: usize, faults: Arc<FaultPlan>) -> EngineC
     }
 }
 
-fn serve_engine(a: &ServeArgs, cluster: Option<(ClusterFile, u32)>) -> Result<()> {
+/// Runs the engine node (or the single process) until it is stopped; `Some(id)` when it
+/// stepped down for another engine node (node `id` of a cluster goes on as a serving node).
+fn serve_engine(a: &ServeArgs, cluster: Option<(ClusterFile, u32)>) -> Result<Option<u32>> {
     let (Some(model), Some(data)) = (&a.model, &a.data) else {
         anyhow::bail!("the engine node needs --model and --data");
     };
@@ -270,10 +275,13 @@ fn serve_engine(a: &ServeArgs, cluster: Option<(ClusterFile, u32)>) -> Result<()
     let cfg = engine_config(a, parts, faults);
     let (graph, features) = (NodeGraph::from_graph(&graph), ds.features);
     let on_cluster = cluster.is_some();
+    // Where this node would go on as a serving node, should its engine step down.
+    let step_down = cluster.as_ref().map(|(_, id)| *id);
     let handle = match cluster {
         None => engine::start(saved, graph, features, owner, cfg),
         Some((cluster, id)) => {
             let c = ClusterServing {
+                quorum: cluster.quorum(),
                 cluster,
                 id,
                 addr_file: a.addr_file.clone(),
@@ -290,20 +298,85 @@ fn serve_engine(a: &ServeArgs, cluster: Option<(ClusterFile, u32)>) -> Result<()
         t.elapsed().as_secs_f64() * 1e3,
         if parts == 1 { "" } else { "s" }
     );
-    serve_api(handle, a, listen, on_cluster, |addr| {
+    let (stats, stopped) = (handle.stats.clone(), handle.stopped());
+    serve_api(handle, a, listen, on_cluster, |addr, server| {
         println!("listening on http://{addr}");
         let _ = std::io::stdout().flush();
-    })
+        if on_cluster {
+            // The engine stops by itself only when it steps down for a successor (cut off
+            // from the majority while another node took over): then the API goes too.
+            std::thread::spawn(move || {
+                while !stopped.wait(Duration::from_secs(3600)) {}
+                drop(server.stop(true));
+            });
+        }
+    })?;
+    let (Some(engine), Some(id)) = (stats.deposed_by(), step_down) else {
+        return Ok(None);
+    };
+    eprintln!("node {id} stepped down for node {engine}, the engine node now: it joins it as a serving node");
+    Ok(Some(id))
 }
 
-/// Serves the HTTP API of `handle` on `listen` until the process is stopped; on a cluster
-/// it also answers the requests other nodes forward. `on_bound` gets the bound address.
+/// Runs this process again as serving node `id` that rejoins its cluster (an engine node
+/// that stepped down): a fresh process image (same pid, stdout and stderr; every socket is
+/// closed on exec, so its QUIC and HTTP addresses are free), with nothing of the engine's
+/// threads or state left to get in its way. Returns only if that fails.
+fn rejoin_in_place(id: u32) -> Result<()> {
+    let _ = std::io::stdout().flush();
+    let exe = std::env::current_exe().context("cannot find this program to run it again")?;
+    let args = rejoin_args(std::env::args_os().skip(1), id);
+    use std::os::unix::process::CommandExt;
+    let e = std::process::Command::new(exe).args(args).exec();
+    Err(e).with_context(|| format!("cannot run node {id} again as a serving node"))
+}
+
+/// The arguments that run an engine node's `trellis serve` (`args`, after the program) as
+/// serving node `id` rejoining its cluster: the engine's own options (`--model`, `--data`,
+/// `--partitions`, `--partition-method`, `--chaos`) and any `--id` or `--rejoin` dropped,
+/// `--id ID --rejoin` added; everything else (the cluster file, `--listen`, serving and
+/// telemetry options) kept.
+fn rejoin_args(
+    args: impl IntoIterator<Item = std::ffi::OsString>,
+    id: u32,
+) -> Vec<std::ffi::OsString> {
+    const DROPPED: [&str; 6] = [
+        "--model",
+        "--data",
+        "--partitions",
+        "--partition-method",
+        "--chaos",
+        "--id",
+    ];
+    let mut out = Vec::new();
+    let mut args = args.into_iter();
+    while let Some(arg) = args.next() {
+        let text = arg.to_string_lossy();
+        let name = text.split('=').next().unwrap_or_default();
+        if text == "--rejoin" {
+            continue;
+        }
+        if DROPPED.contains(&name) {
+            if !text.contains('=') {
+                args.next();
+            }
+            continue;
+        }
+        out.push(arg);
+    }
+    out.extend(["--id".into(), id.to_string().into(), "--rejoin".into()]);
+    out
+}
+
+/// Serves the HTTP API of `handle` on `listen` until the process is stopped (or the
+/// server, whose handle `on_bound` gets with the bound address); on a cluster it also
+/// answers the requests other nodes forward.
 fn serve_api(
     handle: EngineHandle,
     a: &ServeArgs,
     listen: SocketAddr,
     on_cluster: bool,
-    on_bound: impl FnOnce(SocketAddr),
+    on_bound: impl FnOnce(SocketAddr, actix_web::dev::ServerHandle),
 ) -> Result<()> {
     let cfg = HttpConfig {
         limits: Limits {
@@ -322,7 +395,7 @@ fn serve_api(
         handle.http_forward.clone(),
         Duration::from_millis(a.step_timeout_ms.max(1)),
     );
-    run_http(handle, cfg, listen, |addr| {
+    run_http_stoppable(handle, cfg, listen, |addr, server| {
         // Requests other nodes of a cluster forward are answered by this front end.
         if on_cluster {
             match engine_forwarder(addr, answer_within) {
@@ -332,8 +405,50 @@ fn serve_api(
                 }
             }
         }
-        on_bound(addr);
+        on_bound(addr, server);
     })
     .with_context(|| format!("cannot serve on {listen}"))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::rejoin_args;
+
+    #[test]
+    fn an_engine_node_rejoins_as_a_serving_node_with_its_other_options() {
+        let args = [
+            "serve",
+            "--cluster",
+            "c.toml",
+            "--model",
+            "m.safetensors",
+            "--data=synthetic:nodes=9",
+            "--partitions",
+            "3",
+            "--listen",
+            "0.0.0.0:8080",
+            "--chaos",
+            "x",
+            "--deadline-ms",
+            "3000",
+        ];
+        let out = rejoin_args(args.iter().map(Into::into), 0);
+        let out: Vec<&str> = out.iter().map(|a| a.to_str().unwrap()).collect();
+        assert_eq!(
+            out,
+            [
+                "serve",
+                "--cluster",
+                "c.toml",
+                "--listen",
+                "0.0.0.0:8080",
+                "--deadline-ms",
+                "3000",
+                "--id",
+                "0",
+                "--rejoin"
+            ]
+        );
+    }
 }

@@ -245,7 +245,7 @@ impl EmulatedNet {
 
     /// Moves the calling thread into node `i`'s namespace (sockets it opens afterwards live
     /// there). Only for threads made for that purpose: the change is per thread and permanent.
-    pub(super) fn join_current_thread(&self, i: u32) -> Result<(), NetError> {
+    pub fn join_current_thread(&self, i: u32) -> Result<(), NetError> {
         // SAFETY: setns on a valid open descriptor; it changes only this thread's network
         // namespace and touches no memory.
         if unsafe { libc::setns(self.fd(i), libc::CLONE_NEWNET) } != 0 {
@@ -255,6 +255,37 @@ impl EmulatedNet {
             });
         }
         Ok(())
+    }
+
+    /// Cuts node `i` off the network, as a pulled cable would: its port on the bridge goes
+    /// down, so nothing it sends arrives and nothing reaches it, until
+    /// [`EmulatedNet::mend`]. (Disabling the port's forwarding state instead has no effect
+    /// on a bridge without STP, and tc's drop actions need modules not every kernel has.)
+    pub fn cut(&self, i: u32) -> Result<(), NetError> {
+        ip(&self.bridge, &["link", "set", &format!("n{i}"), "down"]).map(|_| ())
+    }
+
+    /// Lets node `i` back onto the network after [`EmulatedNet::cut`].
+    pub fn mend(&self, i: u32) -> Result<(), NetError> {
+        ip(&self.bridge, &["link", "set", &format!("n{i}"), "up"]).map(|_| ())
+    }
+
+    /// Cuts the path between nodes `a` and `b` only (each drops what it would send to the
+    /// other: a blackhole route in each namespace); both still reach every other node.
+    pub fn cut_between(&self, a: u32, b: u32) -> Result<(), NetError> {
+        self.blackhole("add", a, b)?;
+        self.blackhole("add", b, a)
+    }
+
+    /// Restores the path between nodes `a` and `b` after [`EmulatedNet::cut_between`].
+    pub fn mend_between(&self, a: u32, b: u32) -> Result<(), NetError> {
+        self.blackhole("del", a, b)?;
+        self.blackhole("del", b, a)
+    }
+
+    fn blackhole(&self, op: &str, from: u32, to: u32) -> Result<(), NetError> {
+        let dst = format!("{}/32", self.addr(to));
+        ip(self.namespace(from), &["route", op, "blackhole", &dst]).map(|_| ())
     }
 
     fn fd(&self, i: u32) -> RawFd {

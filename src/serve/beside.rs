@@ -190,6 +190,9 @@ impl Beside {
             addr_file: None,
             home: None,
             lost: Vec::new(),
+            // Beside a training nobody takes over (the coordinator's loss ends both), so
+            // its engine goes on with any number of nodes lost.
+            quorum: None,
         };
         let pending = PendingBeside {
             opts,

@@ -88,7 +88,9 @@ fn serve_error(e: &ServeError) -> HttpResponse {
         ServeError::Quota { retry_after } => (429, Some(*retry_after)),
         ServeError::Overloaded { retry_after } => (503, Some(*retry_after)),
         ServeError::Expired => (503, Some(Duration::from_secs(1))),
-        ServeError::Recovering { retry_after, .. } => (503, Some(*retry_after)),
+        ServeError::Recovering { retry_after, .. } | ServeError::CutOff { retry_after, .. } => {
+            (503, Some(*retry_after))
+        }
         ServeError::Internal(_) => (500, None),
     };
     error_response(status, &e.to_string(), retry)
@@ -398,6 +400,13 @@ async fn readyz(state: web::Data<AppState>) -> HttpResponse {
         body["placement"] = serde_json::json!(placement);
         body["lost_nodes"] = serde_json::json!(*stats.lost_nodes.lock().expect("stats lock"));
     }
+    // Cut off from most of the cluster: not ready, whatever the tables are.
+    let cut_off = stats.cut_off();
+    if let Some(why) = &cut_off {
+        body["ready"] = serde_json::json!(false);
+        body["cut_off"] = serde_json::json!(why);
+    }
+    let ready = ready && cut_off.is_none();
     json_response(if ready { 200 } else { 503 }, body.to_string())
 }
 

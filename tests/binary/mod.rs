@@ -52,3 +52,25 @@ pub fn prometheus_sample(text: &str, series: &str) -> Option<f64> {
     text.lines()
         .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
 }
+
+/// Whether this process may build network namespaces (effective CAP_NET_ADMIN and
+/// CAP_SYS_ADMIN) and has iproute2; else prints why `test` is skipped.
+pub fn can_build_networks(test: &str) -> bool {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let caps = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|h| u64::from_str_radix(h.trim(), 16).ok())
+        .unwrap_or(0);
+    let needed = (1u64 << 12) | (1u64 << 21);
+    if caps & needed != needed {
+        println!("SKIPPED: {test}: needs CAP_NET_ADMIN and CAP_SYS_ADMIN (run the tests as root)");
+        return false;
+    }
+    let ip = std::process::Command::new("ip").arg("-V").output();
+    if !ip.is_ok_and(|o| o.status.success()) {
+        println!("SKIPPED: {test}: iproute2 (`ip`, `tc`) is not installed");
+        return false;
+    }
+    true
+}

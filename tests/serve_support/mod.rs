@@ -47,9 +47,18 @@ pub fn note_version(versions: &mut Vec<String>, version: String) {
 
 /// Runs `trellis ARGS` (with `env`), stdout piped into [`Started::lines`], stderr inherited.
 pub fn start(args: &[&str], env: &[(&str, &str)]) -> Started {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_trellis"))
+    start_prepared(args, |c| {
+        c.envs(env.iter().copied());
+    })
+}
+
+/// [`start`], with the command prepared by `prepare` first (e.g. to run in a network
+/// namespace).
+pub fn start_prepared(args: &[&str], prepare: impl FnOnce(&mut Command)) -> Started {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_trellis"));
+    prepare(&mut cmd);
+    let mut child = cmd
         .args(args)
-        .envs(env.iter().copied())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()

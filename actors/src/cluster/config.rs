@@ -7,6 +7,7 @@
 //! coordinator = 0            # the node that drives training
 //! heartbeat_ms = 500         # QUIC keep-alive on idle connections
 //! idle_timeout_ms = 3000     # a peer silent this long is dead
+//! takeover = "majority"      # serving: who may succeed a lost engine node ("any": anyone)
 //! [[node]]
 //! id = 0
 //! addr = "10.0.0.1:7000"
@@ -63,8 +64,28 @@ pub struct ClusterFile {
     /// probe at its MTU) and no GSO (`QuicConfig`'s defaults).
     #[serde(default)]
     pub link_mtu: Option<u16>,
+    /// Serving (`trellis serve --cluster`): which survivors of the engine node's loss may
+    /// take over (see [`Takeover`]).
+    #[serde(default)]
+    pub takeover: Takeover,
     #[serde(rename = "node")]
     pub nodes: Vec<NodeEntry>,
+}
+
+/// Who may succeed a serving cluster's lost engine node.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Takeover {
+    /// Only nodes that reach more than half of the cluster file's nodes (themselves among
+    /// them) take over, and an engine node cut off from more than half stops answering: a
+    /// network partition never leaves two engine nodes serving (the side with the majority
+    /// serves; with exactly half, the engine node's side). A two-node cluster therefore has
+    /// no take-over.
+    #[default]
+    Majority,
+    /// Any survivor takes over, even alone: the service outlives every node but one, and a
+    /// network partition can split it in two.
+    Any,
 }
 
 /// One `[[node]]` entry.
@@ -230,6 +251,15 @@ impl ClusterFile {
             .collect()
     }
 
+    /// The rule that decides who serves after losses: `None` with `takeover = "any"`.
+    pub fn quorum(&self) -> Option<crate::cluster::serving::succession::Quorum> {
+        (self.takeover == Takeover::Majority).then_some(
+            crate::cluster::serving::succession::Quorum {
+                members: self.nodes.len(),
+            },
+        )
+    }
+
     /// Node ids, ascending.
     pub fn ids(&self) -> Vec<u32> {
         let mut ids: Vec<u32> = self.nodes.iter().map(|n| n.id).collect();
@@ -316,6 +346,20 @@ mod tests {
             e.contains("link_mtu = 1000") && e.contains("at least 1248"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn a_majority_takes_over_unless_the_file_says_any() {
+        let c = ClusterFile::parse(&nodes(&["", "", ""])).unwrap();
+        assert_eq!(c.takeover, Takeover::Majority);
+        assert_eq!(
+            c.quorum(),
+            Some(crate::cluster::serving::succession::Quorum { members: 3 })
+        );
+        let any = ClusterFile::parse(&format!("takeover = \"any\"\n{}", nodes(&["", ""])));
+        assert_eq!(any.unwrap().quorum(), None);
+        let e = ClusterFile::parse(&format!("takeover = \"some\"\n{}", nodes(&[""]))).unwrap_err();
+        assert!(e.contains("majority") && e.contains("any"), "{e}");
     }
 
     #[test]

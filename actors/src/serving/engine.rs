@@ -27,7 +27,7 @@ use crate::cluster::serving::engine_side::send_setup;
 use crate::cluster::serving::proto::{
     PeerAddr, ServeMsg, ServeReply, ServeRequest, ServeSetup, ServedWire, WireModel,
 };
-use crate::cluster::serving::succession;
+use crate::cluster::serving::succession::{self, Quorum};
 use crate::cluster::serving::{route_serving, serving_space};
 use crate::cluster::serving::{ClusterServing, ForwardSlot, RemoteServePart, ServeLink};
 use crate::faults::FaultPlan;
@@ -148,6 +148,12 @@ pub struct EngineStats {
     pub placement: Mutex<Vec<u32>>,
     /// On a cluster: the nodes of the service lost (and not taken back), ascending.
     pub lost_nodes: Mutex<Vec<u32>>,
+    /// On a cluster with a quorum: why this engine node refuses every request, while it is
+    /// cut off from more than half of the service's nodes.
+    cut_off: Mutex<Option<String>>,
+    /// The node that took over as the engine node while this one was cut off: this
+    /// engine stopped (the process goes on as a serving node).
+    deposed_by: Mutex<Option<u32>>,
 }
 
 impl EngineStats {
@@ -158,6 +164,18 @@ impl EngineStats {
         });
         let _ = h.record(size.max(1) as u64);
     }
+    /// Why this engine node refuses every request, while it is cut off from most of its
+    /// cluster (`takeover = "majority"`).
+    pub fn cut_off(&self) -> Option<String> {
+        self.cut_off.lock().expect("stats lock").clone()
+    }
+
+    /// The node that took over as the engine node while this one was cut off, once this
+    /// engine stopped for it.
+    pub fn deposed_by(&self) -> Option<u32> {
+        *self.deposed_by.lock().expect("stats lock")
+    }
+
     /// The nodes lost and not taken back (`lost`, in any order).
     fn set_lost(&self, lost: &[u32]) {
         let mut sorted = lost.to_vec();
@@ -275,6 +293,12 @@ impl EngineHandle {
     /// Class and probabilities of existing nodes, from the published rows: no engine round
     /// trip, never behind an update or a model load; the answer names its version.
     pub fn predict_published(&self, nodes: &[u32]) -> Result<Answer, ServeError> {
+        if let Some(detail) = self.stats.cut_off() {
+            return Err(ServeError::CutOff {
+                retry_after: REBUILD_RETRY,
+                detail,
+            });
+        }
         self.published.predict(nodes)
     }
 }
@@ -351,6 +375,10 @@ struct EngineCluster {
     first_placement: Vec<u32>,
     /// Where every node of the service listens (a node that came back: its new address).
     peers: Vec<PeerAddr>,
+    /// `takeover = "majority"`: how many lost nodes stop this engine node.
+    quorum: Option<Quorum>,
+    /// When this node, cut off, last sent its `Join` to the lost nodes.
+    probed: Option<Instant>,
 }
 
 impl EngineCluster {
@@ -361,6 +389,7 @@ impl EngineCluster {
         route_serving(&self.transport, &self.placement, self.me);
         *stats.placement.lock().expect("stats lock") = self.placement.clone();
         stats.set_lost(&self.lost);
+        self.check_quorum(stats);
         let msg = ServeMsg::Reroute {
             placement: self.placement.clone(),
             fenced: self.lost.clone(),
@@ -371,6 +400,40 @@ impl EngineCluster {
                 tracing::warn!("serving: rerouting node {w}: {e}");
             }
         }
+    }
+}
+
+impl EngineCluster {
+    /// With a quorum: refuses every request while more than half of the service's nodes
+    /// are lost (they may take over without this node; answering could give what they no
+    /// longer serve), and answers again once enough came back. Says so when it changes.
+    fn check_quorum(&self, stats: &EngineStats) {
+        let Some(q) = self.quorum else {
+            return;
+        };
+        let cut = (!q.may_serve(self.lost.len())).then(|| {
+            let mut lost = self.lost.clone();
+            lost.sort_unstable();
+            format!(
+                "nodes {lost:?} of {} are lost; a majority may serve with another engine node; \
+                 this node answers again if they come back, or steps down for the node that took \
+                 over once it reaches it",
+                q.members
+            )
+        });
+        let mut now = stats.cut_off.lock().expect("stats lock");
+        match (&*now, &cut) {
+            (None, Some(why)) => crate::cluster::say(&format!(
+                "serving: node {} is cut off from most of its cluster and refuses every request: {why}",
+                self.me
+            )),
+            (Some(_), None) => crate::cluster::say(&format!(
+                "serving: node {} reaches most of its cluster again and answers",
+                self.me
+            )),
+            _ => {}
+        }
+        *now = cut;
     }
 }
 
@@ -901,7 +964,12 @@ impl Engine {
                     lost: c.lost.clone(),
                     run,
                     peers,
+                    quorum: c.quorum,
+                    probed: None,
                 });
+                if let Some(c) = &self.cluster {
+                    c.check_quorum(&self.stats);
+                }
             }
         }
         Ok(())
@@ -1508,8 +1576,55 @@ impl Engine {
         Ok(moved)
     }
 
-    /// Tells the other nodes the service stops.
+    /// While this node is cut off (`EngineCluster::check_quorum`), sends a fresh process's
+    /// `Join` to every lost node each second: one that took over answers with a setup
+    /// (`ServeLink::deposed_by`, which refuses it), one that looks for the engine node
+    /// ignores it (its own `Join` comes here and it is taken back). True once a successor
+    /// serves: this engine stops for it (`EngineStats::deposed_by` says which), and its
+    /// process joins it as a serving node.
+    fn deposed(&mut self) -> bool {
+        let Some(c) = &mut self.cluster else {
+            return false;
+        };
+        if let Some(engine) = c.link.deposed_by() {
+            *self.stats.deposed_by.lock().expect("stats lock") = Some(engine);
+            crate::cluster::say(&format!(
+                "serving: node {engine} took over as the engine node while node {} was cut off; \
+                 this engine stops",
+                c.me
+            ));
+            return true;
+        }
+        if self.stats.cut_off().is_none()
+            || c.probed
+                .is_some_and(|t| t.elapsed() < Duration::from_secs(1))
+        {
+            return false;
+        }
+        c.probed = Some(Instant::now());
+        let Some(me) = c.peers.iter().find(|p| p.node == c.me) else {
+            return false;
+        };
+        let join = ServeMsg::Join {
+            addr: me.addr.clone(),
+            inputs: None,
+        };
+        crate::cluster::serving::join_each(&c.transport, &c.lost, &join);
+        false
+    }
+
+    /// Tells the other nodes the service stops (not when this engine stopped for a
+    /// successor: the nodes still with it join the successor by themselves).
     async fn stop_cluster(&mut self) {
+        if self.stats.deposed_by().is_some() {
+            // Closed gracefully, so the peers drop their connections to this endpoint at
+            // once: the serving node this process becomes binds the same address, and a
+            // message sent on a connection of the old endpoint would be lost.
+            if let Some(c) = self.cluster.take() {
+                c.transport.close().await;
+            }
+            return;
+        }
         if let Some(c) = self.cluster.take() {
             for &w in c.workers.iter().filter(|w| !c.lost.contains(w)) {
                 let _ = c.link.tell(w, &ServeMsg::Finish);
@@ -1559,6 +1674,9 @@ impl Engine {
             }
             self.recover_lost().await;
             self.take_back_returned().await;
+            if self.deposed() {
+                return;
+            }
             self.apply_adds().await;
             self.swap_step().await;
             let actions = self.scheduler.poll(Instant::now());
@@ -1570,14 +1688,21 @@ impl Engine {
     }
 
     async fn handle(&mut self, c: Command) {
-        if self.broken.is_some() {
+        let refusal = match self.stats.cut_off() {
+            Some(detail) => Some(ServeError::CutOff {
+                retry_after: REBUILD_RETRY,
+                detail,
+            }),
+            None => self.broken.is_some().then(|| self.recovering()),
+        };
+        if let Some(refusal) = refusal {
             let reply = match c {
                 Command::Predict { reply, .. }
                 | Command::AddNodes { reply, .. }
                 | Command::Edges { reply, .. }
                 | Command::SwapModel { reply, .. } => reply,
             };
-            let _ = reply.send(Err(self.recovering()));
+            let _ = reply.send(Err(refusal));
             return;
         }
         match c {

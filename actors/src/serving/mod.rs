@@ -51,6 +51,13 @@ pub enum ServeError {
         retry_after: Duration,
         detail: String,
     },
+    /// The engine node lost contact with more than half of its serving cluster, which may
+    /// serve with another engine node now (HTTP 503).
+    #[error("this engine node is cut off from most of its serving cluster ({detail}); retry after {}s", retry_after.as_secs())]
+    CutOff {
+        retry_after: Duration,
+        detail: String,
+    },
     /// Its deadline passed before it could run (HTTP 503).
     #[error("the request's deadline passed before it could run")]
     Expired,

@@ -32,6 +32,9 @@ pub struct ClusterServing {
     /// come back.
     pub home: Option<Vec<u32>>,
     pub lost: Vec<u32>,
+    /// With `takeover = "majority"`: the engine node stops answering while it has lost
+    /// more than half of the service's nodes (a majority may take over without it).
+    pub quorum: Option<super::succession::Quorum>,
 }
 
 impl ClusterServing {

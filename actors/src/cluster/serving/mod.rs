@@ -42,6 +42,18 @@ pub(crate) fn tell(
     crate::cluster::node::send_control(t, node, &msg.control())
 }
 
+/// Sends `join` (a `Join`) to each of `nodes`, dialling again those not connected; a node
+/// not up (or that cannot be dialled) is left to the next round of the caller.
+pub(crate) fn join_each(t: &QuicTransport, nodes: &[u32], join: &proto::ServeMsg) {
+    let connected = t.node().connected_peers();
+    for &n in nodes {
+        if !connected.contains(&n) {
+            t.node().reset_peer(n);
+        }
+        let _ = tell(t, n, join);
+    }
+}
+
 /// Routes the serving partitions of `placement` that other nodes than `me` serve.
 pub fn route_serving(t: &QuicTransport, placement: &[u32], me: u32) {
     crate::cluster::node::route_from(t, placement, me, SERVING_PART_BASE);

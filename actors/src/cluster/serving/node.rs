@@ -305,6 +305,7 @@ pub fn run_serve_node(
                 addr_file: None,
                 home: Some(home),
                 lost: gone,
+                quorum: cluster.quorum(),
             };
             let cfg = EngineConfig {
                 parts: succession.placement.len(),
@@ -493,6 +494,11 @@ async fn serve(
 ) -> Result<Served, ActorError> {
     let mut coord = cluster.coordinator;
     let t = ep.transport.clone();
+    refuse_fenced_joins(&t, ep.id);
+    let quorum = cluster.quorum();
+    // Looking for the engine node with no deadline: this node was cut off from the service
+    // (not restarted), and waits until the network lets it back.
+    let mut until_found = false;
     let mut on_ready = Some(on_ready);
     let uplink = Arc::new(HttpUplink::new(t.clone(), coord).waiting_for_a_successor(patience));
     // After the engine node's loss: this node's copy of the inputs and the succession it
@@ -503,14 +509,16 @@ async fn serve(
     loop {
         let held = following.as_ref().map(|(store, _)| store.clone());
         let set = match rejoin.take() {
-            Some(candidates) => match find_engine(cluster, ep, inbox, &candidates).await {
-                Ok((engine, setup)) => {
-                    coord = engine;
-                    let hosted = host(ep, inbox, coord, &setup, threads, None, None).await;
-                    reported(ep, coord, hosted).await
+            Some(candidates) => {
+                match find_engine(cluster, ep, inbox, &candidates, until_found).await {
+                    Ok((engine, setup)) => {
+                        coord = engine;
+                        let hosted = host(ep, inbox, coord, &setup, threads, None, None).await;
+                        reported(ep, coord, hosted).await
+                    }
+                    Err(e) => Err(e),
                 }
-                Err(e) => Err(e),
-            },
+            }
             None => set_up(cluster, ep, inbox, coord, held, threads).await,
         };
         // Who takes over, from which copy of the inputs, after what loss.
@@ -535,6 +543,18 @@ async fn serve(
                     format!("node {coord}, taking over as the engine node, was lost ({why})");
                 (store, succession.after_successor_loss(), lost)
             }
+            // The node it took for the successor does not set it up: it still serves the
+            // engine node (only this node was cut off from it), or it had no majority.
+            Err(SetUpError::Failed(e)) if following.is_some() => {
+                crate::cluster::say(&format!(
+                    "serving: node {coord} does not set node {} up ({e}); it looks for the \
+                     engine node",
+                    ep.id
+                ));
+                following = None;
+                (rejoin, until_found) = (Some(look_for_engine(cluster, ep, &peers)), true);
+                continue;
+            }
             Err(e) => return Err(e.into_error(coord)),
         };
         t.fence(coord);
@@ -546,6 +566,24 @@ async fn serve(
         };
         crate::cluster::say(&format!("serving: {lost}; node {} takes over", next.engine));
         if next.engine == ep.id {
+            let next = match quorum {
+                None => next,
+                Some(q) => {
+                    let reached = reached_by(cluster, ep, inbox, &next).await?;
+                    if !q.may_take_over(reached.len()) {
+                        crate::cluster::say(&format!(
+                            "serving: node {} does not take over: only nodes {reached:?} of the \
+                             {} reach it, not a majority; it serves nothing and looks for the \
+                             engine node until the network lets it back",
+                            ep.id, q.members
+                        ));
+                        following = None;
+                        (rejoin, until_found) = (Some(look_for_engine(cluster, ep, &peers)), true);
+                        continue;
+                    }
+                    next.among(&reached)
+                }
+            };
             let gone = peers
                 .iter()
                 .copied()
@@ -712,33 +750,102 @@ async fn reported(
     hosted
 }
 
+/// A node this one fenced (the engine node declared it lost) that sends it a `Join` takes
+/// it for its successor; it is told it is not (`Abort`), so it looks for the engine node
+/// at once instead of waiting out its join timeout. (Once this node runs the engine, the
+/// engine's link handles fenced nodes instead: it takes them back.)
+fn refuse_fenced_joins(t: &Arc<QuicTransport>, me: u32) {
+    let weak = Arc::downgrade(t);
+    t.on_fenced_control(Arc::new(move |from, bytes| {
+        let Some(t) = weak.upgrade() else {
+            return;
+        };
+        let Ok(ControlMsg::Serve(env)) = ControlMsg::decode(&bytes) else {
+            return;
+        };
+        if let Ok(ServeMsg::Join { .. }) = ServeMsg::open(&env, from) {
+            let reason = format!("node {me} is not the engine node (node {from} is fenced here)");
+            let _ = crate::cluster::node::send_control(&t, from, &ControlMsg::Abort { reason });
+        }
+    }));
+}
+
+/// The nodes a node cut off from the service looks for the engine node among (every other
+/// node of the cluster file and of the last setup, `peers`), admitted again: it fenced the
+/// engine node it lost, and the successors it tried. Its copy of the served inputs is
+/// dropped: it may be behind, and the engine node that takes it back sends its own.
+fn look_for_engine(cluster: &ClusterFile, ep: &NodeEndpoint, peers: &[u32]) -> Vec<u32> {
+    let mut candidates: Vec<u32> = cluster.ids();
+    candidates.extend(peers);
+    candidates.sort_unstable();
+    candidates.dedup();
+    candidates.retain(|&n| n != ep.id);
+    for &n in &candidates {
+        ep.transport.unfence(n);
+    }
+    candidates
+}
+
+/// The nodes whose `Join` reaches this node, the successor `next` chose, before it takes
+/// over (`takeover = "majority"`), this node among them: every survivor that follows the
+/// same succession joins it within moments, as does a node looking for the engine node.
+/// Waits until every survivor joined, at most two idle timeouts (a survivor that has not
+/// joined by then is lost, or still serves the engine node this node lost).
+async fn reached_by(
+    cluster: &ClusterFile,
+    ep: &NodeEndpoint,
+    inbox: &mut ControlInbox,
+    next: &Succession,
+) -> Result<Vec<u32>, ActorError> {
+    let mut reached = vec![ep.id];
+    let until = Instant::now() + Duration::from_millis(2 * cluster.idle_timeout_ms);
+    while !next.survivors.iter().all(|n| reached.contains(n)) {
+        match inbox.next_event(None, Some(until)).await? {
+            InboxEvent::Message {
+                from,
+                msg: ControlMsg::Serve(env),
+            } if from != next.lost => match ServeMsg::open(&env, from) {
+                Ok(ServeMsg::Join { .. }) if !reached.contains(&from) => reached.push(from),
+                Ok(other) => tracing::debug!("ignored {other:?} from node {from}"),
+                Err(e) => tracing::warn!(peer = from, "{e}; dropped"),
+            },
+            InboxEvent::Message { from, msg } => {
+                tracing::debug!(peer = from, "ignored {msg:?} while taking over")
+            }
+            InboxEvent::PeerDown { .. } => {}
+            InboxEvent::Timeout => break,
+        }
+    }
+    reached.sort_unstable();
+    Ok(reached)
+}
+
 /// Looks for the engine node of a running service among `candidates` (this node's process
-/// was lost and started again): a fresh process's `Join` (no inputs) goes to each of them,
-/// again every second (with a fresh connection to those not connected), until one answers
-/// with a setup (the engine node takes the lost node back; the others refuse a fenced
-/// node's messages), within the join timeout. Returns the engine node and its setup.
+/// was lost and started again, or it was cut off from the service): a fresh process's
+/// `Join` (no inputs) goes to each of them, again every second (with a fresh connection to
+/// those not connected), until one answers with a setup (the engine node takes the lost
+/// node back; the others refuse a fenced node's messages), within the join timeout, or
+/// with `until_found` for as long as it takes (saying so every 30 s). Returns the engine
+/// node and its setup.
 async fn find_engine(
     cluster: &ClusterFile,
     ep: &NodeEndpoint,
     inbox: &mut ControlInbox,
     candidates: &[u32],
+    until_found: bool,
 ) -> Result<(u32, ServeSetup), SetUpError> {
     let t = &ep.transport;
-    let until = Instant::now() + Duration::from_millis(cluster.join_timeout_ms);
+    let since = Instant::now();
+    let mut said = since;
+    let until = (!until_found).then(|| since + Duration::from_millis(cluster.join_timeout_ms));
     let join = ServeMsg::Join {
         addr: ep.addr().to_string(),
         inputs: None,
     };
     loop {
-        let connected = t.node().connected_peers();
-        for &n in candidates {
-            if !connected.contains(&n) {
-                t.node().reset_peer(n);
-            }
-            // A node that is not up (or cannot be dialled) is tried again next round.
-            let _ = tell(t, n, &join);
-        }
-        let retry = (Instant::now() + Duration::from_secs(1)).min(until);
+        super::join_each(t, candidates, &join);
+        let second = Instant::now() + Duration::from_secs(1);
+        let retry = until.map_or(second, |u| second.min(u));
         loop {
             match inbox.next_event(None, Some(retry)).await? {
                 InboxEvent::Message {
@@ -756,7 +863,15 @@ async fn find_engine(
                 InboxEvent::Timeout => break,
             }
         }
-        if Instant::now() >= until {
+        if said.elapsed() >= Duration::from_secs(30) {
+            said = Instant::now();
+            crate::cluster::say(&format!(
+                "serving: node {} still looks for the engine node among nodes {candidates:?} ({:.0} s)",
+                ep.id,
+                since.elapsed().as_secs_f64()
+            ));
+        }
+        if until.is_some_and(|u| Instant::now() >= u) {
             return Err(ActorError::Cluster(format!(
                 "no node of {candidates:?} took this node back as the engine node within {} ms \
                  (is the service running?)",
@@ -999,6 +1114,17 @@ async fn answer_requests(
                     continue;
                 }
             },
+            InboxEvent::Message {
+                from,
+                msg: ControlMsg::Serve(env),
+            } if matches!(ServeMsg::open(&env, from), Ok(ServeMsg::Join { .. })) => {
+                // A node that lost the engine node while this one did not (it alone was cut
+                // off) takes this node for its successor: it is told to look for the
+                // engine node instead of waiting for a setup from here.
+                let reason = format!("node {} still serves the engine node {coord}", ep.id);
+                let _ = crate::cluster::node::send_control(&t, from, &ControlMsg::Abort { reason });
+                continue;
+            }
             InboxEvent::Message { from, msg } => {
                 tracing::warn!(peer = from, "ignored {msg:?} from node {from}");
                 continue;

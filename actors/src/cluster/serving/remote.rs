@@ -90,11 +90,14 @@ pub struct ServeLink {
     timeout: Duration,
     /// Answers HTTP requests forwarded by other nodes.
     http: Arc<ForwardSlot>,
-    /// Lost nodes whose restarted process joined again (`Join` with no inputs), with the
-    /// address it joined from; not yet taken back by the engine.
+    /// Lost nodes that joined again (a `Join`), with the address it joined from; not yet
+    /// taken back by the engine.
     returned: Mutex<Vec<(u32, String)>>,
     /// A node the engine is setting up again, waiting for its `Ready` (or `SetupFailed`).
     setting_up: Mutex<HashMap<u32, oneshot::Sender<SetupOutcome>>>,
+    /// A lost node that answered this engine node's `Join` with a setup: it runs the
+    /// engine now (it took over while this node was cut off).
+    deposed_by: Mutex<Option<u32>>,
 }
 
 impl ServeLink {
@@ -113,10 +116,12 @@ impl ServeLink {
             http,
             returned: Mutex::new(Vec::new()),
             setting_up: Mutex::new(HashMap::new()),
+            deposed_by: Mutex::new(None),
         });
-        // A lost node is fenced: of what it sends only the `Join` of a restarted process
-        // (one that holds no inputs; a node that was only cut off or frozen says it holds
-        // some) is taken, as the node coming back.
+        // A lost node is fenced: of what it sends only a `Join` is taken, as the node coming
+        // back: a restarted process, a node that was cut off or frozen and looks for the
+        // engine node, or one still joining this node as its successor (it holds inputs;
+        // the setup that takes it back sends the current ones all the same).
         let weak = Arc::downgrade(&link);
         transport.on_fenced_control(Arc::new(move |from, bytes| {
             let Some(link) = weak.upgrade() else {
@@ -126,7 +131,11 @@ impl ServeLink {
                 return;
             };
             match ServeMsg::open(&env, from) {
-                Ok(ServeMsg::Join { addr, inputs: None }) => link.came_back(from, addr),
+                Ok(ServeMsg::Join { addr, .. }) => link.came_back(from, addr),
+                // The answer to this node's own `Join` while it was cut off (the engine's
+                // `probe_while_cut_off`): a successor serves.
+                Ok(ServeMsg::Setup(_)) => link.deposed(from),
+                Ok(ServeMsg::Inputs { .. }) => {}
                 Ok(other) => tracing::debug!(peer = from, "fenced node {from} sent {other:?}"),
                 Err(e) => tracing::debug!(peer = from, "fenced node {from}: {e}"),
             }
@@ -143,6 +152,26 @@ impl ServeLink {
         // It resends its `Join` until it is set up: the latest address counts.
         returned.retain(|(n, _)| *n != node);
         returned.push((node, addr));
+    }
+
+    /// Lost node `node` runs the engine now (it sent this node a setup): this engine steps
+    /// down. The setup is refused, so `node` does not wait for this node's `Ready`.
+    fn deposed(&self, node: u32) {
+        let mut by = self.deposed_by.lock().unwrap_or_else(|e| e.into_inner());
+        if by.is_none() {
+            *by = Some(node);
+        }
+        let error = "it runs an engine (it was cut off while this node took over); it steps \
+                     down and joins again as a serving node"
+            .to_string();
+        if let Err(e) = super::tell(&self.transport, node, &ServeMsg::SetupFailed { error }) {
+            tracing::warn!(peer = node, "{e}");
+        }
+    }
+
+    /// The lost node that runs the engine now, if one told this node so.
+    pub fn deposed_by(&self) -> Option<u32> {
+        *self.deposed_by.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Lost nodes that joined again since the last call, with their addresses.

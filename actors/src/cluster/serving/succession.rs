@@ -9,7 +9,33 @@
 //! partition stays where it ran. A node hosting a partition is preferred because the engine
 //! sends graph updates and model installs to the partitions: only such a node's copy of the
 //! served inputs is sure to be current.
+//!
+//! With `takeover = "majority"` (the default, [`Quorum`]) a successor takes over only with
+//! more than half of the cluster file's nodes reaching it, and an engine node that lost
+//! more than half stops answering, so the two sides of a network partition never both serve.
 use crate::cluster::config::ClusterFile;
+
+/// How many nodes decide who serves (`takeover = "majority"`): `members`, the nodes of the
+/// cluster file the service started with. A successor needs more than half of them; an
+/// engine node keeps serving while it has lost at most half (with exactly half lost
+/// neither side could take over, and the engine node's side goes on).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Quorum {
+    pub members: usize,
+}
+
+impl Quorum {
+    /// Whether a successor that `reached` nodes (itself among them) may take over.
+    pub fn may_take_over(&self, reached: usize) -> bool {
+        2 * reached > self.members
+    }
+
+    /// Whether an engine node that lost `lost` nodes may go on serving: the lost nodes
+    /// cannot take over without it.
+    pub fn may_serve(&self, lost: usize) -> bool {
+        2 * lost <= self.members
+    }
+}
 
 /// The serving cluster after its engine node was lost.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -64,6 +90,34 @@ impl Succession {
     /// partitions it was to take go to the next one). `None` when no node is left.
     pub fn after_successor_loss(&self) -> Option<Succession> {
         after_loss(&self.survivors, self.engine, &[], &self.placement)
+    }
+
+    /// This succession with only the survivors `reached` (the new engine node and the nodes
+    /// that joined it): the partitions of the others move to the new engine node too.
+    pub fn among(&self, reached: &[u32]) -> Succession {
+        let survivors: Vec<u32> = self
+            .survivors
+            .iter()
+            .copied()
+            .filter(|n| *n == self.engine || reached.contains(n))
+            .collect();
+        let placement = self
+            .placement
+            .iter()
+            .map(|&n| {
+                if survivors.contains(&n) {
+                    n
+                } else {
+                    self.engine
+                }
+            })
+            .collect();
+        Succession {
+            engine: self.engine,
+            lost: self.lost,
+            survivors,
+            placement,
+        }
     }
 
     /// The cluster file the new engine node serves with: `file` (certificates, timeouts)
@@ -155,6 +209,45 @@ mod tests {
         let third = second.after_successor_loss().unwrap();
         assert_eq!((third.engine, &third.placement), (3, &vec![3, 3, 3, 3]));
         assert_eq!(third.after_successor_loss(), None);
+    }
+
+    #[test]
+    fn a_majority_takes_over_and_an_engine_node_cut_off_from_one_stops() {
+        let three = Quorum { members: 3 };
+        // A successor with one other node of three may; a node alone may not.
+        assert!(three.may_take_over(2));
+        assert!(!three.may_take_over(1));
+        // The engine node that lost one of three goes on; one that lost two stops (the two
+        // may take over).
+        assert!(three.may_serve(1));
+        assert!(!three.may_serve(2));
+        // Two nodes: nobody takes over, and the engine node always goes on.
+        let two = Quorum { members: 2 };
+        assert!(!two.may_take_over(1));
+        assert!(two.may_serve(1));
+        // Four nodes split two and two: the engine node's side serves, the other cannot
+        // take over; never both.
+        let four = Quorum { members: 4 };
+        assert!(four.may_serve(2) && !four.may_take_over(2));
+        for members in 1..8 {
+            let q = Quorum { members };
+            for lost in 0..=members {
+                // The lost side (`lost` nodes) takes over only when the engine node stops.
+                assert!(
+                    !(q.may_serve(lost) && q.may_take_over(lost)),
+                    "{members} {lost}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_successor_takes_over_with_the_survivors_that_reached_it() {
+        let s = after_loss(&[0, 1, 2, 3], 0, &[], &[0, 1, 2, 3]).unwrap();
+        let s = s.among(&[3]);
+        assert_eq!(s.engine, 1);
+        assert_eq!(s.survivors, vec![1, 3]);
+        assert_eq!(s.placement, vec![1, 1, 1, 3]);
     }
 
     #[test]
