@@ -360,6 +360,29 @@ fn undirected_edges(ds: &Dataset) -> std::collections::BTreeSet<(u32, u32)> {
         .collect()
 }
 
+/// The served graph as a test changes it through the API: `DATA`'s features and its
+/// undirected edges.
+struct EditedGraph {
+    ds: Dataset,
+    edges: std::collections::BTreeSet<(u32, u32)>,
+}
+
+impl EditedGraph {
+    fn new() -> Self {
+        let ds: Dataset = DataSource::parse(DATA).unwrap().load().unwrap();
+        let edges = undirected_edges(&ds);
+        EditedGraph { ds, edges }
+    }
+
+    /// What `trellis predict` computes with `model` on the graph now (written as
+    /// `dir/name`).
+    fn logits(&self, model: &Path, dir: &Path, name: &str) -> ndarray::Array2<f32> {
+        let list: Vec<(u32, u32)> = self.edges.iter().copied().collect();
+        let data = write_dataset(dir, name, &self.ds.features, &list);
+        predict(model, s(&data), dir)
+    }
+}
+
 #[test]
 fn a_three_node_cluster_serves_what_trellis_predict_computes_through_updates_and_a_swap() {
     let dir = cluster_dir(3);
@@ -722,12 +745,9 @@ fn a_frozen_node_resumed_is_taken_back_by_itself() {
     eprintln!("node 2 re-placed {:?} after it froze", frozen.elapsed());
     let r = post(&c.url, "/v1/edges", &json!({ "add": [[7, 880]] }));
     assert_eq!(r.status, 200, "{}", r.text);
-    let ds: Dataset = DataSource::parse(DATA).unwrap().load().unwrap();
-    let mut edges = undirected_edges(&ds);
-    edges.insert((7, 880));
-    let list: Vec<(u32, u32)> = edges.iter().copied().collect();
-    let updated = write_dataset(dir.path(), "updated", &ds.features, &list);
-    let logits = predict(&model, s(&updated), dir.path());
+    let mut graph = EditedGraph::new();
+    graph.edges.insert((7, 880));
+    let logits = graph.logits(&model, dir.path(), "updated");
     signal(pid, libc::SIGCONT);
     let resumed = Instant::now();
     let took = wait_placement(&c.url, &json!([0, 1, 2]));
@@ -1087,12 +1107,9 @@ fn the_engine_node_and_its_successor_lost_together_leave_the_last_node_serving_e
     );
     let r = post(&node_urls[1], "/v1/edges", &json!({ "add": [[7, 880]] }));
     assert_eq!(r.status, 200, "{}", r.text);
-    let ds: Dataset = DataSource::parse(DATA).unwrap().load().unwrap();
-    let mut edges = undirected_edges(&ds);
-    edges.insert((7, 880));
-    let list: Vec<(u32, u32)> = edges.iter().copied().collect();
-    let updated = write_dataset(dir.path(), "updated", &ds.features, &list);
-    let logits = predict(&model, s(&updated), dir.path());
+    let mut graph = EditedGraph::new();
+    graph.edges.insert((7, 880));
+    let logits = graph.logits(&model, dir.path(), "updated");
     let mut nodes = nodes.into_iter();
     let (mut n1, n2) = (nodes.next().unwrap(), nodes.next().unwrap());
     for p in [&mut engine, &mut n1] {
@@ -1108,14 +1125,9 @@ fn the_engine_node_and_its_successor_lost_together_leave_the_last_node_serving_e
     assert_matches(url, &logits, "on the last node");
     let r = post(url, "/v1/edges", &json!({ "add": [[300, 700]] }));
     assert_eq!(r.status, 200, "{}", r.text);
-    edges.insert((300, 700));
-    let list: Vec<(u32, u32)> = edges.iter().copied().collect();
-    let updated = write_dataset(dir.path(), "updated-again", &ds.features, &list);
-    assert_matches(
-        url,
-        &predict(&model, s(&updated), dir.path()),
-        "after an update",
-    );
+    graph.edges.insert((300, 700));
+    let logits = graph.logits(&model, dir.path(), "updated-again");
+    assert_matches(url, &logits, "after an update");
 }
 
 #[test]
@@ -1369,13 +1381,7 @@ fn a_network_partition_never_leaves_two_engine_nodes_serving_and_heals() {
         in_ns(&net, i, || assert_matches(url, logits, what))
     };
     placed(on(0), json!([0, 1, 2]));
-    let ds: Dataset = DataSource::parse(DATA).unwrap().load().unwrap();
-    let mut edges = undirected_edges(&ds);
-    let logits_of = |name: &str, edges: &std::collections::BTreeSet<(u32, u32)>| {
-        let list: Vec<(u32, u32)> = edges.iter().copied().collect();
-        let data = write_dataset(dir.path(), name, &ds.features, &list);
-        predict(&model, s(&data), dir.path())
-    };
+    let mut graph = EditedGraph::new();
 
     // 1. Node 2 cut off: its partition goes to node 1; an update on the majority's side.
     net.cut(2).unwrap();
@@ -1390,8 +1396,8 @@ fn a_network_partition_never_leaves_two_engine_nodes_serving_and_heals() {
         post(&urls[0], "/v1/edges", &json!({ "add": [[7, 880]] }))
     });
     assert_eq!(r.status, 200, "{}", r.text);
-    edges.insert((7, 880));
-    let first = logits_of("first", &edges);
+    graph.edges.insert((7, 880));
+    let first = graph.logits(&model, dir.path(), "first");
     matches(on(0), &first, "the engine node with node 2 cut off");
     // Node 2 alone neither takes over nor answers from its copy (which lacks the update).
     for _ in 0..5 {
@@ -1447,8 +1453,8 @@ fn a_network_partition_never_leaves_two_engine_nodes_serving_and_heals() {
         post(&urls[2], "/v1/edges", &json!({ "add": [[300, 700]] }))
     });
     assert_eq!(r.status, 200, "{}", r.text);
-    edges.insert((300, 700));
-    let second = logits_of("second", &edges);
+    graph.edges.insert((300, 700));
+    let second = graph.logits(&model, dir.path(), "second");
     matches(
         on(1),
         &second,
