@@ -721,6 +721,60 @@ fn a_node_killed_under_load_costs_no_wrong_answer_and_its_partitions_are_recover
     drop(c);
 }
 
+/// A two-node cluster has no take-over under the default `takeover = "majority"`: with its
+/// engine node killed, node 1 does not serve alone (503 with `Retry-After`) and keeps
+/// looking for an engine node; the engine node started again (same address, a fresh
+/// service from its files) takes it at once, and both serve what `trellis predict`
+/// computes.
+#[test]
+fn a_two_node_cluster_waits_for_its_engine_node_and_is_served_again_when_it_restarts() {
+    let dir = cluster_dir(2);
+    let model = train(dir.path(), "m.safetensors", "0");
+    let mut c = start_cluster(dir.path(), 2, &model, &["--partitions", "2"]);
+    wait_placement(&c.url, &json!([0, 1]));
+    let quic = bound(&dir.path().join("node0.addr"));
+    c.engine.child.kill().unwrap();
+    c.engine.child.wait().unwrap();
+    let killed = Instant::now();
+    std::thread::sleep(Duration::from_millis(2500));
+    while killed.elapsed() < Duration::from_secs(4) {
+        let r = post(
+            &c.node_urls[0],
+            "/v1/predict",
+            &json!({ "nodes": [5, 300] }),
+        );
+        assert_eq!(r.status, 503, "node 1 alone answered: {}", r.text);
+        assert!(r.retry_after.is_some(), "{}", r.text);
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let file = write_cluster(dir.path(), "again.toml", &quic, 2);
+    let mut args = vec!["serve", "--cluster", s(&file), "--model", s(&model)];
+    args.extend([
+        "--data",
+        DATA,
+        "--partitions",
+        "2",
+        "--listen",
+        "127.0.0.1:0",
+    ]);
+    args.extend(["--threads", "1"]);
+    let again = Proc::start("engine node again", &args);
+    let url = again.listening();
+    eprintln!(
+        "the engine node served again {:?} after the kill",
+        killed.elapsed()
+    );
+    wait_placement(&url, &json!([0, 1]));
+    let logits = EditedGraph::new().logits(&model, dir.path(), "original");
+    assert_matches(&url, &logits, "the engine node started again");
+    assert_matches(
+        &c.node_urls[0],
+        &logits,
+        "node 1 with the engine node started again",
+    );
+    drop((again, c));
+}
+
 /// Sends `signal` to process `pid`.
 fn signal(pid: u32, signal: i32) {
     // SAFETY: kill(2) on a child this test started and has not reaped; it touches no memory.

@@ -40,7 +40,9 @@ pub struct ServeArgs {
     /// runs the engine (with --model and --data); every other node is started with
     /// `--cluster FILE --id N` and hosts the partitions placed on it. Should the engine
     /// node be lost, the lowest-numbered surviving node takes over as the engine node, with
-    /// its own serving options (start every node with the same ones).
+    /// its own serving options (start every node with the same ones), if more than half of
+    /// the file's nodes reach it (the file's `takeover = "majority"`, the default; "any":
+    /// whatever survives).
     #[arg(long)]
     pub cluster: Option<PathBuf>,
     /// This node's id in the cluster file (default: its coordinator, the engine node).

@@ -401,9 +401,7 @@ impl EngineCluster {
             }
         }
     }
-}
 
-impl EngineCluster {
     /// With a quorum: refuses every request while more than half of the service's nodes
     /// are lost (they may take over without this node; answering could give what they no
     /// longer serve), and answers again once enough came back. Says so when it changes.
