@@ -1382,6 +1382,8 @@ fn wait_cut_off(url: &str) -> String {
 ///    request from when it finds itself cut off, also after an update on the other side.
 /// 4. Mended: node 0 finds that node 1 took over, stops its engine and is taken back by
 ///    node 1 as a serving node (the process runs itself again: same pid, same output).
+/// 5. Every node cut off from every other: none serves; mended, the engine node takes the
+///    others back and answers again.
 ///
 /// After each step every node that answers serves what `trellis predict` computes.
 #[test]
@@ -1533,5 +1535,36 @@ fn a_network_partition_never_leaves_two_engine_nodes_serving_and_heals() {
     assert_eq!(lost_nodes(on(1)), json!([]));
     matches((0, &url0), &second, "node 0 after it was taken back");
     matches(on(1), &second, "node 1 after node 0 was taken back");
+
+    // 5. Every node cut off from every other: none serves (node 1, the engine node now, is
+    //    cut off; nodes 0 and 2 reach no majority and look for the engine node). Mended,
+    //    they find node 1, which takes them back and answers again.
+    for i in 0..3 {
+        net.cut(i).unwrap();
+    }
+    let why = in_ns(&net, 1, || wait_cut_off(&urls[1]));
+    assert!(why.contains("nodes [0, 2] of 3 are lost"), "{why}");
+    // Both others have given up their succession by then (two idle timeouts of waiting
+    // for a majority, after the loss is found).
+    std::thread::sleep(Duration::from_secs(6));
+    for (i, url) in [(0, url0.as_str()), on(2)] {
+        let r = predicted((i, url), &[300, 700]);
+        assert_eq!(r.status, 503, "node {i} answered alone: {}", r.text);
+    }
+    for i in 0..3 {
+        net.mend(i).unwrap();
+    }
+    let mended = Instant::now();
+    placed(on(1), json!([0, 1, 2]));
+    eprintln!(
+        "nodes 0 and 2 taken back by node 1 {:?} after the network mended",
+        mended.elapsed()
+    );
+    let ready = in_ns(&net, 1, || readyz(&urls[1]));
+    assert_eq!(ready["lost_nodes"], json!([]), "{ready}");
+    assert!(ready.get("cut_off").is_none(), "{ready}");
+    matches(on(1), &second, "node 1 answering again");
+    matches((0, &url0), &second, "node 0 after the network mended");
+    matches(on(2), &second, "node 2 after the network mended");
     drop((n0, n1, n2));
 }
