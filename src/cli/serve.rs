@@ -141,7 +141,7 @@ pub fn run(a: ServeArgs) -> Result<()> {
     };
     a.telemetry.finish(telemetry);
     match result? {
-        Some(id) => rejoin_in_place(id),
+        Some(id) => rejoin_in_place(id, a.listen.unwrap_or_else(default_listen)),
         None => Ok(()),
     }
 }
@@ -245,10 +245,7 @@ fn serve_engine(a: &ServeArgs, cluster: Option<(ClusterFile, u32)>) -> Result<Op
     let (Some(model), Some(data)) = (&a.model, &a.data) else {
         anyhow::bail!("the engine node needs --model and --data");
     };
-    let listen = match a.listen {
-        Some(l) => l,
-        None => DEFAULT_LISTEN.parse().expect("a valid address"),
-    };
+    let listen = a.listen.unwrap_or_else(default_listen);
     let ds = load_data(data)?;
     let saved = model_file::load(model)?;
     saved.check_fits(ds.num_features, ds.num_classes)?;
@@ -320,35 +317,43 @@ fn serve_engine(a: &ServeArgs, cluster: Option<(ClusterFile, u32)>) -> Result<Op
     Ok(Some(id))
 }
 
+fn default_listen() -> SocketAddr {
+    DEFAULT_LISTEN.parse().expect("a valid address")
+}
+
 /// Runs this process again as serving node `id` that rejoins its cluster (an engine node
-/// that stepped down): a fresh process image (same pid, stdout and stderr; every socket is
-/// closed on exec, so its QUIC and HTTP addresses are free), with nothing of the engine's
-/// threads or state left to get in its way. Returns only if that fails.
-fn rejoin_in_place(id: u32) -> Result<()> {
+/// that stepped down), its front end on the engine's `listen` address: a fresh process
+/// image (same pid, stdout and stderr; every socket is closed on exec, so its QUIC and
+/// HTTP addresses are free), with nothing of the engine's threads or state left to get in
+/// its way. Returns only if that fails.
+fn rejoin_in_place(id: u32, listen: SocketAddr) -> Result<()> {
     let _ = std::io::stdout().flush();
     let exe = std::env::current_exe().context("cannot find this program to run it again")?;
-    let args = rejoin_args(std::env::args_os().skip(1), id);
+    let args = rejoin_args(std::env::args_os().skip(1), id, listen);
     use std::os::unix::process::CommandExt;
     let e = std::process::Command::new(exe).args(args).exec();
     Err(e).with_context(|| format!("cannot run node {id} again as a serving node"))
 }
 
 /// The arguments that run an engine node's `trellis serve` (`args`, after the program) as
-/// serving node `id` rejoining its cluster: the engine's own options (`--model`, `--data`,
-/// `--partitions`, `--partition-method`, `--chaos`) and any `--id` or `--rejoin` dropped,
-/// `--id ID --rejoin` added; everything else (the cluster file, `--listen`, serving and
-/// telemetry options) kept.
+/// serving node `id` rejoining its cluster, its front end on `listen` (the engine's API
+/// address, the default one too): the engine's own options (`--model`, `--data`,
+/// `--partitions`, `--partition-method`, `--chaos`) and any `--id`, `--listen` or
+/// `--rejoin` dropped, `--id ID --rejoin --listen LISTEN` added; everything else (the
+/// cluster file, serving and telemetry options) kept.
 fn rejoin_args(
     args: impl IntoIterator<Item = std::ffi::OsString>,
     id: u32,
+    listen: SocketAddr,
 ) -> Vec<std::ffi::OsString> {
-    const DROPPED: [&str; 6] = [
+    const DROPPED: [&str; 7] = [
         "--model",
         "--data",
         "--partitions",
         "--partition-method",
         "--chaos",
         "--id",
+        "--listen",
     ];
     let mut out = Vec::new();
     let mut args = args.into_iter();
@@ -367,6 +372,7 @@ fn rejoin_args(
         out.push(arg);
     }
     out.extend(["--id".into(), id.to_string().into(), "--rejoin".into()]);
+    out.extend(["--listen".into(), listen.to_string().into()]);
     out
 }
 
@@ -435,7 +441,8 @@ mod tests {
             "--deadline-ms",
             "3000",
         ];
-        let out = rejoin_args(args.iter().map(Into::into), 0);
+        let listen = "0.0.0.0:8080".parse().unwrap();
+        let out = rejoin_args(args.iter().map(Into::into), 0, listen);
         let out: Vec<&str> = out.iter().map(|a| a.to_str().unwrap()).collect();
         assert_eq!(
             out,
@@ -443,14 +450,19 @@ mod tests {
                 "serve",
                 "--cluster",
                 "c.toml",
-                "--listen",
-                "0.0.0.0:8080",
                 "--deadline-ms",
                 "3000",
                 "--id",
                 "0",
-                "--rejoin"
+                "--rejoin",
+                "--listen",
+                "0.0.0.0:8080"
             ]
         );
+        // An engine node started without --listen served the default address: so does the
+        // serving node it becomes.
+        let out = rejoin_args(["serve", "--id=0"].iter().map(Into::into), 0, listen);
+        assert_eq!(out.len(), 6, "{out:?}");
+        assert_eq!(out[0], "serve");
     }
 }

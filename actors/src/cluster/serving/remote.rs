@@ -132,8 +132,8 @@ impl ServeLink {
             };
             match ServeMsg::open(&env, from) {
                 Ok(ServeMsg::Join { addr, .. }) => link.came_back(from, addr),
-                // The answer to this node's own `Join` while it was cut off (the engine's
-                // `probe_while_cut_off`): a successor serves.
+                // The answer to this node's own `Join` while it was cut off (see
+                // `Engine::deposed`): a successor serves.
                 Ok(ServeMsg::Setup(_)) => link.deposed(from),
                 Ok(ServeMsg::Inputs { .. }) => {}
                 Ok(other) => tracing::debug!(peer = from, "fenced node {from} sent {other:?}"),
