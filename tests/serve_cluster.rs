@@ -703,22 +703,26 @@ fn a_node_killed_under_load_costs_no_wrong_answer_and_its_partitions_are_recover
     // Then the engine node is lost too: node 1, the last one of three, is no majority
     // (`takeover = "majority"`, the default): it does not take over, and answers 503 with
     // `Retry-After`, never from its own copy.
-    c.engine.child.kill().unwrap();
-    c.engine.child.wait().unwrap();
-    let killed_at = Instant::now();
-    // Found lost after the idle timeout (1.5 s); then node 1 looks for an engine node.
+    kill_and_see_no_take_over(&mut c.engine, &c.node_urls[0], Duration::from_secs(5));
+    drop(c);
+}
+
+/// Kills the engine node `engine` (SIGKILL) and checks that node 1, whose front end is
+/// `url` and which is no majority, does not take over: from 2.5 s after the kill (the loss
+/// found after the 1.5 s idle timeout, the succession given up) until `checked` after it,
+/// every prediction through it gets 503 with `Retry-After`. Returns when it was killed.
+fn kill_and_see_no_take_over(engine: &mut Proc, url: &str, checked: Duration) -> Instant {
+    engine.child.kill().unwrap();
+    engine.child.wait().unwrap();
+    let killed = Instant::now();
     std::thread::sleep(Duration::from_millis(2500));
-    while killed_at.elapsed() < Duration::from_secs(5) {
-        let r = post(
-            &c.node_urls[0],
-            "/v1/predict",
-            &json!({ "nodes": [5, 300] }),
-        );
+    while killed.elapsed() < checked {
+        let r = post(url, "/v1/predict", &json!({ "nodes": [5, 300] }));
         assert_eq!(r.status, 503, "node 1 alone answered: {}", r.text);
         assert!(r.retry_after.is_some(), "{}", r.text);
         std::thread::sleep(Duration::from_millis(200));
     }
-    drop(c);
+    killed
 }
 
 /// A two-node cluster has no take-over under the default `takeover = "majority"`: with its
@@ -733,20 +737,7 @@ fn a_two_node_cluster_waits_for_its_engine_node_and_is_served_again_when_it_rest
     let mut c = start_cluster(dir.path(), 2, &model, &["--partitions", "2"]);
     wait_placement(&c.url, &json!([0, 1]));
     let quic = bound(&dir.path().join("node0.addr"));
-    c.engine.child.kill().unwrap();
-    c.engine.child.wait().unwrap();
-    let killed = Instant::now();
-    std::thread::sleep(Duration::from_millis(2500));
-    while killed.elapsed() < Duration::from_secs(4) {
-        let r = post(
-            &c.node_urls[0],
-            "/v1/predict",
-            &json!({ "nodes": [5, 300] }),
-        );
-        assert_eq!(r.status, 503, "node 1 alone answered: {}", r.text);
-        assert!(r.retry_after.is_some(), "{}", r.text);
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    let killed = kill_and_see_no_take_over(&mut c.engine, &c.node_urls[0], Duration::from_secs(4));
     let file = write_cluster(dir.path(), "again.toml", &quic, 2);
     let mut args = vec!["serve", "--cluster", s(&file), "--model", s(&model)];
     args.extend([
