@@ -763,11 +763,22 @@ fn refuse_fenced_joins(t: &Arc<QuicTransport>, me: u32) {
         let Ok(ControlMsg::Serve(env)) = ControlMsg::decode(&bytes) else {
             return;
         };
-        if let Ok(ServeMsg::Join { .. }) = ServeMsg::open(&env, from) {
+        if let Ok(ServeMsg::Join { addr, .. }) = ServeMsg::open(&env, from) {
             let reason = format!("node {me} is not the engine node (node {from} is fenced here)");
-            let _ = crate::cluster::node::send_control(&t, from, &ControlMsg::Abort { reason });
+            refuse_join(&t, from, &addr, reason);
         }
     }));
+}
+
+/// Answers node `from`'s `Join` (sent from `addr`) with `Abort{reason}`. The answer goes to
+/// the address the `Join` names: a restarted process listens elsewhere than the one this
+/// node knew, and a dial to the old address would hold every later message to it (its
+/// halo blocks once it is taken back) until the dial times out.
+fn refuse_join(t: &QuicTransport, from: u32, addr: &str, reason: String) {
+    if let Ok(addr) = addr.parse() {
+        t.add_peer(from, addr);
+    }
+    let _ = crate::cluster::node::send_control(t, from, &ControlMsg::Abort { reason });
 }
 
 /// The nodes a node cut off from the service looks for the engine node among (every other
@@ -1121,8 +1132,10 @@ async fn answer_requests(
                 // A node that lost the engine node while this one did not (it alone was cut
                 // off) takes this node for its successor: it is told to look for the
                 // engine node instead of waiting for a setup from here.
-                let reason = format!("node {} still serves the engine node {coord}", ep.id);
-                let _ = crate::cluster::node::send_control(&t, from, &ControlMsg::Abort { reason });
+                if let Ok(ServeMsg::Join { addr, .. }) = ServeMsg::open(&env, from) {
+                    let reason = format!("node {} still serves the engine node {coord}", ep.id);
+                    refuse_join(&t, from, &addr, reason);
+                }
                 continue;
             }
             InboxEvent::Message { from, msg } => {
