@@ -1128,13 +1128,16 @@ async fn answer_requests(
             InboxEvent::Message {
                 from,
                 msg: ControlMsg::Serve(env),
-            } if matches!(ServeMsg::open(&env, from), Ok(ServeMsg::Join { .. })) => {
+            } => {
                 // A node that lost the engine node while this one did not (it alone was cut
                 // off) takes this node for its successor: it is told to look for the
                 // engine node instead of waiting for a setup from here.
-                if let Ok(ServeMsg::Join { addr, .. }) = ServeMsg::open(&env, from) {
-                    let reason = format!("node {} still serves the engine node {coord}", ep.id);
-                    refuse_join(&t, from, &addr, reason);
+                match ServeMsg::open(&env, from) {
+                    Ok(ServeMsg::Join { addr, .. }) => {
+                        let reason = format!("node {} still serves the engine node {coord}", ep.id);
+                        refuse_join(&t, from, &addr, reason);
+                    }
+                    other => tracing::warn!(peer = from, "ignored {other:?} from node {from}"),
                 }
                 continue;
             }
