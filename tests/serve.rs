@@ -1025,6 +1025,35 @@ fn a_partition_stuck_past_its_step_timeout_is_rebuilt_from_the_store_without_wro
     );
 }
 
+/// Without `--step-timeout-ms`, a layer may take ten times the start-up pass (at least
+/// 5 s): a partition stuck for 30 s costs its update about 5 s and a rebuild, not the
+/// two-minute limit sized for the largest graphs.
+#[test]
+fn a_stuck_partition_is_given_up_on_after_seconds_without_a_step_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = train(dir.path(), "m.safetensors", "gcn", "0");
+    let server = Server::start(
+        &file,
+        &[
+            "--partitions",
+            "2",
+            "--chaos",
+            "serve-stall:part=1:update=1:layer=0:ms=30000",
+        ],
+    );
+    let t = Instant::now();
+    let r = post(&server, "/v1/edges", &json!({ "add": [[0, 700]] }));
+    let took = t.elapsed();
+    assert_eq!(r.status, 200, "answered once rebuilt: {}", r.text);
+    let n = DataSource::parse(DATA).unwrap().load().unwrap().num_nodes as u64;
+    assert_eq!(r.body["recomputed_rows"], json!([n, n]), "{}", r.text);
+    println!("an update through a partition stuck for 30 s answered after {took:?}");
+    assert!(
+        took >= Duration::from_secs(5) && took < Duration::from_secs(20),
+        "{took:?}"
+    );
+}
+
 #[test]
 fn training_serves_its_last_published_weights_while_it_trains() {
     let dir = tempfile::tempdir().unwrap();

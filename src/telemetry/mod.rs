@@ -23,6 +23,12 @@ pub use error::TelemetryError;
 use std::net::SocketAddr;
 use std::str::FromStr;
 use std::time::Duration;
+use tracing_subscriber::filter::Targets;
+use tracing_subscriber::fmt::format::Writer;
+use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields};
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::registry::LookupSpan;
+use tracing_subscriber::Layer;
 
 /// The OTLP transport.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -174,15 +180,34 @@ impl Drop for Telemetry {
     }
 }
 
-/// Starts what `opts` asks for. Installing the tracing subscriber is process-wide: a second
-/// `init` that exports fails with [`TelemetryError::AlreadyInstalled`].
+/// Starts what `opts` asks for, and the log on stderr: the runtime's warnings and errors
+/// (a lost peer, a dropped block, a recovery that failed), or what `RUST_LOG` selects
+/// (`tracing_subscriber`'s target syntax, e.g. `trellis_actors=debug,warn`). Installing the
+/// tracing subscriber is process-wide: a second `init` that exports fails with
+/// [`TelemetryError::AlreadyInstalled`]; one that does not keeps the first one's.
 pub fn init(opts: &TelemetryOptions) -> Result<Telemetry, TelemetryError> {
     trellis_actors::telemetry::set_node(opts.node);
-    let otlp = if opts.exports() {
-        Some(otlp::Pipeline::start(opts)?)
-    } else {
-        None
+    let log = log_filter(env("RUST_LOG").as_deref())?;
+    let (otlp, spans) = match opts.exports() {
+        true => {
+            let (pipeline, layer) = otlp::Pipeline::start(opts)?;
+            (Some(pipeline), Some(layer))
+        }
+        false => (None, None),
     };
+    let exporting = spans.is_some();
+    let subscriber = tracing_subscriber::registry().with(spans).with(
+        tracing_subscriber::fmt::layer()
+            .with_writer(std::io::stderr)
+            .event_format(NodeTagged {
+                node: opts.node,
+                inner: tracing_subscriber::fmt::format(),
+            })
+            .with_filter(log),
+    );
+    if tracing::subscriber::set_global_default(subscriber).is_err() && exporting {
+        return Err(TelemetryError::AlreadyInstalled);
+    }
     let server = opts
         .metrics_addr
         .map(prometheus::MetricsServer::start)
@@ -190,9 +215,57 @@ pub fn init(opts: &TelemetryOptions) -> Result<Telemetry, TelemetryError> {
     Ok(Telemetry { otlp, server })
 }
 
+/// A log line's format: `node N ` first (the processes of a cluster on one machine share a
+/// terminal), then `inner`'s.
+struct NodeTagged<F> {
+    node: u32,
+    inner: F,
+}
+
+impl<S, N, F> FormatEvent<S, N> for NodeTagged<F>
+where
+    S: tracing::Subscriber + for<'a> LookupSpan<'a>,
+    N: for<'a> FormatFields<'a> + 'static,
+    F: FormatEvent<S, N>,
+{
+    fn format_event(
+        &self,
+        ctx: &FmtContext<'_, S, N>,
+        mut writer: Writer<'_>,
+        event: &tracing::Event<'_>,
+    ) -> std::fmt::Result {
+        write!(writer, "node {} ", self.node)?;
+        self.inner.format_event(ctx, writer, event)
+    }
+}
+
+/// What the log on stderr shows: `RUST_LOG` (`tracing_subscriber`'s target syntax) when
+/// set, else warnings and errors.
+fn log_filter(spec: Option<&str>) -> Result<Targets, TelemetryError> {
+    match spec {
+        None => Ok(Targets::new().with_default(tracing::Level::WARN)),
+        Some(s) => s.parse().map_err(|e| {
+            TelemetryError::Config(format!("RUST_LOG `{s}` is not a log filter: {e}"))
+        }),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_log_shows_warnings_unless_rust_log_says_otherwise() {
+        use tracing::Level;
+        let default = log_filter(None).unwrap();
+        assert!(default.would_enable("trellis_actors::serving", &Level::WARN));
+        assert!(!default.would_enable("trellis_actors::serving", &Level::INFO));
+        let chosen = log_filter(Some("trellis_transport=debug,error")).unwrap();
+        assert!(chosen.would_enable("trellis_transport::quic", &Level::DEBUG));
+        assert!(!chosen.would_enable("trellis_actors", &Level::WARN));
+        let e = log_filter(Some("trellis=loud")).unwrap_err().to_string();
+        assert!(e.contains("RUST_LOG") && e.contains("trellis=loud"), "{e}");
+    }
 
     #[test]
     fn protocols_parse() {

@@ -14,8 +14,10 @@ use opentelemetry_sdk::Resource;
 use std::sync::atomic::{AtomicBool, Ordering};
 use tracing::Level;
 use tracing_subscriber::filter::{DynFilterFn, FilterExt, Targets};
-use tracing_subscriber::layer::SubscriberExt;
-use tracing_subscriber::Layer;
+use tracing_subscriber::{Layer, Registry};
+
+/// The layer that records Trellis's spans for the exporter.
+pub(super) type SpanLayer = Box<dyn Layer<Registry> + Send + Sync>;
 
 /// Whether new spans are recorded (see [`super::Telemetry::pause_tracing`]).
 static TRACING: AtomicBool = AtomicBool::new(true);
@@ -34,8 +36,9 @@ pub(super) struct Pipeline {
 }
 
 impl Pipeline {
-    /// Builds the exporters and installs the global `tracing` subscriber.
-    pub(super) fn start(opts: &TelemetryOptions) -> Result<Self, TelemetryError> {
+    /// Builds the exporters; returns them and the `tracing` layer that feeds them spans (the
+    /// caller installs it beside the log layer).
+    pub(super) fn start(opts: &TelemetryOptions) -> Result<(Self, SpanLayer), TelemetryError> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .thread_name("trellis-otlp")
@@ -73,16 +76,14 @@ impl Pipeline {
                     // Evaluated per span, never cached per call site: it can change.
                     .and(DynFilterFn::new(|_, _| TRACING.load(Ordering::Relaxed))),
             );
-        let subscriber = tracing_subscriber::registry().with(layer);
-        tracing::subscriber::set_global_default(subscriber)
-            .map_err(|_| TelemetryError::AlreadyInstalled)?;
         drop(_entered);
-        Ok(Pipeline {
+        let pipeline = Pipeline {
             runtime,
             tracer,
             meter,
             _instruments: instruments,
-        })
+        };
+        Ok((pipeline, layer.boxed()))
     }
 
     /// Exports the spans and metrics recorded so far, waiting for the collector's answer.

@@ -466,6 +466,40 @@ async fn an_absent_peer_fails_within_the_connect_timeout() {
     .await
 }
 
+/// A restarted peer listens elsewhere: blocks queued behind a dial to its old address (a
+/// socket that never answers) reach it at the new one once its address is updated, instead
+/// of failing with the old dial.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dial_to_a_moved_peer_goes_to_its_new_address() {
+    bounded(20, async {
+        let ca = ClusterCa::generate().unwrap();
+        let cfg = QuicConfig {
+            connect_timeout: Duration::from_secs(8),
+            ..QuicConfig::loopback()
+        };
+        let (a, _) = QuicTransport::bind(cfg, &ca.issue_identity(1).unwrap()).unwrap();
+        let (b, ib) = node(&ca, 2, 20, QuicConfig::loopback());
+        let gone = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+        a.add_peer(2, gone.local_addr().unwrap());
+        a.route(PartId(20), 2);
+        a.send(block(10, 20, 1, 2, 2)).unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let moved = Instant::now();
+        a.add_peer(2, b.local_addr());
+        a.send(block(10, 20, 1, 3, 3)).unwrap();
+        a.flush(Duration::from_secs(5)).await.unwrap();
+        until("both blocks at node 2", || ib.lock().unwrap().len() == 2).await;
+        assert!(
+            moved.elapsed() < Duration::from_secs(3),
+            "delivered {:?} after the move: the old dial was waited out",
+            moved.elapsed()
+        );
+        a.close().await;
+        b.close().await;
+    })
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn certificates_from_disk() {
     bounded(20, async {

@@ -210,7 +210,10 @@ pub struct EngineConfig {
     pub threads: usize,
     /// Faults to inject into the partition actors (`serve-panic`).
     pub faults: Arc<FaultPlan>,
-    /// Longest one layer of a pass may take on every partition before the pass fails.
+    /// Longest one layer of a pass may take on every partition before the pass fails. Once
+    /// the start-up pass has run, the limit is at most [`LAYER_LIMIT_PER_PASS`] times that
+    /// pass (at least [`LAYER_LIMIT_FLOOR`]): a block lost on the way stalls a pass for
+    /// seconds, not for a limit sized for the largest graphs.
     pub step_timeout: Duration,
     /// Latency-bound steps (updates, on the live tables) are urgent work of this gate:
     /// training streams yielding to it pause between kernel pieces while one computes.
@@ -347,7 +350,11 @@ struct Engine {
     updates: u64,
     /// The last pass number given out.
     seq: u32,
+    /// How long one layer of a pass may take: `step_cap`, or less once a full pass was timed
+    /// ([`Engine::time_full_pass`]).
     step_timeout: Duration,
+    /// The configured limit ([`EngineConfig::step_timeout`]).
+    step_cap: Duration,
     /// How the partition actors are started (again, by a rebuild).
     launch: PartLaunch,
     /// Set while the partitions' tables may be behind the store and a rebuild has not
@@ -514,6 +521,13 @@ fn actor_err(e: ActorError) -> ServeError {
 /// A default for [`EngineConfig::step_timeout`]: one layer of a 1M-node graph on one core
 /// takes seconds.
 pub const STEP_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// Once a full pass (every row of every layer) was timed, one layer of any pass may take at
+/// most this many times as long (and at least [`LAYER_LIMIT_FLOOR`]).
+pub const LAYER_LIMIT_PER_PASS: u32 = 10;
+
+/// The least time one layer of a pass may take before the pass fails.
+pub const LAYER_LIMIT_FLOOR: Duration = Duration::from_secs(5);
 
 /// How many times one pass is retried after partition failures before it gives up.
 const MAX_RECOVERIES_PER_PASS: usize = 3;
@@ -764,6 +778,7 @@ fn launch_engine(
         updates: 0,
         seq: 0,
         step_timeout: cfg.step_timeout,
+        step_cap: cfg.step_timeout,
         launch: PartLaunch {
             threads: cfg.threads,
             faults: cfg.faults.clone(),
@@ -981,8 +996,12 @@ impl Engine {
             let plans = self.plan(Coverage::Full);
             let seq = self.next_seq();
             let all = vec![true; self.parts];
+            let started = Instant::now();
             match self.run_pass(seq, &plans, Target::Live, None, &all).await {
-                Ok(out) => break out,
+                Ok(out) => {
+                    self.time_full_pass(started.elapsed());
+                    break out;
+                }
                 Err(PassError::Failed(parts)) if attempt < MAX_RECOVERIES_PER_PASS => {
                     attempt += 1;
                     tracing::warn!("start-up pass: partitions {parts:?} failed; computing again");
@@ -1006,6 +1025,21 @@ impl Engine {
         // Every row was computed.
         self.increments.clear();
         Ok(())
+    }
+
+    /// A full pass took `took`: one layer of a later pass may take at most
+    /// [`LAYER_LIMIT_PER_PASS`] times as long, at least [`LAYER_LIMIT_FLOOR`], at most the
+    /// configured limit.
+    fn time_full_pass(&mut self, took: Duration) {
+        let limit = (took * LAYER_LIMIT_PER_PASS)
+            .max(LAYER_LIMIT_FLOOR)
+            .min(self.step_cap);
+        if limit != self.step_timeout {
+            tracing::debug!(
+                "serving: a full pass took {took:?}; one layer may take up to {limit:?} from now on"
+            );
+        }
+        self.step_timeout = limit;
     }
 
     fn next_seq(&mut self) -> u32 {
@@ -1570,6 +1604,11 @@ impl Engine {
             node,
             addr: addr.to_string(),
         };
+        if !moved.is_empty() {
+            // Not ready before the new placement shows: the moved partitions have no
+            // tables until the recovery pass has run.
+            self.stats.ready.store(false, Ordering::SeqCst);
+        }
         c.reroute(&self.stats, vec![returned]);
         Ok(moved)
     }

@@ -76,10 +76,22 @@ impl Shared {
         if let Some(c) = peer.live_conn() {
             return Ok(c);
         }
-        let (node, addr, after) = (peer.node, peer.addr(), self.core.cfg.connect_timeout);
-        let conn = match timeout(after, self.dial(node, addr)).await {
-            Err(_) => return Err(QuicError::ConnectTimeout { node, addr, after }),
-            Ok(r) => r?,
+        let (node, after) = (peer.node, self.core.cfg.connect_timeout);
+        let conn = loop {
+            // Registered before the address is read, so a change after it is not missed.
+            let readdressed = peer.readdressed.notified();
+            let addr = peer.addr();
+            tokio::select! {
+                dialled = timeout(after, self.dial(node, addr)) => match dialled {
+                    Err(_) => return Err(QuicError::ConnectTimeout { node, addr, after }),
+                    Ok(r) => break r?,
+                },
+                () = readdressed => tracing::debug!(
+                    peer = node,
+                    "node {node} moved from {addr} to {}; dialling it there",
+                    peer.addr()
+                ),
+            }
         };
         adopt(&self.core, peer, conn.clone());
         Ok(conn)
@@ -141,7 +153,7 @@ pub(crate) async fn accept_loop(shared: Weak<Shared>, endpoint: quinn::Endpoint)
 }
 
 /// A refused peer is a security event: counted, and logged with its address and the reason
-/// on stderr whether or not a tracing subscriber is installed.
+/// (on stderr directly where no tracing subscriber is installed).
 fn refuse(core: &Core, from: SocketAddr, reason: &str) {
     bump(&core.counters.refused_handshakes, 1);
     let line = format!(
@@ -149,8 +161,10 @@ fn refuse(core: &Core, from: SocketAddr, reason: &str) {
         core.me
     );
     tracing::warn!(%from, "{line}");
-    use std::io::Write;
-    let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
+    if !tracing::dispatcher::has_been_set() {
+        use std::io::Write;
+        let _ = std::io::stderr().write_all(format!("{line}\n").as_bytes());
+    }
     core.inbound.refused(from, reason);
 }
 

@@ -107,6 +107,9 @@ pub(crate) struct Peer {
     /// Messages queued or in flight.
     pub pending: AtomicU64,
     pub changed: Notify,
+    /// Woken when the peer's address changes: a dial to the old one gives way to a dial to
+    /// the new one.
+    pub readdressed: Notify,
     pub failed: Mutex<Option<QuicError>>,
     pub conn: Mutex<Option<quinn::Connection>>,
     pub dial: tokio::sync::Mutex<()>,
@@ -204,6 +207,7 @@ impl Shared {
             queued: AtomicU64::new(0),
             pending: AtomicU64::new(0),
             changed: Notify::new(),
+            readdressed: Notify::new(),
             failed: Mutex::new(None),
             conn: Mutex::new(None),
             dial: tokio::sync::Mutex::new(()),
@@ -350,7 +354,9 @@ impl QuicNode {
         &self.shared.core.cfg
     }
 
-    /// Records (or updates) the address of node `node`.
+    /// Records (or updates) the address of node `node`. A dial in progress to an address it
+    /// no longer has is abandoned for one to the new address (a restarted process listens
+    /// elsewhere; what is queued for it goes there instead of failing with the old dial).
     pub fn add_peer(&self, node: NodeId, addr: SocketAddr) {
         self.shared
             .addrs
@@ -358,7 +364,10 @@ impl QuicNode {
             .expect("poisoned")
             .insert(node, addr);
         if let Some(p) = self.shared.peers.lock().expect("poisoned").get(&node) {
-            *p.addr.lock().expect("poisoned") = addr;
+            let old = std::mem::replace(&mut *p.addr.lock().expect("poisoned"), addr);
+            if old != addr {
+                p.readdressed.notify_waiters();
+            }
         }
     }
 
