@@ -918,6 +918,72 @@ fn a_restarted_node_is_taken_back_with_its_partitions() {
     drop(c);
 }
 
+/// Free UDP ports on 127.0.0.1, for a cluster file whose nodes listen at fixed addresses
+/// (bound, read and released: another process could take one meanwhile, unlikely here).
+fn free_udp_ports(n: usize) -> Vec<u16> {
+    let sockets: Vec<std::net::UdpSocket> = (0..n)
+        .map(|_| std::net::UdpSocket::bind("127.0.0.1:0").unwrap())
+        .collect();
+    sockets
+        .iter()
+        .map(|u| u.local_addr().unwrap().port())
+        .collect()
+}
+
+/// A node killed (SIGKILL) and started again at once at its fixed address, as a service
+/// manager restarts it: the engine node still holds the old process's connection for live
+/// and ignores the new one's `Join`s, which come again each second until the old
+/// connection is found dead (the idle timeout); the next one takes the node back, and
+/// every node serves what `trellis predict` computes.
+#[test]
+fn a_node_restarted_at_once_at_its_fixed_address_is_taken_back() {
+    let _shared = sharing_the_machine();
+    let dir = cluster_dir(3);
+    let model = train(dir.path(), "m.safetensors", "0");
+    let addrs: Vec<String> = free_udp_ports(3)
+        .iter()
+        .map(|p| format!("127.0.0.1:{p}"))
+        .collect();
+    let refs: Vec<&str> = addrs.iter().map(String::as_str).collect();
+    let c = write_cluster_at(dir.path(), "c.toml", &refs, "");
+    let mut args = vec!["serve", "--cluster", s(&c), "--model", s(&model)];
+    args.extend(["--data", DATA, "--listen", "127.0.0.1:0", "--threads", "1"]);
+    args.extend(["--partitions", "3"]);
+    let engine = Proc::start("engine node", &args);
+    let node_args = |id: &'static str| {
+        let args = ["serve", "--cluster", s(&c), "--id", id, "--threads", "1"];
+        [&args[..], &["--listen", "127.0.0.1:0"]].concat()
+    };
+    let node1 = Proc::start("node 1", &node_args("1"));
+    let mut node2 = Proc::start("node 2", &node_args("2"));
+    let url = engine.listening();
+    wait_placement(&url, &json!([0, 1, 2]));
+    node2.child.kill().unwrap();
+    node2.child.wait().unwrap();
+    let restarted = Proc::start("node 2 again", &node_args("2"));
+    let t = Instant::now();
+    until_readyz(&url, Duration::from_secs(60), "node 2 taken back", |r| {
+        (r.status == 200
+            && r.body["placement"] == json!([0, 1, 2])
+            && r.body["recoveries"].as_u64() >= Some(2))
+        .then_some(())
+    });
+    println!(
+        "node 2 restarted at its address, taken back after {:?}",
+        t.elapsed()
+    );
+    assert_eq!(readyz(&url)["lost_nodes"], json!([]));
+    let url2 = restarted.listening();
+    let logits = predict(&model, DATA, dir.path());
+    assert_matches(
+        &url,
+        &logits,
+        "after node 2 restarted, through the engine node",
+    );
+    assert_matches(&url2, &logits, "through the restarted node 2");
+    drop((restarted, node1, engine));
+}
+
 /// The engine node killed (SIGKILL) and started again with `--rejoin`: it finds its
 /// successor (node 1) among the cluster file's nodes, which takes it back as a serving node
 /// and moves its partition back to it; every node then serves what `trellis predict`

@@ -943,13 +943,15 @@ async fn join(
             Ok(Some(other)) => tracing::warn!("ignored {other:?} before the setup"),
             Err(SetUpError::EngineLost(why)) if rejoin => return Err(SetUpError::EngineLost(why)),
             Ok(None) | Err(SetUpError::EngineLost(_)) if Instant::now() < until => {
-                // Not up yet (or it restarted): try again with a fresh connection.
+                // Not up yet (or it restarted): try again, with a fresh connection if there
+                // is none. Connected, the `Join` goes again too: this process may have
+                // restarted at the address of one the engine node still holds for live (it
+                // ignores a live node's `Join`), and is taken back by the first `Join` after
+                // the engine node finds that one lost.
                 if !t.node().connected_peers().contains(&coord) {
                     t.node().reset_peer(coord);
-                    sent(t)?;
-                } else if rejoin {
-                    sent(t)?;
                 }
+                sent(t)?;
             }
             Ok(None) => {
                 return Err(ActorError::Node {

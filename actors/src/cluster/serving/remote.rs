@@ -378,6 +378,12 @@ impl ServeLink {
                     }
                     Ok(ServeMsg::Ready { parts }) => self.setup_done(from, Ok(parts)),
                     Ok(ServeMsg::SetupFailed { error }) => self.setup_done(from, Err(error)),
+                    Ok(ServeMsg::Join { .. }) => tracing::warn!(
+                        peer = from,
+                        "node {from} joined again while its connection here looks live: a \
+                         restarted process? It is taken back once that connection is found \
+                         dead (the idle timeout)"
+                    ),
                     Ok(other) => {
                         tracing::warn!(peer = from, "node {from} sent {other:?}; ignored")
                     }
