@@ -410,3 +410,50 @@ fn a_recovery_is_timed_from_the_panic_not_from_the_start_of_the_step() {
         "detected {detected} ms after the panic, a step takes {step} ms: {rec}"
     );
 }
+
+/// `RUST_LOG` chooses what the log on stderr shows; one that is not a log filter is refused
+/// before any work, by a command that trains and by one that does not, naming it; a clean
+/// run logs nothing at the default level (warnings and errors).
+#[test]
+fn a_bad_rust_log_is_refused_naming_it_and_a_clean_run_logs_nothing() {
+    for args in [
+        &["train", "--data", DATA, "--epochs", "1"][..],
+        &[
+            "partition",
+            "--data",
+            DATA,
+            "--partitions",
+            "2",
+            "--out",
+            "/nonexistent/p",
+        ][..],
+    ] {
+        let out = trellis()
+            .args(args)
+            .env("RUST_LOG", "trellis=loud")
+            .output()
+            .unwrap();
+        let err = stderr(&out);
+        assert!(!out.status.success(), "{args:?}: {err}");
+        assert!(
+            err.contains("RUST_LOG `trellis=loud` is not a log filter"),
+            "{args:?}: {err}"
+        );
+    }
+    let out = trellis()
+        .args([
+            "train",
+            "--data",
+            DATA,
+            "--epochs",
+            "2",
+            "--partitions",
+            "2",
+        ])
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap();
+    let err = stderr(&out);
+    assert!(out.status.success(), "{err}");
+    assert!(!err.contains(" WARN ") && !err.contains(" ERROR "), "{err}");
+}

@@ -65,6 +65,13 @@ pub enum Command {
 
 /// Runs a parsed command line.
 pub fn run(cli: Cli) -> Result<()> {
+    // The commands that train or serve start their telemetry (and the log) themselves.
+    if !matches!(
+        cli.command,
+        Command::Train(_) | Command::Node(_) | Command::Serve(_)
+    ) {
+        crate::telemetry::init_logs()?;
+    }
     match cli.command {
         Command::Train(a) => train::run(*a),
         Command::Partition(a) => partition::run(a),

@@ -196,16 +196,7 @@ pub fn init(opts: &TelemetryOptions) -> Result<Telemetry, TelemetryError> {
         false => (None, None),
     };
     let exporting = spans.is_some();
-    let subscriber = tracing_subscriber::registry().with(spans).with(
-        tracing_subscriber::fmt::layer()
-            .with_writer(std::io::stderr)
-            .event_format(NodeTagged {
-                node: opts.node,
-                inner: tracing_subscriber::fmt::format(),
-            })
-            .with_filter(log),
-    );
-    if tracing::subscriber::set_global_default(subscriber).is_err() && exporting {
+    if !install(log, Some(opts.node), spans) && exporting {
         return Err(TelemetryError::AlreadyInstalled);
     }
     let server = opts
@@ -215,10 +206,34 @@ pub fn init(opts: &TelemetryOptions) -> Result<Telemetry, TelemetryError> {
     Ok(Telemetry { otlp, server })
 }
 
+/// Only the log on stderr (as [`init`] starts it, untagged), for commands that export
+/// nothing (`predict`, `bench`, `partition`, ...). Does nothing where a subscriber is
+/// installed already.
+pub fn init_logs() -> Result<(), TelemetryError> {
+    install(log_filter(env("RUST_LOG").as_deref())?, None, None);
+    Ok(())
+}
+
+/// Installs the process's subscriber: `spans` (the exporter's layer), if any, and the log
+/// on stderr showing what `log` lets through, each line tagged with `node` if given.
+/// False if a subscriber was installed already.
+fn install(log: Targets, node: Option<u32>, spans: Option<otlp::SpanLayer>) -> bool {
+    let subscriber = tracing_subscriber::registry().with(spans).with(
+        tracing_subscriber::fmt::layer()
+            .with_writer(std::io::stderr)
+            .event_format(NodeTagged {
+                node,
+                inner: tracing_subscriber::fmt::format(),
+            })
+            .with_filter(log),
+    );
+    tracing::subscriber::set_global_default(subscriber).is_ok()
+}
+
 /// A log line's format: `node N ` first (the processes of a cluster on one machine share a
 /// terminal), then `inner`'s.
 struct NodeTagged<F> {
-    node: u32,
+    node: Option<u32>,
     inner: F,
 }
 
@@ -234,7 +249,9 @@ where
         mut writer: Writer<'_>,
         event: &tracing::Event<'_>,
     ) -> std::fmt::Result {
-        write!(writer, "node {} ", self.node)?;
+        if let Some(node) = self.node {
+            write!(writer, "node {node} ")?;
+        }
         self.inner.format_event(ctx, writer, event)
     }
 }
