@@ -176,6 +176,17 @@ pub async fn connect(
                 })
             }
             ServeMsg::Join { .. } => {}
+            // A node set up already announces its front end, which may forward a request
+            // before this one is up: said, and answered 503 at once.
+            ServeMsg::Http { addr } => {
+                crate::cluster::say(&format!("node {from} answers HTTP on http://{addr}"))
+            }
+            ServeMsg::HttpRequest { id, .. } => super::remote::reply_forwarded(
+                &ep.transport,
+                from,
+                id,
+                super::remote::unavailable("the engine node is setting the service up"),
+            ),
             other => tracing::warn!(
                 peer = from,
                 "ignored {other:?} from node {from} during the setup"
