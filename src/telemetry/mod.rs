@@ -23,7 +23,7 @@ pub use error::TelemetryError;
 use std::net::SocketAddr;
 use std::str::FromStr;
 use std::time::Duration;
-use tracing_subscriber::filter::Targets;
+use tracing_subscriber::filter::{filter_fn, FilterExt, Targets};
 use tracing_subscriber::fmt::format::Writer;
 use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields};
 use tracing_subscriber::layer::SubscriberExt;
@@ -218,16 +218,35 @@ pub fn init_logs() -> Result<(), TelemetryError> {
 /// on stderr showing what `log` lets through, each line tagged with `node` if given.
 /// False if a subscriber was installed already.
 fn install(log: Targets, node: Option<u32>, spans: Option<otlp::SpanLayer>) -> bool {
-    let subscriber = tracing_subscriber::registry().with(spans).with(
-        tracing_subscriber::fmt::layer()
-            .with_writer(std::io::stderr)
-            .event_format(NodeTagged {
-                node,
-                inner: tracing_subscriber::fmt::format(),
-            })
-            .with_filter(log),
-    );
-    tracing::subscriber::set_global_default(subscriber).is_ok()
+    // Two types, not an `Option` layer: an absent layer in a stack with per-layer filters
+    // would enable every span.
+    match spans {
+        Some(spans) => {
+            let subscriber = tracing_subscriber::registry()
+                .with(spans)
+                .with(log_layer(log, node));
+            tracing::subscriber::set_global_default(subscriber).is_ok()
+        }
+        None => {
+            let subscriber = tracing_subscriber::registry().with(log_layer(log, node));
+            tracing::subscriber::set_global_default(subscriber).is_ok()
+        }
+    }
+}
+
+/// The log on stderr: the events `log` lets through (never a span: one it let through
+/// would be created for nothing), each line tagged with `node` if given.
+fn log_layer<S>(log: Targets, node: Option<u32>) -> impl Layer<S> + Send + Sync
+where
+    S: tracing::Subscriber + for<'a> LookupSpan<'a>,
+{
+    tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .event_format(NodeTagged {
+            node,
+            inner: tracing_subscriber::fmt::format(),
+        })
+        .with_filter(log.and(filter_fn(|m| m.is_event())))
 }
 
 /// A log line's format: `node N ` first (the processes of a cluster on one machine share a
@@ -304,6 +323,11 @@ mod tests {
         let t = init(&opts).unwrap();
         assert!(!t.exporting());
         assert_eq!(t.metrics_addr(), None);
+        if env("RUST_LOG").is_none() {
+            // Only the log is installed, and it lets no span through: spans stay a flag check.
+            assert!(tracing::info_span!("probe").is_disabled());
+            assert!(tracing::error_span!("probe").is_disabled());
+        }
         t.shutdown().unwrap();
     }
 }
