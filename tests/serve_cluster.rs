@@ -984,6 +984,63 @@ fn a_node_restarted_at_once_at_its_fixed_address_is_taken_back() {
     drop((restarted, node1, engine));
 }
 
+/// The engine node killed (SIGKILL) and started again at once at its fixed address with
+/// `--rejoin`, as a service manager restarts it: the survivors find the old process lost
+/// (the idle timeout), node 1 takes over, and the new process's `Join`s (sent every 200 ms)
+/// are taken as the lost node coming back: it serves its partition again, and every node
+/// answers what `trellis predict` computes.
+#[test]
+fn the_engine_node_restarted_at_once_at_its_fixed_address_is_taken_back_by_its_successor() {
+    let _shared = sharing_the_machine();
+    let dir = cluster_dir(3);
+    let model = train(dir.path(), "m.safetensors", "0");
+    let addrs: Vec<String> = free_udp_ports(3)
+        .iter()
+        .map(|p| format!("127.0.0.1:{p}"))
+        .collect();
+    let refs: Vec<&str> = addrs.iter().map(String::as_str).collect();
+    let c = write_cluster_at(dir.path(), "c.toml", &refs, "");
+    let mut args = vec!["serve", "--cluster", s(&c), "--model", s(&model)];
+    args.extend(["--data", DATA, "--listen", "127.0.0.1:0", "--threads", "1"]);
+    args.extend(["--partitions", "3"]);
+    let mut engine = Proc::start("engine node", &args);
+    let node_args = |id: &'static str| {
+        let args = ["serve", "--cluster", s(&c), "--id", id, "--threads", "1"];
+        [&args[..], &["--listen", "127.0.0.1:0"]].concat()
+    };
+    let nodes = [
+        Proc::start("node 1", &node_args("1")),
+        Proc::start("node 2", &node_args("2")),
+    ];
+    engine.listening();
+    let url1 = nodes[0].listening();
+    wait_placement(&url1, &json!([0, 1, 2]));
+    engine.child.kill().unwrap();
+    engine.child.wait().unwrap();
+    let restarted = Proc::start(
+        "node 0 again",
+        &[&node_args("0")[..], &["--rejoin"]].concat(),
+    );
+    let t = Instant::now();
+    until_readyz(&url1, Duration::from_secs(60), "node 0 taken back", |r| {
+        // The successor's answer (the old engine never recovered anything).
+        (r.status == 200
+            && r.body["placement"] == json!([0, 1, 2])
+            && r.body["lost_nodes"] == json!([])
+            && r.body["recoveries"].as_u64() >= Some(1))
+        .then_some(())
+    });
+    println!(
+        "the engine node restarted at its address, taken back by node 1 after {:?}",
+        t.elapsed()
+    );
+    let url0 = restarted.listening();
+    let logits = predict(&model, DATA, dir.path());
+    assert_matches(&url1, &logits, "through node 1, the engine node now");
+    assert_matches(&url0, &logits, "through the restarted node 0");
+    drop((restarted, nodes));
+}
+
 /// The engine node killed (SIGKILL) and started again with `--rejoin`: it finds its
 /// successor (node 1) among the cluster file's nodes, which takes it back as a serving node
 /// and moves its partition back to it; every node then serves what `trellis predict`

@@ -1247,6 +1247,14 @@ async fn answer_requests(
                 ep.flush(Duration::from_secs(2)).await;
                 return Ok(Answered::Finished);
             }
+            // A new process of the engine node (`--rejoin`, at its old address) while this
+            // node still holds the old one's connection for live: once that is found dead,
+            // the survivors take over and the successor takes it back.
+            ServeMsg::Join { .. } => tracing::warn!(
+                "the engine node {coord} joined as a serving node while its connection here \
+                 looks live: a restarted process? It is taken back once that connection is \
+                 found dead (the idle timeout) and a successor took over"
+            ),
             other => tracing::warn!("ignored {other:?} from the engine node"),
         }
     }
