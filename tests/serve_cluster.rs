@@ -930,6 +930,52 @@ fn free_udp_ports(n: usize) -> Vec<u16> {
         .collect()
 }
 
+/// A 3-node serving cluster whose nodes listen at fixed QUIC addresses, as a service
+/// manager runs them: the engine node (serving 3 partitions) and nodes 1 and 2.
+struct FixedCluster {
+    dir: tempfile::TempDir,
+    model: PathBuf,
+    file: PathBuf,
+    engine: Proc,
+    /// Nodes 1 and 2.
+    nodes: Vec<Proc>,
+}
+
+impl FixedCluster {
+    fn start() -> Self {
+        let dir = cluster_dir(3);
+        let model = train(dir.path(), "m.safetensors", "0");
+        let addrs: Vec<String> = free_udp_ports(3)
+            .iter()
+            .map(|p| format!("127.0.0.1:{p}"))
+            .collect();
+        let refs: Vec<&str> = addrs.iter().map(String::as_str).collect();
+        let file = write_cluster_at(dir.path(), "c.toml", &refs, "");
+        let mut args = vec!["serve", "--cluster", s(&file), "--model", s(&model)];
+        args.extend(["--data", DATA, "--listen", "127.0.0.1:0", "--threads", "1"]);
+        args.extend(["--partitions", "3"]);
+        let engine = Proc::start("engine node", &args);
+        let mut c = FixedCluster {
+            dir,
+            model,
+            file,
+            engine,
+            nodes: Vec::new(),
+        };
+        c.nodes = (1..3).map(|id| c.start_node(id, &[])).collect();
+        c
+    }
+
+    /// Node `id` of the cluster file, started with `extra` arguments.
+    fn start_node(&self, id: u32, extra: &[&str]) -> Proc {
+        let id_arg = id.to_string();
+        let mut args = vec!["serve", "--cluster", s(&self.file), "--id", &id_arg];
+        args.extend(["--threads", "1", "--listen", "127.0.0.1:0"]);
+        args.extend(extra);
+        Proc::start(&format!("node {id}"), &args)
+    }
+}
+
 /// A node killed (SIGKILL) and started again at once at its fixed address, as a service
 /// manager restarts it: the engine node still holds the old process's connection for live
 /// and ignores the new one's `Join`s, which come again each second until the old
@@ -938,29 +984,13 @@ fn free_udp_ports(n: usize) -> Vec<u16> {
 #[test]
 fn a_node_restarted_at_once_at_its_fixed_address_is_taken_back() {
     let _shared = sharing_the_machine();
-    let dir = cluster_dir(3);
-    let model = train(dir.path(), "m.safetensors", "0");
-    let addrs: Vec<String> = free_udp_ports(3)
-        .iter()
-        .map(|p| format!("127.0.0.1:{p}"))
-        .collect();
-    let refs: Vec<&str> = addrs.iter().map(String::as_str).collect();
-    let c = write_cluster_at(dir.path(), "c.toml", &refs, "");
-    let mut args = vec!["serve", "--cluster", s(&c), "--model", s(&model)];
-    args.extend(["--data", DATA, "--listen", "127.0.0.1:0", "--threads", "1"]);
-    args.extend(["--partitions", "3"]);
-    let engine = Proc::start("engine node", &args);
-    let node_args = |id: &'static str| {
-        let args = ["serve", "--cluster", s(&c), "--id", id, "--threads", "1"];
-        [&args[..], &["--listen", "127.0.0.1:0"]].concat()
-    };
-    let node1 = Proc::start("node 1", &node_args("1"));
-    let mut node2 = Proc::start("node 2", &node_args("2"));
-    let url = engine.listening();
+    let mut c = FixedCluster::start();
+    let url = c.engine.listening();
     wait_placement(&url, &json!([0, 1, 2]));
+    let mut node2 = c.nodes.remove(1);
     node2.child.kill().unwrap();
     node2.child.wait().unwrap();
-    let restarted = Proc::start("node 2 again", &node_args("2"));
+    let restarted = c.start_node(2, &[]);
     let t = Instant::now();
     until_readyz(&url, Duration::from_secs(60), "node 2 taken back", |r| {
         (r.status == 200
@@ -974,14 +1004,14 @@ fn a_node_restarted_at_once_at_its_fixed_address_is_taken_back() {
     );
     assert_eq!(readyz(&url)["lost_nodes"], json!([]));
     let url2 = restarted.listening();
-    let logits = predict(&model, DATA, dir.path());
+    let logits = predict(&c.model, DATA, c.dir.path());
     assert_matches(
         &url,
         &logits,
         "after node 2 restarted, through the engine node",
     );
     assert_matches(&url2, &logits, "through the restarted node 2");
-    drop((restarted, node1, engine));
+    drop((restarted, c));
 }
 
 /// The engine node killed (SIGKILL) and started again at once at its fixed address with
@@ -992,35 +1022,13 @@ fn a_node_restarted_at_once_at_its_fixed_address_is_taken_back() {
 #[test]
 fn the_engine_node_restarted_at_once_at_its_fixed_address_is_taken_back_by_its_successor() {
     let _shared = sharing_the_machine();
-    let dir = cluster_dir(3);
-    let model = train(dir.path(), "m.safetensors", "0");
-    let addrs: Vec<String> = free_udp_ports(3)
-        .iter()
-        .map(|p| format!("127.0.0.1:{p}"))
-        .collect();
-    let refs: Vec<&str> = addrs.iter().map(String::as_str).collect();
-    let c = write_cluster_at(dir.path(), "c.toml", &refs, "");
-    let mut args = vec!["serve", "--cluster", s(&c), "--model", s(&model)];
-    args.extend(["--data", DATA, "--listen", "127.0.0.1:0", "--threads", "1"]);
-    args.extend(["--partitions", "3"]);
-    let mut engine = Proc::start("engine node", &args);
-    let node_args = |id: &'static str| {
-        let args = ["serve", "--cluster", s(&c), "--id", id, "--threads", "1"];
-        [&args[..], &["--listen", "127.0.0.1:0"]].concat()
-    };
-    let nodes = [
-        Proc::start("node 1", &node_args("1")),
-        Proc::start("node 2", &node_args("2")),
-    ];
-    engine.listening();
-    let url1 = nodes[0].listening();
+    let mut c = FixedCluster::start();
+    c.engine.listening();
+    let url1 = c.nodes[0].listening();
     wait_placement(&url1, &json!([0, 1, 2]));
-    engine.child.kill().unwrap();
-    engine.child.wait().unwrap();
-    let restarted = Proc::start(
-        "node 0 again",
-        &[&node_args("0")[..], &["--rejoin"]].concat(),
-    );
+    c.engine.child.kill().unwrap();
+    c.engine.child.wait().unwrap();
+    let restarted = c.start_node(0, &["--rejoin"]);
     let t = Instant::now();
     until_readyz(&url1, Duration::from_secs(60), "node 0 taken back", |r| {
         // The successor's answer (the old engine never recovered anything).
@@ -1035,10 +1043,10 @@ fn the_engine_node_restarted_at_once_at_its_fixed_address_is_taken_back_by_its_s
         t.elapsed()
     );
     let url0 = restarted.listening();
-    let logits = predict(&model, DATA, dir.path());
+    let logits = predict(&c.model, DATA, c.dir.path());
     assert_matches(&url1, &logits, "through node 1, the engine node now");
     assert_matches(&url0, &logits, "through the restarted node 0");
-    drop((restarted, nodes));
+    drop((restarted, c));
 }
 
 /// The engine node killed (SIGKILL) and started again with `--rejoin`: it finds its
