@@ -107,7 +107,8 @@ pub struct ServeArgs {
     #[arg(long)]
     pub chaos: Option<String>,
     /// Longest one layer of a pass may take on every partition, ms; once the start-up pass
-    /// has run, at most ten times as long as that pass took (at least 5 s).
+    /// has run, a pass other than a full one (start-up, rebuild) gets at most ten times as
+    /// long as that pass took (at least 5 s).
     #[arg(long, default_value_t = 120_000)]
     pub step_timeout_ms: u64,
     #[command(flatten)]

@@ -211,9 +211,10 @@ pub struct EngineConfig {
     /// Faults to inject into the partition actors (`serve-panic`).
     pub faults: Arc<FaultPlan>,
     /// Longest one layer of a pass may take on every partition before the pass fails. Once
-    /// the start-up pass has run, the limit is at most [`LAYER_LIMIT_PER_PASS`] times that
-    /// pass (at least [`LAYER_LIMIT_FLOOR`]): a block lost on the way stalls a pass for
-    /// seconds, not for a limit sized for the largest graphs.
+    /// the start-up pass has run, the limit of every pass but a full one (start-up,
+    /// rebuild) is at most [`LAYER_LIMIT_PER_PASS`] times that pass (at least
+    /// [`LAYER_LIMIT_FLOOR`]): a block lost on the way stalls a pass for seconds, not for a
+    /// limit sized for the largest graphs.
     pub step_timeout: Duration,
     /// Latency-bound steps (updates, on the live tables) are urgent work of this gate:
     /// training streams yielding to it pause between kernel pieces while one computes.
@@ -989,7 +990,19 @@ impl Engine {
     }
 
     /// Computes every row of every layer on every partition and publishes the last layer.
+    /// Later passes are timed against this one, so it runs under the configured limit (a
+    /// rebuild on a machine busier than at start-up is not cut short by the limit the
+    /// start-up pass set); a failed one leaves the limit as it was.
     async fn full_pass(&mut self) -> Result<(), ServeError> {
+        let timed = std::mem::replace(&mut self.step_timeout, self.step_cap);
+        let r = self.compute_every_row().await;
+        if r.is_err() {
+            self.step_timeout = timed;
+        }
+        r
+    }
+
+    async fn compute_every_row(&mut self) -> Result<(), ServeError> {
         let _span = tracing::info_span!("serve_start", parts = self.parts as i64).entered();
         let mut attempt = 0;
         let out = loop {
