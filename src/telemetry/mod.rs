@@ -4,8 +4,11 @@
 //! - Traces: the `tracing` spans of the runtime (run, epoch, forward/backward/eval per layer and
 //!   partition, halo send and receive, all-reduce, apply and replicate, recovery) exported to an
 //!   OpenTelemetry collector over OTLP, gRPC or HTTP/protobuf, when `--otlp-endpoint` or the
-//!   standard `OTEL_EXPORTER_OTLP_*` variables say where. Nothing is installed otherwise: every
-//!   span is then disabled at its call site and costs a cached flag check.
+//!   standard `OTEL_EXPORTER_OTLP_*` variables say where. Otherwise every span is disabled
+//!   at its call site and costs a cached flag check.
+//! - Logs: the runtime's `tracing` events on stderr, warnings and errors unless `RUST_LOG`
+//!   chooses otherwise, each line tagged with the node id (also [`init_logs`], for commands
+//!   that export nothing).
 //! - Metrics: the latency histograms and counters of [`trellis_runtime::metrics`], exported
 //!   as OTLP metrics alongside the traces (`otel_metrics`) and served as Prometheus text on
 //!   `--metrics-addr` at `/metrics` ([`prometheus`]).
