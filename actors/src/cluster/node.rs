@@ -500,6 +500,13 @@ impl ReplicaShipper {
         if let Some(c) = self.also_to.filter(|c| *c != owner && !nodes.contains(c)) {
             nodes.push(c);
         }
+        // Not to a node whose connection was lost: the send would fail at every step (and
+        // say so each time) while the failure detector re-places its partitions.
+        let node = self.transport.node();
+        nodes.retain(|&n| node.peer_failure(n).is_none_or(|e| e.is_dial_failure()));
+        if nodes.is_empty() {
+            return;
+        }
         let bases: Vec<Option<ReplicaBytes>> = {
             let b = self.bases.lock().unwrap_or_else(|p| p.into_inner());
             nodes.iter().map(|&n| b.base_for(part, n, epoch)).collect()
