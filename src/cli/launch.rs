@@ -362,25 +362,11 @@ fn cluster_file(
 
 /// This command line's training options, without `launch`'s own.
 fn forwarded_args() -> Vec<String> {
-    let mut out = Vec::new();
-    let mut args = std::env::args()
+    let args = std::env::args()
         .skip(1)
         .skip_while(|a| a != "launch")
         .skip(1);
-    while let Some(arg) = args.next() {
-        let name = arg.split('=').next().unwrap_or_default();
-        if OWN_FLAGS.contains(&name) {
-            continue;
-        }
-        if OWN_OPTIONS.contains(&name) {
-            if !arg.contains('=') {
-                args.next();
-            }
-            continue;
-        }
-        out.push(arg);
-    }
-    out
+    super::without_options(args, &OWN_FLAGS, &OWN_OPTIONS)
 }
 
 #[cfg(target_os = "linux")]

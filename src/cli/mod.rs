@@ -63,6 +63,33 @@ pub enum Command {
     Sim(sim::SimArgs),
 }
 
+/// `args` without the flags `flags` and the options `options`, each option with its value
+/// (the next argument, unless given as `--name=value`).
+fn without_options<S: AsRef<std::ffi::OsStr>>(
+    args: impl IntoIterator<Item = S>,
+    flags: &[&str],
+    options: &[&str],
+) -> Vec<S> {
+    let mut out = Vec::new();
+    let mut args = args.into_iter();
+    while let Some(arg) = args.next() {
+        let text = arg.as_ref().to_string_lossy();
+        let name = text.split('=').next().unwrap_or_default();
+        if flags.contains(&name) {
+            continue;
+        }
+        if options.contains(&name) {
+            if !text.contains('=') {
+                args.next();
+            }
+            continue;
+        }
+        drop(text);
+        out.push(arg);
+    }
+    out
+}
+
 /// Runs a parsed command line.
 pub fn run(cli: Cli) -> Result<()> {
     // The commands that train or serve start their telemetry (and the log) themselves.

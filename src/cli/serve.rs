@@ -357,22 +357,7 @@ fn rejoin_args(
         "--id",
         "--listen",
     ];
-    let mut out = Vec::new();
-    let mut args = args.into_iter();
-    while let Some(arg) = args.next() {
-        let text = arg.to_string_lossy();
-        let name = text.split('=').next().unwrap_or_default();
-        if text == "--rejoin" {
-            continue;
-        }
-        if DROPPED.contains(&name) {
-            if !text.contains('=') {
-                args.next();
-            }
-            continue;
-        }
-        out.push(arg);
-    }
+    let mut out = super::without_options(args, &["--rejoin"], &DROPPED);
     out.extend(["--id".into(), id.to_string().into(), "--rejoin".into()]);
     out.extend(["--listen".into(), listen.to_string().into()]);
     out

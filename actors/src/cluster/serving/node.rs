@@ -797,6 +797,33 @@ fn look_for_engine(cluster: &ClusterFile, ep: &NodeEndpoint, peers: &[u32]) -> V
     candidates
 }
 
+/// The next serving message from a node `accepted` takes, decoded; `None` at `until`.
+/// Messages of other nodes or kinds and peer failures are skipped (`what`: what this node
+/// is doing meanwhile, for the log).
+async fn next_serving(
+    inbox: &mut ControlInbox,
+    until: Instant,
+    accepted: impl Fn(u32) -> bool,
+    what: &str,
+) -> Result<Option<(u32, ServeMsg)>, ActorError> {
+    loop {
+        match inbox.next_event(None, Some(until)).await? {
+            InboxEvent::Message {
+                from,
+                msg: ControlMsg::Serve(env),
+            } if accepted(from) => match ServeMsg::open(&env, from) {
+                Ok(m) => return Ok(Some((from, m))),
+                Err(e) => tracing::warn!(peer = from, "{e}; dropped"),
+            },
+            InboxEvent::Message { from, msg } => {
+                tracing::debug!(peer = from, "ignored {msg:?} while {what}")
+            }
+            InboxEvent::PeerDown { .. } => {}
+            InboxEvent::Timeout => return Ok(None),
+        }
+    }
+}
+
 /// The nodes whose `Join` reaches this node, the successor `next` chose, before it takes
 /// over (`takeover = "majority"`), this node among them: every survivor that follows the
 /// same succession joins it within moments, as does a node looking for the engine node.
@@ -811,20 +838,11 @@ async fn reached_by(
     let mut reached = vec![ep.id];
     let until = Instant::now() + Duration::from_millis(2 * cluster.idle_timeout_ms);
     while !next.survivors.iter().all(|n| reached.contains(n)) {
-        match inbox.next_event(None, Some(until)).await? {
-            InboxEvent::Message {
-                from,
-                msg: ControlMsg::Serve(env),
-            } if from != next.lost => match ServeMsg::open(&env, from) {
-                Ok(ServeMsg::Join { .. }) if !reached.contains(&from) => reached.push(from),
-                Ok(other) => tracing::debug!("ignored {other:?} from node {from}"),
-                Err(e) => tracing::warn!(peer = from, "{e}; dropped"),
-            },
-            InboxEvent::Message { from, msg } => {
-                tracing::debug!(peer = from, "ignored {msg:?} while taking over")
-            }
-            InboxEvent::PeerDown { .. } => {}
-            InboxEvent::Timeout => break,
+        let from_survivor = |n| n != next.lost;
+        match next_serving(inbox, until, from_survivor, "taking over").await? {
+            Some((from, ServeMsg::Join { .. })) if !reached.contains(&from) => reached.push(from),
+            Some((from, other)) => tracing::debug!("ignored {other:?} from node {from}"),
+            None => break,
         }
     }
     reached.sort_unstable();
@@ -857,21 +875,13 @@ async fn find_engine(
         super::join_each(t, candidates, &join);
         let second = Instant::now() + Duration::from_secs(1);
         let retry = until.map_or(second, |u| second.min(u));
-        loop {
-            match inbox.next_event(None, Some(retry)).await? {
-                InboxEvent::Message {
-                    from,
-                    msg: ControlMsg::Serve(env),
-                } if candidates.contains(&from) => match ServeMsg::open(&env, from) {
-                    Ok(ServeMsg::Setup(s)) => return Ok((from, s)),
-                    Ok(other) => tracing::debug!("ignored {other:?} from node {from}"),
-                    Err(e) => tracing::warn!(peer = from, "{e}; dropped"),
-                },
-                InboxEvent::Message { from, msg } => {
-                    tracing::debug!(peer = from, "ignored {msg:?} while looking for the engine")
-                }
-                InboxEvent::PeerDown { .. } => {}
-                InboxEvent::Timeout => break,
+        let candidate = |n| candidates.contains(&n);
+        while let Some((from, msg)) =
+            next_serving(inbox, retry, candidate, "looking for the engine").await?
+        {
+            match msg {
+                ServeMsg::Setup(s) => return Ok((from, s)),
+                other => tracing::debug!("ignored {other:?} from node {from}"),
             }
         }
         if said.elapsed() >= Duration::from_secs(30) {
@@ -893,9 +903,9 @@ async fn find_engine(
     }
 }
 
-/// Joins engine node `coord` (`Join`, resent every second with a fresh connection while it
-/// is not reachable, and every 200 ms while it is, with `rejoin`) and returns its setup; an error
-/// when none comes within the join timeout. At start-up the engine node may not be up yet,
+/// Joins engine node `coord` (`Join`, resent every second, every 200 ms with `rejoin`, with
+/// a fresh connection while it is not reachable) and returns its setup; an error when none
+/// comes within the join timeout. At start-up the engine node may not be up yet,
 /// so a failed link is tried again; when rejoining a successor (which was up), with
 /// `held` (this node's copy of the inputs, whose digest the `Join` carries), it is
 /// [`SetUpError::EngineLost`].
