@@ -536,3 +536,91 @@ fn a_second_process_claiming_a_joined_node_id_is_refused_at_once() {
         assert!(status.success(), "{werr}");
     }
 }
+
+/// A worker killed (SIGKILL) and started again at once at its fixed address, as a service
+/// manager restarts it: its hello tells the coordinator at once that the old process is
+/// gone (another incarnation from its address), the run recovers from the loss, and the
+/// new process is refused saying why (a training run does not take nodes back) and ends
+/// at once instead of waiting for a setup. The run ends with the weights of one process.
+#[test]
+fn a_worker_restarted_during_training_is_told_it_was_lost_and_ends() {
+    let dir = cluster_dir(3);
+    let epochs = "60";
+    let reference = dir.path().join("reference.json");
+    run_ok(
+        "reference",
+        &[
+            "train",
+            "--data",
+            DATA,
+            "--partitions",
+            "3",
+            "--epochs",
+            epochs,
+            "--report",
+            s(&reference),
+        ],
+        Duration::from_secs(120),
+    );
+    let out = dir.path().join("cluster.json");
+    let train = [
+        "--data",
+        DATA,
+        "--partitions",
+        "3",
+        "--epochs",
+        epochs,
+        "--verbose",
+        "--report",
+        s(&out),
+    ];
+    let (mut coord, addr) = start_coordinator(dir.path(), 3, &[], &train);
+    // Node 2 at a fixed port, so that its restart binds the same address.
+    let port = std::net::UdpSocket::bind("127.0.0.1:0")
+        .and_then(|u| u.local_addr())
+        .unwrap()
+        .port();
+    let c1 = write_cluster(dir.path(), "c1.toml", &addr, 3, &[]);
+    let text = std::fs::read_to_string(&c1).unwrap();
+    let (head, node2) = text.split_at(text.find("id = 2").unwrap());
+    let node2 = node2.replace("127.0.0.1:0", &format!("127.0.0.1:{port}"));
+    std::fs::write(&c1, format!("{head}{node2}")).unwrap();
+    let w1 = Proc::start("node 1", &["node", "--cluster", s(&c1), "--id", "1"]);
+    let mut w2 = Proc::start("node 2", &["node", "--cluster", s(&c1), "--id", "2"]);
+    let rx = coord.stdout_lines();
+    let wait_for = |prefix: &str| loop {
+        let line = rx
+            .recv_timeout(Duration::from_secs(60))
+            .unwrap_or_else(|_| panic!("no `{prefix}` line"));
+        if line.starts_with(prefix) {
+            break line;
+        }
+    };
+    wait_for("epoch    2");
+    w2.child.kill().unwrap();
+    w2.child.wait().unwrap();
+    let t = Instant::now();
+    let again = Proc::start("node 2 again", &["node", "--cluster", s(&c1), "--id", "2"]);
+    let (status, _, err) = again.finish(Duration::from_secs(30));
+    assert!(!status.success(), "the restarted node joined: {err}");
+    assert!(
+        err.contains("was lost from this training run"),
+        "the restarted node is not told why: {err}"
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(10),
+        "the restarted node ended after {:?}",
+        t.elapsed()
+    );
+    wait_for("recovered: loss of node 2");
+    let (status, _, err) = coord.finish(Duration::from_secs(120));
+    assert!(status.success(), "{err}");
+    assert!(
+        err.contains("a new process of it connected from"),
+        "the loss was not found by the restart's hello: {err}"
+    );
+    let (a, b) = (report(&out), report(&reference));
+    assert_eq!(a["weights_digest"], b["weights_digest"]);
+    let (status, _, werr) = w1.finish(Duration::from_secs(20));
+    assert!(status.success(), "{werr}");
+}

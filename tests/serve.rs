@@ -1214,3 +1214,35 @@ fn bench_serve_reports_every_workload() {
         "training beside the service published no weights: {text}"
     );
 }
+
+/// `--rate-predict 0` skips (a): (b) alone runs; with (c), which is compared with (a), it
+/// is refused saying so.
+#[test]
+fn bench_serve_runs_new_node_queries_alone() {
+    let bench = |extra: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_trellis"))
+            .args(["bench", "serve", "--data", DATA, "--hidden", "16"])
+            .args(["--seconds", "1", "--rate-predict", "0", "--rate-light", "0"])
+            .args(["--rate-new", "50", "--connections", "4", "--threads", "1"])
+            .args(extra)
+            .output()
+            .unwrap()
+    };
+    let refused = bench(&[]);
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success(), "{err}");
+    assert!(err.contains("--beside-epochs 0"), "{err}");
+    let out = bench(&["--beside-epochs", "0"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let new = text
+        .lines()
+        .find(|l| l.starts_with("(b) new-node inductive"))
+        .unwrap_or_else(|| panic!("no (b) in {text}"));
+    assert!(new.contains("failed 0"), "{new}");
+    assert!(!text.contains("(a) existing-node"), "(a) ran: {text}");
+}

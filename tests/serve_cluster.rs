@@ -272,10 +272,27 @@ fn write_cluster_set(dir: &Path, name: &str, engine: &str, n: u32, settings: &st
     write_cluster_at(dir, name, &addrs, settings)
 }
 
-/// The cluster file `dir/name` of nodes `0..addrs.len()`, node `i` at `addrs[i]`, with more
-/// `settings` (TOML lines).
+/// The cluster file `dir/name` of nodes `0..addrs.len()`, node `i` at `addrs[i]`; `settings`
+/// (TOML lines) replace the defaults of the keys they set.
 fn write_cluster_at(dir: &Path, name: &str, addrs: &[&str], settings: &str) -> PathBuf {
-    let mut t = "certs = \"certs\"\npartitions = \"parts\"\nheartbeat_ms = 200\nidle_timeout_ms = 1500\njoin_timeout_ms = 30000\n".to_string();
+    let defaults = [
+        "certs = \"certs\"",
+        "partitions = \"parts\"",
+        "heartbeat_ms = 200",
+        "idle_timeout_ms = 1500",
+        "join_timeout_ms = 30000",
+    ];
+    let set = |line: &str| {
+        let key = line.split('=').next().unwrap_or("").trim();
+        settings
+            .lines()
+            .any(|l| l.split('=').next().unwrap_or("").trim() == key)
+    };
+    let mut t = String::new();
+    for line in defaults.iter().filter(|l| !set(l)) {
+        t += line;
+        t += "\n";
+    }
     t += settings;
     for (i, addr) in addrs.iter().enumerate() {
         t += &format!("[[node]]\nid = {i}\naddr = \"{addr}\"\n");
@@ -941,6 +958,10 @@ struct FixedCluster {
     nodes: Vec<Proc>,
 }
 
+/// A [`FixedCluster`]'s idle timeout: long, so that a restart taken back before it was not
+/// found by it.
+const FIXED_IDLE: Duration = Duration::from_secs(8);
+
 impl FixedCluster {
     fn start() -> Self {
         let dir = cluster_dir(3);
@@ -950,7 +971,8 @@ impl FixedCluster {
             .map(|p| format!("127.0.0.1:{p}"))
             .collect();
         let refs: Vec<&str> = addrs.iter().map(String::as_str).collect();
-        let file = write_cluster_at(dir.path(), "c.toml", &refs, "");
+        let idle = format!("idle_timeout_ms = {}\n", FIXED_IDLE.as_millis());
+        let file = write_cluster_at(dir.path(), "c.toml", &refs, &idle);
         let mut args = vec!["serve", "--cluster", s(&file), "--model", s(&model)];
         args.extend(["--data", DATA, "--listen", "127.0.0.1:0", "--threads", "1"]);
         args.extend(["--partitions", "3"]);
@@ -977,10 +999,10 @@ impl FixedCluster {
 }
 
 /// A node killed (SIGKILL) and started again at once at its fixed address, as a service
-/// manager restarts it: the engine node still holds the old process's connection for live
-/// and ignores the new one's `Join`s, which come again each second until the old
-/// connection is found dead (the idle timeout); the next one takes the node back, and
-/// every node serves what `trellis predict` computes.
+/// manager restarts it: the new process's hello (another incarnation from the old one's
+/// address) tells the engine node's transport that the old process is gone, long before
+/// the idle timeout would; its `Join` (again each second) takes the node back, and every
+/// node serves what `trellis predict` computes.
 #[test]
 fn a_node_restarted_at_once_at_its_fixed_address_is_taken_back() {
     let _shared = sharing_the_machine();
@@ -1002,6 +1024,11 @@ fn a_node_restarted_at_once_at_its_fixed_address_is_taken_back() {
         "node 2 restarted at its address, taken back after {:?}",
         t.elapsed()
     );
+    assert!(
+        t.elapsed() < FIXED_IDLE,
+        "taken back {:?} after the restart: the idle timeout ({FIXED_IDLE:?}) was waited for",
+        t.elapsed()
+    );
     assert_eq!(readyz(&url)["lost_nodes"], json!([]));
     let url2 = restarted.listening();
     let logits = predict(&c.model, DATA, c.dir.path());
@@ -1016,9 +1043,9 @@ fn a_node_restarted_at_once_at_its_fixed_address_is_taken_back() {
 
 /// The engine node killed (SIGKILL) and started again at once at its fixed address with
 /// `--rejoin`, as a service manager restarts it: the survivors find the old process lost
-/// (the idle timeout), node 1 takes over, and the new process's `Join`s (sent every 200 ms)
-/// are taken as the lost node coming back: it serves its partition again, and every node
-/// answers what `trellis predict` computes.
+/// when the new one says hello to them (not after the idle timeout), node 1 takes over, and
+/// the new process's `Join`s (sent every 200 ms) are taken as the lost node coming back: it
+/// serves its partition again, and every node answers what `trellis predict` computes.
 #[test]
 fn the_engine_node_restarted_at_once_at_its_fixed_address_is_taken_back_by_its_successor() {
     let _shared = sharing_the_machine();
@@ -1040,6 +1067,11 @@ fn the_engine_node_restarted_at_once_at_its_fixed_address_is_taken_back_by_its_s
     });
     println!(
         "the engine node restarted at its address, taken back by node 1 after {:?}",
+        t.elapsed()
+    );
+    assert!(
+        t.elapsed() < FIXED_IDLE,
+        "taken back {:?} after the restart: the idle timeout ({FIXED_IDLE:?}) was waited for",
         t.elapsed()
     );
     let url0 = restarted.listening();

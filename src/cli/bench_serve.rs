@@ -37,7 +37,8 @@ pub struct ServeBenchArgs {
     pub hidden: usize,
     #[arg(long, default_value_t = 1)]
     pub train_epochs: u32,
-    /// Arrival rate of (a), existing-node predictions, per second.
+    /// Arrival rate of (a), existing-node predictions, per second (0 skips (a), and then
+    /// needs --beside-epochs 0: (c) is compared with it).
     #[arg(long, default_value_t = 10_000.0)]
     pub rate_predict: f64,
     /// Arrival rate of (b), new-node inductive queries, per second.
@@ -199,6 +200,11 @@ fn median_ms(mut v: Vec<f64>) -> f64 {
 }
 
 pub fn run(a: ServeBenchArgs) -> Result<()> {
+    if a.rate_predict <= 0.0 && a.beside_epochs > 0 {
+        anyhow::bail!(
+            "(c) is compared with (a): --rate-predict 0 needs --beside-epochs 0 (no (c))"
+        );
+    }
     let pinned = placement(a.pin_generator)?;
     let ds = load_data(&a.data)?;
     let stream = Stream::cpu(a.threads)?;
@@ -298,13 +304,15 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
         let v = rng.below(n as u64);
         ("/v1/predict", format!("{{\"nodes\":[{v}]}}").into_bytes())
     };
-    let existing = run_open_loop(&spec(one(a.rate_predict), 1), query)?;
-    line(
-        "(a) existing-node predict",
-        a.rate_predict,
-        &existing.tenants[0],
-    );
-    generator(&existing);
+    // (a), unless skipped (--rate-predict 0); (c) is compared with it.
+    let existing = if a.rate_predict > 0.0 {
+        let run = run_open_loop(&spec(one(a.rate_predict), 1), query)?;
+        line("(a) existing-node predict", a.rate_predict, &run.tenants[0]);
+        generator(&run);
+        Some(run)
+    } else {
+        None
+    };
     if a.rate_new > 0.0 {
         let k = a.new_edges;
         let new = run_open_loop(&spec(one(a.rate_new), 2), |_, rng| {
@@ -353,7 +361,8 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
             ..spec(one(a.rate_predict), 6)
         };
         drop(trainer);
-        beside_partitioned(&ds, &train_cfg, handle, &gate, &a, &existing, || {
+        let existing = existing.as_ref().expect("(a) ran: checked at the start");
+        beside_partitioned(&ds, &train_cfg, handle, &gate, &a, existing, || {
             run_open_loop(&beside_spec, query)
         })?;
     } else if a.beside_epochs > 0 {
@@ -366,7 +375,8 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
             ..spec(one(a.rate_predict), 6)
         };
         tr.yield_to(gate.clone());
-        beside_training(&mut tr, &train_cfg, handle, &a, &existing, || {
+        let existing = existing.as_ref().expect("(a) ran: checked at the start");
+        beside_training(&mut tr, &train_cfg, handle, &a, existing, || {
             run_open_loop(&beside_spec, query)
         })?;
     }

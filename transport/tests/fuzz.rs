@@ -73,6 +73,7 @@ fn valid_frames() -> Vec<(&'static str, Vec<u8>)> {
             encode_to_vec(&Frame::Hello {
                 node: 7,
                 protocol: PROTOCOL_VERSION,
+                incarnation: 0x5eed,
             }),
         ),
         ("ping", encode_to_vec(&Frame::Ping(9))),

@@ -293,6 +293,7 @@ async fn raw_client_reading_after(
         s.write_all(&encode_to_vec(&Frame::Hello {
             node: claim,
             protocol: PROTOCOL_VERSION,
+            incarnation: 1,
         }))
         .await
         .map_err(|e| e.to_string())?;
@@ -434,6 +435,77 @@ fn a_vanished_peer_is_detected_within_the_idle_timeout() {
         assert!(err.to_string().contains("node 2"), "{err}");
         let flushed = a.flush(Duration::from_secs(5)).await.unwrap_err();
         assert_eq!(flushed.node(), Some(2));
+    }));
+}
+
+/// A node killed and started again at once at the same address (a service manager's
+/// restart): the peer it connects to reports the old process lost as soon as the new one
+/// says hello (another incarnation from the same address), not after the idle timeout, and
+/// talks to the new process once the loss is dealt with.
+#[test]
+fn a_process_restarted_at_its_address_is_reported_lost_at_once() {
+    let ca = ClusterCa::generate().unwrap();
+    let slow = || QuicConfig {
+        idle_timeout: Duration::from_secs(30),
+        ..QuicConfig::loopback()
+    };
+    // The first process of node 2 lives in its own runtime, killed without closing anything.
+    let rt_old = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (a, ia) = rt.block_on(async { node(&ca, 1, 10, slow()) });
+    let (old, _) = rt_old
+        .block_on(async { QuicTransport::bind(slow(), &ca.issue_identity(2).unwrap()) })
+        .unwrap();
+    let at = old.local_addr();
+    old.add_peer(1, a.local_addr());
+    let mut failures = a.failures();
+    rt_old.block_on(old.connect(1)).unwrap();
+    rt.block_on(bounded(30, async {
+        until("node 2 connected", || a.node().connected_peers() == vec![2]).await;
+        // Its runtime goes first, so dropping the node sends nothing: the socket just closes.
+        rt_old.shutdown_background();
+        drop(old);
+        // The new process binds the same address (once the old socket is gone).
+        let start = Instant::now();
+        let new = loop {
+            let cfg = QuicConfig { bind: at, ..slow() };
+            match QuicTransport::bind(cfg, &ca.issue_identity(2).unwrap()) {
+                Ok((t, _)) => break t,
+                Err(_) if start.elapsed() < Duration::from_secs(5) => {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Err(e) => panic!("could not bind {at} again: {e}"),
+            }
+        };
+        new.add_peer(1, a.local_addr());
+        new.route(PartId(10), 1);
+        let restarted = Instant::now();
+        new.connect(1).await.unwrap();
+        let e = failures.recv().await.unwrap();
+        assert!(
+            restarted.elapsed() < Duration::from_secs(3),
+            "reported {:?} after the restart (idle timeout 30 s)",
+            restarted.elapsed()
+        );
+        assert!(matches!(e, QuicError::PeerLost { node: 2, .. }), "{e}");
+        assert!(e.to_string().contains("a new process of it"), "{e}");
+        // The new process's connection is node 2's now: both ways work once the loss is
+        // forgotten (as a take-back does).
+        a.node().reset_peer(2);
+        new.send(block(20, 10, 1, 2, 2)).unwrap();
+        new.flush(Duration::from_secs(5)).await.unwrap();
+        until("the new process's block", || ia.lock().unwrap().len() == 1).await;
+        assert_eq!(a.node().connected_peers(), vec![2]);
+        new.close().await;
+        a.close().await;
     }));
 }
 

@@ -26,6 +26,7 @@ fn samples() -> Vec<Frame> {
         Frame::Hello {
             node: 3,
             protocol: PROTOCOL_VERSION,
+            incarnation: u64::MAX,
         },
         Frame::Ping(42),
         Frame::Pong(u64::MAX),

@@ -316,7 +316,19 @@ async fn drive(
                     ship(ep.transport.clone(), &job.set, to, part)
                 }
                 CoordAction::StartTraining => match hosted.take() {
-                    Some(h) => break 'setup h,
+                    Some(h) => {
+                        // A training run goes on without a lost node: one that comes back
+                        // (restarted) is told so at its hello and ends, instead of waiting
+                        // for a setup that never comes.
+                        ep.transport.refuse_returns(|n| {
+                            format!(
+                                "node {n} was lost from this training run, which goes on \
+                                 without it and does not take nodes back; start it again \
+                                 for the next run (or one resumed from a checkpoint)"
+                            )
+                        });
+                        break 'setup h;
+                    }
                     None => {
                         return Err(ActorError::System(
                             "training started before the setup".into(),

@@ -38,10 +38,11 @@ async fn read_frame(r: &mut RecvStream) -> Result<Frame, String> {
     }
 }
 
-fn hello(me: u32) -> Vec<u8> {
+fn hello(core: &Core) -> Vec<u8> {
     encode_to_vec(&Frame::Hello {
-        node: me,
+        node: core.me,
         protocol: PROTOCOL_VERSION,
+        incarnation: core.incarnation,
     })
 }
 
@@ -77,7 +78,7 @@ impl Shared {
             return Ok(c);
         }
         let (node, after) = (peer.node, self.core.cfg.connect_timeout);
-        let conn = loop {
+        let (conn, incarnation) = loop {
             // Registered before the address is read, so a change after it is not missed.
             let readdressed = peer.readdressed.notified();
             let addr = peer.addr();
@@ -93,11 +94,13 @@ impl Shared {
                 ),
             }
         };
-        adopt(&self.core, peer, conn.clone());
+        adopt(&self.core, peer, conn.clone(), incarnation);
         Ok(conn)
     }
 
-    async fn dial(&self, node: u32, addr: SocketAddr) -> Result<Connection, QuicError> {
+    /// Dials `node` at `addr` and exchanges hellos: the connection and the incarnation of
+    /// the process that answered.
+    async fn dial(&self, node: u32, addr: SocketAddr) -> Result<(Connection, u64), QuicError> {
         let err = |reason: String| QuicError::Connect { node, addr, reason };
         let connecting = self
             .endpoint
@@ -110,7 +113,7 @@ impl Shared {
             .open_bi()
             .await
             .map_err(|e| err(describe(&e, &self.core)))?;
-        s.write_all(&hello(self.core.me))
+        s.write_all(&hello(&self.core))
             .await
             .map_err(|e| err(e.to_string()))?;
         let _ = s.finish();
@@ -124,14 +127,18 @@ impl Shared {
             }
         };
         match frame {
-            Frame::Hello { node: n, protocol } if n == node && protocol == PROTOCOL_VERSION => {
-                Ok(conn)
-            }
+            Frame::Hello {
+                node: n,
+                protocol,
+                incarnation,
+            } if n == node && protocol == PROTOCOL_VERSION => Ok((conn, incarnation)),
             Frame::Refused(why) => {
                 conn.close(StopCode::Refused.varint(), b"told");
                 Err(err(format!("{REFUSED_PREFIX} {why}")))
             }
-            Frame::Hello { node: n, protocol } => {
+            Frame::Hello {
+                node: n, protocol, ..
+            } => {
                 conn.close(StopCode::Refused.varint(), b"unexpected hello");
                 Err(err(format!(
                     "answered as node {n} speaking protocol {protocol}"
@@ -171,10 +178,13 @@ fn refuse(core: &Core, from: SocketAddr, reason: &str) {
 /// How the accepting side of a handshake ended.
 enum Handshake {
     /// The peer is who it says it is and was answered with our hello; `peer` is its entry
-    /// (an error when this node is shutting down or gone).
+    /// (an error when this node is shutting down or gone). `restart_of`: the live
+    /// connection of the process this one replaces (a new incarnation at the same address).
     Accepted {
         conn: Connection,
+        incarnation: u64,
         peer: Result<Arc<Peer>, String>,
+        restart_of: Option<Connection>,
     },
     /// The peer said a hello we will not accept: it is told why on its hello stream.
     Refused {
@@ -191,8 +201,12 @@ async fn handle_incoming(shared: Weak<Shared>, core: Arc<Core>, incoming: quinn:
             .await
             .map_err(|e| format!("TLS handshake failed: {}", describe(&e, &core)))?;
         let (mut s, mut r) = conn.accept_bi().await.map_err(|e| describe(&e, &core))?;
-        let (node, protocol) = match read_frame(&mut r).await? {
-            Frame::Hello { node, protocol } => (node, protocol),
+        let (node, protocol, incarnation) = match read_frame(&mut r).await? {
+            Frame::Hello {
+                node,
+                protocol,
+                incarnation,
+            } => (node, protocol, incarnation),
             other => return Err(format!("first message {other:?} is not a hello")),
         };
         let refused = |why: String, stream| {
@@ -232,14 +246,39 @@ async fn handle_incoming(shared: Weak<Shared>, core: Arc<Core>, incoming: quinn:
             None => Err(format!("node {} is gone", core.me)),
         };
         let live = peer.as_ref().ok().and_then(|p| p.live_conn());
-        if let Some(at) = live.map(|c| c.remote_address()).filter(|at| *at != from) {
+        if let Some(at) = live
+            .as_ref()
+            .map(|c| c.remote_address())
+            .filter(|at| *at != from)
+        {
             return refused(format!("node {node} is already connected from {at}"), s);
         }
-        s.write_all(&hello(core.me))
+        // The same address with another incarnation: the process that held it is gone (it
+        // released the port this one is bound to), whatever its connection still looks like
+        // before the idle timeout.
+        let restart_of = live.filter(|_| {
+            peer.as_ref()
+                .is_ok_and(|p| p.incarnation() != Some(incarnation))
+        });
+        let policy = shared
+            .upgrade()
+            .and_then(|sh| sh.returns.lock().expect("poisoned").clone());
+        if let Some(why) = policy.and_then(|refuse| refuse(node, restart_of.is_some())) {
+            if let (Some(old), Ok(p)) = (&restart_of, &peer) {
+                lose_process(&core, p, p.incarnation(), old, from);
+            }
+            return refused(why, s);
+        }
+        s.write_all(&hello(&core))
             .await
             .map_err(|e| e.to_string())?;
         let _ = s.finish();
-        Ok(Handshake::Accepted { conn, peer })
+        Ok(Handshake::Accepted {
+            conn,
+            incarnation,
+            peer,
+            restart_of,
+        })
     };
     match timeout(core.cfg.connect_timeout, handshake).await {
         Err(_) => refuse(
@@ -252,10 +291,19 @@ async fn handle_incoming(shared: Weak<Shared>, core: Arc<Core>, incoming: quinn:
             refuse(&core, from, &why);
             tell_refused(&core, conn, stream, &why).await;
         }
-        Ok(Ok(Handshake::Accepted { conn, peer })) => match peer {
+        Ok(Ok(Handshake::Accepted {
+            conn,
+            incarnation,
+            peer,
+            restart_of,
+        })) => match peer {
             Ok(peer) => {
                 tracing::debug!(peer = peer.node, %from, "accepted connection");
-                adopt(&core, &peer, conn);
+                if let Some(old) = restart_of {
+                    replace_restarted(&core, &peer, old, conn, incarnation);
+                } else {
+                    adopt(&core, &peer, conn, incarnation);
+                }
             }
             Err(e) => conn.close(StopCode::Shutdown.varint(), e.as_bytes()),
         },
@@ -281,15 +329,80 @@ async fn tell_refused(core: &Core, conn: Connection, mut stream: quinn::SendStre
     conn.close(StopCode::Refused.varint(), why.as_bytes());
 }
 
-/// Makes `conn` `peer`'s connection (unless it has a live one), serves its incoming streams
-/// and watches it close.
-pub(crate) fn adopt(core: &Arc<Core>, peer: &Arc<Peer>, conn: Connection) {
+/// Makes `conn` (to the process `incarnation` of the peer) `peer`'s connection unless it has
+/// a live one, serves its incoming streams and watches it close.
+pub(crate) fn adopt(core: &Arc<Core>, peer: &Arc<Peer>, conn: Connection, incarnation: u64) {
     {
         let mut current = peer.conn.lock().expect("poisoned");
         if current.as_ref().is_none_or(|c| c.close_reason().is_some()) {
             *current = Some(conn.clone());
+            *peer.incarnation.lock().expect("poisoned") = Some(incarnation);
         }
     }
+    serve_and_watch(core, peer, conn);
+}
+
+/// A new process of `peer` connected from the address of its live connection `old`: the old
+/// process is lost (reported at once, as the idle timeout would report it later, unless it
+/// was declared lost already: `QuicNode::declare_lost`), and `conn` replaces its connection.
+fn replace_restarted(
+    core: &Arc<Core>,
+    peer: &Arc<Peer>,
+    old: Connection,
+    conn: Connection,
+    incarnation: u64,
+) {
+    let gone = {
+        let mut current = peer.conn.lock().expect("poisoned");
+        *current = Some(conn.clone());
+        peer.incarnation
+            .lock()
+            .expect("poisoned")
+            .replace(incarnation)
+    };
+    lose_process(core, peer, gone, &old, conn.remote_address());
+    serve_and_watch(core, peer, conn);
+}
+
+/// The process `gone` behind `old`, `peer`'s connection until a new process of it said
+/// hello from `from`, is lost: `old` is closed (its watcher ends quietly, as it is no longer
+/// current) and the process reported lost, unless it was known lost already.
+fn lose_process(core: &Core, peer: &Peer, gone: Option<u64>, old: &Connection, from: SocketAddr) {
+    let known = gone.is_some() && {
+        let mut lost = peer.lost.lock().expect("poisoned");
+        let known = *lost == gone;
+        *lost = gone;
+        known
+    };
+    {
+        let mut current = peer.conn.lock().expect("poisoned");
+        if current
+            .as_ref()
+            .is_some_and(|c| c.stable_id() == old.stable_id())
+        {
+            *current = None;
+        }
+    }
+    old.close(StopCode::Shutdown.varint(), b"replaced by a new process");
+    if known {
+        tracing::debug!(
+            peer = peer.node,
+            "a new process of node {} replaced one already lost",
+            peer.node
+        );
+        return;
+    }
+    core.fail(
+        peer,
+        QuicError::PeerLost {
+            node: peer.node,
+            addr: peer.addr(),
+            reason: format!("a new process of it connected from {from} (the old one is gone)"),
+        },
+    );
+}
+
+fn serve_and_watch(core: &Arc<Core>, peer: &Arc<Peer>, conn: Connection) {
     core.rt
         .spawn(super::recv::serve(core.clone(), peer.clone(), conn.clone()));
     core.rt.spawn(watch(core.clone(), peer.clone(), conn));
@@ -320,6 +433,7 @@ async fn watch(core: Arc<Core>, peer: Arc<Peer>, conn: Connection) {
         return;
     }
     let reason = describe(&err, &core);
+    *peer.lost.lock().expect("poisoned") = peer.incarnation();
     core.fail(
         &peer,
         QuicError::PeerLost {

@@ -32,5 +32,5 @@ mod transport;
 pub use config::QuicConfig;
 pub use conn::REFUSED_PREFIX;
 pub use error::{QuicError, StopCode};
-pub use node::{Inbound, NodeId, QuicNode, QuicStats};
+pub use node::{Inbound, NodeId, QuicNode, QuicStats, ReturnPolicy};
 pub use transport::{ControlRx, FencedSink, QuicTransport, RefusalSink};

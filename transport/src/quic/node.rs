@@ -88,6 +88,8 @@ impl Outgoing {
 pub(crate) struct Core {
     pub cfg: QuicConfig,
     pub me: NodeId,
+    /// This endpoint's process incarnation (random), said in every hello.
+    pub incarnation: u64,
     pub inbound: Arc<dyn Inbound>,
     pub counters: Counters,
     pub failures: broadcast::Sender<QuicError>,
@@ -112,6 +114,11 @@ pub(crate) struct Peer {
     pub readdressed: Notify,
     pub failed: Mutex<Option<QuicError>>,
     pub conn: Mutex<Option<quinn::Connection>>,
+    /// The process incarnation behind `conn`, from its hello.
+    pub incarnation: Mutex<Option<u64>>,
+    /// The incarnation of the last process of this node known lost: its connection died,
+    /// a new process replaced it, or it was declared lost ([`QuicNode::declare_lost`]).
+    pub lost: Mutex<Option<u64>>,
     pub dial: tokio::sync::Mutex<()>,
     /// Receive budget in KiB.
     pub budget: Arc<Semaphore>,
@@ -133,6 +140,11 @@ impl Peer {
     /// Forgets a failure (a later failure is recorded and broadcast again).
     pub fn clear_failure(&self) {
         *self.failed.lock().expect("poisoned") = None;
+    }
+
+    /// The process incarnation of the peer's current (or last) connection.
+    pub fn incarnation(&self) -> Option<u64> {
+        *self.incarnation.lock().expect("poisoned")
     }
 
     pub fn live_conn(&self) -> Option<quinn::Connection> {
@@ -166,7 +178,13 @@ impl Core {
     }
 }
 
+/// Says why a node that comes back is refused (`None`: taken): given the node and whether
+/// it is a new process at a live connection's address.
+pub type ReturnPolicy = Arc<dyn Fn(NodeId, bool) -> Option<String> + Send + Sync>;
+
 pub(crate) struct Shared {
+    /// [`QuicNode::refuse_returns`].
+    pub returns: Mutex<Option<ReturnPolicy>>,
     pub core: Arc<Core>,
     pub endpoint: quinn::Endpoint,
     pub client: quinn::ClientConfig,
@@ -210,6 +228,8 @@ impl Shared {
             readdressed: Notify::new(),
             failed: Mutex::new(None),
             conn: Mutex::new(None),
+            incarnation: Mutex::new(None),
+            lost: Mutex::new(None),
             dial: tokio::sync::Mutex::new(()),
             budget: Arc::new(Semaphore::new(self.core.cfg.recv_budget_kib() as usize)),
             chaos: Default::default(),
@@ -317,6 +337,7 @@ impl QuicNode {
                 .map_err(endpoint_err)?;
         let core = Arc::new(Core {
             me: id.node,
+            incarnation: uuid::Uuid::new_v4().as_u64_pair().0,
             inbound,
             counters: Counters::default(),
             failures: broadcast::channel(64).0,
@@ -326,6 +347,7 @@ impl QuicNode {
             cfg,
         });
         let shared = Arc::new(Shared {
+            returns: Mutex::new(None),
             core,
             endpoint: endpoint.clone(),
             client,
@@ -508,6 +530,69 @@ impl QuicNode {
         if let Some(p) = self.shared.peers.lock().expect("poisoned").get(&node) {
             p.clear_failure();
         }
+    }
+
+    /// The process incarnation of `node`'s current connection, if it has one.
+    pub fn incarnation_of(&self, node: NodeId) -> Option<u64> {
+        let peers = self.shared.peers.lock().expect("poisoned");
+        let p = peers.get(&node)?;
+        p.live_conn().and(p.incarnation())
+    }
+
+    /// `node` is now the process `incarnation` (another node took it back): a connection to
+    /// another process of it that still looks live (its idle timeout has not passed) is
+    /// dropped, so that the next message dials the node instead of going to a process that
+    /// is gone and failing only at that timeout.
+    pub fn expect_process(&self, node: NodeId, incarnation: u64) {
+        let Some(p) = self
+            .shared
+            .peers
+            .lock()
+            .expect("poisoned")
+            .get(&node)
+            .cloned()
+        else {
+            return;
+        };
+        let stale = {
+            let mut current = p.conn.lock().expect("poisoned");
+            let other = p.incarnation().filter(|i| *i != incarnation);
+            match (other, current.is_some()) {
+                (Some(gone), true) => {
+                    *p.lost.lock().expect("poisoned") = Some(gone);
+                    current.take()
+                }
+                _ => None,
+            }
+        };
+        if let Some(c) = stale {
+            tracing::debug!(
+                peer = node,
+                "dropped the connection to a lost process of node {node}"
+            );
+            c.close(super::StopCode::Shutdown.varint(), b"lost");
+        }
+    }
+
+    /// `node` is lost (fenced). Where the transport reported the loss, the process it
+    /// found lost is known already (a new process may have replaced its connection since);
+    /// else it is the one behind the current connection (a step deadline, a cut link). A
+    /// new process that replaces that connection is not reported lost again.
+    pub fn declare_lost(&self, node: NodeId) {
+        if let Some(p) = self.shared.peers.lock().expect("poisoned").get(&node) {
+            if p.failure().is_none() {
+                *p.lost.lock().expect("poisoned") = p.incarnation();
+            }
+        }
+    }
+
+    /// From now on a node that comes back — a new process at its address, or any new
+    /// connection of a node `refused(node)` names (a fenced one) — is refused at its hello
+    /// with that reason (its old process still reported lost). A training run, which does
+    /// not take nodes back, sets this once its nodes are set up, so a restarted node ends
+    /// at once saying why instead of waiting for a setup that never comes.
+    pub fn refuse_returns(&self, policy: ReturnPolicy) {
+        *self.shared.returns.lock().expect("poisoned") = Some(policy);
     }
 
     /// Nodes with a live connection.

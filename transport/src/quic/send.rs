@@ -65,10 +65,15 @@ pub(crate) async fn writer(
             Outgoing::Halo(block) => {
                 let permit = slots.acquire_owned().await.expect("never closed");
                 peer.queued.fetch_sub(bytes, Ordering::SeqCst);
-                let (core, peer) = (core.clone(), peer.clone());
+                let (core, peer, shared) = (core.clone(), peer.clone(), shared.clone());
                 let corrupt = peer.chaos.take_corrupt();
                 core.rt.clone().spawn(async move {
-                    if let Err(e) = send_halo(&core, &peer, &conn, block, corrupt).await {
+                    let halo = HaloChunks::of(block, corrupt);
+                    let r = on_current(&shared, &peer, conn, |c| {
+                        send_halo(&core, &peer, c, halo.clone())
+                    })
+                    .await;
+                    if let Err(e) = r {
                         core.fail(&peer, e);
                     }
                     drop(permit);
@@ -79,21 +84,35 @@ pub(crate) async fn writer(
                 peer.queued.fetch_sub(bytes, Ordering::SeqCst);
                 // The pieces of one message go back to back: this task is the control
                 // stream's only writer.
-                for frame in control_frames(b, core.cfg.control_piece()) {
-                    let r = send_small(&core, &peer, &conn, &mut control, frame).await;
-                    if let Err(e) = r {
-                        core.fail(&peer, e);
-                        break;
+                let frames = control_frames(b, core.cfg.control_piece());
+                let mut r = send_frames(&core, &peer, &conn, &mut control, &frames).await;
+                if r.is_err() {
+                    if let Some(next) = resend_on(&shared, &peer, &conn).await {
+                        r = match next {
+                            Ok(c) => {
+                                let again = send_frames(&core, &peer, &c, &mut control, &frames);
+                                forgive_superseded(&peer, &c, again.await)
+                            }
+                            Err(e) => Err(e),
+                        };
                     }
+                }
+                if let Err(e) = r {
+                    core.fail(&peer, e);
                 }
                 peer.settle();
             }
             Outgoing::Bulk(b) => {
                 peer.queued.fetch_sub(bytes, Ordering::SeqCst);
                 let (core, peer, bulk) = (core.clone(), peer.clone(), bulk.clone());
+                let shared = shared.clone();
                 core.rt.clone().spawn(async move {
                     let permit = bulk.acquire_owned().await.expect("never closed");
-                    if let Err(e) = send_bulk(&core, &peer, &conn, b).await {
+                    let r = on_current(&shared, &peer, conn, |c| {
+                        send_bulk(&core, &peer, c, b.clone())
+                    })
+                    .await;
+                    if let Err(e) = r {
                         core.fail(&peer, e);
                     }
                     drop(permit);
@@ -101,11 +120,94 @@ pub(crate) async fn writer(
                 });
             }
             Outgoing::Pong(n) => {
-                let _ = send_small(&core, &peer, &conn, &mut control, Frame::Pong(n)).await;
+                let _ = send_small(&core, &peer, &conn, &mut control, &Frame::Pong(n)).await;
                 peer.settle();
             }
         }
     }
+}
+
+/// Whether `conn` is no longer `peer`'s connection on purpose: a new process of the peer
+/// replaced it, or it was dropped as a lost process's (`QuicNode::reset_peer`). A connection
+/// that died by itself is still current until its watcher reports the loss.
+fn superseded(peer: &Peer, conn: &Connection) -> bool {
+    let current = peer.conn.lock().expect("poisoned");
+    match current.as_ref() {
+        Some(c) => c.stable_id() != conn.stable_id(),
+        None => matches!(
+            conn.close_reason(),
+            Some(quinn::ConnectionError::LocallyClosed)
+        ),
+    }
+}
+
+/// Runs `send` on `conn`; when that fails because `conn` was superseded (the message was
+/// on its way to a process that is gone), once more on the peer's current connection (the
+/// node's new process, dialled if needed).
+async fn on_current<F, Fut>(
+    shared: &Weak<Shared>,
+    peer: &Arc<Peer>,
+    conn: Connection,
+    send: F,
+) -> Result<(), QuicError>
+where
+    F: Fn(Connection) -> Fut,
+    Fut: std::future::Future<Output = Result<(), QuicError>>,
+{
+    let first = send(conn.clone()).await;
+    if first.is_err() {
+        if let Some(next) = resend_on(shared, peer, &conn).await {
+            return match next {
+                Ok(c) => forgive_superseded(peer, &c, send(c.clone()).await),
+                Err(e) => Err(e),
+            };
+        }
+    }
+    first
+}
+
+/// Where to send again a message whose send on `conn` failed: `None` when `conn` was not
+/// superseded (the failure is the peer's), else the peer's current connection.
+async fn resend_on(
+    shared: &Weak<Shared>,
+    peer: &Arc<Peer>,
+    conn: &Connection,
+) -> Option<Result<Connection, QuicError>> {
+    if !superseded(peer, conn) {
+        return None;
+    }
+    let s = shared.upgrade()?;
+    Some(s.connection(peer).await)
+}
+
+/// An error on a connection superseded again is not the peer's failure either: the message
+/// is dropped, as one to a lost process is.
+fn forgive_superseded(
+    peer: &Peer,
+    conn: &Connection,
+    r: Result<(), QuicError>,
+) -> Result<(), QuicError> {
+    match r {
+        Err(e) if superseded(peer, conn) => {
+            tracing::debug!(peer = peer.node, "dropped a message superseded twice: {e}");
+            Ok(())
+        }
+        r => r,
+    }
+}
+
+/// The frames of one control message, back to back on the control stream.
+async fn send_frames(
+    core: &Core,
+    peer: &Peer,
+    conn: &Connection,
+    control: &mut Option<(usize, SendStream)>,
+    frames: &[Frame],
+) -> Result<(), QuicError> {
+    for frame in frames {
+        send_small(core, peer, conn, control, frame).await?;
+    }
+    Ok(())
 }
 
 /// Halo streams, as the control stream, have quinn's default priority.
@@ -120,7 +222,7 @@ const BULK_PRIORITY: i32 = -1;
 async fn send_bulk(
     core: &Core,
     peer: &Peer,
-    conn: &Connection,
+    conn: Connection,
     body: Vec<u8>,
 ) -> Result<(), QuicError> {
     let mut frames: Vec<Bytes> = control_frames(body, core.cfg.control_piece())
@@ -128,7 +230,7 @@ async fn send_bulk(
         .map(|f| Bytes::from(encode_to_vec(f)))
         .collect();
     let bytes: usize = frames.iter().map(Bytes::len).sum();
-    send_on_new_stream(core, peer, conn, &mut frames, BULK_PRIORITY, || {
+    send_on_new_stream(core, peer, &conn, &mut frames, BULK_PRIORITY, || {
         format!("a {bytes}-byte bulk message")
     })
     .await
@@ -179,10 +281,10 @@ async fn send_small(
     peer: &Peer,
     conn: &Connection,
     control: &mut Option<(usize, SendStream)>,
-    frame: Frame,
+    frame: &Frame,
 ) -> Result<(), QuicError> {
     let after = core.cfg.send_timeout;
-    let data = encode_to_vec(&frame);
+    let data = encode_to_vec(frame);
     let work = async {
         if control
             .as_ref()
@@ -213,23 +315,43 @@ async fn send_small(
     }
 }
 
+/// A halo block as it goes on the wire (cheap to clone: shared buffers), for partition `to`.
+#[derive(Clone)]
+struct HaloChunks {
+    to: crate::PartId,
+    bytes: u64,
+    chunks: [Bytes; 2],
+}
+
+impl HaloChunks {
+    fn of(block: HaloBlock, corrupt: bool) -> Self {
+        let (to, bytes) = (block.header.to, block.payload_bytes());
+        let mut head = encode_head(&Envelope::halo(&block), bytes);
+        if corrupt {
+            super::chaos::corrupt_head(&mut head);
+        }
+        HaloChunks {
+            to,
+            bytes,
+            chunks: [Bytes::from(head), halo_body(&block.payload)],
+        }
+    }
+}
+
 /// Sends one block on a new stream and waits until the peer acknowledged all of it (or
 /// refused it), within the send timeout.
 async fn send_halo(
     core: &Core,
     peer: &Peer,
-    conn: &Connection,
-    block: HaloBlock,
-    corrupt: bool,
+    conn: Connection,
+    halo: HaloChunks,
 ) -> Result<(), QuicError> {
-    let (to, bytes) = (block.header.to, block.payload_bytes());
-    let mut head = encode_head(&Envelope::halo(&block), bytes);
-    if corrupt {
-        super::chaos::corrupt_head(&mut head);
-    }
-    let mut chunks = [Bytes::from(head), halo_body(&block.payload)];
-    drop(block);
-    let stopped = send_on_new_stream(core, peer, conn, &mut chunks, HALO_PRIORITY, || {
+    let HaloChunks {
+        to,
+        bytes,
+        mut chunks,
+    } = halo;
+    let stopped = send_on_new_stream(core, peer, &conn, &mut chunks, HALO_PRIORITY, || {
         format!("a {bytes}-byte block for partition {to}")
     })
     .await?;

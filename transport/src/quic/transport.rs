@@ -141,6 +141,7 @@ impl QuicTransport {
     /// on, even if it comes back, and routes to it are dropped.
     pub fn fence(&self, node: NodeId) {
         self.dispatch.fenced.insert(node);
+        self.node().declare_lost(node);
         self.routes.retain(|_, n| *n != node);
     }
 
@@ -148,6 +149,16 @@ impl QuicTransport {
     /// blocks and control messages are admitted again; routes to it are set anew.
     pub fn unfence(&self, node: NodeId) {
         self.dispatch.fenced.remove(&node);
+    }
+
+    /// From now on a node that comes back — a new process at its address, or a new
+    /// connection of a fenced node — is refused at its hello, told `why(node)`
+    /// ([`QuicNode::refuse_returns`]).
+    pub fn refuse_returns(&self, why: impl Fn(NodeId) -> String + Send + Sync + 'static) {
+        let dispatch = self.dispatch.clone();
+        self.node().refuse_returns(Arc::new(move |node, restart| {
+            (restart || dispatch.fenced.contains(&node)).then(|| why(node))
+        }));
     }
 
     /// Gives every control message of a fenced node to `sink` instead of dropping it.

@@ -6,10 +6,13 @@ use rkyv::{Archive, Deserialize, Serialize};
 /// What travels in a frame's meta section, archived with rkyv.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
 pub enum Envelope {
-    /// First message of a connection, both ways: who I am and what I speak.
+    /// First message of a connection, both ways: who I am, what I speak, and which
+    /// process of that node I am (random per process: a restart is told from the process
+    /// it replaces).
     Hello {
         node: u32,
         protocol: u16,
+        incarnation: u64,
     },
     /// Liveness probe; answered with a [`Envelope::Pong`] carrying the same nonce.
     Ping {
@@ -72,6 +75,7 @@ pub enum Frame {
     Hello {
         node: u32,
         protocol: u16,
+        incarnation: u64,
     },
     Ping(u64),
     Pong(u64),
@@ -123,9 +127,14 @@ impl Envelope {
     /// The envelope of a frame without body; `None` for a halo (see [`Envelope::halo`]).
     pub fn of(frame: &Frame) -> Self {
         match frame {
-            Frame::Hello { node, protocol } => Envelope::Hello {
+            Frame::Hello {
+                node,
+                protocol,
+                incarnation,
+            } => Envelope::Hello {
                 node: *node,
                 protocol: *protocol,
+                incarnation: *incarnation,
             },
             Frame::Ping(n) => Envelope::Ping { nonce: *n },
             Frame::Pong(n) => Envelope::Pong { nonce: *n },
@@ -195,9 +204,14 @@ pub(crate) fn halo_parts(env: &ArchivedEnvelope) -> Result<Option<HaloParts>, Wi
 /// A non-halo envelope as a frame.
 pub(crate) fn small_frame(env: &ArchivedEnvelope) -> Frame {
     match env {
-        ArchivedEnvelope::Hello { node, protocol } => Frame::Hello {
+        ArchivedEnvelope::Hello {
+            node,
+            protocol,
+            incarnation,
+        } => Frame::Hello {
             node: node.to_native(),
             protocol: protocol.to_native(),
+            incarnation: incarnation.to_native(),
         },
         ArchivedEnvelope::Ping { nonce } => Frame::Ping(nonce.to_native()),
         ArchivedEnvelope::Pong { nonce } => Frame::Pong(nonce.to_native()),

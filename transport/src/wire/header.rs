@@ -6,8 +6,9 @@ pub const MAGIC: [u8; 4] = *b"TRLS";
 /// The protocol version this build speaks; frames of any other version are refused.
 /// Version 2 added the trace context of halo envelopes, version 3 encoded halo bodies
 /// (halo codecs), version 4 sparse-row halo bodies (`--skip-threshold`: only changed rows)
-/// and the `Refused` answer to a hello.
-pub const PROTOCOL_VERSION: u16 = 5;
+/// and the `Refused` answer to a hello, version 5 control messages in pieces
+/// (`ControlPiece`), version 6 the hello's process incarnation.
+pub const PROTOCOL_VERSION: u16 = 6;
 /// Bytes in a frame header.
 pub const HEADER_LEN: usize = 20;
 

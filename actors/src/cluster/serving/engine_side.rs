@@ -96,7 +96,8 @@ pub async fn connect(
             }
             other => tracing::warn!(
                 peer = from,
-                "ignored {other:?} from node {from} while nodes join"
+                "ignored {} from node {from} while nodes join",
+                other.kind()
             ),
         }
     }
@@ -105,6 +106,7 @@ pub async fn connect(
         .map(|(&node, addr)| PeerAddr {
             node,
             addr: addr.clone(),
+            incarnation: None,
         })
         .collect();
     let model = {
@@ -189,7 +191,8 @@ pub async fn connect(
             ),
             other => tracing::warn!(
                 peer = from,
-                "ignored {other:?} from node {from} during the setup"
+                "ignored {} from node {from} during the setup",
+                other.kind()
             ),
         }
     }

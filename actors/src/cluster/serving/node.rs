@@ -680,7 +680,9 @@ pub fn host_beside_training(
             match next_from(&mut inbox, coord, until, "waiting for the service's setup").await {
                 Ok(Some(ServeMsg::Setup(s))) => break s,
                 Ok(Some(ServeMsg::Finish)) => return Ok(()),
-                Ok(Some(other)) => tracing::warn!("ignored {other:?} before the serving setup"),
+                Ok(Some(other)) => {
+                    tracing::warn!("ignored {} before the serving setup", other.kind())
+                }
                 Ok(None) => {}
                 Err(SetUpError::EngineLost(_)) => return Ok(()),
                 Err(SetUpError::Failed(e)) => return Err(e),
@@ -841,7 +843,7 @@ async fn reached_by(
         let from_survivor = |n| n != next.lost;
         match next_serving(inbox, until, from_survivor, "taking over").await? {
             Some((from, ServeMsg::Join { .. })) if !reached.contains(&from) => reached.push(from),
-            Some((from, other)) => tracing::debug!("ignored {other:?} from node {from}"),
+            Some((from, other)) => tracing::debug!("ignored {} from node {from}", other.kind()),
             None => break,
         }
     }
@@ -881,7 +883,7 @@ async fn find_engine(
         {
             match msg {
                 ServeMsg::Setup(s) => return Ok((from, s)),
-                other => tracing::debug!("ignored {other:?} from node {from}"),
+                other => tracing::debug!("ignored {} from node {from}", other.kind()),
             }
         }
         if said.elapsed() >= Duration::from_secs(30) {
@@ -950,7 +952,7 @@ async fn join(
                 }
                 .into())
             }
-            Ok(Some(other)) => tracing::warn!("ignored {other:?} before the setup"),
+            Ok(Some(other)) => tracing::warn!("ignored {} before the setup", other.kind()),
             Err(SetUpError::EngineLost(why)) if rejoin => return Err(SetUpError::EngineLost(why)),
             Ok(None) | Err(SetUpError::EngineLost(_)) if Instant::now() < until => {
                 // Not up yet (or it restarted): try again, with a fresh connection if there
@@ -1102,7 +1104,7 @@ async fn receive_inputs(
                 total = Some(t);
                 bytes.extend_from_slice(&data);
             }
-            Some(other) => tracing::warn!("ignored {other:?} while receiving the inputs"),
+            Some(other) => tracing::warn!("ignored {} while receiving the inputs", other.kind()),
             None => {
                 return Err(ActorError::Node {
                     node: coord,
@@ -1149,7 +1151,10 @@ async fn answer_requests(
                         let reason = format!("node {} still serves the engine node {coord}", ep.id);
                         refuse_join(&t, from, &addr, reason);
                     }
-                    other => tracing::warn!(peer = from, "ignored {other:?} from node {from}"),
+                    Ok(other) => {
+                        tracing::warn!(peer = from, "ignored {} from node {from}", other.kind())
+                    }
+                    Err(e) => tracing::warn!(peer = from, "{e}; dropped"),
                 }
                 continue;
             }
@@ -1224,6 +1229,9 @@ async fn answer_requests(
                         Ok(addr) => {
                             t.add_peer(peer.node, addr);
                             t.node().reset_peer(peer.node);
+                            if let Some(process) = peer.incarnation {
+                                t.node().expect_process(peer.node, process);
+                            }
                             if !h.peers.contains(&peer.node) {
                                 h.peers.push(peer.node);
                                 h.peers.sort_unstable();
@@ -1257,15 +1265,14 @@ async fn answer_requests(
                 ep.flush(Duration::from_secs(2)).await;
                 return Ok(Answered::Finished);
             }
-            // A new process of the engine node (`--rejoin`, at its old address) while this
-            // node still holds the old one's connection for live: once that is found dead,
-            // the survivors take over and the successor takes it back.
-            ServeMsg::Join { .. } => tracing::warn!(
-                "the engine node {coord} joined as a serving node while its connection here \
-                 looks live: a restarted process? It is taken back once that connection is \
-                 found dead (the idle timeout) and a successor took over"
+            // A new process of the engine node (`--rejoin`) before its old one is found
+            // lost here (its hello does that at once at the old address; elsewhere the
+            // idle timeout): then the survivors take over and the successor takes it back.
+            ServeMsg::Join { .. } => tracing::debug!(
+                "the engine node {coord} joined as a serving node while it is live here; \
+                 taken back by a successor once its old process is found lost"
             ),
-            other => tracing::warn!("ignored {other:?} from the engine node"),
+            other => tracing::warn!("ignored {} from the engine node", other.kind()),
         }
     }
 }

@@ -18,8 +18,9 @@ use trellis_runtime::inference::{NodeGraph, Rows};
 use trellis_runtime::ModelConfig;
 use trellis_transport::TraceContext;
 
-/// The version of the serving messages this build speaks.
-pub const SERVE_PROTOCOL: u16 = 5;
+/// The version of the serving messages this build speaks (6: a returned node's
+/// incarnation in [`PeerAddr`]).
+pub const SERVE_PROTOCOL: u16 = 6;
 
 /// Bytes of the served inputs per [`ServeMsg::Inputs`] chunk: the inputs of a large graph
 /// exceed the 1 GiB a control message may have, and chunks are sent as they are cut, with
@@ -27,11 +28,23 @@ pub const SERVE_PROTOCOL: u16 = 5;
 pub const INPUT_CHUNK: usize = 8 << 20;
 
 /// The envelope of a serving message.
-#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq)]
+#[derive(Archive, Serialize, Deserialize, Clone, PartialEq)]
 pub struct ServeEnvelope {
     pub version: u16,
     /// A [`ServeMsg`] archive.
     pub body: Vec<u8>,
+}
+
+/// The version and the body's size, not its bytes (a log line, not a dump).
+impl std::fmt::Debug for ServeEnvelope {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "ServeEnvelope {{ version: {}, body: {} bytes }}",
+            self.version,
+            self.body.len()
+        )
+    }
 }
 
 /// One serving message.
@@ -192,6 +205,9 @@ impl WireServeFault {
 pub struct PeerAddr {
     pub node: u32,
     pub addr: String,
+    /// In `Reroute{returned}`: the process incarnation of the node taken back, as the engine
+    /// node's transport sees it (the others drop a connection to an older process of it).
+    pub incarnation: Option<u64>,
 }
 
 /// The served graph (adjacency as CSR), its prepared features and the ownership table.
@@ -363,6 +379,27 @@ where
 }
 
 impl ServeMsg {
+    /// The message's name, for log lines (its fields can be megabytes).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            ServeMsg::Join { .. } => "Join",
+            ServeMsg::Setup(_) => "Setup",
+            ServeMsg::Inputs { .. } => "Inputs",
+            ServeMsg::Ready { .. } => "Ready",
+            ServeMsg::SetupFailed { .. } => "SetupFailed",
+            ServeMsg::Request { .. } => "Request",
+            ServeMsg::Reply { .. } => "Reply",
+            ServeMsg::Abort { .. } => "Abort",
+            ServeMsg::DropStaged { .. } => "DropStaged",
+            ServeMsg::Reroute { .. } => "Reroute",
+            ServeMsg::DropPart { .. } => "DropPart",
+            ServeMsg::Http { .. } => "Http",
+            ServeMsg::HttpRequest { .. } => "HttpRequest",
+            ServeMsg::HttpReply { .. } => "HttpReply",
+            ServeMsg::Finish => "Finish",
+        }
+    }
+
     /// The control message carrying this one.
     pub fn control(&self) -> ControlMsg {
         ControlMsg::Serve(ServeEnvelope {
@@ -772,6 +809,7 @@ mod tests {
                 returned: vec![PeerAddr {
                     node: 3,
                     addr: "127.0.0.1:4000".into(),
+                    incarnation: Some(0x5eed),
                 }],
             },
             ServeMsg::DropPart { part: 2 },

@@ -136,7 +136,9 @@ impl ServeLink {
                 // `Engine::deposed`): a successor serves.
                 Ok(ServeMsg::Setup(_)) => link.deposed(from),
                 Ok(ServeMsg::Inputs { .. }) => {}
-                Ok(other) => tracing::debug!(peer = from, "fenced node {from} sent {other:?}"),
+                Ok(other) => {
+                    tracing::debug!(peer = from, "fenced node {from} sent {}", other.kind())
+                }
                 Err(e) => tracing::debug!(peer = from, "fenced node {from}: {e}"),
             }
         }));
@@ -378,14 +380,17 @@ impl ServeLink {
                     }
                     Ok(ServeMsg::Ready { parts }) => self.setup_done(from, Ok(parts)),
                     Ok(ServeMsg::SetupFailed { error }) => self.setup_done(from, Err(error)),
-                    Ok(ServeMsg::Join { .. }) => tracing::warn!(
+                    // A restarted process whose hello has not yet been turned into the old
+                    // one's loss here (or, at a new address, whose old connection still
+                    // looks live): its `Join`s go again each second, and one after the loss
+                    // takes it back.
+                    Ok(ServeMsg::Join { .. }) => tracing::debug!(
                         peer = from,
-                        "node {from} joined again while its connection here looks live: a \
-                         restarted process? It is taken back once that connection is found \
-                         dead (the idle timeout)"
+                        "node {from} joined again while it is live here; its next Join is \
+                         taken once its old process is found lost"
                     ),
                     Ok(other) => {
-                        tracing::warn!(peer = from, "node {from} sent {other:?}; ignored")
+                        tracing::warn!(peer = from, "node {from} sent {}; ignored", other.kind())
                     }
                     Err(e) => tracing::warn!(peer = from, "{e}; dropped"),
                 },
@@ -427,7 +432,7 @@ pub fn not_serving_tap(
                 tracing::warn!(peer = from, "node {from}: {e}");
             }
         }
-        Ok(other) => tracing::warn!(peer = from, "node {from} sent {other:?}; ignored"),
+        Ok(other) => tracing::warn!(peer = from, "node {from} sent {}; ignored", other.kind()),
         Err(e) => tracing::warn!(peer = from, "{e}; dropped"),
     })
 }
