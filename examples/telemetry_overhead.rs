@@ -1,5 +1,5 @@
 //! Epoch time with OpenTelemetry export off and on (to an in-process OTLP/gRPC receiver), in
-//! one process over the same partition files: the overhead figure of the README.
+//! one process over the same partition files: the overhead figure of docs/observability.md.
 //!
 //! ```text
 //! cargo run --release --example telemetry_overhead -- [DATA] [PARTS] [EPOCHS] [HIDDEN] [ROUNDS]

@@ -177,6 +177,39 @@ fn three_node_cluster_matches_single_process() {
     assert_eq!(digests[0], digests[1], "a fixed placement is deterministic");
 }
 
+/// The report of the same training (`--partitions 3`, `epochs`) in one process, in `dir`:
+/// the weights a cluster run must end with, recorded by another party.
+fn one_process_reference(dir: &Path, epochs: &str) -> PathBuf {
+    let reference = dir.join("reference.json");
+    let args = [
+        "train",
+        "--data",
+        DATA,
+        "--partitions",
+        "3",
+        "--epochs",
+        epochs,
+    ];
+    let args: Vec<&str> = args
+        .into_iter()
+        .chain(["--report", s(&reference)])
+        .collect();
+    run_ok("reference", &args, Duration::from_secs(120));
+    reference
+}
+
+/// The first line of `rx` that starts with `prefix` (each line within 60 s).
+fn first_line_starting(rx: &mpsc::Receiver<String>, prefix: &str) -> String {
+    loop {
+        let line = rx
+            .recv_timeout(Duration::from_secs(60))
+            .unwrap_or_else(|_| panic!("no `{prefix}` line"));
+        if line.starts_with(prefix) {
+            return line;
+        }
+    }
+}
+
 /// The metadata of a model file.
 fn model_meta(path: &Path) -> std::collections::HashMap<String, String> {
     let bytes = std::fs::read(path).unwrap();
@@ -406,36 +439,14 @@ fn a_frozen_node_is_replaced_and_fenced_when_it_wakes_up() {
         epochs,
         "--verbose",
     ];
-    let reference = dir.path().join("reference.json");
-    run_ok(
-        "reference",
-        &[
-            "train",
-            "--data",
-            DATA,
-            "--partitions",
-            "3",
-            "--epochs",
-            epochs,
-            "--report",
-            s(&reference),
-        ],
-        Duration::from_secs(60),
-    );
+    let reference = one_process_reference(dir.path(), epochs);
     let out = dir.path().join("cluster.json");
     let mut train = train.to_vec();
     train.extend(["--report", s(&out)]);
     let (mut coord, addr) = start_coordinator(dir.path(), 3, &[], &train);
     let (w1, w2) = start_workers(dir.path(), &addr, &[]);
     let rx = coord.stdout_lines();
-    let wait_for = |prefix: &str| loop {
-        let line = rx
-            .recv_timeout(Duration::from_secs(60))
-            .unwrap_or_else(|_| panic!("no `{prefix}` line"));
-        if line.starts_with(prefix) {
-            break line;
-        }
-    };
+    let wait_for = |prefix: &str| first_line_starting(&rx, prefix);
     wait_for("epoch    2");
     // Freeze node 2: it is declared lost (idle timeout) and its partition re-placed...
     let pid = w2.child.id() as i32;
@@ -546,22 +557,7 @@ fn a_second_process_claiming_a_joined_node_id_is_refused_at_once() {
 fn a_worker_restarted_during_training_is_told_it_was_lost_and_ends() {
     let dir = cluster_dir(3);
     let epochs = "60";
-    let reference = dir.path().join("reference.json");
-    run_ok(
-        "reference",
-        &[
-            "train",
-            "--data",
-            DATA,
-            "--partitions",
-            "3",
-            "--epochs",
-            epochs,
-            "--report",
-            s(&reference),
-        ],
-        Duration::from_secs(120),
-    );
+    let reference = one_process_reference(dir.path(), epochs);
     let out = dir.path().join("cluster.json");
     let train = [
         "--data",
@@ -588,14 +584,7 @@ fn a_worker_restarted_during_training_is_told_it_was_lost_and_ends() {
     let w1 = Proc::start("node 1", &["node", "--cluster", s(&c1), "--id", "1"]);
     let mut w2 = Proc::start("node 2", &["node", "--cluster", s(&c1), "--id", "2"]);
     let rx = coord.stdout_lines();
-    let wait_for = |prefix: &str| loop {
-        let line = rx
-            .recv_timeout(Duration::from_secs(60))
-            .unwrap_or_else(|_| panic!("no `{prefix}` line"));
-        if line.starts_with(prefix) {
-            break line;
-        }
-    };
+    let wait_for = |prefix: &str| first_line_starting(&rx, prefix);
     wait_for("epoch    2");
     w2.child.kill().unwrap();
     w2.child.wait().unwrap();

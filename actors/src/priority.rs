@@ -12,7 +12,7 @@
 //! domain is not fully busy, and cores running `SCHED_IDLE` training count as busy there,
 //! so an unpinned worker can wait out the slice of the thread that woke it. Pinning pays
 //! where there are cores to spare; on two cores the pinned workers wait behind each other
-//! instead (README, run N).
+//! instead (docs/benchmarks.md, run N).
 //!
 //! Policies and CPU masks are per thread on Linux, and new threads inherit their
 //! creator's.

@@ -141,10 +141,10 @@ impl Default for HaloConfig {
 }
 
 impl HaloConfig {
-    /// `--comm efficient`, the setting `trellis bench comm` measured best on Cora (README,
-    /// "A network that costs something"): int4 rows, the previous epoch's rows (staleness 1),
-    /// rows that changed by at most twice their norm skipped, evaluation rows that changed by
-    /// at most a tenth of theirs skipped, none older than 8 epochs.
+    /// `--comm efficient`, the setting `trellis bench comm` measured best on Cora
+    /// (docs/clusters.md, "A network that costs something"): int4 rows, the previous epoch's
+    /// rows (staleness 1), rows that changed by at most twice their norm skipped, evaluation
+    /// rows that changed by at most a tenth of theirs skipped, none older than 8 epochs.
     pub fn efficient() -> Self {
         HaloConfig {
             codec: HaloCodec::Int4,

@@ -1,4 +1,4 @@
-//! Run reports: the JSON record of a training run (schema documented in README.md).
+//! Run reports: the JSON record of a training run (schema documented in docs/observability.md).
 use crate::metrics::LatencySummary;
 use crate::{Result, RuntimeError};
 use serde::{Deserialize, Serialize};
