@@ -956,6 +956,8 @@ struct FixedCluster {
     engine: Proc,
     /// Nodes 1 and 2.
     nodes: Vec<Proc>,
+    /// The nodes' fixed addresses, as in `file`.
+    addrs: Vec<String>,
 }
 
 /// A [`FixedCluster`]'s idle timeout: long, so that a restart taken back before it was not
@@ -983,6 +985,7 @@ impl FixedCluster {
             file,
             engine,
             nodes: Vec::new(),
+            addrs: addrs.clone(),
         };
         c.nodes = (1..3).map(|id| c.start_node(id, &[])).collect();
         c
@@ -990,8 +993,13 @@ impl FixedCluster {
 
     /// Node `id` of the cluster file, started with `extra` arguments.
     fn start_node(&self, id: u32, extra: &[&str]) -> Proc {
+        self.start_node_from(&self.file, id, extra)
+    }
+
+    /// Node `id` started with the cluster file `file`.
+    fn start_node_from(&self, file: &Path, id: u32, extra: &[&str]) -> Proc {
         let id_arg = id.to_string();
-        let mut args = vec!["serve", "--cluster", s(&self.file), "--id", &id_arg];
+        let mut args = vec!["serve", "--cluster", s(file), "--id", &id_arg];
         args.extend(["--threads", "1", "--listen", "127.0.0.1:0"]);
         args.extend(extra);
         Proc::start(&format!("node {id}"), &args)
@@ -1005,6 +1013,18 @@ impl FixedCluster {
 /// node serves what `trellis predict` computes.
 #[test]
 fn a_node_restarted_at_once_at_its_fixed_address_is_taken_back() {
+    restarted_at_once_is_taken_back(true);
+}
+
+/// The same with node 2 started again at once at another port (its cluster file says port
+/// 0): the old process's connection acknowledges no probe, so the engine node's transport
+/// takes the new process for a restart at once (a live process would keep the node).
+#[test]
+fn a_node_restarted_at_once_at_another_port_is_taken_back() {
+    restarted_at_once_is_taken_back(false);
+}
+
+fn restarted_at_once_is_taken_back(same_addr: bool) {
     let _shared = sharing_the_machine();
     let mut c = FixedCluster::start();
     let url = c.engine.listening();
@@ -1012,7 +1032,14 @@ fn a_node_restarted_at_once_at_its_fixed_address_is_taken_back() {
     let mut node2 = c.nodes.remove(1);
     node2.child.kill().unwrap();
     node2.child.wait().unwrap();
-    let restarted = c.start_node(2, &[]);
+    let file = if same_addr {
+        c.file.clone()
+    } else {
+        let addrs = [c.addrs[0].as_str(), c.addrs[1].as_str(), "127.0.0.1:0"];
+        let idle = format!("idle_timeout_ms = {}\n", FIXED_IDLE.as_millis());
+        write_cluster_at(c.dir.path(), "c-any-port.toml", &addrs, &idle)
+    };
+    let restarted = c.start_node_from(&file, 2, &[]);
     let t = Instant::now();
     until_readyz(&url, Duration::from_secs(60), "node 2 taken back", |r| {
         (r.status == 200
@@ -1021,7 +1048,12 @@ fn a_node_restarted_at_once_at_its_fixed_address_is_taken_back() {
         .then_some(())
     });
     println!(
-        "node 2 restarted at its address, taken back after {:?}",
+        "node 2 restarted at {}, taken back after {:?}",
+        if same_addr {
+            "its address"
+        } else {
+            "another port"
+        },
         t.elapsed()
     );
     assert!(

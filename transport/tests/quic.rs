@@ -444,6 +444,18 @@ fn a_vanished_peer_is_detected_within_the_idle_timeout() {
 /// talks to the new process once the loss is dealt with.
 #[test]
 fn a_process_restarted_at_its_address_is_reported_lost_at_once() {
+    restarted_process_is_reported_lost_at_once(true);
+}
+
+/// The same restart at another port (port 0): the old connection acknowledges no probe, so
+/// its process is gone and the new one takes its place at once. (A live process keeps its
+/// place: tests/cluster.rs, `a_second_process_claiming_a_joined_node_id_is_refused_at_once`.)
+#[test]
+fn a_process_restarted_at_another_port_is_reported_lost_at_once() {
+    restarted_process_is_reported_lost_at_once(false);
+}
+
+fn restarted_process_is_reported_lost_at_once(same_addr: bool) {
     let ca = ClusterCa::generate().unwrap();
     let slow = || QuicConfig {
         idle_timeout: Duration::from_secs(30),
@@ -470,13 +482,18 @@ fn a_process_restarted_at_its_address_is_reported_lost_at_once() {
     rt_old.block_on(old.connect(1)).unwrap();
     rt.block_on(bounded(30, async {
         until("node 2 connected", || a.node().connected_peers() == vec![2]).await;
-        // Its runtime goes first, so dropping the node sends nothing: the socket just closes.
-        rt_old.shutdown_background();
-        drop(old);
+    }));
+    // Its runtime stops first (every task dropped, none running), so dropping the node sends
+    // nothing, as a SIGKILL: the socket just closes. (Stopped without waiting, a task still
+    // running could send the close, a graceful departure.)
+    rt_old.shutdown_timeout(Duration::from_secs(5));
+    drop(old);
+    rt.block_on(bounded(30, async {
         // The new process binds the same address (once the old socket is gone).
         let start = Instant::now();
         let new = loop {
-            let cfg = QuicConfig { bind: at, ..slow() };
+            let bind = if same_addr { at } else { slow().bind };
+            let cfg = QuicConfig { bind, ..slow() };
             match QuicTransport::bind(cfg, &ca.issue_identity(2).unwrap()) {
                 Ok((t, _)) => break t,
                 Err(_) if start.elapsed() < Duration::from_secs(5) => {
@@ -488,6 +505,7 @@ fn a_process_restarted_at_its_address_is_reported_lost_at_once() {
         new.add_peer(1, a.local_addr());
         new.route(PartId(10), 1);
         let restarted = Instant::now();
+        assert_eq!(new.local_addr() == at, same_addr);
         new.connect(1).await.unwrap();
         let e = failures.recv().await.unwrap();
         assert!(

@@ -10,6 +10,7 @@ use rustls::pki_types::CertificateDer;
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
+use std::time::Duration;
 use tokio::time::timeout;
 
 const HELLO_LIMITS: Limits = Limits {
@@ -175,6 +176,23 @@ fn refuse(core: &Core, from: SocketAddr, reason: &str) {
     core.inbound.refused(from, reason);
 }
 
+/// Whether the process behind `conn` is alive: the peer's QUIC stack acknowledges a small
+/// frame (a `Pong`, which the receiver ignores) on a new stream within four round trips
+/// (at least 500 ms, at most the idle timeout). A killed or frozen process acknowledges
+/// nothing.
+async fn answers_probe(core: &Core, conn: &Connection) -> bool {
+    let within = (conn.rtt() * 4)
+        .max(Duration::from_millis(500))
+        .min(core.cfg.idle_timeout);
+    let probe = async {
+        let mut s = conn.open_uni().await.ok()?;
+        s.write_all(&encode_to_vec(&Frame::Pong(0))).await.ok()?;
+        s.finish().ok()?;
+        s.stopped().await.ok()
+    };
+    matches!(timeout(within, probe).await, Ok(Some(_)))
+}
+
 /// How the accepting side of a handshake ended.
 enum Handshake {
     /// The peer is who it says it is and was answered with our hello; `peer` is its entry
@@ -246,20 +264,27 @@ async fn handle_incoming(shared: Weak<Shared>, core: Arc<Core>, incoming: quinn:
             None => Err(format!("node {} is gone", core.me)),
         };
         let live = peer.as_ref().ok().and_then(|p| p.live_conn());
-        if let Some(at) = live
+        let other_process = peer
             .as_ref()
-            .map(|c| c.remote_address())
-            .filter(|at| *at != from)
-        {
-            return refused(format!("node {node} is already connected from {at}"), s);
+            .is_ok_and(|p| p.incarnation() != Some(incarnation));
+        // Another address: a new process of the node bound elsewhere (a restart with port
+        // 0), or a second process claiming its id. The live connection is asked to
+        // acknowledge a probe: if it does, its process is alive and keeps the node's traffic.
+        if let Some(old) = live.as_ref().filter(|c| c.remote_address() != from) {
+            let at = old.remote_address();
+            if !other_process || answers_probe(&core, old).await {
+                return refused(format!("node {node} is already connected from {at}"), s);
+            }
+            tracing::debug!(
+                peer = node,
+                "node {node}'s connection from {at} acknowledged no probe: its process is gone"
+            );
         }
-        // The same address with another incarnation: the process that held it is gone (it
-        // released the port this one is bound to), whatever its connection still looks like
-        // before the idle timeout.
-        let restart_of = live.filter(|_| {
-            peer.as_ref()
-                .is_ok_and(|p| p.incarnation() != Some(incarnation))
-        });
+        // Another incarnation whose old connection is gone: at the same address, the process
+        // that held it released the port this one is bound to; elsewhere, it did not answer
+        // the probe. Either way it is gone, whatever its connection still looks like before
+        // the idle timeout.
+        let restart_of = live.filter(|_| other_process);
         let policy = shared
             .upgrade()
             .and_then(|sh| sh.returns.lock().expect("poisoned").clone());
@@ -331,15 +356,69 @@ async fn tell_refused(core: &Core, conn: Connection, mut stream: quinn::SendStre
 
 /// Makes `conn` (to the process `incarnation` of the peer) `peer`'s connection unless it has
 /// a live one, serves its incoming streams and watches it close.
+///
+/// A current connection that has closed but whose watcher has not yet run (it then finds
+/// the connection no longer current and says nothing) is reported here: when a restarted
+/// process binds its old port, the old connection's next packets reach the new process,
+/// which resets it, and its hello can come before the watcher runs.
 pub(crate) fn adopt(core: &Arc<Core>, peer: &Arc<Peer>, conn: Connection, incarnation: u64) {
-    {
+    let closed = {
         let mut current = peer.conn.lock().expect("poisoned");
         if current.as_ref().is_none_or(|c| c.close_reason().is_some()) {
-            *current = Some(conn.clone());
-            *peer.incarnation.lock().expect("poisoned") = Some(incarnation);
+            let old = current.replace(conn.clone());
+            let gone = peer
+                .incarnation
+                .lock()
+                .expect("poisoned")
+                .replace(incarnation);
+            old.and_then(|c| c.close_reason()).map(|err| (err, gone))
+        } else {
+            None
         }
+    };
+    if let Some((err, gone)) = closed {
+        let mut reason = describe(&err, core);
+        if gone != Some(incarnation) {
+            let from = conn.remote_address();
+            reason = format!(
+                "a new process of it connected from {from} (the old one is gone: {reason})"
+            );
+        }
+        report_closed(core, peer, &err, gone, reason);
     }
     serve_and_watch(core, peer, conn);
+}
+
+/// `peer`'s current connection to the process `process` closed with `err`: a graceful
+/// close is a departure, anything else the process's loss, reported with `reason`.
+fn report_closed(
+    core: &Core,
+    peer: &Peer,
+    err: &ConnectionError,
+    process: Option<u64>,
+    reason: String,
+) {
+    let graceful = match err {
+        ConnectionError::LocallyClosed => true,
+        ConnectionError::ApplicationClosed(c) => c.error_code == StopCode::Shutdown.varint(),
+        _ => false,
+    };
+    if graceful || core.closing.load(Ordering::Relaxed) {
+        tracing::debug!(peer = peer.node, "connection closed: {err}");
+        if matches!(err, ConnectionError::ApplicationClosed(_)) {
+            let _ = core.departures.send(peer.node);
+        }
+        return;
+    }
+    *peer.lost.lock().expect("poisoned") = process;
+    core.fail(
+        peer,
+        QuicError::PeerLost {
+            node: peer.node,
+            addr: peer.addr(),
+            reason,
+        },
+    );
 }
 
 /// A new process of `peer` connected from the address of its live connection `old`: the old
@@ -420,26 +499,10 @@ async fn watch(core: Arc<Core>, peer: Arc<Peer>, conn: Connection) {
         }
         same
     };
-    let graceful = match &err {
-        ConnectionError::LocallyClosed => true,
-        ConnectionError::ApplicationClosed(c) => c.error_code == StopCode::Shutdown.varint(),
-        _ => false,
-    };
-    if graceful || !was_current || core.closing.load(Ordering::Relaxed) {
+    if !was_current {
         tracing::debug!(peer = peer.node, "connection closed: {err}");
-        if was_current && matches!(err, ConnectionError::ApplicationClosed(_)) {
-            let _ = core.departures.send(peer.node);
-        }
         return;
     }
     let reason = describe(&err, &core);
-    *peer.lost.lock().expect("poisoned") = peer.incarnation();
-    core.fail(
-        &peer,
-        QuicError::PeerLost {
-            node: peer.node,
-            addr: peer.addr(),
-            reason,
-        },
-    );
+    report_closed(&core, &peer, &err, peer.incarnation(), reason);
 }
