@@ -280,30 +280,22 @@ async fn nodes(
     payload: web::Payload,
     state: web::Data<AppState>,
 ) -> HttpResponse {
-    let t0 = Instant::now();
-    let span = request_span(&req, "/v1/nodes");
-    let trace = telemetry::context_of(&span);
-    let r = async {
-        let n: api::NodesRequest = json_body(&req, payload, &state).await?;
-        let nodes = api::new_nodes(n, &state.cfg.limits).map_err(|e| rejection(&e))?;
-        let deadline = t0 + state.cfg.deadline;
-        Ok::<_, HttpResponse>(answer_json(
-            ask(
-                &state,
-                |reply| Command::AddNodes {
-                    nodes,
-                    deadline,
-                    reply,
-                    trace,
-                },
-                None,
-            )
-            .await,
-        ))
-    }
-    .instrument(span.clone())
-    .await;
-    finish(&state, "/v1/nodes", t0, &span, r.unwrap_or_else(|e| e))
+    update(
+        req,
+        payload,
+        state,
+        "/v1/nodes",
+        |n: api::NodesRequest, state, at| {
+            let nodes = api::new_nodes(n, &state.cfg.limits)?;
+            Ok(move |reply| Command::AddNodes {
+                nodes,
+                deadline: at.deadline,
+                reply,
+                trace: at.trace,
+            })
+        },
+    )
+    .await
 }
 
 async fn edges(
@@ -311,31 +303,57 @@ async fn edges(
     payload: web::Payload,
     state: web::Data<AppState>,
 ) -> HttpResponse {
+    update(
+        req,
+        payload,
+        state,
+        "/v1/edges",
+        |e: api::EdgesRequest, state, at| {
+            let (add, remove) = api::edge_update(&e, &state.cfg.limits)?;
+            Ok(move |reply| Command::Edges {
+                add,
+                remove,
+                deadline: at.deadline,
+                reply,
+                trace: at.trace,
+            })
+        },
+    )
+    .await
+}
+
+/// When and under which span a graph update was asked for.
+struct Asked {
+    deadline: Instant,
+    trace: Option<TraceContext>,
+}
+
+/// A graph update on `route`: its JSON body `B`, checked and made into the engine's command
+/// by `command` (a bad body is its `Rejection`), sent to the engine with no deadline of the
+/// HTTP worker's own (the engine answers an update it took), answered as JSON.
+async fn update<B, C>(
+    req: HttpRequest,
+    payload: web::Payload,
+    state: web::Data<AppState>,
+    route: &'static str,
+    command: impl FnOnce(B, &AppState, Asked) -> Result<C, Rejection>,
+) -> HttpResponse
+where
+    B: serde::de::DeserializeOwned,
+    C: FnOnce(oneshot::Sender<Result<Answer, ServeError>>) -> Command,
+{
     let t0 = Instant::now();
-    let span = request_span(&req, "/v1/edges");
+    let span = request_span(&req, route);
     let trace = telemetry::context_of(&span);
     let r = async {
-        let e: api::EdgesRequest = json_body(&req, payload, &state).await?;
-        let (add, remove) = api::edge_update(&e, &state.cfg.limits).map_err(|e| rejection(&e))?;
+        let body: B = json_body(&req, payload, &state).await?;
         let deadline = t0 + state.cfg.deadline;
-        Ok::<_, HttpResponse>(answer_json(
-            ask(
-                &state,
-                |reply| Command::Edges {
-                    add,
-                    remove,
-                    deadline,
-                    reply,
-                    trace,
-                },
-                None,
-            )
-            .await,
-        ))
+        let make = command(body, &state, Asked { deadline, trace }).map_err(|e| rejection(&e))?;
+        Ok::<_, HttpResponse>(answer_json(ask(&state, make, None).await))
     }
     .instrument(span.clone())
     .await;
-    finish(&state, "/v1/edges", t0, &span, r.unwrap_or_else(|e| e))
+    finish(&state, route, t0, &span, r.unwrap_or_else(|e| e))
 }
 
 async fn put_model(
