@@ -198,6 +198,17 @@ fn one_process_reference(dir: &Path, epochs: &str) -> PathBuf {
     reference
 }
 
+/// Starts `args` as `name`, which must be refused: it ends unsuccessfully within
+/// `within_s` seconds, saying `why` on stderr.
+fn ends_refused(name: &str, args: &[&str], why: &str, within_s: u64) {
+    let t = Instant::now();
+    let (status, _, err) = Proc::start(name, args).finish(Duration::from_secs(within_s + 30));
+    assert!(!status.success(), "{name} joined: {err}");
+    assert!(err.contains(why), "{name} is not told why ({why}): {err}");
+    let within = Duration::from_secs(within_s);
+    assert!(t.elapsed() < within, "{name} ended after {:?}", t.elapsed());
+}
+
 /// The first line of `rx` that starts with `prefix` (each line within 60 s).
 fn first_line_starting(rx: &mpsc::Receiver<String>, prefix: &str) -> String {
     loop {
@@ -509,22 +520,8 @@ fn a_second_process_claiming_a_joined_node_id_is_refused_at_once() {
     assert_eq!(refused(), None, "a refusal before any was made");
     // A copy of node 1 (same certificate, another port) tries to join the running cluster.
     let c1 = dir.path().join("c1.toml");
-    let t = Instant::now();
-    let copy = Proc::start(
-        "copy of node 1",
-        &["node", "--cluster", s(&c1), "--id", "1"],
-    );
-    let (status, _, cerr) = copy.finish(Duration::from_secs(60));
-    assert!(!status.success(), "the copy joined: {cerr}");
-    assert!(
-        cerr.contains("already connected"),
-        "the copy is not told why: {cerr}"
-    );
-    assert!(
-        t.elapsed() < Duration::from_secs(30),
-        "refused after {:?}",
-        t.elapsed()
-    );
+    let copy = ["node", "--cluster", s(&c1), "--id", "1"];
+    ends_refused("copy of node 1", &copy, "already connected", 30);
     // The refusal is on /metrics at once (the run, or the endpoint's linger, still going).
     assert_eq!(refused(), Some(1.0), "the refusal is not counted live");
     // The run is unaffected, and the coordinator logged the refusal.
@@ -588,18 +585,12 @@ fn a_worker_restarted_during_training_is_told_it_was_lost_and_ends() {
     wait_for("epoch    2");
     w2.child.kill().unwrap();
     w2.child.wait().unwrap();
-    let t = Instant::now();
-    let again = Proc::start("node 2 again", &["node", "--cluster", s(&c1), "--id", "2"]);
-    let (status, _, err) = again.finish(Duration::from_secs(30));
-    assert!(!status.success(), "the restarted node joined: {err}");
-    assert!(
-        err.contains("was lost from this training run"),
-        "the restarted node is not told why: {err}"
-    );
-    assert!(
-        t.elapsed() < Duration::from_secs(10),
-        "the restarted node ended after {:?}",
-        t.elapsed()
+    let again = ["node", "--cluster", s(&c1), "--id", "2"];
+    ends_refused(
+        "node 2 again",
+        &again,
+        "was lost from this training run",
+        10,
     );
     wait_for("recovered: loss of node 2");
     let (status, _, err) = coord.finish(Duration::from_secs(120));

@@ -411,14 +411,13 @@ fn report_closed(
         return;
     }
     *peer.lost.lock().expect("poisoned") = process;
-    core.fail(
-        peer,
-        QuicError::PeerLost {
-            node: peer.node,
-            addr: peer.addr(),
-            reason,
-        },
-    );
+    report_lost(core, peer, reason);
+}
+
+/// `peer`'s process is lost, for `reason`.
+fn report_lost(core: &Core, peer: &Peer, reason: String) {
+    let (node, addr) = (peer.node, peer.addr());
+    core.fail(peer, QuicError::PeerLost { node, addr, reason });
 }
 
 /// A new process of `peer` connected from the address of its live connection `old`: the old
@@ -471,14 +470,8 @@ fn lose_process(core: &Core, peer: &Peer, gone: Option<u64>, old: &Connection, f
         );
         return;
     }
-    core.fail(
-        peer,
-        QuicError::PeerLost {
-            node: peer.node,
-            addr: peer.addr(),
-            reason: format!("a new process of it connected from {from} (the old one is gone)"),
-        },
-    );
+    let reason = format!("a new process of it connected from {from} (the old one is gone)");
+    report_lost(core, peer, reason);
 }
 
 fn serve_and_watch(core: &Arc<Core>, peer: &Arc<Peer>, conn: Connection) {
