@@ -114,11 +114,18 @@ fn partition_then_train_partitioned() {
     assert!(e["compute_ms"].as_f64().unwrap() > 0.0);
 }
 
+/// The demo ends with recovery verified and with the trained model served on partition
+/// actors: its answers equal layer-wise inference, and a new node is served.
 #[test]
-fn demo_verifies_recovery() {
+fn demo_verifies_recovery_and_serving() {
     let out = ok(&["demo", "--data", DATA, "--epochs", "4", "--partitions", "3"]);
     assert!(
         out.contains("recovery verified: identical weights"),
+        "{out}"
+    );
+    assert!(out.contains("listening on http://127.0.0.1:"), "{out}");
+    assert!(
+        out.contains("serving verified: answers equal layer-wise inference"),
         "{out}"
     );
 }
