@@ -248,11 +248,7 @@ pub fn run(a: ServeBenchArgs) -> Result<()> {
         t.elapsed().as_secs_f64()
     );
     let cfg = HttpConfig {
-        limits: Limits {
-            max_batch: 10_000,
-            max_body: 4 << 20,
-            max_model_body: 1 << 30,
-        },
+        limits: Limits::DEFAULT,
         deadline: Duration::from_secs(1),
         client_timeout: Duration::from_secs(5),
         features: width,

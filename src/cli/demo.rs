@@ -210,11 +210,7 @@ fn serve_demo(ds: &Dataset, cfg: &TrainConfig, parts: usize, model: &Path) -> Re
     )
     .map_err(|e| anyhow::anyhow!("cannot start the service: {e}"))?;
     let http = HttpConfig {
-        limits: Limits {
-            max_batch: 10_000,
-            max_body: 4 << 20,
-            max_model_body: 1 << 30,
-        },
+        limits: Limits::DEFAULT,
         deadline: Duration::from_secs(5),
         client_timeout: Duration::from_secs(5),
         features: ds.num_features,

@@ -72,16 +72,16 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = 1000)]
     pub deadline_ms: u64,
     /// Most nodes (or edges) one request may name.
-    #[arg(long, default_value_t = 10_000)]
+    #[arg(long, default_value_t = Limits::DEFAULT.max_batch)]
     pub max_batch: usize,
     /// Most queued nodes before requests are shed (503).
     #[arg(long, default_value_t = 200_000)]
     pub max_queue: usize,
     /// Largest JSON body, bytes.
-    #[arg(long, default_value_t = 4 << 20)]
+    #[arg(long, default_value_t = Limits::DEFAULT.max_body)]
     pub max_body_bytes: usize,
     /// Largest model body of PUT /v1/model, bytes.
-    #[arg(long, default_value_t = 1 << 30)]
+    #[arg(long, default_value_t = Limits::DEFAULT.max_model_body)]
     pub max_model_bytes: usize,
     /// Requests per second each API key may send (unset: unlimited).
     #[arg(long)]

@@ -50,6 +50,16 @@ pub struct Limits {
     pub max_model_body: usize,
 }
 
+impl Limits {
+    /// `trellis serve`'s defaults (`--max-batch`, `--max-body-bytes`, `--max-model-bytes`),
+    /// also those of the services the demo, `bench serve` and `train --serve` start.
+    pub const DEFAULT: Limits = Limits {
+        max_batch: 10_000,
+        max_body: 4 << 20,
+        max_model_body: 1 << 30,
+    };
+}
+
 /// A request that cannot be served as sent: HTTP status and message.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Rejection {

@@ -349,11 +349,7 @@ fn start_service(
     .map_err(|e| anyhow!("cannot start serving beside training: {e}"))?;
     drop(graph);
     let http_cfg = HttpConfig {
-        limits: Limits {
-            max_batch: 10_000,
-            max_body: 4 << 20,
-            max_model_body: 1 << 30,
-        },
+        limits: Limits::DEFAULT,
         deadline: Duration::from_secs(1),
         client_timeout: Duration::from_secs(2),
         features: ds.num_features,
