@@ -7,7 +7,7 @@
 //! as `trellis serve` does, and checks the answers against layer-wise inference.
 use super::launch::{launch_cluster, ClusterOptions};
 use super::predict;
-use super::train::{print_summary, save_model, train_single, SaveAt};
+use super::train::{print_summary, train_single_saving, SaveAt};
 use crate::serve::api::Limits;
 use crate::serve::{run_http_stoppable, HttpConfig};
 use anyhow::{bail, Context, Result};
@@ -21,7 +21,7 @@ use trellis_actors::{Recovery, Topology};
 use trellis_runtime::inference::softmax_row;
 use trellis_runtime::model_file;
 use trellis_runtime::partition::PartitionMethod;
-use trellis_runtime::{DataSource, Dataset, ModelKind, RunReport, TrainConfig, Trainer};
+use trellis_runtime::{DataSource, Dataset, ModelKind, RunReport, TrainConfig};
 
 #[derive(Debug, Clone, Args)]
 pub struct DemoArgs {
@@ -52,8 +52,12 @@ pub fn run(a: DemoArgs) -> Result<()> {
     let mut cfg = TrainConfig::paper_defaults(ModelKind::Gcn, ds.num_features, ds.num_classes, 0);
     cfg.epochs = a.epochs;
 
+    let tmp = tempfile::Builder::new().prefix("trellis-demo-").tempdir()?;
+    // Served in step 5.
+    let model = tmp.path().join("gcn.safetensors");
+
     println!("\n1. single process");
-    let single = train_single(ds.clone(), cfg.clone(), false)?;
+    let single = train_single_saving(ds.clone(), cfg.clone(), false, Some((&model, SaveAt::Best)))?;
     print_summary(&single);
 
     println!("\n2. {} partition actors (METIS), no faults", a.partitions);
@@ -62,7 +66,6 @@ pub fn run(a: DemoArgs) -> Result<()> {
         .wait()?;
     print_summary(&clean);
 
-    let tmp = tempfile::Builder::new().prefix("trellis-demo-").tempdir()?;
     let cluster_run = |name: &str, chaos: &str| -> Result<RunReport> {
         let dir = tmp.path().join(name);
         let report = dir.join("report.json");
@@ -173,17 +176,12 @@ pub fn run(a: DemoArgs) -> Result<()> {
         "\n5. serving: the single-process model (best validation epoch) on {} serving partition actors, HTTP on loopback",
         a.partitions
     );
-    serve_demo(&ds, &cfg, a.partitions, &tmp.path().join("gcn.safetensors"))
+    serve_demo(&ds, a.partitions, &model)
 }
 
-/// Trains `cfg` on `ds` again (the same weights as run 1), saves the model to `model`,
-/// serves it on `parts` serving partition actors over HTTP, and checks a prediction and an
-/// inductive query (a new node) against layer-wise inference.
-fn serve_demo(ds: &Dataset, cfg: &TrainConfig, parts: usize, model: &Path) -> Result<()> {
-    let mut trainer = Trainer::new(ds, cfg.clone())?;
-    trainer.run(|_| {})?;
-    save_model(&trainer, SaveAt::Best, model)?;
-    drop(trainer);
+/// Serves the model file `model` (run 1's) on `parts` serving partition actors over HTTP,
+/// and checks a prediction and an inductive query (a new node) against layer-wise inference.
+fn serve_demo(ds: &Dataset, parts: usize, model: &Path) -> Result<()> {
     let mut prepared = predict::prepare(model, ds, parts, PartitionMethod::Metis, 0)?;
     let logits = predict::predict(&mut prepared, ds)?
         .layers
