@@ -1662,16 +1662,13 @@ impl Engine {
             _ => return,
         }
         let t = Instant::now();
-        let added = self.apply_due_adds().await;
+        self.apply_due_adds().await;
         self.last_add = t.elapsed();
-        if added > 0 {
-            self.stats.addition_updates.fetch_add(1, Ordering::Relaxed);
-            self.stats.added_nodes.fetch_add(added, Ordering::Relaxed);
-        }
     }
 
-    /// Applies the waiting additions as one update; returns the nodes it added.
-    async fn apply_due_adds(&mut self) -> usize {
+    /// Applies the waiting additions as one update, counted (`/metrics`) before any of its
+    /// answers leaves: a caller that reads the metrics after its answer sees its nodes.
+    async fn apply_due_adds(&mut self) {
         let adds = std::mem::take(&mut self.adds);
         let now = Instant::now();
         let mut accepted = Vec::with_capacity(adds.len());
@@ -1685,7 +1682,7 @@ impl Engine {
             }
         }
         if accepted.is_empty() {
-            return 0;
+            return;
         }
         let total: usize = accepted.iter().map(|a| a.nodes.len()).sum();
         let span = tracing::info_span!("serve_add_nodes", nodes = total as i64);
@@ -1693,6 +1690,8 @@ impl Engine {
         let _span = span.entered();
         match self.add_nodes(&accepted).await {
             Ok((ids, rows)) => {
+                self.stats.addition_updates.fetch_add(1, Ordering::Relaxed);
+                self.stats.added_nodes.fetch_add(total, Ordering::Relaxed);
                 let mut next = 0;
                 for a in accepted {
                     let mine = &ids[next..next + a.nodes.len()];
@@ -1706,13 +1705,11 @@ impl Engine {
                     });
                     let _ = a.reply.send(answer);
                 }
-                total
             }
             Err(e) => {
                 for a in accepted {
                     let _ = a.reply.send(Err(e.clone()));
                 }
-                0
             }
         }
     }
